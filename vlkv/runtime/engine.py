@@ -1,0 +1,246 @@
+"""Generation: prefill → policy → decode loop, over any backend, for a batch of prompts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.backend import StepInputs
+from vlkv.runtime.cache import KVCache, Modality
+from vlkv.runtime.policies import LayerEdit, Policy, PolicyContext, make_policy
+from vlkv.runtime.prompt import Prompt, PromptBatch, collate, encode_prompt
+from vlkv.runtime.sampling import Sampler
+
+# the text a user writes for one image, per family
+PLACEHOLDERS = {"llava": "<image>", "llava_next": "<image>", "qwen2_vl": "<|image_pad|>"}
+
+# spare slots kept after a decode-time eviction so the next append does not reallocate
+DECODE_SPARE = 8
+
+
+@dataclass
+class SampleResult:
+    """One prompt's generation. ``kept_per_layer[l]`` = entries layer ``l`` holds at the end."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    kept_per_layer: list[int]
+
+
+@dataclass
+class GenerationResult:
+    """A batch's generation plus what the cache cost.
+
+    ``kv_bytes``: bytes the K/V tensors hold (capacity, padding included); ``kv_bytes_used``:
+    bytes of valid entries; ``full_kv_bytes``: what an uncompressed cache of every processed token
+    would hold. Times are wall-clock seconds.
+    """
+
+    samples: list[SampleResult]
+    policy: str
+    budget: float
+    kv_bytes: int
+    kv_bytes_used: int
+    full_kv_bytes: int
+    peak_kv_bytes: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    extras: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def apply_edits(cache: KVCache, edits: list[LayerEdit | None] | None, spare: int = 0) -> None:
+    """Apply a policy's per-layer edits to the cache (backend-independent tensor ops)."""
+    for layer, edit in zip(cache.layers, edits or []):
+        if edit is None:
+            continue
+        if edit.assign is None:
+            layer.select(edit.index, edit.keep_len, spare=spare)
+        else:
+            layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
+
+
+class Engine:
+    """Holds a loaded model and a backend; runs :meth:`generate` for batches of prompts."""
+
+    def __init__(self, loaded, backend: str = "torch"):
+        from vlkv.runtime.backends import make_backend
+
+        self.loaded = loaded
+        self.backend = make_backend(backend, loaded)
+        tok = getattr(loaded.processor, "tokenizer", loaded.processor)
+        self.tokenizer = tok
+        self.eos_ids = _eos_ids(loaded.model, tok)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.placeholder = getattr(loaded, "image_placeholder", None) or PLACEHOLDERS[loaded.family]
+
+    def encode(self, prompts: list[Prompt]) -> PromptBatch:
+        enc = [
+            encode_prompt(
+                p, self.loaded.processor, self.backend.adapter, self.loaded.prompt_template, self.placeholder
+            )
+            for p in prompts
+        ]
+        return collate(enc, self.pad_id)
+
+    def new_cache(self, batch: PromptBatch) -> KVCache:
+        be = self.backend
+        cache = KVCache.empty(
+            be.num_layers, len(batch.prompts), be.num_kv_heads, be.head_dim, be.pos_dims, be.dtype, be.device
+        )
+        cache.prompt_lengths = batch.lengths.clone()
+        cache.next_position = torch.stack([p.positions.max(0).values + 1 for p in batch.prompts])
+        return cache
+
+    def context(self, batch: PromptBatch, step: int = 0) -> PolicyContext:
+        return PolicyContext(
+            batch.spans, batch.lengths, self.backend.num_heads, self.backend.num_kv_heads, step
+        )
+
+    def prefill(self, batch: PromptBatch, policy: Policy, cache: KVCache, all_logits: bool = False):
+        ctx = self.context(batch)
+        request = policy.prefill_request(ctx, batch.input_ids.shape[1])
+        inputs = StepInputs(
+            batch.input_ids,
+            batch.positions,
+            batch.modality,
+            batch.lengths,
+            self.backend.embed(batch),
+            all_logits,
+        )
+        out = self.backend.step(inputs, cache, request)
+        apply_edits(cache, policy.after_prefill(cache, out.stats, ctx))
+        return out
+
+    def decode_positions(self, policy: Policy, cache: KVCache) -> Tensor:
+        """``(B, 1, P)`` positions of the next token under the policy's position mode."""
+        if policy.positions == "original":
+            return cache.next_position[:, None]
+        # compacted: current cache length, shifted by the M-RoPE offset (0 for 1-D RoPE)
+        delta = cache.next_position - cache.processed[:, None]
+        return (cache.layers[0].lengths[:, None] + delta)[:, None]
+
+    def decode(self, tokens: Tensor, batch: PromptBatch, policy: Policy, cache: KVCache, step: int):
+        """Run one decode step for ``tokens (B,)`` and let the policy edit the cache."""
+        ctx = self.context(batch, step)
+        b = tokens.shape[0]
+        inputs = StepInputs(
+            tokens[:, None],
+            self.decode_positions(policy, cache),
+            torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8),
+            torch.ones(b, dtype=torch.long),
+        )
+        out = self.backend.step(inputs, cache, policy.decode_request(cache, ctx))
+        cache.next_position += 1
+        apply_edits(cache, policy.after_decode(cache, out.stats, ctx), spare=DECODE_SPARE)
+        return out
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        policy: Policy,
+        max_new_tokens: int = 32,
+        sampler: Sampler | None = None,
+    ) -> GenerationResult:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampler = sampler or Sampler()
+        batch = self.encode(prompts)
+        cache = self.new_cache(batch)
+        t0 = time.perf_counter()
+        out = self.prefill(batch, policy, cache)
+        prefill_s = time.perf_counter() - t0
+        peak = cache.kv_bytes()
+        tokens = sampler(out.logits)
+        generated = [[int(t)] for t in tokens]
+        done = torch.tensor([int(t) in self.eos_ids for t in tokens])
+        t0, steps = time.perf_counter(), 0
+        while steps < max_new_tokens - 1 and not bool(done.all()):
+            out = self.decode(tokens, batch, policy, cache, steps + 1)
+            peak = max(peak, cache.kv_bytes())
+            tokens = sampler(out.logits)
+            steps += 1
+            for i, t in enumerate(tokens.tolist()):
+                if not done[i]:
+                    generated[i].append(t)
+                    done[i] = t in self.eos_ids
+        decode_s = time.perf_counter() - t0
+        lengths = cache.lengths()
+        samples = [
+            SampleResult(
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                token_ids=ids,
+                prompt_tokens=int(batch.lengths[i]),
+                kept_per_layer=lengths[:, i].tolist(),
+            )
+            for i, ids in enumerate(generated)
+        ]
+        return GenerationResult(
+            samples=samples,
+            policy=policy.name,
+            budget=policy.budget,
+            kv_bytes=cache.kv_bytes(),
+            kv_bytes_used=cache.used_kv_bytes(),
+            full_kv_bytes=cache.full_kv_bytes(),
+            peak_kv_bytes=peak,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            decode_steps=steps,
+        )
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    found = {int(i) for i in ids if i is not None}
+    if tokenizer.eos_token_id is not None:
+        found.add(int(tokenizer.eos_token_id))
+    return found
+
+
+def generate(
+    model,
+    prompts,
+    policy: str | Policy = "full",
+    max_new_tokens: int = 32,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    backend: str = "torch",
+    **policy_kwargs,
+) -> GenerationResult:
+    """Generate for one prompt or a list of prompts under a KV-cache policy.
+
+    Args:
+        model: a built-in name (``tiny-llava``…), a local HF directory, a ``LoadedModel`` or an :class:`Engine`.
+        prompts: a :class:`Prompt`, a string, or a list of them.
+        policy: a registered policy name (``policy_kwargs`` go to it, e.g. ``budget=0.2``) or a policy.
+    """
+    engine = model if isinstance(model, Engine) else Engine(_load(model), backend=backend)
+    if isinstance(prompts, (str, Prompt)):
+        prompts = [prompts]
+    prompts = [Prompt(p) if isinstance(p, str) else p for p in prompts]
+    if isinstance(policy, str):
+        policy = make_policy(policy, **policy_kwargs)
+    sampler = Sampler(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return engine.generate(prompts, policy, max_new_tokens, sampler)
+
+
+def _load(model):
+    if isinstance(model, str):
+        from vlkv.runtime.models.registry import load_model
+
+        return load_model(model)
+    return model

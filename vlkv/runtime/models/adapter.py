@@ -1,0 +1,133 @@
+"""Family adapters: what the runtime must know about a LLaVA / LLaVA-Next / Qwen2-VL model.
+
+An adapter exposes the language model's pieces (layers, norm, rotary, head), its KV layout
+(GQA), its rotary kind (1-D or 3-D M-RoPE) and how a prompt's image features and positions
+are produced. Everything else in the runtime is family-agnostic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """KV layout shared by every decoder layer."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    pos_dims: int  # 1 for 1-D RoPE, 3 for M-RoPE
+
+
+class FamilyAdapter:
+    """Base adapter for HF ``*ForConditionalGeneration`` VLMs whose LM lives at ``model.model.language_model``."""
+
+    family = "base"
+    pos_dims = 1
+    # processor outputs that are not vision-tower inputs
+    _text_keys = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+
+    def __init__(self, model: nn.Module, image_token_id: int):
+        self.model = model
+        self.image_token_id = image_token_id
+        self.lm = model.model.language_model
+        self.text_config = self.lm.config
+        cfg = self.text_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.layout = LayerLayout(
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            pos_dims=self.pos_dims,
+        )
+
+    # -- pieces the backend drives
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.lm.layers
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.lm.norm
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        """``(B, q)`` ids → ``(B, q, hidden)`` embeddings."""
+        return self.model.model.get_input_embeddings()(ids)
+
+    def rotary(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin for ``positions (B, q, P)`` as the family's attention expects them."""
+        return self.lm.rotary_emb(hidden, positions[..., 0])
+
+    # -- prompt encoding
+    def vision_inputs(self, processed: dict) -> dict[str, Tensor]:
+        return {k: v for k, v in processed.items() if k not in self._text_keys and v is not None}
+
+    @torch.no_grad()
+    def image_features(self, vision: dict[str, Tensor]) -> Tensor:
+        """``(n_image_tokens, hidden)`` projected features of one prompt's images, in prompt order."""
+        if not vision:
+            return torch.zeros(0, self.text_config.hidden_size, dtype=self.model.dtype)
+        out = self.model.model.get_image_features(**vision, return_dict=True)
+        feats = out.pooler_output
+        feats = feats if isinstance(feats, (list, tuple)) else [feats]
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats], dim=0)
+
+    def positions(self, input_ids: Tensor, processed: dict) -> Tensor:
+        """``(n, P)`` int64 RoPE positions of one prompt's tokens (``input_ids (n,)``)."""
+        return torch.arange(input_ids.shape[0], dtype=torch.long)[:, None]
+
+
+class LlavaAdapter(FamilyAdapter):
+    """LLaVA-1.5 (CLIP tower + projector) and LLaVA-1.6 (anyres, newline tokens count as image)."""
+
+    family = "llava"
+
+
+class LlavaNextAdapter(LlavaAdapter):
+    family = "llava_next"
+
+
+class Qwen2VLAdapter(FamilyAdapter):
+    """Qwen2-VL: 3-D M-RoPE positions (temporal, height, width) from ``get_rope_index``."""
+
+    family = "qwen2_vl"
+    pos_dims = 3
+
+    def rotary(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        return self.lm.rotary_emb(hidden, positions.permute(2, 0, 1))
+
+    def positions(self, input_ids: Tensor, processed: dict) -> Tensor:
+        grid = processed.get("image_grid_thw")
+        if grid is None:
+            return torch.arange(input_ids.shape[0], dtype=torch.long)[:, None].expand(-1, 3).contiguous()
+        ids = input_ids[None]
+        types = processed.get("mm_token_type_ids")
+        if types is None:
+            types = (ids == self.image_token_id).int()
+        pos, _ = self.model.model.get_rope_index(
+            ids, mm_token_type_ids=types.reshape(ids.shape), image_grid_thw=grid
+        )
+        return pos[:, 0].T.contiguous()  # (n, 3)
+
+
+ADAPTERS: dict[str, type[FamilyAdapter]] = {
+    "llava": LlavaAdapter,
+    "llava_next": LlavaNextAdapter,
+    "qwen2_vl": Qwen2VLAdapter,
+}
+
+
+def make_adapter(family: str, model: nn.Module, image_token_id: int) -> FamilyAdapter:
+    if family not in ADAPTERS:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[family](model, image_token_id)

@@ -1,0 +1,181 @@
+"""The policy side of the seam: statistics + cache metadata → what to keep / merge, per layer and sample.
+
+A policy never calls the model. The engine asks it which statistics the next step needs
+(:meth:`Policy.prefill_request`, :meth:`Policy.decode_request`), runs the step on whatever
+backend, and hands the statistics back (:meth:`Policy.after_prefill`,
+:meth:`Policy.after_decode`), which return :class:`LayerEdit` s that the engine applies to the
+cache. The same policy object therefore drives every backend.
+
+Budget semantics (shared by every policy, see ``docs/policies.md``):
+
+* ``budget`` ∈ (0, 1] is the kept fraction. After prefill a layer keeps
+  ``k_b = clamp(round(budget · n_b), min_keep, n_b)`` entries of sample ``b``'s ``n_b``-token prompt.
+* Policies that evict while decoding (``local``, ``h2o``, ``elastic``) hold every layer at
+  ``≤ round(budget · N_b)`` entries, ``N_b`` = tokens processed so far, so the cache keeps the
+  same fraction as generation proceeds; one-shot policies (``snapkv``) only append after prefill.
+* ``budget = 1`` never evicts anything, so it reproduces the full cache exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.backend import StatsRequest
+from vlkv.runtime.cache import KVCache, LayerKV
+from vlkv.runtime.prompt import Spans
+
+POSITION_MODES = ("original", "compacted")
+
+
+@dataclass
+class LayerEdit:
+    """What to do with one layer's cache.
+
+    Attributes:
+        index: ``(B, H_kv, K)`` int64 slots to keep (anchors when merging), ascending within
+            ``[:keep_len[b]]``; the tail is padding (any valid slot).
+        keep_len: ``(B,)`` int64 entries kept per sample.
+        assign: optional ``(B, H_kv, S)`` int64, for merging: for each of the first ``S`` slots the
+            kept entry (index into ``[0, K)``) it is averaged into, or -1 to drop it.
+        counts: ``(B, H_kv, K)`` int64 sources per kept entry (with ``assign``).
+    """
+
+    index: Tensor
+    keep_len: Tensor
+    assign: Tensor | None = None
+    counts: Tensor | None = None
+
+
+@dataclass
+class PolicyContext:
+    """Batch facts a policy may read.
+
+    Attributes:
+        spans: modality spans per sample.
+        prompt_lengths: ``(B,)`` int64.
+        num_heads, num_kv_heads: attention layout (GQA group = num_heads // num_kv_heads).
+        step: 0 at prefill, t at the t-th decode step.
+    """
+
+    spans: list[Spans]
+    prompt_lengths: Tensor
+    num_heads: int
+    num_kv_heads: int
+    step: int = 0
+
+
+def check_range(name: str, value: float, low: float, high: float, low_open: bool = True) -> None:
+    """Raise ``ValueError`` naming the field and its allowed range."""
+    ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        lo = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value}")
+
+
+@dataclass
+class Policy:
+    """Base policy: keeps everything. Subclasses override the hooks they need.
+
+    Attributes:
+        budget: kept fraction in (0, 1] (see the module docstring).
+        positions: ``"original"`` — new tokens continue the prompt's original numbering;
+            ``"compacted"`` — a new token's position is the current cache length (plus the
+            M-RoPE offset), as Elastic Cache's reference code does.
+    """
+
+    budget: float = 1.0
+    positions: str = "original"
+
+    name: ClassVar[str] = "base"
+    evicts_during_decode: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        check_range("budget", self.budget, 0.0, 1.0)
+        if self.positions not in POSITION_MODES:
+            raise ValueError(f"positions must be one of {POSITION_MODES}, got {self.positions!r}")
+
+    # hooks ------------------------------------------------------------------
+    def prefill_request(self, ctx: PolicyContext, rows: int) -> StatsRequest | None:
+        """Statistics needed from the prefill step (``rows`` = padded prompt length)."""
+        return None
+
+    def decode_request(self, cache: KVCache, ctx: PolicyContext) -> StatsRequest | None:
+        return None
+
+    def after_prefill(self, cache: KVCache, stats: list, ctx: PolicyContext) -> list[LayerEdit | None] | None:
+        return None
+
+    def after_decode(self, cache: KVCache, stats: list, ctx: PolicyContext) -> list[LayerEdit | None] | None:
+        return None
+
+    # shared arithmetic ------------------------------------------------------
+    def prompt_keep(self, n: Tensor, min_keep: int = 1) -> Tensor:
+        """``(B,)`` entries kept after prefill for prompt lengths ``n (B,)``."""
+        k = torch.round(n.double() * self.budget).long()
+        return torch.minimum(torch.clamp(k, min=min_keep), n)
+
+    def decode_target(self, cache: KVCache, min_keep: int = 1) -> Tensor:
+        """``(B,)`` most entries a decode-evicting policy may hold now."""
+        return torch.round(cache.processed.double() * self.budget).long().clamp(min=min_keep)
+
+
+# ---------------------------------------------------------------- helpers
+def per_kv_head(colsum: Tensor, num_kv_heads: int) -> Tensor:
+    """``(B, H, S)`` per-query-head scores → ``(B, H_kv, S)`` summed over each GQA group."""
+    b, h, s = colsum.shape
+    return colsum.view(b, num_kv_heads, h // num_kv_heads, s).sum(2)
+
+
+def layer_wide(colsum: Tensor, num_kv_heads: int) -> Tensor:
+    """``(B, H, S)`` → ``(B, H_kv, S)``: the head mean, shared by every KV head."""
+    return colsum.mean(1, keepdim=True).expand(-1, num_kv_heads, -1)
+
+
+def valid_slots(layer: LayerKV, width: int) -> Tensor:
+    """``(B, 1, width)`` bool, True where the slot holds a valid entry."""
+    return (torch.arange(width, device=layer.lengths.device)[None, :] < layer.lengths[:, None])[:, None]
+
+
+def top_entries(
+    scores: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Pick the ``keep[b]`` best-scoring valid slots per (sample, KV head), returned ascending.
+
+    Args:
+        scores: ``(B, H_kv, S)`` higher = keep; ties go to the lower slot.
+        valid: ``(B, 1 or H_kv, S)`` bool, selectable slots.
+        keep: ``(B,)`` int64 number to keep (clamped to the valid count).
+        force: optional ``(B, 1 or H_kv, S)`` bool, slots always kept (counted within ``keep``).
+
+    Returns:
+        ``index (B, H_kv, K)`` with ``K = max(keep)`` and ``keep_len (B,)``.
+    """
+    b, h, s = scores.shape
+    valid = valid.expand(b, h, s)
+    keep = torch.minimum(keep, valid[:, 0].sum(-1))
+    ranked = scores.float().masked_fill(~valid, float("-inf"))
+    if force is not None:
+        ranked = ranked.masked_fill(force.expand(b, h, s) & valid, float("inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    k = max(int(keep.max()), 1)
+    top = order[..., :k]
+    ranks = torch.arange(k, device=scores.device)[None, None, :]
+    top = torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s))  # push padding last
+    top = torch.sort(top, dim=-1).values
+    return top.masked_fill(top == s, 0), keep
+
+
+def recent_mask(lengths: Tensor, width: int, recent: Tensor) -> Tensor:
+    """``(B, 1, width)`` bool: the last ``recent[b]`` valid slots of each sample."""
+    j = torch.arange(width, device=lengths.device)[None, :]
+    return ((j >= (lengths - recent)[:, None]) & (j < lengths[:, None]))[:, None]
+
+
+def sink_mask(lengths: Tensor, width: int, sinks: int) -> Tensor:
+    """``(B, 1, width)`` bool: the first ``sinks`` slots."""
+    j = torch.arange(width, device=lengths.device)[None, :]
+    return ((j < sinks) & (j < lengths[:, None]))[:, None]

@@ -1,0 +1,126 @@
+"""``elastic`` (Elastic Cache, Liu et al. ECCV 2024): importance-driven merging at prefill,
+fixed-point elimination while decoding. See ``methods.md`` §1 and ``docs/policies.md``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vlkv.runtime.backend import StatsRequest
+from vlkv.runtime.cache import KVCache
+from vlkv.runtime.policies.base import LayerEdit, Policy
+
+STATE_P = "elastic_fixed_point"
+
+
+def nearest_anchor(thrown: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """For each thrown slot ``(T,)`` the index into ascending ``anchors (A,)`` of the nearest one
+    by slot distance; ties go to the lower-slot anchor (the floor-midpoint buckets of Eq. 2)."""
+    right = torch.searchsorted(anchors, thrown).clamp(max=anchors.numel() - 1)
+    left = (right - 1).clamp(min=0)
+    d_left = (thrown - anchors[left]).abs()
+    d_right = (anchors[right] - thrown).abs()
+    return torch.where(d_left <= d_right, left, right)
+
+
+@dataclass
+class ElasticPolicy(Policy):
+    """Elastic Cache.
+
+    Prefill (per layer, all heads share anchors): importance ``S[j]`` = head-mean attention
+    column sum over every prompt row. With ``f = int(n - n·budget)`` entries to forget, the
+    candidate region ``[start, n-1)`` keeps its ``|C| - 1 - f`` most important entries as anchors;
+    every other candidate is averaged (post-RoPE K and V, per head) into its nearest anchor.
+    The cache becomes ``[first start] + anchors + [last prompt token]`` (``n - f - 1`` entries).
+
+    Decode: with ``N`` tokens processed and ``L`` entries held, when ``int(L - N·budget) >= 1``
+    the entry at the fixed point ``P = (n - f) + distance`` is deleted, so entries before ``P``
+    are frozen and those after it form a FIFO.
+
+    Attributes:
+        start: leading entries never merged (BOS), >= 0.
+        distance: ``P`` offset from the compressed prompt's end when <= 0, absolute slot when > 0.
+        reference_quirks: reproduce the reference code's anchor choice (anchors are the
+            candidates whose *argsort position* exceeds f, not the true top-k). Its other quirks
+            (un-offset thrown indices, f == 1 deleting BOS, batch > 1 indexing) are not reproduced.
+        positions: defaults to ``"compacted"``, the reference code's behaviour.
+    """
+
+    start: int = 1
+    distance: int = -25
+    reference_quirks: bool = False
+    positions: str = "compacted"
+
+    name: ClassVar[str] = "elastic"
+    evicts_during_decode: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
+
+    def prefill_request(self, ctx, rows):
+        return StatsRequest()
+
+    def _plan(self, importance: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One sample: ``importance (n,)`` → kept slots ``(K,)``, per-slot target ``(n,)``, f."""
+        f = int(n - n * self.budget)
+        cand = torch.arange(self.start, n - 1)
+        f = min(f, cand.numel() - 2)  # always keep at least one anchor
+        if f <= 0:
+            return torch.arange(n), torch.arange(n), 0
+        n_anchor = cand.numel() - 1 - f
+        s = importance[self.start : n - 1]
+        if self.reference_quirks:
+            anchors = cand[torch.argsort(s, stable=True) > f]
+        else:
+            anchors = torch.sort(cand[torch.sort(s, descending=True, stable=True).indices[:n_anchor]]).values
+        kept = torch.cat([torch.arange(self.start), anchors, torch.tensor([n - 1])])
+        target = torch.full((n,), -1, dtype=torch.long)
+        target[kept] = torch.arange(kept.numel())
+        thrown = cand[target[cand] < 0]
+        target[thrown] = self.start + nearest_anchor(thrown, anchors)
+        return kept, target, f
+
+    def after_prefill(self, cache: KVCache, stats, ctx):
+        bsz, heads = cache.batch_size, ctx.num_kv_heads
+        fixed = torch.zeros(bsz, dtype=torch.long)
+        edits = []
+        for layer, st in zip(cache.layers, stats):
+            importance = st.colsum.mean(1)  # (B, S)
+            width = layer.max_length
+            plans = [self._plan(importance[b], int(layer.lengths[b])) for b in range(bsz)]
+            k = max(p[0].numel() for p in plans)
+            index = torch.zeros(bsz, k, dtype=torch.long)
+            assign = torch.full((bsz, width), -1, dtype=torch.long)
+            keep_len = torch.zeros(bsz, dtype=torch.long)
+            for b, (kept, target, f) in enumerate(plans):
+                n = target.numel()
+                index[b, : kept.numel()], assign[b, :n], keep_len[b] = kept, target, kept.numel()
+                p = (n - f) + self.distance if self.distance <= 0 else self.distance
+                fixed[b] = max(p, self.start)
+            counts = torch.zeros(bsz, k, dtype=torch.long).scatter_add_(
+                1, assign.clamp(min=0), (assign >= 0).long()
+            )
+            expand = lambda t: t[:, None].expand(-1, heads, -1).contiguous()  # noqa: E731
+            edits.append(LayerEdit(expand(index), keep_len, expand(assign), expand(counts)))
+        cache.policy_state[STATE_P] = fixed
+        return edits
+
+    def after_decode(self, cache: KVCache, stats, ctx):
+        fixed = cache.policy_state[STATE_P]
+        edits = []
+        for layer in cache.layers:
+            over = (layer.lengths.double() - cache.processed.double() * self.budget).trunc() >= 1
+            drop = over & (fixed < layer.lengths)
+            if not bool(drop.any()):
+                edits.append(None)
+                continue
+            keep_len = layer.lengths - drop.long()
+            j = torch.arange(int(keep_len.max()))[None, :]
+            index = j + ((j >= fixed[:, None]) & drop[:, None]).long()
+            index = index.clamp(max=layer.max_length - 1)
+            edits.append(LayerEdit(index[:, None].expand(-1, ctx.num_kv_heads, -1).contiguous(), keep_len))
+        return edits

@@ -1,0 +1,80 @@
+"""``h2o`` (Heavy-Hitter Oracle): accumulated attention picks heavy hitters, plus a recent window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vlkv.runtime.backend import StatsRequest
+from vlkv.runtime.cache import KVCache
+from vlkv.runtime.policies.base import (
+    LayerEdit,
+    Policy,
+    PolicyContext,
+    check_range,
+    per_kv_head,
+    recent_mask,
+    top_entries,
+    valid_slots,
+)
+
+SCORE = "h2o"
+
+
+@dataclass
+class H2OPolicy(Policy):
+    """Per KV head, keep the entries with the largest attention received so far plus recent ones.
+
+    Attributes:
+        heavy_ratio: share of the kept entries chosen by score, in [0, 1]; the rest is the
+            most recent window (H2O's default split is half/half).
+    """
+
+    heavy_ratio: float = 0.5
+
+    name: ClassVar[str] = "h2o"
+    evicts_during_decode: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("heavy_ratio", self.heavy_ratio, 0.0, 1.0, low_open=False)
+
+    def prefill_request(self, ctx, rows):
+        return StatsRequest()
+
+    def decode_request(self, cache, ctx):
+        return StatsRequest()
+
+    def _accumulate(self, cache: KVCache, stats: list, ctx: PolicyContext) -> None:
+        for layer, st in zip(cache.layers, stats):
+            score = layer.ensure_score(SCORE)
+            s = st.colsum.shape[-1]
+            score[:, :, :s] += per_kv_head(st.colsum, ctx.num_kv_heads)
+
+    def _evict(self, cache: KVCache, target: torch.Tensor) -> list[LayerEdit | None]:
+        edits = []
+        for layer in cache.layers:
+            if bool((layer.lengths <= target).all()):
+                edits.append(None)
+                continue
+            width = layer.max_length
+            keep = torch.minimum(target, layer.lengths)
+            recent = keep - torch.round(keep.double() * self.heavy_ratio).long()
+            index, keep_len = top_entries(
+                layer.scores[SCORE][:, :, :width],
+                valid_slots(layer, width),
+                keep,
+                force=recent_mask(layer.lengths, width, recent),
+            )
+            edits.append(LayerEdit(index, keep_len))
+        return edits
+
+    def after_prefill(self, cache, stats, ctx):
+        self._accumulate(cache, stats, ctx)
+        return self._evict(cache, self.prompt_keep(ctx.prompt_lengths))
+
+    def after_decode(self, cache, stats, ctx):
+        self._accumulate(cache, stats, ctx)
+        return self._evict(cache, self.decode_target(cache))

@@ -1,0 +1,61 @@
+"""``snapkv``: an observation window of the last prompt rows votes, pooled, once after prefill."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from vlkv.runtime.backend import StatsRequest
+from vlkv.runtime.policies.base import LayerEdit, Policy, per_kv_head, recent_mask, top_entries, valid_slots
+
+
+@dataclass
+class SnapKVPolicy(Policy):
+    """Score prompt entries by the attention of the last ``window`` prompt rows (per KV head),
+    smoothed by 1-D average pooling; keep the window itself plus the best-scoring older entries.
+
+    Attributes:
+        window: observation window (rows), >= 1.
+        kernel: pooling kernel size, odd and >= 1.
+    """
+
+    window: int = 32
+    kernel: int = 7
+
+    name: ClassVar[str] = "snapkv"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be an odd integer >= 1, got {self.kernel}")
+
+    def prefill_request(self, ctx, rows):
+        n = ctx.prompt_lengths
+        i = torch.arange(rows)[None, :]
+        return StatsRequest(rows=(i >= (n - self.window)[:, None]) & (i < n[:, None]))
+
+    def after_prefill(self, cache, stats, ctx):
+        keep = self.prompt_keep(ctx.prompt_lengths)
+        edits = []
+        for layer, st in zip(cache.layers, stats):
+            width = layer.max_length
+            score = per_kv_head(st.colsum[:, :, :width], ctx.num_kv_heads)
+            b, h, s = score.shape
+            pooled = F.avg_pool1d(
+                score.reshape(b * h, 1, s),
+                self.kernel,
+                stride=1,
+                padding=self.kernel // 2,
+                count_include_pad=False,
+            ).reshape(b, h, s)
+            window = torch.minimum(keep, torch.full_like(keep, self.window))
+            index, keep_len = top_entries(
+                pooled, valid_slots(layer, width), keep, force=recent_mask(layer.lengths, width, window)
+            )
+            edits.append(LayerEdit(index, keep_len))
+        return edits

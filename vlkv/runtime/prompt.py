@@ -1,0 +1,143 @@
+"""Prompts → token ids, positions, modality codes and modality spans, batched right-padded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.cache import Modality
+from vlkv.runtime.models.adapter import FamilyAdapter
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be run (one-line message)."""
+
+
+@dataclass
+class Prompt:
+    """One request: text plus images (PIL images or paths / ``builtin:`` specs).
+
+    ``raw=False`` wraps ``text`` in the model's chat template with one placeholder per image;
+    ``raw=True`` takes ``text`` as already formatted (its placeholders must match the images).
+    """
+
+    text: str
+    images: list = field(default_factory=list)
+    raw: bool = False
+
+
+@dataclass
+class Spans:
+    """Modality spans of one prompt (token indices after image-token expansion).
+
+    ``image_spans`` are half-open ``(start, end)`` runs of image tokens; ``post_vision`` is the
+    first index after the last image token (``n`` when the image is last; 0 with no image).
+    """
+
+    length: int
+    image_spans: list[tuple[int, int]]
+
+    @property
+    def first_image(self) -> int | None:
+        return self.image_spans[0][0] if self.image_spans else None
+
+    @property
+    def post_vision(self) -> int:
+        return self.image_spans[-1][1] if self.image_spans else 0
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(e - s for s, e in self.image_spans)
+
+
+@dataclass
+class EncodedPrompt:
+    """One prompt, tokenized.
+
+    Attributes:
+        input_ids: ``(n,)`` int64.
+        positions: ``(n, P)`` int64 RoPE positions.
+        modality: ``(n,)`` int8 :class:`Modality` codes.
+        vision: vision-tower inputs from the processor (empty without images).
+        spans: modality spans.
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    modality: Tensor
+    vision: dict[str, Tensor]
+    spans: Spans
+
+
+@dataclass
+class PromptBatch:
+    """Right-padded batch: ``input_ids (B, T)``, ``positions (B, T, P)``, ``modality (B, T)``, ``lengths (B,)``."""
+
+    prompts: list[EncodedPrompt]
+    input_ids: Tensor
+    positions: Tensor
+    modality: Tensor
+    lengths: Tensor
+
+    @property
+    def spans(self) -> list[Spans]:
+        return [p.spans for p in self.prompts]
+
+
+def _image_spans(is_image: Tensor) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for i, flag in enumerate(is_image.tolist()):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            spans.append((start, i))
+            start = None
+    if start is not None:
+        spans.append((start, len(is_image)))
+    return spans
+
+
+def encode_prompt(
+    prompt: Prompt, processor, adapter: FamilyAdapter, template, placeholder: str
+) -> EncodedPrompt:
+    """Tokenize one prompt with the model's HF processor and derive positions, modality and spans."""
+    images = list(prompt.images)
+    if any(isinstance(im, str) for im in images):
+        from vlkv.runtime.models.images import load_image
+
+        images = [load_image(im) if isinstance(im, str) else im for im in images]
+    text = prompt.text if prompt.raw else template(prompt.text, len(images))
+    n_slots = text.count(placeholder)
+    if n_slots != len(images):
+        raise PromptError(
+            f"prompt has {n_slots} image placeholder(s) ({placeholder}) but {len(images)} image(s) given"
+        )
+    kwargs = {"text": [text], "return_tensors": "pt"}
+    if images:
+        kwargs["images"] = images
+    processed = dict(processor(**kwargs))
+    ids = processed["input_ids"][0].to(torch.long)
+    is_image = ids == adapter.image_token_id
+    spans = _image_spans(is_image)
+    modality = torch.full(ids.shape, int(Modality.TEXT), dtype=torch.int8)
+    if spans:
+        modality[spans[0][0] :] = int(Modality.POST_TEXT)
+    modality[is_image] = int(Modality.IMAGE)
+    positions = adapter.positions(ids, processed)
+    return EncodedPrompt(ids, positions, modality, adapter.vision_inputs(processed), Spans(len(ids), spans))
+
+
+def collate(prompts: list[EncodedPrompt], pad_id: int) -> PromptBatch:
+    """Right-pad encoded prompts into one batch (padding rows are never attended by real rows)."""
+    b, t = len(prompts), max(p.input_ids.shape[0] for p in prompts)
+    pdims = prompts[0].positions.shape[-1]
+    ids = torch.full((b, t), pad_id, dtype=torch.long)
+    pos = torch.zeros(b, t, pdims, dtype=torch.long)
+    mod = torch.zeros(b, t, dtype=torch.int8)
+    for i, p in enumerate(prompts):
+        n = p.input_ids.shape[0]
+        ids[i, :n], pos[i, :n], mod[i, :n] = p.input_ids, p.positions, p.modality
+    lengths = torch.tensor([p.input_ids.shape[0] for p in prompts], dtype=torch.long)
+    return PromptBatch(prompts, ids, pos, mod, lengths)
