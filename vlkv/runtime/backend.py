@@ -8,7 +8,8 @@ never decides what to keep: policies do that from the statistics it returns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -27,18 +28,80 @@ class StatsRequest:
         threshold: relative threshold ``p``: also count entries below ``p × row max``
             (VL-Cache sparsity); None = no counts.
         layers: restrict to these layer indices (None = every layer).
+        extra: further named row sets computed in the same pass (e.g. an allocator's post-vision
+            rows next to a scorer's observation window); their results come back in
+            :attr:`StepStats.extra` under the same names. Nested ``extra`` is not allowed.
     """
 
     rows: Tensor | None = None
     threshold: float | None = None
     layers: frozenset[int] | None = None
+    extra: dict[str, StatsRequest] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.threshold is not None and not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
+        if any(sub.extra for sub in self.extra.values()):
+            raise ValueError("extra requests cannot have extra requests of their own")
 
     def wants(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
+
+
+class StepStats(list):
+    """Per-layer statistics of a step's main :class:`StatsRequest` (a list, None where not
+    requested), plus ``extra[name]``: the per-layer list of each named extra request."""
+
+    def __init__(self, layers: list, extra: dict[str, list] | None = None):
+        super().__init__(layers)
+        self.extra: dict[str, list] = extra or {}
+
+
+@dataclass
+class AttendIndex:
+    """The past entries one layer's decode attention reads (A-VL's "core" computation).
+
+    The step's new row always attends to its own new entry as well, so only past slots are listed.
+    Used with single-row steps; the backend really computes over the gathered rows (no mask over
+    the full cache).
+
+    Attributes:
+        indices: ``(B, H_kv, K)`` int64 cache slots, ascending within ``[:lengths[b, h]]``; the tail
+            is padding (any value).
+        lengths: ``(B, H_kv)`` int64 valid indices per sample and KV head.
+    """
+
+    indices: Tensor
+    lengths: Tensor
+
+    def __post_init__(self) -> None:
+        if self.indices.dim() != 3 or self.lengths.shape != self.indices.shape[:2]:
+            raise ValueError(
+                f"indices must be (B, H_kv, K) and lengths (B, H_kv), got {tuple(self.indices.shape)} "
+                f"and {tuple(self.lengths.shape)}"
+            )
+
+
+@dataclass
+class RowFilter:
+    """Drop prompt rows' hidden states after one layer (FastV-style; A-VL's prefill filter P).
+
+    Layers after ``after_layer`` run on the kept rows only, with their original positions, so
+    their caches never hold the dropped tokens; earlier layers keep every row.
+
+    Attributes:
+        after_layer: index of the last layer that sees every row, >= 0.
+        choose: ``(stats, layer) -> keep`` where ``stats`` is the step's :class:`StepStats` filled up
+            to ``layer`` and ``keep`` is ``(B, q)`` bool over the step's rows. Each sample's last valid
+            row is always kept (it produces the logits).
+    """
+
+    after_layer: int
+    choose: Callable[[StepStats, int], Tensor]
+
+    def __post_init__(self) -> None:
+        if self.after_layer < 0:
+            raise ValueError(f"after_layer must be >= 0, got {self.after_layer}")
 
 
 @dataclass
@@ -52,6 +115,9 @@ class StepInputs:
         new_len: ``(B,)`` int64 valid rows per sample (rows past it are padding).
         inputs_embeds: optional ``(B, q, hidden)`` embeddings (prefill with image features spliced in).
         all_logits: return logits for every row (teacher forcing) instead of the last valid one.
+        attend: optional per-layer :class:`AttendIndex` (None entries = the whole cache); only for
+            single-row steps.
+        row_filter: optional :class:`RowFilter` applied inside the layer loop.
     """
 
     input_ids: Tensor
@@ -60,6 +126,8 @@ class StepInputs:
     new_len: Tensor
     inputs_embeds: Tensor | None = None
     all_logits: bool = False
+    attend: list[AttendIndex | None] | None = None
+    row_filter: RowFilter | None = None
 
     def __post_init__(self) -> None:
         b, q = self.input_ids.shape
@@ -69,6 +137,10 @@ class StepInputs:
             )
         if int(self.new_len.min()) < 0 or int(self.new_len.max()) > q:
             raise ValueError(f"new_len must be in [0, {q}]")
+        if self.attend is not None and q != 1:
+            raise ValueError(f"attend indices need single-row steps, got q = {q}")
+        if self.row_filter is not None and self.all_logits:
+            raise ValueError("row_filter drops rows, so it cannot be combined with all_logits")
 
 
 @dataclass
@@ -77,12 +149,16 @@ class StepOutput:
 
     Attributes:
         logits: ``(B, V)`` float32 logits of each sample's last valid row, or ``(B, q, V)`` with ``all_logits``.
-        stats: per layer, :class:`vlkv.plugins.AttnStats` (``colsum (B, H, S)`` over the slots the
-            layer held after the step's append) or None where not requested.
+        stats: :class:`StepStats`; per layer, :class:`vlkv.plugins.AttnStats` (``colsum (B, H, S)``
+            over the slots the layer held after the step's append; with an :class:`AttendIndex`, over
+            the attended slots only, zeros elsewhere) or None where not requested.
+        attended: optional ``(L, B)`` float64 K/V entries each layer's last valid row attended,
+            averaged over KV heads (the "used" cache of A-VL's Table 3).
     """
 
     logits: Tensor
     stats: list
+    attended: Tensor | None = None
 
 
 class Backend(Protocol):

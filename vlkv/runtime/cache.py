@@ -109,7 +109,8 @@ class LayerKV:
     def _reserve(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        new_cap = max(needed, self.capacity + GROW_SLOTS)
+        # the prompt is allocated exactly; decode growth is amortised
+        new_cap = needed if self.capacity == 0 else max(needed, self.capacity + GROW_SLOTS)
         extra = new_cap - self.capacity
 
         def grow(t: Tensor) -> Tensor:

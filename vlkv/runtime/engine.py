@@ -58,6 +58,34 @@ class GenerationResult:
         return asdict(self)
 
 
+@dataclass
+class KVUsage:
+    """K/V entries held ("stored") and attended ("used") over decode steps, against the entries an
+    uncompressed cache would hold (A-VL's Table 3 reports both fractions)."""
+
+    stored: float = 0.0
+    used: float = 0.0
+    full: float = 0.0
+
+    def add(self, cache: KVCache, attended: Tensor | None) -> None:
+        """Count one step; call after the step's append, before the policy's edits."""
+        stored = float(cache.lengths().sum())
+        self.stored += stored
+        self.used += float(attended.sum()) if attended is not None else stored
+        self.full += float(cache.processed.sum()) * len(cache.layers)
+
+    def fractions(self) -> dict[str, float | None]:
+        if not self.full:
+            return {"kv_stored_fraction": None, "kv_used_fraction": None}
+        return {"kv_stored_fraction": self.stored / self.full, "kv_used_fraction": self.used / self.full}
+
+
+def _hook(policy: Policy, name: str, *args):
+    """Optional policy hooks (``prefill_filter``, ``decode_attend``): None when a policy has none."""
+    fn = getattr(policy, name, None)
+    return fn(*args) if fn is not None else None
+
+
 def apply_edits(cache: KVCache, edits: list[LayerEdit | None] | None, spare: int = 0) -> None:
     """Apply a policy's per-layer edits to the cache (backend-independent tensor ops)."""
     for layer, edit in zip(cache.layers, edits or []):
@@ -116,6 +144,7 @@ class Engine:
             batch.lengths,
             self.backend.embed(batch),
             all_logits,
+            row_filter=_hook(policy, "prefill_filter", cache, ctx),
         )
         out = self.backend.step(inputs, cache, request)
         apply_edits(cache, policy.after_prefill(cache, out.stats, ctx))
@@ -129,7 +158,15 @@ class Engine:
         delta = cache.next_position - cache.processed[:, None]
         return (cache.layers[0].lengths[:, None] + delta)[:, None]
 
-    def decode(self, tokens: Tensor, batch: PromptBatch, policy: Policy, cache: KVCache, step: int):
+    def decode(
+        self,
+        tokens: Tensor,
+        batch: PromptBatch,
+        policy: Policy,
+        cache: KVCache,
+        step: int,
+        usage: KVUsage | None = None,
+    ):
         """Run one decode step for ``tokens (B,)`` and let the policy edit the cache."""
         ctx = self.context(batch, step)
         b = tokens.shape[0]
@@ -138,8 +175,11 @@ class Engine:
             self.decode_positions(policy, cache),
             torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8),
             torch.ones(b, dtype=torch.long),
+            attend=_hook(policy, "decode_attend", cache, ctx),
         )
         out = self.backend.step(inputs, cache, policy.decode_request(cache, ctx))
+        if usage is not None:
+            usage.add(cache, out.attended)
         cache.next_position += 1
         apply_edits(cache, policy.after_decode(cache, out.stats, ctx), spare=DECODE_SPARE)
         return out
@@ -150,7 +190,12 @@ class Engine:
         policy: Policy,
         max_new_tokens: int = 32,
         sampler: Sampler | None = None,
+        cache_hit_rate: bool = False,
+        hit_rate_k: int | float | None = None,
     ) -> GenerationResult:
+        """Generate for a batch. ``cache_hit_rate`` adds ``extras["cache_hit_rate"]`` (VL-Cache's
+        Def. 3.1 per layer, see :mod:`vlkv.runtime.diagnostics`; ``hit_rate_k`` as its ``k``), at the
+        cost of one extra full-cache prefill outside the timed region."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = sampler or Sampler()
@@ -159,13 +204,19 @@ class Engine:
         t0 = time.perf_counter()
         out = self.prefill(batch, policy, cache)
         prefill_s = time.perf_counter() - t0
+        extras = {}
+        if cache_hit_rate:
+            from vlkv.runtime.diagnostics import hit_rate_report
+
+            extras["cache_hit_rate"] = hit_rate_report(self, batch, cache, k=hit_rate_k)
         peak = cache.kv_bytes()
+        usage = KVUsage()
         tokens = sampler(out.logits)
         generated = [[int(t)] for t in tokens]
         done = torch.tensor([int(t) in self.eos_ids for t in tokens])
         t0, steps = time.perf_counter(), 0
         while steps < max_new_tokens - 1 and not bool(done.all()):
-            out = self.decode(tokens, batch, policy, cache, steps + 1)
+            out = self.decode(tokens, batch, policy, cache, steps + 1, usage)
             peak = max(peak, cache.kv_bytes())
             tokens = sampler(out.logits)
             steps += 1
@@ -195,6 +246,7 @@ class Engine:
             prefill_s=prefill_s,
             decode_s=decode_s,
             decode_steps=steps,
+            extras={**usage.fractions(), **extras},
         )
 
 
@@ -219,6 +271,8 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     backend: str = "torch",
+    cache_hit_rate: bool = False,
+    hit_rate_k: int | float | None = None,
     **policy_kwargs,
 ) -> GenerationResult:
     """Generate for one prompt or a list of prompts under a KV-cache policy.
@@ -227,6 +281,7 @@ def generate(
         model: a built-in name (``tiny-llava``…), a local HF directory, a ``LoadedModel`` or an :class:`Engine`.
         prompts: a :class:`Prompt`, a string, or a list of them.
         policy: a registered policy name (``policy_kwargs`` go to it, e.g. ``budget=0.2``) or a policy.
+        cache_hit_rate, hit_rate_k: see :meth:`Engine.generate`.
     """
     engine = model if isinstance(model, Engine) else Engine(_load(model), backend=backend)
     if isinstance(prompts, (str, Prompt)):
@@ -235,7 +290,9 @@ def generate(
     if isinstance(policy, str):
         policy = make_policy(policy, **policy_kwargs)
     sampler = Sampler(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return engine.generate(prompts, policy, max_new_tokens, sampler)
+    return engine.generate(
+        prompts, policy, max_new_tokens, sampler, cache_hit_rate=cache_hit_rate, hit_rate_k=hit_rate_k
+    )
 
 
 def _load(model):

@@ -7,6 +7,11 @@ per-sample state, and an attention function registered under the name ``"vlkv"``
 positions, masks and per-layer cache lengths; statistics come from
 :func:`vlkv.plugins.attn_stats`, which works in query chunks (or in a Triton kernel on GPU)
 and never materialises a full ``T × T`` matrix.
+
+Two optional per-step plans come from policies through :class:`StepInputs`: ``attend`` makes a
+layer's decode attention really compute over a gathered subset of its cache
+(:func:`vlkv.plugins.selected_attention`), and ``row_filter`` drops prompt rows' hidden states
+after one layer of the layer loop (FastV-style), keeping the survivors' original positions.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlkv.runtime.backend import StatsRequest, StepInputs, StepOutput
+from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepOutput, StepStats
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.models.adapter import FamilyAdapter, make_adapter
 from vlkv.runtime.prompt import PromptBatch, PromptError
@@ -27,12 +32,25 @@ class _StepContext:
     """Per-step state handed to the attention function in place of HF's attention mask."""
 
     def __init__(self, cache: KVCache, inputs: StepInputs, stats: StatsRequest | None):
-        self.cache, self.inputs, self.request = cache, inputs, stats
+        self.cache, self.inputs = cache, inputs
         self.past: dict[int, Tensor] = {}
-        self.stats: list = [None] * len(cache.layers)
+        n_layers = len(cache.layers)
+        # "" is the main request; extra requests keep their names
+        self.requests: dict[str, StatsRequest] = {}
+        if stats is not None:
+            self.requests = {"": stats, **stats.extra}
+        self.stats = StepStats([None] * n_layers, {name: [None] * n_layers for name in self.requests if name})
+        self.attended = torch.zeros(n_layers, inputs.new_len.shape[0], dtype=torch.float64)
+        valid = self._valid(inputs)
+        self.rows = {
+            name: valid if req.rows is None else req.rows.to(valid.device) & valid
+            for name, req in self.requests.items()
+        }
+
+    @staticmethod
+    def _valid(inputs: StepInputs) -> Tensor:
         q = inputs.input_ids.shape[1]
-        valid = torch.arange(q, device=inputs.new_len.device)[None, :] < inputs.new_len[:, None]
-        self.rows = valid if stats is None or stats.rows is None else stats.rows & valid
+        return torch.arange(q, device=inputs.new_len.device)[None, :] < inputs.new_len[:, None]
 
     def update(self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None) -> tuple[Tensor, Tensor]:
         """HF ``Cache.update`` contract: store the new K/V, return what attention reads."""
@@ -45,35 +63,130 @@ class _StepContext:
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)`` → ``(B, q, H, D)``."""
         past = self.past[layer_idx]
-        nq, s = q.shape[2], k.shape[2]
         new_len = self.inputs.new_len.to(past)
-        j = torch.arange(s, device=q.device)
-        i = torch.arange(nq, device=q.device)
-        # key j is visible to row i of sample b iff it is causal w.r.t. the row's slot and valid
-        mask = (j[None, None, :] <= (past[:, None, None] + i[None, :, None])) & (
-            j[None, None, :] < (past + new_len)[:, None, None]
-        )
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
-        if self.request is not None and self.request.wants(layer_idx):
-            from vlkv.plugins import attn_stats
-
-            self.stats[layer_idx] = attn_stats(
-                q,
-                k,
-                scale,
-                query_rows=self.rows,
-                causal=True,
-                threshold=self.request.threshold,
-                key_lengths=past + new_len,
-                q_offset=past,
+        index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
+        if index is None:
+            nq, s = q.shape[2], k.shape[2]
+            j = torch.arange(s, device=q.device)
+            i = torch.arange(nq, device=q.device)
+            # key j is visible to row i of sample b iff it is causal w.r.t. the row's slot and valid
+            mask = (j[None, None, :] <= (past[:, None, None] + i[None, :, None])) & (
+                j[None, None, :] < (past + new_len)[:, None, None]
             )
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+            self.attended[layer_idx] = (past + new_len).double().cpu()
+            selected = None
+        else:
+            from vlkv.plugins import selected_attention
+
+            selected = _with_new_slot(index, past)
+            out = selected_attention(q, k, v, *selected, scale)
+            self.attended[layer_idx] = selected[1].double().mean(1).cpu()
+        for name, req in self.requests.items():
+            if req.wants(layer_idx):
+                st = _stats(q, k, scale, self.rows[name], req.threshold, past, new_len, selected)
+                if name:
+                    self.stats.extra[name][layer_idx] = st
+                else:
+                    self.stats[layer_idx] = st
         return out.transpose(1, 2).contiguous()
+
+    def filter_rows(self, keep: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep only ``keep (B, q)`` rows (plus each sample's last valid row) for the next layers.
+
+        Returns the compacted ``hidden (B, q', hidden)`` and positions ``(B, q', P)``; the step's
+        inputs and stats rows are compacted alike, so later layers append only kept rows.
+        """
+        inp = self.inputs
+        b = inp.new_len.shape[0]
+        valid = self._valid(inp)
+        keep = keep.to(device=valid.device, dtype=torch.bool) & valid
+        last = (inp.new_len - 1).clamp(min=0)
+        keep[torch.arange(b), last] |= inp.new_len > 0
+        new_len = keep.sum(1)
+        width = max(int(new_len.max()), 1)
+        # kept rows first, in their original order (stable sort of the "dropped" flag)
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
+
+        def gather(t: Tensor) -> Tensor:  # rows of a (B, q, ...) tensor in ``order``
+            shape = (b, width, *t.shape[2:])
+            return t.gather(1, order.to(t.device).view(b, width, *([1] * (t.dim() - 2))).expand(shape))
+
+        self.inputs = StepInputs(gather(inp.input_ids), gather(inp.positions), gather(inp.modality), new_len)
+        valid = self._valid(self.inputs)
+        self.rows = {name: gather(rows) & valid for name, rows in self.rows.items()}
+        hidden = gather(hidden)
+        return hidden, self.inputs.positions
 
     # transformers may ask a cache for these; answer with this step's view
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.cache.layers[layer_idx].max_length
+
+
+def _with_new_slot(index: AttendIndex, past: Tensor) -> tuple[Tensor, Tensor]:
+    """Append each sample's new-entry slot ``past[b]`` after its listed past slots.
+
+    Returns ``indices (B, H_kv, K + 1)`` and ``lengths (B, H_kv)``.
+    """
+    idx, lens = index.indices.to(past.device), index.lengths.to(past.device)
+    b, h, _ = idx.shape
+    idx = torch.cat([idx, idx.new_zeros(b, h, 1)], dim=2)
+    idx.scatter_(2, lens[..., None], past[:, None, None].expand(b, h, 1))
+    return idx, lens + 1
+
+
+def _stats(q, k, scale, rows, threshold, past, new_len, selected):
+    """:func:`vlkv.plugins.attn_stats` over the full cache, or over the selected slots only.
+
+    With ``selected = (indices (B, H_kv, K), lengths (B, H_kv))`` the softmax runs over the
+    selected keys (what the step really attended) and ``colsum`` is scattered back to slots.
+    """
+    from vlkv.plugins import AttnStats, attn_stats
+
+    if selected is None:
+        return attn_stats(
+            q,
+            k,
+            scale,
+            query_rows=rows,
+            causal=True,
+            threshold=threshold,
+            key_lengths=past + new_len,
+            q_offset=past,
+        )
+    idx, lens = selected
+    b, h, s = q.shape[0], q.shape[1], k.shape[2]
+    hkv, width = idx.shape[1], idx.shape[2]
+    g = h // hkv
+    ok = torch.arange(width, device=idx.device)[None, None, :] < lens[..., None]
+    idx = torch.where(ok, idx, torch.zeros_like(idx))
+    k_sel = k.gather(2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))
+    if bool((lens == lens[:, :1]).all()):
+        parts = [
+            attn_stats(
+                q, k_sel, scale, query_rows=rows, causal=False, threshold=threshold, key_lengths=lens[:, 0]
+            )
+        ]
+    else:  # KV heads attend to different numbers of entries: one call per GQA group
+        parts = [
+            attn_stats(
+                q[:, j * g : (j + 1) * g],
+                k_sel[:, j : j + 1],
+                scale,
+                query_rows=rows,
+                causal=False,
+                threshold=threshold,
+                key_lengths=lens[:, j],
+            )
+            for j in range(hkv)
+        ]
+    colsum_sel = torch.cat([p.colsum for p in parts], dim=1)  # (B, H, K)
+    colsum = torch.zeros(b, h, s, dtype=colsum_sel.dtype, device=colsum_sel.device)
+    colsum.scatter_add_(2, idx.repeat_interleave(g, dim=1), colsum_sel * ok.repeat_interleave(g, dim=1))
+    below = None if threshold is None else torch.cat([p.below for p in parts], dim=1)
+    return AttnStats(colsum=colsum, below=below, visible=torch.cat([p.visible for p in parts], dim=1))
 
 
 def vlkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -140,13 +253,17 @@ class TorchBackend:
             hidden = self.adapter.embed_tokens(inputs.input_ids.to(self.device))
         positions = inputs.positions.to(self.device)
         cos_sin = self.adapter.rotary(hidden, positions)
-        for layer in self.adapter.layers:
+        flt = inputs.row_filter
+        for i, layer in enumerate(self.adapter.layers):
             hidden = layer(hidden, attention_mask=ctx, position_embeddings=cos_sin, past_key_values=ctx)
+            if flt is not None and i == flt.after_layer and i + 1 < self.num_layers:
+                hidden, positions = ctx.filter_rows(flt.choose(ctx.stats, i), hidden)
+                cos_sin = self.adapter.rotary(hidden, positions.to(self.device))
         hidden = self.adapter.norm(hidden)
         if inputs.all_logits:
             logits = self.adapter.lm_head(hidden)
         else:
-            last = (inputs.new_len - 1).clamp(min=0).to(self.device)
+            last = (ctx.inputs.new_len - 1).clamp(min=0).to(self.device)
             logits = self.adapter.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last])
         cache.processed += inputs.new_len.to(cache.processed)
-        return StepOutput(logits=logits.float(), stats=ctx.stats)
+        return StepOutput(logits=logits.float(), stats=ctx.stats, attended=ctx.attended)

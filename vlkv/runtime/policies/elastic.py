@@ -3,6 +3,7 @@ fixed-point elimination while decoding. See ``methods.md`` §1 and ``docs/polici
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -13,6 +14,8 @@ from vlkv.runtime.cache import KVCache
 from vlkv.runtime.policies.base import LayerEdit, Policy
 
 STATE_P = "elastic_fixed_point"
+# int(n - n*budget) in floating point turns 10 * 0.7 into 2.999...: absorb that rounding noise
+EPS = 1e-6
 
 
 def nearest_anchor(thrown: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -30,12 +33,12 @@ class ElasticPolicy(Policy):
     """Elastic Cache.
 
     Prefill (per layer, all heads share anchors): importance ``S[j]`` = head-mean attention
-    column sum over every prompt row. With ``f = int(n - n·budget)`` entries to forget, the
+    column sum over every prompt row. With ``f = ⌊n·(1 - budget)⌋`` entries to forget, the
     candidate region ``[start, n-1)`` keeps its ``|C| - 1 - f`` most important entries as anchors;
     every other candidate is averaged (post-RoPE K and V, per head) into its nearest anchor.
     The cache becomes ``[first start] + anchors + [last prompt token]`` (``n - f - 1`` entries).
 
-    Decode: with ``N`` tokens processed and ``L`` entries held, when ``int(L - N·budget) >= 1``
+    Decode: with ``N`` tokens processed and ``L`` entries held, when ``⌊L - N·budget⌋ >= 1``
     the entry at the fixed point ``P = (n - f) + distance`` is deleted, so entries before ``P``
     are frozen and those after it form a FIFO.
 
@@ -66,7 +69,7 @@ class ElasticPolicy(Policy):
 
     def _plan(self, importance: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One sample: ``importance (n,)`` → kept slots ``(K,)``, per-slot target ``(n,)``, f."""
-        f = int(n - n * self.budget)
+        f = math.floor(n * (1 - self.budget) + EPS)
         cand = torch.arange(self.start, n - 1)
         f = min(f, cand.numel() - 2)  # always keep at least one anchor
         if f <= 0:
@@ -113,7 +116,7 @@ class ElasticPolicy(Policy):
         fixed = cache.policy_state[STATE_P]
         edits = []
         for layer in cache.layers:
-            over = (layer.lengths.double() - cache.processed.double() * self.budget).trunc() >= 1
+            over = (layer.lengths.double() - cache.processed.double() * self.budget + EPS).floor() >= 1
             drop = over & (fixed < layer.lengths)
             if not bool(drop.any()):
                 edits.append(None)

@@ -1,15 +1,24 @@
-"""The explicit policy registry: names → policy classes, resolved in :func:`make_policy`."""
+"""The explicit policy registry: names → policy classes, resolved in :func:`make_policy`.
+
+Any per-entry scoring policy also takes ``allocator=NAME`` (``uniform``, ``pyramid``, ``sparsity``)
+plus that allocator's settings prefixed ``allocator_`` (e.g. ``allocator_beta=10``); it then comes
+back wrapped in an :class:`~vlkv.runtime.policies.allocators.AllocatedPolicy`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+from vlkv.runtime.policies.allocators import ALLOCATORS, NOT_COMPOSABLE, AllocatedPolicy, make_allocator
+from vlkv.runtime.policies.avl import AVLPolicy
 from vlkv.runtime.policies.base import Policy
 from vlkv.runtime.policies.elastic import ElasticPolicy
 from vlkv.runtime.policies.full import FullPolicy
 from vlkv.runtime.policies.h2o import H2OPolicy
 from vlkv.runtime.policies.local import LocalPolicy
+from vlkv.runtime.policies.pyramid import PyramidKVPolicy
 from vlkv.runtime.policies.snapkv import SnapKVPolicy
+from vlkv.runtime.policies.vlcache import VLCachePolicy
 
 POLICIES: dict[str, type[Policy]] = {
     "full": FullPolicy,
@@ -17,12 +26,23 @@ POLICIES: dict[str, type[Policy]] = {
     "h2o": H2OPolicy,
     "snapkv": SnapKVPolicy,
     "elastic": ElasticPolicy,
+    "pyramidkv": PyramidKVPolicy,
+    "vlcache": VLCachePolicy,
+    "avl": AVLPolicy,
 }
+
+ALLOCATOR_PREFIX = "allocator_"
+
+
+def _allocator_fields() -> list[str]:
+    names = {f.name for cls in ALLOCATORS.values() for f in dataclasses.fields(cls)}
+    return ["allocator", *sorted(ALLOCATOR_PREFIX + n for n in names)]
 
 
 def policy_fields(name: str) -> list[str]:
-    """Settable fields of a registered policy."""
-    return [f.name for f in dataclasses.fields(_resolve(name)) if f.init]
+    """Settable fields of a registered policy (with the ``allocator`` settings where it composes)."""
+    own = [f.name for f in dataclasses.fields(_resolve(name)) if f.init]
+    return own if name in NOT_COMPOSABLE or "allocator" in own else own + _allocator_fields()
 
 
 def _resolve(name: str) -> type[Policy]:
@@ -34,10 +54,24 @@ def _resolve(name: str) -> type[Policy]:
 def make_policy(name: str, **kwargs) -> Policy:
     """Build a policy by name; unknown names or fields raise ``ValueError`` naming them."""
     cls = _resolve(name)
+    own = {f.name for f in dataclasses.fields(cls) if f.init}
+    if "allocator" in kwargs and "allocator" not in own and name in NOT_COMPOSABLE:
+        raise ValueError(f"allocator cannot be combined with policy {name!r}: {NOT_COMPOSABLE[name]}")
     known = set(policy_fields(name))
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(
             f"unknown setting(s) {', '.join(unknown)} for policy {name!r}; known: {', '.join(sorted(known))}"
         )
-    return cls(**kwargs)
+    alloc = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
+    policy = cls(**kwargs)
+    if not alloc:
+        return policy
+    if "allocator" not in alloc:
+        raise ValueError(
+            f"setting(s) {', '.join(sorted(alloc))} need allocator=NAME ({', '.join(ALLOCATORS)})"
+        )
+    allocator = make_allocator(
+        alloc.pop("allocator"), **{k[len(ALLOCATOR_PREFIX) :]: v for k, v in alloc.items()}
+    )
+    return AllocatedPolicy(scorer=policy, allocator=allocator)

@@ -1,0 +1,52 @@
+"""Shared session fixtures: tiny models built from configs with seeded weights, and a GPU gate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+TINY = ("tiny-llava", "tiny-llava-next", "tiny-qwen2-vl")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA not available)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def loaded_models():
+    """name → LoadedModel, built once per session."""
+    from vlkv.runtime.models.registry import load_model
+
+    return {name: load_model(name) for name in TINY}
+
+
+@pytest.fixture(scope="session")
+def reference_models():
+    """A second, independent copy of each tiny model (same seed → same weights) for HF's own generate."""
+    from vlkv.runtime.models.registry import load_model
+
+    return {name: load_model(name) for name in TINY}
+
+
+@pytest.fixture(scope="session")
+def engines(loaded_models):
+    from vlkv.runtime.engine import Engine
+
+    return {name: Engine(m) for name, m in loaded_models.items()}
+
+
+def make_image(seed: int, size: int = 112) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="session")
+def images():
+    return [make_image(i) for i in range(3)]

@@ -1,0 +1,259 @@
+"""``avl`` (A-VL, Zhang et al. AAAI 2025): vision entries split core ⊂ secondary ⊂ all, decode
+computes over the core only and refreshes it every ``interval`` steps; text after the image is
+managed H2O-style. See ``methods.md`` §3 and ``docs/policies-modality.md``.
+
+Every prompt splits into system ``[0, first image)``, vision ``[first image, post_vision)`` (inter-
+image text included, as in the reference code) and text ``[post_vision, n)`` plus generated tokens.
+Each entry's region, core flag and accumulated text score live in ``LayerKV.scores`` so they move
+with the entry through every edit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.backend import AttendIndex, RowFilter, StatsRequest, StepStats
+from vlkv.runtime.cache import KVCache, LayerKV
+from vlkv.runtime.policies.base import (
+    LayerEdit,
+    Policy,
+    check_range,
+    per_kv_head,
+    recent_mask,
+    top_entries,
+    valid_slots,
+)
+
+REGION, CORE, TEXT_SCORE = "avl_region", "avl_core", "avl_text"  # per-entry scores
+TEXT, VISION, SYSTEM = 0, 1, 2  # region codes; appended (generated) entries start at 0 = text
+LAST = "avl_last"  # extra stats request: the last prompt row
+STATE_ROWS, STATE_CORE = "avl_filter_rows", "avl_core_count"
+
+
+def count(fraction: float, n: Tensor) -> Tensor:
+    """``int(fraction · n)`` as the reference code sizes sets (the epsilon absorbs float error)."""
+    return torch.floor(n.double() * fraction + 1e-9).long()
+
+
+def top_mask(score: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None) -> Tensor:
+    """``(B, h, S)`` bool: the ``keep[b]`` best valid slots of each (sample, head), see ``top_entries``."""
+    index, keep_len = top_entries(score, valid, keep.to(score.device), force)
+    ok = torch.arange(index.shape[-1], device=score.device)[None, None, :] < keep_len[:, None, None]
+    hits = torch.zeros(score.shape, dtype=torch.long, device=score.device)
+    hits.scatter_add_(2, index, ok.long().expand_as(index))
+    return hits > 0
+
+
+def mask_to_index(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(B, h, S)`` bool → ascending slots ``(B, h, K)`` (padded with 0) and counts ``(B, h)``."""
+    counts = mask.sum(-1)
+    s = mask.shape[-1]
+    slots = torch.where(mask, torch.arange(s, device=mask.device)[None, None, :], s)
+    index = torch.sort(slots, dim=-1).values[..., : max(int(counts.max()), 1)]
+    return index.masked_fill(index == s, 0), counts
+
+
+@dataclass
+class AVLPolicy(Policy):
+    """A-VL's adaptive attention. Fractions default from ``budget``: ``secondary = text = budget``,
+    ``core = secondary`` (no core-only decoding unless ``core`` is set, so budget 1 is exact).
+
+    Attributes:
+        secondary: S, share of the ``N_img`` vision tokens kept after prefill, in (0, 1].
+        core: C, share of ``N_img`` decode computes over, in (0, secondary].
+        interval: K; step ``t`` with ``t % K == 0`` attends to every secondary entry and refreshes the
+            core as the top ``int(C·N_img)`` by that step's head-mean attention; other steps compute
+            over system + core + text + the new token. -1 = never restrict to the core. 0 is invalid.
+        text: T, text cache kept: ``max(round(T · n_text), text_min)`` entries, ``n_text`` = text tokens
+            processed so far; in (0, 1].
+        text_min: floor of the text budget (``text_init_cache``), >= 0.
+        heavy_ratio: heavy-hitter share of the text budget (the rest is recent), in [0, 1].
+        prefill_keep: P, share of vision hidden states kept after layer ``filter_layer`` during prefill
+            (FastV-like, original positions kept), in (0, 1]; 1 = off.
+        filter_layer: number of leading layers that see every vision token, >= 1.
+    """
+
+    secondary: float | None = None
+    core: float | None = None
+    interval: int = 3
+    text: float | None = None
+    text_min: int = 20
+    heavy_ratio: float = 0.5
+    prefill_keep: float = 1.0
+    filter_layer: int = 2
+
+    name: ClassVar[str] = "avl"
+    evicts_during_decode: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.positions != "original":
+            raise ValueError(f"positions must be 'original' for policy 'avl', got {self.positions!r}")
+        for name in ("secondary", "core", "text"):
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name), 0.0, 1.0)
+        if self.core_share > self.secondary_share:
+            raise ValueError(
+                f"core must be <= secondary (core tokens are a subset of the secondary ones), "
+                f"got core={self.core_share} > secondary={self.secondary_share}"
+            )
+        if self.interval == 0 or self.interval < -1:
+            raise ValueError(f"interval must be -1 (never restrict to the core) or >= 1, got {self.interval}")
+        if self.text_min < 0:
+            raise ValueError(f"text_min must be >= 0, got {self.text_min}")
+        check_range("heavy_ratio", self.heavy_ratio, 0.0, 1.0, low_open=False)
+        check_range("prefill_keep", self.prefill_keep, 0.0, 1.0)
+        if self.filter_layer < 1:
+            raise ValueError(f"filter_layer must be >= 1, got {self.filter_layer}")
+
+    @property
+    def secondary_share(self) -> float:
+        return self.budget if self.secondary is None else self.secondary
+
+    @property
+    def core_share(self) -> float:
+        return self.secondary_share if self.core is None else self.core
+
+    @property
+    def text_share(self) -> float:
+        return self.budget if self.text is None else self.text
+
+    # ------------------------------------------------------------ prefill
+    @staticmethod
+    def bounds(ctx) -> Tensor:
+        """``(B, 2)`` int64 ``(first image, post_vision)``; ``(0, 0)`` without images (all text)."""
+        return torch.tensor([[s.first_image or 0, s.post_vision] for s in ctx.spans], dtype=torch.long)
+
+    @staticmethod
+    def regions(tok: Tensor, bounds: Tensor) -> Tensor:
+        """Region codes ``(B, S)`` of token indices ``tok (B, S)``."""
+        first, v = bounds[:, :1].to(tok.device), bounds[:, 1:].to(tok.device)
+        return torch.where(tok < first, SYSTEM, torch.where(tok < v, VISION, TEXT))
+
+    def prefill_request(self, ctx, rows):
+        bounds, n = self.bounds(ctx), ctx.prompt_lengths[:, None]
+        i = torch.arange(rows)[None, :]
+        text_rows = (i >= bounds[:, 1:]) & (i < n)  # H2O scores: post-image text rows
+        return StatsRequest(rows=text_rows, extra={LAST: StatsRequest(rows=i == n - 1)})
+
+    def prefill_filter(self, cache: KVCache, ctx) -> RowFilter | None:
+        """Engine hook: the prefill row filter P, or None when off."""
+        if self.prefill_keep >= 1.0 or self.filter_layer >= len(cache.layers):
+            return None
+        bounds = self.bounds(ctx)
+        keep_n = count(self.prefill_keep, bounds[:, 1] - bounds[:, 0])
+        last_row = ctx.prompt_lengths[:, None] - 1
+
+        def choose(stats: StepStats, layer: int) -> Tensor:
+            score = stats.extra[LAST][layer].colsum.mean(1)  # (B, q): the last row's head mean
+            tok = torch.arange(score.shape[-1], device=score.device)[None, :].expand_as(score)
+            vision = self.regions(tok, bounds) == VISION
+            # the backend always keeps the last row (it gives the logits), so the map must too
+            keep = (
+                ~vision | top_mask(score[:, None], vision[:, None], keep_n)[:, 0] | (tok == last_row.to(tok))
+            )
+            cache.policy_state[STATE_ROWS] = keep
+            return keep
+
+        return RowFilter(self.filter_layer - 1, choose)
+
+    def after_prefill(self, cache, stats, ctx):
+        bounds = self.bounds(ctx)
+        n_img = bounds[:, 1] - bounds[:, 0]
+        s_count = count(self.secondary_share, n_img)
+        cache.policy_state[STATE_CORE] = count(self.core_share, n_img)
+        rows = cache.policy_state.pop(STATE_ROWS, None)
+        edits = []
+        for i, (layer, st) in enumerate(zip(cache.layers, stats)):
+            width, b, h = layer.max_length, layer.keys.shape[0], layer.keys.shape[1]
+            tok = torch.arange(width, device=layer.lengths.device)[None, :].expand(b, width)
+            if rows is not None and i >= self.filter_layer:  # slots hold the filter's surviving rows
+                tok = mask_to_index(rows[:, None])[0][:, 0, :width]
+            region = self.regions(tok, bounds)
+            valid = valid_slots(layer, width)[:, 0]
+            _store(layer, REGION, region[:, None].expand(b, h, width).float())
+            _store(layer, TEXT_SCORE, per_kv_head(st.colsum[:, :, :width], h) * (region == TEXT)[:, None])
+            last = stats.extra[LAST][i].colsum[:, :, :width].mean(1)
+            vision = (region == VISION) & valid
+            secondary = top_mask(last[:, None], vision[:, None], s_count)
+            core = top_mask(last[:, None], secondary, cache.policy_state[STATE_CORE])
+            _store(layer, CORE, core.expand(b, h, width).float())
+            keep = (valid & ~vision)[:, None] | secondary
+            edits.append(_edit(layer, keep & self._text_keep(layer, cache, bounds)))
+        return edits
+
+    # ------------------------------------------------------------ decode
+    def update_step(self, step: int) -> bool:
+        return self.interval > 0 and step % self.interval == 0
+
+    def decode_request(self, cache, ctx):
+        return StatsRequest()
+
+    def decode_attend(self, cache: KVCache, ctx) -> list[AttendIndex | None] | None:
+        """Engine hook: per layer, the past entries a non-update step computes over (None = all)."""
+        if self.interval < 0 or self.update_step(ctx.step):
+            return None
+        plans: list[AttendIndex | None] = []
+        for layer in cache.layers:
+            width = layer.max_length
+            valid = valid_slots(layer, width)
+            idle = (layer.scores[REGION][:, :, :width] == VISION) & (layer.scores[CORE][:, :, :width] == 0)
+            used = valid & ~idle
+            plans.append(None if bool((used == valid).all()) else AttendIndex(*mask_to_index(used)))
+        return plans if any(p is not None for p in plans) else None
+
+    def after_decode(self, cache, stats, ctx):
+        bounds = self.bounds(ctx)
+        edits = []
+        for layer, st in zip(cache.layers, stats):
+            width, h = layer.max_length, layer.keys.shape[1]
+            region = layer.scores[REGION][:, :, :width]
+            colsum = st.colsum[:, :, :width]
+            layer.scores[TEXT_SCORE][:, :, :width] += per_kv_head(colsum, h) * (region == TEXT)
+            if self.update_step(ctx.step):
+                vision = (region[:, :1] == VISION) & valid_slots(layer, width)
+                core = top_mask(colsum.mean(1, keepdim=True), vision, cache.policy_state[STATE_CORE])
+                layer.scores[CORE][:, :, :width] = core.expand(-1, h, -1).float()
+            edits.append(_edit(layer, self._text_keep(layer, cache, bounds)))
+        return edits
+
+    # ------------------------------------------------------------ text H2O
+    def _text_keep(self, layer: LayerKV, cache: KVCache, bounds: Tensor) -> Tensor:
+        """``(B, H_kv, S)`` bool: every non-text slot plus the text entries the H2O budget keeps."""
+        width = layer.max_length
+        text = (layer.scores[REGION][:, :, :width] == TEXT) & valid_slots(layer, width)
+        held = text[:, 0].sum(-1)
+        seen = cache.processed - bounds[:, 1].to(
+            cache.processed
+        )  # text tokens processed so far (prompt + generated)
+        rank = torch.round(seen.double() * self.text_share).long().clamp(min=self.text_min)
+        if bool((held <= rank).all()):
+            return torch.ones_like(text)
+        keep = torch.minimum(rank, held)
+        # text entries are the tail of every head's slots, so the recent ones are the last slots
+        recent = recent_mask(
+            layer.lengths, width, keep - torch.round(keep.double() * self.heavy_ratio).long()
+        )
+        score = layer.scores[TEXT_SCORE][:, :, :width]
+        return ~text | top_mask(score, text, keep, force=recent & text)
+
+
+def _store(layer: LayerKV, name: str, values: Tensor) -> None:
+    """Write ``values (B, H_kv, S)`` into the first ``S`` slots of a per-entry score."""
+    layer.ensure_score(name)[:, :, : values.shape[-1]] = values
+
+
+def _edit(layer: LayerKV, keep: Tensor) -> LayerEdit | None:
+    """A select edit keeping ``keep (B, H_kv, S)`` (equal counts per head), None when it keeps all."""
+    valid = valid_slots(layer, keep.shape[-1])
+    keep = keep & valid
+    if bool((keep == valid).all()):
+        return None
+    index, counts = mask_to_index(keep)
+    if not bool((counts == counts[:, :1]).all()):
+        raise RuntimeError("avl selected different numbers of entries per KV head")
+    return LayerEdit(index, counts[:, 0])
