@@ -27,7 +27,9 @@ __all__ = ["AXIS_KEYS", "REQUIRED_KEYS", "Report", "markdown_table", "write_repo
 
 REQUIRED_KEYS = ("policy", "budget", "machine")
 # Numeric keys that describe the setting rather than measure it.
-AXIS_KEYS = frozenset({"budget", "context_length", "batch_size", "max_new_tokens", "seed", "num_samples"})
+AXIS_KEYS = frozenset(
+    {"budget", "context_length", "batch", "batch_size", "max_new_tokens", "seed", "num_samples"}
+)
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,16 @@ def _numeric_keys(records: Iterable[dict]) -> list[str]:
 
 
 def _speed_keys(records: Sequence[dict]) -> list[str]:
-    return [k for k in _numeric_keys(records) if k.endswith("_ratio")]
+    speed = [r for r in records if r.get("kind", "speed") == "speed"]
+    return [k for k in _numeric_keys(speed) if k.endswith("_ratio")]
 
 
 def _quality_keys(records: Sequence[dict]) -> list[str]:
-    # Raw timings ("*_s", "*_ms") and throughputs are machine noise, not quality; they stay in
-    # the table but get no quality-vs-budget plot.
-    skip = ("_ratio", "_s", "_ms", "_tok_per_s")
-    return [k for k in _numeric_keys(records) if not k.endswith(skip)]
+    # Raw timings ("*_s", "*_ms"), throughputs and sizes are machine facts, not quality; they stay
+    # in the table but get no quality-vs-budget plot.
+    skip = ("_ratio", "_s", "_ms", "_tok_per_s", "tokens_per_s", "_bytes", "_mib")
+    quality = [r for r in records if r.get("kind", "quality") == "quality"]
+    return [k for k in _numeric_keys(quality) if not k.endswith(skip)]
 
 
 def _fmt(value: object) -> str:
@@ -173,7 +177,15 @@ def write_report(
 
     table = out_dir / "results.md"
     header = f"# {title}\n\nMachine(s): {', '.join(machines)}. Date: {date}. Records: {len(records)}.\n\n"
-    table.write_text(header + markdown_table(records))
+    kinds = sorted({str(r["kind"]) for r in records if "kind" in r})
+    if len(kinds) > 1:  # one table per kind of measurement keeps the columns meaningful
+        body = "".join(
+            f"## {kind}\n\n" + markdown_table([r for r in records if r.get("kind") == kind]) + "\n"
+            for kind in kinds
+        )
+    else:
+        body = markdown_table(records)
+    table.write_text(header + body)
     raw = out_dir / "results.json"
     raw.write_text(json.dumps(list(records), indent=2, default=str) + "\n")
 
