@@ -38,6 +38,10 @@ class GenerationResult:
     ``kv_bytes``: bytes the K/V tensors hold (capacity, padding included); ``kv_bytes_used``:
     bytes of valid entries; ``full_kv_bytes``: what an uncompressed cache of every processed token
     would hold. Times are wall-clock seconds.
+
+    ``extras`` always has ``kv_stored_fraction`` and ``kv_used_fraction``: over the decode steps, the
+    K/V entries held and the entries attended, as fractions of an uncompressed cache (A-VL's
+    Table 3; None without decode steps). ``cache_hit_rate`` is added when requested.
     """
 
     samples: list[SampleResult]
@@ -78,12 +82,6 @@ class KVUsage:
         if not self.full:
             return {"kv_stored_fraction": None, "kv_used_fraction": None}
         return {"kv_stored_fraction": self.stored / self.full, "kv_used_fraction": self.used / self.full}
-
-
-def _hook(policy: Policy, name: str, *args):
-    """Optional policy hooks (``prefill_filter``, ``decode_attend``): None when a policy has none."""
-    fn = getattr(policy, name, None)
-    return fn(*args) if fn is not None else None
 
 
 def apply_edits(cache: KVCache, edits: list[LayerEdit | None] | None, spare: int = 0) -> None:
@@ -144,7 +142,7 @@ class Engine:
             batch.lengths,
             self.backend.embed(batch),
             all_logits,
-            row_filter=_hook(policy, "prefill_filter", cache, ctx),
+            row_filter=policy.prefill_filter(cache, ctx),
         )
         out = self.backend.step(inputs, cache, request)
         apply_edits(cache, policy.after_prefill(cache, out.stats, ctx))
@@ -175,7 +173,7 @@ class Engine:
             self.decode_positions(policy, cache),
             torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8),
             torch.ones(b, dtype=torch.long),
-            attend=_hook(policy, "decode_attend", cache, ctx),
+            attend=policy.decode_attend(cache, ctx),
         )
         out = self.backend.step(inputs, cache, policy.decode_request(cache, ctx))
         if usage is not None:

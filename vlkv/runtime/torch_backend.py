@@ -40,7 +40,7 @@ class _StepContext:
         if stats is not None:
             self.requests = {"": stats, **stats.extra}
         self.stats = StepStats([None] * n_layers, {name: [None] * n_layers for name in self.requests if name})
-        self.attended = torch.zeros(n_layers, inputs.new_len.shape[0], dtype=torch.float64)
+        self.attended: list[Tensor | None] = [None] * n_layers  # (B,) per layer, on the compute device
         valid = self._valid(inputs)
         self.rows = {
             name: valid if req.rows is None else req.rows.to(valid.device) & valid
@@ -76,14 +76,14 @@ class _StepContext:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
             )
-            self.attended[layer_idx] = (past + new_len).double().cpu()
+            self.attended[layer_idx] = (past + new_len).double()
             selected = None
         else:
             from vlkv.plugins import selected_attention
 
             selected = _with_new_slot(index, past)
             out = selected_attention(q, k, v, *selected, scale)
-            self.attended[layer_idx] = selected[1].double().mean(1).cpu()
+            self.attended[layer_idx] = selected[1].double().mean(1)
         for name, req in self.requests.items():
             if req.wants(layer_idx):
                 st = _stats(q, k, scale, self.rows[name], req.threshold, past, new_len, selected)
@@ -266,4 +266,6 @@ class TorchBackend:
             last = (ctx.inputs.new_len - 1).clamp(min=0).to(self.device)
             logits = self.adapter.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last])
         cache.processed += inputs.new_len.to(cache.processed)
-        return StepOutput(logits=logits.float(), stats=ctx.stats, attended=ctx.attended)
+        done = all(a is not None for a in ctx.attended)
+        attended = torch.stack([a.cpu() for a in ctx.attended]) if done else None
+        return StepOutput(logits=logits.float(), stats=ctx.stats, attended=attended)

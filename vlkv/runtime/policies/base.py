@@ -112,6 +112,14 @@ class Policy:
     def after_decode(self, cache: KVCache, stats: list, ctx: PolicyContext) -> list[LayerEdit | None] | None:
         return None
 
+    def prefill_filter(self, cache: KVCache, ctx: PolicyContext):
+        """Rows to drop inside the prefill layer loop (A-VL's filter P), or None."""
+        return None
+
+    def decode_attend(self, cache: KVCache, ctx: PolicyContext):
+        """Per layer, the past entries the next decode step attends to (None = all), or None."""
+        return None
+
     # shared arithmetic ------------------------------------------------------
     def prompt_keep(self, n: Tensor, min_keep: int = 1) -> Tensor:
         """``(B,)`` entries kept after prefill for prompt lengths ``n (B,)``."""

