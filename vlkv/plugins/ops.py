@@ -1,0 +1,87 @@
+"""Dispatching ops: the Triton kernel where it can run, the PyTorch reference elsewhere.
+
+The kernel runs when the tensors are on CUDA and triton is importable, or when ``VLKV_FORCE_TRITON=1``
+(together with ``TRITON_INTERPRET=1`` this runs the kernels on CPU tensors, which is how the tests reach them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from torch import Tensor
+
+from vlkv.plugins.reference import (
+    AttnStats,
+    attn_stats_reference,
+    merge_kv_reference,
+    selected_attention_reference,
+)
+
+FORCE_TRITON_ENV = "VLKV_FORCE_TRITON"
+
+
+def triton_available() -> bool:
+    """True when ``import triton`` would succeed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(*tensors: Tensor) -> bool:
+    """Whether the ops below should launch the Triton kernel for these tensors."""
+    if os.environ.get(FORCE_TRITON_ENV) == "1":
+        if not triton_available():
+            raise RuntimeError(
+                f"{FORCE_TRITON_ENV}=1 but triton is not installed: pip install 'vlkv[triton]'"
+            )
+        return True
+    return all(t.is_cuda for t in tensors) and triton_available()
+
+
+def attn_stats(
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+    query_rows: Tensor | None = None,
+    causal: bool = True,
+    threshold: float | None = None,
+    key_lengths: Tensor | None = None,
+    q_offset: Tensor | None = None,
+    chunk_rows: int = 256,
+) -> AttnStats:
+    """Attention statistics; shapes and semantics as in ``reference.attn_stats_reference``.
+
+    q: (B, H, Q, D). k: (B, Hkv, S, D). query_rows: (B, Q) bool. key_lengths, q_offset: (B,) int64.
+    """
+    if use_triton(q, k):
+        from vlkv.plugins.triton_attn_stats import attn_stats_triton
+
+        return attn_stats_triton(q, k, scale, query_rows, causal, threshold, key_lengths, q_offset)
+    return attn_stats_reference(q, k, scale, query_rows, causal, threshold, key_lengths, q_offset, chunk_rows)
+
+
+def selected_attention(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, lengths: Tensor, scale: float
+) -> Tensor:
+    """Attention over selected K/V rows; see ``reference.selected_attention_reference``.
+
+    q: (B, H, Q, D). k, v: (B, Hkv, S, D). indices: (B, Hkv, K) int64. lengths: (B, Hkv) int64.
+    Returns (B, H, Q, D) in q's dtype.
+    """
+    if use_triton(q, k, v):
+        from vlkv.plugins.triton_selected_attention import selected_attention_triton
+
+        return selected_attention_triton(q, k, v, indices, lengths, scale)
+    return selected_attention_reference(q, k, v, indices, lengths, scale)
+
+
+def merge_kv(k: Tensor, v: Tensor, assign: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """Segment mean of K/V rows; see ``reference.merge_kv_reference``.
+
+    k, v: (B, Hkv, S, D). assign: (B, Hkv, S) int64. counts: (B, Hkv, S_out) int64.
+    Returns k_out, v_out: (B, Hkv, S_out, D) in k's dtype.
+    """
+    if use_triton(k, v):
+        from vlkv.plugins.triton_merge_kv import merge_kv_triton
+
+        return merge_kv_triton(k, v, assign, counts)
+    return merge_kv_reference(k, v, assign, counts)
