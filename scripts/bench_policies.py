@@ -45,9 +45,12 @@ def run(args) -> list[dict]:
     engine = Engine(load_model(args.model))
     engine.eos_ids = set()  # same number of decode steps for every configuration
     images = _images(args.model, args.images)
-    prompts = [Prompt("Describe this image in detail, then list every object you can see.", [im]) for im in images]
+    prompts = [
+        Prompt("Describe this image in detail, then list every object you can see.", [im]) for im in images
+    ]
     configs = [("full", 1.0)] + [(p, b) for p in args.policies for b in args.budgets]
     records = {c: [] for c in configs}
+    engine.generate(prompts, make_policy("full"), 2)  # warm-up: first calls allocate and spin up threads
     for _ in tqdm(range(args.repeats), desc="repeats"):
         for name, budget in tqdm(configs, desc="configs", leave=False):
             policy = make_policy(name) if name == "full" else make_policy(name, budget=budget)
@@ -61,7 +64,8 @@ def run(args) -> list[dict]:
         res = runs[0][0]
         step = statistics.median(r.decode_s / r.decode_steps for r, _ in runs)
         agree = sum(
-            sum(a == b for a, b in zip(s.token_ids, f.token_ids)) for s, f in zip(res.samples, full_res.samples)
+            sum(a == b for a, b in zip(s.token_ids, f.token_ids))
+            for s, f in zip(res.samples, full_res.samples)
         ) / sum(len(f.token_ids) for f in full_res.samples)
         rows.append(
             {

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from vlkv.eval.corpus import image_qa_prompts, paragraphs
-from vlkv.eval.teacher_forcing import compare_to_full
+from vlkv.eval.teacher_forcing import compare_to_full, full_reference
 from vlkv.runtime.backend import StatsRequest, StepInputs
+from vlkv.runtime.diagnostics import cache_hit_rate
 from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
@@ -39,6 +40,8 @@ class SweepConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2])
     context_words: list[int] = field(default_factory=lambda: [16, 128])
     repeats: int = 2
+    speed_policies: list[str] | None = None  # None = ``policies``
+    speed_budgets: list[float] | None = None  # None = ``budgets``
 
     def __post_init__(self) -> None:
         for b in self.budgets:
@@ -48,6 +51,8 @@ class SweepConfig:
             raise ValueError(f"new_tokens must be >= 2, got {self.new_tokens}")
         if self.repeats < 1 or min(self.batch_sizes) < 1 or min(self.context_words) < 1:
             raise ValueError("repeats, batch_sizes and context_words must be >= 1")
+        self.speed_policies = self.speed_policies or list(self.policies)
+        self.speed_budgets = [b for b in (self.speed_budgets or self.budgets) if b < 1]
 
 
 def quality_prompts(images: list, n: int) -> list[Prompt]:
@@ -64,10 +69,13 @@ def context_prompt(image, words: int) -> Prompt:
 
 def quality_records(engine: Engine, prompts: list[Prompt], cfg: SweepConfig, progress=None) -> list[dict]:
     records = []
+    reference = full_reference(engine, prompts, cfg.new_tokens)
     for name in cfg.policies:
         for budget in cfg.budgets:
-            rep = compare_to_full(engine, prompts, make_policy(name, budget=budget), cfg.new_tokens)
-            records.append({"kind": "quality", **rep.as_record()})
+            policy = make_policy(name, budget=budget)
+            rep = compare_to_full(engine, prompts, policy, cfg.new_tokens, reference)
+            hits = cache_hit_rate(engine, prompts, policy)
+            records.append({"kind": "quality", **rep.as_record(), "cache_hit_rate": sum(hits) / len(hits)})
             if progress:
                 progress.update(1)
     return records
@@ -104,13 +112,14 @@ def speed_records(engine: Engine, image, cfg: SweepConfig, progress=None) -> lis
     saved, engine.eos_ids = engine.eos_ids, set()
     records = []
     try:
+        engine.generate([context_prompt(image, 8)], make_policy("full"), 2)  # warm-up: first calls allocate
         for bs in cfg.batch_sizes:
             for words in cfg.context_words:
                 prompts = [context_prompt(image, words)] * bs
                 context = engine.encode(prompts[:1]).lengths.item()
                 runs = {}
                 for name, budget in [("full", 1.0)] + [
-                    (p, b) for p in cfg.policies for b in cfg.budgets if b < 1
+                    (p, b) for p in cfg.speed_policies for b in cfg.speed_budgets
                 ]:
                     policy = make_policy(name) if name == "full" else make_policy(name, budget=budget)
                     results = [engine.generate(prompts, policy, cfg.new_tokens) for _ in range(cfg.repeats)]

@@ -13,9 +13,8 @@ import torch
 
 from vlkv.eval.kvpress_peer import KvpressJob, run_kvpress
 from vlkv.eval.metrics import kl_divergence, perplexity, rouge_l_f1, token_nll, top1_agreement
-from vlkv.eval.teacher_forcing import forced_logits
+from vlkv.eval.teacher_forcing import full_reference
 from vlkv.runtime.engine import Engine
-from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 
 # kvpress press for each vlkv policy it corresponds to ("none" = full cache, a sanity check)
@@ -69,12 +68,8 @@ def peer_quality_records(
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = export_language_model(engine, work_dir / "lm")
-    saved, engine.eos_ids = engine.eos_ids, set()
-    try:
-        reference = [s.token_ids for s in engine.generate(prompts, make_policy("full"), new_tokens).samples]
-    finally:
-        engine.eos_ids = saved
-    full_logits = forced_logits(engine, prompts, make_policy("full"), reference)
+    ref = full_reference(engine, prompts, new_tokens)
+    reference, full_logits = ref.tokens, ref.logits
     embeds = engine.backend.embed(engine.encode(prompts))
     lengths = engine.encode(prompts).lengths
     jobs, keys = [], []

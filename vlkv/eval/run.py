@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=None)
     ap.add_argument("--context-words", nargs="+", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument(
+        "--speed-policies", nargs="+", default=None, help="policies for the speed sweep (default: --policies)"
+    )
+    ap.add_argument("--speed-budgets", nargs="+", type=float, default=None)
     ap.add_argument("--peers", nargs="*", default=[], help="'kvpress' to run its presses side by side")
     ap.add_argument(
         "--peer-presses", nargs="+", default=["none", "local", "snapkv", "h2o", "pyramidkv", "knorm"]
@@ -74,6 +78,8 @@ def config_from(args) -> SweepConfig:
         "batch_sizes": args.batch_sizes,
         "context_words": args.context_words,
         "repeats": args.repeats,
+        "speed_policies": args.speed_policies,
+        "speed_budgets": args.speed_budgets,
     }
     fields = {k: getattr(base, k) for k in over} | {k: v for k, v in over.items() if v is not None}
     return SweepConfig(**fields)
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = quality_prompts(images, 2 if args.smoke else args.prompts)
         total = len(cfg.policies) * len(cfg.budgets)
         if not args.no_speed:
-            speed_cfgs = 1 + len(cfg.policies) * sum(b < 1 for b in cfg.budgets)
+            speed_cfgs = 1 + len(cfg.speed_policies) * len(cfg.speed_budgets)
             total += len(cfg.batch_sizes) * len(cfg.context_words) * speed_cfgs
         with tqdm(total=total, desc=f"evaluate {model}") as bar:
             records = quality_records(engine, prompts, cfg, bar)

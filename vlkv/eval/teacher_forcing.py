@@ -57,23 +57,44 @@ class QualityReport:
         return dict(self.__dict__)
 
 
-def compare_to_full(
-    engine: Engine, prompts: list[Prompt], policy: Policy, new_tokens: int = 32
-) -> QualityReport:
-    """Generate the full-cache reference, then score ``policy`` against it (see module docstring)."""
+@dataclass
+class FullReference:
+    """The full cache's greedy continuation of each prompt and its teacher-forced logits along it."""
+
+    tokens: list[list[int]]
+    logits: list[Tensor]
+
+
+def full_reference(engine: Engine, prompts: list[Prompt], new_tokens: int) -> FullReference:
+    """Computed once per prompt set and shared by every policy/budget compared against it."""
     full = make_policy("full")
     saved, engine.eos_ids = engine.eos_ids, set()  # equal-length references for every sample
     try:
-        reference = [s.token_ids for s in engine.generate(prompts, full, new_tokens).samples]
+        tokens = [s.token_ids for s in engine.generate(prompts, full, new_tokens).samples]
+    finally:
+        engine.eos_ids = saved
+    return FullReference(tokens, forced_logits(engine, prompts, full, tokens))
+
+
+def compare_to_full(
+    engine: Engine,
+    prompts: list[Prompt],
+    policy: Policy,
+    new_tokens: int = 32,
+    reference: FullReference | None = None,
+) -> QualityReport:
+    """Score ``policy`` against the full cache (see module docstring); pass ``reference`` to reuse it."""
+    ref = reference or full_reference(engine, prompts, new_tokens)
+    saved, engine.eos_ids = engine.eos_ids, set()
+    try:
         candidate = [s.token_ids for s in engine.generate(prompts, policy, new_tokens).samples]
     finally:
         engine.eos_ids = saved
-    full_logits = forced_logits(engine, prompts, full, reference)
-    pol_logits = forced_logits(engine, prompts, policy, reference)
-    targets = [torch.tensor(r) for r in reference]
+    pol_logits = forced_logits(engine, prompts, policy, ref.tokens)
+    targets = [torch.tensor(r) for r in ref.tokens]
     nll = [token_nll(lg, t) for lg, t in zip(pol_logits, targets)]
-    full_nll = [token_nll(lg, t) for lg, t in zip(full_logits, targets)]
-    p, q = torch.cat(full_logits), torch.cat(pol_logits)
+    full_nll = [token_nll(lg, t) for lg, t in zip(ref.logits, targets)]
+    p, q = torch.cat(ref.logits), torch.cat(pol_logits)
     return QualityReport(
         policy=policy.name,
         budget=policy.budget,
@@ -81,5 +102,5 @@ def compare_to_full(
         full_ppl=perplexity(full_nll),
         kl_mean=float(kl_divergence(p, q).mean()),
         top1_agreement=top1_agreement(p, q),
-        rouge_l=sum(rouge_l_f1(c, r) for c, r in zip(candidate, reference)) / len(reference),
+        rouge_l=sum(rouge_l_f1(c, r) for c, r in zip(candidate, ref.tokens)) / len(ref.tokens),
     )
