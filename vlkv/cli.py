@@ -87,7 +87,12 @@ def cmd_generate(args) -> int:
 
     engine = Engine(load_model(args.model), backend=args.backend)
     result = engine.generate(
-        prompts, policy, args.max_new_tokens, sampler, cache_hit_rate=args.cache_hit_rate, hit_rate_k=args.hit_rate_k
+        prompts,
+        policy,
+        args.max_new_tokens,
+        sampler,
+        cache_hit_rate=args.cache_hit_rate,
+        hit_rate_k=args.hit_rate_k,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -97,7 +102,10 @@ def cmd_generate(args) -> int:
         print(f"{head}{s.text}")
     ratio = result.kv_bytes_used / max(result.full_kv_bytes, 1)
     if "cache_hit_rate" in result.extras:
-        print(f"-- cache hit rate (mean over layers): {result.extras['cache_hit_rate']['mean']:.3f}", file=sys.stderr)
+        print(
+            f"-- cache hit rate (mean over layers): {result.extras['cache_hit_rate']['mean']:.3f}",
+            file=sys.stderr,
+        )
     print(
         f"-- policy={result.policy} budget={result.budget} kv={result.kv_bytes_used / 2**20:.2f} MiB "
         f"({ratio:.1%} of full) prefill={result.prefill_s:.3f}s decode={result.decode_s:.3f}s",
@@ -142,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cache-hit-rate", action="store_true", help="report VL-Cache's CacheHitRate per layer")
-    g.add_argument("--hit-rate-k", type=_count_or_fraction, default=None, help="k for --cache-hit-rate: count, or fraction < 1")
+    g.add_argument(
+        "--hit-rate-k",
+        type=_count_or_fraction,
+        default=None,
+        help="k for --cache-hit-rate: count, or fraction < 1",
+    )
     g.add_argument("--json", action="store_true", help="print a JSON report instead of text")
     g.set_defaults(func=cmd_generate)
     return parser

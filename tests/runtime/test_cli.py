@@ -89,7 +89,19 @@ def test_bad_input_is_one_line(capsys, argv, needle):
 
 
 def test_cache_hit_rate_in_json(capsys):
-    code, out, err = _run(capsys, "--policy", "vlcache", "--budget", "0.3", "--cache-hit-rate", "--hit-rate-k", "4", "--max-new-tokens", "2", "--json")
+    code, out, err = _run(
+        capsys,
+        "--policy",
+        "vlcache",
+        "--budget",
+        "0.3",
+        "--cache-hit-rate",
+        "--hit-rate-k",
+        "4",
+        "--max-new-tokens",
+        "2",
+        "--json",
+    )
     assert code == 0, err
     report = json.loads(out)["extras"]["cache_hit_rate"]
     assert len(report["per_layer"]) == 4 and all(0 <= r <= 1 for r in report["per_layer"])

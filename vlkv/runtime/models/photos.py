@@ -31,7 +31,9 @@ def real_photos(
     if unknown:
         raise ValueError(f"unknown photo {unknown[0]!r}; known: {', '.join(PHOTOS)}")
     if importlib.util.find_spec("skimage") is None:
-        raise ValueError('real photos need the demo packages: bash scripts/install_demo.sh (missing: scikit-image)')
+        raise ValueError(
+            "real photos need the demo packages: bash scripts/install_demo.sh (missing: scikit-image)"
+        )
     import skimage.data
 
     return [Image.fromarray(getattr(skimage.data, name)()).convert("RGB") for name in names]

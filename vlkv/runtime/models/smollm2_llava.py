@@ -93,7 +93,9 @@ def require_demo() -> None:
     """Raise a one-line ValueError naming the first missing demo package."""
     for module, dist in DEMO_PACKAGES.items():
         if importlib.util.find_spec(module) is None:
-            raise ValueError(f'{MODEL_NAME} needs the demo packages: bash scripts/install_demo.sh (missing: {dist})')
+            raise ValueError(
+                f"{MODEL_NAME} needs the demo packages: bash scripts/install_demo.sh (missing: {dist})"
+            )
 
 
 def package_file(module: str, relative: str) -> Path:
@@ -104,7 +106,7 @@ def package_file(module: str, relative: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f'{MODEL_NAME} needs the demo packages: bash scripts/install_demo.sh (missing: {DEMO_PACKAGES[module]})'
+            f"{MODEL_NAME} needs the demo packages: bash scripts/install_demo.sh (missing: {DEMO_PACKAGES[module]})"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
