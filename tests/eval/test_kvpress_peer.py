@@ -15,10 +15,6 @@ from vlkv.eval import kvpress_peer
 from vlkv.eval.kvpress_peer import ADAPTER, KVPRESS_NAMES, KvpressJob, KvpressUnavailable, run_kvpress
 
 N_PROMPT = 40
-HAVE_VENV = kvpress_peer.kvpress_python() is not None
-needs_venv = pytest.mark.skipif(
-    not HAVE_VENV, reason="optional kvpress peer venv absent; create it with `python scripts/kvpress_env.py`"
-)
 
 
 def test_job_validation():
@@ -114,8 +110,6 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(tiny):
-    if not HAVE_VENV:
-        pytest.skip("optional kvpress peer venv absent; create it with `python scripts/kvpress_env.py`")
     r, ids, cont, md = tiny["root"], tiny["ids"], tiny["cont"], str(tiny["root"] / "model")
     jobs = [
         KvpressJob(md, "none", input_ids=ids, max_new_tokens=5, id="full_greedy"),
@@ -194,7 +188,7 @@ def _ref_cache(model, ids):
     return out.past_key_values
 
 
-@needs_venv
+@pytest.mark.kvpress
 def test_full_cache_greedy_matches_transformers_generate(tiny, results):
     res = results["full_greedy"]
     assert res["ok"] and res["versions"]["transformers"].startswith("5.2.")
@@ -203,7 +197,7 @@ def test_full_cache_greedy_matches_transformers_generate(tiny, results):
     assert res["kept_per_layer"] == [N_PROMPT, N_PROMPT]
 
 
-@needs_venv
+@pytest.mark.kvpress
 def test_full_cache_teacher_forced_logits_match(tiny, results):
     # transformers 5.2 in the venv vs 5.23 here, fp32 on CPU.
     logits = torch.load(results["full_logits"]["logits_path"])
@@ -213,7 +207,7 @@ def test_full_cache_teacher_forced_logits_match(tiny, results):
     assert results["full_logits"]["topk_indices"][0] == ref[0].topk(5).indices.tolist()
 
 
-@needs_venv
+@pytest.mark.kvpress
 def test_knorm_keeps_smallest_key_norms_and_decodes_at_original_positions(tiny, results):
     from transformers import DynamicCache
 
@@ -243,7 +237,7 @@ def test_knorm_keeps_smallest_key_norms_and_decodes_at_original_positions(tiny, 
     assert (logits - full).abs().max() > 1e-3
 
 
-@needs_venv
+@pytest.mark.kvpress
 def test_streaming_llm_keeps_sinks_and_recent(results):
     kept = torch.load(results["stream"]["kept_indices_path"])
     expected = torch.tensor([0, 1, 2, 3, *range(N_PROMPT - 6, N_PROMPT)])
@@ -252,7 +246,7 @@ def test_streaming_llm_keeps_sinks_and_recent(results):
         assert torch.equal(idx, expected.expand(2, -1))
 
 
-@needs_venv
+@pytest.mark.kvpress
 def test_inputs_embeds_path_equals_input_ids_path(results):
     a, b = results["snap_ids"], results["snap_embeds"]
     assert a["generated_ids"] == b["generated_ids"]
@@ -262,7 +256,7 @@ def test_inputs_embeds_path_equals_input_ids_path(results):
     assert a["kept_per_layer"] == b["kept_per_layer"] == [20, 20]
 
 
-@needs_venv
+@pytest.mark.kvpress
 def test_other_presses_run_with_expected_budgets(results):
     assert results["observed"]["attn_implementation"] == "eager"
     for name in ("observed", "expected", "merging"):
@@ -272,13 +266,13 @@ def test_other_presses_run_with_expected_budgets(results):
     assert pyramid[0] > pyramid[1] and abs(sum(pyramid) - N_PROMPT) <= len(pyramid)
 
 
-@needs_venv
+@pytest.mark.kvpress
 def test_keep_rounding_modes(results):
     assert results["knorm_vlkv_count"]["kept_per_layer"] == [4, 4]  # round(40 * 0.1)
     assert results["knorm_floor"]["kept_per_layer"] == [3, 3]  # kvpress's own float floor
 
 
-@needs_venv
+@pytest.mark.kvpress
 def test_timing_mode_and_error_isolation(results):
     t = results["timing"]
     assert t["prefill_s"] > 0 and t["decode_s"] > 0 and t["decode_tokens"] == 2

