@@ -42,6 +42,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_caches(tmp_path_factory):
+    """Exports made by tests go to a session temp dir, never the user's ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLKV_ONNX_CACHE", str(tmp_path_factory.mktemp("onnx-cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def loaded_models():
     """name → LoadedModel, built once per session."""

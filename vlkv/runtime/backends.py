@@ -11,7 +11,13 @@ def _torch(loaded):
     return TorchBackend(loaded.model, loaded.family, loaded.image_token_id)
 
 
-BACKENDS: dict[str, Callable] = {"torch": _torch}
+def _onnxruntime(loaded):
+    from vlkv.runtime.ort_backend import OrtBackend
+
+    return OrtBackend(loaded.model, loaded.family, loaded.image_token_id)
+
+
+BACKENDS: dict[str, Callable] = {"torch": _torch, "onnxruntime": _onnxruntime}
 
 
 def make_backend(name: str, loaded):
