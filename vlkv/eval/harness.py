@@ -56,9 +56,19 @@ class SweepConfig:
 
 
 def quality_prompts(images: list, n: int) -> list[Prompt]:
-    """``n`` image-QA prompts cycling over ``images`` (PIL images or ``builtin:`` specs)."""
-    qs = image_qa_prompts()
-    return [Prompt(qs[i % len(qs)], [images[i % len(images)]]) for i in range(n)]
+    """``n`` prompts cycling over ``images``: a corpus paragraph, then an image and an image question.
+
+    The text gives the language model something it can continue meaningfully even when the
+    projector is untrained (``smollm2-llava``), so quality metrics measure the cache, not noise.
+    """
+    qs, texts = image_qa_prompts(), paragraphs()
+    return [
+        Prompt(
+            f"{texts[i % len(texts)]}\n{qs[i % len(qs)]} Then summarise the text above.",
+            [images[i % len(images)]],
+        )
+        for i in range(n)
+    ]
 
 
 def context_prompt(image, words: int) -> Prompt:
