@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-import torch
-from PIL import Image
+import os
+
+# Triton reads this when it is first imported, and any test module may import it first: without a
+# GPU the kernels run in Triton's interpreter on CPU tensors.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
 
 TINY = ("tiny-llava", "tiny-llava-next", "tiny-qwen2-vl")
 

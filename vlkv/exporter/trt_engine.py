@@ -11,6 +11,7 @@ derived and written (so a bad profile fails on any machine), then the stage rais
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -79,8 +80,10 @@ def register_plugins(names: list[str]) -> None:
     if not names:
         return
     try:
-        from vlkv.plugins import trt_plugins
-    except ModuleNotFoundError as exc:
+        # import_module, not `from vlkv.plugins import ...`: the latter can be satisfied by a stale
+        # package attribute even when the module itself cannot be imported
+        trt_plugins = importlib.import_module("vlkv.plugins.trt_plugins")
+    except ImportError as exc:
         raise StageError(
             f"recipe plugins {names} need vlkv.plugins.trt_plugins, which is missing ({exc.name})"
         ) from None
