@@ -177,6 +177,24 @@ def top_entries(
     return top.masked_fill(top == s, 0), keep
 
 
+def evict_to(cache: KVCache, target: Tensor, score, force) -> list[LayerEdit | None]:
+    """Per layer, keep at most ``target[b]`` entries: the best by ``score(layer, width)``
+    (``(B, H_kv, width)``), with ``force(layer, width, keep)`` (``(B, 1 or H_kv, width)`` bool) always in.
+    Layers already within the target get no edit."""
+    edits: list[LayerEdit | None] = []
+    for layer in cache.layers:
+        if bool((layer.lengths <= target).all()):
+            edits.append(None)
+            continue
+        width = layer.max_length
+        keep = torch.minimum(target, layer.lengths)
+        index, keep_len = top_entries(
+            score(layer, width), valid_slots(layer, width), keep, force(layer, width, keep)
+        )
+        edits.append(LayerEdit(index, keep_len))
+    return edits
+
+
 def recent_mask(lengths: Tensor, width: int, recent: Tensor) -> Tensor:
     """``(B, 1, width)`` bool: the last ``recent[b]`` valid slots of each sample."""
     j = torch.arange(width, device=lengths.device)[None, :]

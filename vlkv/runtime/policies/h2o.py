@@ -14,10 +14,9 @@ from vlkv.runtime.policies.base import (
     Policy,
     PolicyContext,
     check_range,
+    evict_to,
     per_kv_head,
     recent_mask,
-    top_entries,
-    valid_slots,
 )
 
 SCORE = "h2o"
@@ -54,22 +53,12 @@ class H2OPolicy(Policy):
             score[:, :, :s] += per_kv_head(st.colsum, ctx.num_kv_heads)
 
     def _evict(self, cache: KVCache, target: torch.Tensor) -> list[LayerEdit | None]:
-        edits = []
-        for layer in cache.layers:
-            if bool((layer.lengths <= target).all()):
-                edits.append(None)
-                continue
-            width = layer.max_length
-            keep = torch.minimum(target, layer.lengths)
-            recent = keep - torch.round(keep.double() * self.heavy_ratio).long()
-            index, keep_len = top_entries(
-                layer.scores[SCORE][:, :, :width],
-                valid_slots(layer, width),
-                keep,
-                force=recent_mask(layer.lengths, width, recent),
+        def recent(layer, width, keep):
+            return recent_mask(
+                layer.lengths, width, keep - torch.round(keep.double() * self.heavy_ratio).long()
             )
-            edits.append(LayerEdit(index, keep_len))
-        return edits
+
+        return evict_to(cache, target, lambda layer, width: layer.scores[SCORE][:, :, :width], recent)
 
     def after_prefill(self, cache, stats, ctx):
         self._accumulate(cache, stats, ctx)

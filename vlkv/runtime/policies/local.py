@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from vlkv.runtime.cache import KVCache
-from vlkv.runtime.policies.base import LayerEdit, Policy, PolicyContext, sink_mask, top_entries, valid_slots
+from vlkv.runtime.policies.base import LayerEdit, Policy, PolicyContext, evict_to, sink_mask
 
 
 @dataclass
@@ -30,22 +30,13 @@ class LocalPolicy(Policy):
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
 
     def _keep(self, cache: KVCache, target) -> list[LayerEdit | None]:
-        edits = []
-        for layer in cache.layers:
-            if bool((layer.lengths <= target).all()):
-                edits.append(None)
-                continue
-            width = layer.max_length
-            # recency is the score: later slots rank higher, sinks are forced in
-            score = torch.arange(width, dtype=torch.float32)[None, None, :].expand(
-                layer.keys.shape[0], layer.keys.shape[1], width
-            )
-            keep = torch.minimum(target, layer.lengths)
-            index, keep_len = top_entries(
-                score, valid_slots(layer, width), keep, force=sink_mask(layer.lengths, width, self.sinks)
-            )
-            edits.append(LayerEdit(index, keep_len))
-        return edits
+        def recency(layer, width):  # later slots rank higher
+            b, h = layer.keys.shape[:2]
+            return torch.arange(width, dtype=torch.float32)[None, None, :].expand(b, h, width)
+
+        return evict_to(
+            cache, target, recency, lambda layer, width, keep: sink_mask(layer.lengths, width, self.sinks)
+        )
 
     def after_prefill(self, cache, stats, ctx: PolicyContext):
         return self._keep(cache, self.prompt_keep(ctx.prompt_lengths, min_keep=self.sinks + 1))
