@@ -22,6 +22,11 @@ class CliError(ValueError):
     """A user error reported as one line."""
 
 
+def _printable(text: str) -> str:
+    """Generated text with control characters shown as U+00B7, so a terminal stays sane."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\u00b7" for c in text)
+
+
 def _count_or_fraction(text: str) -> int | float:
     value = float(text)
     return int(value) if value >= 1 and value.is_integer() else value
@@ -97,9 +102,11 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
+    if args.model.startswith("tiny-"):
+        print("(built-in tiny model with random weights: the text is noise, the cache numbers are real)")
     for i, s in enumerate(result.samples):
         head = f"[{i}] " if len(result.samples) > 1 else ""
-        print(f"{head}{s.text}")
+        print(f"{head}{_printable(s.text)}")
     ratio = result.kv_bytes_used / max(result.full_kv_bytes, 1)
     if "cache_hit_rate" in result.extras:
         print(
