@@ -7,6 +7,7 @@ kvpress runs in its own virtualenv and process (``scripts/kvpress_env.py``,
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -95,6 +96,19 @@ def peer_quality_records(
     records = []
     for name in presses:
         for budget in [1.0] if name == "none" else budgets:
+            failed = _first_error(results, keys, name, budget)
+            if failed:
+                # one press failing inside kvpress must not cost the other measurements
+                print(f"kvpress {PEER_PRESSES[name]} at budget {budget} failed: {failed}", file=sys.stderr)
+                records.append(
+                    {
+                        "kind": "peer_failure",
+                        "policy": f"kvpress:{PEER_PRESSES[name]}",
+                        "budget": budget,
+                        "error": failed,
+                    }
+                )
+                continue
             nll, full_nll, p_rows, q_rows, rouge = [], [], [], [], []
             for k, (kname, kbudget, i, logits_path) in enumerate(keys):
                 if (kname, kbudget) != (name, budget):
@@ -125,6 +139,15 @@ def peer_quality_records(
                 }
             )
     return records
+
+
+def _first_error(results: list[dict], keys: list, name: str, budget: float) -> str | None:
+    for k, (kname, kbudget, _, _) in enumerate(keys):
+        if (kname, kbudget) == (name, budget):
+            for r in results[2 * k : 2 * k + 2]:
+                if not r.get("ok"):
+                    return str(r.get("error", "unknown error")).splitlines()[0]
+    return None
 
 
 def _peer_logits(path: Path, steps: int) -> torch.Tensor:

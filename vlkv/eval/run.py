@@ -107,23 +107,32 @@ def main(argv: list[str] | None = None) -> int:
             records = quality_records(engine, prompts, cfg, bar)
             if not args.no_speed:
                 records += speed_records(engine, images[0], cfg, bar)
+        machine = machine_name(args.device)
+        for r in records:
+            r["model"], r["machine"] = model, machine
+        # written now so a failing peer run cannot cost the vlkv measurements
+        report = write_report(records, root=args.out, machine=machine, title=f"vlkv on {model}")
         if "kvpress" in args.peers:
             from vlkv.eval.peers import peer_quality_records
 
-            with tempfile.TemporaryDirectory() as tmp:
-                records += peer_quality_records(
-                    engine,
-                    prompts,
-                    args.peer_presses,
-                    [b for b in cfg.budgets if b < 1],
-                    cfg.new_tokens,
-                    Path(tmp),
-                )
-        for r in records:
-            r["model"], r["machine"] = model, machine_name(args.device)
-        report = write_report(
-            records, root=args.out, machine=machine_name(args.device), title=f"vlkv on {model}"
-        )
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    peers = peer_quality_records(
+                        engine,
+                        prompts,
+                        args.peer_presses,
+                        [b for b in cfg.budgets if b < 1],
+                        cfg.new_tokens,
+                        Path(tmp),
+                    )
+            except RuntimeError as e:  # kvpress venv missing or its process died: keep what we measured
+                print(f"evaluate: kvpress side-by-side skipped: {str(e).splitlines()[0]}", file=sys.stderr)
+                peers = []
+            for r in peers:
+                r["model"], r["machine"] = model, machine
+            if peers:
+                records += peers
+                report = write_report(records, root=args.out, machine=machine, title=f"vlkv on {model}")
     except ValueError as e:
         print(f"evaluate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
