@@ -84,7 +84,8 @@ def _quality_keys(records: Sequence[dict]) -> list[str]:
     # in the table but get no quality-vs-budget plot.
     skip = ("_ratio", "_s", "_ms", "_tok_per_s", "tokens_per_s", "_bytes", "_mib")
     quality = [r for r in records if r.get("kind", "quality") == "quality"]
-    return [k for k in _numeric_keys(quality) if not k.endswith(skip)]
+    # full_* columns are the shared baseline, constant across budgets: a table column, not a plot
+    return [k for k in _numeric_keys(quality) if not k.endswith(skip) and not k.startswith("full_")]
 
 
 def _fmt(value: object) -> str:
