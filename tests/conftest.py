@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for name, reason in gates.items():
             if name in item.keywords:
-                item.add_marker(pytest.mark.skip(reason=reason))
+                item.add_marker(pytest.mark.skip(reason=reason))  # optional GPU, demo weights, peer venv only
 
 
 @pytest.fixture(scope="session", autouse=True)
