@@ -5,26 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.runtime.policies.reference import eager_attentions
 from vlkv.runtime.backend import StatsRequest, StepInputs
 from vlkv.runtime.prompt import Prompt
 
 ATOL, RTOL = 1e-5, 1e-4  # float32 softmax sums over <= ~100 rows
-
-
-def _eager_attentions(loaded, embeds, positions):
-    """HF eager attention probabilities per layer, list of ``(B, H, n, n)``, from the LM run on the
-    runtime's own embeddings and positions so both paths see identical inputs."""
-    lm = loaded.model.model.language_model
-    cfg = lm.config
-    saved = cfg._attn_implementation
-    cfg._attn_implementation = "eager"
-    try:
-        pos_ids = positions.permute(2, 0, 1) if positions.shape[-1] == 3 else positions[..., 0]
-        with torch.no_grad():
-            out = lm(inputs_embeds=embeds, position_ids=pos_ids, output_attentions=True, use_cache=False)
-        return out.attentions
-    finally:
-        cfg._attn_implementation = saved
 
 
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
@@ -43,7 +28,7 @@ def test_chunked_stats_equal_eager(name, rows, engines, loaded_models, images):
         cache,
         StatsRequest(rows=row_mask, threshold=0.01),
     )
-    eager = _eager_attentions(loaded_models[name], emb, batch.positions)
+    eager = eager_attentions(loaded_models[name], emb, batch.positions)
     heads, kv_heads = engine.backend.num_heads, engine.backend.num_kv_heads
     assert heads > kv_heads, "tiny models are meant to exercise GQA"
     for layer, (st, att) in enumerate(zip(out.stats, eager)):

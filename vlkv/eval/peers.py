@@ -71,8 +71,8 @@ def peer_quality_records(
     model_dir = export_language_model(engine, work_dir / "lm")
     ref = full_reference(engine, prompts, new_tokens)
     reference, full_logits = ref.tokens, ref.logits
-    embeds = engine.backend.embed(engine.encode(prompts))
-    lengths = engine.encode(prompts).lengths
+    batch = engine.encode(prompts)
+    embeds, lengths = engine.backend.embed(batch), batch.lengths
     jobs, keys = [], []
     for i, ref in enumerate(reference):
         emb_path = work_dir / f"embeds{i}.pt"

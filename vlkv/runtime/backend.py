@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.cache import KVCache
+from vlkv.runtime.models.adapter import FamilyAdapter
 
 
 @dataclass
@@ -171,6 +172,9 @@ class Backend(Protocol):
     pos_dims: int
     dtype: torch.dtype
     device: torch.device
+    # family knowledge (positions, image-token layout) the engine uses to encode prompts; backends
+    # that run no PyTorch decoder still expose it, since prompt encoding is backend-independent
+    adapter: FamilyAdapter
 
     def embed(self, batch) -> Tensor:
         """``(B, T, hidden)`` prompt embeddings with image features spliced in."""
