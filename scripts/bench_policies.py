@@ -42,7 +42,6 @@ def _machine(device: str) -> str:
 
 def run(args) -> list[dict]:
     engine = Engine(load_model(args.model))
-    engine.eos_ids = set()  # same number of decode steps for every configuration
     images = _images(args.model, args.images)
     prompts = [context_prompt(im, args.words) for im in images]
     configs = [(p, b) for p in args.policies for b in args.budgets]
@@ -53,8 +52,8 @@ def run(args) -> list[dict]:
     # machine load cancel in the per-pair ratio
     for name, budget in tqdm(configs, desc="configs"):
         for _ in range(args.repeats):
-            full = engine.generate(prompts, make_policy("full"), args.new)
-            res = engine.generate(prompts, make_policy(name, budget=budget), args.new)
+            full = engine.generate(prompts, make_policy("full"), args.new, stop_at_eos=False)
+            res = engine.generate(prompts, make_policy(name, budget=budget), args.new, stop_at_eos=False)
             records[("full", 1.0)].append((full, 0.0))
             records.setdefault((name, budget), []).append((res, 0.0))
             pairs[(name, budget)].append(

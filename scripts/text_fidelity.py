@@ -36,10 +36,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     engine = Engine(load_model(args.model))
-    engine.eos_ids = set()
     text = f"{paragraphs()[0]}\n{paragraphs()[1]}\nSummarise the text above in one sentence."
     prompt = [Prompt(text)]
-    full = engine.generate(prompt, make_policy("full"), args.new).samples[0]
+    full = engine.generate(prompt, make_policy("full"), args.new, stop_at_eos=False).samples[0]
     lines = [
         f"# Text-only greedy fidelity on `{args.model}` (CPU, 2 cores, no GPU)",
         "",
@@ -53,7 +52,9 @@ def main() -> None:
     ]
     for name, kw in CONFIGS:
         for budget in args.budgets:
-            s = engine.generate(prompt, make_policy(name, budget=budget, **kw), args.new).samples[0]
+            s = engine.generate(
+                prompt, make_policy(name, budget=budget, **kw), args.new, stop_at_eos=False
+            ).samples[0]
             same = [a == b for a, b in zip(s.token_ids, full.token_ids)]
             first = same.index(False) if False in same else len(same)
             settings = ", ".join(f"{k}={v}" for k, v in kw.items()) or "defaults"

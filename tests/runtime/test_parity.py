@@ -37,10 +37,10 @@ def test_full_matches_hf_generate_batch_and_single(name, engines, reference_mode
     prompts = _prompts(images)
     expected = [_hf_tokens(reference_models[name], p) for p in prompts]
     engine = engines[name]
-    engine.eos_ids = set()  # HF was told not to stop either
-    batch = engine.generate(prompts, make_policy("full"), NEW)
+    # HF was told not to stop either
+    batch = engine.generate(prompts, make_policy("full"), NEW, stop_at_eos=False)
     assert [s.token_ids for s in batch.samples] == expected
-    single = engine.generate(prompts[:1], make_policy("full"), NEW)
+    single = engine.generate(prompts[:1], make_policy("full"), NEW, stop_at_eos=False)
     assert single.samples[0].token_ids == expected[0]
 
 
@@ -48,9 +48,8 @@ def test_full_matches_hf_generate_batch_and_single(name, engines, reference_mode
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - {"full"}))
 def test_budget_one_is_exactly_full(name, policy, engines, images):
     engine = engines[name]
-    engine.eos_ids = set()
     prompts = _prompts(images)
-    full = engine.generate(prompts, make_policy("full"), NEW)
-    same = engine.generate(prompts, make_policy(policy, budget=1.0), NEW)
+    full = engine.generate(prompts, make_policy("full"), NEW, stop_at_eos=False)
+    same = engine.generate(prompts, make_policy(policy, budget=1.0), NEW, stop_at_eos=False)
     assert [s.token_ids for s in same.samples] == [s.token_ids for s in full.samples]
     assert same.kv_bytes_used == full.kv_bytes_used

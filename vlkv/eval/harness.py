@@ -119,48 +119,48 @@ def stats_overhead(engine: Engine, prompts: list[Prompt], repeats: int) -> float
 
 def speed_records(engine: Engine, image, cfg: SweepConfig, progress=None) -> list[dict]:
     """Per (batch, context, policy, budget): prefill / decode-step / end-to-end ratios vs full."""
-    saved, engine.eos_ids = engine.eos_ids, set()
     records = []
-    try:
-        engine.generate([context_prompt(image, 8)], make_policy("full"), 2)  # warm-up: first calls allocate
-        for bs in cfg.batch_sizes:
-            for words in cfg.context_words:
-                prompts = [context_prompt(image, words)] * bs
-                context = engine.encode(prompts[:1]).lengths.item()
-                runs = {}
-                for name, budget in [("full", 1.0)] + [
-                    (p, b) for p in cfg.speed_policies for b in cfg.speed_budgets
-                ]:
-                    policy = make_policy(name) if name == "full" else make_policy(name, budget=budget)
-                    results = [engine.generate(prompts, policy, cfg.new_tokens) for _ in range(cfg.repeats)]
-                    results.sort(key=lambda r: r.prefill_s + r.decode_s)
-                    runs[(name, budget)] = results[len(results) // 2]
-                    if progress:
-                        progress.update(1)
-                full = runs[("full", 1.0)]
-                overhead = stats_overhead(engine, prompts, cfg.repeats)
-                for (name, budget), r in runs.items():
-                    e2e = r.prefill_s + r.decode_s
-                    records.append(
-                        {
-                            "kind": "speed",
-                            "policy": name,
-                            "budget": budget,
-                            "batch": bs,
-                            "context_length": context,
-                            "prefill_s": r.prefill_s,
-                            "decode_step_ms": 1e3 * r.decode_s / max(r.decode_steps, 1),
-                            "tokens_per_s": bs * (r.decode_steps + 1) / e2e,
-                            "prefill_ratio": r.prefill_s / full.prefill_s,
-                            "decode_ratio": (r.decode_s / max(r.decode_steps, 1))
-                            / (full.decode_s / max(full.decode_steps, 1)),
-                            "e2e_ratio": e2e / (full.prefill_s + full.decode_s),
-                            "peak_kv_ratio": r.peak_kv_bytes / full.peak_kv_bytes,
-                            "peak_kv_bytes": r.peak_kv_bytes,
-                            "stats_overhead_ratio": overhead,
-                            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                        }
-                    )
-    finally:
-        engine.eos_ids = saved
+    # warm-up: first calls allocate
+    engine.generate([context_prompt(image, 8)], make_policy("full"), 2, stop_at_eos=False)
+    for bs in cfg.batch_sizes:
+        for words in cfg.context_words:
+            prompts = [context_prompt(image, words)] * bs
+            context = engine.encode(prompts[:1]).lengths.item()
+            runs = {}
+            for name, budget in [("full", 1.0)] + [
+                (p, b) for p in cfg.speed_policies for b in cfg.speed_budgets
+            ]:
+                policy = make_policy(name) if name == "full" else make_policy(name, budget=budget)
+                results = [
+                    engine.generate(prompts, policy, cfg.new_tokens, stop_at_eos=False)
+                    for _ in range(cfg.repeats)
+                ]
+                results.sort(key=lambda r: r.prefill_s + r.decode_s)
+                runs[(name, budget)] = results[len(results) // 2]
+                if progress:
+                    progress.update(1)
+            full = runs[("full", 1.0)]
+            overhead = stats_overhead(engine, prompts, cfg.repeats)
+            for (name, budget), r in runs.items():
+                e2e = r.prefill_s + r.decode_s
+                records.append(
+                    {
+                        "kind": "speed",
+                        "policy": name,
+                        "budget": budget,
+                        "batch": bs,
+                        "context_length": context,
+                        "prefill_s": r.prefill_s,
+                        "decode_step_ms": 1e3 * r.decode_s / max(r.decode_steps, 1),
+                        "tokens_per_s": bs * (r.decode_steps + 1) / e2e,
+                        "prefill_ratio": r.prefill_s / full.prefill_s,
+                        "decode_ratio": (r.decode_s / max(r.decode_steps, 1))
+                        / (full.decode_s / max(full.decode_steps, 1)),
+                        "e2e_ratio": e2e / (full.prefill_s + full.decode_s),
+                        "peak_kv_ratio": r.peak_kv_bytes / full.peak_kv_bytes,
+                        "peak_kv_bytes": r.peak_kv_bytes,
+                        "stats_overhead_ratio": overhead,
+                        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                    }
+                )
     return records

@@ -68,11 +68,8 @@ class FullReference:
 def full_reference(engine: Engine, prompts: list[Prompt], new_tokens: int) -> FullReference:
     """Computed once per prompt set and shared by every policy/budget compared against it."""
     full = make_policy("full")
-    saved, engine.eos_ids = engine.eos_ids, set()  # equal-length references for every sample
-    try:
-        tokens = [s.token_ids for s in engine.generate(prompts, full, new_tokens).samples]
-    finally:
-        engine.eos_ids = saved
+    # equal-length references for every sample
+    tokens = [s.token_ids for s in engine.generate(prompts, full, new_tokens, stop_at_eos=False).samples]
     return FullReference(tokens, forced_logits(engine, prompts, full, tokens))
 
 
@@ -85,11 +82,7 @@ def compare_to_full(
 ) -> QualityReport:
     """Score ``policy`` against the full cache (see module docstring); pass ``reference`` to reuse it."""
     ref = reference or full_reference(engine, prompts, new_tokens)
-    saved, engine.eos_ids = engine.eos_ids, set()
-    try:
-        candidate = [s.token_ids for s in engine.generate(prompts, policy, new_tokens).samples]
-    finally:
-        engine.eos_ids = saved
+    candidate = [s.token_ids for s in engine.generate(prompts, policy, new_tokens, stop_at_eos=False).samples]
     pol_logits = forced_logits(engine, prompts, policy, ref.tokens)
     targets = [torch.tensor(r) for r in ref.tokens]
     nll = [token_nll(lg, t) for lg, t in zip(pol_logits, targets)]

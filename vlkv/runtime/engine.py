@@ -190,10 +190,12 @@ class Engine:
         sampler: Sampler | None = None,
         cache_hit_rate: bool = False,
         hit_rate_k: int | float | None = None,
+        stop_at_eos: bool = True,
     ) -> GenerationResult:
         """Generate for a batch. ``cache_hit_rate`` adds ``extras["cache_hit_rate"]`` (VL-Cache's
         Def. 3.1 per layer, see :mod:`vlkv.runtime.diagnostics`; ``hit_rate_k`` as its ``k``), at the
-        cost of one extra full-cache prefill outside the timed region."""
+        cost of one extra full-cache prefill outside the timed region. ``stop_at_eos=False`` runs
+        every sample for exactly ``max_new_tokens`` (equal-length references, fixed-step timing)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = sampler or Sampler()
@@ -211,7 +213,8 @@ class Engine:
         usage = KVUsage()
         tokens = sampler(out.logits)
         generated = [[int(t)] for t in tokens]
-        done = torch.tensor([int(t) in self.eos_ids for t in tokens])
+        eos = self.eos_ids if stop_at_eos else set()
+        done = torch.tensor([int(t) in eos for t in tokens])
         t0, steps = time.perf_counter(), 0
         while steps < max_new_tokens - 1 and not bool(done.all()):
             out = self.decode(tokens, batch, policy, cache, steps + 1, usage)
@@ -221,7 +224,7 @@ class Engine:
             for i, t in enumerate(tokens.tolist()):
                 if not done[i]:
                     generated[i].append(t)
-                    done[i] = t in self.eos_ids
+                    done[i] = t in eos
         decode_s = time.perf_counter() - t0
         lengths = cache.lengths()
         samples = [
@@ -271,6 +274,7 @@ def generate(
     backend: str = "torch",
     cache_hit_rate: bool = False,
     hit_rate_k: int | float | None = None,
+    stop_at_eos: bool = True,
     **policy_kwargs,
 ) -> GenerationResult:
     """Generate for one prompt or a list of prompts under a KV-cache policy.
@@ -279,7 +283,7 @@ def generate(
         model: a built-in name (``tiny-llava``…), a local HF directory, a ``LoadedModel`` or an :class:`Engine`.
         prompts: a :class:`Prompt`, a string, or a list of them.
         policy: a registered policy name (``policy_kwargs`` go to it, e.g. ``budget=0.2``) or a policy.
-        cache_hit_rate, hit_rate_k: see :meth:`Engine.generate`.
+        cache_hit_rate, hit_rate_k, stop_at_eos: see :meth:`Engine.generate`.
     """
     engine = model if isinstance(model, Engine) else Engine(_load(model), backend=backend)
     if isinstance(prompts, (str, Prompt)):
@@ -289,7 +293,13 @@ def generate(
         policy = make_policy(policy, **policy_kwargs)
     sampler = Sampler(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     return engine.generate(
-        prompts, policy, max_new_tokens, sampler, cache_hit_rate=cache_hit_rate, hit_rate_k=hit_rate_k
+        prompts,
+        policy,
+        max_new_tokens,
+        sampler,
+        cache_hit_rate=cache_hit_rate,
+        hit_rate_k=hit_rate_k,
+        stop_at_eos=stop_at_eos,
     )
 
 
