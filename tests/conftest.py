@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
 # Triton reads this when it is first imported, and any test module may import it first: without a
 # GPU the kernels run in Triton's interpreter on CPU tensors.
@@ -48,13 +52,52 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))  # optional GPU, demo weights, peer venv only
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _private_caches(tmp_path_factory):
-    """Exports made by tests go to a session temp dir, never the user's ~/.cache."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLKV_ONNX_CACHE", str(tmp_path_factory.mktemp("onnx-cache")))
-    yield
-    mp.undo()
+# ---------------------------------------------------------------- the user's cache stays untouched
+USER_CACHE = Path.home() / ".cache" / "vlkv"
+# Every cache vlkv writes, by the environment variable that moves it (see default_cache_dir()s).
+CACHE_ENVS = {"VLKV_CACHE": "models", "VLKV_ONNX_CACHE": "onnx"}
+_CACHE_ROOT = pytest.StashKey[Path]()
+_USER_SNAPSHOT = pytest.StashKey[dict]()
+
+
+def user_cache_snapshot(root: Path = USER_CACHE) -> dict[str, tuple[int, int]]:
+    """relative path → (size, mtime_ns) of everything under ``root`` (empty when it does not exist)."""
+    if not root.is_dir():
+        return {}
+    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def user_cache_changes(before: dict, after: dict) -> list[str]:
+    """Paths added, changed or removed between two :func:`user_cache_snapshot` results, sorted."""
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+def pytest_configure(config):
+    """Point every vlkv cache at a session temp dir before any test module is imported.
+
+    Set here, not in a fixture, so module-level code and subprocesses see it too. ``VLKV_TEST_CACHE``
+    (optional) keeps the real-weight model cache between runs; it must not be ``~/.cache/vlkv``.
+    """
+    root = Path(tempfile.mkdtemp(prefix="vlkv-test-cache-"))
+    config.stash[_CACHE_ROOT] = root
+    config.stash[_USER_SNAPSHOT] = user_cache_snapshot()
+    for env, sub in CACHE_ENVS.items():
+        os.environ[env] = str(root / sub)
+    if os.environ.get("VLKV_TEST_CACHE"):
+        os.environ["VLKV_CACHE"] = os.environ["VLKV_TEST_CACHE"]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when anything under ``~/.cache/vlkv`` appeared, changed or vanished."""
+    config = session.config
+    if _USER_SNAPSHOT not in config.stash:
+        return
+    changes = user_cache_changes(config.stash[_USER_SNAPSHOT], user_cache_snapshot())
+    shutil.rmtree(config.stash[_CACHE_ROOT], ignore_errors=True)
+    if changes:
+        shown = ", ".join(changes[:5]) + (f" (+{len(changes) - 5} more)" if len(changes) > 5 else "")
+        print(f"\nthe tests wrote into the user's cache {USER_CACHE}: {shown}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
