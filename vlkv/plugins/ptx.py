@@ -25,6 +25,21 @@ from typing import Any
 
 from vlkv.plugins.triton_launch import interpreting
 
+# GPU architectures the AOT kernels are compiled for (Ampere sm_80 ... Blackwell sm_120); each one was
+# checked to compile with triton 3.9 (sm_100 and newer come out as the arch-specific "a" targets).
+SM_ARCHES: tuple[str, ...] = (
+    "sm_80",
+    "sm_86",
+    "sm_87",
+    "sm_89",
+    "sm_90",
+    "sm_100",
+    "sm_103",
+    "sm_110",
+    "sm_120",
+)
+# Only for compiling without a target in mind (tests, CI): a TensorRT build always names its arch.
+CI_ARCH = 90
 _TRITON_TYPES: dict[str, str] = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # Spellings of torch ("torch.float16"), TensorRT ("DataType.HALF", "DataType.FLOAT") and Triton ("fp16").
 _DTYPE_ALIASES: dict[str, str] = {
@@ -153,12 +168,46 @@ def normalize_dtype(dtype: Any) -> str:
     return name
 
 
-def compile_ptx(op_name: str, dtype: Any, *, head_dim: int, arch: int = 90, num_warps: int = 4, **constexprs):
-    """Compile the AOT kernel of ``op_name`` for ``dtype`` to PTX for ``sm_<arch>``; returns a PtxArtifact.
+def parse_arch(value: int | str, what: str = "arch") -> int:
+    """``"sm_90"``, ``"90"`` or ``90`` -> 90; anything outside :data:`SM_ARCHES` is a one-line ValueError."""
+    text = str(value).strip().lower()
+    name = text if text.startswith("sm_") else f"sm_{text}"
+    if name not in SM_ARCHES:
+        raise ValueError(f"{what}: must be one of {', '.join(SM_ARCHES)}, got {value!r}")
+    return int(name[3:])
 
-    head_dim: D, which fixes BLOCK_D. constexprs: SCALE (attn_stats, selected_attention), THRESHOLD,
-    CAUSAL, HAS_THRESHOLD, BLOCK_* overrides. Results are cached per argument set.
+
+def device_arch() -> int | None:
+    """The compute capability of the visible CUDA device as an int (``(9, 0)`` -> 90), or None without one."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def compile_ptx(
+    op_name: str,
+    dtype: Any,
+    *,
+    head_dim: int,
+    arch: int | str | None = None,
+    num_warps: int = 4,
+    **constexprs,
+):
+    """Compile the AOT kernel of ``op_name`` for ``dtype`` to PTX for ``arch``; returns a PtxArtifact.
+
+    arch: one of :data:`SM_ARCHES` (``"sm_90"`` or ``90``); None = the visible GPU, else :data:`CI_ARCH`
+    (TensorRT builds always pass it: see ``trt_plugins.register_plugins``). head_dim: D, which fixes
+    BLOCK_D. constexprs: SCALE (attn_stats, selected_attention), THRESHOLD, CAUSAL, HAS_THRESHOLD,
+    BLOCK_* overrides. Results are cached per argument set.
     """
+    if arch is None:
+        arch = device_arch() or CI_ARCH
+    arch = parse_arch(arch)
     if op_name not in AOT_KERNELS:
         raise ValueError(f"unknown plugin kernel {op_name!r}; known: {sorted(AOT_KERNELS)}")
     if head_dim < 1:

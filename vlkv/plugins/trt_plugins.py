@@ -6,15 +6,23 @@
 Inputs, outputs and attributes follow ``onnx_ops.OPS``; an ONNX node in TensorRT form (see
 ``onnx_ops.make_node(..., form="trt")``) maps onto them by name.
 
-Written against the documented TensorRT 10.8+ / 11 QDP API; TensorRT cannot be installed on the
-development machines (toolchain.md A1), so this module has only been exercised against a fake
-``tensorrt.plugin`` in the tests. Head dim, head counts and attributes must be build-time constants.
+The callbacks follow the contract ``tensorrt.plugin`` enforces when they are decorated (its
+``_validate.py``): ``register`` annotates every argument (TensorDescs first, then int/float/str/bool/bytes
+attributes, no defaults) and its return (``TensorDesc`` or ``tuple[TensorDesc, ...]`` spelled out);
+``autotune`` takes ``(inputs..., [attrs...], outputs)``; ``aot_impl`` takes ``(inputs..., [attrs...],
+outputs, tactic)`` and *must* annotate its return as ``tuple[str | bytes, str | bytes,
+KernelLaunchParams, SymIntExprs]``. TensorRT cannot be installed on the development machines
+(toolchain.md A1); the tests run these callbacks on a stand-in ``tensorrt.plugin`` that applies the same
+checks. Head dim, head counts and attributes must be build-time constants.
+
+The PTX targets one GPU architecture, ``register_plugins(arch=...)`` (the recipe's ``trt.ptx_arch`` or
+the build machine's GPU): an engine only runs on the architecture its kernels were compiled for.
 """
 
 # No ``from __future__ import annotations`` here: tensorrt.plugin reads the callbacks' annotations as
 # objects, and ``trtp`` is a local of ``_define``, so string annotations could not be resolved.
 from vlkv.plugins.onnx_ops import OPS, PLUGIN_NAMESPACE
-from vlkv.plugins.ptx import compile_ptx
+from vlkv.plugins.ptx import SM_ARCHES, compile_ptx, device_arch, parse_arch
 
 
 class TensorRTUnavailableError(RuntimeError):
@@ -25,6 +33,8 @@ PLUGIN_IDS: dict[str, str] = {name: f"{PLUGIN_NAMESPACE}::{spec.plugin}" for nam
 
 _FLOAT_TYPES = "FP32|FP16|BF16"
 _registered = False
+# The sm_XX the aot_impl callbacks compile for; set by register_plugins before any engine build.
+_target: dict[str, int] = {}
 
 
 def _import_tensorrt():
@@ -74,16 +84,19 @@ def _define(trt, trtp) -> None:
             trtp.from_shape_expr((b, h), dtype=trt.int64),
         )
 
+    aot_result = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]
+    combinations = list[trtp.AutoTuneCombination]
+
     @trtp.autotune(PLUGIN_IDS["AttnStats"])
-    def _attn_stats_tune(q, k, query_rows, key_lengths, q_offset, outputs):
+    def _attn_stats_tune(q, k, query_rows, key_lengths, q_offset, outputs) -> combinations:
         types = f"{_FLOAT_TYPES}, {_FLOAT_TYPES}, {ints}, {ints}, {ints}, FP32, {ints}, {ints}"
         return [trtp.AutoTuneCombination(types, "LINEAR")]
 
     @trtp.aot_impl(PLUGIN_IDS["AttnStats"])
     def _attn_stats_aot(q, k, query_rows, key_lengths, q_offset, scale: float, causal: int, threshold: float,
-                        outputs, tactic):  # fmt: skip
+                        outputs, tactic: int) -> aot_result:  # fmt: skip
         artifact = compile_ptx(
-            "attn_stats", q.dtype, head_dim=_const(q.shape_expr[3], "head_dim"),
+            "attn_stats", q.dtype, head_dim=_const(q.shape_expr[3], "head_dim"), arch=_target["arch"],
             SCALE=float(scale), THRESHOLD=float(threshold), CAUSAL=bool(causal), HAS_THRESHOLD=threshold > 0,
         )  # fmt: skip
         dims = {"B": q.shape_expr[0], "H": q.shape_expr[1], "HKV": k.shape_expr[1], "Q": q.shape_expr[2]}
@@ -98,15 +111,16 @@ def _define(trt, trtp) -> None:
         return q.like()
 
     @trtp.autotune(PLUGIN_IDS["SelectedAttention"])
-    def _selected_tune(q, k, v, indices, lengths, outputs):
+    def _selected_tune(q, k, v, indices, lengths, outputs) -> combinations:
         f = _FLOAT_TYPES
         return [trtp.AutoTuneCombination(f"{f}, {f}, {f}, {ints}, {ints}, {f}", "LINEAR")]
 
     @trtp.aot_impl(PLUGIN_IDS["SelectedAttention"])
-    def _selected_aot(q, k, v, indices, lengths, scale: float, outputs, tactic):
+    def _selected_aot(q, k, v, indices, lengths, scale: float, outputs, tactic: int) -> aot_result:
         artifact = compile_ptx(
-            "selected_attention", q.dtype, head_dim=_const(q.shape_expr[3], "head_dim"), SCALE=float(scale)
-        )
+            "selected_attention", q.dtype, head_dim=_const(q.shape_expr[3], "head_dim"), arch=_target["arch"],
+            SCALE=float(scale),
+        )  # fmt: skip
         dims = {"B": q.shape_expr[0], "H": q.shape_expr[1], "HKV": k.shape_expr[1], "Q": q.shape_expr[2]}
         dims |= {"S": k.shape_expr[2], "D": q.shape_expr[3], "K_SEL": indices.shape_expr[2]}
         return _aot_result(trtp, artifact, dims)
@@ -119,25 +133,43 @@ def _define(trt, trtp) -> None:
         return trtp.from_shape_expr(shape, dtype=k.dtype), trtp.from_shape_expr(shape, dtype=v.dtype)
 
     @trtp.autotune(PLUGIN_IDS["MergeKV"])
-    def _merge_tune(k, v, assign, counts, outputs):
+    def _merge_tune(k, v, assign, counts, outputs) -> combinations:
         f = _FLOAT_TYPES
         return [trtp.AutoTuneCombination(f"{f}, {f}, {ints}, {ints}, {f}, {f}", "LINEAR")]
 
     @trtp.aot_impl(PLUGIN_IDS["MergeKV"])
-    def _merge_aot(k, v, assign, counts, outputs, tactic):
-        artifact = compile_ptx("merge_kv", k.dtype, head_dim=_const(k.shape_expr[3], "head_dim"))
+    def _merge_aot(k, v, assign, counts, outputs, tactic: int) -> aot_result:
+        head_dim = _const(k.shape_expr[3], "head_dim")
+        artifact = compile_ptx("merge_kv", k.dtype, head_dim=head_dim, arch=_target["arch"])
         dims = {"B": k.shape_expr[0], "HKV": k.shape_expr[1], "S": k.shape_expr[2]}
         dims |= {"S_OUT": counts.shape_expr[2], "D": k.shape_expr[3]}
         return _aot_result(trtp, artifact, dims)
 
 
-def register_plugins() -> list[str]:
-    """Register the vlkv plugins with TensorRT (idempotent); returns their ids ("vlkv::attn_stats", ...).
+def resolve_arch(arch: int | str | None, what: str = "trt.ptx_arch") -> int:
+    """The sm_XX to compile for: ``arch`` when given, else the visible GPU's; one-line ValueError otherwise."""
+    if arch is not None:
+        return parse_arch(arch, what)
+    found = device_arch()
+    if found is None:
+        raise ValueError(
+            f"{what}: no CUDA device is visible to take the architecture from; set it to one of {', '.join(SM_ARCHES)}"
+        )
+    return parse_arch(found, f"{what} (from the visible GPU)")
 
-    Raises TensorRTUnavailableError (one line, no chained traceback) when TensorRT cannot be imported.
+
+def register_plugins(arch: int | str | None = None) -> list[str]:
+    """Register the vlkv plugins with TensorRT (once per process); returns their ids ("vlkv::attn_stats", ...).
+
+    arch: the GPU architecture the AOT kernels are compiled for (``"sm_90"``, one of
+    ``ptx.SM_ARCHES``); None = the visible GPU's. A later call may retarget the kernels.
+
+    Raises TensorRTUnavailableError (one line, no chained traceback) when TensorRT cannot be imported,
+    and ValueError (one line) for an unsupported or undeterminable architecture.
     """
     global _registered
     trt, trtp = _import_tensorrt()
+    _target["arch"] = resolve_arch(arch)
     if not _registered:
         _define(trt, trtp)
         _registered = True
