@@ -11,7 +11,17 @@ from vlkv.runtime.prompt import Prompt
 
 
 def _storage_bytes(cache: KVCache) -> int:
-    return sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+    """Bytes the pool's K/V tensors really occupy."""
+    pool = cache.pool
+    return sum(t.untyped_storage().nbytes() for t in (*pool.keys, *pool.values))
+
+
+def _check_accounting(cache: KVCache) -> None:
+    # the cache is the pool's only owner: what it reports is what the pool has allocated, and the
+    # pool's held bytes are its tensors' storage
+    assert cache.kv_bytes() == cache.pool.used_bytes()
+    assert cache.pool.held_bytes() == _storage_bytes(cache)
+    assert cache.pool.used_bytes() <= cache.pool.held_bytes()
 
 
 def test_append_left_aligns_ragged_rows():
@@ -72,7 +82,7 @@ def test_reported_bytes_are_the_bytes_held(policy, budget, engines, images):
     pol = make_policy(policy, budget=budget)
     cache = engine.new_cache(batch)
     out = engine.prefill(batch, pol, cache)
-    assert cache.kv_bytes() == _storage_bytes(cache)
+    _check_accounting(cache)
     full_prompt = cache.full_kv_bytes()
     if budget < 1:
         # no padding or spare slots after a prefill edit: held bytes track the budget
@@ -85,5 +95,5 @@ def test_reported_bytes_are_the_bytes_held(policy, budget, engines, images):
     for t in range(1, 4):
         out = engine.decode(token, batch, pol, cache, t)
         token = out.logits.argmax(-1)
-        assert cache.kv_bytes() == _storage_bytes(cache)
+        _check_accounting(cache)
     assert cache.used_kv_bytes() <= cache.kv_bytes()

@@ -1,19 +1,22 @@
-"""Per-request, per-layer KV-cache state with real (not masked) memory accounting.
+"""Per-request, per-layer KV-cache state over a shared slot pool.
 
 Layout, shared by every backend:
 
-* each layer owns its own tensors, so layers can hold different numbers of entries;
-* inside a layer, sample ``b`` holds ``lengths[b]`` valid entries, left-aligned in slots
-  ``[0, lengths[b])``; slots past that are spare capacity (garbage, never attended);
-* every KV head of a sample holds the same number of entries, but may hold *different*
-  tokens (per-head selection), so positions/modality are stored per head;
-* entries are kept in ascending original position, keys are stored post-RoPE, and each
+* K/V live in a :class:`~vlkv.runtime.kv.KVPool` (per layer ``(H_kv, S, D)`` slots); a
+  :class:`LayerKV` holds, per sample and KV head, a *slot table* ``(B, H_kv, C)`` naming the pool
+  slots of its entries, left-aligned in ``[0, lengths[b])``; table columns past that are spare;
+* layers are independent, so per-layer budgets give really different lengths, and per-sample
+  lengths differ within a layer;
+* every KV head of a sample holds the same number of entries, but may hold *different* tokens
+  (per-head selection), so positions/modality are stored per head;
+* entries are kept in ascending original position; keys of private dense entries are stored
+  post-RoPE (a linked record is rotated when it is written, see docs/architecture.md), and each
   entry remembers its original position (3 components for M-RoPE) and its modality.
 
-A compressed cache is a *smaller tensor*: :meth:`LayerKV.select` and :meth:`LayerKV.merge`
-allocate exactly ``max(lengths)`` slots, so ``kv_bytes`` measures what is really held.
-Future storage kinds (low-rank segments, entries linked from a store) extend
-:class:`LayerKV` behind :meth:`LayerKV.attention_kv`, which is all a backend reads.
+Eviction (:meth:`LayerKV.select`) frees the evicted slots and rewrites only the slot table: the
+surviving K/V never move, so an evicting decode step writes O(new tokens) K/V bytes.
+:meth:`LayerKV.merge` writes only the anchors whose value changed. ``kv_bytes`` counts the pool
+slots a cache holds; the pool reports what it holds in all.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from enum import IntEnum
 
 import torch
 from torch import Tensor
+
+from vlkv.runtime.kv.pool import GROW_SLOTS, KVPool, PoolSpec
 
 
 class Modality(IntEnum):
@@ -34,18 +39,20 @@ class Modality(IntEnum):
     GENERATED = 3  # tokens produced by decoding
 
 
-# Spare slots added when a layer grows during decode; amortises reallocation while keeping
-# the unused tail small relative to real prompts.
-GROW_SLOTS = 32
+def private_pool(
+    num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+) -> KVPool:
+    """A growable pool owned by one batch (what ``Engine.generate`` and tests use)."""
+    spec = PoolSpec(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    return KVPool(spec, 0, grow=True)
 
 
-@dataclass
 class LayerKV:
-    """The cache of one decoder layer for a batch.
+    """The cache of one decoder layer for a batch of samples, indexing a pool layer.
 
     Attributes:
-        keys: ``(B, H_kv, C, D)`` post-RoPE keys; ``C`` is the capacity.
-        values: ``(B, H_kv, C, D)``.
+        pool, layer: the :class:`KVPool` and the layer index inside it.
+        slots: ``(B, H_kv, C)`` int64 pool slot of each entry (``C`` = table capacity).
         lengths: ``(B,)`` int64, valid entries per sample.
         positions: ``(B, H_kv, C, P)`` int64 original positions, ``P`` = 1 (1-D RoPE) or 3 (M-RoPE).
         modality: ``(B, H_kv, C)`` int8 :class:`Modality` codes.
@@ -53,12 +60,16 @@ class LayerKV:
             (e.g. H2O's accumulated attention); they move with their entry on every edit.
     """
 
-    keys: Tensor
-    values: Tensor
-    lengths: Tensor
-    positions: Tensor
-    modality: Tensor
-    scores: dict[str, Tensor] = field(default_factory=dict)
+    def __init__(self, pool: KVPool, layer: int, batch: int, pos_dims: int, capacity: int = 0):
+        h, dev = pool.spec.kv_heads, pool.spec.device
+        self.pool, self.layer = pool, layer
+        self.slots = torch.zeros(batch, h, capacity, dtype=torch.long, device=dev)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(batch, h, capacity, pos_dims, dtype=torch.long, device=dev)
+        self.modality = torch.zeros(batch, h, capacity, dtype=torch.int8, device=dev)
+        self.scores: dict[str, Tensor] = {}
+        self.offloaded: tuple[Tensor, Tensor] | None = None  # host K/V while swapped out
+        pool.attach(layer, self)
 
     @classmethod
     def empty(
@@ -71,38 +82,62 @@ class LayerKV:
         device: torch.device | str,
         capacity: int = 0,
     ) -> LayerKV:
-        return cls(
-            keys=torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device),
-            values=torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device),
-            lengths=torch.zeros(batch, dtype=torch.long, device=device),
-            positions=torch.zeros(batch, kv_heads, capacity, pos_dims, dtype=torch.long, device=device),
-            modality=torch.zeros(batch, kv_heads, capacity, dtype=torch.int8, device=device),
-        )
+        """A one-layer cache on its own growable pool."""
+        return cls(private_pool(1, kv_heads, head_dim, dtype, device), 0, batch, pos_dims, capacity)
+
+    # ------------------------------------------------------------------ shape / accounting
+    @property
+    def batch(self) -> int:
+        return self.slots.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.slots.shape[1]
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        return self.slots.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots.device
 
     @property
     def max_length(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
     def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
-        """Dense K/V a backend attends over: ``(B, H_kv, upto, D)`` views (no copy)."""
+        """Dense K/V a backend attends over: ``(B, H_kv, upto, D)`` gathered from the pool.
+
+        Columns past a sample's length read arbitrary (finite) pool data: attention masks them.
+        """
         n = self.max_length if upto is None else upto
-        return self.keys[:, :, :n], self.values[:, :, :n]
+        if n == 0 or self.pool.capacity(self.layer) == 0:
+            d = self.pool.spec.head_dim
+            z = torch.zeros(self.batch, self.kv_heads, n, d, dtype=self.pool.spec.dtype, device=self.device)
+            return z, z.clone()
+        return self.pool.read(self.layer, self.slots[:, :, :n])
+
+    @property
+    def keys(self) -> Tensor:
+        """``(B, H_kv, C, D)`` dense copy of the keys (inspection and tests; backends use attention_kv)."""
+        return self.attention_kv(self.capacity)[0]
+
+    @property
+    def values(self) -> Tensor:
+        """``(B, H_kv, C, D)`` dense copy of the values."""
+        return self.attention_kv(self.capacity)[1]
 
     def kv_bytes(self) -> int:
-        """Bytes held by the K and V tensors (allocated capacity, padding included)."""
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        """K/V bytes of the pool slots this cache holds (no padding: slots are per entry)."""
+        return int(self.lengths.sum()) * self.pool.spec.entry_bytes
 
     def used_kv_bytes(self) -> int:
-        """Bytes of K/V in valid entries only."""
-        per_entry = 2 * self.keys.shape[1] * self.keys.shape[3] * self.keys.element_size()
-        return int(self.lengths.sum()) * per_entry
+        """Bytes of K/V in valid entries (== :meth:`kv_bytes` on a slot pool)."""
+        return self.kv_bytes()
 
     def meta_bytes(self) -> int:
-        tensors = [self.positions, self.modality, self.lengths, *self.scores.values()]
+        tensors = [self.slots, self.positions, self.modality, self.lengths, *self.scores.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ writes
@@ -117,12 +152,15 @@ class LayerKV:
             pad = t.new_zeros(*t.shape[:2], extra, *t.shape[3:])
             return torch.cat([t, pad], dim=2)
 
-        self.keys, self.values = grow(self.keys), grow(self.values)
-        self.positions, self.modality = grow(self.positions), grow(self.modality)
+        self.slots, self.positions, self.modality = (
+            grow(self.slots),
+            grow(self.positions),
+            grow(self.modality),
+        )
         self.scores = {name: grow(s) for name, s in self.scores.items()}
 
     def append(self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, new_len: Tensor) -> Tensor:
-        """Write a step's new entries right after each sample's valid entries.
+        """Write a step's new entries into fresh pool slots right after each sample's valid entries.
 
         Args:
             k, v: ``(B, H_kv, q, D)`` new keys (post-RoPE) and values; rows ``>= new_len[b]`` are padding.
@@ -131,92 +169,155 @@ class LayerKV:
             new_len: ``(B,)`` int64 valid new rows per sample.
 
         Returns:
-            ``(B,)`` lengths before the write (the slot of each sample's first new row).
+            ``(B,)`` lengths before the write (the table column of each sample's first new row).
         """
         b, h, q, _ = k.shape
+        dev = self.device
+        new_len = new_len.to(device=dev, dtype=torch.long)
         past = self.lengths.clone()
-        self._reserve(int((past + q).max()))
-        slots = past[:, None] + torch.arange(q, device=k.device)[None, :]  # (B, q)
-        idx = slots[:, None, :, None].expand(b, h, q, 1)
-        self.keys.scatter_(2, idx.expand(-1, -1, -1, k.shape[-1]), k.to(self.keys.dtype))
-        self.values.scatter_(2, idx.expand(-1, -1, -1, v.shape[-1]), v.to(self.values.dtype))
-        pos = positions[:, None].expand(b, h, q, positions.shape[-1])
+        self._reserve(int((past + q).max()) if q else self.capacity)
+        rows = torch.arange(q, device=dev)
+        valid = rows[None, :] < new_len[:, None]  # (B, q)
+        bt, it = torch.nonzero(valid, as_tuple=True)  # row-major: sample, then row
+        ids = self.pool.alloc(self.layer, bt.numel())  # (H_kv, T)
+        heads = torch.arange(h, device=dev)
+        kk, vv = k.to(dev).permute(1, 0, 2, 3)[:, bt, it], v.to(dev).permute(1, 0, 2, 3)[:, bt, it]
+        self.pool.write(self.layer, ids, kk, vv)
+        self.slots[bt[None, :], heads[:, None], (past[bt] + it)[None, :]] = ids
+        cols = past[:, None] + rows[None, :]  # (B, q)
+        idx = cols[:, None, :, None].expand(b, h, q, 1)
+        pos = positions.to(dev)[:, None].expand(b, h, q, positions.shape[-1])
         self.positions.scatter_(2, idx.expand(-1, -1, -1, pos.shape[-1]), pos.to(torch.long))
-        self.modality.scatter_(2, idx[..., 0], modality[:, None].expand(b, h, q).to(torch.int8))
+        self.modality.scatter_(2, idx[..., 0], modality.to(dev)[:, None].expand(b, h, q).to(torch.int8))
         for s in self.scores.values():
-            s.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=s.dtype, device=s.device))
-        self.lengths = past + new_len.to(past)
+            s.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=s.dtype, device=dev))
+        self.lengths = past + new_len
         return past
 
     def ensure_score(self, name: str) -> Tensor:
         """A ``(B, H_kv, C)`` float32 running statistic, created as zeros on first use."""
         if name not in self.scores:
-            self.scores[name] = torch.zeros(self.keys.shape[:3], dtype=torch.float32, device=self.keys.device)
+            self.scores[name] = torch.zeros(self.slots.shape, dtype=torch.float32, device=self.device)
         return self.scores[name]
 
     # ------------------------------------------------------------------ edits
+    def _kept_mask(self, index: Tensor, keep_len: Tensor) -> Tensor:
+        """``(B, H_kv, C)`` bool: table columns listed in ``index[..., :keep_len[b]]``."""
+        ok = (
+            torch.arange(index.shape[2], device=self.device)[None, None, :]
+            < keep_len.to(self.device)[:, None, None]
+        )
+        kept = torch.zeros(self.slots.shape, dtype=torch.int8, device=self.device)
+        return kept.scatter_reduce_(2, index, ok.to(torch.int8).expand_as(index), "amax").bool()
+
+    def _release(self, drop: Tensor) -> None:
+        """Free the slots of valid entries where ``drop (B, H_kv, C)`` is True (equal counts per head)."""
+        drop = drop & self.valid_mask()[:, None, :]
+        ids = self.slots.permute(1, 0, 2)[drop.permute(1, 0, 2)].view(self.kv_heads, -1)
+        self.pool.release(self.layer, ids)
+
     def _take(self, index: Tensor, slots: int) -> dict[str, Tensor]:
-        """Gather per-head entries; ``index`` is ``(B, H_kv, K)``, padded with any valid slot."""
+        """Gather per-entry tables; ``index`` is ``(B, H_kv, K)``, padded with any valid column."""
 
         def g(t: Tensor) -> Tensor:
             idx = index
             if t.dim() == 4:
                 idx = index[..., None].expand(-1, -1, -1, t.shape[-1])
             out = t.gather(2, idx)
-            if out.shape[2] < slots:  # keep spare capacity for appends
+            if out.shape[2] < slots:  # keep spare columns for appends
                 out = torch.cat([out, out.new_zeros(*out.shape[:2], slots - out.shape[2], *out.shape[3:])], 2)
             return out
 
         return {
+            "slots": g(self.slots),
             "positions": g(self.positions),
             "modality": g(self.modality),
             **{f"score:{n}": g(s) for n, s in self.scores.items()},
         }
 
     def select(self, index: Tensor, keep_len: Tensor, spare: int = 0) -> None:
-        """Keep only the indexed entries, in the given order, and reallocate to fit.
+        """Keep only the indexed entries, in the given order; free the others' pool slots.
 
         Args:
-            index: ``(B, H_kv, K)`` int64 slots to keep, ascending within ``[:keep_len[b]]``;
-                entries past ``keep_len[b]`` are padding (any in-range slot).
+            index: ``(B, H_kv, K)`` int64 table columns to keep, ascending within ``[:keep_len[b]]``;
+                entries past ``keep_len[b]`` are padding (any in-range column).
             keep_len: ``(B,)`` int64 entries kept per sample.
-            spare: extra slots to allocate for the coming appends.
+            spare: extra table columns to keep for the coming appends.
         """
-        k = index.shape[2]
-        slots = k + spare
-        meta = self._take(index, slots)
-        idx = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        keys, values = self.keys.gather(2, idx), self.values.gather(2, idx)
-        if spare:
-            keys = torch.cat([keys, keys.new_zeros(*keys.shape[:2], spare, keys.shape[-1])], 2)
-            values = torch.cat([values, values.new_zeros(*values.shape[:2], spare, values.shape[-1])], 2)
-        self._install(keys, values, keep_len, meta)
+        index, keep_len = index.to(self.device), keep_len.to(device=self.device, dtype=torch.long)
+        self._release(~self._kept_mask(index, keep_len))
+        self._install(self._take(index, index.shape[2] + spare), keep_len)
 
     def merge(self, index: Tensor, keep_len: Tensor, assign: Tensor, counts: Tensor) -> None:
         """Keep the indexed anchors and replace each by the mean of the entries assigned to it.
 
+        Only anchors whose value changes are written to the pool; the other entries' slots are freed.
+
         Args:
-            index: ``(B, H_kv, K)`` anchor slots (their metadata is kept), as in :meth:`select`.
+            index: ``(B, H_kv, K)`` anchor columns (their metadata is kept), as in :meth:`select`.
             keep_len: ``(B,)`` anchors per sample.
-            assign: ``(B, H_kv, C)`` int64 target anchor in ``[0, K)`` for every slot, or -1 to drop.
+            assign: ``(B, H_kv, S)`` int64 target anchor in ``[0, K)`` for every column, or -1 to drop.
             counts: ``(B, H_kv, K)`` int64 sources per anchor (>= 1 for real anchors).
         """
         from vlkv.plugins import merge_kv
 
-        meta = self._take(index, index.shape[2])
-        n = assign.shape[2]
-        keys, values = merge_kv(self.keys[:, :, :n], self.values[:, :, :n], assign, counts)
-        self._install(keys, values, keep_len, meta)
+        dev = self.device
+        index, keep_len = index.to(dev), keep_len.to(device=dev, dtype=torch.long)
+        assign, counts = assign.to(dev), counts.to(dev)
+        n, kk = assign.shape[2], index.shape[2]
+        keys, values = self.attention_kv(n)
+        mk, mv = merge_kv(keys, values, assign, counts)  # (B, H_kv, K, D)
+        anchor_slots = self.slots.gather(2, index)
+        ranks = torch.arange(kk, device=dev)[None, None, :]
+        own = assign.gather(2, index.clamp(max=n - 1))
+        changed = (ranks < keep_len[:, None, None]) & ((counts != 1) | (own != ranks))
+        bt, ht, jt = torch.nonzero(changed, as_tuple=True)
+        self.pool.write_entries(self.layer, ht, anchor_slots[bt, ht, jt], mk[bt, ht, jt], mv[bt, ht, jt])
+        self._release(~self._kept_mask(index, keep_len))
+        self._install(self._take(index, kk), keep_len)
 
-    def _install(self, keys: Tensor, values: Tensor, lengths: Tensor, meta: dict[str, Tensor]) -> None:
-        self.keys, self.values = keys.contiguous(), values.contiguous()
+    def _install(self, meta: dict[str, Tensor], lengths: Tensor) -> None:
+        self.slots = meta["slots"].contiguous()
         self.lengths = lengths.to(torch.long).clone()
         self.positions, self.modality = meta["positions"], meta["modality"]
         self.scores = {n[len("score:") :]: t for n, t in meta.items() if n.startswith("score:")}
 
     def valid_mask(self) -> Tensor:
-        """``(B, C)`` bool, True at valid slots."""
-        return torch.arange(self.capacity, device=self.lengths.device)[None, :] < self.lengths[:, None]
+        """``(B, C)`` bool, True at valid table columns."""
+        return torch.arange(self.capacity, device=self.device)[None, :] < self.lengths[:, None]
+
+    # ------------------------------------------------------------------ pool life cycle
+    def remap(self, remap: Tensor) -> None:
+        """Follow a pool compaction: ``remap (H_kv, S_old)`` maps old slot ids to new ones."""
+        heads = torch.arange(self.kv_heads, device=self.device)[None, :, None]
+        self.slots = remap[heads, self.slots]
+
+    def release(self) -> None:
+        """Free every slot this cache holds (finished or cancelled request); the cache is empty after."""
+        self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
+        self.lengths = torch.zeros_like(self.lengths)
+
+    def offload(self, device: torch.device | str = "cpu") -> None:
+        """Swap out: copy the valid K/V to ``device`` (host memory) and free the pool slots."""
+        n = self.max_length
+        k, v = self.attention_kv(n)
+        self.offloaded = (k.to(device), v.to(device))
+        lengths = self.lengths.clone()
+        self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
+        self.lengths = lengths  # the metadata stays; the entries come back in :meth:`reload`
+
+    def reload(self) -> None:
+        """Swap in: write the offloaded K/V into fresh pool slots (same table order)."""
+        if self.offloaded is None:
+            return
+        k, v = (t.to(self.device) for t in self.offloaded)
+        valid = self.valid_mask()[:, : k.shape[2]]
+        bt, it = torch.nonzero(valid, as_tuple=True)
+        ids = self.pool.alloc(self.layer, bt.numel())
+        self.pool.write(self.layer, ids, k.permute(1, 0, 2, 3)[:, bt, it], v.permute(1, 0, 2, 3)[:, bt, it])
+        heads = torch.arange(self.kv_heads, device=self.device)
+        self.slots[bt[None, :], heads[:, None], it[None, :]] = ids
+        self.offloaded = None
 
 
 @dataclass
@@ -247,14 +348,16 @@ class KVCache:
         pos_dims: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        pool: KVPool | None = None,
     ) -> KVCache:
+        """An empty cache on ``pool`` (a private growable pool when None)."""
+        pool = pool or private_pool(num_layers, kv_heads, head_dim, dtype, device)
+        dev = pool.spec.device
         return cls(
-            layers=[
-                LayerKV.empty(batch, kv_heads, head_dim, pos_dims, dtype, device) for _ in range(num_layers)
-            ],
-            next_position=torch.zeros(batch, pos_dims, dtype=torch.long, device=device),
-            prompt_lengths=torch.zeros(batch, dtype=torch.long, device=device),
-            processed=torch.zeros(batch, dtype=torch.long, device=device),
+            layers=[LayerKV(pool, i, batch, pos_dims) for i in range(num_layers)],
+            next_position=torch.zeros(batch, pos_dims, dtype=torch.long, device=dev),
+            prompt_lengths=torch.zeros(batch, dtype=torch.long, device=dev),
+            processed=torch.zeros(batch, dtype=torch.long, device=dev),
         )
 
     @property
@@ -281,6 +384,27 @@ class KVCache:
     def full_kv_bytes(self) -> int:
         """K/V bytes an uncompressed cache would need now: every processed token of every
         sample in every layer (no padding), the baseline ``used_kv_bytes`` is compared with."""
-        layer = self.layers[0]
-        per_entry = 2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size()
+        per_entry = self.layers[0].pool.spec.entry_bytes
         return int(self.processed.sum()) * per_entry * len(self.layers)
+
+    @property
+    def pool(self) -> KVPool:
+        return self.layers[0].pool
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    def release(self) -> None:
+        """Free every pool slot the cache holds."""
+        for layer in self.layers:
+            layer.release()
+
+    def offload(self, device: torch.device | str = "cpu") -> None:
+        """Swap every layer's K/V out to ``device`` and free their pool slots."""
+        for layer in self.layers:
+            layer.offload(device)
+
+    def reload(self) -> None:
+        for layer in self.layers:
+            layer.reload()
