@@ -97,6 +97,36 @@ def test_errors_are_one_line_with_exit_2(argv, expected, tmp_path, capsys):
     assert _one_line_error(capsys).startswith(expected)
 
 
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            "policy.options.bogus=1",
+            "policy.options.bogus: unknown option for policy 'elastic'; known: distance,",
+        ),
+        ("policy.options.budget=0.3", "policy.options.budget: set policy.budget instead"),
+        ("policy.options.distance=abc", "policy.options.distance: expected int, got 'abc'"),
+        ("policy.options.distance=null", "policy.options.distance: expected int, got None"),
+        ("policy.options.distance=[1,2]", "policy.options.distance: expected int, got [1, 2]"),
+        ("policy.options.start=1.5", "policy.options.start: expected int, got 1.5"),
+        ("policy.options=5", "policy.options: expected a mapping, got 5"),
+        ("policy.name=full", "policy.budget: policy 'full' rejects 0.5: budget must be 1.0"),
+        ("decoder.max_seq=[1,2", "--set decoder.max_seq: cannot parse value '[1,2'"),
+        ("decoder.max_seq={a: [}", "--set decoder.max_seq: cannot parse value '{a: [}'"),
+        ("decoder.max_seq=abc", "decoder.max_seq: expected an integer, got 'abc'"),
+        ("decoder.max_seq=null", "decoder.max_seq: expected an integer, got None"),
+        ("trt.fp16=maybe", "trt.fp16: expected true or false, got 'maybe'"),
+        ("trt.ptx_arch=sm_75", "trt.ptx_arch: must be one of sm_80, sm_86,"),
+        ("novalue", "--set 'novalue': expected KEY=VALUE"),
+    ],
+)
+def test_bad_set_values_are_one_line_with_exit_2_and_nothing_written(override, expected, tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main([DEMO, "--out", str(out), "--no-progress", "--set", override]) == EXIT_ERROR
+    assert _one_line_error(capsys).startswith(f"build-engine: error: {expected}")
+    assert not out.exists()
+
+
 class _nothing:
     def __enter__(self):
         return self

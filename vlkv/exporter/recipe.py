@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -235,33 +237,86 @@ class PolicySection:
 
     def __post_init__(self) -> None:
         _require(0.0 < self.budget <= 1.0, f"budget: must be in (0, 1], got {self.budget}")
-        known = _known_policies()
-        if known is not None:
-            _require(self.name in known, f"name: unknown policy {self.name!r}; known: {', '.join(known)}")
-        else:
+        registry = _policy_registry()
+        if registry is None:
             _require(bool(self.name), "name: must be a non-empty string")
+            return
+        known = list(registry.POLICIES)
+        _require(self.name in known, f"name: unknown policy {self.name!r}; known: {', '.join(known)}")
+        _require("budget" not in self.options, "options.budget: set policy.budget instead")
+        fields = [f for f in registry.policy_fields(self.name) if f != "budget"]
+        hints = typing.get_type_hints(registry.POLICIES[self.name])
+        for key, value in self.options.items():
+            _require(
+                key in fields,
+                f"options.{key}: unknown option for policy {self.name!r}; known: {', '.join(sorted(fields))}",
+            )
+            if key in hints:
+                _check_option_type(f"options.{key}", value, hints[key])
+        # The policy checks its own values (ranges, allocator combinations) exactly as the runtime will.
+        try:
+            registry.make_policy(self.name, budget=self.budget, **self.options)
+        except (TypeError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            key = "options" if self.options else "budget"
+            raise ValueError(
+                f"{key}: policy {self.name!r} rejects {self.options or self.budget}: {first}"
+            ) from None
 
 
-def _known_policies() -> list[str] | None:
-    """Names in the runtime's POLICIES registry, or None when the runtime cannot be imported here."""
+def _check_option_type(key: str, value: object, hint: object) -> None:
+    """``value`` against a policy field's annotation (int, float, bool, str, or ``X | None``)."""
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for kind in allowed:
+        if kind is type(None) and value is None:
+            return
+        if kind is bool and isinstance(value, bool):
+            return
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if kind is str and isinstance(value, str):
+            return
+        if kind not in (type(None), bool, int, float, str):
+            return  # a type the recipe cannot check; the policy itself validates it
+    names = " or ".join("null" if k is type(None) else k.__name__ for k in allowed)
+    raise ValueError(f"{key}: expected {names}, got {value!r}")
+
+
+def _policy_registry():
+    """The runtime's policy registry module, or None when the runtime cannot be imported here."""
     try:
-        from vlkv.runtime.policies.registry import POLICIES
+        from vlkv.runtime.policies import registry
     except ImportError:
         return None
-    return list(POLICIES)
+    return registry
 
 
 @dataclass
 class TrtSection:
-    """TensorRT builder settings (used only where TensorRT is installed)."""
+    """TensorRT builder settings (used only where TensorRT is installed).
+
+    ``ptx_arch`` is the GPU architecture the vlkv plugin kernels are compiled for (one of
+    ``vlkv.plugins.ptx.SM_ARCHES``); null takes it from the GPU of the machine that builds the engine.
+    """
 
     fp16: bool = True
     workspace_gb: float = 4.0
     builder_opt_level: int = 3
     compare_atol: float = 1e-2
     compare_rtol: float = 1e-2
+    # GPU the plugin kernels' PTX is compiled for ("sm_90"); null = the build machine's GPU.
+    ptx_arch: str | None = None
 
     def __post_init__(self) -> None:
+        if self.ptx_arch is not None:
+            from vlkv.plugins.ptx import SM_ARCHES
+
+            _require(
+                self.ptx_arch in SM_ARCHES,
+                f"ptx_arch: must be one of {', '.join(SM_ARCHES)} or null (the build GPU), got {self.ptx_arch!r}",
+            )
         _require(self.workspace_gb > 0, f"workspace_gb: must be > 0, got {self.workspace_gb}")
         _require(
             0 <= self.builder_opt_level <= 5,
