@@ -110,7 +110,10 @@ def test_errors_are_one_line_with_exit_2(argv, expected, tmp_path, capsys):
         ("policy.options.distance=[1,2]", "policy.options.distance: expected int, got [1, 2]"),
         ("policy.options.start=1.5", "policy.options.start: expected int, got 1.5"),
         ("policy.options=5", "policy.options: expected a mapping, got 5"),
-        ("policy.name=full", "policy.budget: policy 'full' rejects 0.5: budget must be 1.0"),
+        (
+            "policy.options.start=-5",
+            "policy.options: policy 'elastic' rejects {'start': -5}: start must be >= 0",
+        ),
         ("decoder.max_seq=[1,2", "--set decoder.max_seq: cannot parse value '[1,2'"),
         ("decoder.max_seq={a: [}", "--set decoder.max_seq: cannot parse value '{a: [}'"),
         ("decoder.max_seq=abc", "decoder.max_seq: expected an integer, got 'abc'"),

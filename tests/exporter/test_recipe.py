@@ -66,6 +66,7 @@ def test_overrides_parse_yaml_values():
     recipe = load_recipe(
         None,
         [
+            "policy.name=snapkv",
             "policy.budget=0.25",
             "trt.fp16=false",
             "vision.sample_grid_thw=[1, 4, 4]",
@@ -175,7 +176,7 @@ def test_file_errors(tmp_path):
 
 
 def test_to_yaml_round_trips(tmp_path):
-    recipe = load_recipe(RECIPES / "demo.yaml", ["policy.options.window=8"])
+    recipe = load_recipe(RECIPES / "demo.yaml", ["policy.options.distance=8"])
     path = tmp_path / "resolved.yaml"
     recipe.to_yaml(path)
     again = load_recipe(path)
@@ -186,7 +187,7 @@ def test_to_yaml_round_trips(tmp_path):
 def test_config_hash_is_stable_and_sectioned():
     a, b = load_recipe(), load_recipe()
     assert a.config_hash() == b.config_hash() and len(a.config_hash()) == 64
-    changed = load_recipe(None, ["policy.budget=0.5"])
+    changed = load_recipe(None, ["policy.name=h2o", "policy.budget=0.5"])
     assert changed.config_hash() != a.config_hash()
     assert changed.config_hash(("model", "vision")) == a.config_hash(("model", "vision"))
     assert changed.config_hash(("policy",)) != a.config_hash(("policy",))
