@@ -56,3 +56,32 @@ def test_without_tensorrt_llm_the_layout_and_command_are_written(tmp_path, tiny_
     script = (out / "build_command.sh").read_text().splitlines()[-1]
     assert shlex.split(script) == json.loads((out / "build_command.json").read_text())
     assert shlex.split(script)[-2:] == ["--max_multimodal_len", "16"]
+
+
+def _vision_graph(path, elem_type) -> None:
+    import onnx
+    from onnx import helper
+
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input"], ["encoder_output"])],
+        "v",
+        [value("input", elem_type, ["batch", 3, 56, 56])],
+        [value("encoder_output", elem_type, ["batch", 3, 56, 56])],
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(graph), str(path))
+
+
+@pytest.mark.parametrize("fp16", [True, False])
+def test_vision_precision_is_the_vision_graph_dtype_not_the_fp16_flag(tmp_path, fp16):
+    from onnx import TensorProto
+
+    recipe = load_recipe(None, [f"trt.fp16={str(fp16).lower()}"])
+    assert trtllm_engine.vision_precision(tmp_path) == "float32"  # nothing built: vision_onnx's only dtype
+    _vision_graph(tmp_path / "vision_onnx" / "vision.onnx", TensorProto.FLOAT)
+    trtllm_engine.layout_vision(recipe, tmp_path, tmp_path / "vision")
+    config = json.loads((tmp_path / "vision" / "config.json").read_text())
+    assert config["builder_config"]["precision"] == "float32"
+    _vision_graph(tmp_path / "vision_onnx" / "vision.onnx", TensorProto.FLOAT16)
+    assert trtllm_engine.vision_precision(tmp_path) == "float16"

@@ -7,7 +7,9 @@ always written to ``build_command.sh`` / ``build_command.json``; it is executed 
 :class:`StageSkipped` with one line (CLI exit code 3).
 
 ``max_multimodal_len`` = ``trtllm.max_batch_size`` × the largest visual-token count of one image
-(LLaVA-1.5 at 336 px: 576; Qwen2-VL at 504×504: 324), unless the recipe sets it.
+(LLaVA-1.5 at 336 px: 576; Qwen2-VL at 504×504: 324), unless the recipe sets it. The vision
+``config.json``'s ``precision`` is the vision engine's I/O dtype, read off the vision ONNX graph
+(float32), whatever ``trt.fp16`` says about the arithmetic inside the engine.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def layout_vision(recipe: Recipe, src_dir: Path, vision_dir: Path) -> bool:
     newline = src_dir / "vision_onnx" / "image_newlines.safetensors"
     if newline.is_file():
         shutil.copyfile(newline, vision_dir / "image_newlines.safetensors")
-    precision = "float16" if recipe.trt.fp16 else "float32"
+    precision = vision_precision(src_dir)
     config = {
         "builder_config": {
             "model_type": recipe.model.family,
@@ -86,6 +88,35 @@ def layout_vision(recipe: Recipe, src_dir: Path, vision_dir: Path) -> bool:
     }
     (vision_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return engine.is_file()
+
+
+# ONNX TensorProto element types → the dtype names TensorRT-LLM's runner reads.
+_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16"}
+
+
+def vision_precision(src_dir: Path) -> str:
+    """The dtype of the vision engine's input: that of ``vision_onnx/vision.onnx``'s first input.
+
+    TensorRT-LLM's multimodal runner casts the image tensor to the config's ``precision`` before it
+    calls the vision engine, so the value must be the engine's I/O dtype. ``trt.fp16`` lets TensorRT
+    compute in float16 inside the engine, but the graph's inputs and outputs keep the ONNX dtype,
+    which the vision export always writes as float32.
+    """
+    graph = src_dir / "vision_onnx" / "vision.onnx"
+    if graph.is_file():
+        import onnx
+
+        model = onnx.load(str(graph), load_external_data=False)
+        elem = model.graph.input[0].type.tensor_type.elem_type
+        if elem not in _ONNX_DTYPES:
+            raise StageError(
+                f"{graph}: input {model.graph.input[0].name} has unsupported element type {elem}"
+            )
+        return _ONNX_DTYPES[elem]
+    config = src_dir / "vision_onnx" / "vision_config.json"
+    if config.is_file():
+        return json.loads(config.read_text()).get("dtype", "float32")
+    return "float32"  # the only dtype vision_onnx exports
 
 
 def run(recipe: Recipe, src_dir: Path, out_dir: Path) -> Path:
