@@ -155,11 +155,14 @@ class StepOutput:
             the attended slots only, zeros elsewhere) or None where not requested.
         attended: optional ``(L, B)`` float64 K/V entries each layer's last valid row attended,
             averaged over KV heads (the "used" cache of A-VL's Table 3).
+        peak_kv_bytes: K/V bytes the cache held right after the step's append, before any policy
+            edit (set by the engine; a prefill's peak is the whole prompt).
     """
 
     logits: Tensor
     stats: list
     attended: Tensor | None = None
+    peak_kv_bytes: int | None = None
 
 
 class Backend(Protocol):

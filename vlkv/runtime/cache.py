@@ -289,13 +289,18 @@ class LayerKV:
     # ------------------------------------------------------------------ pool life cycle
     def remap(self, remap: Tensor) -> None:
         """Follow a pool compaction: ``remap (H_kv, S_old)`` maps old slot ids to new ones."""
+        if self.offloaded is not None:  # holds no slots while swapped out
+            return
         heads = torch.arange(self.kv_heads, device=self.device)[None, :, None]
-        self.slots = remap[heads, self.slots]
+        valid = self.valid_mask()[:, None, :]
+        # spare columns may name ids past the new capacity: only valid entries are followed
+        self.slots = torch.where(valid, remap[heads, torch.where(valid, self.slots, 0)], 0)
 
     def release(self) -> None:
         """Free every slot this cache holds (finished or cancelled request); the cache is empty after."""
         self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
         self.lengths = torch.zeros_like(self.lengths)
+        self.slots.zero_()
 
     def offload(self, device: torch.device | str = "cpu") -> None:
         """Swap out: copy the valid K/V to ``device`` (host memory) and free the pool slots."""

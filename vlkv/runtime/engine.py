@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.cache import KVCache, Modality
+from vlkv.runtime.kv.pool import KVPool
 from vlkv.runtime.policies import LayerEdit, Policy, PolicyContext, make_policy
 from vlkv.runtime.prompt import Prompt, PromptBatch, collate, encode_prompt
 from vlkv.runtime.sampling import Sampler
@@ -118,13 +118,22 @@ class Engine:
         ]
         return collate(enc, self.pad_id)
 
-    def new_cache(self, batch: PromptBatch) -> KVCache:
+    def new_cache(self, batch: PromptBatch, pool: KVPool | None = None) -> KVCache:
+        """An empty cache for ``batch`` on ``pool`` (a private growable pool when None)."""
         be = self.backend
         cache = KVCache.empty(
-            be.num_layers, len(batch.prompts), be.num_kv_heads, be.head_dim, be.pos_dims, be.dtype, be.device
+            be.num_layers,
+            len(batch.prompts),
+            be.num_kv_heads,
+            be.head_dim,
+            be.pos_dims,
+            be.dtype,
+            be.device,
+            pool=pool,
         )
-        cache.prompt_lengths = batch.lengths.clone()
-        cache.next_position = torch.stack([p.positions.max(0).values + 1 for p in batch.prompts])
+        dev = cache.device
+        cache.prompt_lengths = batch.lengths.to(dev).clone()
+        cache.next_position = torch.stack([p.positions.max(0).values + 1 for p in batch.prompts]).to(dev)
         return cache
 
     def context(self, batch: PromptBatch, step: int = 0) -> PolicyContext:
@@ -145,6 +154,7 @@ class Engine:
             row_filter=policy.prefill_filter(cache, ctx),
         )
         out = self.backend.step(inputs, cache, request)
+        out.peak_kv_bytes = cache.kv_bytes()
         apply_edits(cache, policy.after_prefill(cache, out.stats, ctx))
         return out
 
@@ -167,15 +177,16 @@ class Engine:
     ):
         """Run one decode step for ``tokens (B,)`` and let the policy edit the cache."""
         ctx = self.context(batch, step)
-        b = tokens.shape[0]
+        b, dev = tokens.shape[0], cache.device
         inputs = StepInputs(
-            tokens[:, None],
+            tokens[:, None].to(dev),
             self.decode_positions(policy, cache),
-            torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8),
-            torch.ones(b, dtype=torch.long),
+            torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8, device=dev),
+            torch.ones(b, dtype=torch.long, device=dev),
             attend=policy.decode_attend(cache, ctx),
         )
         out = self.backend.step(inputs, cache, policy.decode_request(cache, ctx))
+        out.peak_kv_bytes = cache.kv_bytes()
         if usage is not None:
             usage.add(cache, out.attended)
         cache.next_position += 1
@@ -191,64 +202,85 @@ class Engine:
         cache_hit_rate: bool = False,
         hit_rate_k: int | float | None = None,
         stop_at_eos: bool = True,
+        pool_bytes: int | None = None,
     ) -> GenerationResult:
-        """Generate for a batch. ``cache_hit_rate`` adds ``extras["cache_hit_rate"]`` (VL-Cache's
-        Def. 3.1 per layer, see :mod:`vlkv.runtime.diagnostics`; ``hit_rate_k`` as its ``k``), at the
-        cost of one extra full-cache prefill outside the timed region. ``stop_at_eos=False`` runs
-        every sample for exactly ``max_new_tokens`` (equal-length references, fixed-step timing)."""
+        """Generate for a batch: every prompt becomes a request of one :class:`Scheduler` run.
+
+        Finished prompts leave the decode batch at once. ``cache_hit_rate`` adds
+        ``extras["cache_hit_rate"]`` (VL-Cache's Def. 3.1 per layer, see
+        :mod:`vlkv.runtime.diagnostics`; ``hit_rate_k`` as its ``k``), at the cost of one extra
+        full-cache prefill per prompt outside the timed region. ``stop_at_eos=False`` runs every
+        sample for exactly ``max_new_tokens`` (equal-length references, fixed-step timing).
+        ``pool_bytes`` fixes the KV pool's size (admission and preemption as in the scheduler).
+        With sampling, prompt ``i`` draws from its own generator seeded ``sampler.seed + i``.
+        """
+        from vlkv.runtime.request import Request, Status
+        from vlkv.runtime.scheduler import Scheduler
+
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = sampler or Sampler()
-        batch = self.encode(prompts)
-        cache = self.new_cache(batch)
-        t0 = time.perf_counter()
-        out = self.prefill(batch, policy, cache)
-        prefill_s = time.perf_counter() - t0
-        extras = {}
+        sched = Scheduler(self, pool_bytes, cache_hit_rate=cache_hit_rate, hit_rate_k=hit_rate_k)
+        requests = [
+            sched.submit(
+                Request(p, policy, max_new_tokens, replace(sampler, seed=sampler.seed + i), stop_at_eos)
+            )
+            for i, p in enumerate(prompts)
+        ]
+        sched.run()
+        for r in requests:
+            if r.status is Status.FAILED:
+                raise r.exception
+        extras: dict = {**_usage_fractions(requests)}
         if cache_hit_rate:
-            from vlkv.runtime.diagnostics import hit_rate_report
-
-            extras["cache_hit_rate"] = hit_rate_report(self, batch, cache, k=hit_rate_k)
-        peak = cache.kv_bytes()
-        usage = KVUsage()
-        tokens = sampler(out.logits)
-        generated = [[int(t)] for t in tokens]
-        eos = self.eos_ids if stop_at_eos else set()
-        done = torch.tensor([int(t) in eos for t in tokens])
-        t0, steps = time.perf_counter(), 0
-        while steps < max_new_tokens - 1 and not bool(done.all()):
-            out = self.decode(tokens, batch, policy, cache, steps + 1, usage)
-            peak = max(peak, cache.kv_bytes())
-            tokens = sampler(out.logits)
-            steps += 1
-            for i, t in enumerate(tokens.tolist()):
-                if not done[i]:
-                    generated[i].append(t)
-                    done[i] = t in eos
-        decode_s = time.perf_counter() - t0
-        lengths = cache.lengths()
+            extras["cache_hit_rate"] = _merge_hit_rates([r.extras["cache_hit_rate"] for r in requests])
         samples = [
             SampleResult(
-                text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                token_ids=ids,
-                prompt_tokens=int(batch.lengths[i]),
-                kept_per_layer=lengths[:, i].tolist(),
+                text=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
+                token_ids=list(r.tokens),
+                prompt_tokens=r.prompt_tokens,
+                kept_per_layer=r.final["kept_per_layer"],
             )
-            for i, ids in enumerate(generated)
+            for r in requests
         ]
+        kv = sum(r.final["kv_bytes"] for r in requests)
         return GenerationResult(
             samples=samples,
             policy=policy.name,
             budget=policy.budget,
-            kv_bytes=cache.kv_bytes(),
-            kv_bytes_used=cache.used_kv_bytes(),
-            full_kv_bytes=cache.full_kv_bytes(),
-            peak_kv_bytes=peak,
-            prefill_s=prefill_s,
-            decode_s=decode_s,
-            decode_steps=steps,
-            extras={**usage.fractions(), **extras},
+            kv_bytes=kv,
+            kv_bytes_used=kv,
+            full_kv_bytes=sum(r.final["full_kv_bytes"] for r in requests),
+            peak_kv_bytes=sched.peak_used_bytes,
+            prefill_s=sched.prefill_s,
+            decode_s=sched.decode_s,
+            decode_steps=sched.decode_steps,
+            extras=extras,
         )
+
+
+def _usage_fractions(requests) -> dict[str, float | None]:
+    """A-VL's stored / used fractions over every request's decode steps (see :class:`KVUsage`)."""
+    u = KVUsage()
+    for r in requests:
+        u.stored, u.used, u.full = (
+            u.stored + r.usage["stored"],
+            u.used + r.usage["used"],
+            u.full + r.usage["full"],
+        )
+    return u.fractions()
+
+
+def _merge_hit_rates(reports: list[dict]) -> dict:
+    """Per-request CacheHitRate reports → one report over the batch (samples weigh equally)."""
+    per_sample = [row for rep in reports for row in rep["per_sample"]]
+    per_layer = torch.tensor(per_sample, dtype=torch.float64).mean(0)
+    return {
+        "per_layer": per_layer.tolist(),
+        "mean": float(per_layer.mean()),
+        "per_sample": per_sample,
+        "k": reports[0]["k"],
+    }
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

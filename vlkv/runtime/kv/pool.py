@@ -212,7 +212,10 @@ class KVPool:
             free = torch.cat([self._stack(cap, new_cap), old_free], dim=1)
         else:  # shrinking after compaction: the free ids are exactly [used, new_cap)
             free = self._stack(used, new_cap)
-        self._free[layer] = free.contiguous()
+        # the stack buffer spans the whole capacity: every slot may be free at once
+        buf = torch.zeros(self.spec.kv_heads, new_cap, dtype=torch.long, device=self.spec.device)
+        buf[:, : free.shape[1]] = free
+        self._free[layer] = buf
         self._nfree[layer] = new_cap - used
 
     def _maybe_compact(self, layer: int) -> None:
@@ -227,15 +230,16 @@ class KVPool:
         h = self.spec.kv_heads
         live = torch.ones(h, cap, dtype=torch.bool, device=self.spec.device)
         live.scatter_(1, self._free[layer][:, : self._nfree[layer]], False)
-        # per head, the live ids at or above ``used`` move into the free ids below it (equal counts)
-        movers = torch.nonzero(live[:, used:], as_tuple=True)[1].view(h, -1) + used
-        holes = torch.nonzero(~live[:, :used], as_tuple=True)[1].view(h, -1)
         remap = torch.arange(cap, device=self.spec.device)[None].repeat(h, 1)
-        remap.scatter_(1, movers, holes)
-        hh = self._heads[:, None]
-        for store in (self.keys, self.values):
-            store[layer][hh, holes] = store[layer][hh, movers]
-        self.bytes_moved += movers.shape[1] * self.spec.entry_bytes
+        moved = 0
+        for j in range(h):  # heads hold different ids; compaction is rare, so a loop is fine
+            movers = torch.nonzero(live[j, used:]).flatten() + used
+            holes = torch.nonzero(~live[j, :used]).flatten()  # as many as movers
+            remap[j, movers] = holes
+            for store in (self.keys, self.values):
+                store[layer][j, holes] = store[layer][j, movers]
+            moved += movers.numel()
+        self.bytes_moved += moved * self.spec.entry_bytes // h
         for ref in list(self._owners[layer].values()):
             owner = ref()
             if owner is not None:

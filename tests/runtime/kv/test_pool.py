@@ -1,0 +1,104 @@
+"""The slot pool: allocation, reuse, fixed-size refusal, compaction and byte accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlkv.runtime.cache import KVCache
+from vlkv.runtime.kv import KVPool, PoolFull, PoolSpec
+from vlkv.runtime.kv.pool import COMPACT_MIN_SLOTS
+
+SPEC = PoolSpec(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+
+
+def _storage(pool: KVPool) -> int:
+    return sum(t.untyped_storage().nbytes() for t in (*pool.keys, *pool.values))
+
+
+def _fill(cache: KVCache, n: int, seed: int = 0) -> torch.Tensor:
+    """Append ``n`` random entries to every layer of a one-sample cache; returns the keys ``(1, H, n, D)``."""
+    k = torch.randn(1, SPEC.kv_heads, n, SPEC.head_dim, generator=torch.Generator().manual_seed(seed))
+    for layer in cache.layers:
+        layer.append(
+            k, -k, torch.arange(n)[None, :, None], torch.zeros(1, n, dtype=torch.int8), torch.tensor([n])
+        )
+    return k
+
+
+def test_freed_slots_are_reused_by_the_next_write():
+    pool = KVPool(SPEC, 16, grow=False)
+    a = KVCache.empty(2, 1, 2, 4, 1, torch.float32, pool=pool)
+    _fill(a, 6)
+    layer = a.layers[0]
+    # keep entries 0, 2, 4 in head 0 and 1, 3, 5 in head 1: three slots per head come free
+    layer.select(torch.tensor([[[0, 2, 4], [1, 3, 5]]]), torch.tensor([3]))
+    freed = {0: {1, 3, 5}, 1: {0, 2, 4}}
+    assert pool.free_slots(0) == 16 - 3
+    b = KVCache.empty(2, 1, 2, 4, 1, torch.float32, pool=pool)
+    _fill(b, 3, seed=1)
+    for h in range(2):
+        assert set(b.layers[0].slots[0, h, :3].tolist()) == freed[h]  # holes first, not the unused tail
+    assert pool.used_bytes() == a.kv_bytes() + b.kv_bytes()
+
+
+def test_a_fixed_pool_refuses_a_write_past_its_slots():
+    pool = KVPool.with_bytes(SPEC, 5 * SPEC.entry_bytes * SPEC.num_layers)
+    cache = KVCache.empty(2, 1, 2, 4, 1, torch.float32, pool=pool)
+    _fill(cache, 5)
+    with pytest.raises(PoolFull, match="layer 0 has 0 free slots of 5, needs 1"):
+        _fill(cache, 1)
+    with pytest.raises(ValueError, match="holds no token"):
+        KVPool.with_bytes(SPEC, 10)
+
+
+def test_eviction_writes_no_kv_and_release_frees_everything():
+    pool = KVPool(SPEC, 0, grow=True)
+    cache = KVCache.empty(2, 1, 2, 4, 1, torch.float32, pool=pool)
+    _fill(cache, 10)
+    written = pool.bytes_written
+    assert written == 10 * SPEC.entry_bytes * SPEC.num_layers
+    for layer in cache.layers:
+        layer.select(torch.tensor([[[0, 5, 9], [1, 2, 3]]]), torch.tensor([3]))
+    assert pool.bytes_written == written  # survivors never move
+    assert pool.used_bytes() == cache.kv_bytes() == 3 * SPEC.entry_bytes * SPEC.num_layers
+    cache.release()
+    assert pool.used_bytes() == 0 and cache.kv_bytes() == 0
+
+
+def test_compaction_remaps_tables_keeps_contents_and_shrinks_the_pool():
+    pool = KVPool(SPEC, 0, grow=True)
+    cache = KVCache.empty(2, 1, 2, 4, 1, torch.float32, pool=pool)
+    n = 2 * COMPACT_MIN_SLOTS
+    k = _fill(cache, n)
+    held = pool.held_bytes()
+    keep = torch.arange(n - 40, n)  # the newest 40 entries live in the highest slots
+    index = torch.stack([keep, keep - 1])[None]
+    cache.layers[0].select(index, torch.tensor([40]))
+    assert pool.compactions == 1
+    assert pool.capacity(0) < n / 4 and pool.capacity(1) == n  # only the edited layer shrank
+    assert pool.held_bytes() < held and pool.held_bytes() == _storage(pool)
+    # the same keys, read through the remapped table
+    got = cache.layers[0].attention_kv()[0]
+    want = torch.stack([k[0, 0, keep], k[0, 1, keep - 1]])[None]
+    assert torch.equal(got, want)
+    assert int(cache.layers[0].slots.max()) < pool.capacity(0)
+    # layer 1 was untouched
+    assert torch.equal(cache.layers[1].attention_kv()[0], k)
+
+
+def test_offload_and_reload_are_bit_identical():
+    pool = KVPool(SPEC, 16, grow=False)
+    cache = KVCache.empty(2, 1, 2, 4, 1, torch.float32, pool=pool)
+    _fill(cache, 7)
+    cache.layers[1].select(torch.tensor([[[0, 3, 6], [2, 4, 5]]]), torch.tensor([3]))
+    before = [layer.attention_kv() for layer in cache.layers]
+    cache.offload()
+    assert pool.used_bytes() == 0
+    other = KVCache.empty(2, 1, 2, 4, 1, torch.float32, pool=pool)
+    _fill(other, 5, seed=3)  # someone else takes the freed slots meanwhile
+    cache.reload()
+    for (k0, v0), layer in zip(before, cache.layers):
+        k1, v1 = layer.attention_kv()
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert pool.used_bytes() == cache.kv_bytes() + other.kv_bytes()

@@ -1,0 +1,92 @@
+"""A step's batch view over several requests' caches that share one pool.
+
+The scheduler keeps one single-sample :class:`~vlkv.runtime.cache.KVCache` per request (so each
+request's policy edits only its own entries) and runs a decode step over all running requests at
+once. :class:`CacheBatch` presents their caches to a backend as one batch — the same interface a
+backend reads from a ``KVCache`` (``layers[i].append / attention_kv / lengths / max_length``,
+``lengths()``, ``processed``) — without copying any per-entry state: appends go to each request's
+own table, and attention reads gather every request's slots from the shared pool in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.cache import KVCache, LayerKV
+
+
+class LayerBatch:
+    """One layer of a :class:`CacheBatch`: the rows are the requests' single-sample layers."""
+
+    def __init__(self, rows: list[LayerKV]):
+        pools = {id(r.pool) for r in rows}
+        if len(pools) != 1 or len({r.layer for r in rows}) != 1:
+            raise ValueError("a batch view needs every row on the same pool layer")
+        self.rows = rows
+        self.pool, self.layer = rows[0].pool, rows[0].layer
+
+    @property
+    def lengths(self) -> Tensor:
+        """``(B,)`` int64 valid entries per request."""
+        return torch.cat([r.lengths for r in self.rows])
+
+    @property
+    def max_length(self) -> int:
+        return max(r.max_length for r in self.rows)
+
+    def append(self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, new_len: Tensor) -> Tensor:
+        """Append row ``b`` of ``k, v (B, H_kv, q, D)`` etc. to request ``b``; returns ``(B,)`` past lengths."""
+        return torch.cat(
+            [
+                r.append(
+                    k[b : b + 1], v[b : b + 1], positions[b : b + 1], modality[b : b + 1], new_len[b : b + 1]
+                )
+                for b, r in enumerate(self.rows)
+            ]
+        )
+
+    def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
+        """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length."""
+        n = self.max_length if upto is None else upto
+        tables = []
+        for r in self.rows:
+            t = r.slots[:, :, :n]
+            if t.shape[2] < n:
+                t = torch.cat([t, t.new_zeros(*t.shape[:2], n - t.shape[2])], dim=2)
+            tables.append(t)
+        if n == 0 or self.pool.capacity(self.layer) == 0:
+            spec = self.pool.spec
+            z = torch.zeros(
+                len(self.rows), spec.kv_heads, n, spec.head_dim, dtype=spec.dtype, device=spec.device
+            )
+            return z, z.clone()
+        return self.pool.read(self.layer, torch.cat(tables))
+
+
+class CacheBatch:
+    """Several requests' caches seen by a backend as one batch (one row per request)."""
+
+    def __init__(self, caches: list[KVCache]):
+        if not caches:
+            raise ValueError("a batch view needs at least one cache")
+        self.caches = caches
+        self.layers = [LayerBatch([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.caches)
+
+    def lengths(self) -> Tensor:
+        """``(L, B)`` int64 valid entries per layer and request."""
+        return torch.stack([layer.lengths for layer in self.layers])
+
+    @property
+    def processed(self) -> Tensor:
+        return torch.cat([c.processed for c in self.caches])
+
+    @processed.setter
+    def processed(self, value: Tensor) -> None:
+        # backends write ``cache.processed += new_len``: hand each request its own count back
+        for b, c in enumerate(self.caches):
+            c.processed = value[b : b + 1].clone()

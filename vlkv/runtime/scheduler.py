@@ -1,0 +1,388 @@
+"""Continuous batching over one KV pool: requests join between decode steps and leave when done.
+
+Each iteration of :meth:`Scheduler.step`:
+
+1. resumes swapped-out requests while the pool has room (they go before new ones);
+2. admits waiting requests by KV bytes: a request is *reserved* the entries its policy is expected
+   to hold per layer (``budget × prompt`` + generated tokens for compress-once policies,
+   ``budget × (prompt + max_new)`` for policies that evict while decoding), so a request
+   compressed to 20 % admits about 5× more beside it; each admitted request is prefilled alone
+   and its policy compresses it before the next one is admitted;
+3. runs one decode step for every running request at once (a :class:`CacheBatch` view over their
+   caches), then lets each request's own policy edit its own cache.
+
+When a step would not fit (estimates are estimates: per-layer allocators, merges), the most
+recently admitted request is *preempted*: its K/V are swapped to host memory and its slots freed;
+it resumes, bit-identical, when the pool has room. Cancelling frees a request's slots at once. A
+request that fails (a policy error, a prompt the model cannot take) is marked failed with its
+message; the others keep running.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+import torch
+
+from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepStats
+from vlkv.runtime.cache import KVCache, Modality
+from vlkv.runtime.kv.batch import CacheBatch
+from vlkv.runtime.kv.pool import KVPool, PoolSpec
+from vlkv.runtime.request import Request, Status
+
+
+class RequestTooLarge(ValueError):
+    """A request that could never fit in the scheduler's pool."""
+
+
+class Scheduler:
+    """Runs many :class:`Request` s over one engine and one KV pool.
+
+    Args:
+        engine: a :class:`~vlkv.runtime.engine.Engine` (its backend runs every step).
+        pool_bytes: K/V bytes of a fixed pool (admission, preemption); None = a growable pool.
+        max_running: most requests decoded together.
+        swap_device: where preempted requests' K/V wait.
+        cache_hit_rate: compute VL-Cache's CacheHitRate per request after its prefill.
+        overcommit: reservations may add up to ``overcommit ×`` the pool (> 1 admits more and relies
+            on preemption when requests really grow that large; 1 = never over-admit).
+    """
+
+    def __init__(
+        self,
+        engine,
+        pool_bytes: int | None = None,
+        max_running: int = 256,
+        swap_device: str = "cpu",
+        cache_hit_rate: bool = False,
+        hit_rate_k: int | float | None = None,
+        overcommit: float = 1.0,
+    ):
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if not overcommit >= 1.0:
+            raise ValueError(f"overcommit must be >= 1, got {overcommit}")
+        self.overcommit = overcommit
+        be = engine.backend
+        spec = PoolSpec(
+            num_layers=be.num_layers,
+            kv_heads=be.num_kv_heads,
+            head_dim=be.head_dim,
+            dtype=be.dtype,
+            device=be.device,
+        )
+        self.engine = engine
+        self.pool = KVPool(spec, 0, grow=True) if pool_bytes is None else KVPool.with_bytes(spec, pool_bytes)
+        self.max_running, self.swap_device = max_running, swap_device
+        self.cache_hit_rate, self.hit_rate_k = cache_hit_rate, hit_rate_k
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.prefill_s = self.decode_s = 0.0
+        self.decode_steps = 0
+        self.peak_used_bytes = 0
+        self.max_concurrent = 0
+
+    # ------------------------------------------------------------------ API
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request; raises :class:`RequestTooLarge` (one line, sizes named) if it can never fit."""
+        request.batch = self.engine.encode([request.prompt])
+        n = request.prompt_tokens
+        request.reserve = _reserve(request, n)
+        if not self.pool.grow:
+            slots = self.pool.capacity(0)
+            need = max(n, request.reserve)
+            if need > slots:
+                per = self.pool.spec.entry_bytes * self.pool.spec.num_layers
+                raise RequestTooLarge(
+                    f"request {request.id} needs {need} KV entries per layer ({need * per} bytes: "
+                    f"{n} prompt tokens, {request.max_new_tokens} new, policy {request.policy.name} at "
+                    f"budget {float(request.policy.budget):g}); the pool holds {slots} ({slots * per} bytes)"
+                )
+        self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request now and free its KV slots."""
+        if request.done:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, Status.CANCELLED)
+
+    def step(self) -> None:
+        """One scheduling iteration: resume, admit (prefill), one batched decode step."""
+        self._resume()
+        self._admit()
+        self._decode()
+
+    def run(self) -> None:
+        while self.has_work:
+            self.step()
+
+    # ------------------------------------------------------------------ admission
+    def _reserved(self) -> int:
+        return sum(r.reserve for r in (*self.running, *self.swapped))
+
+    def _admit(self) -> None:
+        while self.waiting and not self.swapped and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if not self.pool.grow:
+                room = self.overcommit * self.pool.capacity(0) - self._reserved()
+                # the prompt is written whole before its policy compresses it, and every running
+                # request still needs a slot for this iteration's decode step
+                short = req.reserve > room or req.prompt_tokens + len(self.running) > self.pool.min_free()
+                if short and self.running:
+                    return
+            self.waiting.popleft()
+            self._prefill(req)
+
+    def _prefill(self, req: Request) -> None:
+        eng = self.engine
+        try:
+            cache = eng.new_cache(req.batch, pool=self.pool)
+            req.cache, req.status = cache, Status.RUNNING
+            t0 = time.perf_counter()
+            out = eng.prefill(req.batch, req.policy, cache)
+            req.prefill_s = time.perf_counter() - t0
+            self.prefill_s += req.prefill_s
+            req.peak_kv_bytes = out.peak_kv_bytes or cache.kv_bytes()
+            self._track()
+            if self.cache_hit_rate:
+                from vlkv.runtime.diagnostics import hit_rate_report
+
+                req.extras["cache_hit_rate"] = hit_rate_report(eng, req.batch, cache, k=self.hit_rate_k)
+            self.running.append(req)
+            self.max_concurrent = max(self.max_concurrent, len(self.running))
+            self._emit(req, int(req.sampler(out.logits)[0]))
+        except Exception as err:  # one request's failure never stops the others
+            self._fail(req, err)
+
+    # ------------------------------------------------------------------ preemption
+    def _resume(self) -> None:
+        while self.swapped and len(self.running) < self.max_running:
+            req = self.swapped[0]
+            need = max(int(layer.lengths.max()) for layer in req.cache.layers)
+            if need + len(self.running) + 1 > self.pool.min_free():
+                return
+            self.swapped.popleft()
+            req.cache.reload()
+            req.status = Status.RUNNING
+            self.running.append(req)
+
+    def _make_room(self) -> None:
+        """Swap out the latest-admitted requests until one decode step fits every layer."""
+        if self.pool.grow:
+            return
+        while self.running and self.pool.min_free() < len(self.running):
+            if len(self.running) == 1:
+                req = self.running[0]
+                self._fail(
+                    req,
+                    RuntimeError(
+                        f"request {req.id} outgrew the KV pool alone ({self.pool.capacity(0)} entries per layer)"
+                    ),
+                )
+                return
+            req = self.running.pop()
+            req.cache.offload(self.swap_device)
+            req.status, req.preemptions = Status.SWAPPED, req.preemptions + 1
+            self.swapped.appendleft(req)
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self) -> None:
+        self._make_room()
+        if not self.running:
+            return
+        t0 = time.perf_counter()
+        for group in _groups(self.running, self.engine):
+            self._decode_group(group)
+        self.decode_s += time.perf_counter() - t0
+        self.decode_steps += 1
+
+    def _decode_group(self, group: list[tuple[Request, object, StatsRequest | None]]) -> None:
+        eng = self.engine
+        reqs = [r for r, _, _ in group]
+        dev = reqs[0].cache.device
+        b = len(reqs)
+        tokens = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.long, device=dev)
+        attends = [r.policy.decode_attend(r.cache, ctx) for r, ctx, _ in group]
+        inputs = StepInputs(
+            tokens[:, None],
+            torch.cat([eng.decode_positions(r.policy, r.cache) for r in reqs]),
+            torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8, device=dev),
+            torch.ones(b, dtype=torch.long, device=dev),
+            attend=_merge_attend(attends, reqs),
+        )
+        view = CacheBatch([r.cache for r in reqs])
+        try:
+            out = eng.backend.step(inputs, view, _merge_stats([s for _, _, s in group], b, dev))
+        except Exception as err:
+            for r in reqs:
+                self._fail(r, err)
+            return
+        self._track()
+        for i, (r, ctx, _) in enumerate(group):
+            try:
+                cache = r.cache
+                _count_usage(r, cache, None if out.attended is None else out.attended[:, i])
+                r.peak_kv_bytes = max(r.peak_kv_bytes, cache.kv_bytes())
+                cache.next_position += 1
+                stats = _slice_stats(out.stats, i, cache)
+                from vlkv.runtime.engine import DECODE_SPARE, apply_edits
+
+                apply_edits(cache, r.policy.after_decode(cache, stats, ctx), spare=DECODE_SPARE)
+                r.decode_steps += 1
+                self._emit(r, int(r.sampler(out.logits[i : i + 1])[0]))
+            except Exception as err:
+                self._fail(r, err)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _emit(self, req: Request, token: int) -> None:
+        req.tokens.append(token)
+        if req.first_token_s is None:
+            req.first_token_s = time.perf_counter()
+        if req.on_token is not None:
+            req.on_token(req, token)
+        eos = self.engine.eos_ids if req.stop_at_eos else ()
+        if token in eos or len(req.tokens) >= req.max_new_tokens:
+            self._finish(req, Status.FINISHED)
+
+    def _track(self) -> None:
+        self.peak_used_bytes = max(self.peak_used_bytes, self.pool.used_bytes())
+
+    def _fail(self, req: Request, err: Exception) -> None:
+        req.error = f"{type(err).__name__}: {err}"
+        req.exception = err
+        self._finish(req, Status.FAILED)
+
+    def _finish(self, req: Request, status: Status) -> None:
+        cache = req.cache
+        if cache is not None and not req.final:
+            req.final = {
+                "kept_per_layer": cache.lengths()[:, 0].tolist(),
+                "kv_bytes": cache.kv_bytes(),
+                "full_kv_bytes": cache.full_kv_bytes(),
+            }
+            cache.offloaded = None
+            for layer in cache.layers:
+                layer.offloaded = None
+            if req.status != Status.SWAPPED:
+                cache.release()
+        req.status, req.finish_s = status, time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.swapped:
+            self.swapped.remove(req)
+
+
+# ---------------------------------------------------------------------- helpers
+def _reserve(req: Request, n: int) -> int:
+    """Entries per layer the request is expected to hold at most (its admission price)."""
+    budget, m = float(req.policy.budget), req.max_new_tokens
+    if budget >= 1:
+        return n + m
+    if req.policy.evicts_during_decode:
+        return min(n + m, math.ceil(budget * (n + m)) + 8)
+    return min(n + m, math.ceil(budget * n) + m)
+
+
+def _signature(stats: StatsRequest | None):
+    if stats is None:
+        return None
+    return (stats.threshold, tuple(sorted((k, v.threshold) for k, v in stats.extra.items())))
+
+
+def _groups(running: list[Request], engine) -> list[list]:
+    """Running requests grouped so that each group's statistics requests can be merged into one step."""
+    groups: dict = {}
+    plain = []
+    for r in running:
+        ctx = engine.context(r.batch, r.decode_steps + 1)
+        stats = r.policy.decode_request(r.cache, ctx)
+        (plain if stats is None else groups.setdefault(_signature(stats), [])).append((r, ctx, stats))
+    out = list(groups.values())
+    if out:
+        out[0].extend(plain)  # requests that want no statistics ride along with any group
+    elif plain:
+        out.append(plain)
+    return out
+
+
+def _merge_stats(requests: list[StatsRequest | None], b: int, device) -> StatsRequest | None:
+    wanted = [s for s in requests if s is not None]
+    if not wanted:
+        return None
+
+    def rows(sel) -> torch.Tensor:  # (B, 1) bool: the row of every request that asked
+        return torch.tensor(
+            [[s is not None and (s.rows is None or bool(s.rows.any()))] for s in sel], device=device
+        )
+
+    layers = None
+    if all(s.layers is not None for s in wanted):
+        layers = frozenset().union(*(s.layers for s in wanted))
+    extra = {}
+    for name in {n for s in wanted for n in s.extra}:
+        subs = [None if s is None else s.extra.get(name) for s in requests]
+        first = next(x for x in subs if x is not None)
+        extra[name] = StatsRequest(rows(subs), first.threshold)
+    return StatsRequest(rows(requests), wanted[0].threshold, layers, extra)
+
+
+def _merge_attend(attends: list, reqs: list[Request]) -> list[AttendIndex | None] | None:
+    """Per layer, one :class:`AttendIndex` over the batch; requests without one attend to everything."""
+    if all(a is None for a in attends):
+        return None
+    num_layers = len(reqs[0].cache.layers)
+    merged: list[AttendIndex | None] = []
+    for li in range(num_layers):
+        per = [None if a is None else a[li] for a in attends]
+        if all(p is None for p in per):
+            merged.append(None)
+            continue
+        parts = []
+        for p, r in zip(per, reqs):
+            if p is None:
+                layer = r.cache.layers[li]
+                n = layer.max_length
+                idx = torch.arange(n, device=layer.device)[None, None].expand(1, layer.kv_heads, n)
+                p = AttendIndex(idx, layer.lengths[:, None].expand(1, layer.kv_heads).clone())
+            parts.append(p)
+        width = max(p.indices.shape[2] for p in parts)
+        idx = torch.cat([torch.nn.functional.pad(p.indices, (0, width - p.indices.shape[2])) for p in parts])
+        merged.append(AttendIndex(idx, torch.cat([p.lengths for p in parts])))
+    return merged
+
+
+def _slice_stats(stats: list, i: int, cache: KVCache) -> StepStats:
+    """Request ``i``'s statistics, trimmed to its own layer lengths."""
+    from vlkv.plugins import AttnStats
+
+    def cut(st, layer):
+        if st is None:
+            return None
+        w = layer.max_length
+        below = None if st.below is None else st.below[i : i + 1]
+        return AttnStats(st.colsum[i : i + 1, :, :w], below, st.visible[i : i + 1])
+
+    layers = [cut(st, layer) for st, layer in zip(stats, cache.layers)]
+    extra = {
+        n: [cut(st, layer) for st, layer in zip(v, cache.layers)]
+        for n, v in getattr(stats, "extra", {}).items()
+    }
+    return StepStats(layers, extra)
+
+
+def _count_usage(req: Request, cache: KVCache, attended) -> None:
+    """A-VL's stored / used fractions, per request (see ``KVUsage``)."""
+    stored = float(cache.lengths().sum())
+    req.usage["stored"] += stored
+    req.usage["used"] += float(attended.sum()) if attended is not None else stored
+    req.usage["full"] += float(cache.processed.sum()) * len(cache.layers)
