@@ -4,6 +4,7 @@ import json
 import sys
 import types
 
+import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
@@ -194,13 +195,50 @@ def test_plugins_are_registered_only_when_named(monkeypatch):
         trt_engine.register_plugins(["AttnStats"])
     registered = []
     fake = types.ModuleType("vlkv.plugins.trt_plugins")
-    fake.register_plugins = lambda: registered.append(True)
+    fake.register_plugins = lambda arch=None: registered.append(arch)
     monkeypatch.setitem(sys.modules, "vlkv.plugins.trt_plugins", fake)
     import vlkv.plugins
 
     monkeypatch.setattr(vlkv.plugins, "trt_plugins", fake, raising=False)
-    trt_engine.register_plugins(["AttnStats"])
-    assert registered == [True]
+    trt_engine.register_plugins(["AttnStats"], "sm_89")
+    assert registered == ["sm_89"]
+
+
+def test_plugin_architecture_problems_are_one_stage_error(monkeypatch):
+    from vlkv.plugins import trt_plugins
+
+    monkeypatch.setattr(trt_plugins, "_import_tensorrt", lambda: (None, None))
+    monkeypatch.setattr(trt_plugins, "device_arch", lambda: 75)  # a Turing GPU: no AOT kernels for it
+    with pytest.raises(StageError) as info:
+        trt_engine.register_plugins(["AttnStats"], None)
+    assert str(info.value).startswith("trt.ptx_arch (from the visible GPU): must be one of sm_80, ")
+    monkeypatch.setattr(trt_plugins, "device_arch", lambda: None)
+    with pytest.raises(StageError, match="^trt.ptx_arch: no CUDA device is visible"):
+        trt_engine.register_plugins(["AttnStats"], None)
+
+
+def test_decoder_feeds_follow_the_vlkv_contract_in_graph_dtypes():
+    opt = lambda *shape: (shape, shape, shape)  # noqa: E731
+    shapes = {
+        "inputs_embeds": opt(3, 4, 8),
+        "position_ids": opt(3, 3, 4),  # M-RoPE layout
+        "past_lengths": opt(2, 3),
+        "new_lengths": opt(3),
+        "logits_index": opt(3, 1),
+        "stats_rows": opt(3, 4),
+        "stats_threshold": opt(1),
+        "past_key_values.0.key": opt(3, 2, 5, 16),
+        "past_key_values.1.key": opt(3, 2, 1, 16),
+    }
+    dtypes = {n: np.dtype(np.int64) for n in ("position_ids", "past_lengths", "new_lengths", "logits_index")}
+    dtypes |= {"stats_rows": np.dtype(np.int64), "inputs_embeds": np.dtype(np.float16)}
+    feeds = trt_engine.sample_feeds(shapes, dtypes)
+    assert {n: feeds[n].dtype for n in dtypes} == dtypes
+    assert feeds["stats_threshold"].dtype == np.float32 and feeds["past_key_values.1.key"].dtype == np.float32
+    assert feeds["past_lengths"].tolist() == [[5, 4, 3], [1, 0, 0]]
+    assert feeds["new_lengths"].tolist() == [4, 3, 2]
+    assert feeds["logits_index"].tolist() == [[3], [2], [1]]  # each sample's last valid row
+    assert feeds["position_ids"].shape == (3, 3, 4) and feeds["position_ids"][0, 1].tolist() == [4, 5, 6, 7]
 
 
 def test_sample_feeds_follow_decoder_conventions():
