@@ -1,6 +1,10 @@
-"""ONNX Runtime backend vs the PyTorch backend: step outputs, caches and greedy generations."""
+"""ONNX Runtime backend vs the PyTorch backend: step outputs, caches, greedy generations (A-VL's
+core-only decode and prefill filter included), and the runtime's independence from the exporter."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs
 from vlkv.runtime.backends import BACKENDS
 from vlkv.runtime.cache import Modality
 from vlkv.runtime.engine import Engine, apply_edits
-from vlkv.runtime.ort_backend import OrtBackend, UnsupportedStep
+from vlkv.runtime.ort_backend import OrtBackend
 from vlkv.runtime.policies import LayerEdit, make_policy
 from vlkv.runtime.prompt import Prompt
 
@@ -45,13 +49,14 @@ def _assert_stats_equal(got, want, msg):
         assert torch.equal(got.below, want.below), msg
 
 
-def _assert_caches_equal(a, b):
+def _assert_caches_equal(a, b, tol=KV_TOL):
     assert torch.equal(a.lengths(), b.lengths())
     for la, lb in zip(a.layers, b.layers):
+        (ka, va), (kb, vb) = la.attention_kv(), lb.attention_kv()
         for s in range(la.lengths.shape[0]):
             n = int(la.lengths[s])
-            torch.testing.assert_close(la.keys[s, :, :n], lb.keys[s, :, :n], **KV_TOL)
-            torch.testing.assert_close(la.values[s, :, :n], lb.values[s, :, :n], **KV_TOL)
+            torch.testing.assert_close(ka[s, :, :n], kb[s, :, :n], **tol)
+            torch.testing.assert_close(va[s, :, :n], vb[s, :, :n], **tol)
             assert torch.equal(la.positions[s, :, :n], lb.positions[s, :, :n])
             assert torch.equal(la.modality[s, :, :n], lb.modality[s, :, :n])
 
@@ -88,7 +93,7 @@ def test_steps_match_torch_on_uneven_per_layer_caches(name, engines, ort_engines
         ]
         width = max(k.numel() for k in keep)
         index = torch.stack([torch.cat([k, k.new_zeros(width - k.numel())]) for k in keep])
-        kv_heads = layer.keys.shape[1]
+        kv_heads = layer.attention_kv()[0].shape[1]
         edits.append(
             LayerEdit(
                 index[:, None].expand(-1, kv_heads, -1).contiguous(), torch.tensor([k.numel() for k in keep])
@@ -136,16 +141,106 @@ def test_greedy_generation_matches_torch(name, policy, budget, engines, ort_engi
         assert got.kv_bytes_used < got.full_kv_bytes
 
 
-def test_selected_attention_steps_are_refused(ort_engines):
-    backend = ort_engines["tiny-llava"].backend
-    cache = ort_engines["tiny-llava"].new_cache(ort_engines["tiny-llava"].encode([Prompt("hi")]))
-    attend = [AttendIndex(torch.zeros(1, 2, 1, dtype=torch.long), torch.ones(1, 2, dtype=torch.long))] * 4
-    step = StepInputs(
-        torch.tensor([[3]]), torch.zeros(1, 1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int8),
-        torch.ones(1, dtype=torch.long), attend=attend,
+def _decode_step(engine, cache, attend):
+    b = cache.batch_size
+    return StepInputs(
+        torch.full((b, 1), 7), cache.next_position[:, None], torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8),
+        torch.ones(b, dtype=torch.long), attend=attend,
     )  # fmt: skip
-    with pytest.raises(UnsupportedStep, match="attend indices; use --backend torch"):
-        backend.step(step, cache)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_attend_indices_with_per_head_lengths_match_torch(name, engines, ort_engines, images):
+    """A decode step over chosen past slots (different counts per sample and KV head): same logits,
+    K/V, stats scattered back to slots, and attended counts as the PyTorch backend."""
+    te, oe = engines[name], ort_engines[name]
+    batch = te.encode(_prompts(images)[:2])
+    caches = [te.new_cache(batch), oe.new_cache(batch)]
+    prefill = StepInputs(
+        batch.input_ids, batch.positions, batch.modality, batch.lengths, te.backend.embed(batch)
+    )
+    for be, c in zip((te.backend, oe.backend), caches):
+        be.step(prefill, c)
+    gen = torch.Generator().manual_seed(0)
+    attend = []
+    for layer in caches[0].layers:
+        n, kv_heads = layer.lengths, layer.attention_kv()[0].shape[1]
+        lens = torch.stack([torch.randint(1, int(m) + 1, (kv_heads,), generator=gen) for m in n])
+        idx = torch.zeros(*lens.shape, int(lens.max()), dtype=torch.long)  # padding: any value
+        for b, h in torch.cartesian_prod(torch.arange(lens.shape[0]), torch.arange(kv_heads)).tolist():
+            pick = torch.randperm(int(n[b]), generator=gen)[: int(lens[b, h])]
+            idx[b, h, : pick.numel()] = torch.sort(pick).values
+        attend.append(AttendIndex(idx, lens))
+    attend[1] = None  # one layer reads its whole cache
+    request = StatsRequest(threshold=0.1)
+    outs = [
+        be.step(_decode_step(e, c, attend), c, request)
+        for be, e, c in zip((te.backend, oe.backend), (te, oe), caches)
+    ]
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, **LOGITS_TOL)
+    for i in range(4):
+        _assert_stats_equal(outs[1].stats[i], outs[0].stats[i], f"attend layer {i}")
+    torch.testing.assert_close(outs[1].attended, outs[0].attended)
+    assert (outs[1].attended[0] < caches[1].lengths()[0]).all()  # really fewer entries than held
+    _assert_caches_equal(*caches)
+
+
+AVL = {"budget": 0.5, "core": 0.2, "interval": 3, "prefill_keep": 0.5, "filter_layer": 2}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_avl_core_decode_and_prefill_filter_match_torch(name, engines, ort_engines, images):
+    """A-VL as the paper runs it (core < secondary, prefill filter on): same greedy tokens, logits
+    within 1e-4 at every step, same caches, and both plans really exercised."""
+    te, oe = engines[name], ort_engines[name]
+    prompts = _prompts(images)
+    state = []
+    for engine in (te, oe):
+        policy = make_policy("avl", **AVL)
+        batch = engine.encode(prompts)
+        cache = engine.new_cache(batch)
+        state.append([engine, policy, batch, cache, engine.prefill(batch, policy, cache)])
+    torch.testing.assert_close(state[1][4].logits, state[0][4].logits, **LOGITS_TOL)
+    _assert_caches_equal(state[0][3], state[1][3])
+    # rows dropped: layers after the filter held (and computed statistics over) fewer slots
+    widths = [st.colsum.shape[-1] for st in state[1][4].stats]
+    assert widths == [st.colsum.shape[-1] for st in state[0][4].stats]
+    assert max(widths[AVL["filter_layer"] :]) < min(widths[: AVL["filter_layer"]])
+    core_steps = 0
+    for step in range(1, NEW):
+        tokens = [s[4].logits.argmax(-1) for s in state]
+        assert torch.equal(tokens[0], tokens[1]), f"step {step}"
+        for s, tok in zip(state, tokens):
+            engine, policy, batch, cache, _ = s
+            core_steps += policy.decode_attend(cache, engine.context(batch, step)) is not None
+            s[4] = engine.decode(tok, batch, policy, cache, step)
+        torch.testing.assert_close(state[1][4].logits, state[0][4].logits, **LOGITS_TOL, msg=f"step {step}")
+        torch.testing.assert_close(state[1][4].attended, state[0][4].attended)
+        # summation-order differences compound over the decode steps: the logits' tolerance
+        _assert_caches_equal(state[0][3], state[1][3], LOGITS_TOL)
+    assert core_steps > 0  # decode computed over the core only on non-refresh steps
+    want = te.generate(prompts, make_policy("avl", **AVL), NEW, stop_at_eos=False)
+    got = oe.generate(prompts, make_policy("avl", **AVL), NEW, stop_at_eos=False)
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+    assert got.extras == want.extras and got.extras["kv_used_fraction"] < got.extras["kv_stored_fraction"]
+
+
+def test_runtime_never_imports_the_exporter():
+    """The runtime (ONNX Runtime backend included) stands below the exporter: importing and running
+    its modules never loads ``vlkv.exporter``."""
+    code = (
+        "import sys\n"
+        "import vlkv.runtime.ort_backend, vlkv.runtime.backends, vlkv.runtime.engine\n"
+        "import vlkv.runtime.onnx.layer_graphs, vlkv.runtime.onnx.export_cache\n"
+        "from vlkv.runtime.models.registry import load_model\n"
+        "from vlkv.runtime.engine import Engine\n"
+        "Engine(load_model('tiny-llava'), backend='onnxruntime')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vlkv.exporter')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_bfloat16_models_are_refused_in_one_line(tmp_path):

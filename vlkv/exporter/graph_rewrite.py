@@ -1,9 +1,8 @@
 """Graph surgery: swap the decomposed subgraphs of an exported graph for vlkv plugin nodes.
 
 An exporter that writes a decomposed subgraph (plain ONNX ops) which a vlkv plugin can replace records
-it in the model's ``metadata_props`` under ``vlkv.subgraphs``: the op (``AttnStats``,
-``SelectedAttention``, ``MergeKV``; see ``vlkv.plugins.onnx_ops.OPS``), its boundary input tensors in
-the op's input order, its output tensors and its attributes. :func:`rewrite_model` adds one plugin node
+it in the model's ``metadata_props`` (``vlkv.exporter.subgraphs``): the op, its boundary input tensors
+in the op's input order, its output tensors and its attributes. :func:`rewrite_model` adds one plugin node
 per record, wired to those tensors, detaches the outputs from their old producers, and lets
 onnx-graphsurgeon's ``cleanup`` delete every node that no longer feeds a graph output. Nodes the
 subgraph shared with the rest of the graph (the exporter may share e.g. an ``arange``) survive.
@@ -24,9 +23,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlkv.exporter.subgraphs import SUBGRAPHS_KEY, set_subgraph_records, subgraph_records
 from vlkv.plugins.onnx_ops import OP_ATTN_STATS, convert_model, get_spec, node_attributes
 
-SUBGRAPHS_KEY = "vlkv.subgraphs"
+__all__ = ["SUBGRAPHS_KEY", "decoder_feeds_for", "rewrite", "rewrite_model", "subgraph_records"]
 FORMS = ("canonical", "ort", "trt")
 METRICS_FILE = "metrics.json"
 
@@ -45,14 +45,6 @@ class RewriteReport:
     removed_nodes: list[str] = field(default_factory=list)
     nodes_before: int = 0
     nodes_after: int = 0
-
-
-def subgraph_records(model) -> list[dict]:
-    """The decomposed-subgraph records a model carries (empty when there are none)."""
-    for prop in model.metadata_props:
-        if prop.key == SUBGRAPHS_KEY:
-            return json.loads(prop.value)
-    return []
 
 
 def rewrite_model(model, ops=None, form: str = "trt", threshold: float = 0.0):
@@ -88,7 +80,9 @@ def rewrite_model(model, ops=None, form: str = "trt", threshold: float = 0.0):
     out = gs.export_onnx(graph, do_type_check=False)
     out.ir_version = model.ir_version
     del out.metadata_props[:]
-    _copy_metadata(model, out, [r for r in subgraph_records(model) if r not in records])
+    for prop in model.metadata_props:
+        out.metadata_props.add(key=prop.key, value=prop.value)
+    set_subgraph_records(out, [r for r in subgraph_records(model) if r not in records])
     return convert_model(out, form), report
 
 
@@ -117,14 +111,6 @@ def _plugin_node(gs, rec: dict, tensors: dict, threshold: float):
                    outputs=outputs, domain=DOMAIN)  # fmt: skip
 
 
-def _copy_metadata(src, dst, records: list[dict]) -> None:
-    for prop in src.metadata_props:
-        if prop.key != SUBGRAPHS_KEY:
-            dst.metadata_props.add(key=prop.key, value=prop.value)
-    if records:
-        dst.metadata_props.add(key=SUBGRAPHS_KEY, value=json.dumps(records))
-
-
 def policy_threshold(name: str, options: dict) -> float:
     """The threshold a policy asks statistics for (VL-Cache's ``p``); 0 for policies without one."""
     if "threshold" in options:
@@ -143,7 +129,8 @@ def rewrite(recipe, decoder_dir: str | Path, out_dir: str | Path) -> Path:
     """
     import onnx
 
-    from vlkv.exporter.decoder_onnx import DECODER_FILE, EXTERNAL_DATA_BYTES
+    from vlkv.exporter.decoder_graph import DECODER_FILE
+    from vlkv.runtime.onnx.export import save_model
 
     src = Path(decoder_dir) / DECODER_FILE
     if not src.is_file():
@@ -163,9 +150,7 @@ def rewrite(recipe, decoder_dir: str | Path, out_dir: str | Path) -> Path:
         metrics["max_abs_err_vs_decomposed"] = compare_with_decomposed(
             model, convert_model(trt_model, "ort"), threshold
         )
-    path = out_dir / DECODER_FILE
-    large = sum(t.ByteSize() for t in trt_model.graph.initializer) > EXTERNAL_DATA_BYTES
-    onnx.save(trt_model, str(path), save_as_external_data=large, location=path.name + ".data")
+    save_model(trt_model, out_dir / DECODER_FILE)
     (out_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
     return out_dir
 
@@ -192,19 +177,31 @@ def compare_with_decomposed(original, rewritten_ort, threshold: float, seed: int
 
 
 def decoder_feeds_for(model, batch: int = 2, rows: int = 3, seed: int = 0) -> dict:
-    """Random valid numpy inputs for an exported decoder graph, read off its input shapes."""
-    import torch
+    """Random valid numpy inputs for an exported decoder graph (``decoder_graph``'s contract).
 
-    from vlkv.exporter.decoder_onnx import example_inputs
+    ``model`` is an ``onnx.ModelProto`` or a path (its external data is not loaded). Shapes are read
+    off the graph's inputs (every layer gets a different past length) and every array has the dtype
+    the graph declares for that input, so the feed runs unchanged in ONNX Runtime, in Polygraphy and
+    against a TensorRT engine built from the graph or from its plugin rewrite.
+    """
+    import onnx
+    import torch
+    from onnx import helper
+
+    from vlkv.exporter.decoder_graph import example_inputs
     from vlkv.runtime.models.adapter import LayerLayout
 
-    dims = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model), load_external_data=False)
+    graph_inputs = {i.name: i.type.tensor_type for i in model.graph.input}
+    dims = {n: [d.dim_value for d in t.shape.dim] for n, t in graph_inputs.items()}
     n_layers = sum(1 for n in dims if n.startswith("past_key_values.") and n.endswith(".key"))
     _, kv_heads, _, head_dim = dims["past_key_values.0.key"]
     pos_dims = 3 if len(dims["position_ids"]) == 3 else 1
     layout = LayerLayout(n_layers, 0, kv_heads, head_dim, pos_dims)
-    elem = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}["inputs_embeds"]
-    dtype = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}[elem]
     past = [2 * i + 1 for i in range(n_layers)]
-    feeds = example_inputs(layout, dims["inputs_embeds"][2], dtype, past, batch=batch, rows=rows, seed=seed)
-    return {k: v.numpy() for k, v in feeds.items()}
+    feeds = example_inputs(layout, dims["inputs_embeds"][2], torch.float32, past, batch, rows, seed)
+    return {
+        name: value.numpy().astype(helper.tensor_dtype_to_np_dtype(graph_inputs[name].elem_type))
+        for name, value in feeds.items()
+    }
