@@ -1,13 +1,15 @@
 """``vlkv`` command line: ``vlkv generate ...``.
 
-Every user error (bad budget, unknown policy or setting, missing image, image count not
-matching the prompt, unknown model) ends with one line on stderr and exit status 2.
+Every user error (bad budget, policy, setting, sampling value, prompt, image, batch file, a prompt
+past the model's position limit, unknown model) ends with one line on stderr and exit status 2,
+before any model compute where it can be known that early.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,11 +17,27 @@ import yaml
 
 DEFAULT_PROMPT = "Describe the image."
 DEFAULT_IMAGE = "builtin:checkerboard"
+# The kept fraction for compressing policies when --budget is not given; "full" needs none.
+DEFAULT_BUDGET = 0.5
+NO_BUDGET = ("full",)
 EXIT_USAGE = 2
+BATCH_KEYS = ("prompt", "images", "raw")
+NOTICES = {
+    "tiny-": "built-in tiny model with random weights: the text is noise, the cache numbers are real",
+    "smollm2-llava": "real SmolLM2 + DINOv2 weights joined by a random projector: answers about images "
+    "are not meaningful, the cache numbers are real",
+}
 
 
 class CliError(ValueError):
     """A user error reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line too (argparse prints the usage block first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"vlkv: error: {message} (see {self.prog} --help)\n")
 
 
 def _printable(text: str) -> str:
@@ -27,70 +45,271 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else "\u00b7" for c in text)
 
 
-def _count_or_fraction(text: str) -> int | float:
+def count_or_fraction(text: str) -> int | float:
     value = float(text)
     return int(value) if value >= 1 and value.is_integer() else value
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+# ---------------------------------------------------------------- policy settings
 def _parse_sets(pairs: list[str]) -> dict:
+    """``["key=value", ...]`` → ``{key: YAML value}``; a malformed pair or YAML value is one line."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise CliError(f"--set expects key=value, got {pair!r}")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or str(err).strip().splitlines()[0]
+            raise CliError(f"--set {key}: {value!r} is not a valid value ({problem})") from None
     return out
 
 
-def _read_batch(path: str) -> list[dict]:
-    """A batch file: a JSON list, or JSON lines, of ``{"prompt": str, "images": [paths], "raw": bool}``."""
+def _setting_types(policy: str) -> dict[str, set]:
+    """Setting name → allowed Python types, from the policy's (and allocators') dataclass fields."""
+    import dataclasses
+    import types
+    import typing
+
+    from vlkv.runtime.policies import POLICIES, policy_fields
+    from vlkv.runtime.policies.allocators import ALLOCATORS
+    from vlkv.runtime.policies.registry import ALLOCATOR_PREFIX
+
+    def allowed(cls, name: str) -> set:
+        hint = typing.get_type_hints(cls)[name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        return set(typing.get_args(hint)) if union else {hint}
+
+    out: dict[str, set] = {}
+    cls = POLICIES.get(policy)
+    if cls is None:
+        return out  # make_policy names the unknown policy
+    for f in dataclasses.fields(cls):
+        if f.init:
+            out[f.name] = allowed(cls, f.name)
+    for name in policy_fields(policy):
+        if name == "allocator" and name not in out:
+            out[name] = {str}
+        elif name.startswith(ALLOCATOR_PREFIX) and name not in out:
+            bare = name[len(ALLOCATOR_PREFIX) :]
+            out[name] = set().union(
+                *(
+                    allowed(a, bare)
+                    for a in ALLOCATORS.values()
+                    if bare in {f.name for f in dataclasses.fields(a)}
+                )
+            )
+    return out
+
+
+def _type_ok(value, kinds: set) -> bool:
+    if value is None:
+        return type(None) in kinds
+    if isinstance(value, bool):
+        return bool in kinds
+    if isinstance(value, int):
+        return int in kinds or float in kinds
+    if isinstance(value, float):
+        return float in kinds and math.isfinite(value)
+    return isinstance(value, str) and str in kinds
+
+
+def _check_setting_types(policy: str, settings: dict) -> None:
+    """Refuse a ``--set`` value of the wrong type (a string for a number, null, a list, NaN)."""
+    names = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+    types_ = _setting_types(policy)
+    for key, value in settings.items():
+        kinds = types_.get(key)
+        if kinds is None or _type_ok(value, kinds):
+            continue  # unknown keys are named by make_policy
+        want = " or ".join(names.get(k, "null") for k in sorted(kinds, key=str))
+        raise CliError(
+            f"--set {key} must be {want} for policy {policy!r}, got {json.dumps(value, default=str)}"
+        )
+
+
+def _check_setting_sizes(policy: str, settings: dict, limit: int | None, model: str) -> None:
+    """An integer setting (a count of slots, tokens or layers) past the position limit fits no prompt."""
+    if limit is None:
+        return
+    for key, value in settings.items():
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > limit:
+            raise CliError(
+                f"--set {key}={value} is past {model}'s position limit of {limit}: no prompt is that long"
+            )
+
+
+def _budget(args) -> dict:
+    """``{"budget": b}`` for make_policy: the default applies only to compressing policies."""
+    if args.budget is not None:
+        return {"budget": args.budget}
+    return {} if args.policy in NO_BUDGET else {"budget": DEFAULT_BUDGET}
+
+
+# ---------------------------------------------------------------- prompts
+def _decode(data: bytes, path: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise CliError(
+            f"batch file {path} line {line} is not valid UTF-8 (byte 0x{data[err.start]:02x})"
+        ) from None
+
+
+def _batch_entries(path: str) -> list[tuple[str, object]]:
+    """``(where, entry)`` pairs of a batch file: a JSON list, or JSON lines (blank lines skipped)."""
     p = Path(path)
     if not p.is_file():
         raise CliError(f"batch file not found: {path}")
-    text = p.read_text()
     try:
-        items = (
-            json.loads(text)
-            if text.lstrip().startswith("[")
-            else [json.loads(x) for x in text.splitlines() if x.strip()]
-        )
-    except json.JSONDecodeError as e:
-        raise CliError(f"batch file {path} is not JSON / JSON lines: {e.msg} (line {e.lineno})") from None
-    for i, item in enumerate(items):
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-            raise CliError(f"batch file {path}: entry {i} needs a string 'prompt'")
-    return items
+        text = _decode(p.read_bytes(), path)
+    except OSError as err:
+        raise CliError(f"cannot read batch file {path}: {err.strerror or err}") from None
+    if not text.strip():
+        raise CliError(f'batch file {path} is empty: it needs one {{"prompt": ...}} object per line')
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CliError(f"batch file {path} line {e.lineno} is not valid JSON: {e.msg}") from None
+        if not isinstance(items, list) or not items:
+            raise CliError(f"batch file {path} holds an empty list: it needs at least one prompt")
+        return [(f"batch file {path} entry {i + 1}", item) for i, item in enumerate(items)]
+    out = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((f"batch file {path} line {number}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise CliError(f"batch file {path} line {number} is not valid JSON: {e.msg}") from None
+    return out
+
+
+def _batch_prompt(where: str, item) -> tuple[str, list[str], bool]:
+    """One batch entry → ``(text, images, raw)``, with JSON types checked and unknown keys refused."""
+    if not isinstance(item, dict):
+        raise CliError(f'{where} must be an object like {{"prompt": "..."}}, got {json.dumps(item)[:40]}')
+    unknown = sorted(set(item) - set(BATCH_KEYS))
+    if unknown:
+        raise CliError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(BATCH_KEYS)}")
+    text, images, raw = item.get("prompt"), item.get("images", []), item.get("raw", False)
+    if not isinstance(text, str):
+        raise CliError(f"{where} needs a string 'prompt', got {json.dumps(text)[:40]}")
+    if not (isinstance(images, list) and all(isinstance(im, str) for im in images)):
+        raise CliError(f"{where}: 'images' must be a list of image paths, got {json.dumps(images)[:40]}")
+    if not isinstance(raw, bool):
+        raise CliError(f"{where}: 'raw' must be true or false, got {json.dumps(raw)[:40]}")
+    return text, images, raw
 
 
 def _prompts(args) -> list:
-    from vlkv.runtime.prompt import Prompt
+    from vlkv.runtime.prompt import Prompt, PromptError
 
     if args.batch_file:
-        items = _read_batch(args.batch_file)
-        return [Prompt(it["prompt"], list(it.get("images", [])), bool(it.get("raw", False))) for it in items]
-    images = args.image
-    if args.prompt is None and not images:
-        images = [DEFAULT_IMAGE]
-    for im in images:
-        if not im.startswith("builtin:") and not Path(im).is_file():
-            raise CliError(f"image file not found: {im}")
-    return [Prompt(args.prompt or DEFAULT_PROMPT, list(images), args.raw)]
+        requests = [(where, *_batch_prompt(where, item)) for where, item in _batch_entries(args.batch_file)]
+    else:
+        images = args.image
+        if args.prompt is None and not images:
+            images = [DEFAULT_IMAGE]
+        requests = [("", args.prompt if args.prompt is not None else DEFAULT_PROMPT, list(images), args.raw)]
+    prompts = []
+    for where, text, images, raw in requests:
+        head = f"{where}: " if where else ""
+        for im in images:
+            if not im.startswith("builtin:") and not Path(im).is_file():
+                raise CliError(f"{head}image file not found: {im}")
+        try:
+            prompts.append(Prompt(text, images, raw))
+        except PromptError as err:
+            raise CliError(f"{head}{err}") from None
+    return prompts
 
 
+# ---------------------------------------------------------------- output
+def _notice(model: str) -> str | None:
+    return next((text for prefix, text in NOTICES.items() if model.startswith(prefix)), None)
+
+
+def _describe(prompt, tokens: int) -> str:
+    images = ", ".join(im if isinstance(im, str) else "an image" for im in prompt.images) or "no image"
+    text = prompt.text if len(prompt.text) <= 60 else prompt.text[:57] + "..."
+    return f"{json.dumps(_printable(text), ensure_ascii=False)} + {images} ({tokens} tokens)"
+
+
+def _answer(sample, eos: set[int]) -> str:
+    """The generated text, or why there is none to show (an empty answer is not an empty line)."""
+    if sample.text.strip():
+        return _printable(sample.text)
+    ids = sample.token_ids
+    shown = ids[:16] + (["..."] if len(ids) > 16 else [])
+    if ids and ids[0] in eos:
+        return f"(empty answer: the model ended its answer at once; token ids {shown})"
+    return f"(empty answer: {len(ids)} token(s) that decode to no visible text; token ids {shown})"
+
+
+def _info(line: str) -> None:
+    """A report line on stderr, after any answer text already printed (so a shared pipe keeps order)."""
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+
+
+def _print_report(args, prompts, lengths, result, eos) -> None:
+    """Answers on stdout; what ran and what the cache cost on stderr (``-- `` lines)."""
+    model = Path(args.model).name if Path(args.model).is_dir() else args.model
+    notice = _notice(args.model)
+    _info(f"-- model: {model}" + (f" ({notice})" if notice else ""))
+    budget = "no budget" if result.policy in NO_BUDGET else f"budget {result.budget:g}"
+    _info(f"-- policy: {result.policy}, {budget}")
+    many = len(prompts) > 1
+    for i, (prompt, sample) in enumerate(zip(prompts, result.samples)):
+        head = f"[{i}] " if many else ""
+        _info(f"-- {head}prompt: {_describe(prompt, lengths[i])}")
+        print(f"{head}{_answer(sample, eos)}")
+    used, full = result.kv_bytes_used, max(result.full_kv_bytes, 1)
+    _info(
+        f"-- kv: {_size(used)} of {_size(full)} full ({1 - used / full:.0%} saved); "
+        f"prefill {result.prefill_s:.3f} s, decode {result.decode_s:.3f} s for {result.decode_steps} step(s)",
+    )
+    if "cache_hit_rate" in result.extras:
+        _info(f"-- cache hit rate (mean over layers): {result.extras['cache_hit_rate']['mean']:.3f}")
+
+
+# ---------------------------------------------------------------- command
 def cmd_generate(args) -> int:
     from vlkv.runtime.engine import Engine
+    from vlkv.runtime.limits import check_fits, position_limit
+    from vlkv.runtime.models.registry import load_model
     from vlkv.runtime.policies import make_policy
     from vlkv.runtime.sampling import Sampler
 
     settings = _parse_sets(args.set)
     if "budget" in settings:
         raise CliError("set the budget with --budget, not --set budget=...")
-    policy = make_policy(args.policy, budget=args.budget, **settings)
+    _check_setting_types(args.policy, settings)
+    policy = make_policy(args.policy, **_budget(args), **settings)
     sampler = Sampler(args.do_sample, args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompts = _prompts(args)
-    from vlkv.runtime.models.registry import load_model
-
-    engine = Engine(load_model(args.model), backend=args.backend)
+    loaded = load_model(args.model)
+    limit = position_limit(loaded)
+    _check_setting_sizes(args.policy, settings, limit, loaded.name)
+    engine = Engine(loaded, backend=args.backend)
+    # Tokenizing is cheap; refuse prompts past the position limit before the first layer runs.
+    lengths = engine.encode(prompts).lengths.tolist()
+    check_fits(lengths, args.max_new_tokens, limit, loaded.name)
     result = engine.generate(
         prompts,
         policy,
@@ -100,31 +319,18 @@ def cmd_generate(args) -> int:
         hit_rate_k=args.hit_rate_k,
     )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        described = [
+            {"text": p.text, "images": [im if isinstance(im, str) else "<image>" for im in p.images]}
+            for p in prompts
+        ]
+        print(json.dumps({"model": args.model, "prompts": described, **result.to_dict()}, indent=2))
         return 0
-    if args.model.startswith("tiny-"):
-        print("(built-in tiny model with random weights: the text is noise, the cache numbers are real)")
-    for i, s in enumerate(result.samples):
-        head = f"[{i}] " if len(result.samples) > 1 else ""
-        print(f"{head}{_printable(s.text)}")
-    ratio = result.kv_bytes_used / max(result.full_kv_bytes, 1)
-    if "cache_hit_rate" in result.extras:
-        print(
-            f"-- cache hit rate (mean over layers): {result.extras['cache_hit_rate']['mean']:.3f}",
-            file=sys.stderr,
-        )
-    print(
-        f"-- policy={result.policy} budget={result.budget} kv={result.kv_bytes_used / 2**20:.2f} MiB "
-        f"({ratio:.1%} of full) prefill={result.prefill_s:.3f}s decode={result.decode_s:.3f}s",
-        file=sys.stderr,
-    )
+    _print_report(args, prompts, lengths, result, engine.eos_ids)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="vlkv", description="KV-cache compression for vision-language models"
-    )
+    parser = _Parser(prog="vlkv", description="KV-cache compression for vision-language models")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text under a KV-cache policy")
     g.add_argument(
@@ -134,7 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", default="elastic", help="full, local, h2o, snapkv, elastic, ... (default: elastic)"
     )
     g.add_argument(
-        "--budget", type=float, default=0.5, help="kept fraction of the cache, in (0, 1] (default: 0.5)"
+        "--budget",
+        type=float,
+        default=None,
+        help=f"kept fraction of the cache, in (0, 1] (default: {DEFAULT_BUDGET}; policy 'full' takes none)",
     )
     g.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="policy setting, repeatable"
@@ -159,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-hit-rate", action="store_true", help="report VL-Cache's CacheHitRate per layer")
     g.add_argument(
         "--hit-rate-k",
-        type=_count_or_fraction,
+        type=count_or_fraction,
         default=None,
         help="k for --cache-hit-rate: count, or fraction < 1",
     )

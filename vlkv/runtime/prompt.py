@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from vlkv.runtime.cache import Modality
@@ -26,6 +28,42 @@ class Prompt:
     text: str
     images: list = field(default_factory=list)
     raw: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise PromptError(f"prompt text must be a string, got {type(self.text).__name__}")
+        check_utf8(self.text, "prompt text")
+        if not isinstance(self.images, (list, tuple)):
+            raise PromptError(f"prompt images must be a list, got {_shown(self.images)}")
+        self.images = list(self.images)
+        for i, image in enumerate(self.images):
+            # A path may hold any bytes the file system allows, so paths are not UTF-8 checked.
+            if not isinstance(image, (str, os.PathLike, Image.Image)):
+                raise PromptError(
+                    f"image {i + 1} must be a path, a builtin:NAME spec or a PIL image, got {_shown(image)}"
+                )
+        if not isinstance(self.raw, bool):
+            raise PromptError(f"prompt raw must be true or false, got {_shown(self.raw)}")
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Raise :class:`PromptError` when ``text`` holds characters UTF-8 cannot encode.
+
+    Undecodable bytes reach Python as lone surrogates (``\\udcff`` for byte 0xff, from a bytes
+    ``argv`` or a ``surrogateescape`` read); a tokenizer fails on them deep inside.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        code = ord(bad)
+        shown = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise PromptError(f"{what} is not valid UTF-8 ({shown} at character {err.start})") from None
 
 
 @dataclass

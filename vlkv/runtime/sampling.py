@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,7 @@ class Sampler:
     """Greedy when ``do_sample`` is False; otherwise sampling with a private seeded generator.
 
     Attributes:
-        temperature: > 0. top_k: 0 = off, else >= 1. top_p: in (0, 1]. seed: generator seed.
+        temperature: finite, > 0. top_k: 0 = off, else >= 1. top_p: in (0, 1]. seed: generator seed.
     """
 
     do_sample: bool = False
@@ -24,10 +25,11 @@ class Sampler:
     _gen: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        # NaN fails every comparison, so each check is written to pass only for good values.
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self._gen = torch.Generator().manual_seed(self.seed)

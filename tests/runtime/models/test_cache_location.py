@@ -7,26 +7,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import vlkv
 from tests.conftest import CACHE_ENVS, USER_CACHE, user_cache_changes, user_cache_snapshot
 from vlkv.runtime.models import smollm2_llava
-
-
-def _cache_dirs() -> dict[str, Path]:
-    dirs = {"smollm2-llava": smollm2_llava.default_cache_dir()}
-    try:
-        from vlkv.exporter import decoder_onnx
-    except ImportError:  # the onnx extra is part of dev; without it there is no export cache
-        return dirs
-    dirs["onnx"] = decoder_onnx.default_cache_dir()
-    return dirs
 
 
 def test_every_cache_points_outside_the_user_cache():
     user = USER_CACHE.resolve()
     for env in CACHE_ENVS:
         assert os.environ.get(env), f"{env} is not set for the test session"
-    for name, path in _cache_dirs().items():
-        assert not path.resolve().is_relative_to(user), f"{name} cache is {path}, inside {user}"
+        assert not Path(os.environ[env]).resolve().is_relative_to(user), f"{env} is inside {user}"
+    assert not smollm2_llava.default_cache_dir().resolve().is_relative_to(user)
+
+
+def test_every_cache_in_the_code_follows_an_environment_variable():
+    """A module that builds a path under ``~/.cache`` must let one of CACHE_ENVS move it."""
+    package = Path(vlkv.__file__).parent
+    for source in sorted(package.rglob("*.py")):
+        text = source.read_text(encoding="utf-8")
+        if '".cache"' in text or "'.cache'" in text or '"~/.cache' in text:
+            envs = [env for env in CACHE_ENVS if env in text]
+            assert envs, f"{source.relative_to(package)} writes under ~/.cache without {sorted(CACHE_ENVS)}"
 
 
 def test_subprocesses_inherit_the_private_cache():

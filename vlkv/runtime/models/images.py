@@ -8,6 +8,7 @@ same spec always gives the same pixels.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -82,7 +83,25 @@ def load_image(path_or_spec: str | os.PathLike | Image.Image) -> Image.Image:
             f"image file not found: {spec} (or use one of: {', '.join(BUILTIN_PREFIX + n for n in BUILTINS)})"
         )
     try:
-        with Image.open(spec) as img:
-            return img.convert("RGB")
+        with warnings.catch_warnings():
+            # Between MAX_IMAGE_PIXELS and twice that PIL only warns; the size check below refuses.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(spec) as img:
+                _check_pixels(spec, *img.size)
+                return img.convert("RGB")
+    except Image.DecompressionBombError as exc:
+        # PIL refuses at open() above twice the limit, before the size is readable here.
+        why = str(exc).splitlines()[0].rstrip(".")
+        raise ValueError(f"image {spec} is too large to decode safely ({why}): downscale it") from None
     except OSError as exc:
         raise ValueError(f"cannot read image {spec}: {str(exc).splitlines()[0]}") from None
+
+
+def _check_pixels(spec: str, width: int, height: int) -> None:
+    """Refuse images above PIL's decompression-bomb limit (about 89 Mpx): decoding one takes GBs."""
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and width * height > limit:
+        raise ValueError(
+            f"image {spec} is {width}x{height} ({width * height / 1e6:.1f} Mpx), above the "
+            f"{limit / 1e6:.1f} Mpx limit (PIL.Image.MAX_IMAGE_PIXELS): downscale it"
+        )

@@ -7,8 +7,10 @@ when their name is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -164,14 +166,57 @@ def _load_dir(path: str, dtype: torch.dtype, device: str) -> LoadedModel:
     processor_cls = Qwen2VLImageTextProcessor if family == "qwen2_vl" else AutoProcessor
     try:
         processor = processor_cls.from_pretrained(path, local_files_only=True)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
+        with _quiet_transformers():
+            model, info = AutoModelForImageTextToText.from_pretrained(
+                path, dtype=dtype, local_files_only=True, output_loading_info=True
+            )
     except Exception as exc:  # any loader failure becomes one readable line
         raise ModelLoadError(
             f"cannot load {family} checkpoint from {path} ({_first_line(exc)}); {_known()}"
         ) from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        # transformers would fill these with random values and run anyway.
+        raise ModelLoadError(
+            f"checkpoint {path} lacks weights its config.json asks for ({len(missing)} tensors: "
+            f"{summarize_keys(missing)}); the config and the weight files do not match"
+        )
     template = "chat_template" if getattr(processor, "chat_template", None) else ""
     name = os.path.basename(os.path.normpath(path))
     return LoadedModel(model.to(device).eval(), processor, name, family, template=template)
+
+
+def summarize_keys(keys: list[str], shown: int = 4) -> str:
+    """Parameter names folded by layer: ``a.layers.4.x``, ``a.layers.5.y`` → ``a.layers.{4, 5}.*``."""
+    groups: dict[str, list[int]] = {}
+    for key in keys:
+        match = re.match(r"^(.*\.layers)\.(\d+)\.", key)
+        prefix, index = (match.group(1), int(match.group(2))) if match else (key, -1)
+        groups.setdefault(prefix, [])
+        if index >= 0 and index not in groups[prefix]:
+            groups[prefix].append(index)
+    parts = [
+        f"{prefix}.{{{', '.join(map(str, sorted(idx)))}}}.*" if idx else prefix
+        for prefix, idx in groups.items()
+    ]
+    more = f", +{len(parts) - shown} more" if len(parts) > shown else ""
+    return ", ".join(parts[:shown]) + more
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No progress bar or multi-line load report on stderr: vlkv reports loading problems itself."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def load_model(
@@ -180,7 +225,8 @@ def load_model(
     """Load a registered model by name, or a LLaVA / LLaVA-NeXT / Qwen2-VL checkpoint directory.
 
     Names win over directories of the same name. Raises :class:`ModelLoadError` (one line) for an
-    unknown name, a missing directory, a config without a supported ``model_type`` or no weights.
+    unknown name, a missing directory, a config without a supported ``model_type``, no weights, or
+    weights missing for parameters the config asks for (more layers in the config than in the files).
     """
     key = os.fspath(name_or_dir)
     if key in MODELS:
