@@ -147,3 +147,28 @@ def test_feed_builder_uses_the_graph_input_dtypes(dtype, onnx_cache):  # noqa: F
     assert feeds["inputs_embeds"].dtype == {torch.float32: np.float32, torch.float16: np.float16}[dtype]
     logits = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
     assert np.isfinite(logits.astype(np.float32)).all()
+
+
+def test_decoder_export_and_rewrite_do_not_import_each_other():
+    """The stage modules share the graph contract (``decoder_graph``, ``subgraphs``), not each other."""
+    import ast
+    from pathlib import Path
+
+    import vlkv.exporter
+
+    root = Path(vlkv.exporter.__file__).parent
+
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        return found
+
+    assert "vlkv.exporter.graph_rewrite" not in imports("decoder_onnx")
+    assert "vlkv.exporter.decoder_onnx" not in imports("graph_rewrite")
+    for shared in ("decoder_graph", "subgraphs"):
+        assert not {"vlkv.exporter.graph_rewrite", "vlkv.exporter.decoder_onnx"} & imports(shared)

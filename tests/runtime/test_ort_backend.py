@@ -3,8 +3,10 @@ core-only decode and prefill filter included), and the runtime's independence fr
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +225,31 @@ def test_avl_core_decode_and_prefill_filter_match_torch(name, engines, ort_engin
     got = oe.generate(prompts, make_policy("avl", **AVL), NEW, stop_at_eos=False)
     assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
     assert got.extras == want.extras and got.extras["kv_used_fraction"] < got.extras["kv_stored_fraction"]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module an ``import`` / ``from ... import`` in ``path`` names, at any depth (lazy ones too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_no_runtime_module_names_the_exporter():
+    """Statically, lazy imports included: no module under ``vlkv/runtime`` imports ``vlkv.exporter``."""
+    import vlkv.runtime
+
+    root = Path(vlkv.runtime.__file__).parent
+    offenders = {
+        str(p.relative_to(root)): sorted(
+            m for m in _imported_modules(p) if m.split(".")[:2] == ["vlkv", "exporter"]
+        )
+        for p in root.rglob("*.py")
+    }
+    assert {p: m for p, m in offenders.items() if m} == {}
 
 
 def test_runtime_never_imports_the_exporter():
