@@ -1,8 +1,12 @@
-"""``vlkv generate``: a real run, JSON output, and one-line errors for bad input."""
+"""``vlkv generate``: a real run, what its output says, JSON output, and one-line errors for bad input.
+
+More bad input (settings, sampling values, prompts, images, batch files, sizes) is in test_cli_errors.py.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -38,6 +42,65 @@ def test_generate_json_reports_cache_and_times(capsys, loaded_models):
     )
     assert 0 < report["kv_bytes_used"] < report["full_kv_bytes"]
     assert report["prefill_s"] > 0 and report["decode_s"] > 0
+    assert report["model"] == "tiny-llava"
+    assert report["prompts"] == [{"text": "Describe the image.", "images": ["builtin:checkerboard"]}]
+
+
+def test_default_run_says_what_it_ran_and_what_compression_saved(capsys):
+    code, out, err = _run(capsys, "--max-new-tokens", "3")
+    assert code == 0, err
+    assert out.strip(), "the answer goes to stdout"
+    assert "-- model: tiny-llava (built-in tiny model with random weights" in err
+    assert "-- policy: elastic, budget 0.5" in err
+    assert '-- prompt: "Describe the image." + builtin:checkerboard (' in err
+    kv = re.search(r"-- kv: ([\d.]+) KiB of ([\d.]+) KiB full \((\d+)% saved\)", err)
+    assert kv, err
+    used, full, saved = float(kv[1]), float(kv[2]), int(kv[3])
+    assert 0 < used < full and saved == round(100 * (1 - used / full))
+
+
+def test_policy_full_runs_without_a_budget(capsys):
+    code, out, err = _run(capsys, "--policy", "full", "--prompt", "hello there", "--max-new-tokens", "2")
+    assert code == 0, err
+    assert "-- policy: full, no budget" in err
+    assert "(0% saved)" in err
+    code, out, err = _run(capsys, "--policy", "full", "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["budget"] == 1.0 and report["kv_bytes_used"] == report["full_kv_bytes"]
+
+
+def test_policy_full_with_a_budget_below_one_is_one_line(capsys):
+    code, out, err = _run(capsys, "--policy", "full", "--budget", "0.5", "--max-new-tokens", "2")
+    assert code == 2 and out == ""
+    assert err.strip() == "vlkv: error: budget must be 1.0 for policy 'full', got 0.5"
+
+
+def test_batch_output_numbers_each_prompt(capsys, tmp_path):
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text('{"prompt": "one", "images": ["builtin:noise"]}\n{"prompt": "two"}\n')
+    code, out, err = _run(capsys, "--batch-file", str(batch), "--max-new-tokens", "2")
+    assert code == 0, err
+    assert [line[:4] for line in out.splitlines() if line.startswith("[")] == ["[0] ", "[1] "]
+    assert '-- [0] prompt: "one" + builtin:noise (' in err
+    assert '-- [1] prompt: "two" + no image (' in err
+
+
+def test_empty_answer_is_explained_not_an_empty_line():
+    from vlkv.cli import _answer
+    from vlkv.runtime.engine import SampleResult
+
+    def sample(text, ids):
+        return SampleResult(text=text, token_ids=ids, prompt_tokens=5, kept_per_layer=[5])
+
+    # smollm2-llava's first token after the default prompt can be its end-of-turn token.
+    assert _answer(sample("", [2]), eos={2}) == (
+        "(empty answer: the model ended its answer at once; token ids [2])"
+    )
+    assert _answer(sample("  ", [7, 2]), eos={2}) == (
+        "(empty answer: 2 token(s) that decode to no visible text; token ids [7, 2])"
+    )
+    assert _answer(sample("a\x1bb", [1, 2, 3]), eos={2}) == "a\u00b7b"
 
 
 def test_batch_file_with_different_image_counts(capsys, tmp_path):
