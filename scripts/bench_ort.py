@@ -7,6 +7,8 @@ first, so bursts of machine load hit both alike. Reported: median ms per decode 
 the medians and the median of the per-step ORT / PyTorch ratios.
 
     python scripts/bench_ort.py --model tiny-llava --budgets 1.0 0.2 --json out.json
+    # A-VL as the paper runs it: core-only decode and the prefill filter, on both backends
+    python scripts/bench_ort.py --policy avl --budgets 0.5 --option core=0.2 --option prefill_keep=0.5
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ def _prompts(batch: int, images: int, words: int) -> list[Prompt]:
 
 
 def time_decode(
-    engines: dict[str, Engine], prompts: list[Prompt], policy_name: str, budget: float, steps: int
+    engines: dict[str, Engine],
+    prompts: list[Prompt],
+    policy_name: str,
+    budget: float,
+    steps: int,
+    options: dict | None = None,
 ):
     """Per-step wall times (ms) of each engine over ``steps`` decode steps after an untimed prefill.
 
@@ -51,7 +58,7 @@ def time_decode(
     """
     state = {}
     for name, engine in engines.items():
-        policy = make_policy(policy_name, budget=budget)
+        policy = make_policy(policy_name, budget=budget, **(options or {}))
         batch = engine.encode(prompts)
         cache = engine.new_cache(batch)
         state[name] = [policy, batch, cache, engine.prefill(batch, policy, cache).logits.argmax(-1)]
@@ -74,6 +81,13 @@ def main(argv: list[str] | None = None) -> dict:
         "--policy", default="elastic", help="policy at every budget (budget 1.0 = full cache)"
     )
     parser.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.2])
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="policy hyper-parameter (repeatable)",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--images", type=int, default=8)
     parser.add_argument("--words", type=int, default=60, help="approximate prompt words besides the images")
@@ -84,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    options = dict(_option(o, parser) for o in args.option)
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ[THREADS_ENV] = str(args.threads)
@@ -94,12 +109,16 @@ def main(argv: list[str] | None = None) -> dict:
     setup_s = time.perf_counter() - start  # includes the ONNX export on a cold cache
     prompts = _prompts(args.batch, args.images, args.words)
     prompt_tokens = int(engines["torch"].encode(prompts).lengths.max())
-    time_decode(engines, prompts, args.policy, 1.0, 2)  # warm up: first runs allocate / dispatch
+    time_decode(
+        engines, prompts, args.policy, max(args.budgets), 2, options
+    )  # warm up: first runs allocate / dispatch
 
     samples = {(b, name): [] for b in args.budgets for name in BACKENDS}
     for _ in range(args.repeats):
         for budget in args.budgets:
-            for name, times in time_decode(engines, prompts, args.policy, budget, args.steps).items():
+            for name, times in time_decode(
+                engines, prompts, args.policy, budget, args.steps, options
+            ).items():
                 samples[(budget, name)] += times
     rows = []
     for budget in args.budgets:
@@ -122,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ort_threads": args.threads or "default (physical cores)",
         "model": args.model,
         "policy": args.policy,
+        "policy_options": options,
         "batch": args.batch,
         "prompt_tokens": prompt_tokens,
         "steps_per_repeat": args.steps,
@@ -131,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     threads = args.threads or "default"
     print(
-        f"{args.model}, batch {args.batch}, {prompt_tokens} prompt tokens, policy {args.policy}, threads {threads}"
+        f"{args.model}, batch {args.batch}, {prompt_tokens} prompt tokens, policy {args.policy} {options or ''}, "
+        f"threads {threads}"
     )
     print("| budget | PyTorch ms/step | ORT ms/step | ORT / PyTorch | median paired ratio |")
     print("|---:|---:|---:|---:|---:|")
@@ -144,6 +165,19 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _option(text: str, parser: argparse.ArgumentParser) -> tuple[str, object]:
+    """``KEY=VALUE`` → (key, value as a Python literal, or the string itself)."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        parser.error(f"--option takes KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 if __name__ == "__main__":
