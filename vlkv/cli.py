@@ -21,7 +21,6 @@ DEFAULT_IMAGE = "builtin:checkerboard"
 DEFAULT_BUDGET = 0.5
 NO_BUDGET = ("full",)
 EXIT_USAGE = 2
-BATCH_KEYS = ("prompt", "images", "raw")
 NOTICES = {
     "tiny-": "built-in tiny model with random weights: the text is noise, the cache numbers are real",
     "smollm2-llava": "real SmolLM2 + DINOv2 weights joined by a random projector: answers about images "
@@ -157,84 +156,18 @@ def _budget(args) -> dict:
 
 
 # ---------------------------------------------------------------- prompts
-def _decode(data: bytes, path: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise CliError(
-            f"batch file {path} line {line} is not valid UTF-8 (byte 0x{data[err.start]:02x})"
-        ) from None
-
-
-def _batch_entries(path: str) -> list[tuple[str, object]]:
-    """``(where, entry)`` pairs of a batch file: a JSON list, or JSON lines (blank lines skipped)."""
-    p = Path(path)
-    if not p.is_file():
-        raise CliError(f"batch file not found: {path}")
-    try:
-        text = _decode(p.read_bytes(), path)
-    except OSError as err:
-        raise CliError(f"cannot read batch file {path}: {err.strerror or err}") from None
-    if not text.strip():
-        raise CliError(f'batch file {path} is empty: it needs one {{"prompt": ...}} object per line')
-    if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CliError(f"batch file {path} line {e.lineno} is not valid JSON: {e.msg}") from None
-        if not isinstance(items, list) or not items:
-            raise CliError(f"batch file {path} holds an empty list: it needs at least one prompt")
-        return [(f"batch file {path} entry {i + 1}", item) for i, item in enumerate(items)]
-    out = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append((f"batch file {path} line {number}", json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise CliError(f"batch file {path} line {number} is not valid JSON: {e.msg}") from None
-    return out
-
-
-def _batch_prompt(where: str, item) -> tuple[str, list[str], bool]:
-    """One batch entry → ``(text, images, raw)``, with JSON types checked and unknown keys refused."""
-    if not isinstance(item, dict):
-        raise CliError(f'{where} must be an object like {{"prompt": "..."}}, got {json.dumps(item)[:40]}')
-    unknown = sorted(set(item) - set(BATCH_KEYS))
-    if unknown:
-        raise CliError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(BATCH_KEYS)}")
-    text, images, raw = item.get("prompt"), item.get("images", []), item.get("raw", False)
-    if not isinstance(text, str):
-        raise CliError(f"{where} needs a string 'prompt', got {json.dumps(text)[:40]}")
-    if not (isinstance(images, list) and all(isinstance(im, str) for im in images)):
-        raise CliError(f"{where}: 'images' must be a list of image paths, got {json.dumps(images)[:40]}")
-    if not isinstance(raw, bool):
-        raise CliError(f"{where}: 'raw' must be true or false, got {json.dumps(raw)[:40]}")
-    return text, images, raw
-
-
 def _prompts(args) -> list:
-    from vlkv.runtime.prompt import Prompt, PromptError
+    from vlkv.runtime.prompt import Prompt, read_batch_file
 
     if args.batch_file:
-        requests = [(where, *_batch_prompt(where, item)) for where, item in _batch_entries(args.batch_file)]
-    else:
-        images = args.image
-        if args.prompt is None and not images:
-            images = [DEFAULT_IMAGE]
-        requests = [("", args.prompt if args.prompt is not None else DEFAULT_PROMPT, list(images), args.raw)]
-    prompts = []
-    for where, text, images, raw in requests:
-        head = f"{where}: " if where else ""
-        for im in images:
-            if not im.startswith("builtin:") and not Path(im).is_file():
-                raise CliError(f"{head}image file not found: {im}")
-        try:
-            prompts.append(Prompt(text, images, raw))
-        except PromptError as err:
-            raise CliError(f"{head}{err}") from None
-    return prompts
+        return read_batch_file(args.batch_file)
+    images = args.image
+    if args.prompt is None and not images:
+        images = [DEFAULT_IMAGE]
+    for im in images:
+        if not im.startswith("builtin:") and not Path(im).is_file():
+            raise CliError(f"image file not found: {im}")
+    return [Prompt(args.prompt if args.prompt is not None else DEFAULT_PROMPT, list(images), args.raw)]
 
 
 # ---------------------------------------------------------------- output

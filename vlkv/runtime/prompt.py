@@ -1,7 +1,9 @@
-"""Prompts → token ids, positions, modality codes and modality spans, batched right-padded."""
+"""Prompts: validation, batch files (JSON / JSON lines) → prompts, and prompts → token ids, positions,
+modality codes and modality spans, batched right-padded."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -66,6 +68,89 @@ def check_utf8(text: str, what: str) -> None:
         raise PromptError(f"{what} is not valid UTF-8 ({shown} at character {err.start})") from None
 
 
+# ---------------------------------------------------------------- batch files
+BATCH_KEYS = ("prompt", "images", "raw")
+
+
+def read_batch_file(path: str | os.PathLike) -> list[Prompt]:
+    """Prompts from a batch file: a JSON list, or JSON lines, of ``{"prompt": str, "images": [str], "raw": bool}``.
+
+    ``images`` and ``raw`` are optional; blank lines are skipped. Raises :class:`PromptError` (one
+    line, naming the file and the line or entry) for an unreadable, empty or malformed file, a value
+    of the wrong JSON type, an unknown key, text that is not UTF-8 or an image file that is missing.
+    """
+    prompts = []
+    for where, item in _batch_entries(os.fspath(path)):
+        try:
+            prompt = Prompt(*_batch_fields(where, item))
+        except PromptError as err:
+            raise PromptError(f"{where}: {err}") from None
+        for image in prompt.images:
+            if not image.startswith("builtin:") and not os.path.isfile(image):
+                raise PromptError(f"{where}: image file not found: {image}")
+        prompts.append(prompt)
+    return prompts
+
+
+def _batch_entries(path: str) -> list[tuple[str, object]]:
+    """``(where, entry)`` pairs, ``where`` naming the file and line (JSON lines) or entry (JSON list)."""
+    if not os.path.isfile(path):
+        raise PromptError(f"batch file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise PromptError(f"cannot read batch file {path}: {err.strerror or err}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise PromptError(
+            f"batch file {path} line {line} is not valid UTF-8 (byte 0x{data[err.start]:02x})"
+        ) from None
+    if not text.strip():
+        raise PromptError(f'batch file {path} is empty: it needs one {{"prompt": ...}} object per line')
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"batch file {path} line {e.lineno} is not valid JSON: {e.msg}") from None
+        if not isinstance(items, list) or not items:
+            raise PromptError(f"batch file {path} holds an empty list: it needs at least one prompt")
+        return [(f"batch file {path} entry {i + 1}", item) for i, item in enumerate(items)]
+    entries = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entries.append((f"batch file {path} line {number}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise PromptError(f"batch file {path} line {number} is not valid JSON: {e.msg}") from None
+    return entries
+
+
+def _batch_fields(where: str, item) -> tuple[str, list[str], bool]:
+    """One entry → ``(text, images, raw)``: JSON types checked (no coercion), unknown keys refused."""
+
+    def shown(value) -> str:
+        return json.dumps(value)[:40]
+
+    if not isinstance(item, dict):
+        raise PromptError(f'{where} must be an object like {{"prompt": "..."}}, got {shown(item)}')
+    unknown = sorted(set(item) - set(BATCH_KEYS))
+    if unknown:
+        raise PromptError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(BATCH_KEYS)}")
+    text, images, raw = item.get("prompt"), item.get("images", []), item.get("raw", False)
+    if not isinstance(text, str):
+        raise PromptError(f"{where} needs a string 'prompt', got {shown(text)}")
+    if not (isinstance(images, list) and all(isinstance(im, str) for im in images)):
+        raise PromptError(f"{where}: 'images' must be a list of image paths, got {shown(images)}")
+    if not isinstance(raw, bool):
+        raise PromptError(f"{where}: 'raw' must be true or false, got {shown(raw)}")
+    return text, images, raw
+
+
+# ---------------------------------------------------------------- encoding
 @dataclass
 class Spans:
     """Modality spans of one prompt (token indices after image-token expansion).
