@@ -10,9 +10,11 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 EXIT_OK = 0
@@ -49,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``build-engine`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
-        return _build(args)
+        with _notes_to_stderr():
+            return _build(args)
     except ValueError as exc:  # RecipeError and friends: already one line
         print(f"build-engine: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -59,6 +62,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         print(f"build-engine: error: {type(exc).__name__}: {first}", file=sys.stderr)
         return EXIT_ERROR
+
+
+@contextmanager
+def _notes_to_stderr() -> Iterator[None]:
+    """The exporter's warnings (a rebuilt cache entry, a removed stale folder) as ``build-engine:`` lines."""
+    logger = logging.getLogger("vlkv.exporter")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("build-engine: %(message)s"))
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _build(args: argparse.Namespace) -> int:

@@ -8,7 +8,8 @@ it skips a stage whose manifest still matches, otherwise empties its directory, 
 
 Stage hooks written elsewhere (imported lazily, failing with one line while they are absent):
 
-- ``vlkv.exporter.decoder_onnx.export(recipe, out_dir)`` writes ``decoder.onnx`` into ``out_dir``.
+- ``vlkv.exporter.decoder_onnx.export(recipe, out_dir)`` writes ``decoder.onnx`` into ``out_dir``, copied
+  from the ONNX export cache, whose entry :func:`vlkv.exporter.export_cache.stage_export` verifies.
 - ``vlkv.exporter.graph_rewrite.rewrite(recipe, decoder_dir, out_dir)`` reads ``decoder_dir/decoder.onnx``
   and writes the plugin-rewritten ``decoder.onnx`` into ``out_dir``.
 """
@@ -37,6 +38,7 @@ from vlkv.exporter.manifest import (
 from vlkv.exporter.recipe import STAGE_NAMES, Recipe, RecipeError
 
 METRICS = "metrics.json"
+DECODER_FILE = "decoder.onnx"
 StageFn = Callable[[Recipe, Path, Path], Path]
 
 
@@ -47,7 +49,16 @@ def _vision_onnx(recipe: Recipe, src_dir: Path, out_dir: Path) -> Path:
 
 
 def _decoder_onnx(recipe: Recipe, src_dir: Path, out_dir: Path) -> Path:
-    _hook("vlkv.exporter.decoder_onnx", "export", "decoder_onnx")(recipe, out_dir)
+    from vlkv.exporter import export_cache
+
+    export = _hook("vlkv.exporter.decoder_onnx", "export", "decoder_onnx")
+    # The export comes from the shared ONNX export cache: its entry is checksummed here, and a corrupt
+    # one is rebuilt (export_cache.stage_export).
+    cache = export_cache.stage_export(lambda: export(recipe, out_dir), out_dir, DECODER_FILE)
+    metrics_path = out_dir / METRICS
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    metrics["export_cache"] = cache
+    metrics_path.write_text(json.dumps(metrics, indent=2))
     return out_dir
 
 
