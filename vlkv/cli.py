@@ -45,8 +45,11 @@ def _printable(text: str) -> str:
 
 
 def count_or_fraction(text: str) -> int | float:
+    """``--hit-rate-k``: a count (an integer >= 1) or a fraction in (0, 1)."""
     value = float(text)
-    return int(value) if value >= 1 and value.is_integer() else value
+    if not (math.isfinite(value) and value > 0 and (value < 1 or value.is_integer())):
+        raise argparse.ArgumentTypeError(f"expected a count >= 1 or a fraction in (0, 1), got {text!r}")
+    return int(value) if value >= 1 else value
 
 
 def _size(n: int) -> str:
@@ -137,7 +140,7 @@ def _check_setting_types(policy: str, settings: dict) -> None:
         )
 
 
-def _check_setting_sizes(policy: str, settings: dict, limit: int | None, model: str) -> None:
+def _check_setting_sizes(settings: dict, limit: int | None, model: str) -> None:
     """An integer setting (a count of slots, tokens or layers) past the position limit fits no prompt."""
     if limit is None:
         return
@@ -172,6 +175,11 @@ def _prompts(args) -> list:
 
 # ---------------------------------------------------------------- output
 def _notice(model: str) -> str | None:
+    """What to keep in mind about a built-in model's answers (None for a checkpoint directory)."""
+    from vlkv.runtime.models.registry import MODELS
+
+    if model not in MODELS:
+        return None
     return next((text for prefix, text in NOTICES.items() if model.startswith(prefix)), None)
 
 
@@ -186,7 +194,7 @@ def _answer(sample, eos: set[int]) -> str:
     if sample.text.strip():
         return _printable(sample.text)
     ids = sample.token_ids
-    shown = ids[:16] + (["..."] if len(ids) > 16 else [])
+    shown = "[" + ", ".join(map(str, ids[:16])) + (", ...]" if len(ids) > 16 else "]")
     if ids and ids[0] in eos:
         return f"(empty answer: the model ended its answer at once; token ids {shown})"
     return f"(empty answer: {len(ids)} token(s) that decode to no visible text; token ids {shown})"
@@ -238,7 +246,7 @@ def cmd_generate(args) -> int:
     prompts = _prompts(args)
     loaded = load_model(args.model)
     limit = position_limit(loaded)
-    _check_setting_sizes(args.policy, settings, limit, loaded.name)
+    _check_setting_sizes(settings, limit, loaded.name)
     engine = Engine(loaded, backend=args.backend)
     # Tokenizing is cheap; refuse prompts past the position limit before the first layer runs.
     lengths = engine.encode(prompts).lengths.tolist()

@@ -94,6 +94,9 @@ def test_bad_temperature(capsys, no_model_compute, value):
         (["--max-new-tokens", "many"], "argument --max-new-tokens: invalid int value: 'many'"),
         (["--budget", "nan"], "budget must be in (0.0, 1.0]"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--seed", str(2**70)], "seed must be in [-2**63, 2**64)"),
+        (["--cache-hit-rate", "--hit-rate-k", "nan"], "expected a count >= 1 or a fraction in (0, 1)"),
+        (["--cache-hit-rate", "--hit-rate-k", "2.5"], "expected a count >= 1 or a fraction in (0, 1)"),
     ],
 )
 def test_bad_numbers(capsys, no_model_compute, argv, needle):

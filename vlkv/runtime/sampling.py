@@ -32,6 +32,8 @@ class Sampler:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         self._gen = torch.Generator().manual_seed(self.seed)
 
     def __call__(self, logits: Tensor) -> Tensor:
