@@ -38,7 +38,7 @@ def kept_tokens(cache: KVCache, batch: PromptBatch) -> list[Tensor]:
     b, t = batch.input_ids.shape
     out = []
     for layer in cache.layers:
-        h = layer.keys.shape[1]
+        h = layer.kv_heads
         held = torch.zeros(b, h, t, dtype=torch.bool)
         for i, p in enumerate(batch.prompts):
             n = p.positions.shape[0]

@@ -137,9 +137,9 @@ class Engine:
         return cache
 
     def context(self, batch: PromptBatch, step: int = 0) -> PolicyContext:
-        return PolicyContext(
-            batch.spans, batch.lengths, self.backend.num_heads, self.backend.num_kv_heads, step
-        )
+        # on the backend's device, like everything a policy builds from it
+        lengths = batch.lengths.to(self.backend.device)
+        return PolicyContext(batch.spans, lengths, self.backend.num_heads, self.backend.num_kv_heads, step)
 
     def prefill(self, batch: PromptBatch, policy: Policy, cache: KVCache, all_logits: bool = False):
         ctx = self.context(batch)

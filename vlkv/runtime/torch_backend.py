@@ -104,7 +104,7 @@ class _StepContext:
         valid = self._valid(inp)
         keep = keep.to(device=valid.device, dtype=torch.bool) & valid
         last = (inp.new_len - 1).clamp(min=0)
-        keep[torch.arange(b), last] |= inp.new_len > 0
+        keep[torch.arange(b, device=keep.device), last] |= inp.new_len > 0
         new_len = keep.sum(1)
         width = max(int(new_len.max()), 1)
         # kept rows first, in their original order (stable sort of the "dropped" flag)

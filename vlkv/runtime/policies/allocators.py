@@ -51,10 +51,11 @@ def post_vision_rows(spans: Spans, n: int, fallback: int = 50) -> tuple[int, int
 
 def post_vision_mask(ctx: PolicyContext, rows: int, fallback: int = 50) -> Tensor:
     """``(B, rows)`` bool, True on each sample's post-vision rows."""
-    i = torch.arange(rows)[None, :]
+    dev = ctx.prompt_lengths.device
+    i = torch.arange(rows, device=dev)[None, :]
     bounds = [post_vision_rows(s, int(n), fallback) for s, n in zip(ctx.spans, ctx.prompt_lengths)]
-    start = torch.tensor([b[0] for b in bounds])[:, None]
-    end = torch.tensor([b[1] for b in bounds])[:, None]
+    start = torch.tensor([b[0] for b in bounds], device=dev)[:, None]
+    end = torch.tensor([b[1] for b in bounds], device=dev)[:, None]
     return (i >= start) & (i < end)
 
 
@@ -86,7 +87,7 @@ def proportional_shares(
     w = torch.where(flat, torch.ones_like(w), w)
     if not redistribute:
         return (target * num_layers * w / w.sum(0, keepdim=True)).clamp(low, high)
-    lo = torch.zeros(1, w.shape[1], dtype=torch.float64)
+    lo = torch.zeros(1, w.shape[1], dtype=torch.float64, device=w.device)
     hi = torch.full_like(lo, high) / w.masked_fill(w <= 0, float("inf")).amin(0, keepdim=True)
     for _ in range(100):  # f(λ) = mean clip(λ w) is monotone; 100 halvings reach float64 precision
         mid = (lo + hi) / 2
@@ -116,20 +117,19 @@ class Allocator:
         """Prefill statistics the allocator needs (None = none)."""
         return None
 
-    def weights(self, num_layers: int, batch: int, stats: list | None) -> Tensor:
-        """``(L, B)`` non-negative layer weights."""
-        return torch.ones(num_layers, batch, dtype=torch.float64)
+    def weights(self, num_layers: int, batch: int, stats: list | None, device=None) -> Tensor:
+        """``(L, B)`` non-negative layer weights (on ``device``)."""
+        return torch.ones(num_layers, batch, dtype=torch.float64, device=device)
 
     def fractions(
         self, budget: float, prompt_lengths: Tensor, num_layers: int, stats: list | None = None
     ) -> Tensor:
         """``(L, B)`` float64 kept fractions averaging ``budget`` over layers, per sample."""
-        b = prompt_lengths.shape[0]
+        b, dev = prompt_lengths.shape[0], prompt_lengths.device
         if self.name == "uniform" or budget >= 1.0:  # exact α everywhere, as prompt_keep rounds it
-            return torch.full((num_layers, b), float(budget), dtype=torch.float64)
-        return proportional_shares(
-            self.weights(num_layers, b, stats), budget, self.floor, 1.0, self.redistribute
-        )
+            return torch.full((num_layers, b), float(budget), dtype=torch.float64, device=dev)
+        weights = self.weights(num_layers, b, stats, device=dev).to(dev)
+        return proportional_shares(weights, budget, self.floor, 1.0, self.redistribute)
 
 
 def keep_counts(fractions: Tensor, prompt_lengths: Tensor, min_keep: int = 1) -> Tensor:
@@ -156,10 +156,12 @@ class PyramidAllocator(Allocator):
         if not self.beta > 1.0:
             raise ValueError(f"beta must be > 1, got {self.beta}")
 
-    def weights(self, num_layers, batch, stats):
+    def weights(self, num_layers, batch, stats, device=None):
         top, bottom = 2.0 - 1.0 / self.beta, 1.0 / self.beta
         depth = (
-            torch.linspace(0.0, 1.0, num_layers, dtype=torch.float64) if num_layers > 1 else torch.zeros(1)
+            torch.linspace(0.0, 1.0, num_layers, dtype=torch.float64, device=device)
+            if num_layers > 1
+            else torch.zeros(1, device=device)
         )
         return (top - (top - bottom) * depth.double())[:, None].expand(num_layers, batch).clone()
 
@@ -188,7 +190,7 @@ class SparsityAllocator(Allocator):
     def request(self, ctx, rows):
         return StatsRequest(rows=post_vision_mask(ctx, rows, self.fallback_rows), threshold=self.threshold)
 
-    def weights(self, num_layers, batch, stats):
+    def weights(self, num_layers, batch, stats, device=None):
         if stats is None or any(st is None or st.below is None for st in stats):
             raise ValueError(
                 "the sparsity allocator needs thresholded post-vision statistics for every layer"

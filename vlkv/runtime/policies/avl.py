@@ -126,7 +126,8 @@ class AVLPolicy(Policy):
     @staticmethod
     def bounds(ctx) -> Tensor:
         """``(B, 2)`` int64 ``(first image, post_vision)``; ``(0, 0)`` without images (all text)."""
-        return torch.tensor([[s.first_image or 0, s.post_vision] for s in ctx.spans], dtype=torch.long)
+        rows = [[s.first_image or 0, s.post_vision] for s in ctx.spans]
+        return torch.tensor(rows, dtype=torch.long, device=ctx.prompt_lengths.device)
 
     @staticmethod
     def regions(tok: Tensor, bounds: Tensor) -> Tensor:
@@ -136,7 +137,7 @@ class AVLPolicy(Policy):
 
     def prefill_request(self, ctx, rows):
         bounds, n = self.bounds(ctx), ctx.prompt_lengths[:, None]
-        i = torch.arange(rows)[None, :]
+        i = torch.arange(rows, device=n.device)[None, :]
         text_rows = (i >= bounds[:, 1:]) & (i < n)  # H2O scores: post-image text rows
         return StatsRequest(rows=text_rows, extra={LAST: StatsRequest(rows=i == n - 1)})
 
@@ -169,7 +170,7 @@ class AVLPolicy(Policy):
         rows = cache.policy_state.pop(STATE_ROWS, None)
         edits = []
         for i, (layer, st) in enumerate(zip(cache.layers, stats)):
-            width, b, h = layer.max_length, layer.keys.shape[0], layer.keys.shape[1]
+            width, b, h = layer.max_length, layer.batch, layer.kv_heads
             tok = torch.arange(width, device=layer.lengths.device)[None, :].expand(b, width)
             if rows is not None and i >= self.filter_layer:  # slots hold the filter's surviving rows
                 tok = mask_to_index(rows[:, None])[0][:, 0, :width]
@@ -210,7 +211,7 @@ class AVLPolicy(Policy):
         bounds = self.bounds(ctx)
         edits = []
         for layer, st in zip(cache.layers, stats):
-            width, h = layer.max_length, layer.keys.shape[1]
+            width, h = layer.max_length, layer.kv_heads
             region = layer.scores[REGION][:, :, :width]
             colsum = st.colsum[:, :, :width]
             layer.scores[TEXT_SCORE][:, :, :width] += per_kv_head(colsum, h) * (region == TEXT)

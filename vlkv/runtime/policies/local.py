@@ -31,8 +31,10 @@ class LocalPolicy(Policy):
 
     def _keep(self, cache: KVCache, target) -> list[LayerEdit | None]:
         def recency(layer, width):  # later slots rank higher
-            b, h = layer.keys.shape[:2]
-            return torch.arange(width, dtype=torch.float32)[None, None, :].expand(b, h, width)
+            b, h = layer.batch, layer.kv_heads
+            return torch.arange(width, dtype=torch.float32, device=layer.device)[None, None, :].expand(
+                b, h, width
+            )
 
         return evict_to(
             cache, target, recency, lambda layer, width, keep: sink_mask(layer.lengths, width, self.sinks)

@@ -36,7 +36,7 @@ class SnapKVPolicy(Policy):
 
     def prefill_request(self, ctx, rows):
         n = ctx.prompt_lengths
-        i = torch.arange(rows)[None, :]
+        i = torch.arange(rows, device=n.device)[None, :]
         return StatsRequest(rows=(i >= (n - self.window)[:, None]) & (i < n[:, None]))
 
     def after_prefill(self, cache, stats, ctx):
