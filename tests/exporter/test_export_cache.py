@@ -174,3 +174,24 @@ def test_decoder_stage_rebuilds_a_damaged_cache_entry(tmp_path, monkeypatch, cap
     assert named in err and f"; rebuilding {entry}" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert graph.read_bytes() == data and verify(entry) is None
+
+
+def test_build_engine_removes_folders_of_killed_exports_at_start(tmp_path, monkeypatch, capsys):
+    from vlkv.exporter.cli import main
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("VLKV_ONNX_CACHE", str(cache))
+    killed, killed_tmp = _holder(cache)
+    live, live_tmp = _holder(cache)
+    try:
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=30)
+        code = main([str(ROOT / "recipes" / "demo.yaml"), "--stage", "trtllm_checkpoint", "--out", str(tmp_path / "o"),
+                     "--no-progress"])  # fmt: skip
+        assert code == 0
+        assert not killed_tmp.exists() and live_tmp.is_dir()
+        err = capsys.readouterr().err.strip()
+        assert err == f"build-engine: removed the stale export folder {killed_tmp} (its writer is gone)"
+    finally:
+        live.kill()
+        live.wait(timeout=30)

@@ -2,7 +2,8 @@
 
 Exit codes:
     0  every requested stage ran or was already up to date
-    2  usage or recipe error, or a stage failed / was blocked by a failed upstream (one line each on stderr)
+    2  usage or recipe error, a stage failed / was blocked by a failed upstream, or another build-engine
+       is building the same --out (one line each on stderr)
     3  every stage that can run here succeeded, but TensorRT / TensorRT-LLM is not installed, so
        trt_engine / trtllm_engine were skipped (their inputs are on disk; see the summary)
 """
@@ -16,6 +17,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+from vlkv.exporter.errors import BuildLocked
 
 EXIT_OK = 0
 EXIT_ERROR = 2
@@ -53,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _notes_to_stderr():
             return _build(args)
-    except ValueError as exc:  # RecipeError and friends: already one line
+    except (ValueError, BuildLocked) as exc:  # RecipeError, a held --out and friends: already one line
         print(f"build-engine: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - one line, never a traceback
@@ -80,14 +83,15 @@ def _notes_to_stderr() -> Iterator[None]:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from vlkv.exporter.build_lock import build_lock
     from vlkv.exporter.recipe_loader import load_recipe
     from vlkv.exporter.stages import run_stages
 
     recipe = load_recipe(args.recipe, args.overrides)
     out = args.out or Path("build") / Path(args.recipe).stem
-    out.mkdir(parents=True, exist_ok=True)
-    recipe.to_yaml(out / "resolved_recipe.yaml")
-    report = run_stages(recipe, out, only=args.stage, progress=not args.no_progress)
+    with build_lock(out):  # before anything in `out` is written: one build per folder
+        recipe.to_yaml(out / "resolved_recipe.yaml")
+        report = run_stages(recipe, out, only=args.stage, progress=not args.no_progress)
     width = max(len(r.name) for r in report.results) if report.results else 5
     print(f"build-engine: {out}")
     for r in report.results:

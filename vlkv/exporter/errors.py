@@ -9,3 +9,7 @@ class StageError(RuntimeError):
 
 class StageSkipped(RuntimeError):
     """A stage cannot run on this machine (TensorRT or TensorRT-LLM missing); the message says so in one line."""
+
+
+class BuildLocked(RuntimeError):
+    """Another live build-engine holds the output folder; the message names it, in one line."""

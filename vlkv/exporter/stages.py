@@ -191,20 +191,30 @@ def run_stages(
     """Run the recipe's stages (or just ``only``) under ``out_dir``, skipping those already up to date.
 
     A failing stage does not stop independent stages; stages downstream of it are ``blocked``.
-    With ``only``, upstream outputs must already be on disk (a previous build).
+    With ``only``, upstream outputs must already be on disk (a previous build). The whole run holds
+    ``out_dir``'s build lock (:mod:`vlkv.exporter.build_lock`): a second concurrent run raises
+    ``BuildLocked`` before touching anything.
     """
     from tqdm import tqdm
 
+    from vlkv.exporter import export_cache
+    from vlkv.exporter.build_lock import build_lock
+
     root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
     plan = list(recipe.stages) if only is None else _check_only(only)
-    report = RunReport(root)
-    versions = package_versions()
-    bar = tqdm(plan, desc="build-engine", unit="stage", disable=not progress, file=sys.stderr, leave=False)
-    for name in bar:
-        bar.set_postfix_str(name)
-        report.results.append(_run_one(STAGES[name], recipe, root, report, versions))
-    bar.close()
+    with build_lock(root):
+        # Folders left by exports that were killed mid-way (no live process holds them).
+        for path in export_cache.clean_stale_temps(export_cache.cache_root()):
+            export_cache.log.warning(f"removed the stale export folder {path} (its writer is gone)")
+        report = RunReport(root)
+        versions = package_versions()
+        bar = tqdm(
+            plan, desc="build-engine", unit="stage", disable=not progress, file=sys.stderr, leave=False
+        )
+        for name in bar:
+            bar.set_postfix_str(name)
+            report.results.append(_run_one(STAGES[name], recipe, root, report, versions))
+        bar.close()
     return report
 
 
