@@ -1,8 +1,9 @@
 """smollm2-llava: cache integrity and templates (always run, on a tiny stand-in model), then the
 real-weight model, the DINOv2 conversion and the photos (need the optional demo extra; ``slow``).
 
-The real model is built once per session from ``${VLKV_CACHE:-~/.cache/vlkv}``; when that cache is
-empty, the first run also pays the one-off GGUF build (about a minute on 2 cores).
+The real model is built once per session into the session's temporary cache (tests/conftest.py points
+``VLKV_CACHE`` there, never at ``~/.cache/vlkv``), which pays the GGUF build (about a minute on 2
+cores); set ``VLKV_TEST_CACHE`` to a folder of your own to keep that build between runs.
 """
 
 from __future__ import annotations
