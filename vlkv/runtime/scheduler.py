@@ -288,8 +288,8 @@ def _reserve(req: Request, n: int) -> int:
     budget, m = float(req.policy.budget), req.max_new_tokens
     if budget >= 1:
         return n + m
-    if req.policy.evicts_during_decode:
-        return min(n + m, math.ceil(budget * (n + m)) + 8)
+    if req.policy.evicts_during_decode:  # a cadence wrapper lets the cache run ``every - 1`` over
+        return min(n + m, math.ceil(budget * (n + m)) + 8 + getattr(req.policy, "every", 1))
     return min(n + m, math.ceil(budget * n) + m)
 
 

@@ -303,3 +303,13 @@ class AllocatedPolicy(Policy):
     def after_decode(self, cache, stats, ctx):
         fr = cache.policy_state[STATE_FRACTIONS]
         return per_layer(type(self.scorer).after_decode, self.scorer, fr, cache, stats, ctx)
+
+    @property
+    def can_defer_edits(self) -> bool:  # type: ignore[override]
+        return self.scorer.can_defer_edits
+
+    def observe(self, cache, stats, ctx):
+        def hook(policy, view, sub, c):
+            type(policy).observe(policy, view, sub, c)
+
+        per_layer(hook, self.scorer, cache.policy_state[STATE_FRACTIONS], cache, stats, ctx)

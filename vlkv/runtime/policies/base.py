@@ -92,6 +92,9 @@ class Policy:
 
     name: ClassVar[str] = "base"
     evicts_during_decode: ClassVar[bool] = False
+    # its decode hook splits into observe() (every step) + decode_edits(), so a cadence wrapper
+    # may skip the edits on some steps without losing statistics
+    can_defer_edits: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_range("budget", self.budget, 0.0, 1.0)
@@ -110,6 +113,16 @@ class Policy:
         return None
 
     def after_decode(self, cache: KVCache, stats: list, ctx: PolicyContext) -> list[LayerEdit | None] | None:
+        if not self.can_defer_edits:
+            return None
+        self.observe(cache, stats, ctx)
+        return self.decode_edits(cache, ctx)
+
+    def observe(self, cache: KVCache, stats: list, ctx: PolicyContext) -> None:
+        """Fold a decode step's statistics into the running scores (no edit)."""
+
+    def decode_edits(self, cache: KVCache, ctx: PolicyContext) -> list[LayerEdit | None] | None:
+        """The decode-time edits from the running scores (after :meth:`observe`)."""
         return None
 
     def prefill_filter(self, cache: KVCache, ctx: PolicyContext):

@@ -35,6 +35,7 @@ class H2OPolicy(Policy):
 
     name: ClassVar[str] = "h2o"
     evicts_during_decode: ClassVar[bool] = True
+    can_defer_edits: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,6 +65,8 @@ class H2OPolicy(Policy):
         self._accumulate(cache, stats, ctx)
         return self._evict(cache, self.prompt_keep(ctx.prompt_lengths))
 
-    def after_decode(self, cache, stats, ctx):
+    def observe(self, cache, stats, ctx):
         self._accumulate(cache, stats, ctx)
+
+    def decode_edits(self, cache, ctx):
         return self._evict(cache, self.decode_target(cache))

@@ -23,6 +23,7 @@ class LocalPolicy(Policy):
 
     name: ClassVar[str] = "local"
     evicts_during_decode: ClassVar[bool] = True
+    can_defer_edits: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,5 +44,5 @@ class LocalPolicy(Policy):
     def after_prefill(self, cache, stats, ctx: PolicyContext):
         return self._keep(cache, self.prompt_keep(ctx.prompt_lengths, min_keep=self.sinks + 1))
 
-    def after_decode(self, cache, stats, ctx: PolicyContext):
+    def decode_edits(self, cache, ctx: PolicyContext):
         return self._keep(cache, self.decode_target(cache, min_keep=self.sinks + 1))

@@ -12,6 +12,7 @@ import dataclasses
 from vlkv.runtime.policies.allocators import ALLOCATORS, NOT_COMPOSABLE, AllocatedPolicy, make_allocator
 from vlkv.runtime.policies.avl import AVLPolicy
 from vlkv.runtime.policies.base import Policy
+from vlkv.runtime.policies.cadence import Cadence
 from vlkv.runtime.policies.elastic import ElasticPolicy
 from vlkv.runtime.policies.full import FullPolicy
 from vlkv.runtime.policies.h2o import H2OPolicy
@@ -39,9 +40,15 @@ def _allocator_fields() -> list[str]:
     return ["allocator", *sorted(ALLOCATOR_PREFIX + n for n in names)]
 
 
+CADENCE_FIELD = "evict_every"
+
+
 def policy_fields(name: str) -> list[str]:
-    """Settable fields of a registered policy (with the ``allocator`` settings where it composes)."""
-    own = [f.name for f in dataclasses.fields(_resolve(name)) if f.init]
+    """Settable fields of a registered policy (with the ``allocator`` and cadence settings where it composes)."""
+    cls = _resolve(name)
+    own = [f.name for f in dataclasses.fields(cls) if f.init]
+    if cls.can_defer_edits:
+        own.append(CADENCE_FIELD)
     return own if name in NOT_COMPOSABLE or "allocator" in own else own + _allocator_fields()
 
 
@@ -63,8 +70,13 @@ def make_policy(name: str, **kwargs) -> Policy:
         raise ValueError(
             f"unknown setting(s) {', '.join(unknown)} for policy {name!r}; known: {', '.join(sorted(known))}"
         )
+    every = kwargs.pop(CADENCE_FIELD, None)
     alloc = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
-    policy = cls(**kwargs)
+    policy = _allocated(cls(**kwargs), alloc)
+    return policy if every is None else Cadence(inner=policy, every=every)
+
+
+def _allocated(policy: Policy, alloc: dict) -> Policy:
     if not alloc:
         return policy
     if "allocator" not in alloc:
