@@ -25,7 +25,8 @@ Job fields (defaults in :data:`JOB_DEFAULTS`):
     press_kwargs         extra press fields, e.g. ``{"window_size": 8}``; ``merging`` takes
                          ``{"inner": "<scorer press name>", ...}``.
     mode                 ``greedy`` (generate ``max_new_tokens`` ids), ``logits`` (teacher-forced
-                         next-token logits over ``continuation_ids``) or ``timing``.
+                         next-token logits over ``continuation_ids``; the result's
+                         ``continuation_nll`` holds each token's NLL in nats) or ``timing``.
     threads              torch CPU threads (timing reproducibility); default: torch's choice.
     top_k                top-k logits per step kept in the JSON (0 disables).
     logits_path          if set, full per-step logits ``(T, V)`` float32 are saved there.
@@ -334,6 +335,11 @@ def run_job(job: dict, models: _ModelCache) -> dict:
         result["generated_ids"] = ids
     else:
         logits = _teacher_forced(model, cache, first, pos, job)
+        # per-token NLL of the continuation: lets callers skip the (T, V) logits file
+        target = torch.tensor(job["continuation_ids"], dtype=torch.long, device=logits.device)
+        result["continuation_nll"] = torch.nn.functional.cross_entropy(
+            logits.float(), target, reduction="none"
+        ).tolist()
     logits = logits.float().cpu()
     if job["top_k"]:
         top = logits.topk(min(job["top_k"], logits.shape[-1]), dim=-1)

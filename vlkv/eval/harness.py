@@ -6,9 +6,10 @@ prompts), never against a number from another run.
 
 from __future__ import annotations
 
-import resource
+import contextlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,8 +18,27 @@ from vlkv.eval.teacher_forcing import compare_to_full, full_reference
 from vlkv.runtime.backend import StatsRequest, StepInputs
 from vlkv.runtime.diagnostics import cache_hit_rate
 from vlkv.runtime.engine import Engine
-from vlkv.runtime.policies import make_policy
+from vlkv.runtime.policies import Policy, make_policy
 from vlkv.runtime.prompt import Prompt
+
+# Named configurations beside plain policy names: A-VL as its paper runs it (Table 3: S45 C30 K3
+# P90 T50, i.e. core = 2/3 of the kept vision tokens, refreshed every 3 steps, 90 % of the vision
+# hidden states through the prefill filter), scaled to each budget (S = T = budget).
+NAMED_CONFIGS: dict[str, tuple[str, dict, dict]] = {
+    # label: (policy, fixed fields, fields that are multiples of the budget)
+    "avl-paper": ("avl", {"interval": 3, "prefill_keep": 0.9}, {"core": 2 / 3}),
+}
+
+
+def make_config(label: str, budget: float) -> Policy:
+    """A policy by name, or by a :data:`NAMED_CONFIGS` label, at ``budget``."""
+    if label in NAMED_CONFIGS:
+        name, fixed, scaled = NAMED_CONFIGS[label]
+        scaled = {} if budget >= 1 else {k: v * budget for k, v in scaled.items()}
+        policy = make_policy(name, budget=budget, **fixed, **scaled)
+    else:
+        policy = make_policy(label) if label == "full" else make_policy(label, budget=budget)
+    return policy
 
 
 @dataclass
@@ -82,10 +102,11 @@ def quality_records(engine: Engine, prompts: list[Prompt], cfg: SweepConfig, pro
     reference = full_reference(engine, prompts, cfg.new_tokens)
     for name in cfg.policies:
         for budget in cfg.budgets:
-            policy = make_policy(name, budget=budget)
+            policy = make_config(name, budget)
             rep = compare_to_full(engine, prompts, policy, cfg.new_tokens, reference)
             hits = cache_hit_rate(engine, prompts, policy)
-            records.append({"kind": "quality", **rep.as_record(), "cache_hit_rate": sum(hits) / len(hits)})
+            rec = {"kind": "quality", **rep.as_record(), "cache_hit_rate": sum(hits) / len(hits)}
+            records.append({**rec, "policy": name, "settings": _settings(policy)})
             if progress:
                 progress.update(1)
     return records
@@ -100,21 +121,85 @@ def _median_time(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _settings(policy: Policy) -> str:
+    """The policy's fields, ``key=value`` joined by commas (what a row was measured with)."""
+    fields = getattr(policy, "__dataclass_fields__", {})
+    return ",".join(f"{k}={getattr(policy, k)}" for k in fields if k not in ("budget",))
+
+
 @torch.no_grad()
-def stats_overhead(engine: Engine, prompts: list[Prompt], repeats: int) -> float:
-    """Prefill time with every-row statistics over prefill time without, same batch, same run."""
+def stats_overhead(
+    engine: Engine, prompts: list[Prompt], repeats: int, policy: Policy | None = None
+) -> float:
+    """Prefill time with ``policy``'s statistics request over prefill time without, same batch, same
+    run (the model step only, no policy edit). ``policy=None`` requests every-row statistics."""
     batch = engine.encode(prompts)
     emb = engine.backend.embed(batch)
+    request = (
+        StatsRequest()
+        if policy is None
+        else policy.prefill_request(engine.context(batch), batch.input_ids.shape[1])
+    )
+    if request is None:
+        return 1.0
 
-    def run(request):
+    def run(req):
         cache = engine.new_cache(batch)
         engine.backend.step(
-            StepInputs(batch.input_ids, batch.positions, batch.modality, batch.lengths, emb), cache, request
+            StepInputs(batch.input_ids, batch.positions, batch.modality, batch.lengths, emb), cache, req
         )
 
     plain = _median_time(lambda: run(None), repeats)
-    with_stats = _median_time(lambda: run(StatsRequest()), repeats)
+    with_stats = _median_time(lambda: run(request), repeats)
     return with_stats / plain
+
+
+@contextlib.contextmanager
+def peak_rss():
+    """Yields a dict whose ``"mib"`` is set, on exit, to the peak resident memory (MiB) reached
+    inside the block: Linux's high-water mark is reset on entry (``/proc/self/clear_refs``).
+    ``None`` where that is not possible (not Linux, or not permitted)."""
+    out: dict[str, float | None] = {"mib": None}
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        ok = True
+    except OSError:
+        ok = False
+    yield out
+    if ok:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                out["mib"] = int(line.split()[1]) / 1024
+
+
+@contextlib.contextmanager
+def pre_edit_peak():
+    """Yields a dict whose ``"kv_bytes"`` tracks the largest ``cache.kv_bytes()`` seen just before
+    any policy edit inside the block (after prefill and after each decode append),
+    ``"meta_bytes"`` the per-entry metadata bytes at that moment and ``"held_kv_bytes"`` the
+    largest seen right after an edit (what decoding reads).
+
+    The engine samples its ``peak_kv_bytes`` after the edits, which misses what the prefill wrote;
+    this wraps the engine's edit step for one untimed run instead of changing the engine.
+    """
+    import vlkv.runtime.engine as engine_module
+
+    seen = {"kv_bytes": 0, "meta_bytes": 0, "held_kv_bytes": 0}
+    original = engine_module.apply_edits
+
+    def probe(cache, edits, spare=0):
+        kv = cache.kv_bytes()
+        if kv >= seen["kv_bytes"]:
+            seen["kv_bytes"], seen["meta_bytes"] = kv, cache.meta_bytes()
+        result = original(cache, edits, spare)
+        seen["held_kv_bytes"] = max(seen["held_kv_bytes"], cache.kv_bytes())
+        return result
+
+    engine_module.apply_edits = probe
+    try:
+        yield seen
+    finally:
+        engine_module.apply_edits = original
 
 
 def speed_records(engine: Engine, image, cfg: SweepConfig, progress=None) -> list[dict]:
@@ -130,18 +215,22 @@ def speed_records(engine: Engine, image, cfg: SweepConfig, progress=None) -> lis
             for name, budget in [("full", 1.0)] + [
                 (p, b) for p in cfg.speed_policies for b in cfg.speed_budgets
             ]:
-                policy = make_policy(name) if name == "full" else make_policy(name, budget=budget)
-                results = [
+                policy = make_config(name, budget)
+                with peak_rss() as rss:
+                    results = [
+                        engine.generate(prompts, policy, cfg.new_tokens, stop_at_eos=False)
+                        for _ in range(cfg.repeats)
+                    ]
+                # untimed: the K/V held before each edit (the true peak) and the metadata with it
+                with pre_edit_peak() as peak:
                     engine.generate(prompts, policy, cfg.new_tokens, stop_at_eos=False)
-                    for _ in range(cfg.repeats)
-                ]
                 results.sort(key=lambda r: r.prefill_s + r.decode_s)
-                runs[(name, budget)] = results[len(results) // 2]
+                overhead = stats_overhead(engine, prompts, cfg.repeats, policy)
+                runs[(name, budget)] = (results[len(results) // 2], peak, rss["mib"], overhead)
                 if progress:
                     progress.update(1)
-            full = runs[("full", 1.0)]
-            overhead = stats_overhead(engine, prompts, cfg.repeats)
-            for (name, budget), r in runs.items():
+            full, full_peak = runs[("full", 1.0)][:2]
+            for (name, budget), (r, peak, rss_mib, overhead) in runs.items():
                 e2e = r.prefill_s + r.decode_s
                 records.append(
                     {
@@ -157,10 +246,16 @@ def speed_records(engine: Engine, image, cfg: SweepConfig, progress=None) -> lis
                         "decode_ratio": (r.decode_s / max(r.decode_steps, 1))
                         / (full.decode_s / max(full.decode_steps, 1)),
                         "e2e_ratio": e2e / (full.prefill_s + full.decode_s),
-                        "peak_kv_ratio": r.peak_kv_bytes / full.peak_kv_bytes,
-                        "peak_kv_bytes": r.peak_kv_bytes,
+                        # held after the policy's edits, largest over the run (what decode reads)
+                        "held_kv_ratio": peak["held_kv_bytes"] / full_peak["held_kv_bytes"],
+                        "held_kv_bytes": peak["held_kv_bytes"],
+                        # the true peak: sampled before each edit (the prefill writes every entry)
+                        "peak_kv_ratio": peak["kv_bytes"] / full_peak["kv_bytes"],
+                        "peak_kv_bytes": peak["kv_bytes"],
+                        "meta_bytes": peak["meta_bytes"],
+                        "final_kv_bytes": r.kv_bytes,
                         "stats_overhead_ratio": overhead,
-                        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                        "max_rss_mib": rss_mib,
                     }
                 )
     return records

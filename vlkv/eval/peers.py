@@ -3,6 +3,10 @@ and reference continuation, measured with the same metrics as vlkv's own policie
 
 kvpress runs in its own virtualenv and process (``scripts/kvpress_env.py``,
 ``scripts/kvpress_adapter.py``); this module prepares its inputs and scores its outputs.
+
+Like for like: every press gets the hyper-parameters of the vlkv policy it is compared with
+(:func:`matching_press_kwargs`: SnapKV/PyramidKV window and kernel, PyramidKV beta, StreamingLLM
+sinks), never kvpress's own defaults unless they are the same.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from vlkv.eval.kvpress_peer import KvpressJob, run_kvpress
 from vlkv.eval.metrics import kl_divergence, perplexity, rouge_l_f1, token_nll, top1_agreement
 from vlkv.eval.teacher_forcing import full_reference
 from vlkv.runtime.engine import Engine
+from vlkv.runtime.policies import Policy, make_policy
 from vlkv.runtime.prompt import Prompt
 
 # kvpress press for each vlkv policy it corresponds to ("none" = full cache, a sanity check)
@@ -29,6 +34,21 @@ PEER_PRESSES = {
     "expected_attention": "expected_attention",
     "merging": "merging",
 }
+# peer names that are also vlkv policy names (their settings are matched)
+_VLKV_OF = ("local", "snapkv", "pyramidkv")
+
+
+def matching_press_kwargs(policy: Policy) -> dict:
+    """kvpress press fields equal to ``policy``'s hyper-parameters (empty when none correspond)."""
+    name = policy.name
+    if name in ("snapkv", "pyramidkv"):
+        kw = {"window_size": policy.window, "kernel_size": policy.kernel}
+        if name == "pyramidkv":
+            kw["beta"] = policy.beta
+        return kw
+    if name == "local":
+        return {"n_sink": policy.sinks}
+    return {}
 
 
 def export_language_model(engine: Engine, out_dir: Path) -> Path:
@@ -74,6 +94,10 @@ def peer_quality_records(
     batch = engine.encode(prompts)
     embeds, lengths = engine.backend.embed(batch), batch.lengths
     jobs, keys = [], []
+    # vlkv's default settings of each compared policy, handed to the press (like for like)
+    matching = {
+        n: matching_press_kwargs(make_policy(n, budget=0.5)) if n in _VLKV_OF else {} for n in presses
+    }
     for i, ref in enumerate(reference):
         emb_path = work_dir / f"embeds{i}.pt"
         torch.save(embeds[i, : lengths[i]].float().clone(), emb_path)
@@ -84,6 +108,7 @@ def peer_quality_records(
                     press=PEER_PRESSES[name],
                     budget=budget,
                     inputs_embeds_path=str(emb_path),
+                    press_kwargs=matching[name],
                 )
                 logits_path = work_dir / f"logits_{name}_{budget}_{i}.pt"
                 # row t of the returned logits predicts ref[t], as in forced_logits
@@ -130,6 +155,7 @@ def peer_quality_records(
                 {
                     "kind": "quality",
                     "policy": f"kvpress:{PEER_PRESSES[name]}",
+                    "settings": ",".join(f"{k}={v}" for k, v in matching[name].items()),
                     "budget": budget,
                     "ppl": perplexity(nll),
                     "full_ppl": perplexity(full_nll),
@@ -158,3 +184,53 @@ def _peer_logits(path: Path, steps: int) -> torch.Tensor:
             f"kvpress returned {logits.shape[0]} logit rows for a {steps}-token reference ({path})"
         )
     return logits
+
+
+def peer_continuation_nll(
+    engine: Engine,
+    windows: list,
+    configs: list[tuple[str, str, float, dict]],
+    work_dir: Path,
+    threads: int | None = 1,
+) -> dict[str, dict]:
+    """The continuation protocol (:mod:`vlkv.eval.continuation`) run by kvpress presses.
+
+    Args:
+        windows: :class:`~vlkv.eval.continuation.Window` list (token ids, no images).
+        configs: ``(label, press, budget, press_kwargs)``; ``press`` a :data:`PEER_PRESSES` value.
+
+    Returns ``{label: {"nll": (W, T) float32, "press": ..., "budget": ..., "kept_per_layer": ...}}``;
+    a failed press gets ``{"error": "<one line>"}`` instead of ``nll``.
+    """
+    work_dir = Path(work_dir)
+    model_dir = export_language_model(engine, work_dir / "lm")
+    jobs = [
+        KvpressJob(
+            model_dir=str(model_dir),
+            press=press,
+            budget=budget,
+            press_kwargs=dict(kwargs),
+            mode="logits",
+            input_ids=list(w.context),
+            continuation_ids=list(w.continuation),
+            top_k=0,
+            threads=threads,
+        )
+        for _, press, budget, kwargs in configs
+        for w in windows
+    ]
+    results = run_kvpress(jobs)
+    out, n = {}, len(windows)
+    for c, (label, press, budget, kwargs) in enumerate(configs):
+        rows = results[c * n : (c + 1) * n]
+        bad = [r for r in rows if not r.get("ok")]
+        entry = {"press": press, "budget": budget, "press_kwargs": dict(kwargs)}
+        if bad:
+            entry["error"] = str(bad[0].get("error", "unknown error")).splitlines()[0]
+        else:
+            entry["nll"] = torch.tensor([r["continuation_nll"] for r in rows], dtype=torch.float32)
+            entry["kept_per_layer"] = rows[0]["kept_per_layer"]
+            entry["prompt_length"] = rows[0]["prompt_length"]
+            entry["seconds"] = sum(r.get("job_s", 0.0) for r in rows)
+        out[label] = entry
+    return out

@@ -37,7 +37,8 @@ class Report:
     """What :func:`write_report` wrote.
 
     Attributes:
-        out_dir: ``<root>/<date>-<machine>/``.
+        out_dir: ``<root>/<date>-<machine>/`` for the day's first run on that machine, then
+            ``<root>/<date>-<machine>-r2/``, ``-r3/`` …: a report never overwrites another run's.
         table: ``results.md`` (markdown table plus a short header).
         records: ``results.json`` (the input records verbatim, for re-plotting).
         plots: one PNG per quality metric (``quality-<metric>.png``) and per speed ratio
@@ -147,14 +148,35 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "unknown"
 
 
+RESULTS = "results.json"
+PLOT_GLOBS = ("quality-*.png", "speed-*.png")
+
+
+def claim_run_dir(root: str | Path, stem: str) -> Path:
+    """The first of ``<root>/<stem>``, ``<stem>-r2``, ``<stem>-r3`` … that holds no report yet,
+    claimed atomically by creating its ``results.json`` (two concurrent runs get two folders)."""
+    for k in range(1, 10_000):
+        out_dir = Path(root) / (stem if k == 1 else f"{stem}-r{k}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(out_dir / RESULTS, "x") as f:
+                f.write("[]\n")
+            return out_dir
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free report folder for {stem!r} under {root}")
+
+
 def write_report(
     records: Sequence[dict],
     root: str | Path = "docs/benchmarks",
     date: str | None = None,
     machine: str | None = None,
     title: str = "vlkv benchmark",
+    into: str | Path | None = None,
 ) -> Report:
-    """Write ``results.md``, ``results.json`` and PNG plots into ``<root>/<date>-<machine>/``.
+    """Write ``results.md``, ``results.json`` and PNG plots into a new run folder
+    ``<root>/<date>-<machine>[-rN]/`` (see :class:`Report`); earlier runs are never touched.
 
     Args:
         records: result dicts (see module docstring); all must name the same ``machine`` unless
@@ -163,6 +185,9 @@ def write_report(
         date: ``YYYY-MM-DD``; today (local time) when None.
         machine: folder label overriding the records' machine.
         title: first line of ``results.md``.
+        into: rewrite this run's own folder (a previous :class:`Report`'s ``out_dir``) with a
+            superset of its records, e.g. after the peers ran; plots no longer produced are removed
+            so the folder's plots always match its records.
     """
     _validate(records)
     machines = sorted({str(r["machine"]) for r in records})
@@ -173,8 +198,16 @@ def write_report(
     date = date or _dt.date.today().isoformat()
     if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
         raise ValueError(f"date must be YYYY-MM-DD, got {date!r}")
-    out_dir = Path(root) / f"{date}-{_slug(machine)}"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if into is None:
+        out_dir = claim_run_dir(root, f"{date}-{_slug(machine)}")
+    else:
+        out_dir = Path(into)
+        previous = json.loads((out_dir / RESULTS).read_text()) if (out_dir / RESULTS).is_file() else []
+        if len(previous) > len(records):
+            raise ValueError(
+                f"{out_dir} holds {len(previous)} records, more than the {len(records)} given: "
+                "into= only rewrites a run with a superset of its records"
+            )
 
     table = out_dir / "results.md"
     header = f"# {title}\n\nMachine(s): {', '.join(machines)}. Date: {date}. Records: {len(records)}.\n\n"
@@ -204,4 +237,6 @@ def write_report(
         if series:
             path = out_dir / f"speed-{_slug(key)}.png"
             plots.append(_plot(series, "context length (tokens)", key, f"{key} vs context length", path))
+    for stale in {p for g in PLOT_GLOBS for p in out_dir.glob(g)} - set(plots):
+        stale.unlink()
     return Report(out_dir=out_dir, table=table, records=raw, plots=tuple(plots))

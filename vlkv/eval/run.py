@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--smoke", action="store_true", help="tiny model, two policies, seconds not minutes")
     ap.add_argument(
-        "--out", default="docs/benchmarks", help="root folder; the report goes in <date>-<machine>/"
+        "--out",
+        default="docs/benchmarks",
+        help="root folder; the report goes in a new <date>-<machine>[-rN]/ (earlier runs are kept)",
     )
     return ap
 
@@ -132,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                 r["model"], r["machine"] = model, machine
             if peers:
                 records += peers
-                report = write_report(records, root=args.out, machine=machine, title=f"vlkv on {model}")
+                report = write_report(
+                    records, root=args.out, machine=machine, title=f"vlkv on {model}", into=report.out_dir
+                )
     except ValueError as e:
         print(f"evaluate: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from vlkv.runtime.policies.allocators import STATE_FRACTIONS, PyramidAllocator, per_layer
 from vlkv.runtime.policies.snapkv import SnapKVPolicy
 
@@ -15,16 +17,24 @@ class PyramidKVPolicy(SnapKVPolicy):
     layer fractions fall linearly from ``(2 - 1/beta)·budget`` at the first layer to
     ``budget/beta`` at the last, clipped to ``[floor, 1]`` with the mean held at ``budget``.
 
-    PyramidKV's reference code applies the decay to the budget *minus* the window; here it applies
-    to the whole per-layer budget, so the window is part of each layer's count (as in ``snapkv``).
+    The window is part of each layer's count (as in ``snapkv`` and in kvpress's ``PyramidKVPress``).
+
+    PyramidKV's reference code (KVCache-Factory) and kvpress fall back to the uniform budget, i.e.
+    plain SnapKV, for a sample whose deepest layer would keep fewer than ``window`` entries
+    (``budget · n / beta < window``); ``fallback=True`` does the same. With a 1024-token context,
+    ``beta = 20`` and ``window = 64`` that is every budget below 1.25: kvpress's ``pyramidkv`` is
+    then SnapKV, which is why it beat this pyramid at low budgets (``docs/policies.md``).
 
     Attributes:
         beta: mean-to-deepest-layer ratio, > 1.
         floor: smallest per-layer fraction, in (0, 1].
+        fallback: use the uniform budget when the deepest layer would hold fewer than ``window``
+            entries (PyramidKV's and kvpress's rule); False keeps the pyramid at any budget.
     """
 
     beta: float = 20.0
     floor: float = 0.01
+    fallback: bool = False
 
     name: ClassVar[str] = "pyramidkv"
 
@@ -35,5 +45,8 @@ class PyramidKVPolicy(SnapKVPolicy):
     def after_prefill(self, cache, stats, ctx):
         allocator = PyramidAllocator(floor=self.floor, beta=self.beta)
         fr = allocator.fractions(self.budget, ctx.prompt_lengths, len(cache.layers))
+        if self.fallback:
+            deepest = torch.round(fr.min(0).values * ctx.prompt_lengths.double())  # (B,)
+            fr[:, deepest < self.window] = float(self.budget)
         cache.policy_state[STATE_FRACTIONS] = fr
         return per_layer(SnapKVPolicy.after_prefill, self, fr, cache, stats, ctx)

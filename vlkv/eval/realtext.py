@@ -1,0 +1,238 @@
+"""The real-text comparison: vlkv policies and kvpress presses on the continuation protocol
+(:mod:`vlkv.eval.continuation`), stored per configuration so a long run resumes where it stopped,
+and reported with paired bootstrap intervals.
+
+A configuration is a spec string ``name[:key=value,...]`` (``"snapkv:window=64,kernel=5"``) at a
+budget. Results live in ``<out>/nll/<side>/<label>.pt`` (``side`` = ``vlkv`` or ``kvpress``);
+:func:`report` reads whatever is there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from vlkv.eval.continuation import Window, paired_delta, ppl, run_protocol
+
+__all__ = ["KVPRESS_CONFIGS", "VLKV_CONFIGS", "parse_spec", "report", "run_side"]
+
+# Ordered by what the comparison needs first: a run cut short still answers the main questions.
+VLKV_CONFIGS = (
+    "snapkv:window=64,kernel=5",
+    "snapkv:window=32,kernel=7",
+    "pyramidkv:window=64,kernel=5,fallback=true",
+    "pyramidkv:window=64,kernel=5",
+    "h2o",
+    "local",
+    "snapkv:window=32,kernel=5",
+    "snapkv:window=64,kernel=7",
+)
+KVPRESS_CONFIGS = (
+    "snapkv:window_size=64,kernel_size=5",
+    "snapkv:window_size=32,kernel_size=7",
+    "tova",
+    "observed_attention",
+    "streaming_llm:n_sink=4",
+    "knorm",
+    "expected_attention",
+    "pyramidkv:window_size=64,kernel_size=5,beta=20",
+)
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"snapkv:window=64,kernel=5"`` → ``("snapkv", {"window": 64, "kernel": 5})``."""
+    name, _, rest = spec.partition(":")
+    kwargs = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"bad setting {item!r} in {spec!r}; expected key=value")
+        kwargs[key.strip()] = _value(val.strip())
+    return name.strip(), kwargs
+
+
+def _stage_key(spec: str):
+    """Specs likely to share prefill statistics (the protocol checks; this only orders the work)."""
+    name, kwargs = parse_spec(spec)
+    if name in ("snapkv", "pyramidkv"):
+        return ("snapkv", kwargs.get("window", 32))
+    return "none" if name in ("full", "local") else name
+
+
+def label(spec: str, budget: float) -> str:
+    return f"{spec}@{budget:g}"
+
+
+def _path(out: Path, side: str, lab: str) -> Path:
+    return Path(out) / "nll" / side / (re.sub(r"[^A-Za-z0-9._=@,-]+", "_", lab) + ".pt")
+
+
+def run_side(
+    side: str,
+    engine,
+    windows: Sequence[Window],
+    specs: Sequence[str],
+    budgets: Sequence[float],
+    out: Path,
+    batch_size: int = 4,
+    log=print,
+) -> None:
+    """Measure every ``spec × budget`` (plus the full cache) not yet stored under ``out``."""
+    from vlkv.runtime.policies import make_policy
+
+    first = ("full" if side == "vlkv" else "none", 1.0)
+    todo = [first] + [(s, b) for s in specs for b in budgets]
+    meta = {"windows": [w.source for w in windows]}
+    pending = [(spec, b) for spec, b in todo if not _path(out, side, label(spec, b)).is_file()]
+    # vlkv: configurations asking the same prefill statistics run together (one shared prefill);
+    # kvpress: one adapter process per spec (its import costs ~20 s), all budgets at once
+    key = _stage_key if side == "vlkv" else (lambda spec: spec)
+    stages = [[p for p in pending if key(p[0]) == k] for k in dict.fromkeys(key(p[0]) for p in pending)]
+    for group in stages:
+        if side == "vlkv":
+            configs = []
+            for spec, budget in group:
+                name, kwargs = parse_spec(spec)
+                policy = make_policy(name) if name == "full" else make_policy(name, budget=budget, **kwargs)
+                configs.append((label(spec, budget), policy))
+            results = run_protocol(engine, windows, configs, batch_size)
+        else:
+            from vlkv.eval.peers import peer_continuation_nll
+
+            cfgs = [(label(spec, b), *parse_spec(spec)[:1], b, parse_spec(spec)[1]) for spec, b in group]
+            results = peer_continuation_nll(engine, list(windows), cfgs, Path(out) / "work")
+        for spec, budget in group:
+            lab = label(spec, budget)
+            res = results[lab]
+            res.update(meta, side=side, spec=spec, budget=budget, label=lab)
+            path = _path(out, side, lab)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(res, path)
+            if "nll" in res:
+                log(f"{side} {lab}: ppl {ppl(res['nll']):.4f} ({res.get('seconds', 0):.0f} s)")
+            else:
+                log(f"{side} {lab}: FAILED {res.get('error')}")
+
+
+def _load(out: Path) -> list[dict]:
+    return [torch.load(p, weights_only=False) for p in sorted((Path(out) / "nll").glob("*/*.pt"))]
+
+
+def _fmt(point, lo, hi) -> str:
+    return f"{100 * point:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+
+
+def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
+    """Markdown + records: ΔPPL vs vlkv's full cache per configuration, best per side and budget,
+    and the paired interval of vlkv-best vs kvpress-best. Every interval is a paired percentile
+    bootstrap over windows (95 %)."""
+    runs = _load(out)
+    full = next((r for r in runs if r["side"] == "vlkv" and r["spec"] == "full"), None)
+    if full is None:
+        raise ValueError(f"no vlkv full-cache run under {out}")
+    base = full["nll"]
+    records = []
+    for r in runs:
+        rec = {k: r[k] for k in ("side", "spec", "budget", "label") if k in r}
+        if "nll" not in r:
+            rec["error"] = r.get("error", "")
+            records.append(rec)
+            continue
+        if r["nll"].shape != base.shape or r.get("windows") != full.get("windows"):
+            raise ValueError(f"{r['label']} was measured on other windows than the full cache")
+        point, lo, hi = paired_delta(r["nll"], base, n_boot)
+        rec.update(ppl=ppl(r["nll"]), dppl=point, dppl_lo=lo, dppl_hi=hi)
+        for key in ("kv_bytes", "full_kv_bytes", "meta_bytes", "peak_kv_bytes", "seconds"):
+            if key in r:
+                rec[key] = r[key]
+        if "kept_per_layer" in r:  # kvpress reports entries kept per layer, not bytes
+            rec["kept_fraction"] = sum(r["kept_per_layer"]) / len(r["kept_per_layer"]) / r["prompt_length"]
+        records.append(rec)
+    by_label = {(r["side"], r["label"]): r for r in runs if "nll" in r}
+    budgets = sorted({r["budget"] for r in records if r["budget"] < 1}, reverse=True)
+    w, t = base.shape
+    lines = [
+        f"Full cache (vlkv): PPL {ppl(base):.4f} over {w} windows x {t} tokens.",
+        "",
+        "| side | configuration | budget | PPL | ΔPPL vs full [95% CI] | KV bytes / full | metadata bytes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rec in sorted(records, key=lambda r: (-r["budget"], r["side"], r.get("dppl", math.inf))):
+        if "error" in rec:
+            lines.append(
+                f"| {rec['side']} | `{rec['spec']}` | {rec['budget']:g} | failed: {rec['error']} | | | |"
+            )
+            continue
+        ratio = (
+            f"{rec['kv_bytes'] / rec['full_kv_bytes']:.3f}"
+            if "kv_bytes" in rec
+            else f"{rec['kept_fraction']:.3f} (entries)"
+            if "kept_fraction" in rec
+            else ""
+        )
+        meta = f"{rec['meta_bytes'] / w:,.0f}/window" if "meta_bytes" in rec else ""
+        lines.append(
+            f"| {rec['side']} | `{rec['spec']}` | {rec['budget']:g} | {rec['ppl']:.4f} | "
+            f"{_fmt(rec['dppl'], rec['dppl_lo'], rec['dppl_hi'])} | {ratio} | {meta} |"
+        )
+    lines += [
+        "",
+        "Best per side and budget (lowest PPL), and vlkv-best vs kvpress-best: "
+        "PPL(vlkv best) / PPL(kvpress best) − 1, paired over windows (negative = vlkv better).",
+        "",
+        "| budget | vlkv best | ΔPPL vs full | kvpress best | ΔPPL vs full | vlkv − kvpress [95% CI] |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in budgets:
+        best = {}
+        for side in ("vlkv", "kvpress"):
+            cands = [r for r in records if r["side"] == side and r["budget"] == b and "dppl" in r]
+            if cands:
+                best[side] = min(cands, key=lambda r: r["ppl"])
+        if len(best) < 2:
+            continue
+        v, k = best["vlkv"], best["kvpress"]
+        point, lo, hi = paired_delta(
+            by_label[("vlkv", v["label"])]["nll"], by_label[("kvpress", k["label"])]["nll"], n_boot
+        )
+        records.append(
+            {
+                "side": "compare",
+                "budget": b,
+                "vlkv": v["spec"],
+                "kvpress": k["spec"],
+                "delta": point,
+                "lo": lo,
+                "hi": hi,
+            }
+        )
+        lines.append(
+            f"| {b:g} | `{v['spec']}` | {100 * v['dppl']:+.2f}% | `{k['spec']}` | {100 * k['dppl']:+.2f}% | "
+            f"{_fmt(point, lo, hi)} |"
+        )
+    return "\n".join(lines) + "\n", records
+
+
+def write_report(out: Path, header: str = "", n_boot: int = 2000) -> Path:
+    """``results.md`` and ``results.json`` next to the stored runs under ``out``."""
+    md, records = report(out, n_boot)
+    (Path(out) / "results.md").write_text(header + md)
+    (Path(out) / "results.json").write_text(json.dumps(records, indent=1) + "\n")
+    return Path(out) / "results.md"
