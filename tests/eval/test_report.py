@@ -44,9 +44,33 @@ def test_write_report_produces_table_json_and_plots(tmp_path):
         assert p.stat().st_size > 5000
 
 
-def test_write_report_is_rerunnable_and_validates(tmp_path):
-    write_report(_records(), root=tmp_path, date="2026-11-21")
-    write_report(_records(), root=tmp_path, date="2026-11-21")
+def test_a_rerun_never_overwrites_an_earlier_report(tmp_path):
+    first = write_report(_records(), root=tmp_path, date="2026-11-21")
+    fewer = [r for r in _records() if r["policy"] == "h2o"][:2]
+    second = write_report(fewer, root=tmp_path, date="2026-11-21")
+    third = write_report(fewer, root=tmp_path, date="2026-11-21")
+    assert first.out_dir == tmp_path / "2026-11-21-cpu-2core"
+    assert (second.out_dir.name, third.out_dir.name) == ("2026-11-21-cpu-2core-r2", "2026-11-21-cpu-2core-r3")
+    assert json.loads(first.records.read_text()) == _records()  # all 18 records kept
+    assert len(json.loads(second.records.read_text())) == 2
+    for rep in (first, second):  # every folder's plots are exactly its own
+        assert sorted(p.name for p in rep.out_dir.glob("*.png")) == sorted(p.name for p in rep.plots)
+
+
+def test_rewriting_a_run_drops_stale_plots_and_refuses_to_lose_records(tmp_path):
+    recs = [{"policy": "a", "budget": 0.5, "machine": "m", "ppl": 2.0, "x_ratio": 1.0, "context_length": 8}]
+    rep = write_report(recs, root=tmp_path, date="2026-11-21")
+    assert {p.name for p in rep.plots} == {"quality-ppl.png", "speed-x_ratio.png"}
+    more = [{**recs[0], "x_ratio": None}, {"policy": "b", "budget": 0.5, "machine": "m", "ppl": 3.0}]
+    again = write_report(more, root=tmp_path, date="2026-11-21", into=rep.out_dir)
+    assert again.out_dir == rep.out_dir and sorted(p.name for p in rep.out_dir.glob("*.png")) == [
+        "quality-ppl.png"
+    ]
+    with pytest.raises(ValueError, match="superset"):
+        write_report(more[:1], root=tmp_path, into=rep.out_dir)
+
+
+def test_write_report_validates(tmp_path):
     with pytest.raises(ValueError, match="several machines"):
         write_report([*_records(), {"policy": "x", "budget": 0.5, "machine": "h100"}], root=tmp_path)
     with pytest.raises(ValueError, match="budget"):

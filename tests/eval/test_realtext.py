@@ -1,0 +1,47 @@
+"""The real-text comparison runner: specs, resumable storage, report with intervals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vlkv.eval.continuation import text_windows
+from vlkv.eval.corpus import paragraphs
+from vlkv.eval.realtext import parse_spec, report, run_side, write_report
+
+
+def test_parse_spec():
+    assert parse_spec("snapkv:window=64,kernel=5") == ("snapkv", {"window": 64, "kernel": 5})
+    assert parse_spec("pyramidkv:fallback=true,beta=2.5") == ("pyramidkv", {"fallback": True, "beta": 2.5})
+    assert parse_spec("h2o") == ("h2o", {})
+    with pytest.raises(ValueError, match="key=value"):
+        parse_spec("snapkv:window")
+
+
+def test_run_side_resumes_and_reports_intervals(engines, tmp_path):
+    engine = engines["tiny-llava"]
+    tok = engine.tokenizer
+    text = " ".join(paragraphs())
+    windows = text_windows(lambda s: tok(s, add_special_tokens=False)["input_ids"], [("c", text)], 3, 64, 8)
+    specs = ["snapkv:window=8,kernel=5", "local"]
+    logs = []
+    run_side("vlkv", engine, windows, specs, [0.5, 0.25], tmp_path, batch_size=2, log=logs.append)
+    assert len(logs) == 5 and (tmp_path / "nll" / "vlkv" / "full@1.pt").is_file()
+    run_side("vlkv", engine, windows, specs, [0.5, 0.25], tmp_path, log=logs.append)
+    assert len(logs) == 5  # everything stored: nothing re-measured
+    # a fake peer row on the same windows: the comparison table appears
+    snap = torch.load(tmp_path / "nll" / "vlkv" / "snapkv_window=8,kernel=5@0.5.pt", weights_only=False)
+    peer = {**snap, "side": "kvpress", "spec": "snapkv:window_size=8", "label": "snapkv:window_size=8@0.5"}
+    peer["nll"] = snap["nll"] + 0.05
+    (tmp_path / "nll" / "kvpress").mkdir()
+    torch.save(peer, tmp_path / "nll" / "kvpress" / "snap@0.5.pt")
+    md, records = report(tmp_path, n_boot=200)
+    assert "| vlkv | `full` | 1 |" in md and "+0.00% [+0.00, +0.00]" in md
+    (cmp,) = [r for r in records if r["side"] == "compare"]
+    assert cmp["budget"] == 0.5 and cmp["delta"] < 0 and cmp["lo"] <= cmp["delta"] <= cmp["hi"]
+    rows = {(r["side"], r["label"]): r for r in records if r["side"] != "compare"}
+    assert rows[("vlkv", "local@0.25")]["kv_bytes"] < rows[("vlkv", "full@1")]["kv_bytes"]
+    path = write_report(tmp_path, "# head\n", n_boot=200)
+    assert path.read_text().startswith("# head\n") and json.loads((tmp_path / "results.json").read_text())
