@@ -142,8 +142,7 @@ def export_layer_graphs(model: nn.Module, family: str, out_dir: str | Path, opse
     for i in range(adapter.layout.num_layers):
         graph = LayerGraph(adapter, i).eval()
         export.trace_to_onnx(graph, feeds, out_dir / layer_file(i), list(LAYER_OUTPUTS), axes, opset)
-    hidden = feeds["hidden_states"]
-    head_feeds = {"hidden_states": hidden, "logits_index": torch.tensor([[2], [1]])}
+    head_feeds = dict(zip(HEAD_INPUTS, (feeds["hidden_states"], torch.tensor([[2], [1]]))))
     head_axes = {
         "hidden_states": {0: "batch_size", 1: "sequence_length"},
         "logits_index": {0: "batch_size", 1: "logits_rows"},
