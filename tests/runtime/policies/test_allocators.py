@@ -156,3 +156,26 @@ def test_decode_evicting_scorer_holds_each_layer_at_its_fraction(engines, images
     processed = n + res.decode_steps
     expect = torch.round(fr * processed).long().tolist()
     assert res.samples[0].kept_per_layer == expect
+
+
+def test_pyramidkv_fallback_is_snapkv_when_the_deepest_layer_cannot_hold_the_window(engines, images):
+    """PyramidKV's reference code and kvpress: budget·n/beta < window → the uniform budget."""
+    engine = engines["tiny-llava"]
+    prompts = [Prompt("Describe the image in detail.", [images[0]])]
+    snap = engine.generate(prompts, make_policy("snapkv", budget=0.3, window=16), max_new_tokens=3)
+    fell_back = engine.generate(
+        prompts, make_policy("pyramidkv", budget=0.3, beta=5, window=16, fallback=True), max_new_tokens=3
+    )
+    n = snap.samples[0].prompt_tokens
+    assert 0.3 * n / 5 < 16  # the deepest layer would hold fewer entries than the window
+    assert fell_back.samples[0].kept_per_layer == snap.samples[0].kept_per_layer
+    assert fell_back.samples[0].token_ids == snap.samples[0].token_ids
+    # a window the deepest layer can hold keeps the pyramid
+    kept = (
+        engine.generate(
+            prompts, make_policy("pyramidkv", budget=0.3, beta=5, window=1, fallback=True), max_new_tokens=3
+        )
+        .samples[0]
+        .kept_per_layer
+    )
+    assert 0.3 * n / 5 >= 1 and all(p > q for p, q in zip(kept, kept[1:])), kept
