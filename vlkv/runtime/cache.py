@@ -69,6 +69,7 @@ class LayerKV:
         self.modality = torch.zeros(batch, h, capacity, dtype=torch.int8, device=dev)
         self.scores: dict[str, Tensor] = {}
         self.offloaded: tuple[Tensor, Tensor] | None = None  # host K/V while swapped out
+        self.linked = False  # holds shared entries (pre-RoPE keys, rotated on read)
         pool.attach(layer, self)
 
     @classmethod
@@ -109,14 +110,49 @@ class LayerKV:
     def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
         """Dense K/V a backend attends over: ``(B, H_kv, upto, D)`` gathered from the pool.
 
-        Columns past a sample's length read arbitrary (finite) pool data: attention masks them.
+        Keys of shared (linked) entries are stored before RoPE and rotated here to the positions
+        this cache gives them (``pool.rope``); private entries are stored rotated. Columns past a
+        sample's length read arbitrary (finite) pool data: attention masks them.
         """
         n = self.max_length if upto is None else upto
         if n == 0 or self.pool.capacity(self.layer) == 0:
             d = self.pool.spec.head_dim
             z = torch.zeros(self.batch, self.kv_heads, n, d, dtype=self.pool.spec.dtype, device=self.device)
             return z, z.clone()
-        return self.pool.read(self.layer, self.slots[:, :, :n])
+        ids = self.slots[:, :, :n]
+        k, v = self.pool.read(self.layer, ids)
+        if self.linked:
+            pre = self.pool.is_prerope(self.layer, ids) & self.valid_mask()[:, None, :n]
+            if bool(pre.any()):
+                k = torch.where(pre[..., None], self.pool.rope(k, self.positions[:, :, :n]), k)
+        return k, v
+
+    def link(self, ids: Tensor, positions: Tensor, modality: Tensor, sample: int = 0) -> None:
+        """Append shared entries (slots another owner wrote) after ``sample``'s valid entries.
+
+        Args:
+            ids: ``(H_kv, n)`` pool slots of the shared entries (their keys pre-RoPE).
+            positions: ``(n, P)`` int64 positions they take in this cache (keys are rotated to them on read).
+            modality: ``(n,)`` int8 codes.
+        """
+        h, n = ids.shape
+        if n == 0:
+            return
+        if self.pool.rope is None:
+            raise RuntimeError("linking shared entries needs pool.rope (the model's rotary embedding)")
+        dev = self.device
+        past = int(self.lengths[sample])
+        self._reserve(past + n)
+        heads = torch.arange(h, device=dev)[:, None].expand(h, n)
+        self.pool.retain(self.layer, heads.reshape(-1), ids.reshape(-1))
+        cols = slice(past, past + n)
+        self.slots[sample, :, cols] = ids
+        self.positions[sample, :, cols] = positions.to(dev)[None].expand(h, n, positions.shape[-1])
+        self.modality[sample, :, cols] = modality.to(device=dev, dtype=torch.int8)[None]
+        for s in self.scores.values():
+            s[sample, :, cols] = 0
+        self.lengths[sample] += n
+        self.linked = True
 
     @property
     def keys(self) -> Tensor:
@@ -211,10 +247,9 @@ class LayerKV:
         return kept.scatter_reduce_(2, index, ok.to(torch.int8).expand_as(index), "amax").bool()
 
     def _release(self, drop: Tensor) -> None:
-        """Free the slots of valid entries where ``drop (B, H_kv, C)`` is True (equal counts per head)."""
-        drop = drop & self.valid_mask()[:, None, :]
-        ids = self.slots.permute(1, 0, 2)[drop.permute(1, 0, 2)].view(self.kv_heads, -1)
-        self.pool.release(self.layer, ids)
+        """Drop this cache's reference to the slots of valid entries where ``drop (B, H_kv, C)`` is True."""
+        bt, ht, ct = torch.nonzero(drop & self.valid_mask()[:, None, :], as_tuple=True)
+        self.pool.release(self.layer, self.slots[bt, ht, ct], heads=ht)
 
     def _take(self, index: Tensor, slots: int) -> dict[str, Tensor]:
         """Gather per-entry tables; ``index`` is ``(B, H_kv, K)``, padded with any valid column."""

@@ -108,6 +108,16 @@ class Engine:
         self.eos_ids = _eos_ids(loaded.model, tok)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         self.placeholder = getattr(loaded, "image_placeholder", None) or PLACEHOLDERS[loaded.family]
+        self._rope = None
+
+    @property
+    def rope(self):
+        """The model's rotary embedding for reading pre-RoPE (shared) entries (:class:`Rope`)."""
+        if self._rope is None:
+            from vlkv.runtime.kv.rope import Rope
+
+            self._rope = Rope(self.backend.adapter)
+        return self._rope
 
     def encode(self, prompts: list[Prompt]) -> PromptBatch:
         enc = [
@@ -131,6 +141,8 @@ class Engine:
             be.device,
             pool=pool,
         )
+        if cache.pool.rope is None:
+            cache.pool.rope = self.rope
         dev = cache.device
         cache.prompt_lengths = batch.lengths.to(dev).clone()
         cache.next_position = torch.stack([p.positions.max(0).values + 1 for p in batch.prompts]).to(dev)

@@ -75,6 +75,7 @@ class Scheduler:
         )
         self.engine = engine
         self.pool = KVPool(spec, 0, grow=True) if pool_bytes is None else KVPool.with_bytes(spec, pool_bytes)
+        self.pool.rope = engine.rope
         self.max_running, self.swap_device = max_running, swap_device
         self.cache_hit_rate, self.hit_rate_k = cache_hit_rate, hit_rate_k
         self.waiting: deque[Request] = deque()

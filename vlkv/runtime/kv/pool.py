@@ -72,29 +72,42 @@ class PoolSpec:
 
 
 class KVPool:
-    """K/V slots for every layer, a free stack per layer, and byte counters.
+    """K/V slots for every layer, a free stack per layer and KV head, refcounts and byte counters.
 
     Attributes:
         keys, values: per layer ``(H_kv, S_l, D)`` tensors.
         bytes_written: K/V bytes written by :meth:`write` since creation (new entries, merged anchors,
-            swapped-in entries); growth and compaction copies are counted in ``bytes_moved``.
+            swapped-in entries, stored records); growth and compaction copies are counted in
+            ``bytes_moved``.
+
+    A slot may be referenced by several requests (a shared, linked record): :meth:`retain` adds a
+    reference, :meth:`release` drops one, and the slot returns to its head's free stack when none is
+    left. A slot written with ``prerope=True`` holds a key *before* rotary embedding; readers rotate
+    it to their own positions (:meth:`is_prerope`).
     """
 
     def __init__(self, spec: PoolSpec, slots: int = 0, grow: bool = True):
         if slots < 0:
             raise ValueError(f"slots must be >= 0, got {slots}")
         self.spec, self.grow = spec, grow
-        h, d = spec.kv_heads, spec.head_dim
-        z = dict(dtype=spec.dtype, device=spec.device)
+        h, d, dev = spec.kv_heads, spec.head_dim, spec.device
+        z = dict(dtype=spec.dtype, device=dev)
         self.keys = [torch.zeros(h, slots, d, **z) for _ in range(spec.num_layers)]
         self.values = [torch.zeros(h, slots, d, **z) for _ in range(spec.num_layers)]
-        self._free = [self._stack(0, slots) for _ in range(spec.num_layers)]
-        self._nfree = [slots] * spec.num_layers
-        self._heads = torch.arange(h, device=spec.device)
+        self._free = [self._stack(0, slots, slots) for _ in range(spec.num_layers)]
+        # free count per head: a device tensor for vectorised pops, a host list for checks
+        self._nfree = [torch.full((h,), slots, dtype=torch.long, device=dev) for _ in range(spec.num_layers)]
+        self._nfree_host = [[slots] * h for _ in range(spec.num_layers)]
+        self._refs = [torch.zeros(h, slots, dtype=torch.int32, device=dev) for _ in range(spec.num_layers)]
+        self._prerope = [torch.zeros(h, slots, dtype=torch.bool, device=dev) for _ in range(spec.num_layers)]
+        self._heads = torch.arange(h, device=dev)
         self._owners: list[dict[int, weakref.ref]] = [{} for _ in range(spec.num_layers)]
         self.bytes_written = 0
         self.bytes_moved = 0
         self.compactions = 0
+        # the model's rotary embedding (:class:`~vlkv.runtime.kv.rope.Rope`), set by the engine:
+        # readers of pre-RoPE (shared) slots rotate with it
+        self.rope = None
 
     @classmethod
     def with_bytes(cls, spec: PoolSpec, nbytes: int) -> KVPool:
@@ -106,37 +119,44 @@ class KVPool:
             )
         return cls(spec, slots, grow=False)
 
-    def _stack(self, lo: int, hi: int) -> Tensor:
-        # descending, so popping from the top hands out the lowest ids first
-        ids = torch.arange(hi - 1, lo - 1, -1, device=self.spec.device)
-        return ids[None].expand(self.spec.kv_heads, -1).contiguous()
+    def _stack(self, lo: int, hi: int, width: int) -> Tensor:
+        """``(H_kv, width)`` stack buffers holding ids ``hi-1 … lo`` at the bottom.
+
+        Descending, so popping from the top hands out the lowest ids first."""
+        buf = torch.zeros(self.spec.kv_heads, width, dtype=torch.long, device=self.spec.device)
+        buf[:, : hi - lo] = torch.arange(hi - 1, lo - 1, -1, device=self.spec.device)
+        return buf
 
     # ------------------------------------------------------------------ accounting
     def capacity(self, layer: int) -> int:
         return self.keys[layer].shape[1]
 
     def free_slots(self, layer: int) -> int:
-        return self._nfree[layer]
+        """Free slots every head of the layer has (what a write to all heads can count on)."""
+        return min(self._nfree_host[layer])
 
     def used_slots(self, layer: int) -> int:
-        return self.capacity(layer) - self._nfree[layer]
+        """Allocated slots of the layer, averaged over heads (heads may differ with shared records)."""
+        h = self.spec.kv_heads
+        return (h * self.capacity(layer) - sum(self._nfree_host[layer])) // h
 
     def min_free(self) -> int:
-        """Free slots of the fullest layer (what a step writing every layer can count on)."""
-        return min(self._nfree)
+        """Free slots of the fullest layer and head (what a step writing every layer can count on)."""
+        return min(min(f) for f in self._nfree_host)
 
     def held_bytes(self) -> int:
         """Bytes the K/V tensors hold (free slots included)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     def used_bytes(self) -> int:
-        """K/V bytes of allocated slots."""
-        per = self.spec.entry_bytes
-        return sum(self.used_slots(i) * per for i in range(self.spec.num_layers))
+        """K/V bytes of allocated slots (each head's slots counted once, however many share them)."""
+        h, per = self.spec.kv_heads, self.spec.entry_bytes
+        used = sum(h * self.capacity(i) - sum(self._nfree_host[i]) for i in range(self.spec.num_layers))
+        return used * per // h
 
     def meta_bytes(self) -> int:
-        """Bytes of the free stacks (the pool's own bookkeeping)."""
-        return sum(f.numel() * f.element_size() for f in self._free)
+        """Bytes of the pool's own bookkeeping (free stacks, refcounts, pre-RoPE flags)."""
+        return sum(t.numel() * t.element_size() for t in (*self._free, *self._refs, *self._prerope))
 
     # ------------------------------------------------------------------ slots
     def attach(self, layer: int, owner) -> None:
@@ -145,44 +165,85 @@ class KVPool:
         self._owners[layer][key] = weakref.ref(owner, lambda _, d=self._owners[layer], k=key: d.pop(k, None))
 
     def alloc(self, layer: int, n: int) -> Tensor:
-        """``(H_kv, n)`` int64 fresh slot ids (ascending per head when the stack is fresh)."""
+        """``(H_kv, n)`` int64 fresh slot ids, one reference each (ascending per head when fresh)."""
+        dev = self.spec.device
         if n <= 0:
-            return torch.zeros(self.spec.kv_heads, 0, dtype=torch.long, device=self.spec.device)
-        if self._nfree[layer] < n:
+            return torch.zeros(self.spec.kv_heads, 0, dtype=torch.long, device=dev)
+        free = self.free_slots(layer)
+        if free < n:
             if not self.grow:
-                raise PoolFull(
-                    f"layer {layer} has {self._nfree[layer]} free slots of {self.capacity(layer)}, needs {n}"
-                )
-            self._grow(layer, n - self._nfree[layer])
+                raise PoolFull(f"layer {layer} has {free} free slots of {self.capacity(layer)}, needs {n}")
+            self._grow(layer, n - free)
         top = self._nfree[layer]
-        ids = self._free[layer][:, top - n : top].flip(1)
+        at = top[:, None] - 1 - torch.arange(n, device=dev)[None, :]  # top of the stack first
+        ids = self._free[layer].gather(1, at)
         self._nfree[layer] = top - n
+        self._nfree_host[layer] = [f - n for f in self._nfree_host[layer]]
+        self._refs[layer][self._heads[:, None], ids] = 1
+        self._prerope[layer][self._heads[:, None], ids] = False
         return ids
 
-    def release(self, layer: int, ids: Tensor) -> None:
-        """Return ``ids (H_kv, m)`` to the free stack (each head frees the same count)."""
-        m = ids.shape[1]
-        if m == 0:
-            return
-        top = self._nfree[layer]
-        if top + m > self.capacity(layer):
-            raise RuntimeError(f"layer {layer}: releasing {m} slots overflows the free stack (double free?)")
-        self._free[layer][:, top : top + m] = ids.flip(1)
-        self._nfree[layer] = top + m
-        self._maybe_compact(layer)
+    def retain(self, layer: int, heads: Tensor, ids: Tensor) -> None:
+        """Add a reference to each slot ``(heads (N,), ids (N,))`` (a request linking shared entries)."""
+        self._refs[layer].index_put_((heads, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
 
-    def write(self, layer: int, ids: Tensor, k: Tensor, v: Tensor) -> None:
+    def release(self, layer: int, ids: Tensor, heads: Tensor | None = None) -> None:
+        """Drop one reference to each slot; slots left with none return to their head's free stack.
+
+        Args:
+            ids: ``(H_kv, m)`` slot ids (``heads`` None: row ``h`` belongs to head ``h``), or ``(N,)``
+                ids with ``heads (N,)``.
+        """
+        if heads is None:
+            heads = self._heads[:, None].expand_as(ids).reshape(-1)
+            ids = ids.reshape(-1)
+        if ids.numel() == 0:
+            return
+        refs = self._refs[layer]
+        refs.index_put_((heads, ids), torch.full_like(ids, -1, dtype=torch.int32), accumulate=True)
+        if bool((refs[heads, ids] < 0).any()):
+            raise RuntimeError(f"layer {layer}: a slot was released more often than referenced (double free)")
+        gone = refs[heads, ids] == 0
+        heads, ids = heads[gone], ids[gone]
+        if ids.numel():
+            self._push(layer, heads, ids)
+            self._maybe_compact(layer)
+
+    def _push(self, layer: int, heads: Tensor, ids: Tensor) -> None:
+        h = self.spec.kv_heads
+        order = torch.sort(heads, stable=True).indices
+        heads, ids = heads[order], ids[order]
+        counts = torch.bincount(heads, minlength=h)
+        start = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(heads.numel(), device=heads.device) - start[heads]
+        top = self._nfree[layer]
+        # pushed in reverse so a later pop of the same count hands them back in order
+        dest = top[heads] + (counts[heads] - 1 - rank)
+        self._free[layer][heads, dest] = ids
+        self._nfree[layer] = top + counts
+        self._nfree_host[layer] = self._nfree[layer].tolist()
+
+    def is_prerope(self, layer: int, ids: Tensor) -> Tensor:
+        """``(B, H_kv, n)`` bool for slot ids ``ids (B, H_kv, n)``: the key is stored before RoPE."""
+        return self._prerope[layer][self._heads[None, :, None], ids]
+
+    def write(self, layer: int, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False) -> None:
         """Store ``k, v (H_kv, n, D)`` at slots ``ids (H_kv, n)`` (the same count in every head)."""
         heads = self._heads[:, None].expand_as(ids)
-        self.write_entries(layer, heads.reshape(-1), ids.reshape(-1), k.flatten(0, 1), v.flatten(0, 1))
+        self.write_entries(
+            layer, heads.reshape(-1), ids.reshape(-1), k.flatten(0, 1), v.flatten(0, 1), prerope
+        )
 
-    def write_entries(self, layer: int, heads: Tensor, ids: Tensor, k: Tensor, v: Tensor) -> None:
+    def write_entries(
+        self, layer: int, heads: Tensor, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False
+    ) -> None:
         """Store single-head rows: ``k, v (N, D)`` at ``(heads (N,), ids (N,))``."""
         n = ids.numel()
         if n == 0:
             return
         self.keys[layer][heads, ids] = k.to(self.spec.dtype)
         self.values[layer][heads, ids] = v.to(self.spec.dtype)
+        self._prerope[layer][heads, ids] = prerope
         # bytes of one head's K + V row
         self.bytes_written += n * self.spec.entry_bytes // self.spec.kv_heads
 
@@ -195,54 +256,73 @@ class KVPool:
     def _grow(self, layer: int, extra: int) -> None:
         cap = self.capacity(layer)
         new_cap = cap + max(extra, GROW_SLOTS if cap else extra, math.ceil(cap * 0.25))
-        self._resize(layer, new_cap)
+        self._resize(layer, new_cap, cap)
 
-    def _resize(self, layer: int, new_cap: int) -> None:
-        """Reallocate a layer to ``new_cap`` slots; every id in use must be < ``new_cap``."""
-        cap, d = self.capacity(layer), self.spec.head_dim
+    def _resize(self, layer: int, new_cap: int, low_free: int | list[int]) -> None:
+        """Reallocate a layer to ``new_cap`` slots; every id in use must be < ``new_cap``.
+
+        Growing (``low_free`` = old capacity): the new ids go to the bottom of each stack, so old
+        holes are reused first. Shrinking after compaction (``low_free`` = per-head used counts): each
+        head's free ids are exactly ``[used_h, new_cap)``.
+        """
+        cap, h = self.capacity(layer), self.spec.kv_heads
         keep = min(cap, new_cap)
-        for store in (self.keys, self.values):
-            t = store[layer].new_zeros(self.spec.kv_heads, new_cap, d)
-            t[:, :keep] = store[layer][:, :keep]
+        for store in (self.keys, self.values, self._refs, self._prerope):
+            old = store[layer]
+            t = old.new_zeros(h, new_cap, *old.shape[2:])
+            t[:, :keep] = old[:, :keep]
             store[layer] = t
         self.bytes_moved += keep * self.spec.entry_bytes
-        used = cap - self._nfree[layer]
-        old_free = self._free[layer][:, : self._nfree[layer]]
-        if new_cap >= cap:  # new ids go to the bottom of the stack: old holes are reused first
-            free = torch.cat([self._stack(cap, new_cap), old_free], dim=1)
-        else:  # shrinking after compaction: the free ids are exactly [used, new_cap)
-            free = self._stack(used, new_cap)
-        # the stack buffer spans the whole capacity: every slot may be free at once
-        buf = torch.zeros(self.spec.kv_heads, new_cap, dtype=torch.long, device=self.spec.device)
-        buf[:, : free.shape[1]] = free
-        self._free[layer] = buf
-        self._nfree[layer] = new_cap - used
+        dev = self.spec.device
+        if new_cap >= cap:
+            nfree = self._nfree[layer]
+            buf = torch.zeros(h, new_cap, dtype=torch.long, device=dev)
+            fresh = new_cap - cap
+            buf[:, :fresh] = torch.arange(new_cap - 1, cap - 1, -1, device=dev)
+            # old free entries sit above the fresh ones, in their order
+            old = self._free[layer]
+            col = torch.arange(cap, device=dev)[None, :]
+            src = col < nfree[:, None]
+            rows = self._heads[:, None].expand(h, cap)[src]
+            buf[rows, fresh + col.expand(h, cap)[src]] = old[src]
+            self._free[layer] = buf
+            self._nfree[layer] = nfree + fresh
+        else:
+            used = torch.tensor(low_free, dtype=torch.long, device=dev)
+            buf = torch.zeros(h, new_cap, dtype=torch.long, device=dev)
+            for j in range(h):
+                n = new_cap - int(used[j])
+                buf[j, :n] = torch.arange(new_cap - 1, int(used[j]) - 1, -1, device=dev)
+            self._free[layer] = buf
+            self._nfree[layer] = new_cap - used
+        self._nfree_host[layer] = self._nfree[layer].tolist()
 
     def _maybe_compact(self, layer: int) -> None:
         cap = self.capacity(layer)
-        if not self.grow or cap <= COMPACT_MIN_SLOTS or self._nfree[layer] <= COMPACT_FREE_FRACTION * cap:
+        if not self.grow or cap <= COMPACT_MIN_SLOTS or self.free_slots(layer) <= COMPACT_FREE_FRACTION * cap:
             return
         self.compact(layer)
 
     def compact(self, layer: int) -> None:
         """Move live entries into the lowest slots, remap owners' tables, shrink the tensors."""
-        cap, used = self.capacity(layer), self.used_slots(layer)
-        h = self.spec.kv_heads
-        live = torch.ones(h, cap, dtype=torch.bool, device=self.spec.device)
-        live.scatter_(1, self._free[layer][:, : self._nfree[layer]], False)
+        cap, h = self.capacity(layer), self.spec.kv_heads
+        used = [cap - f for f in self._nfree_host[layer]]
+        live = self._refs[layer] > 0
         remap = torch.arange(cap, device=self.spec.device)[None].repeat(h, 1)
         moved = 0
         for j in range(h):  # heads hold different ids; compaction is rare, so a loop is fine
-            movers = torch.nonzero(live[j, used:]).flatten() + used
-            holes = torch.nonzero(~live[j, :used]).flatten()  # as many as movers
+            movers = torch.nonzero(live[j, used[j] :]).flatten() + used[j]
+            holes = torch.nonzero(~live[j, : used[j]]).flatten()  # as many as movers
             remap[j, movers] = holes
-            for store in (self.keys, self.values):
+            for store in (self.keys, self.values, self._refs, self._prerope):
                 store[layer][j, holes] = store[layer][j, movers]
+            self._refs[layer][j, movers] = 0  # vacated: free from now on
+            self._prerope[layer][j, movers] = False
             moved += movers.numel()
         self.bytes_moved += moved * self.spec.entry_bytes // h
         for ref in list(self._owners[layer].values()):
             owner = ref()
             if owner is not None:
                 owner.remap(remap)
-        self._resize(layer, max(used + GROW_SLOTS, 1))
+        self._resize(layer, max(max(used) + GROW_SLOTS, 1), used)
         self.compactions += 1
