@@ -1,140 +1,27 @@
-"""The ONNX export cache: checksummed entries, rebuilt when truncated or tampered, stale temps removed."""
+"""The decoder_onnx stage over the ONNX export cache (``vlkv.runtime.onnx.export_cache``, tested in
+``tests/runtime/onnx/test_export_cache.py``): damaged entries rebuilt, stale temps removed at start."""
 
 from __future__ import annotations
 
-import logging
+import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.runtime.onnx.test_export_cache import holder
 from vlkv.exporter import export_cache
-from vlkv.exporter.export_cache import (
-    CHECKSUMS,
-    cached_export,
-    clean_stale_temps,
-    seal,
-    temp_dir,
-    verify,
-)
+from vlkv.runtime.onnx import export_cache as runtime_cache
+from vlkv.runtime.onnx.export_cache import CHECKSUMS, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _builder(calls: list):
-    def build(folder: Path) -> None:
-        calls.append(folder)
-        (folder / "model.onnx").write_bytes(b"graph" * 100)
-        (folder / "model.onnx.data").write_bytes(bytes(range(256)) * 8)
-
-    return build
-
-
-def test_entries_are_sealed_and_reused(tmp_path):
-    calls: list = []
-    path = cached_export(tmp_path, "k1", "model.onnx", _builder(calls))
-    assert path == tmp_path / "k1" / "model.onnx" and len(calls) == 1
-    assert verify(tmp_path / "k1") is None and (tmp_path / "k1" / CHECKSUMS).is_file()
-    assert cached_export(tmp_path, "k1", "model.onnx", _builder(calls)) == path and len(calls) == 1
-    assert not list(tmp_path.glob(".export-*"))  # the temporary folder and its lock are gone
-
-
-@pytest.mark.parametrize(
-    "damage,problem",
-    [
-        (
-            lambda p: p.write_bytes(p.read_bytes()[:100]),
-            "is 100 bytes, expected 2048 (truncated or replaced)",
-        ),
-        (
-            lambda p: p.write_bytes(bytes(reversed(p.read_bytes()))),
-            "fails its sha256 check (modified)",
-        ),  # same size
-        (lambda p: p.unlink(), "is missing"),
-    ],
-)
-def test_damaged_entries_are_named_and_rebuilt(tmp_path, caplog, damage, problem):
-    calls: list = []
-    cached_export(tmp_path, "k1", "model.onnx", _builder(calls))
-    data = tmp_path / "k1" / "model.onnx.data"
-    damage(data)
-    assert verify(tmp_path / "k1") == f"export cache file {data} {problem}"
-    with caplog.at_level(logging.WARNING, logger="vlkv.exporter"):
-        cached_export(tmp_path, "k1", "model.onnx", _builder(calls))
-    assert len(calls) == 2 and verify(tmp_path / "k1") is None
-    assert caplog.messages == [f"export cache file {data} {problem}; rebuilding {tmp_path / 'k1'}"]
-
-
-def test_unsealed_entries_are_not_trusted(tmp_path, caplog):
-    (tmp_path / "k1").mkdir()
-    (tmp_path / "k1" / "model.onnx").write_bytes(b"written by an exporter that kept no checksums")
-    calls: list = []
-    with caplog.at_level(logging.WARNING, logger="vlkv.exporter"):
-        cached_export(tmp_path, "k1", "model.onnx", _builder(calls))
-    assert len(calls) == 1 and verify(tmp_path / "k1") is None
-    assert caplog.messages[0].startswith(f"export cache entry {tmp_path / 'k1'} has no {CHECKSUMS}")
-
-
-_HOLDER = """
-import sys, time
-from pathlib import Path
-from vlkv.exporter.export_cache import temp_dir
-with temp_dir(Path(sys.argv[1])) as tmp:
-    (tmp / "half.onnx").write_bytes(b"x" * 10)
-    print(tmp, flush=True)
-    time.sleep(60)
-"""
-
-
-def _holder(root: Path) -> tuple[subprocess.Popen, Path]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(root)], stdout=subprocess.PIPE, text=True, env=env
-    )
-    return proc, Path(proc.stdout.readline().strip())
-
-
-def test_temps_of_killed_builders_are_removed_and_live_ones_kept(tmp_path):
-    killed, killed_tmp = _holder(tmp_path)
-    live, live_tmp = _holder(tmp_path)
-    try:
-        os.kill(killed.pid, signal.SIGKILL)  # mid-build: no finally block runs
-        killed.wait(timeout=30)
-        assert killed_tmp.is_dir()
-        assert clean_stale_temps(tmp_path) == [killed_tmp]
-        assert not killed_tmp.exists() and not Path(f"{killed_tmp}.lock").exists()
-        assert live_tmp.is_dir() and clean_stale_temps(tmp_path) == []
-    finally:
-        live.kill()
-        live.wait(timeout=30)
-
-
-def test_unlocked_temps_count_as_stale_only_when_old(tmp_path):
-    old, fresh = tmp_path / ".export-old", tmp_path / ".export-fresh"
-    for folder in (old, fresh):
-        folder.mkdir()
-        (folder / "decoder.onnx").write_bytes(b"partial")
-    past = time.time() - export_cache.UNLOCKED_STALE_AFTER_S - 60
-    for path in (old, old / "decoder.onnx"):
-        os.utime(path, (past, past))
-    assert clean_stale_temps(tmp_path) == [old] and fresh.is_dir()
-
-
-def test_a_builder_that_fails_leaves_nothing(tmp_path):
-    def broken(folder: Path) -> None:
-        (folder / "model.onnx").write_bytes(b"half")
-        raise RuntimeError("export failed")
-
-    with pytest.raises(RuntimeError, match="export failed"):
-        cached_export(tmp_path, "k1", "model.onnx", broken)
-    assert list(tmp_path.iterdir()) == []
-    with temp_dir(tmp_path) as tmp:
-        seal(tmp)
-    assert list(tmp_path.iterdir()) == []
+def test_the_exporter_uses_the_runtime_cache():
+    """One cache: the exporter's names are the runtime's functions, not a second implementation."""
+    for name in ("cache_root", "cached_export", "clean_stale_temps", "verify", "seal", "temp_dir"):
+        assert getattr(export_cache, name) is getattr(runtime_cache, name), name
 
 
 # ------------------------------------------------------------------ the decoder_onnx stage, end to end
@@ -152,7 +39,7 @@ def test_decoder_stage_rebuilds_a_damaged_cache_entry(tmp_path, monkeypatch, cap
     code, _ = _build_decoder(tmp_path / "a", capsys)
     assert code == 0
     (entry,) = (tmp_path / "cache").iterdir()
-    assert verify(entry) is None  # sealed on first use, after the stage validated it
+    assert verify(entry) is None  # sealed before it was published
     graph = entry / "decoder.onnx"
     data = graph.read_bytes()
     if damage.startswith("truncate"):
@@ -166,14 +53,17 @@ def test_decoder_stage_rebuilds_a_damaged_cache_entry(tmp_path, monkeypatch, cap
         )
     code, err = _build_decoder(tmp_path / "b", capsys)
     assert code == 0, err
+    # verified before use: an entry without checksums is not trusted, whatever it holds
     named = (
-        f"export cache entry {entry} cannot be loaded"
+        f"export cache entry {entry} has no {CHECKSUMS}"
         if "no checksums" in damage
         else f"export cache file {graph}"
     )
-    assert named in err and f"; rebuilding {entry}" in err
+    assert err.startswith(f"build-engine: {named}") and err.strip().endswith(f"; rebuilding {entry}")
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert graph.read_bytes() == data and verify(entry) is None
+    cache = json.loads((tmp_path / "b" / "decoder_onnx" / "metrics.json").read_text())["export_cache"]
+    assert cache["entry"] == entry.name and cache["rebuilt"].startswith(named)
 
 
 def test_build_engine_removes_folders_of_killed_exports_at_start(tmp_path, monkeypatch, capsys):
@@ -181,8 +71,8 @@ def test_build_engine_removes_folders_of_killed_exports_at_start(tmp_path, monke
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("VLKV_ONNX_CACHE", str(cache))
-    killed, killed_tmp = _holder(cache)
-    live, live_tmp = _holder(cache)
+    killed, killed_tmp = holder(cache)
+    live, live_tmp = holder(cache)
     try:
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait(timeout=30)

@@ -4,6 +4,8 @@ core-only decode and prefill filter included), and the runtime's independence fr
 from __future__ import annotations
 
 import ast
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +227,85 @@ def test_avl_core_decode_and_prefill_filter_match_torch(name, engines, ort_engin
     got = oe.generate(prompts, make_policy("avl", **AVL), NEW, stop_at_eos=False)
     assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
     assert got.extras == want.extras and got.extras["kv_used_fraction"] < got.extras["kv_stored_fraction"]
+
+
+# ---------------------------------------------------------------- a damaged export cache is rebuilt
+def _tamper_one_weight_byte(path: Path) -> None:
+    """Raise the exponent byte of one float32 of the graph's largest initializer: same size, one byte."""
+    import onnx
+
+    data = bytearray(path.read_bytes())
+    weight = max(onnx.load(str(path)).graph.initializer, key=lambda t: len(t.raw_data)).raw_data
+    at = data.find(weight)
+    assert at > 0 and data.count(weight[:64]) == 1
+    data[at + 4 * 37 + 3] = 0x47  # little-endian float32: byte 3 holds the sign and exponent
+    size = path.stat().st_size
+    path.write_bytes(bytes(data))
+    assert path.stat().st_size == size
+
+
+def _greedy(engine, images, policy="snapkv"):
+    out = engine.generate(_prompts(images), make_policy(policy, budget=0.5), NEW, stop_at_eos=False)
+    return [s.token_ids for s in out.samples]
+
+
+def test_a_truncated_and_a_tampered_cache_file_are_rebuilt_before_use(
+    loaded_models, engines, images, tmp_path, monkeypatch, caplog
+):
+    """Truncate one layer graph and change one byte of the head graph (same size): the next engine
+    names the damaged cache file in one log line, re-exports, and generates PyTorch's greedy tokens."""
+    from vlkv.runtime.onnx import export_cache
+
+    monkeypatch.setenv(export_cache.CACHE_ENV, str(tmp_path / "cache"))
+    loaded = loaded_models["tiny-llava"]
+    want = _greedy(engines["tiny-llava"], images)
+    entry = Engine(loaded, backend="onnxruntime").backend.model_dir
+    assert entry.parent == tmp_path / "cache" and export_cache.verify(entry) is None
+    pristine = {p.name: p.read_bytes() for p in entry.iterdir()}
+    head, layer = entry / "head.onnx", entry / "layer.1.onnx"
+    _tamper_one_weight_byte(head)
+    with monkeypatch.context() as unchecked:  # what an unchecksummed cache ran: other tokens, no error
+        unchecked.setattr(export_cache, "verify", lambda *a, **k: None)
+        assert _greedy(Engine(loaded, backend="onnxruntime"), images) != want
+    layer.write_bytes(pristine[layer.name][: len(pristine[layer.name]) // 2])
+    with caplog.at_level(logging.WARNING):
+        engine = Engine(loaded, backend="onnxruntime")
+    assert engine.backend.model_dir == entry
+    assert caplog.messages == [
+        f"export cache file {head} fails its sha256 check (modified); rebuilding {entry}"
+    ]
+    assert _greedy(engine, images) == want
+    assert {p.name: p.read_bytes() for p in entry.iterdir()} == pristine
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]  # nothing left beside it
+
+
+def test_vlkv_generate_on_a_damaged_cache_says_so_in_one_line_and_answers_like_torch(loaded_models, tmp_path):
+    """``vlkv generate --backend onnxruntime`` after a same-size tamper and a truncation: exit 0, one
+    line naming the cache file, the PyTorch backend's tokens; no traceback on this or later runs."""
+    import json
+
+    from vlkv.runtime.onnx.export_cache import CACHE_ENV
+
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "cache")}
+    loaded = loaded_models["tiny-llava"]  # the CLI's --model default, same seeded weights
+    entry = OrtBackend(loaded.model, loaded.family, loaded.image_token_id, tmp_path / "cache").model_dir
+
+    def generate(backend: str) -> tuple[list, list[str]]:
+        cmd = [sys.executable, "-m", "vlkv.cli", "generate", "--backend", backend, "--max-new-tokens", "6"]
+        out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        notes = [line for line in out.stderr.splitlines() if not line.startswith("-- ")]
+        return [s["token_ids"] for s in json.loads(out.stdout)["samples"]], notes
+
+    want, _ = generate("torch")
+    _tamper_one_weight_byte(entry / "layer.0.onnx")
+    (entry / "layer.3.onnx").write_bytes((entry / "layer.3.onnx").read_bytes()[:1000])
+    got, notes = generate("onnxruntime")
+    assert got == want
+    assert notes == [
+        f"export cache file {entry / 'layer.0.onnx'} fails its sha256 check (modified); rebuilding {entry}"
+    ]
+    assert generate("onnxruntime") == (want, [])
 
 
 def _imported_modules(path: Path) -> set[str]:

@@ -1,13 +1,15 @@
 """The ``decoder_onnx`` stage: export the single-graph decoder (``decoder_graph``) and check it.
 
 The graph comes from the export cache (``vlkv.runtime.onnx.export_cache``, keyed by the model, the
-versions and the code of the graph's modules), is copied into the stage's folder and checked against
-the PyTorch module it was traced from, with ONNX Runtime and Polygraphy (:data:`STAGE_TOLERANCE`).
+versions and the code of the graph's modules; checksummed, verified on every read and rebuilt when
+damaged), is copied into the stage's folder and checked against the PyTorch module it was traced from,
+with ONNX Runtime and Polygraphy (:data:`STAGE_TOLERANCE`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -64,15 +66,16 @@ def decoder_key(model: nn.Module, family: str, opset: int = 17) -> str:
 
 
 def cached_decoder(model, family: str, cache_dir: str | Path | None = None, opset: int = 17) -> Path:
-    """Path of ``model``'s exported decoder, exporting it into the cache directory when missing."""
-    key = decoder_key(model, family, opset)
-    entry = export_cache.cached_entry(
-        key,
+    """Path of ``model``'s decoder graph in the export cache (``cache_dir`` or ``$VLKV_ONNX_CACHE``),
+    verified against its checksums; exported when missing or damaged (said in one line on the
+    ``vlkv.exporter`` logger, which ``build-engine`` prints)."""
+    return export_cache.cached_export(
+        cache_dir,
+        decoder_key(model, family, opset),
         DECODER_FILE,
         lambda tmp: export_decoder(model, family, tmp / DECODER_FILE, opset=opset),
-        cache_dir,
+        logger=logging.getLogger("vlkv.exporter"),
     )
-    return entry / DECODER_FILE
 
 
 def export(recipe, out_dir: str | Path) -> Path:

@@ -9,7 +9,7 @@ Each engine is compared, at the opt shapes of every profile, with ONNX Runtime o
 reference graph: the same ONNX for the vision tower, and for a plugin-rewritten decoder the
 decomposed ``decoder_onnx/decoder.onnx`` (ONNX Runtime cannot run the TensorRT-form plugin nodes) with
 ``stats_threshold`` set to the threshold the rewrite baked into the plugin. Feeds take every input's
-dtype from the graph and follow the decoder's I/O contract (``vlkv.exporter.decoder_onnx``): valid
+dtype from the graph and follow the decoder's I/O contract (``vlkv.exporter.decoder_graph``): valid
 int64 lengths, positions and row indices, not random floats.
 
 Building and running engines goes through an :class:`EngineBackend`; the default one is TensorRT
@@ -243,7 +243,7 @@ def sample_feeds(
     """Seeded, valid inputs at each input's opt shape, in the graph's dtypes (float32 where not given).
 
     optimum-style graphs: token ids in [0, 100), masks of ones, positions after the past. vlkv
-    decoder graphs (``past_lengths`` among the inputs, contract in ``vlkv.exporter.decoder_onnx``):
+    decoder graphs (``past_lengths`` among the inputs, contract in ``vlkv.exporter.decoder_graph``):
     sample ``b`` has ``P_l - b`` valid past entries in layer ``l`` and ``q - b`` valid new rows (at least
     1, so padding is exercised), positions continue after its longest past, ``logits_index`` picks its
     last valid rows, every row enters the statistics, ``stats_threshold`` is 0.05. Other inputs: N(0, 1).

@@ -8,8 +8,10 @@ onnxruntime``):
   the PyTorch backend's ``embed``); the decoder layers, final norm and LM head run in ORT. The vision
   tower runs once per prompt at prefill, so it is not on the decode path being served;
 * **the decoder** is ``vlkv.runtime.onnx.layer_graphs``: one graph per layer plus a head graph,
-  exported on first use into a cache directory keyed by the LM config, its weights, the graphs' code
-  and the package versions (``$VLKV_ONNX_CACHE``, default ``~/.cache/vlkv/onnx``);
+  exported on first use into the export cache (``vlkv.runtime.onnx.export_cache``: keyed by the LM
+  config, its weights, the graphs' code and the package versions; ``$VLKV_ONNX_CACHE``, default
+  ``~/.cache/vlkv/onnx``). Each start verifies the entry's checksums; a truncated or modified file
+  is named in one log line and the graphs are re-exported, never run;
 * **the cache**: each layer's valid K/V (``LayerKV.attention_kv``, every layer its own length) is fed
   with per-sample, per-head past lengths; the layer's new K/V rows come back and are written with
   ``LayerKV.append``, so positions, modality and policy scores move exactly as with the PyTorch

@@ -9,5 +9,7 @@ modules, so the dependency runs one way (exporter → runtime, never back). Noth
 - ``layer_graphs``: one ONNX graph per decoder layer plus a head graph (norm + LM head), what the
   ONNX Runtime backend runs layer by layer so it can gather K/V and drop rows between layers;
 - ``export``: the TorchScript export + save (external data above 1 GiB) shared by every graph;
-- ``export_cache``: content-keyed directories under ``$VLKV_ONNX_CACHE`` with atomic publication.
+- ``export_cache``: content-keyed directories under ``$VLKV_ONNX_CACHE``, published by atomic rename,
+  checksummed (size + sha256, verified on every read, rebuilt when damaged), with locked temporary
+  folders that are removed once their writer is gone. The exporter's decoder graph uses it too.
 """

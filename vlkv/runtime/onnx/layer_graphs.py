@@ -155,7 +155,8 @@ def export_layer_graphs(model: nn.Module, family: str, out_dir: str | Path, opse
 
 
 def cached_layer_graphs(model, family: str, cache_dir: str | Path | None = None, opset: int = 17) -> Path:
-    """Directory of ``model``'s layer graphs, exported into the cache (``export_cache``) when missing."""
+    """Directory of ``model``'s layer graphs in the export cache (``export_cache``, ``cache_dir`` or
+    ``$VLKV_ONNX_CACHE``), verified against its checksums; exported when missing or damaged."""
     adapter = make_adapter(family, model, getattr(model.config, "image_token_id", 0))
     head = {
         "graph": "layers",
@@ -165,9 +166,10 @@ def cached_layer_graphs(model, family: str, cache_dir: str | Path | None = None,
         "config": adapter.text_config.to_dict(),
     }
     key = export_cache.export_key(head, [adapter.layers, adapter.norm, adapter.lm_head], _CODE)
-    return export_cache.cached_entry(
-        key, HEAD_FILE, lambda tmp: export_layer_graphs(model, family, tmp, opset), cache_dir
+    head_path = export_cache.cached_export(
+        cache_dir, key, HEAD_FILE, lambda tmp: export_layer_graphs(model, family, tmp, opset)
     )
+    return head_path.parent
 
 
 def check_exportable(adapter: FamilyAdapter) -> None:
