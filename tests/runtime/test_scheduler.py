@@ -74,7 +74,13 @@ def test_a_small_pool_preempts_and_still_gives_every_request_its_tokens(engines,
     entry = sched_entry_bytes(engine)
     n = engine.encode([stream[0][0]]).lengths.item()
     # reservations may take twice the pool, so decoding outgrows it and requests are swapped out
-    reqs, sched = _run_stream(engine, stream, pool_bytes=entry * (2 * n + 12), waves=1, overcommit=2.0)
+    sched = Scheduler(engine, entry * (2 * n + 12), overcommit=2.0)
+    reqs = [sched.submit(Request(p, make_policy(pol), m, stop_at_eos=False)) for p, pol, _, m in stream]
+    while sched.has_work:
+        sched.step()
+        # swapped requests hold no slots; what the running ones report is what the pool has allocated
+        assert sched.pool.used_bytes() == sum(r.cache.kv_bytes() for r in sched.running)
+        assert all(r.cache.layers[0].offloaded is not None for r in sched.swapped)
     assert sum(r.preemptions for r in reqs) > 0
     for r, (p, pol, kw, m) in zip(reqs, stream):
         assert r.tokens == _solo(engine, p, pol, kw, m)
@@ -159,3 +165,14 @@ def test_a_request_larger_than_the_pool_is_refused_and_others_run_on(engines, im
     assert "\n" not in msg and "the pool holds 100" in msg and "KV entries per layer" in msg
     sched.run()
     assert ok.status is Status.FINISHED and len(ok.tokens) == 4
+
+
+def test_a_prompt_past_the_position_limit_is_refused_before_any_compute(engines):
+    from vlkv.runtime.limits import LimitError, position_limit
+
+    engine = engines["tiny-llava"]
+    limit = position_limit(engine.loaded)
+    sched = Scheduler(engine)
+    with pytest.raises(LimitError, match="past .* limit of"):
+        sched.submit(Request(Prompt("Hi"), make_policy("full"), limit))
+    assert not sched.has_work and sched.pool.used_bytes() == 0

@@ -92,9 +92,14 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def submit(self, request: Request) -> Request:
-        """Queue a request; raises :class:`RequestTooLarge` (one line, sizes named) if it can never fit."""
+        """Queue a request; raises :class:`RequestTooLarge` (one line, sizes named) if it can never fit
+        in the pool, and :class:`~vlkv.runtime.limits.LimitError` if the model cannot take it."""
+        from vlkv.runtime.limits import check_fits, position_limit
+
         request.batch = self.engine.encode([request.prompt])
         n = request.prompt_tokens
+        loaded = self.engine.loaded
+        check_fits([n], request.max_new_tokens, position_limit(loaded), getattr(loaded, "name", "the model"))
         request.reserve = _reserve(request, n)
         if not self.pool.grow:
             slots = self.pool.capacity(0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from torch import Tensor
 
 
@@ -34,12 +35,29 @@ class Rope:
                 f"{type(attn).__name__}: its module has no apply_rotary_pos_emb to rotate stored keys"
             )
         self._apply = module.apply_rotary_pos_emb
+        self._table: tuple[Tensor, Tensor] | None = None  # 1-D RoPE: cos/sin rows by position
+
+    def _cos_sin(self, like: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``(N, n, D)`` cos/sin for ``positions (N, n, P)``.
+
+        1-D RoPE reads rows of a table the model's rotary module filled once (grown by doubling),
+        so a read costs a gather, not a recomputation; M-RoPE asks the module every time."""
+        if positions.shape[-1] != 1:
+            return self.adapter.rotary(like.new_zeros(*positions.shape[:2], like.shape[-1]), positions)
+        top = int(positions.max()) + 1 if positions.numel() else 1
+        if self._table is None or self._table[0].shape[0] < top or self._table[0].device != like.device:
+            size = max(1024, 1 << (top - 1).bit_length())
+            pos = torch.arange(size, device=like.device)[None, :, None]
+            cos, sin = self.adapter.rotary(like.new_zeros(1, size, like.shape[-1]), pos)
+            self._table = (cos[0], sin[0])
+        idx = positions[..., 0]
+        return self._table[0][idx], self._table[1][idx]
 
     def __call__(self, k: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
         """Rotate ``k (B, H_kv, n, D)`` to ``positions (B, H_kv, n, P)`` (per head); ``inverse`` undoes it."""
         b, h, n, d = k.shape
         flat = k.reshape(b * h, 1, n, d)
-        cos, sin = self.adapter.rotary(flat.new_zeros(b * h, n, d), positions.reshape(b * h, n, -1))
+        cos, sin = self._cos_sin(flat, positions.reshape(b * h, n, -1))
         if inverse:
             sin = -sin
         _, rotated = self._apply(flat, flat, cos.to(k.dtype), sin.to(k.dtype))
