@@ -33,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from elastic_reference import run_reference  # noqa: E402
 
 NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility")
+PROTOCOLS = (
+    "loop: the authors' eval_ppl.py loop, the policy editing after prefill and after every continuation "
+    "token; once: compress after prefill only, continuation in one chunk (vlkv.eval.continuation)"
+)
 RDB = "usr/lib/R/site-library/janeaustenr/data/Rdata"
 
 
@@ -87,7 +91,8 @@ def windows(tokenizer, texts: dict[str, str], count: int, length: int) -> list[t
             s = 2000 + (usable * (2 * i + 1)) // (2 * per)
             out.append((name, s, ids[s : s + length]))
     # round-robin over novels so that the first ``count`` windows cover as many novels as possible
-    out = sorted(out, key=lambda w: (out.index(w) % per, NOVELS.index(w[0])))
+    names = list(texts)
+    out = sorted(out, key=lambda w: (out.index(w) % per, names.index(w[0])))
     return out[:count]
 
 
@@ -170,6 +175,8 @@ def bootstrap(nll_by_window: list[list[float]], full: list[list[float]], reps: i
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--windows", type=int, default=12)
+    ap.add_argument("--protocol", choices=("loop", "once"), default="loop", help=PROTOCOLS)
+    ap.add_argument("--corpus", choices=("austen", "kjv"), default="austen")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.1])
@@ -179,6 +186,7 @@ def main(argv=None) -> None:
     ap.add_argument("--resume", action="store_true", help="keep rows already in --out (same protocol)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--trace", action="store_true", help="per-layer/per-step vlkv vs reference check")
+    ap.add_argument("--selection", action="store_true", help="what each form keeps, per layer, after prefill")
     ap.add_argument("--text-cache", type=Path, default=Path(tempfile.gettempdir()) / "vlkv-austen")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -190,25 +198,38 @@ def main(argv=None) -> None:
     engine = Engine(load_model("smollm2-llava"))  # the engine installs its own attention on its copy
     ref_model = load_model("smollm2-llava").model  # a second copy, eager HF attention, for the reference
     ref_model.set_attn_implementation("eager")
-    wins = windows(engine.tokenizer, austen(args.text_cache), args.windows, args.context + args.steps)
+    if args.corpus == "kjv":
+        from vlkv.eval.corpus import kjv_books
+
+        texts = dict(kjv_books())
+    else:
+        texts = austen(args.text_cache)
+    wins = windows(engine.tokenizer, texts, args.windows, args.context + args.steps)
     split = lambda ids: (ids[: args.context], ids[args.context :])  # noqa: E731
 
+    if args.selection:
+        selection(ref_model, [split(w[2])[0] for w in wins], args.budgets)
+        return
     if args.trace:
         trace(engine, ref_model, [split(w[2]) for w in wins], args.budgets)
         return
 
     rows = variants(args.budgets) if args.only is not None else default_rows(args.budgets)
-    for spec in args.extra:
+    for spec in args.extra:  # label=policy,key:value,... (values parsed as YAML scalars)
+        import yaml
+
         label, _, body = spec.partition("=")
-        kw = dict(kv.split(":", 1) for kv in body.split(",")[1:])
-        kw = {k: (float(v) if v.replace(".", "", 1).lstrip("-").isdigit() else v) for k, v in kw.items()}
-        kw = {
-            k: (int(v) if isinstance(v, float) and k in ("distance", "start", "sinks") else v)
-            for k, v in kw.items()
-        }
-        rows.append((label, "vlkv", {"name": body.split(",")[0], **kw}))
+        name, *pairs = body.split(",")
+        rows.append(
+            (
+                label,
+                "vlkv",
+                {"name": name, **{k: yaml.safe_load(v) for k, v in (p.split(":", 1) for p in pairs)}},
+            )
+        )
     if args.only is not None:
-        rows = [r for r in rows if r[0] == "full" or any(r[0].startswith(o) for o in args.only)]
+        extra = {r[0] for r in rows[len(rows) - len(args.extra) :]} if args.extra else set()
+        rows = [r for r in rows if r[0] in extra | {"full"} or any(r[0].startswith(o) for o in args.only)]
     results = {"protocol": vars(args) | {"out": str(args.out), "text_cache": None}, "windows": [], "rows": {}}
     results["windows"] = [{"novel": n, "start_token": s} for n, s, _ in wins]
     nll = {}
@@ -227,10 +248,18 @@ def main(argv=None) -> None:
             if kind == "vlkv":
                 kw2 = dict(kw)
                 policy = make_policy(kw2.pop("name"), **kw2)
+                if args.protocol == "once":
+                    from vlkv.eval.continuation import Window, continuation_nll
+
+                    w = Window("w", tuple(prompt.tolist()), tuple(cont.tolist()))
+                    per_window.append(
+                        [round(float(x), 5) for x in continuation_nll(engine, [w], policy).nll[0]]
+                    )
+                    continue
                 recs = run_vlkv(engine, prompt, cont, policy)
                 per_window.append([round(r[0], 5) for r in recs])
             else:
-                recs = run_reference(ref_model, prompt, cont, **kw)
+                recs = run_reference(ref_model, prompt, cont, once=args.protocol == "once", **kw)
                 per_window.append([round(r.nll, 5) for r in recs])
         nll[label] = per_window
         flat = [x for w in per_window for x in w]
@@ -248,6 +277,47 @@ def main(argv=None) -> None:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=1))
+
+
+@torch.no_grad()
+def selection(model, prompts, budgets) -> None:
+    """Per form (paper / code), averaged over layers and prompts: where the anchors sit, how many
+    of the last 64 prompt tokens survive as their own entry, the largest bucket, BOS thrown, and
+    the overlap of the two forms' anchor sets."""
+    from elastic_reference import ReferenceElastic, _forward
+
+    for b in budgets:
+        stats, overlap = {"paper": [], "code": []}, []
+        for prompt in prompts:
+            n = prompt.numel()
+            _, past, attn = _forward(model, prompt, None, torch.arange(n), True)
+            plans = {}
+            for tag, quirks in (("paper", False), ("code", True)):
+                pol = ReferenceElastic(1 - b, quirks=quirks)
+                pol(past, n, attn, torch.arange(n))
+                plans[tag] = pol.plans
+                for plan in pol.plans:
+                    a, th, tg = plan["anchors"], plan["thrown"], plan["target"]
+                    bucket = torch.bincount(tg, minlength=n).max().item() + 1
+                    recent = ((a >= n - 65) & (a < n - 1)).sum().item() / 64
+                    stats[tag].append(
+                        [a.float().mean().item() / n, recent, bucket, float(bool((th == 0).any()))]
+                    )
+            for p, c in zip(plans["paper"], plans["code"]):
+                overlap.append(
+                    len(set(p["anchors"].tolist()) & set(c["anchors"].tolist())) / len(p["anchors"])
+                )
+        for tag, rows in stats.items():
+            m = torch.tensor(rows).mean(0).tolist()
+            print(
+                f"budget {b} {tag:5s}: mean anchor position {m[0]:.2f}·n, last-64 kept {m[1]:.0%}, "
+                f"largest bucket {m[2]:.0f} tokens, BOS merged into an anchor in {m[3]:.0%} of layers",
+                flush=True,
+            )
+        print(
+            f"budget {b}: code anchors ∩ paper anchors = {sum(overlap) / len(overlap):.0%} of them",
+            flush=True,
+        )
 
 
 def trace(engine, model, pairs, budgets) -> None:

@@ -161,12 +161,15 @@ def run_reference(
     positions: str = "compacted",
     quirks: bool = True,
     keep_kv: bool = False,
+    once: bool = False,
     **kwargs,
 ) -> list[StepRecord]:
     """The authors' teacher-forced loop: prefill ``prompt (n,)``, then feed ``continuation (T,)``.
 
     Step 0 is the prompt's forward (predicting ``continuation[0]``), step t feeds
     ``continuation[t-1]`` and predicts ``continuation[t]``; the cache policy edits after each.
+    ``once=True`` compresses after the prompt only and feeds the continuation in one chunk (no
+    fixed-point elimination; records then hold only NLL and logits after step 0).
     ``ratio=None`` runs the full cache. ``model`` must run eager attention.
     """
     n = prompt.numel()
@@ -174,6 +177,15 @@ def run_reference(
     pos = torch.arange(n)
     logits, past, attn = _forward(model, prompt, None, pos, policy is not None)
     seen, records = n, []
+    if once:
+        if policy is not None:
+            past = policy(past, seen, attn, pos)
+        length, t = past[0][0].shape[2], continuation.numel()
+        start = length if positions == "compacted" else n
+        chunk, _, _ = _forward(model, continuation[:-1], past, start + torch.arange(t - 1), False)
+        rows = torch.cat([logits[-1:], chunk])
+        nll = torch.nn.functional.cross_entropy(rows, continuation, reduction="none")
+        return [StepRecord(float(x), r, [], []) for x, r in zip(nll, rows)]
     for t in range(continuation.numel()):
         if t > 0:
             length = past[0][0].shape[2]

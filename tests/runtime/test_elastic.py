@@ -104,3 +104,29 @@ def test_decode_length_rule_and_positions(budget, engines, images):
             token = out.logits.argmax(-1)
         assert lengths == _expected_lengths(n, budget, 12)
         assert all(torch.equal(layer.lengths, cache.layers[0].lengths) for layer in cache.layers)
+
+
+def test_ablation_options():
+    # n = 12, budget 0.5 → f = 6 forgotten, n - f - 1 = 5 entries
+    n = 12
+    importance = torch.tensor([9.0, 8, 1, 7, 1, 1, 6, 1, 1, 1, 1, 9])
+    base = make_policy("elastic", budget=0.5)._plan(importance, n)
+    assert base[0].tolist() == [0, 1, 3, 6, 11]  # BOS, top-3 of [1, 11), last token
+    assert base[1].tolist() == [0, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3, 4]  # 4 ties between 3 and 6 → 3
+    # merge=False: same anchors, thrown entries dropped instead of averaged
+    evict = make_policy("elastic", budget=0.5, merge=False)._plan(importance, n)
+    assert evict[0].tolist() == base[0].tolist()
+    assert evict[1].tolist() == [0, 1, -1, 2, -1, -1, 3, -1, -1, -1, -1, 4]
+    # recent=3: slots 8..10 stay as they are; the 7 candidates [1, 8) would keep 7 - 1 - 6 = 0
+    # anchors, so f is clamped to 5 (one anchor always stays) and the cache holds 6 entries
+    tail = make_policy("elastic", budget=0.5, recent=3)._plan(importance, n)
+    assert tail[0].tolist() == [0, 1, 8, 9, 10, 11]
+    assert tail[2] == 5
+    assert tail[0].tolist()[:2] == [0, 1]  # slot 1 is the best candidate
+    assert tail[1][8:].tolist() == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("field", ["start", "recent"])
+def test_negative_counts_rejected(field):
+    with pytest.raises(ValueError, match=field):
+        make_policy("elastic", budget=0.5, **{field: -1})

@@ -49,11 +49,16 @@ class ElasticPolicy(Policy):
             candidates whose *argsort position* exceeds f, not the true top-k). Its other quirks
             (un-offset thrown indices, f == 1 deleting BOS, batch > 1 indexing) are not reproduced.
         positions: defaults to ``"compacted"``, the reference code's behaviour.
+        merge: average thrown entries into their anchor (the method); False drops them (ablation).
+        recent: the last ``recent`` prompt entries before the last one are kept as they are, outside
+            the candidate region (ablation, >= 0; the method protects only the last token).
     """
 
     start: int = 1
     distance: int = -25
     reference_quirks: bool = False
+    merge: bool = True
+    recent: int = 0
     positions: str = "compacted"
 
     name: ClassVar[str] = "elastic"
@@ -63,6 +68,8 @@ class ElasticPolicy(Policy):
         super().__post_init__()
         if self.start < 0:
             raise ValueError(f"start must be >= 0, got {self.start}")
+        if self.recent < 0:
+            raise ValueError(f"recent must be >= 0, got {self.recent}")
 
     def prefill_request(self, ctx, rows):
         return StatsRequest()
@@ -70,21 +77,23 @@ class ElasticPolicy(Policy):
     def _plan(self, importance: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One sample: ``importance (n,)`` → kept slots ``(K,)``, per-slot target ``(n,)``, f."""
         f = math.floor(n * (1 - self.budget) + EPS)
-        cand = torch.arange(self.start, n - 1)
+        tail = max(n - 1 - self.recent, self.start)  # the protected tail [tail, n)
+        cand = torch.arange(self.start, tail)
         f = min(f, cand.numel() - 2)  # always keep at least one anchor
         if f <= 0:
             return torch.arange(n), torch.arange(n), 0
         n_anchor = cand.numel() - 1 - f
-        s = importance[self.start : n - 1]
+        s = importance[self.start : tail]
         if self.reference_quirks:
             anchors = cand[torch.argsort(s, stable=True) > f]
         else:
             anchors = torch.sort(cand[torch.sort(s, descending=True, stable=True).indices[:n_anchor]]).values
-        kept = torch.cat([torch.arange(self.start), anchors, torch.tensor([n - 1])])
+        kept = torch.cat([torch.arange(self.start), anchors, torch.arange(tail, n)])
         target = torch.full((n,), -1, dtype=torch.long)
         target[kept] = torch.arange(kept.numel())
-        thrown = cand[target[cand] < 0]
-        target[thrown] = self.start + nearest_anchor(thrown, anchors)
+        if self.merge:
+            thrown = cand[target[cand] < 0]
+            target[thrown] = self.start + nearest_anchor(thrown, anchors)
         return kept, target, f
 
     def after_prefill(self, cache: KVCache, stats, ctx):
