@@ -243,8 +243,13 @@ def cmd_generate(args) -> int:
     sampler = Sampler(args.do_sample, args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from vlkv.runtime.device import resolve_device
+
+    device = resolve_device(args.device)
+    if args.pool_bytes is not None and args.pool_bytes < 1:
+        raise CliError(f"--pool-bytes must be >= 1, got {args.pool_bytes}")
     prompts = _prompts(args)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, device=str(device))
     limit = position_limit(loaded)
     _check_setting_sizes(settings, limit, loaded.name)
     engine = Engine(loaded, backend=args.backend)
@@ -258,6 +263,7 @@ def cmd_generate(args) -> int:
         sampler,
         cache_hit_rate=args.cache_hit_rate,
         hit_rate_k=args.hit_rate_k,
+        pool_bytes=args.pool_bytes,
     )
     if args.json:
         described = [
@@ -301,6 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-file", default=None, help="JSON list / JSON lines of {prompt, images, raw}")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--backend", default="torch", help="torch or onnxruntime (default: torch)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    g.add_argument(
+        "--pool-bytes",
+        type=int,
+        default=None,
+        help="fixed KV pool size in bytes (continuous batching admits, preempts within it; default: grows)",
+    )
     g.add_argument("--do-sample", action="store_true")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -262,3 +262,20 @@ def test_bad_batch_file(capsys, no_model_compute, tmp_path, content, needle):
 
 def test_missing_batch_file(capsys, no_model_compute, tmp_path):
     assert "batch file not found" in _refused(capsys, "--batch-file", str(tmp_path / "none.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--device", "tpu"], "device must be one of cpu, cuda"),
+        (["--pool-bytes", "0"], "--pool-bytes must be >= 1"),
+        (["--pool-bytes", "1000"], "holds no token"),
+        (["--pool-bytes", "50000"], "the pool holds"),
+    ],
+)
+def test_device_and_pool_errors_are_one_line(argv, needle, capsys):
+    from vlkv.cli import main
+
+    code = main(["generate", "--model", "tiny-llava", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and needle in err, err
