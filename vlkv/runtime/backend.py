@@ -119,6 +119,11 @@ class StepInputs:
         attend: optional per-layer :class:`AttendIndex` (None entries = the whole cache); only for
             single-row steps.
         row_filter: optional :class:`RowFilter` applied inside the layer loop.
+        order: optional ``(B, q)`` int64 sequence index of each new row (default: right after the
+            tokens the cache has processed).
+        selective: a *link* step (MPIC): the new rows are a non-contiguous selection of the prompt
+            and attend by sequence order — row ``i`` sees every cached or new entry whose order is
+            ``<= order[i]`` — instead of by slot; needs ``order``, no statistics.
     """
 
     input_ids: Tensor
@@ -129,6 +134,8 @@ class StepInputs:
     all_logits: bool = False
     attend: list[AttendIndex | None] | None = None
     row_filter: RowFilter | None = None
+    order: Tensor | None = None
+    selective: bool = False
 
     def __post_init__(self) -> None:
         b, q = self.input_ids.shape
@@ -142,6 +149,10 @@ class StepInputs:
             raise ValueError(f"attend indices need single-row steps, got q = {q}")
         if self.row_filter is not None and self.all_logits:
             raise ValueError("row_filter drops rows, so it cannot be combined with all_logits")
+        if self.order is not None and tuple(self.order.shape) != (b, q):
+            raise ValueError(f"order must be (B, q) = ({b}, {q}), got {tuple(self.order.shape)}")
+        if self.selective and (self.order is None or self.attend is not None or self.row_filter is not None):
+            raise ValueError("a selective step needs order, and takes no attend indices or row filter")
 
 
 @dataclass

@@ -56,6 +56,9 @@ class LayerKV:
         lengths: ``(B,)`` int64, valid entries per sample.
         positions: ``(B, H_kv, C, P)`` int64 original positions, ``P`` = 1 (1-D RoPE) or 3 (M-RoPE).
         modality: ``(B, H_kv, C)`` int8 :class:`Modality` codes.
+        order: ``(B, H_kv, C)`` int64 index of each entry's token in its request's sequence (prompt
+            then generated tokens); causality by position in a selective (link) step reads it.
+        next_order: ``(B,)`` int64 order the next appended token gets unless a step names it.
         scores: name → ``(B, H_kv, C)`` float32 running statistics a policy keeps per entry
             (e.g. H2O's accumulated attention); they move with their entry on every edit.
     """
@@ -67,6 +70,8 @@ class LayerKV:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, h, capacity, pos_dims, dtype=torch.long, device=dev)
         self.modality = torch.zeros(batch, h, capacity, dtype=torch.int8, device=dev)
+        self.order = torch.zeros(batch, h, capacity, dtype=torch.long, device=dev)
+        self.next_order = torch.zeros(batch, dtype=torch.long, device=dev)
         self.scores: dict[str, Tensor] = {}
         self.offloaded: tuple[Tensor, Tensor] | None = None  # host K/V while swapped out
         self.linked = False  # holds shared entries (pre-RoPE keys, rotated on read)
@@ -127,13 +132,16 @@ class LayerKV:
                 k = torch.where(pre[..., None], self.pool.rope(k, self.positions[:, :, :n]), k)
         return k, v
 
-    def link(self, ids: Tensor, positions: Tensor, modality: Tensor, sample: int = 0) -> None:
+    def link(
+        self, ids: Tensor, positions: Tensor, modality: Tensor, sample: int = 0, order: Tensor | None = None
+    ) -> None:
         """Append shared entries (slots another owner wrote) after ``sample``'s valid entries.
 
         Args:
             ids: ``(H_kv, n)`` pool slots of the shared entries (their keys pre-RoPE).
             positions: ``(n, P)`` int64 positions they take in this cache (keys are rotated to them on read).
             modality: ``(n,)`` int8 codes.
+            order: ``(n,)`` int64 sequence indices (default: the next ones).
         """
         h, n = ids.shape
         if n == 0:
@@ -149,6 +157,11 @@ class LayerKV:
         self.slots[sample, :, cols] = ids
         self.positions[sample, :, cols] = positions.to(dev)[None].expand(h, n, positions.shape[-1])
         self.modality[sample, :, cols] = modality.to(device=dev, dtype=torch.int8)[None]
+        if order is None:
+            order = self.next_order[sample] + torch.arange(n, device=dev)
+        order = order.to(device=dev, dtype=torch.long)
+        self.order[sample, :, cols] = order[None]
+        self.next_order[sample] = torch.maximum(self.next_order[sample], order.max() + 1)
         for s in self.scores.values():
             s[sample, :, cols] = 0
         self.lengths[sample] += n
@@ -173,7 +186,7 @@ class LayerKV:
         return self.kv_bytes()
 
     def meta_bytes(self) -> int:
-        tensors = [self.slots, self.positions, self.modality, self.lengths, *self.scores.values()]
+        tensors = [self.slots, self.positions, self.modality, self.order, self.lengths, *self.scores.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ writes
@@ -188,6 +201,7 @@ class LayerKV:
             pad = t.new_zeros(*t.shape[:2], extra, *t.shape[3:])
             return torch.cat([t, pad], dim=2)
 
+        self.order = grow(self.order)
         self.slots, self.positions, self.modality = (
             grow(self.slots),
             grow(self.positions),
@@ -195,7 +209,15 @@ class LayerKV:
         )
         self.scores = {name: grow(s) for name, s in self.scores.items()}
 
-    def append(self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, new_len: Tensor) -> Tensor:
+    def append(
+        self,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        modality: Tensor,
+        new_len: Tensor,
+        order: Tensor | None = None,
+    ) -> Tensor:
         """Write a step's new entries into fresh pool slots right after each sample's valid entries.
 
         Args:
@@ -203,6 +225,8 @@ class LayerKV:
             positions: ``(B, q, P)`` int64 original positions of the new tokens.
             modality: ``(B, q)`` int8 codes.
             new_len: ``(B,)`` int64 valid new rows per sample.
+            order: optional ``(B, q)`` int64 sequence index of each new token (default: the next
+                indices after the last one this layer holds).
 
         Returns:
             ``(B,)`` lengths before the write (the table column of each sample's first new row).
@@ -225,6 +249,12 @@ class LayerKV:
         pos = positions.to(dev)[:, None].expand(b, h, q, positions.shape[-1])
         self.positions.scatter_(2, idx.expand(-1, -1, -1, pos.shape[-1]), pos.to(torch.long))
         self.modality.scatter_(2, idx[..., 0], modality.to(dev)[:, None].expand(b, h, q).to(torch.int8))
+        if order is None:
+            order = self.next_order[:, None] + rows[None, :]
+        order = order.to(device=dev, dtype=torch.long)
+        self.order.scatter_(2, idx[..., 0], order[:, None].expand(b, h, q))
+        top = torch.where(valid, order, -1).amax(1, keepdim=False) if q else self.next_order - 1
+        self.next_order = torch.maximum(self.next_order, top + 1)
         for s in self.scores.values():
             s.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=s.dtype, device=dev))
         self.lengths = past + new_len
@@ -267,6 +297,7 @@ class LayerKV:
             "slots": g(self.slots),
             "positions": g(self.positions),
             "modality": g(self.modality),
+            "order": g(self.order),
             **{f"score:{n}": g(s) for n, s in self.scores.items()},
         }
 
@@ -314,7 +345,7 @@ class LayerKV:
     def _install(self, meta: dict[str, Tensor], lengths: Tensor) -> None:
         self.slots = meta["slots"].contiguous()
         self.lengths = lengths.to(torch.long).clone()
-        self.positions, self.modality = meta["positions"], meta["modality"]
+        self.positions, self.modality, self.order = meta["positions"], meta["modality"], meta["order"]
         self.scores = {n[len("score:") :]: t for n, t in meta.items() if n.startswith("score:")}
 
     def valid_mask(self) -> Tensor:

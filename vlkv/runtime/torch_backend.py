@@ -39,7 +39,17 @@ class _StepContext:
         self.requests: dict[str, StatsRequest] = {}
         if stats is not None:
             self.requests = {"": stats, **stats.extra}
+        if inputs.selective and self.requests:
+            raise ValueError("a selective (link) step computes no statistics")
         self.stats = StepStats([None] * n_layers, {name: [None] * n_layers for name in self.requests if name})
+        # every row's sequence index, fixed for the whole step (a row filter keeps them)
+        q = inputs.input_ids.shape[1]
+        order = inputs.order
+        if order is None:
+            order = cache.processed.to(inputs.new_len.device)[:, None] + torch.arange(
+                q, device=inputs.new_len.device
+            )
+        self.order = order
         self.attended: list[Tensor | None] = [None] * n_layers  # (B,) per layer, on the compute device
         valid = self._valid(inputs)
         self.rows = {
@@ -56,7 +66,7 @@ class _StepContext:
         """HF ``Cache.update`` contract: store the new K/V, return what attention reads."""
         layer = self.cache.layers[layer_idx]
         self.past[layer_idx] = layer.append(
-            k, v, self.inputs.positions, self.inputs.modality, self.inputs.new_len
+            k, v, self.inputs.positions, self.inputs.modality, self.inputs.new_len, self.order
         )
         return layer.attention_kv()
 
@@ -65,7 +75,10 @@ class _StepContext:
         past = self.past[layer_idx]
         new_len = self.inputs.new_len.to(past)
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
-        if index is None:
+        if self.inputs.selective:
+            out = self._attend_by_order(layer_idx, q, k, v, scale, past, new_len)
+            selected = None
+        elif index is None:
             nq, s = q.shape[2], k.shape[2]
             j = torch.arange(s, device=q.device)
             i = torch.arange(nq, device=q.device)
@@ -93,6 +106,23 @@ class _StepContext:
                     self.stats[layer_idx] = st
         return out.transpose(1, 2).contiguous()
 
+    def _attend_by_order(self, layer_idx, q, k, v, scale, past, new_len) -> Tensor:
+        """A link step: row ``i`` sees every valid entry whose sequence order is ``<= order[i]``.
+
+        ``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)``; the mask is per KV head (entries may differ per head).
+        """
+        layer = self.cache.layers[layer_idx]
+        s = k.shape[2]
+        key_order = layer.order[:, :, :s].to(q.device)  # (B, H_kv, S)
+        valid = torch.arange(s, device=q.device)[None, :] < (past + new_len)[:, None]  # (B, S)
+        row_order = self.order.to(q.device)  # (B, q)
+        mask = (key_order[:, :, None, :] <= row_order[:, None, :, None]) & valid[:, None, None, :]
+        mask = mask.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, q, S)
+        self.attended[layer_idx] = (past + new_len).double()
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
     def filter_rows(self, keep: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Keep only ``keep (B, q)`` rows (plus each sample's last valid row) for the next layers.
 
@@ -114,6 +144,7 @@ class _StepContext:
             shape = (b, width, *t.shape[2:])
             return t.gather(1, order.to(t.device).view(b, width, *([1] * (t.dim() - 2))).expand(shape))
 
+        self.order = gather(self.order)
         self.inputs = StepInputs(gather(inp.input_ids), gather(inp.positions), gather(inp.modality), new_len)
         valid = self._valid(self.inputs)
         self.rows = {name: gather(rows) & valid for name, rows in self.rows.items()}

@@ -35,16 +35,22 @@ class LayerBatch:
     def max_length(self) -> int:
         return max(r.max_length for r in self.rows)
 
-    def append(self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, new_len: Tensor) -> Tensor:
+    def append(
+        self,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        modality: Tensor,
+        new_len: Tensor,
+        order: Tensor | None = None,
+    ) -> Tensor:
         """Append row ``b`` of ``k, v (B, H_kv, q, D)`` etc. to request ``b``; returns ``(B,)`` past lengths."""
-        return torch.cat(
-            [
-                r.append(
-                    k[b : b + 1], v[b : b + 1], positions[b : b + 1], modality[b : b + 1], new_len[b : b + 1]
-                )
-                for b, r in enumerate(self.rows)
-            ]
-        )
+        out = []
+        for b, r in enumerate(self.rows):
+            row = slice(b, b + 1)
+            own = None if order is None else order[row]
+            out.append(r.append(k[row], v[row], positions[row], modality[row], new_len[row], own))
+        return torch.cat(out)
 
     def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
         """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length."""

@@ -71,12 +71,28 @@ class SharedSegment:
         modality = cache.layers[0].modality[sample, 0, start:stop]
         return cls.from_tensors(cache.pool, keys, values, modality)
 
-    def link(self, cache: KVCache, positions: Tensor, sample: int = 0) -> None:
-        """Append the segment to every layer of ``cache`` at ``positions (n, P)``."""
-        if positions.shape[0] != self.length:
-            raise ValueError(f"positions must give {self.length} rows, got {positions.shape[0]}")
+    def link(
+        self,
+        cache: KVCache,
+        positions: Tensor,
+        sample: int = 0,
+        start: int = 0,
+        order: Tensor | None = None,
+    ) -> None:
+        """Append entries ``[start, n)`` of the segment to every layer of ``cache``.
+
+        Args:
+            positions: ``(n - start, P)`` int64 positions they take there (keys are rotated to them).
+            order: optional ``(n - start,)`` int64 sequence indices in the reading request.
+        """
+        if cache.pool is not self.pool:
+            raise ValueError("a segment links only into caches on its own pool")
+        if not 0 <= start <= self.length:
+            raise ValueError(f"start must be in [0, {self.length}], got {start}")
+        if positions.shape[0] != self.length - start:
+            raise ValueError(f"positions must give {self.length - start} rows, got {positions.shape[0]}")
         for layer, ids in zip(cache.layers, self.ids):
-            layer.link(ids, positions, self.modality, sample)
+            layer.link(ids[:, start:], positions, self.modality[start:], sample, order)
 
     def release(self) -> None:
         """Drop the segment's own reference (linked requests keep theirs)."""

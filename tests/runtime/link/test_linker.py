@@ -1,0 +1,110 @@
+"""The linker: a selective (non-contiguous) prefill over linked entries equals full recompute when the
+linked entries are exact; none / mpic with k >= image length / prefix give the full-recompute tokens;
+stored images are hits whatever the prompt around them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlkv.runtime.kv.segments import SharedSegment
+from vlkv.runtime.link.linker import LinkSpec, SegmentStore, image_key, link_prefill
+from vlkv.runtime.policies import make_policy
+from vlkv.runtime.prompt import Prompt
+
+MODELS = ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl"]
+NEW = 6
+
+
+def _decode(engine, batch, cache, out, n_new: int) -> list[int]:
+    tokens, policy = [int(out.logits.argmax(-1))], make_policy("full")
+    for step in range(1, n_new):
+        out = engine.decode(torch.tensor(tokens[-1:]), batch, policy, cache, step)
+        tokens.append(int(out.logits.argmax(-1)))
+    return tokens
+
+
+def _linked(engine, prompt, spec, store):
+    batch = engine.encode([prompt])
+    cache = engine.new_cache(batch, pool=store.pool)
+    out, stats = link_prefill(engine, batch, prompt.images, cache, spec, store, engine.loaded.name)
+    return batch, cache, out, stats
+
+
+def _pool(engine):
+    return engine.new_cache(engine.encode([Prompt("x")])).pool
+
+
+def _full(engine, prompt) -> list[int]:
+    return engine.generate([prompt], make_policy("full"), NEW, stop_at_eos=False).samples[0].token_ids
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("k", [0, 3])
+def test_selective_prefill_over_exact_entries_equals_full_recompute(name, k, engines, images):
+    engine = engines[name]
+    prompt = Prompt("First this one, then the other: what differs?", [images[0], images[1]])
+    batch = engine.encode([prompt])
+    full = engine.new_cache(batch)
+    want = engine.prefill(batch, make_policy("full"), full)
+    # records cut from the full prefill itself: linking them back is exact, so any difference is the
+    # selective step's masking of the non-contiguous rows
+    store = SegmentStore(full.pool)
+    for img, (a, b) in zip(prompt.images, batch.spans[0].image_spans):
+        store.images[image_key(img, engine.loaded.name)] = SharedSegment.from_cache(full, a, b)
+    cache = engine.new_cache(batch, pool=full.pool)
+    out, stats = link_prefill(
+        engine, batch, prompt.images, cache, LinkSpec("mpic", k), store, engine.loaded.name
+    )
+    assert stats.hits == 2 and stats.reused_tokens == batch.spans[0].num_image_tokens - 2 * k
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(cache.layers, full.layers):  # tables back in sequence order, same keys
+        assert torch.equal(a.positions[:, :, : a.max_length], b.positions[:, :, : b.max_length])
+        torch.testing.assert_close(a.attention_kv()[0], b.attention_kv()[0], rtol=1e-4, atol=1e-4)
+    assert _decode(engine, batch, cache, out, NEW) == _full(engine, prompt)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_none_mpic_beyond_the_image_and_prefix_give_the_full_tokens(name, engines, images):
+    engine = engines[name]
+    prompt = Prompt("Describe the picture.", [images[2]])
+    want = _full(engine, prompt)
+    store = SegmentStore(_pool(engine))
+    for spec in (LinkSpec("none"), LinkSpec("mpic", 10_000), LinkSpec("mpic", 10_000)):
+        batch, cache, out, _ = _linked(engine, prompt, spec, store)
+        assert _decode(engine, batch, cache, out, NEW) == want, spec
+    # prefix: the first request stores its prompt, the second reuses all of it but the last token
+    store = SegmentStore(_pool(engine))
+    _linked(engine, prompt, LinkSpec("prefix"), store)
+    batch, cache, out, stats = _linked(engine, prompt, LinkSpec("prefix"), store)
+    assert stats.hits == 1 and stats.recomputed_tokens == 1
+    assert _decode(engine, batch, cache, out, NEW) == want
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_stored_image_is_a_hit_in_any_prompt_around_it(name, engines, images):
+    engine = engines[name]
+    store = SegmentStore(_pool(engine))
+    _, _, _, first = _linked(
+        engine, Prompt("Compare these.", [images[0], images[1]]), LinkSpec("mpic", 2), store
+    )
+    assert (first.hits, first.misses) == (0, 2) and len(store.images) == 2
+    for prompt in (
+        Prompt("Compare these.", [images[1], images[0]]),  # reordered
+        Prompt("You are terse. Compare these two.", [images[0], images[1]]),  # other system text
+        Prompt("Here is a long preamble before the picture appears at last. What is it?", [images[1]]),
+        Prompt("Same one twice?", [images[0], images[0]]),  # one record linked twice
+    ):
+        batch, cache, out, stats = _linked(engine, prompt, LinkSpec("mpic", 2), store)
+        assert stats.misses == 0 and stats.hits == len(prompt.images)
+        assert len(_decode(engine, batch, cache, out, 3)) == 3
+    assert len(store.images) == 2
+
+
+def test_bad_link_settings_are_one_line():
+    with pytest.raises(
+        ValueError, match="unknown link method 'blend'; known: none, prefix, full-reuse, mpic"
+    ):
+        LinkSpec("blend")
+    with pytest.raises(ValueError, match="link k must be an integer >= 0, got -1"):
+        LinkSpec("mpic", -1)

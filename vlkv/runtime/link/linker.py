@@ -1,0 +1,221 @@
+"""The linker: build a request's prefill cache from stored image K/V in one selective step (MPIC).
+
+Every method is one :func:`link_prefill` call with a different *reuse plan*:
+
+* ``none`` — recompute everything (a normal prefill);
+* ``prefix`` — reuse a stored identical prefix (what vLLM's prefix caching does), recompute the rest;
+* ``full-reuse`` — reuse every stored image's entries, recompute the text (MPIC with k = 0);
+* ``mpic`` (MPIC-k) — reuse each stored image except its first ``k`` tokens; recompute those and
+  every text token.
+
+The plan's reused entries are linked into the cache at their *actual* positions (pre-RoPE keys,
+rotated on read); the remaining prompt rows — a non-contiguous selection — run through the model in
+one step whose attention masks by sequence order (:attr:`StepInputs.selective`), so each recomputed
+row sees exactly the entries before it, linked or recomputed; afterwards the slot tables are put back
+in sequence order (metadata only). An image missing from the store is recomputed whole and becomes a
+record for the next request: computed alone, at positions starting from 0 (M-RoPE: its grid ids),
+stored pre-RoPE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.backend import StepInputs, StepOutput
+from vlkv.runtime.cache import KVCache
+from vlkv.runtime.kv.pool import KVPool
+from vlkv.runtime.kv.segments import SharedSegment
+from vlkv.runtime.prompt import PromptBatch
+
+LINK_METHODS = ("none", "prefix", "full-reuse", "mpic")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """How a request reuses stored K/V.
+
+    Attributes:
+        method: one of :data:`LINK_METHODS`.
+        k: MPIC's recomputed leading tokens per image, >= 0.
+    """
+
+    method: str = "mpic"
+    k: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in LINK_METHODS:
+            raise ValueError(f"unknown link method {self.method!r}; known: {', '.join(LINK_METHODS)}")
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
+            raise ValueError(f"link k must be an integer >= 0, got {self.k!r}")
+
+
+@dataclass
+class LinkStats:
+    """What one link step reused and recomputed."""
+
+    hits: int = 0
+    misses: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    bytes_linked: int = 0
+
+    def add(self, other: LinkStats) -> None:
+        for name in ("hits", "misses", "reused_tokens", "recomputed_tokens", "bytes_linked"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class SegmentStore:
+    """In-pool records by key: image K/V (per image content) and prompt prefixes, all in ``pool``.
+
+    The persistent, tiered, tenant-scoped store (``vlkv.runtime.store``) feeds records into this.
+    """
+
+    pool: KVPool
+    images: dict[str, SharedSegment] = field(default_factory=dict)
+    prefixes: dict[tuple, SharedSegment] = field(default_factory=dict)
+
+    def release(self) -> None:
+        for seg in [*self.images.values(), *self.prefixes.values()]:
+            seg.release()
+        self.images.clear()
+        self.prefixes.clear()
+
+
+def image_key(image, model_id: str) -> str:
+    """SHA-256 over the model id and the image's decoded pixels (mode, size, bytes)."""
+    from vlkv.runtime.models.images import load_image
+
+    img = load_image(image)
+    h = hashlib.sha256()
+    for part in (model_id, img.mode, f"{img.size[0]}x{img.size[1]}"):
+        h.update(part.encode())
+        h.update(b"\0")
+    h.update(img.tobytes())
+    return h.hexdigest()
+
+
+def identity(batch: PromptBatch, keys: list[str]) -> tuple:
+    """The prompt as a sequence where each image's tokens carry its key (prefix matching)."""
+    ids = batch.input_ids[0, : int(batch.lengths[0])].tolist()
+    out: list = list(ids)
+    for (a, b), key in zip(batch.spans[0].image_spans, keys):
+        for i in range(a, b):
+            out[i] = (key, i - a)
+    return tuple(out)
+
+
+def standalone_segment(engine, batch: PromptBatch, emb: Tensor, span: tuple[int, int], pool) -> SharedSegment:
+    """One image's K/V computed alone, at positions from 0, stored pre-RoPE (a reusable record)."""
+    a, b = span
+    pos = batch.positions[:, a:b]
+    pos = pos - pos.amin(dim=1, keepdim=True)  # 1-D: 0..n-1; M-RoPE: the image's own grid ids
+    cache = engine.new_cache(batch, pool=pool)
+    n = b - a
+    inputs = StepInputs(batch.input_ids[:, a:b], pos, batch.modality[:, a:b], torch.tensor([n]), emb[:, a:b])
+    engine.backend.step(inputs, cache)
+    seg = SharedSegment.from_cache(cache, 0, n)
+    cache.release()
+    return seg
+
+
+def link_prefill(
+    engine,
+    batch: PromptBatch,
+    images: list,
+    cache: KVCache,
+    spec: LinkSpec,
+    store: SegmentStore,
+    model_id: str,
+) -> tuple[StepOutput, LinkStats]:
+    """Prefill a one-prompt ``batch`` (whose images are ``images``) into ``cache`` reusing ``store``'s
+    records; returns the step's output (logits of the last prompt token) and what was reused.
+
+    Images whose token runs cannot be told apart (two images with no token between them) are
+    recomputed, never guessed."""
+    stats = LinkStats()
+    n = int(batch.lengths[0])
+    spans = batch.spans[0].image_spans
+    keys = [image_key(img, model_id) for img in images] if len(images) == len(spans) else None
+    emb = engine.backend.embed(batch)
+    linked = torch.zeros(n, dtype=torch.bool)
+    if spec.method == "prefix" and keys is not None:
+        ident = identity(batch, keys)
+        best = max((p for p in store.prefixes if ident[: len(p)] == p), key=len, default=None)
+        if best is not None:
+            m = min(len(best), n - 1)  # the last token is recomputed: it gives the logits
+            _link_part(store.prefixes[best], cache, batch, m)
+            linked[:m] = True
+            stats.hits += 1
+        else:
+            stats.misses += 1
+    elif spec.method in ("mpic", "full-reuse") and keys is not None:
+        k = 0 if spec.method == "full-reuse" else spec.k
+        for (a, b), key in zip(spans, keys):
+            seg = store.images.get(key)
+            if seg is None:
+                stats.misses += 1
+                continue
+            stats.hits += 1
+            s = min(k, b - a)
+            if s < b - a:
+                seg.link(cache, batch.positions[0, a + s : b], start=s, order=torch.arange(a + s, b))
+                linked[a + s : b] = True
+    linked[n - 1] = False  # the last prompt token always runs: it gives the logits
+    rows = torch.nonzero(~linked).flatten()
+    stats.reused_tokens = int(linked.sum())
+    stats.recomputed_tokens = rows.numel()
+    stats.bytes_linked = stats.reused_tokens * cache.pool.spec.entry_bytes * len(cache.layers)
+    dev = cache.device
+    inputs = StepInputs(
+        batch.input_ids[:, rows],
+        batch.positions[:, rows],
+        batch.modality[:, rows],
+        torch.tensor([rows.numel()]),
+        emb[:, rows],
+        order=rows[None].to(dev),
+        selective=bool(linked.any()),
+    )
+    out = engine.backend.step(inputs, cache)
+    if linked.any():
+        _sort_tables(cache)
+    cache.processed = torch.full_like(cache.processed, n)
+    _remember(engine, batch, emb, cache, spec, store, keys)
+    return out, stats
+
+
+def _link_part(seg: SharedSegment, cache: KVCache, batch: PromptBatch, m: int) -> None:
+    """Link the first ``m`` entries of a prefix segment (a longer stored prefix)."""
+    if cache.pool is not seg.pool:
+        raise ValueError("a segment links only into caches on its own pool")
+    for layer, ids in zip(cache.layers, seg.ids):
+        layer.link(ids[:, :m], batch.positions[0, :m], seg.modality[:m], 0, torch.arange(m))
+
+
+def _sort_tables(cache: KVCache) -> None:
+    """Put every layer's entries back in sequence order (slot tables and metadata only)."""
+    for layer in cache.layers:
+        n = layer.max_length
+        order = layer.order[:, :, :n].masked_fill(
+            ~layer.valid_mask()[:, None, :n], torch.iinfo(torch.long).max
+        )
+        layer.select(torch.sort(order, dim=-1, stable=True).indices, layer.lengths.clone())
+
+
+def _remember(engine, batch, emb, cache, spec, store: SegmentStore, keys) -> None:
+    """Store what a later request can reuse: missing images (computed alone) and the prompt prefix."""
+    if keys is None or spec.method == "none":
+        return
+    if spec.method == "prefix":
+        ident = identity(batch, keys)
+        if ident not in store.prefixes:
+            n = len(ident)
+            store.prefixes[ident] = SharedSegment.from_cache(cache, 0, n)
+        return
+    for span, key in zip(batch.spans[0].image_spans, keys):
+        if key not in store.images:
+            store.images[key] = standalone_segment(engine, batch, emb, span, cache.pool)
