@@ -1,0 +1,102 @@
+"""Overload, timeouts and SIGTERM against a real uvicorn: 429 + Retry-After, 504 that frees the KV,
+a drain that finishes in-flight streams before the process exits 0."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import MODEL, start_server
+
+TIMEOUT_S = 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(
+        tmp_path_factory.mktemp("serve"),
+        "--max-running",
+        "1",
+        "--max-queue",
+        "1",
+        "--request-timeout",
+        str(TIMEOUT_S),
+        "--max-tokens",
+        "1000",
+    )
+    yield srv
+    srv.stop()
+
+
+def body(max_tokens: int, stream: bool = False, text: str = "Go on.") -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+
+
+def first_chunks(lines, n: int) -> None:
+    seen = 0
+    for line in lines:
+        seen += line.startswith("data: ")
+        if seen >= n:
+            return
+
+
+def test_full_queue_gets_429_with_retry_after(server):
+    url = f"{server.url}/v1/chat/completions"
+    with (
+        httpx.stream("POST", url, json=body(300, stream=True), timeout=30) as running,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        assert running.status_code == 200
+        lines = running.iter_lines()  # kept: a dropped iterator closes the stream
+        first_chunks(lines, 2)  # prefilled: it holds the only running slot
+        queued = pool.submit(httpx.post, url, json=body(2), timeout=30)
+        deadline = time.monotonic() + 10
+        while server.metrics()["vlkv_queue_depth"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = httpx.post(url, json=body(2), timeout=30)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    # the stream is closed: its request is cancelled and the queued one runs
+    assert queued.result(30).status_code == 200
+    server.wait_metric("vlkv_pool_used_bytes", 0)
+
+
+def test_request_past_its_timeout_gets_504_and_frees_its_kv(server):
+    t0 = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body(1000), timeout=30)
+    assert r.status_code == 504, r.text
+    assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 5
+    assert r.json()["error"]["type"] == "timeout_error"
+    server.wait_metric("vlkv_pool_used_bytes", 0)
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body(2), timeout=30).status_code == 200
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_0(server):
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body(16, stream=True), timeout=30) as resp:
+        lines = resp.iter_lines()
+        first_chunks(lines, 2)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # all 16 tokens, not cut off
+    with pytest.raises(httpx.HTTPError):  # the listener is closed: new work is refused
+        r = httpx.post(url, json=body(2), timeout=5)
+        if r.status_code == 503:
+            raise httpx.HTTPError("refused with 503")
+    assert server.proc.wait(30) == 0
+    assert "drained" in server.log.read_text()

@@ -1,0 +1,242 @@
+"""``vlkv serve`` against a real uvicorn: answers equal ``vlkv generate``, batching, bad requests, disconnects."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+
+import httpx
+import pytest
+
+from tests.serve.conftest import MODEL, data_url, png_bytes, start_server
+
+POOL_BYTES = 256 * 1024  # 256 tiny-llava tokens: room for a few requests, too small for a long prompt
+MAX_BODY = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, media_dir):
+    srv = start_server(
+        tmp_path_factory.mktemp("serve"),
+        "--allowed-media-dir",
+        str(media_dir),
+        "--pool-bytes",
+        str(POOL_BYTES),
+        "--max-body-bytes",
+        str(MAX_BODY),
+        "--max-images",
+        "2",
+        "--max-tokens",
+        "64",
+    )
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-2000:]
+
+
+def chat_body(text="Describe the image.", images=(), max_tokens=8, **extra) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+    content.append({"type": "text", "text": text})
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def post(server, body, path="/v1/chat/completions", **kw) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60, **kw)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def cli_tokens(capsys, *args: str) -> list[int]:
+    """Token ids ``vlkv generate --json`` prints (run in-process: the same command, no second model load
+    in a subprocess)."""
+    from vlkv.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", "--model", MODEL, "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)["samples"][0]["token_ids"]
+
+
+def reference(engine, text, images=(), policy="full", max_new=8, raw=False, **kw) -> list[int]:
+    from vlkv.runtime.models.images import load_image
+    from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.prompt import Prompt
+
+    pics = [load_image(p) for p in images]
+    result = engine.generate([Prompt(text, pics, raw)], make_policy(policy, **kw), max_new)
+    return result.samples[0].token_ids
+
+
+# ---------------------------------------------------------------------- answers equal vlkv generate
+def test_chat_equals_vlkv_generate(server, media_dir, capsys):
+    """Non-streaming and streaming chat, data: URL and media-dir path, equal ``vlkv generate`` tokens."""
+    image = str(media_dir / "a.png")
+    want = cli_tokens(
+        capsys, "--prompt", "What is it?", "--image", image, "--policy", "snapkv", "--budget", "0.5",
+        "--max-new-tokens", "8",
+    )  # fmt: skip
+    vlkv = {"vlkv": {"policy": "snapkv", "budget": 0.5}}
+    url = data_url((media_dir / "a.png").read_bytes())
+    r = post(server, chat_body("What is it?", [url], **vlkv))
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["choices"][0]["token_ids"] == want
+    assert answer["usage"]["completion_tokens"] == len(want)
+    assert answer["vlkv"]["policy"] == "snapkv"
+
+    body = chat_body("What is it?", ["a.png"], stream=True, stream_options={"include_usage": True}, **vlkv)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    tokens = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
+    assert tokens == want
+    text = "".join(ch["delta"].get("content", "") for c in chunks for ch in c["choices"])
+    assert text == answer["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"] == answer["usage"] and chunks[-1]["choices"] == []
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions_and_openai_client(server, engine):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    prompt = "USER: Name three colours. ASSISTANT:"
+    want = reference(engine, prompt, raw=True, policy="h2o", max_new=6, budget=0.5)
+    extra = {"vlkv": {"policy": "h2o", "budget": 0.5}}
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
+    assert out.choices[0].model_extra["token_ids"] == want
+
+    want = reference(engine, "Name three colours.", max_new=6)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert out.choices[0].model_extra["token_ids"] == want
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert [t for c in chunks for ch in c.choices for t in ch.model_extra["token_ids"]] == want
+    assert chunks[-1].usage.completion_tokens == 6
+    assert (
+        "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == out.choices[0].message.content
+    )
+
+
+def test_concurrent_requests_are_batched_and_each_equals_its_solo_answer(server, engine):
+    texts = [f"Question number {i}?" for i in range(4)]
+    want = [reference(engine, t, max_new=12) for t in texts]
+    before = server.metrics()["vlkv_decode_steps"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda t: post(server, chat_body(t, max_tokens=12)), texts))
+    assert [r.status_code for r in got] == [200] * 4
+    assert [r.json()["choices"][0]["token_ids"] for r in got] == want
+    m = server.metrics()
+    assert m["vlkv_max_running_requests"] > 1
+    # batched: four 12-token answers took fewer decode steps than 4 x 11 one at a time
+    assert m["vlkv_decode_steps"] - before < 4 * 11
+
+
+# ---------------------------------------------------------------------- malformed requests
+def _bad_requests(media_dir) -> list[tuple[str, object, int]]:
+    outside = media_dir.parent / "outside.png"
+    outside.write_bytes(png_bytes(2))
+    (media_dir / "link.png").unlink(missing_ok=True)
+    os.symlink(outside, media_dir / "link.png")
+    good = chat_body(max_tokens=2)
+    user = lambda content: {**good, "messages": [{"role": "user", "content": content}]}  # noqa: E731
+    img = lambda url: user([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}])  # noqa: E731
+    return [
+        ("bad json", b'{"model": "tiny-llava", "messages": [', 400),
+        ("not an object", b"[1, 2]", 400),
+        ("NaN", b'{"model": "tiny-llava", "temperature": NaN, "messages": []}', 400),
+        ("messages wrong type", {**good, "messages": "hello"}, 400),
+        ("max_tokens wrong type", {**good, "max_tokens": "8"}, 400),
+        ("unknown field", {**good, "frobnicate": 1}, 400),
+        ("empty messages", {**good, "messages": []}, 400),
+        ("n > 1", {**good, "n": 2}, 400),
+        ("unknown policy", {**good, "vlkv": {"policy": "nope"}}, 400),
+        ("budget out of range", {**good, "vlkv": {"policy": "snapkv", "budget": 1.5}}, 400),
+        ("setting wrong type", {**good, "vlkv": {"policy": "local", "settings": {"sinks": "many"}}}, 400),
+        ("unknown setting", {**good, "vlkv": {"policy": "snapkv", "settings": {"bogus": 1}}}, 400),
+        ("bad cache_salt", {**good, "cache_salt": "../etc"}, 400),
+        ("broken base64", img("data:image/png;base64,@@not-base64@@"), 400),
+        ("non-image payload", img(data_url(b"plain text, not a picture")), 400),
+        ("non-image media type", img(data_url(png_bytes(), "text/plain")), 400),
+        ("path outside media dir", img("../outside.png"), 400),
+        ("absolute path outside", img(str(outside)), 400),
+        ("symlink out of media dir", img("link.png"), 400),
+        ("missing file", img("nope.png"), 400),
+        ("http url", img("http://example.com/a.png"), 400),
+        ("too many images", user([{"type": "image_url", "image_url": {"url": "a.png"}}] * 3), 400),
+        ("max_tokens above limit", {**good, "max_tokens": 65}, 400),
+        ("prompt past the pool", user("x" * 400), 400),
+        ("prompt past the position limit", user("x" * 5000), 400),
+        ("multi-turn without a chat template", {**good, "messages": [good["messages"][0]] * 2}, 400),
+        ("unknown model", {**good, "model": "gpt-9"}, 404),
+        ("body too large", {**good, "pad": "x" * MAX_BODY}, 413),
+    ]
+
+
+def test_every_malformed_request_gets_a_one_line_4xx_and_the_server_keeps_serving(server, media_dir):
+    for name, body, status in _bad_requests(media_dir):
+        if isinstance(body, bytes):
+            r = httpx.post(
+                f"{server.url}/v1/chat/completions",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=30,
+            )
+        else:
+            r = post(server, body)
+        assert r.status_code == status, (name, r.text)
+        err = r.json()["error"]
+        assert set(err) >= {"message", "type", "param"}, name
+        assert err["message"] and "\n" not in err["message"], (name, err)
+        ok = post(server, chat_body(max_tokens=1))
+        assert ok.status_code == 200, (name, ok.text)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    r = httpx.get(f"{server.url}/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_disconnect_mid_stream_frees_the_kv(server):
+    server.wait_metric("vlkv_pool_used_bytes", 0)
+    cancelled = server.metrics().get('vlkv_requests_total{outcome="cancelled"}', 0.0)
+    body = chat_body("Tell me a long story.", max_tokens=64, stream=True)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+        assert server.metrics()["vlkv_pool_used_bytes"] > 0
+    # the connection is closed here, long before 64 tokens
+    server.wait_metric("vlkv_pool_used_bytes", 0)
+    server.wait_metric("vlkv_running_requests", 0)
+    assert server.metrics()['vlkv_requests_total{outcome="cancelled"}'] == cancelled + 1

@@ -1,0 +1,331 @@
+"""FastAPI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
+
+A handler parses and validates the body (size, JSON, pydantic, model, limits, images, policy), builds
+a runtime :class:`Request` and hands it to the engine thread; the engine thread's ``submit`` decides
+whether the model can take it (position limit, pool size) before any answer starts, so every refusal
+is a 4xx with one line. Then it streams (SSE) or collects the tokens. A client that goes away
+cancels its request, which frees its KV slots at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from vlkv.runtime.request import Request, Status
+from vlkv.serve.config import ServeConfig
+from vlkv.serve.detok import Detokenizer
+from vlkv.serve.engine_loop import DONE, EngineLoop, ShuttingDown, Ticket
+from vlkv.serve.errors import ApiError, one_line
+from vlkv.serve.metrics import ServeMetrics
+from vlkv.serve.schemas import ChatRequest, CompletionRequest
+from vlkv.serve.translate import (
+    chat_prompt,
+    completion_prompt,
+    make_request_policy,
+    make_sampler,
+    max_new_tokens,
+    parse_json,
+)
+
+log = logging.getLogger("vlkv.serve")
+COMPLETIONS_DEFAULT_TOKENS = 16  # the OpenAI completions API's default max_tokens
+RETRY_AFTER_S = "1"
+POLL_S = 0.25  # how often a non-streaming handler checks for a vanished client
+
+
+@dataclass
+class ServerState:
+    """What the routes share: settings, the engine, its thread and the metrics."""
+
+    config: ServeConfig
+    engine: object  # vlkv.runtime.engine.Engine (tokenizer, eos ids, loaded model)
+    loop: EngineLoop
+    metrics: ServeMetrics
+    model_id: str
+    position_limit: int | None
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.loop.start()
+        yield
+        state.draining = True
+        state.loop.stop()
+
+    app = FastAPI(title="vlkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.vlkv = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, err: ApiError):
+        if err.status in (429, 503):
+            state.metrics.rejected.labels(str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, err: HTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            ApiError(err.status_code, str(err.detail), kind).body(), status_code=err.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(request, err: Exception):
+        log.exception("unhandled error in a request handler")
+        body = ApiError(
+            500, f"internal error: {type(err).__name__}: {one_line(str(err))}", "server_error"
+        ).body()
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not state.loop.alive:
+            return JSONResponse({"status": "engine stopped", "error": state.loop.fatal}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "vlkv"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest):
+        req = await _parse(http, ChatRequest, state)
+        prompt, uuids = await chat_prompt(req, state.engine.loaded, state.config)
+        return await _answer(http, state, req, prompt, uuids, "chat", state.config.max_tokens)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        req = await _parse(http, CompletionRequest, state)
+        return await _answer(http, state, req, completion_prompt(req), [], "text", COMPLETIONS_DEFAULT_TOKENS)
+
+    return app
+
+
+# ---------------------------------------------------------------------- request → ticket
+async def _parse(http: HttpRequest, model, state: ServerState):
+    cfg = state.config
+    if state.draining:
+        raise ApiError(
+            503, "the server is shutting down", "service_unavailable", headers={"Retry-After": "5"}
+        )
+    length = http.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
+        raise ApiError(413, f"request body is {length} bytes; this server takes at most {cfg.max_body_bytes}")
+    body = bytearray()
+    async for chunk in http.stream():
+        body += chunk
+        if len(body) > cfg.max_body_bytes:
+            raise ApiError(
+                413, f"request body is larger than this server's limit of {cfg.max_body_bytes} bytes"
+            )
+    data = parse_json(bytes(body))
+    if not isinstance(data, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as err:
+        raise _validation_error(err) from None
+    if req.model != state.model_id:
+        raise ApiError(
+            404,
+            f"model {req.model[:80]!r} is not served here; this server serves {state.model_id!r}",
+            "not_found_error",
+            "model",
+        )
+    if state.loop.queued >= cfg.max_queue:
+        raise ApiError(
+            429,
+            f"server busy: {state.loop.queued} requests queued (limit {cfg.max_queue}); retry later",
+            "rate_limit_error",
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
+    return req
+
+
+def _validation_error(err: ValidationError) -> ApiError:
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (+{len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field"
+    return ApiError(400, f"{loc or 'body'}: {msg}{more}", param=loc or None)
+
+
+async def _answer(http, state: ServerState, req, prompt, uuids, kind: str, default_tokens: int):
+    cfg = state.config
+    request = Request(
+        prompt,
+        make_request_policy(req, cfg, state.position_limit, state.model_id),
+        max_new_tokens(req, cfg, default_tokens),
+        make_sampler(req),
+        stop_at_eos=not req.ignore_eos,
+    )
+    request.extras["image_uuids"] = uuids  # record identities for the context store (not yet wired in)
+    request.extras["cache_salt"] = req.cache_salt
+    loop = asyncio.get_running_loop()
+    ticket = Ticket(request, loop, time.monotonic() + cfg.request_timeout_s)
+    state.loop.submit(ticket)
+    try:
+        await asyncio.wait_for(asyncio.shield(ticket.accepted), cfg.request_timeout_s + 5)
+    except asyncio.CancelledError:
+        state.loop.cancel(ticket)
+        raise
+    except TimeoutError:
+        state.loop.cancel(ticket)
+        raise ApiError(504, "request timed out before it was queued", "timeout_error") from None
+    except ShuttingDown as err:
+        raise ApiError(503, str(err), "service_unavailable", headers={"Retry-After": "5"}) from None
+    except (
+        Exception
+    ) as err:  # what Scheduler.submit refused: too large for the pool or the model, a bad prompt
+        raise ApiError(
+            400, str(err) or type(err).__name__, param="messages" if kind == "chat" else "prompt"
+        ) from None
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    if req.stream:
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        return StreamingResponse(
+            _sse(state, ticket, kind, rid, usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return JSONResponse(await _collect(http, state, ticket, kind, rid))
+
+
+# ---------------------------------------------------------------------- answers
+def _finish_reason(state: ServerState, request: Request) -> str:
+    eos = state.engine.eos_ids if request.stop_at_eos else ()
+    return "stop" if request.tokens and request.tokens[-1] in eos else "length"
+
+
+def _usage(request: Request) -> dict:
+    p, c = request.prompt_tokens, len(request.tokens)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _failure(state: ServerState, ticket: Ticket) -> ApiError | None:
+    """None for a finished request; otherwise the error its client gets."""
+    request = ticket.request
+    if request.status is Status.FINISHED:
+        return None
+    if ticket.timed_out:
+        return ApiError(504, f"request timed out after {state.config.request_timeout_s:g} s", "timeout_error")
+    if request.status is Status.FAILED:
+        return ApiError(500, f"request failed: {request.error}", "server_error")
+    return ApiError(503, "request cancelled: the server is shutting down", "service_unavailable")
+
+
+def _extras(request: Request) -> dict:
+    final = request.final
+    return {
+        "policy": request.policy.name,
+        "budget": float(request.policy.budget),
+        "kv_bytes": final.get("kv_bytes"),
+        "full_kv_bytes": final.get("full_kv_bytes"),
+        "preemptions": request.preemptions,
+    }
+
+
+async def _collect(http, state: ServerState, ticket: Ticket, kind: str, rid: str) -> dict:
+    tokens: list[int] = []
+    while True:
+        try:
+            item = await asyncio.wait_for(ticket.events.get(), POLL_S)
+        except TimeoutError:
+            if await http.is_disconnected():
+                state.loop.cancel(ticket)
+                raise ApiError(499, "client disconnected") from None
+            if not state.loop.alive:
+                raise ApiError(503, "the engine stopped", "service_unavailable") from None
+            continue
+        if item is DONE:
+            break
+        tokens.append(item)
+    request = ticket.request
+    error = _failure(state, ticket)
+    if error is not None:
+        raise error
+    text = state.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    reason = _finish_reason(state, request)
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    choice["token_ids"] = tokens
+    return {
+        "id": rid,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": state.model_id,
+        "choices": [choice],
+        "usage": _usage(request),
+        "vlkv": _extras(request),
+    }
+
+
+async def _sse(state: ServerState, ticket: Ticket, kind: str, rid: str, include_usage: bool):
+    """SSE ``data: {json}`` chunks, then ``data: [DONE]``; an error after the start is an error chunk."""
+    created, detok = int(time.time()), Detokenizer(state.engine.tokenizer)
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(text: str | None, tokens: list[int], reason: str | None = None, role: bool = False) -> str:
+        if kind == "chat":
+            delta = {} if text is None else {"content": text}
+            if role:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice["token_ids"] = tokens
+        body = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    try:
+        if kind == "chat":
+            yield chunk("", [], role=True)
+        done = False
+        while not done:
+            items = [await ticket.events.get()]
+            while not ticket.events.empty():
+                items.append(ticket.events.get_nowait())
+            done = items[-1] is DONE
+            tokens = [t for t in items if t is not DONE]
+            if tokens:
+                yield chunk(detok.add(tokens), tokens)
+        request = ticket.request
+        error = _failure(state, ticket)
+        if error is not None:
+            yield f"data: {json.dumps(error.body())}\n\n"
+        else:
+            yield chunk(detok.finish(), [], _finish_reason(state, request))
+        if include_usage:
+            body = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": []}
+            body["usage"] = _usage(request)
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or the stream ended): a running request is cancelled, its KV freed
+        if not ticket.request.done:
+            state.loop.cancel(ticket)

@@ -1,0 +1,150 @@
+"""``vlkv serve``: parse the options, load the model, start the engine thread and uvicorn.
+
+Wired into ``vlkv`` by ``add_serve_parser(sub)`` in :func:`vlkv.cli.build_parser`; ``python -m
+vlkv.serve`` runs it alone. Nothing heavy is imported until the command runs, so ``vlkv generate``
+never needs the ``serve`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default="tiny-llava", help="built-in name or local HF directory (default: tiny-llava)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--pool-bytes", type=int, default=None, help="fixed KV pool in bytes (default: grows)")
+    p.add_argument(
+        "--allowed-media-dir", default=None, help="local image files are read only under this directory"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=32 * 2**20, help="largest request body (413 above)")
+    p.add_argument("--max-images", type=int, default=8, help="most images per request")
+    p.add_argument("--max-image-bytes", type=int, default=16 * 2**20, help="largest encoded image")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="largest max_tokens a request may ask (and the chat default)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="most requests waiting for prefill; more get 429 + Retry-After",
+    )
+    p.add_argument("--max-running", type=int, default=256, help="most requests decoded together")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds before a request is cancelled (504)"
+    )
+    p.add_argument("--policy", default="full", help="KV policy of requests whose vlkv field names none")
+    p.add_argument("--budget", type=float, default=None, help="budget of --policy (default: the CLI's)")
+    p.add_argument("--backend", default="torch", help="torch or onnxruntime (default: torch)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``serve`` to ``vlkv``'s subcommands (``subparsers`` from ``add_subparsers``)."""
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (chat, completions) over the scheduler")
+    _add_arguments(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _check_extra() -> None:
+    import importlib.util
+
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"vlkv serve needs {', '.join(missing)}: pip install 'vlkv[serve]'")
+
+
+def cmd_serve(args) -> int:
+    _check_extra()
+    import uvicorn
+
+    from vlkv.cli import DEFAULT_BUDGET, NO_BUDGET
+    from vlkv.runtime.device import resolve_device
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.limits import position_limit
+    from vlkv.runtime.models.registry import load_model
+    from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.scheduler import Scheduler
+    from vlkv.serve.app import ServerState, create_app
+    from vlkv.serve.config import ServeConfig
+    from vlkv.serve.engine_loop import EngineLoop
+    from vlkv.serve.metrics import ServeMetrics
+
+    cfg = ServeConfig(
+        model=args.model,
+        pool_bytes=args.pool_bytes,
+        allowed_media_dir=args.allowed_media_dir,
+        max_body_bytes=args.max_body_bytes,
+        max_images=args.max_images,
+        max_image_bytes=args.max_image_bytes,
+        max_tokens=args.max_tokens,
+        max_queue=args.max_queue,
+        max_running=args.max_running,
+        request_timeout_s=args.request_timeout,
+        policy=args.policy,
+        budget=args.budget,
+    )
+    budget = cfg.budget if cfg.budget is not None else None if cfg.policy in NO_BUDGET else DEFAULT_BUDGET
+    make_policy(cfg.policy, **({} if budget is None else {"budget": budget}))  # refuse a bad default now
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    device = resolve_device(args.device)
+    loaded = load_model(args.model, device=str(device))
+    engine = Engine(loaded, backend=args.backend)
+    scheduler = Scheduler(engine, cfg.pool_bytes, max_running=cfg.max_running)
+    metrics = ServeMetrics(args.model)
+    state = ServerState(
+        cfg, engine, EngineLoop(scheduler, metrics), metrics, args.model, position_limit(loaded)
+    )
+    app = create_app(state)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM / SIGINT: refuse new work, drain in-flight, exit
+            state.draining = True
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises a captured signal after its drain; exit 0 instead (a clean stop)
+            captured = getattr(self, "_captured_signals", None)
+            if captured:
+                captured.clear()
+
+    server = Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=int(cfg.request_timeout_s) + 5,
+        )
+    )
+    print(f"vlkv serve: {args.model} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    server.run()
+    if state.loop.fatal:
+        print(f"vlkv serve: the engine thread died: {state.loop.fatal}", file=sys.stderr)
+        return 1
+    print("vlkv serve: stopped (in-flight requests drained)", file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vlkv.cli import EXIT_USAGE, _Parser
+
+    parser = _Parser(prog="vlkv serve", description="OpenAI-compatible server over the vlkv scheduler")
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_serve(args)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"vlkv: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE

@@ -1,0 +1,60 @@
+"""The server's settings: one dataclass, checked once at start (one-line ``ValueError`` per field)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """What ``vlkv serve`` was started with.
+
+    Attributes:
+        model: built-in model name or checkpoint directory (the served model's id).
+        pool_bytes: fixed KV pool in bytes (admission, preemption); None = a pool that grows.
+        allowed_media_dir: local image files are read only under this directory (resolved); None = refused.
+        max_body_bytes: largest request body (HTTP 413 above).
+        max_images: most images per request.
+        max_image_bytes: largest encoded image.
+        max_tokens: largest ``max_tokens`` a request may ask; also the chat default.
+        max_queue: most requests accepted and not yet prefilled; more get 429 with ``Retry-After``.
+        max_running: most requests decoded together (the scheduler's batch).
+        request_timeout_s: a request still running after this long is cancelled (HTTP 504).
+        policy, budget: the KV policy for requests that name none (``budget`` None: the default).
+    """
+
+    model: str = "tiny-llava"
+    pool_bytes: int | None = None
+    allowed_media_dir: str | None = None
+    max_body_bytes: int = 32 * 2**20
+    max_images: int = 8
+    max_image_bytes: int = 16 * 2**20
+    max_tokens: int = 256
+    max_queue: int = 64
+    max_running: int = 256
+    request_timeout_s: float = 600.0
+    policy: str = "full"
+    budget: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_body_bytes",
+            "max_images",
+            "max_image_bytes",
+            "max_tokens",
+            "max_queue",
+            "max_running",
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.pool_bytes is not None and self.pool_bytes < 1:
+            raise ValueError(f"pool_bytes must be >= 1, got {self.pool_bytes}")
+        if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
+            raise ValueError(f"request_timeout_s must be a finite number > 0, got {self.request_timeout_s}")
+        if self.allowed_media_dir is not None:
+            if not os.path.isdir(self.allowed_media_dir):
+                raise ValueError(f"allowed media dir not found: {self.allowed_media_dir}")
+            self.allowed_media_dir = os.path.realpath(self.allowed_media_dir)
