@@ -1,0 +1,367 @@
+"""A stored span (an image, or a reusable text chunk): its K/V and what recompute needs, in one object.
+
+Byte layout (little endian)::
+
+    0      8  magic  b"VLKVREC\\n"
+    8      4  u32 layout version (LAYOUT_VERSION)
+    12     4  u32 header length H
+    16     H  header: UTF-8 JSON (identity, tenant, times, dtype, shapes, payload length)
+    16+H   P  payload: safetensors ("k.<l>", "v.<l>", "embeds", "modality"); no pickle
+    16+H+P 32 SHA-256 over every byte before it (magic, version, header and payload)
+
+:meth:`Record.from_bytes` checks, in order: the magic and the length (:class:`CorruptRecord`), the
+layout version (:class:`StaleRecord`: another layout cannot even be parsed), the checksum, the
+header and the payload against the header (:class:`CorruptRecord`), then the model fingerprint the
+caller expects (:class:`StaleRecord`). A record that fails any check is never returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.store.identity import LAYOUT_VERSION, SHARED_TENANT, Identity, validate_key, validate_tenant
+
+MAGIC = b"VLKVREC\n"
+_PREFIX = struct.Struct("<8sII")  # magic, layout version, header length
+_DIGEST = 32
+MAX_HEADER = 1 << 20
+_DTYPES = {"float32", "float16", "bfloat16", "float64"}
+
+
+class CorruptRecord(ValueError):
+    """The bytes are not an intact record: wrong magic, truncated, checksum or structure mismatch."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"corrupt record: {reason}")
+        self.reason = reason
+
+
+class StaleRecord(ValueError):
+    """An intact record this reader must not use: another layout version or another model."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"stale record: {reason}")
+        self.reason = reason
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise CorruptRecord(f"unknown dtype {name!r}")
+    return getattr(torch, name)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"record tensors must be one of {sorted(_DTYPES)}, got {name}")
+    return name
+
+
+@dataclass(frozen=True)
+class RecordInfo:
+    """A record's header, readable without its payload (``vlkv store ls``)."""
+
+    key: str
+    tenant: str
+    created: float
+    expires: float | None
+    length: int
+    nbytes: int  # whole record in bytes
+    header: dict = field(repr=False)
+
+    def expired(self, now: float) -> bool:
+        return self.expires is not None and now >= self.expires
+
+
+@dataclass(eq=False, kw_only=True)
+class Record:
+    """One span's per-layer pre-RoPE K/V, projected embeddings and modality, with its identity.
+
+    Attributes:
+        identity: what the K/V depends on (:class:`Identity`); with ``tenant`` it gives :attr:`key`.
+        tenant: the owner; :data:`SHARED_TENANT` marks the dynamic (shared) library.
+        keys, values: per layer ``(H_kv, n, D)`` K (before RoPE) and V, one dtype for all.
+        embeds: ``(n, hidden)`` the span's input embeddings (projected image features), for
+            recomputing selected tokens.
+        modality: ``(n,)`` int8 :class:`~vlkv.runtime.cache.Modality` codes.
+        created, expires: Unix seconds; ``expires`` None never expires.
+    """
+
+    identity: Identity
+    tenant: str
+    keys: list[Tensor]
+    values: list[Tensor]
+    embeds: Tensor
+    modality: Tensor
+    created: float = field(default_factory=time.time)
+    expires: float | None = None
+
+    def __post_init__(self) -> None:
+        validate_tenant(self.tenant, allow_reserved=self.tenant == SHARED_TENANT)
+        if self.identity.layout_version != LAYOUT_VERSION:
+            raise ValueError(
+                f"records are written in layout {LAYOUT_VERSION}, identity says {self.identity.layout_version}"
+            )
+        if not self.keys or len(self.keys) != len(self.values):
+            raise ValueError(
+                f"need one K and one V per layer, got {len(self.keys)} K and {len(self.values)} V"
+            )
+        shape, dtype = tuple(self.keys[0].shape), self.keys[0].dtype
+        if len(shape) != 3:
+            raise ValueError(f"K/V must be (H_kv, n, D) per layer, got {shape}")
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            for name, t in (("keys", k), ("values", v)):
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise ValueError(
+                        f"{name}[{layer}] is {tuple(t.shape)} {t.dtype}, layer 0 is {shape} {dtype}"
+                    )
+        _dtype_name(dtype)
+        n = shape[1]
+        if self.embeds.dim() != 2 or self.embeds.shape[0] != n:
+            raise ValueError(f"embeds must be (n={n}, hidden), got {tuple(self.embeds.shape)}")
+        _dtype_name(self.embeds.dtype)
+        if tuple(self.modality.shape) != (n,):
+            raise ValueError(f"modality must be (n={n},), got {tuple(self.modality.shape)}")
+        self.modality = self.modality.to(torch.int8)
+        self.key = self.identity.key(self.tenant)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def shared(self) -> bool:
+        """In the dynamic library (readable by every tenant)."""
+        return self.tenant == SHARED_TENANT
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes (what a device tier holds)."""
+        ts = (*self.keys, *self.values, self.embeds, self.modality)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def expired(self, now: float) -> bool:
+        return self.expires is not None and now >= self.expires
+
+    def to(self, device: torch.device | str) -> Record:
+        """A copy with every tensor on ``device`` (same identity and times)."""
+        return Record(
+            identity=self.identity,
+            tenant=self.tenant,
+            keys=[k.to(device) for k in self.keys],
+            values=[v.to(device) for v in self.values],
+            embeds=self.embeds.to(device),
+            modality=self.modality.to(device),
+            created=self.created,
+            expires=self.expires,
+        )
+
+    # ------------------------------------------------------------------ pool
+    def to_segment(self, pool):
+        """A :class:`~vlkv.runtime.kv.segments.SharedSegment` holding this record's K/V in ``pool``."""
+        from vlkv.runtime.kv.segments import SharedSegment
+
+        spec = pool.spec
+        h, _, d = self.keys[0].shape
+        want = (spec.num_layers, spec.kv_heads, spec.head_dim)
+        if (len(self.keys), h, d) != want:
+            raise ValueError(f"record is (layers, H_kv, D) = {(len(self.keys), h, d)}, the pool is {want}")
+        dev = spec.device
+        keys = [k.to(dev) for k in self.keys]
+        values = [v.to(dev) for v in self.values]
+        return SharedSegment.from_tensors(pool, keys, values, self.modality.to(dev))
+
+    @classmethod
+    def from_segment(
+        cls, segment, identity: Identity, tenant: str, embeds: Tensor, expires: float | None = None
+    ) -> Record:
+        """A record of a :class:`~vlkv.runtime.kv.segments.SharedSegment`'s pre-RoPE K/V (copied)."""
+        keys, values = [], []
+        for layer, ids in enumerate(segment.ids):
+            k, v = segment.pool.read(layer, ids[None])
+            keys.append(k[0])
+            values.append(v[0])
+        return cls(
+            identity=identity, tenant=tenant, keys=keys, values=values, embeds=embeds,
+            modality=segment.modality, expires=expires,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ bytes
+    def _header(self, payload_bytes: int) -> dict:
+        h, n, d = self.keys[0].shape
+        ident = self.identity
+        return {
+            "key": self.key,
+            "tenant": self.tenant,
+            "model_fingerprint": ident.model_fingerprint,
+            "processor_settings": ident.processor_settings,
+            "content_id": ident.content_id,
+            "created": self.created,
+            "expires": self.expires,
+            "dtype": _dtype_name(self.keys[0].dtype),
+            "embeds_dtype": _dtype_name(self.embeds.dtype),
+            "num_layers": len(self.keys),
+            "kv_heads": h,
+            "length": n,
+            "head_dim": d,
+            "hidden": self.embeds.shape[1],
+            "payload_bytes": payload_bytes,
+            "checksum": "sha256",
+        }
+
+    def to_bytes(self) -> bytes:
+        """The record as one self-describing bytes object (see the module docstring)."""
+        from safetensors.torch import save
+
+        tensors = {"embeds": self.embeds, "modality": self.modality}
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k, v
+        payload = save({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()})
+        header = json.dumps(self._header(len(payload)), sort_keys=True, allow_nan=False).encode()
+        body = b"".join((_PREFIX.pack(MAGIC, LAYOUT_VERSION, len(header)), header, payload))
+        return body + hashlib.sha256(body).digest()
+
+    @classmethod
+    def from_bytes(
+        cls, data: bytes, *, model_fingerprint: str | None = None, layout_version: int = LAYOUT_VERSION
+    ) -> Record:
+        """Parse and verify; raises :class:`CorruptRecord` or :class:`StaleRecord`, never returns a bad record.
+
+        ``model_fingerprint`` None skips the model check (tools that only list or verify).
+        """
+        header, hlen = _read_header(data, layout_version)
+        start = _PREFIX.size + hlen
+        if len(data) != start + header["payload_bytes"] + _DIGEST:
+            raise CorruptRecord(
+                f"truncated: {len(data)} bytes, the header says {start + header['payload_bytes'] + _DIGEST}"
+            )
+        if hashlib.sha256(memoryview(data)[:-_DIGEST]).digest() != bytes(data[-_DIGEST:]):
+            raise CorruptRecord("checksum mismatch (sha256)")
+        if model_fingerprint is not None and header["model_fingerprint"] != model_fingerprint:
+            raise StaleRecord(
+                f"computed by model {header['model_fingerprint'][:12]}, this is {model_fingerprint[:12]}"
+            )
+        return cls._from_payload(header, bytes(data[start:-_DIGEST]))
+
+    @classmethod
+    def _from_payload(cls, header: dict, payload: bytes) -> Record:
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        try:
+            tensors = load(payload)
+        except (SafetensorError, ValueError) as exc:
+            raise CorruptRecord(f"unreadable payload ({exc})") from None
+        layers, h, n, d = (header[f] for f in ("num_layers", "kv_heads", "length", "head_dim"))
+        kv_dtype, emb_dtype = _dtype(header["dtype"]), _dtype(header["embeds_dtype"])
+        want = {"embeds": ((n, header["hidden"]), emb_dtype), "modality": ((n,), torch.int8)}
+        for layer in range(layers):
+            want[f"k.{layer}"] = want[f"v.{layer}"] = ((h, n, d), kv_dtype)
+        if set(tensors) != set(want):
+            raise CorruptRecord(f"payload tensors {sorted(tensors)} do not match the header")
+        for name, (shape, dtype) in want.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise CorruptRecord(
+                    f"tensor {name} is {tuple(t.shape)} {t.dtype}, the header says {shape} {dtype}"
+                )
+        try:
+            identity = Identity(
+                model_fingerprint=header["model_fingerprint"],
+                processor_settings=header["processor_settings"],
+                content_id=header["content_id"],
+            )
+            record = cls(
+                identity=identity,
+                tenant=header["tenant"],
+                keys=[tensors[f"k.{i}"] for i in range(layers)],
+                values=[tensors[f"v.{i}"] for i in range(layers)],
+                embeds=tensors["embeds"],
+                modality=tensors["modality"],
+                created=float(header["created"]),
+                expires=None if header["expires"] is None else float(header["expires"]),
+            )
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise CorruptRecord(f"invalid header ({exc})") from None
+        if record.key != header["key"]:
+            raise CorruptRecord("the stored key does not match the record's identity and tenant")
+        return record
+
+
+_FIELDS = {
+    "key": str, "tenant": str, "model_fingerprint": str, "processor_settings": dict, "content_id": str,
+    "created": (int, float), "dtype": str, "embeds_dtype": str, "num_layers": int, "kv_heads": int,
+    "length": int, "head_dim": int, "hidden": int, "payload_bytes": int,
+}  # fmt: skip
+
+
+def _read_header(data: bytes, layout_version: int = LAYOUT_VERSION) -> tuple[dict, int]:
+    """The parsed header and its length; checks magic, layout version and the header's own shape."""
+    if len(data) < _PREFIX.size:
+        raise CorruptRecord(f"truncated: {len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, version, hlen = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptRecord(f"wrong magic {magic!r}")
+    if version != layout_version:
+        raise StaleRecord(f"layout version {version}, this reader uses {layout_version}")
+    if hlen > MAX_HEADER or len(data) < _PREFIX.size + hlen:
+        raise CorruptRecord(f"truncated or bad header length {hlen} ({len(data)} bytes)")
+    try:
+        header = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + hlen]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptRecord(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptRecord("header is not a JSON object")
+    for name, kind in _FIELDS.items():
+        if not isinstance(header.get(name), kind) or isinstance(header.get(name), bool):
+            raise CorruptRecord(f"header field {name!r} missing or not {kind}")
+    if header.get("expires") is not None and not isinstance(header["expires"], (int, float)):
+        raise CorruptRecord("header field 'expires' is not a number")
+    if (
+        min(header[f] for f in ("num_layers", "kv_heads", "length", "head_dim", "hidden", "payload_bytes"))
+        < 0
+    ):
+        raise CorruptRecord("negative size in the header")
+    try:
+        validate_key(header["key"])
+    except ValueError as exc:
+        raise CorruptRecord(str(exc)) from None
+    return header, hlen
+
+
+def peek(data: bytes, nbytes: int | None = None) -> RecordInfo:
+    """The header of a record whose first bytes are ``data`` (not verified: the checksum needs it all).
+
+    ``nbytes`` is the whole record's size (``len(data)`` when None).
+    """
+    header, _ = _read_header(data)
+    return RecordInfo(
+        key=header["key"],
+        tenant=header["tenant"],
+        created=float(header["created"]),
+        expires=None if header.get("expires") is None else float(header["expires"]),
+        length=header["length"],
+        nbytes=len(data) if nbytes is None else nbytes,
+        header=header,
+    )
+
+
+def header_size(prefix: bytes) -> int:
+    """Bytes of prefix + header, from a record's first 16 bytes (to read only the header from a file)."""
+    if len(prefix) < _PREFIX.size:
+        raise CorruptRecord(f"truncated: {len(prefix)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+    magic, _, hlen = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptRecord(f"wrong magic {magic!r}")
+    return _PREFIX.size + min(hlen, MAX_HEADER)
+
+
+PREFIX_SIZE = _PREFIX.size
