@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -117,7 +118,9 @@ def run_side(
             from vlkv.eval.peers import peer_continuation_nll
 
             cfgs = [(label(spec, b), *parse_spec(spec)[:1], b, parse_spec(spec)[1]) for spec, b in group]
-            results = peer_continuation_nll(engine, list(windows), cfgs, Path(out) / "work")
+            # the exported LM (hundreds of MB) stays out of the results folder
+            with tempfile.TemporaryDirectory(prefix="vlkv-realtext-") as work:
+                results = peer_continuation_nll(engine, list(windows), cfgs, Path(work))
         for spec, budget in group:
             lab = label(spec, budget)
             res = results[lab]
