@@ -147,7 +147,8 @@ def test_lru_demotes_down_and_promotes_up_within_byte_budgets(tmp_path):
     # device holds the two newest; the oldest went down to host; disk holds all three
     assert device.keys() == [recs[1].key, recs[2].key] and host.keys() == [recs[0].key]
     assert len(disk.keys()) == 3 and store.stats.tiers["device"].evictions == 1
-    store.get(recs[0].key, "alice")  # host hit → moved up; device's LRU (1) goes down to host
+    got = store.get(recs[0].key, "alice")  # host hit → moved up; device's LRU (1) goes down to host
+    assert got is device.get(recs[0].key)  # the caller gets the device copy
     assert device.keys() == [recs[2].key, recs[0].key] and host.keys() == [recs[1].key]
     assert store.stats.tiers["host"].hits == 1
     store.put(recs[3])  # disk over budget: its least recently used file goes

@@ -80,13 +80,14 @@ class RecordInfo:
         return self.expires is not None and now >= self.expires
 
 
-@dataclass(eq=False, kw_only=True)
+@dataclass(eq=False, kw_only=True, repr=False)
 class Record:
     """One span's per-layer pre-RoPE K/V, projected embeddings and modality, with its identity.
 
     Attributes:
         identity: what the K/V depends on (:class:`Identity`); with ``tenant`` it gives :attr:`key`.
         tenant: the owner; :data:`SHARED_TENANT` marks the dynamic (shared) library.
+        key: the record id, computed from ``identity`` and ``tenant`` (64 hex digits).
         keys, values: per layer ``(H_kv, n, D)`` K (before RoPE) and V, one dtype for all.
         embeds: ``(n, hidden)`` the span's input embeddings (projected image features), for
             recomputing selected tokens.
@@ -102,6 +103,7 @@ class Record:
     modality: Tensor
     created: float = field(default_factory=time.time)
     expires: float | None = None
+    key: str = field(init=False)  # the record id: ``identity.key(tenant)``, fixed at construction
 
     def __post_init__(self) -> None:
         validate_tenant(self.tenant, allow_reserved=self.tenant == SHARED_TENANT)
@@ -131,6 +133,13 @@ class Record:
             raise ValueError(f"modality must be (n={n},), got {tuple(self.modality.shape)}")
         self.modality = self.modality.to(torch.int8)
         self.key = self.identity.key(self.tenant)
+
+    def __repr__(self) -> str:
+        h, n, d = self.keys[0].shape
+        return (
+            f"Record(key={self.key[:12]}…, tenant={self.tenant!r}, layers={len(self.keys)}, H_kv={h}, n={n}, "
+            f"D={d}, dtype={self.keys[0].dtype}, device={self.keys[0].device}, nbytes={self.nbytes})"
+        )
 
     # ------------------------------------------------------------------ views
     @property

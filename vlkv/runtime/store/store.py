@@ -148,7 +148,11 @@ class ContextStore:
 
     # ------------------------------------------------------------------ reads
     def get(self, key: str, tenant: str) -> Record | None:
-        """The record ``key`` if ``tenant`` may read it and it passes every check, else None (a miss)."""
+        """The record ``key`` if ``tenant`` may read it and it passes every check, else None (a miss).
+
+        A hit is promoted; when a device tier takes it, the record returned is the device tier's (its
+        tensors on the device). Treat it as read-only: the tier holds the same object.
+        """
         validate_key(key)
         validate_tenant(tenant, allow_reserved=True)
         with self._lock:
@@ -204,8 +208,7 @@ class ContextStore:
                 return None
             st.hits += 1
             st.bytes_loaded += value.nbytes if isinstance(value, Record) else len(value)
-            self._promote(i, key, record, value)
-            return record
+            return self._promote(i, key, record, value)
         return None
 
     def _verify(self, value: bytes | Record, key: str) -> Record:
@@ -251,9 +254,8 @@ class ContextStore:
             if placed is None:
                 return []
             took = [self.tiers[placed].name]
-            if placed != last and self._place(
-                last, record.key, record, data
-            ):  # write through: survives a restart
+            # write through to the last tier, so the record survives a restart
+            if placed != last and self._place(last, record.key, record, data):
                 took.append(self.tiers[last].name)
             return took
 
@@ -288,15 +290,19 @@ class ContextStore:
         except (CorruptRecord, StaleRecord):
             self.stats.tiers[tier.name].corrupt += 1  # damaged in memory: dropped, not demoted
 
-    def _promote(self, i: int, key: str, record: Record, value: bytes | Record) -> None:
-        if i == 0:
-            return
+    def _promote(self, i: int, key: str, record: Record, value: bytes | Record) -> Record:
+        """Copy a hit in tier ``i`` into the fastest tier it fits in; the record as that tier holds it.
+
+        Memory tiers hold a record once (it leaves tier ``i``); the last, persistent tier keeps its copy.
+        """
         data = None if isinstance(value, Record) else value
         for j in range(i):
             if self._place(j, key, record, data):
                 if i != len(self.tiers) - 1:
-                    self.tiers[i].delete(key)  # memory tiers hold a record once; the last tier keeps it
-                return
+                    self.tiers[i].delete(key)
+                held = self.tiers[j].get(key, touch=False)
+                return held if isinstance(held, Record) else record
+        return record
 
     def delete(self, key: str) -> bool:
         """Remove ``key`` from every tier; True when some tier held it."""
