@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import pytest
 import torch
@@ -57,8 +58,6 @@ def test_every_input_changes_the_key():
 
 
 def test_uuid_and_content_never_collide_and_exactly_one_is_needed():
-    import hashlib
-
     digest = hashlib.sha256(IMAGE).hexdigest()
     assert _key(content=None, uuid=f"sha256:{digest}") != _key()
     assert _key(content=None, uuid="u1") == _key(content=None, uuid="u1")

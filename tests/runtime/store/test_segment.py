@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import make_image
+from tests.runtime.store.helpers import make_record
 from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.cache import Modality
 from vlkv.runtime.engine import Engine
@@ -88,7 +89,5 @@ def test_a_stored_span_links_back_to_the_tokens_of_full_recompute(engine, tmp_pa
 def test_a_record_of_another_shape_is_refused_by_the_pool(engine):
     batch = engine.encode([Prompt("Hi", [make_image(1)])])
     pool = engine.new_cache(batch).pool
-    from tests.runtime.store.helpers import make_record
-
     with pytest.raises(ValueError, match="pool"):
         make_record(layers=1).to_segment(pool)

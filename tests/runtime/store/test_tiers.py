@@ -27,6 +27,9 @@ def test_host_tier_lru_within_budget():
     assert tier.keys() == [_key(0), _key(3)] and tier.bytes_used() == 250
     with pytest.raises(TypeError):
         tier.put(_key(4), make_record())
+    with pytest.raises(ValueError, match="exceeds the host tier's budget"):
+        tier.put(_key(5), bytes(301))
+    assert tier.keys() == [_key(0), _key(3)]  # a refused put evicts nothing
 
 
 def test_device_tier_holds_records_on_its_device():

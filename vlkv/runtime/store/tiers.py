@@ -52,6 +52,11 @@ def _size(value: bytes | Record) -> int:
     return value.nbytes if isinstance(value, Record) else len(value)
 
 
+def _check_fits(name: str, nbytes: int, max_bytes: int) -> None:
+    if nbytes > max_bytes:
+        raise ValueError(f"a record of {nbytes} bytes exceeds the {name} tier's budget of {max_bytes} bytes")
+
+
 def _check_budget(name: str, max_bytes: int) -> int:
     if not isinstance(max_bytes, int) or max_bytes < 0:
         raise ValueError(f"{name} max_bytes must be an int >= 0, got {max_bytes!r}")
@@ -79,6 +84,7 @@ class _MemoryTier:
 
     def put(self, key: str, value) -> None:
         validate_key(key)
+        _check_fits(self.name, _size(value), self.max_bytes)
         self.delete(key)
         for victim in self.victims(_size(value)):
             self.delete(victim)
@@ -231,6 +237,7 @@ class DiskTier:
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"disk tier holds record bytes, got {type(value).__name__}")
         final = self.file(key)
+        _check_fits(self.name, len(value), self.max_bytes)
         tmp = self.path / f".{key}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
         try:
             with open(tmp, "xb") as f:
