@@ -223,6 +223,12 @@ def _print_report(args, prompts, lengths, result, eos) -> None:
         f"-- kv: {_size(used)} of {_size(full)} full ({1 - used / full:.0%} saved); "
         f"prefill {result.prefill_s:.3f} s, decode {result.decode_s:.3f} s for {result.decode_steps} step(s)",
     )
+    if "store" in result.extras:
+        st = result.extras["store"]
+        _info(
+            f"-- link: {st['hits']} hit(s), {st['misses']} miss(es); {st['reused_tokens']} tokens reused, "
+            f"{st['recomputed_tokens']} recomputed"
+        )
     if "cache_hit_rate" in result.extras:
         _info(f"-- cache hit rate (mean over layers): {result.extras['cache_hit_rate']['mean']:.3f}")
 
@@ -244,8 +250,14 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from vlkv.runtime.device import resolve_device
+    from vlkv.runtime.link.linker import LinkSpec
 
     device = resolve_device(args.device)
+    link = (
+        None
+        if args.link == "none" and args.link_k is None
+        else LinkSpec(args.link, 32 if args.link_k is None else args.link_k)
+    )
     if args.pool_bytes is not None and args.pool_bytes < 1:
         raise CliError(f"--pool-bytes must be >= 1, got {args.pool_bytes}")
     prompts = _prompts(args)
@@ -264,6 +276,7 @@ def cmd_generate(args) -> int:
         cache_hit_rate=args.cache_hit_rate,
         hit_rate_k=args.hit_rate_k,
         pool_bytes=args.pool_bytes,
+        link=link,
     )
     if args.json:
         described = [
@@ -308,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--backend", default="torch", help="torch or onnxruntime (default: torch)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    g.add_argument(
+        "--link",
+        default="none",
+        help="reuse stored image K/V: none, prefix, full-reuse or mpic (later prompts reuse earlier ones' images)",
+    )
+    g.add_argument(
+        "--link-k", type=int, default=None, help="MPIC: leading tokens of each image to recompute (32)"
+    )
     g.add_argument(
         "--pool-bytes",
         type=int,

@@ -215,6 +215,7 @@ class Engine:
         hit_rate_k: int | float | None = None,
         stop_at_eos: bool = True,
         pool_bytes: int | None = None,
+        link=None,
     ) -> GenerationResult:
         """Generate for a batch: every prompt becomes a request of one :class:`Scheduler` run.
 
@@ -224,6 +225,8 @@ class Engine:
         full-cache prefill per prompt outside the timed region. ``stop_at_eos=False`` runs every
         sample for exactly ``max_new_tokens`` (equal-length references, fixed-step timing).
         ``pool_bytes`` fixes the KV pool's size (admission and preemption as in the scheduler).
+        ``link`` (a :class:`~vlkv.runtime.link.linker.LinkSpec`) prefills by linking stored records
+        (later prompts reuse the images of earlier ones); ``extras["store"]`` then says what was reused.
         With sampling, prompt ``i`` draws from its own generator seeded ``sampler.seed + i``.
         """
         from vlkv.runtime.request import Request, Status
@@ -235,7 +238,9 @@ class Engine:
         sched = Scheduler(self, pool_bytes, cache_hit_rate=cache_hit_rate, hit_rate_k=hit_rate_k)
         requests = [
             sched.submit(
-                Request(p, policy, max_new_tokens, replace(sampler, seed=sampler.seed + i), stop_at_eos)
+                Request(
+                    p, policy, max_new_tokens, replace(sampler, seed=sampler.seed + i), stop_at_eos, link=link
+                )
             )
             for i, p in enumerate(prompts)
         ]
@@ -244,6 +249,15 @@ class Engine:
             if r.status is Status.FAILED:
                 raise r.exception
         extras: dict = {**_usage_fractions(requests)}
+        if link is not None:
+            extras["ttft_s"] = [r.ttft_s for r in requests]
+            from vlkv.runtime.link.linker import LinkStats
+
+            total = LinkStats()
+            for r in requests:
+                if r.link_stats is not None:
+                    total.add(r.link_stats)
+            extras["store"] = {**vars(total), "corrupt": 0}
         if cache_hit_rate:
             extras["cache_hit_rate"] = _merge_hit_rates([r.extras["cache_hit_rate"] for r in requests])
         samples = [

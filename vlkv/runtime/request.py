@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from vlkv.runtime.cache import KVCache
+from vlkv.runtime.link.linker import LinkSpec, LinkStats
 from vlkv.runtime.policies import Policy
 from vlkv.runtime.prompt import Prompt, PromptBatch
 from vlkv.runtime.sampling import Sampler
@@ -36,6 +37,7 @@ class Request:
         sampler: token choice (greedy by default); each request has its own generator.
         stop_at_eos: stop at the model's end-of-sequence tokens.
         on_token: streaming callback ``(request, token_id)``, called for every generated token.
+        link: how the prefill reuses stored K/V (:class:`~vlkv.runtime.link.linker.LinkSpec`); None = none.
     """
 
     prompt: Prompt
@@ -44,6 +46,7 @@ class Request:
     sampler: Sampler = field(default_factory=Sampler)
     stop_at_eos: bool = True
     on_token: Callable[[Request, int], None] | None = None
+    link: LinkSpec | None = None
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
     # life cycle, written by the scheduler
@@ -65,6 +68,7 @@ class Request:
     peak_kv_bytes: int = field(default=0, init=False)
     usage: dict = field(default_factory=lambda: {"stored": 0.0, "used": 0.0, "full": 0.0}, init=False)
     extras: dict = field(default_factory=dict, init=False)
+    link_stats: LinkStats | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -30,6 +30,7 @@ from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepStat
 from vlkv.runtime.cache import KVCache, Modality
 from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
+from vlkv.runtime.link.linker import SegmentStore, link_prefill
 from vlkv.runtime.request import Request, Status
 
 
@@ -78,6 +79,7 @@ class Scheduler:
         self.pool.rope = engine.rope
         self.max_running, self.swap_device = max_running, swap_device
         self.cache_hit_rate, self.hit_rate_k = cache_hit_rate, hit_rate_k
+        self.segments = SegmentStore(self.pool)  # linkable records (images, prefixes) in this pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -101,6 +103,13 @@ class Scheduler:
         loaded = self.engine.loaded
         check_fits([n], request.max_new_tokens, position_limit(loaded), getattr(loaded, "name", "the model"))
         request.reserve = _reserve(request, n)
+        if request.link is not None and request.link.method != "none":
+            ctx = self.engine.context(request.batch)
+            if request.policy.prefill_request(ctx, n) is not None:
+                raise ValueError(
+                    f"policy {request.policy.name!r} needs prefill statistics, which a link step does not "
+                    "compute yet: use --link none, or a policy without them (full, local)"
+                )
         if not self.pool.grow:
             slots = self.pool.capacity(0)
             need = max(n, request.reserve)
@@ -144,6 +153,9 @@ class Scheduler:
                 # the prompt is written whole before its policy compresses it, and every running
                 # request still needs a slot for this iteration's decode step
                 short = req.reserve > room or req.prompt_tokens + len(self.running) > self.pool.min_free()
+                if short and (self.segments.images or self.segments.prefixes):
+                    self.segments.release()
+                    short = req.reserve > room or req.prompt_tokens + len(self.running) > self.pool.min_free()
                 if short and self.running:
                     return
             self.waiting.popleft()
@@ -155,7 +167,10 @@ class Scheduler:
             cache = eng.new_cache(req.batch, pool=self.pool)
             req.cache, req.status = cache, Status.RUNNING
             t0 = time.perf_counter()
-            out = eng.prefill(req.batch, req.policy, cache)
+            if req.link is not None and req.link.method != "none":
+                out = self._link(req, cache)
+            else:
+                out = eng.prefill(req.batch, req.policy, cache)
             req.prefill_s = time.perf_counter() - t0
             self.prefill_s += req.prefill_s
             req.peak_kv_bytes = out.peak_kv_bytes or cache.kv_bytes()
@@ -169,6 +184,20 @@ class Scheduler:
             self._emit(req, int(req.sampler(out.logits)[0]))
         except Exception as err:  # one request's failure never stops the others
             self._fail(req, err)
+
+    def _link(self, req: Request, cache: KVCache):
+        """Prefill by linking stored records (the linker), then the request's policy edits."""
+        from vlkv.runtime.engine import apply_edits
+
+        eng = self.engine
+        model_id = getattr(eng.loaded, "name", "model")
+        out, req.link_stats = link_prefill(
+            eng, req.batch, req.prompt.images, cache, req.link, self.segments, model_id
+        )
+        out.peak_kv_bytes = cache.kv_bytes()
+        ctx = eng.context(req.batch)
+        apply_edits(cache, req.policy.after_prefill(cache, StepStats([None] * len(cache.layers)), ctx))
+        return out
 
     # ------------------------------------------------------------------ preemption
     def _resume(self) -> None:
@@ -186,6 +215,8 @@ class Scheduler:
         """Swap out the latest-admitted requests until one decode step fits every layer."""
         if self.pool.grow:
             return
+        if self.pool.min_free() < len(self.running) and (self.segments.images or self.segments.prefixes):
+            self.segments.release()  # stored records go first: requests that link them keep their refs
         while self.running and self.pool.min_free() < len(self.running):
             if len(self.running) == 1:
                 req = self.running[0]

@@ -108,3 +108,20 @@ def test_bad_link_settings_are_one_line():
         LinkSpec("blend")
     with pytest.raises(ValueError, match="link k must be an integer >= 0, got -1"):
         LinkSpec("mpic", -1)
+
+
+def test_generate_links_later_prompts_to_earlier_images_and_reports_it(engines, images):
+    engine = engines["tiny-llava"]
+    prompts = [
+        Prompt("What is this?", [images[0], images[1]]),
+        Prompt("And now, reversed?", [images[1], images[0]]),
+    ]
+    res = engine.generate(prompts, make_policy("full"), 4, stop_at_eos=False, link=LinkSpec("mpic", 2))
+    store = res.extras["store"]
+    assert (store["hits"], store["misses"]) == (2, 2)
+    assert store["recomputed_tokens"] < sum(s.prompt_tokens for s in res.samples)
+    assert len(res.extras["ttft_s"]) == 2
+    plain = engine.generate(prompts[:1], make_policy("full"), 4, stop_at_eos=False)
+    assert res.samples[0].token_ids == plain.samples[0].token_ids  # the first prompt found nothing to link
+    with pytest.raises(ValueError, match="needs prefill statistics"):
+        engine.generate(prompts, make_policy("snapkv", budget=0.5), 4, link=LinkSpec("mpic", 2))

@@ -1,0 +1,42 @@
+"""`vlkv generate --link`: the JSON report says what was reused; bad link settings are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlkv.cli import main
+
+
+def test_json_reports_store_hits_and_ttft(tmp_path, capsys):
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(
+        json.dumps({"prompt": "What is it?", "images": ["builtin:noise"]})
+        + "\n"
+        + json.dumps({"prompt": "Again, shorter?", "images": ["builtin:noise"]})
+        + "\n"
+    )
+    code = main(
+        ["generate", "--model", "tiny-llava", "--policy", "full", "--batch-file", str(batch), "--link", "mpic",
+         "--link-k", "2", "--max-new-tokens", "3", "--json"]
+    )  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    store = report["extras"]["store"]
+    assert (store["hits"], store["misses"], store["corrupt"]) == (1, 1, 0)
+    assert store["reused_tokens"] > 0 and len(report["extras"]["ttft_s"]) == 2
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--link", "blend"], "unknown link method 'blend'"),
+        (["--link", "mpic", "--link-k", "-1"], "link k must be an integer >= 0"),
+        (["--link", "mpic", "--policy", "snapkv"], "needs prefill statistics"),
+    ],
+)
+def test_bad_link_settings_exit_2_with_one_line(argv, needle, capsys):
+    code = main(["generate", "--model", "tiny-llava", "--max-new-tokens", "2", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and needle in err, err
