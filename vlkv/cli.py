@@ -253,6 +253,17 @@ def cmd_generate(args) -> int:
     from vlkv.runtime.link.linker import LinkSpec
 
     device = resolve_device(args.device)
+    store = None
+    if args.store is not None:
+        from vlkv.runtime.store import ContextStore
+        from vlkv.runtime.store.identity import validate_tenant
+
+        validate_tenant(args.tenant)
+        if args.link == "none":
+            raise CliError(
+                "--store needs --link (prefix, full-reuse or mpic): without linking nothing is reused"
+            )
+        store = ContextStore.open(args.store)
     link = (
         None
         if args.link == "none" and args.link_k is None
@@ -277,6 +288,8 @@ def cmd_generate(args) -> int:
         hit_rate_k=args.hit_rate_k,
         pool_bytes=args.pool_bytes,
         link=link,
+        store=store,
+        tenant=args.tenant,
     )
     if args.json:
         described = [
@@ -326,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="reuse stored image K/V: none, prefix, full-reuse or mpic (later prompts reuse earlier ones' images)",
     )
+    g.add_argument("--store", default=None, help="context-store directory: image records persist across runs")
+    g.add_argument(
+        "--tenant", default="default", help="whose stored records a request may link (default: default)"
+    )
     g.add_argument(
         "--link-k", type=int, default=None, help="MPIC: leading tokens of each image to recompute (32)"
     )
@@ -349,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--json", action="store_true", help="print a JSON report instead of text")
     g.set_defaults(func=cmd_generate)
+    from vlkv.store_cli import add_store_parser
+
+    add_store_parser(sub)
     return parser
 
 

@@ -216,6 +216,8 @@ class Engine:
         stop_at_eos: bool = True,
         pool_bytes: int | None = None,
         link=None,
+        store=None,
+        tenant: str = "default",
     ) -> GenerationResult:
         """Generate for a batch: every prompt becomes a request of one :class:`Scheduler` run.
 
@@ -226,7 +228,9 @@ class Engine:
         sample for exactly ``max_new_tokens`` (equal-length references, fixed-step timing).
         ``pool_bytes`` fixes the KV pool's size (admission and preemption as in the scheduler).
         ``link`` (a :class:`~vlkv.runtime.link.linker.LinkSpec`) prefills by linking stored records
-        (later prompts reuse the images of earlier ones); ``extras["store"]`` then says what was reused.
+        (later prompts reuse the images of earlier ones, and ``store``'s records — a
+        :class:`~vlkv.runtime.store.ContextStore` — scoped to ``tenant``); ``extras["store"]`` says what
+        was reused.
         With sampling, prompt ``i`` draws from its own generator seeded ``sampler.seed + i``.
         """
         from vlkv.runtime.request import Request, Status
@@ -235,11 +239,17 @@ class Engine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = sampler or Sampler()
-        sched = Scheduler(self, pool_bytes, cache_hit_rate=cache_hit_rate, hit_rate_k=hit_rate_k)
+        sched = Scheduler(self, pool_bytes, cache_hit_rate=cache_hit_rate, hit_rate_k=hit_rate_k, store=store)
         requests = [
             sched.submit(
                 Request(
-                    p, policy, max_new_tokens, replace(sampler, seed=sampler.seed + i), stop_at_eos, link=link
+                    p,
+                    policy,
+                    max_new_tokens,
+                    replace(sampler, seed=sampler.seed + i),
+                    stop_at_eos,
+                    link=link,
+                    tenant=tenant,
                 )
             )
             for i, p in enumerate(prompts)
@@ -257,7 +267,10 @@ class Engine:
             for r in requests:
                 if r.link_stats is not None:
                     total.add(r.link_stats)
-            extras["store"] = {**vars(total), "corrupt": 0}
+            extras["store"] = {**vars(total), "corrupt": 0, "stale": 0}
+            if store is not None:
+                st = store.stats.to_dict()
+                extras["store"].update(corrupt=st["corrupt"], stale=st["stale"])
         if cache_hit_rate:
             extras["cache_hit_rate"] = _merge_hit_rates([r.extras["cache_hit_rate"] for r in requests])
         samples = [

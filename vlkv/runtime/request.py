@@ -38,6 +38,7 @@ class Request:
         stop_at_eos: stop at the model's end-of-sequence tokens.
         on_token: streaming callback ``(request, token_id)``, called for every generated token.
         link: how the prefill reuses stored K/V (:class:`~vlkv.runtime.link.linker.LinkSpec`); None = none.
+        tenant: whose stored records the request may link (and writes).
     """
 
     prompt: Prompt
@@ -47,6 +48,7 @@ class Request:
     stop_at_eos: bool = True
     on_token: Callable[[Request, int], None] | None = None
     link: LinkSpec | None = None
+    tenant: str = "default"
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
     # life cycle, written by the scheduler

@@ -47,6 +47,8 @@ class Scheduler:
         max_running: most requests decoded together.
         swap_device: where preempted requests' K/V wait.
         cache_hit_rate: compute VL-Cache's CacheHitRate per request after its prefill.
+        store: optional :class:`~vlkv.runtime.store.ContextStore` linking requests read records from
+            and write new ones to (tenant-scoped).
         overcommit: reservations may add up to ``overcommit ×`` the pool (> 1 admits more and relies
             on preemption when requests really grow that large; 1 = never over-admit).
     """
@@ -60,6 +62,7 @@ class Scheduler:
         cache_hit_rate: bool = False,
         hit_rate_k: int | float | None = None,
         overcommit: float = 1.0,
+        store=None,
     ):
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
@@ -80,6 +83,8 @@ class Scheduler:
         self.max_running, self.swap_device = max_running, swap_device
         self.cache_hit_rate, self.hit_rate_k = cache_hit_rate, hit_rate_k
         self.segments = SegmentStore(self.pool)  # linkable records (images, prefixes) in this pool
+        self.store = store
+        self._sources: dict = {}  # tenant -> RecordSource
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -104,6 +109,9 @@ class Scheduler:
         check_fits([n], request.max_new_tokens, position_limit(loaded), getattr(loaded, "name", "the model"))
         request.reserve = _reserve(request, n)
         if request.link is not None and request.link.method != "none":
+            from vlkv.runtime.store.identity import validate_tenant
+
+            validate_tenant(request.tenant)
             ctx = self.engine.context(request.batch)
             if request.policy.prefill_request(ctx, n) is not None:
                 raise ValueError(
@@ -189,10 +197,13 @@ class Scheduler:
         """Prefill by linking stored records (the linker), then the request's policy edits."""
         from vlkv.runtime.engine import apply_edits
 
+        from vlkv.runtime.link.records import RecordSource
+
         eng = self.engine
-        model_id = getattr(eng.loaded, "name", "model")
+        if req.tenant not in self._sources:
+            self._sources[req.tenant] = RecordSource.for_engine(eng, self.segments, self.store, req.tenant)
         out, req.link_stats = link_prefill(
-            eng, req.batch, req.prompt.images, cache, req.link, self.segments, model_id
+            eng, req.batch, req.prompt.images, cache, req.link, self._sources[req.tenant]
         )
         out.peak_kv_bytes = cache.kv_bytes()
         ctx = eng.context(req.batch)

@@ -40,3 +40,17 @@ def test_bad_link_settings_exit_2_with_one_line(argv, needle, capsys):
     code = main(["generate", "--model", "tiny-llava", "--max-new-tokens", "2", *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and needle in err, err
+
+
+def test_generate_with_a_store_then_vlkv_store_lists_the_record(tmp_path, capsys):
+    args = ["generate", "--model", "tiny-llava", "--policy", "full", "--link", "mpic", "--link-k", "2"]
+    args += ["--store", str(tmp_path), "--tenant", "alice", "--max-new-tokens", "2", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["extras"]["store"]["misses"] == 1
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["extras"]["store"]["hits"] == 1
+    assert main(["store", "ls", "--store", str(tmp_path), "--tenant", "alice"]) == 0
+    listing = capsys.readouterr().out
+    assert "alice" in listing and len(listing.strip().splitlines()) == 2  # header + one record
+    assert main(["generate", "--model", "tiny-llava", "--store", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    assert "--store needs --link" in capsys.readouterr().err

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from vlkv.runtime.kv.segments import SharedSegment
-from vlkv.runtime.link.linker import LinkSpec, SegmentStore, image_key, link_prefill
+from vlkv.runtime.link.linker import LinkSpec, SegmentStore, link_prefill
+from vlkv.runtime.link.records import RecordSource
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 
@@ -27,7 +28,9 @@ def _decode(engine, batch, cache, out, n_new: int) -> list[int]:
 def _linked(engine, prompt, spec, store):
     batch = engine.encode([prompt])
     cache = engine.new_cache(batch, pool=store.pool)
-    out, stats = link_prefill(engine, batch, prompt.images, cache, spec, store, engine.loaded.name)
+    out, stats = link_prefill(
+        engine, batch, prompt.images, cache, spec, RecordSource.for_engine(engine, store)
+    )
     return batch, cache, out, stats
 
 
@@ -50,12 +53,11 @@ def test_selective_prefill_over_exact_entries_equals_full_recompute(name, k, eng
     # records cut from the full prefill itself: linking them back is exact, so any difference is the
     # selective step's masking of the non-contiguous rows
     store = SegmentStore(full.pool)
+    source = RecordSource.for_engine(engine, store)
     for img, (a, b) in zip(prompt.images, batch.spans[0].image_spans):
-        store.images[image_key(img, engine.loaded.name)] = SharedSegment.from_cache(full, a, b)
+        store.images[source.key(img)] = SharedSegment.from_cache(full, a, b)
     cache = engine.new_cache(batch, pool=full.pool)
-    out, stats = link_prefill(
-        engine, batch, prompt.images, cache, LinkSpec("mpic", k), store, engine.loaded.name
-    )
+    out, stats = link_prefill(engine, batch, prompt.images, cache, LinkSpec("mpic", k), source)
     assert stats.hits == 2 and stats.reused_tokens == batch.spans[0].num_image_tokens - 2 * k
     torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-4)
     for a, b in zip(cache.layers, full.layers):  # tables back in sequence order, same keys

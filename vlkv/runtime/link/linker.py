@@ -19,8 +19,8 @@ stored pre-RoPE.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -30,6 +30,9 @@ from vlkv.runtime.cache import KVCache
 from vlkv.runtime.kv.pool import KVPool
 from vlkv.runtime.kv.segments import SharedSegment
 from vlkv.runtime.prompt import PromptBatch
+
+if TYPE_CHECKING:
+    from vlkv.runtime.link.records import RecordSource
 
 LINK_METHODS = ("none", "prefix", "full-reuse", "mpic")
 
@@ -62,9 +65,10 @@ class LinkStats:
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     bytes_linked: int = 0
+    bytes_loaded: int = 0
 
     def add(self, other: LinkStats) -> None:
-        for name in ("hits", "misses", "reused_tokens", "recomputed_tokens", "bytes_linked"):
+        for name in ("hits", "misses", "reused_tokens", "recomputed_tokens", "bytes_linked", "bytes_loaded"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -84,19 +88,6 @@ class SegmentStore:
             seg.release()
         self.images.clear()
         self.prefixes.clear()
-
-
-def image_key(image, model_id: str) -> str:
-    """SHA-256 over the model id and the image's decoded pixels (mode, size, bytes)."""
-    from vlkv.runtime.models.images import load_image
-
-    img = load_image(image)
-    h = hashlib.sha256()
-    for part in (model_id, img.mode, f"{img.size[0]}x{img.size[1]}"):
-        h.update(part.encode())
-        h.update(b"\0")
-    h.update(img.tobytes())
-    return h.hexdigest()
 
 
 def identity(batch: PromptBatch, keys: list[str]) -> tuple:
@@ -129,8 +120,7 @@ def link_prefill(
     images: list,
     cache: KVCache,
     spec: LinkSpec,
-    store: SegmentStore,
-    model_id: str,
+    source: RecordSource,
 ) -> tuple[StepOutput, LinkStats]:
     """Prefill a one-prompt ``batch`` (whose images are ``images``) into ``cache`` reusing ``store``'s
     records; returns the step's output (logits of the last prompt token) and what was reused.
@@ -140,7 +130,9 @@ def link_prefill(
     stats = LinkStats()
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
-    keys = [image_key(img, model_id) for img in images] if len(images) == len(spans) else None
+    keys = [source.key(img) for img in images] if len(images) == len(spans) else None
+    store = source.segments
+    loaded_before = source.loaded_bytes
     emb = engine.backend.embed(batch)
     linked = torch.zeros(n, dtype=torch.bool)
     if spec.method == "prefix" and keys is not None:
@@ -155,8 +147,8 @@ def link_prefill(
             stats.misses += 1
     elif spec.method in ("mpic", "full-reuse") and keys is not None:
         k = 0 if spec.method == "full-reuse" else spec.k
-        for (a, b), key in zip(spans, keys):
-            seg = store.images.get(key)
+        for (a, b), img in zip(spans, images):
+            seg = source.lookup(img)
             if seg is None:
                 stats.misses += 1
                 continue
@@ -184,7 +176,8 @@ def link_prefill(
     if linked.any():
         _sort_tables(cache)
     cache.processed = torch.full_like(cache.processed, n)
-    _remember(engine, batch, emb, cache, spec, store, keys)
+    _remember(engine, batch, images, emb, cache, spec, source, keys)
+    stats.bytes_loaded = source.loaded_bytes - loaded_before
     return out, stats
 
 
@@ -206,16 +199,18 @@ def _sort_tables(cache: KVCache) -> None:
         layer.select(torch.sort(order, dim=-1, stable=True).indices, layer.lengths.clone())
 
 
-def _remember(engine, batch, emb, cache, spec, store: SegmentStore, keys) -> None:
+def _remember(engine, batch, images, emb, cache, spec, source: RecordSource, keys) -> None:
     """Store what a later request can reuse: missing images (computed alone) and the prompt prefix."""
     if keys is None or spec.method == "none":
         return
+    store = source.segments
     if spec.method == "prefix":
         ident = identity(batch, keys)
         if ident not in store.prefixes:
             n = len(ident)
             store.prefixes[ident] = SharedSegment.from_cache(cache, 0, n)
         return
-    for span, key in zip(batch.spans[0].image_spans, keys):
+    for span, key, img in zip(batch.spans[0].image_spans, keys, images):
         if key not in store.images:
-            store.images[key] = standalone_segment(engine, batch, emb, span, cache.pool)
+            seg = standalone_segment(engine, batch, emb, span, cache.pool)
+            source.remember(img, seg, emb[0, span[0] : span[1]])

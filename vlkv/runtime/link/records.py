@@ -1,0 +1,80 @@
+"""Where the linker finds image records: in the pool first, then the persistent context store.
+
+Keys are the store's record keys (model fingerprint, processor settings, image content or client
+uuid, layout version, tenant), so the in-pool cache is tenant-scoped exactly like the store: a
+tenant never links another tenant's record from either place. A record found in the store is
+verified there (checksum, model, layout, tenant, expiry) and loaded into the pool once; an image
+computed alone is kept in the pool and written back to the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from vlkv.runtime.kv.segments import SharedSegment
+from vlkv.runtime.link.linker import SegmentStore
+
+
+@dataclass
+class RecordSource:
+    """The linker's view of records for one tenant.
+
+    Attributes:
+        segments: in-pool records (shared by every request on the pool).
+        store: optional :class:`~vlkv.runtime.store.ContextStore` behind them.
+        tenant: whose records these are (validated).
+        fingerprint, settings: the model fingerprint and processor settings keys are made of.
+        loaded_bytes: record bytes read from the store so far.
+    """
+
+    segments: SegmentStore
+    store: object | None
+    tenant: str
+    fingerprint: str
+    settings: dict
+    loaded_bytes: int = 0
+
+    @classmethod
+    def for_engine(cls, engine, segments: SegmentStore, store=None, tenant: str = "default") -> RecordSource:
+        from vlkv.runtime.store.identity import model_fingerprint, processor_settings, validate_tenant
+
+        loaded = engine.loaded
+        return cls(
+            segments, store, validate_tenant(tenant), model_fingerprint(loaded), processor_settings(loaded)
+        )
+
+    def identity(self, image):
+        """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec)."""
+        from vlkv.runtime.models.images import load_image
+        from vlkv.runtime.store.identity import Identity, image_content
+
+        return Identity.of(self.fingerprint, self.settings, content=image_content(load_image(image)))
+
+    def key(self, image) -> str:
+        return self.identity(image).key(self.tenant)
+
+    def lookup(self, image) -> SharedSegment | None:
+        """The image's record in the pool, loading it from the store on a pool miss."""
+        key = self.key(image)
+        seg = self.segments.images.get(key)
+        if seg is not None or self.store is None:
+            return seg
+        record = self.store.find(self.identity(image), self.tenant)
+        if record is None:
+            return None
+        seg = record.to_segment(self.segments.pool)
+        self.loaded_bytes += record.nbytes
+        self.segments.images[key] = seg
+        return seg
+
+    def remember(self, image, seg: SharedSegment, embeds: Tensor) -> None:
+        """Keep a freshly computed image record in the pool and write it to the store."""
+        self.segments.images[self.key(image)] = seg
+        if self.store is not None:
+            from vlkv.runtime.store.record import Record
+
+            self.store.put(
+                Record.from_segment(seg, self.identity(image), self.tenant, embeds=embeds.detach().cpu())
+            )
