@@ -196,7 +196,6 @@ class Scheduler:
     def _link(self, req: Request, cache: KVCache):
         """Prefill by linking stored records (the linker), then the request's policy edits."""
         from vlkv.runtime.engine import apply_edits
-
         from vlkv.runtime.link.records import RecordSource
 
         eng = self.engine
