@@ -69,14 +69,7 @@ class Scheduler:
         if not overcommit >= 1.0:
             raise ValueError(f"overcommit must be >= 1, got {overcommit}")
         self.overcommit = overcommit
-        be = engine.backend
-        spec = PoolSpec(
-            num_layers=be.num_layers,
-            kv_heads=be.num_kv_heads,
-            head_dim=be.head_dim,
-            dtype=be.dtype,
-            device=be.device,
-        )
+        spec = PoolSpec.for_backend(engine.backend)
         self.engine = engine
         self.pool = KVPool(spec, 0, grow=True) if pool_bytes is None else KVPool.with_bytes(spec, pool_bytes)
         self.pool.rope = engine.rope

@@ -61,6 +61,17 @@ class PoolSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         object.__setattr__(self, "device", torch.device(self.device))
 
+    @classmethod
+    def for_backend(cls, backend) -> PoolSpec:
+        """The layout of a backend's model (layers, KV heads, head size, dtype, device)."""
+        return cls(
+            num_layers=backend.num_layers,
+            kv_heads=backend.num_kv_heads,
+            head_dim=backend.head_dim,
+            dtype=backend.dtype,
+            device=backend.device,
+        )
+
     @property
     def entry_bytes(self) -> int:
         """K + V bytes of one token in one layer (all KV heads)."""
