@@ -127,3 +127,22 @@ def test_generate_links_later_prompts_to_earlier_images_and_reports_it(engines, 
     assert res.samples[0].token_ids == plain.samples[0].token_ids  # the first prompt found nothing to link
     with pytest.raises(ValueError, match="needs prefill statistics"):
         engine.generate(prompts, make_policy("snapkv", budget=0.5), 4, link=LinkSpec("mpic", 2))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hits_skip_the_vision_tower_and_give_the_same_tokens(name, engines, images, monkeypatch):
+    engine = engines[name]
+    store = SegmentStore(_pool(engine))
+    prompt = Prompt("Compare the two.", [images[0], images[2]])
+    _linked(engine, prompt, LinkSpec("mpic", 3), store)  # computes and keeps both images
+    adapter = engine.backend.adapter
+    calls = []
+    real = adapter.image_features
+    monkeypatch.setattr(adapter, "image_features", lambda v: calls.append(v) or real(v))
+    batch, cache, out, stats = _linked(engine, prompt, LinkSpec("mpic", 3), store)
+    assert stats.hits == 2 and calls == []  # the first k rows' embeddings came from the records
+    with_records = _decode(engine, batch, cache, out, NEW)
+    for seg in store.images.values():
+        seg.embeds = None  # now the linker must run the vision tower for those rows
+    batch, cache, out, _ = _linked(engine, prompt, LinkSpec("mpic", 3), store)
+    assert len(calls) == 1 and _decode(engine, batch, cache, out, NEW) == with_records

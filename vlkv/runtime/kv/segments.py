@@ -31,6 +31,9 @@ class SharedSegment:
     pool: KVPool
     ids: list[Tensor]
     modality: Tensor
+    # ``(n, hidden)`` the span's input embeddings, when kept (lets a linker recompute some of its
+    # rows without running the vision tower again)
+    embeds: Tensor | None = None
 
     @property
     def length(self) -> int:

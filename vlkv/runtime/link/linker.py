@@ -133,8 +133,8 @@ def link_prefill(
     keys = [source.key(img) for img in images] if len(images) == len(spans) else None
     store = source.segments
     loaded_before = source.loaded_bytes
-    emb = engine.backend.embed(batch)
     linked = torch.zeros(n, dtype=torch.bool)
+    known: dict[int, Tensor | None] = {}  # image index -> embeddings from its record (None: none kept)
     if spec.method == "prefix" and keys is not None:
         ident = identity(batch, keys)
         best = max((p for p in store.prefixes if ident[: len(p)] == p), key=len, default=None)
@@ -143,20 +143,23 @@ def link_prefill(
             _link_part(store.prefixes[best], cache, batch, m)
             linked[:m] = True
             stats.hits += 1
+            known = {i: _ZERO for i, (a, b) in enumerate(spans) if b <= m}  # wholly linked: no rows to embed
         else:
             stats.misses += 1
     elif spec.method in ("mpic", "full-reuse") and keys is not None:
         k = 0 if spec.method == "full-reuse" else spec.k
-        for (a, b), img in zip(spans, images):
+        for i, ((a, b), img) in enumerate(zip(spans, images)):
             seg = source.lookup(img)
             if seg is None:
                 stats.misses += 1
                 continue
             stats.hits += 1
+            known[i] = seg.embeds
             s = min(k, b - a)
             if s < b - a:
                 seg.link(cache, batch.positions[0, a + s : b], start=s, order=torch.arange(a + s, b))
                 linked[a + s : b] = True
+    emb = _embed(engine, batch, known) if keys is not None else engine.backend.embed(batch)
     linked[n - 1] = False  # the last prompt token always runs: it gives the logits
     rows = torch.nonzero(~linked).flatten()
     stats.reused_tokens = int(linked.sum())
@@ -179,6 +182,35 @@ def link_prefill(
     _remember(engine, batch, images, emb, cache, spec, source, keys)
     stats.bytes_loaded = source.loaded_bytes - loaded_before
     return out, stats
+
+
+_ZERO = torch.zeros(0)  # marks an image whose rows are all linked (its embeddings are never read)
+
+
+def _embed(engine, batch: PromptBatch, known: dict) -> Tensor:
+    """``(1, n, hidden)`` prompt embeddings, running the vision tower only for images without a record.
+
+    ``known[i]`` holds image ``i``'s ``(n_i, hidden)`` embeddings from its record (or :data:`_ZERO`
+    when none of its rows is recomputed); the others are computed, all in one vision call."""
+    ad = engine.backend.adapter
+    dev = engine.backend.device
+    emb = ad.embed_tokens(batch.input_ids.to(dev))
+    spans = batch.spans[0].image_spans
+    need = [known.get(i) is None for i in range(len(spans))]
+    if any(need):
+        feats = ad.image_features(
+            ad.select_images({k: v.to(dev) for k, v in batch.prompts[0].vision.items()}, need)
+        )
+        at = 0
+        for (a, b), todo in zip(spans, need):
+            if todo:
+                emb[0, a:b] = feats[at : at + b - a].to(emb.dtype)
+                at += b - a
+    for i, e in known.items():
+        if e is not None and e.numel():
+            a, b = spans[i]
+            emb[0, a:b] = e.to(device=dev, dtype=emb.dtype)
+    return emb
 
 
 def _link_part(seg: SharedSegment, cache: KVCache, batch: PromptBatch, m: int) -> None:
@@ -213,4 +245,5 @@ def _remember(engine, batch, images, emb, cache, spec, source: RecordSource, key
     for span, key, img in zip(batch.spans[0].image_spans, keys, images):
         if key not in store.images:
             seg = standalone_segment(engine, batch, emb, span, cache.pool)
-            source.remember(img, seg, emb[0, span[0] : span[1]])
+            seg.embeds = emb[0, span[0] : span[1]].detach()
+            source.remember(img, seg, seg.embeds)

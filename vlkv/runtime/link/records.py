@@ -65,6 +65,7 @@ class RecordSource:
         if record is None:
             return None
         seg = record.to_segment(self.segments.pool)
+        seg.embeds = record.embeds.to(self.segments.pool.spec.device)
         self.loaded_bytes += record.nbytes
         self.segments.images[key] = seg
         return seg

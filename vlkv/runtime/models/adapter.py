@@ -86,6 +86,12 @@ class FamilyAdapter:
         """``(n, P)`` int64 RoPE positions of one prompt's tokens (``input_ids (n,)``)."""
         return torch.arange(input_ids.shape[0], dtype=torch.long)[:, None]
 
+    def select_images(self, vision: dict[str, Tensor], keep: list[bool]) -> dict[str, Tensor]:
+        """One prompt's vision inputs for the images where ``keep`` is True (the linker computes only
+        the images it has no record of). Every per-image tensor here has the images on dim 0."""
+        idx = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long)
+        return {name: t[idx.to(t.device)] for name, t in vision.items()} if len(idx) else {}
+
 
 class LlavaAdapter(FamilyAdapter):
     """LLaVA-1.5 (CLIP tower + projector) and LLaVA-1.6 (anyres, newline tokens count as image)."""
@@ -105,6 +111,20 @@ class Qwen2VLAdapter(FamilyAdapter):
 
     def rotary(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.lm.rotary_emb(hidden, positions.permute(2, 0, 1))
+
+    def select_images(self, vision: dict[str, Tensor], keep: list[bool]) -> dict[str, Tensor]:
+        """Qwen2-VL flattens every image's patches into one ``pixel_values``: cut by each grid's size."""
+        if not any(keep):
+            return {}
+        grid = vision["image_grid_thw"]
+        sizes = grid.prod(-1).tolist()
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        rows = [torch.arange(s, s + n) for s, n, k in zip(starts, sizes, keep) if k]
+        sel = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long)
+        out = {name: t for name, t in vision.items() if name not in ("pixel_values", "image_grid_thw")}
+        out["pixel_values"] = vision["pixel_values"][torch.cat(rows).to(vision["pixel_values"].device)]
+        out["image_grid_thw"] = grid[sel.to(grid.device)]
+        return out
 
     def positions(self, input_ids: Tensor, processed: dict) -> Tensor:
         grid = processed.get("image_grid_thw")
