@@ -345,6 +345,32 @@ def trace(engine, model, pairs, budgets) -> None:
                 )
 
 
+def table(paths: list[Path]) -> str:
+    """A markdown table (ΔPPL vs full, 95% interval) of one or more result files on the same windows."""
+    rows, windows = {}, None
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        assert windows in (None, d["windows"]), f"{path}: different windows"
+        windows = d["windows"]
+        rows |= d["rows"]
+    full = rows.pop("full")
+    budgets = sorted({label.rsplit("@", 1)[1] for label in rows}, key=float, reverse=True)
+    names = list(dict.fromkeys(label.rsplit("@", 1)[0] for label in rows))
+    out = [f"full-cache PPL {full['ppl']:.2f} over {len(windows)} windows", ""]
+    out.append("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+    out.append("|---|" + "---|" * len(budgets))
+    for name in names:
+        cells = []
+        for b in budgets:
+            r = rows.get(f"{name}@{b}")
+            cells.append(f"{r['delta']:+.1%} [{r['lo']:+.1%}, {r['hi']:+.1%}]" if r else "")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--table"]:
+        print(table(sys.argv[2:]))
+        sys.exit(0)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
