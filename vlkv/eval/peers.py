@@ -109,6 +109,7 @@ def peer_quality_records(
                     budget=budget,
                     inputs_embeds_path=str(emb_path),
                     press_kwargs=matching[name],
+                    threads=torch.get_num_threads(),  # as many as vlkv's side uses
                 )
                 logits_path = work_dir / f"logits_{name}_{budget}_{i}.pt"
                 # row t of the returned logits predicts ref[t], as in forced_logits

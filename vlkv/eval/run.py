@@ -8,6 +8,7 @@ optionally NVIDIA kvpress side by side, written as markdown + plots under ``docs
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import tempfile
@@ -37,9 +38,10 @@ def _images(model: str) -> list:
 
 
 def machine_name(device: str) -> str:
+    """The machine, not the run's settings: GPU name, or CPU architecture and logical cores."""
     if device == "cuda":
         return torch.cuda.get_device_name().replace(" ", "-")
-    return f"cpu-{platform.machine()}-{torch.get_num_threads()}t"
+    return f"cpu-{platform.machine()}-{os.cpu_count()}t"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--no-speed", action="store_true", help="quality only")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--smoke", action="store_true", help="tiny model, two policies, seconds not minutes")
     ap.add_argument(
         "--out",
@@ -91,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from(args)
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda asked for, but CUDA is not available")
         model = "tiny-llava" if args.smoke else args.model
