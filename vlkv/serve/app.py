@@ -286,6 +286,12 @@ async def _collect(http, state: ServerState, ticket: Ticket, kind: str, rid: str
     }
 
 
+def sse(obj) -> str:
+    """One SSE event. JSON with every non-ASCII character escaped: U+2028, U+0085 and friends are line
+    breaks to ``str.splitlines`` and to several SSE clients, and would cut an event in two."""
+    return f"data: {json.dumps(obj, ensure_ascii=True)}\n\n"
+
+
 async def _sse(state: ServerState, ticket: Ticket, kind: str, rid: str, include_usage: bool):
     """SSE ``data: {json}`` chunks, then ``data: [DONE]``; an error after the start is an error chunk."""
     created, detok = int(time.time()), Detokenizer(state.engine.tokenizer)
@@ -301,7 +307,7 @@ async def _sse(state: ServerState, ticket: Ticket, kind: str, rid: str, include_
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
         choice["token_ids"] = tokens
         body = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": [choice]}
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse(body)
 
     try:
         if kind == "chat":
@@ -318,13 +324,13 @@ async def _sse(state: ServerState, ticket: Ticket, kind: str, rid: str, include_
         request = ticket.request
         error = _failure(state, ticket)
         if error is not None:
-            yield f"data: {json.dumps(error.body())}\n\n"
+            yield sse(error.body())
         else:
             yield chunk(detok.finish(), [], _finish_reason(state, request))
         if include_usage:
             body = {"id": rid, "object": obj, "created": created, "model": state.model_id, "choices": []}
             body["usage"] = _usage(request)
-            yield f"data: {json.dumps(body)}\n\n"
+            yield sse(body)
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the stream ended): a running request is cancelled, its KV freed
         if not ticket.request.done:

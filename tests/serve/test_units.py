@@ -1,0 +1,62 @@
+"""Server pieces without a server: SSE framing, incremental detokenization, media sandbox."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi", reason="vlkv serve needs the serve extra: pip install 'vlkv[serve]'")
+
+from tests.serve.conftest import data_url, png_bytes  # noqa: E402
+from vlkv.serve.app import sse  # noqa: E402
+from vlkv.serve.detok import Detokenizer  # noqa: E402
+from vlkv.serve.media import MediaError, load_part  # noqa: E402
+
+
+def test_sse_event_is_one_line_whatever_the_text():
+    text = "a\u2028b\u2029c\x85d\re\nf\x1cg\x0bh"
+    event = sse({"text": text})
+    assert event.endswith("\n\n") and event.isascii()
+    assert len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: ") :])["text"] == text
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_incremental_detokenization_adds_up_to_the_full_decode(seed):
+    import random
+
+    from vlkv.runtime.models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("llava")
+    rng = random.Random(seed)
+    # bytes of multi-byte characters split across tokens, stray continuation bytes, specials
+    ids = list("héllo wörld ✓ 🙂".encode()) + [rng.randrange(0, 259) for _ in range(40)]
+    d = Detokenizer(tok)
+    out = ""
+    i = 0
+    while i < len(ids):
+        n = rng.randint(1, 3)
+        out += d.add(ids[i : i + n])
+        i += n
+    out += d.finish()
+    assert out == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_media_sandbox(tmp_path):
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "a.png").write_bytes(png_bytes())
+    (tmp_path / "secret.png").write_bytes(png_bytes(1))
+    (media / "up.png").symlink_to(tmp_path / "secret.png")
+    root = str(media.resolve())
+    assert load_part("a.png", "p", root, 1 << 20).size == (64, 64)
+    assert load_part(f"file://{media / 'a.png'}", "p", root, 1 << 20).size == (64, 64)
+    assert load_part(data_url(png_bytes()), "p", None, 1 << 20).mode == "RGB"
+    for bad in ("../secret.png", str(tmp_path / "secret.png"), "up.png", "file:///etc/passwd", "missing.png"):
+        with pytest.raises(MediaError):
+            load_part(bad, "p", root, 1 << 20)
+    with pytest.raises(MediaError, match="no --allowed-media-dir"):
+        load_part("a.png", "p", None, 1 << 20)
+    with pytest.raises(MediaError, match="larger"):
+        load_part(data_url(png_bytes()), "p", root, 100)
