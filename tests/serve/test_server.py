@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import threading
 
 import httpx
 import pytest
@@ -201,7 +202,29 @@ def _bad_requests(media_dir) -> list[tuple[str, object, int]]:
     ]
 
 
-def test_every_malformed_request_gets_a_one_line_4xx_and_the_server_keeps_serving(server, media_dir):
+def test_every_malformed_request_gets_a_one_line_4xx_and_the_server_keeps_serving(server, media_dir, engine):
+    """...while good requests run beside them, each answered exactly as if it ran alone."""
+    want = reference(engine, "Meanwhile.", max_new=16)
+    stop = threading.Event()
+
+    def good_beside() -> list[bool]:
+        same = []
+        while not stop.is_set() and len(same) < 100:  # bounded in count as well as by the loop below
+            r = post(server, chat_body("Meanwhile.", max_tokens=16))
+            same.append(r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want)
+        return same
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(good_beside)
+        try:
+            _send_bad_requests(server, media_dir)
+        finally:
+            stop.set()
+        same = beside.result(60)
+    assert same and all(same), same
+
+
+def _send_bad_requests(server, media_dir) -> None:
     for name, body, status in _bad_requests(media_dir):
         if isinstance(body, bytes):
             r = httpx.post(

@@ -60,3 +60,64 @@ def test_media_sandbox(tmp_path):
         load_part("a.png", "p", None, 1 << 20)
     with pytest.raises(MediaError, match="larger"):
         load_part(data_url(png_bytes()), "p", root, 100)
+
+
+def test_serve_parser_wires_into_vlkv_subcommands():
+    import argparse
+
+    from vlkv.serve.cli import add_serve_parser, cmd_serve
+
+    parser = argparse.ArgumentParser(prog="vlkv")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", "--model", "tiny-llava", "--pool-bytes", "1024", "--max-queue", "3"])
+    assert args.func is cmd_serve and args.pool_bytes == 1024 and args.max_queue == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--model", "no-such-model", "--port", "0"], "unknown model name"),
+        (["--pool-bytes", "0"], "pool_bytes must be >= 1"),
+        (["--max-queue", "0"], "max_queue must be an integer >= 1"),
+        (["--policy", "nope"], "unknown policy"),
+        (["--allowed-media-dir", "/no/such/dir"], "allowed media dir not found"),
+    ],
+)
+def test_bad_options_are_one_line_before_listening(argv, words, capsys):
+    from vlkv.serve.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err
+
+
+def test_multi_turn_chat_uses_the_checkpoint_chat_template():
+    """A conversation is formatted by the processor's chat template; a model without one refuses it."""
+    import asyncio
+    import dataclasses
+
+    from vlkv.runtime.models.registry import load_model
+    from vlkv.serve.config import ServeConfig
+    from vlkv.serve.errors import ApiError
+    from vlkv.serve.schemas import ChatRequest
+    from vlkv.serve.translate import chat_prompt
+
+    loaded = load_model("tiny-llava")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes())}}]},
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": "Of what?"},
+    ]
+    req = ChatRequest.model_validate({"model": "tiny-llava", "messages": messages})
+    with pytest.raises(ApiError, match="no chat template"):
+        asyncio.run(chat_prompt(req, loaded, ServeConfig()))
+    loaded.processor.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}:{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}|{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    templated = dataclasses.replace(loaded, template="chat_template")
+    prompt, uuids = asyncio.run(chat_prompt(req, templated, ServeConfig()))
+    assert prompt.raw and len(prompt.images) == 1 and uuids == [None]
+    assert prompt.text == "system:Be brief.|user:<image>|assistant:A picture.|user:Of what?|assistant:"
