@@ -290,7 +290,10 @@ def cmd_generate(args) -> int:
         link=link,
         store=store,
         tenant=args.tenant,
+        link_threshold=args.link_threshold,
     )
+    for why in result.extras.get("link_refused", []):
+        _info(f"-- {why}")
     if args.json:
         described = [
             {"text": p.text, "images": [im if isinstance(im, str) else "<image>" for im in p.images]}
@@ -299,6 +302,34 @@ def cmd_generate(args) -> int:
         print(json.dumps({"model": args.model, "prompts": described, **result.to_dict()}, indent=2))
         return 0
     _print_report(args, prompts, lengths, result, engine.eos_ids)
+    return 0
+
+
+def cmd_link_check(args) -> int:
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.link.gate import DEFAULT_THRESHOLD, run_link_check
+    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.models.registry import load_model
+
+    spec = LinkSpec(args.link, args.link_k)
+    if spec.method == "none":
+        raise CliError("link-check measures a linking method: --link prefix, full-reuse or mpic")
+    threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
+    if not 0.0 <= threshold <= 1.0:
+        raise CliError(f"--threshold must be in [0, 1], got {threshold}")
+    check = run_link_check(Engine(load_model(args.model)), spec, args.tokens)
+    verdict = "passes" if check.passes(threshold) else "is refused"
+    if args.json:
+        from dataclasses import asdict
+
+        print(
+            json.dumps({**asdict(check), "threshold": threshold, "passes": check.passes(threshold)}, indent=2)
+        )
+    else:
+        print(
+            f"{check.model} {spec.method}-{spec.k}: top-1 agreement {check.agreement:.3f}, mean KL "
+            f"{check.mean_kl:.4f} over {check.probes} probes x {check.tokens} tokens; linking {verdict} at {threshold:.2f}"
+        )
     return 0
 
 
@@ -341,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--store", default=None, help="context-store directory: image records persist across runs")
     g.add_argument(
+        "--link-threshold",
+        type=float,
+        default=None,
+        help="refuse linking when the model's saved link-check agreement is below this (default 0.9)",
+    )
+    g.add_argument(
         "--tenant", default="default", help="whose stored records a request may link (default: default)"
     )
     g.add_argument(
@@ -369,6 +406,16 @@ def build_parser() -> argparse.ArgumentParser:
     from vlkv.store_cli import add_store_parser
 
     add_store_parser(sub)
+    c = sub.add_parser(
+        "link-check", help="measure linked-vs-full fidelity on built-in probes; saved beside the model"
+    )
+    c.add_argument("--model", default="tiny-llava")
+    c.add_argument("--link", default="mpic", help="prefix, full-reuse or mpic (default: mpic)")
+    c.add_argument("--link-k", type=int, default=32)
+    c.add_argument("--tokens", type=int, default=64, help="teacher-forced tokens per probe (default: 64)")
+    c.add_argument("--threshold", type=float, default=None, help="agreement needed to link (default 0.9)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_link_check)
     return parser
 
 

@@ -353,7 +353,7 @@ class LayerKV:
         return torch.arange(self.capacity, device=self.device)[None, :] < self.lengths[:, None]
 
     # ------------------------------------------------------------------ pool life cycle
-    def remap(self, remap: Tensor) -> None:
+    def remap(self, remap: Tensor, layer: int | None = None) -> None:
         """Follow a pool compaction: ``remap (H_kv, S_old)`` maps old slot ids to new ones."""
         if self.offloaded is not None:  # holds no slots while swapped out
             return

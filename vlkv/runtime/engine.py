@@ -218,6 +218,7 @@ class Engine:
         link=None,
         store=None,
         tenant: str = "default",
+        link_threshold: float | None = None,
     ) -> GenerationResult:
         """Generate for a batch: every prompt becomes a request of one :class:`Scheduler` run.
 
@@ -239,7 +240,14 @@ class Engine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = sampler or Sampler()
-        sched = Scheduler(self, pool_bytes, cache_hit_rate=cache_hit_rate, hit_rate_k=hit_rate_k, store=store)
+        sched = Scheduler(
+            self,
+            pool_bytes,
+            cache_hit_rate=cache_hit_rate,
+            hit_rate_k=hit_rate_k,
+            store=store,
+            link_threshold=link_threshold,
+        )
         requests = [
             sched.submit(
                 Request(
@@ -261,6 +269,9 @@ class Engine:
         extras: dict = {**_usage_fractions(requests)}
         if link is not None:
             extras["ttft_s"] = [r.ttft_s for r in requests]
+            refused = {r.extras["link_refused"] for r in requests if "link_refused" in r.extras}
+            if refused:
+                extras["link_refused"] = sorted(refused)
             from vlkv.runtime.link.linker import LinkStats
 
             total = LinkStats()

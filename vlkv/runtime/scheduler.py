@@ -49,6 +49,8 @@ class Scheduler:
         cache_hit_rate: compute VL-Cache's CacheHitRate per request after its prefill.
         store: optional :class:`~vlkv.runtime.store.ContextStore` linking requests read records from
             and write new ones to (tenant-scoped).
+        link_threshold: refuse linking (and recompute) for a method whose saved ``vlkv link-check``
+            agreement on this model is below it; None = the gate's default.
         overcommit: reservations may add up to ``overcommit ×`` the pool (> 1 admits more and relies
             on preemption when requests really grow that large; 1 = never over-admit).
     """
@@ -63,6 +65,7 @@ class Scheduler:
         hit_rate_k: int | float | None = None,
         overcommit: float = 1.0,
         store=None,
+        link_threshold: float | None = None,
     ):
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
@@ -78,6 +81,10 @@ class Scheduler:
         self.segments = SegmentStore(self.pool)  # linkable records (images, prefixes) in this pool
         self.store = store
         self._sources: dict = {}  # tenant -> RecordSource
+        from vlkv.runtime.link.gate import DEFAULT_THRESHOLD
+
+        self.link_threshold = DEFAULT_THRESHOLD if link_threshold is None else link_threshold
+        self._checks: dict = {}  # LinkSpec -> saved LinkCheck or None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -105,6 +112,10 @@ class Scheduler:
             from vlkv.runtime.store.identity import validate_tenant
 
             validate_tenant(request.tenant)
+            why = self._gate(request.link)
+            if why is not None:
+                request.extras["link_refused"] = why
+                request.link = None
             ctx = self.engine.context(request.batch)
             if request.policy.prefill_request(ctx, n) is not None:
                 raise ValueError(
@@ -185,6 +196,15 @@ class Scheduler:
             self._emit(req, int(req.sampler(out.logits)[0]))
         except Exception as err:  # one request's failure never stops the others
             self._fail(req, err)
+
+    def _gate(self, spec) -> str | None:
+        """Why linking with ``spec`` is refused on this model (a saved failing link-check), or None."""
+        from vlkv.runtime.link.gate import load_check, refusal
+        from vlkv.runtime.store.identity import model_fingerprint
+
+        if spec not in self._checks:
+            self._checks[spec] = load_check(model_fingerprint(self.engine.loaded), spec)
+        return refusal(self._checks[spec], self.link_threshold)
 
     def _link(self, req: Request, cache: KVCache):
         """Prefill by linking stored records (the linker), then the request's policy edits."""

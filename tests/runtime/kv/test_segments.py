@@ -94,3 +94,35 @@ def test_shared_slots_are_freed_by_the_last_reader(engines, images):
     layer.select(torch.tensor([[[0, 2, 4]] * layer.kv_heads]).clone(), torch.tensor([3]))
     readers[2].release()
     assert pool.used_bytes() == 0
+
+
+def test_a_segment_follows_pool_compaction(engines, images):
+    from vlkv.runtime.kv.pool import COMPACT_MIN_SLOTS
+
+    engine = engines["tiny-llava"]
+    batch = engine.encode([Prompt("Hi", [images[0]])])
+    n = int(batch.lengths[0])
+    pool = engine.new_cache(batch).pool
+    filler = engine.new_cache(batch, pool=pool)
+    k = torch.randn(1, pool.spec.kv_heads, 2 * COMPACT_MIN_SLOTS, pool.spec.head_dim)
+    for layer in filler.layers:  # low slots taken first, so the segment lands high
+        layer.append(
+            k,
+            k,
+            torch.arange(k.shape[2])[None, :, None],
+            torch.zeros(1, k.shape[2], dtype=torch.int8),
+            torch.tensor([k.shape[2]]),
+        )
+    donor = engine.new_cache(batch, pool=pool)
+    engine.backend.step(_rows(engine, batch, 0, n), donor)
+    seg = SharedSegment.from_cache(donor, 0, n)
+    before = [pool.read(i, ids[None]) for i, ids in enumerate(seg.ids)]
+    donor.release()
+    filler.release()  # most of the pool comes free: it compacts and moves the segment's slots down
+    assert pool.compactions > 0
+    for i, ids in enumerate(seg.ids):
+        assert int(ids.max()) < pool.capacity(i)
+        for x, y in zip(before[i], pool.read(i, ids[None])):
+            assert torch.equal(x, y)
+    seg.release()
+    assert pool.used_bytes() == 0

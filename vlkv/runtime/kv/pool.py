@@ -171,7 +171,7 @@ class KVPool:
 
     # ------------------------------------------------------------------ slots
     def attach(self, layer: int, owner) -> None:
-        """Register ``owner`` (has ``slots (B, H_kv, C)`` and ``remap(table)``) for compaction."""
+        """Register ``owner`` for compaction: its ``remap(table, layer)`` follows slot moves in ``layer``."""
         key = id(owner)
         self._owners[layer][key] = weakref.ref(owner, lambda _, d=self._owners[layer], k=key: d.pop(k, None))
 
@@ -334,6 +334,6 @@ class KVPool:
         for ref in list(self._owners[layer].values()):
             owner = ref()
             if owner is not None:
-                owner.remap(remap)
+                owner.remap(remap, layer)
         self._resize(layer, max(max(used) + GROW_SLOTS, 1), used)
         self.compactions += 1

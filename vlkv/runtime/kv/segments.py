@@ -35,6 +35,16 @@ class SharedSegment:
     # rows without running the vision tower again)
     embeds: Tensor | None = None
 
+    def __post_init__(self) -> None:
+        for layer in range(len(self.ids)):  # compaction moves slots: follow them
+            self.pool.attach(layer, self)
+
+    def remap(self, remap: Tensor, layer: int) -> None:
+        """Follow a pool compaction of ``layer``: ``remap (H_kv, S_old)`` maps old slot ids to new ones."""
+        ids = self.ids[layer]
+        if ids.numel():
+            self.ids[layer] = remap.gather(1, ids)
+
     @property
     def length(self) -> int:
         return self.ids[0].shape[1]

@@ -1,0 +1,42 @@
+"""The correctness gate: a saved link-check below the threshold refuses linking (one line), and the
+request recomputes; a method that passes links."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlkv.runtime.link.gate import load_check, run_link_check
+from vlkv.runtime.link.linker import LinkSpec
+from vlkv.runtime.policies import make_policy
+from vlkv.runtime.prompt import Prompt
+from vlkv.runtime.store.identity import model_fingerprint
+
+
+@pytest.fixture(scope="module")
+def checks(engines):
+    engine = engines["tiny-llava"]
+    exact, rough = LinkSpec("mpic", 10_000), LinkSpec("mpic", 1)
+    return engine, run_link_check(engine, exact, tokens=8), run_link_check(engine, rough, tokens=8)
+
+
+def test_the_check_is_saved_beside_the_model_and_exact_linking_agrees_fully(checks):
+    engine, exact, rough = checks
+    assert exact.agreement == 1.0 and exact.mean_kl == pytest.approx(0.0, abs=1e-6)
+    assert 0.0 <= rough.agreement < 1.0 and rough.mean_kl > 0
+    saved = load_check(model_fingerprint(engine.loaded), LinkSpec("mpic", 1))
+    assert saved == rough
+
+
+def test_linking_below_the_threshold_is_refused_and_recomputes(checks, images):
+    engine, _, rough = checks
+    prompts = [Prompt("What is it?", [images[0]]), Prompt("And this time?", [images[0]])]
+    full = engine.generate(prompts, make_policy("full"), 4, stop_at_eos=False)
+    res = engine.generate(prompts, make_policy("full"), 4, stop_at_eos=False, link=LinkSpec("mpic", 1))
+    (why,) = res.extras["link_refused"]
+    assert "\n" not in why and f"agreed {rough.agreement:.2f} < 0.90" in why and "recomputing" in why
+    assert res.extras["store"]["hits"] == 0
+    assert [s.token_ids for s in res.samples] == [s.token_ids for s in full.samples]
+    allowed = engine.generate(
+        prompts, make_policy("full"), 4, stop_at_eos=False, link=LinkSpec("mpic", 1), link_threshold=0.0
+    )
+    assert "link_refused" not in allowed.extras and allowed.extras["store"]["hits"] == 1
