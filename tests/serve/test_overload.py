@@ -27,7 +27,7 @@ def server(tmp_path_factory):
         "--request-timeout",
         str(TIMEOUT_S),
         "--max-tokens",
-        "1000",
+        "3000",
     )
     yield srv
     srv.stop()
@@ -76,12 +76,32 @@ def test_full_queue_gets_429_with_retry_after(server):
 
 def test_request_past_its_timeout_gets_504_and_frees_its_kv(server):
     t0 = time.monotonic()
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body(1000), timeout=30)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body(3000), timeout=30)
     assert r.status_code == 504, r.text
     assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 5
     assert r.json()["error"]["type"] == "timeout_error"
     server.wait_metric("vlkv_pool_used_bytes", 0)
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body(2), timeout=30).status_code == 200
+
+
+def test_stream_past_its_timeout_ends_with_an_error_chunk(server):
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body(3000, stream=True), timeout=30
+    ) as r:
+        assert r.status_code == 200
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "timeout_error"
+    server.wait_metric("vlkv_pool_used_bytes", 0)
+
+
+def test_non_streaming_client_that_goes_away_cancels_its_request(server):
+    cancelled = server.metrics().get('vlkv_requests_total{outcome="cancelled"}', 0.0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body(3000), timeout=httpx.Timeout(30, read=0.5))
+    # cancelled on disconnect (polled every 0.25 s), well before the 3 s request timeout
+    server.wait_metric('vlkv_requests_total{outcome="cancelled"}', cancelled + 1, timeout_s=TIMEOUT_S - 0.5)
+    server.wait_metric("vlkv_pool_used_bytes", 0)
 
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(server):
