@@ -153,14 +153,18 @@ async def _parse(http: HttpRequest, model, state: ServerState):
             "not_found_error",
             "model",
         )
-    if state.loop.queued >= cfg.max_queue:
-        raise ApiError(
-            429,
-            f"server busy: {state.loop.queued} requests queued (limit {cfg.max_queue}); retry later",
-            "rate_limit_error",
-            headers={"Retry-After": RETRY_AFTER_S},
-        )
+    if state.loop.queued >= cfg.max_queue:  # early, before any image is decoded; exact at submit
+        raise _busy(cfg)
     return req
+
+
+def _busy(cfg: ServeConfig) -> ApiError:
+    return ApiError(
+        429,
+        f"server busy: {cfg.max_queue} requests already queued (--max-queue); retry later",
+        "rate_limit_error",
+        headers={"Retry-After": RETRY_AFTER_S},
+    )
 
 
 def _validation_error(err: ValidationError) -> ApiError:
@@ -187,7 +191,8 @@ async def _answer(http, state: ServerState, req, prompt, uuids, kind: str, defau
     request.extras["cache_salt"] = req.cache_salt
     loop = asyncio.get_running_loop()
     ticket = Ticket(request, loop, time.monotonic() + cfg.request_timeout_s)
-    state.loop.submit(ticket)
+    if not state.loop.submit(ticket, cfg.max_queue):
+        raise _busy(cfg)
     try:
         await asyncio.wait_for(asyncio.shield(ticket.accepted), cfg.request_timeout_s + 5)
     except asyncio.CancelledError:

@@ -115,10 +115,15 @@ class EngineLoop:
     def queued(self) -> int:
         return self._queued
 
-    def submit(self, ticket: Ticket) -> None:
+    def submit(self, ticket: Ticket, max_queued: int | None = None) -> bool:
+        """Queue ``ticket`` for the engine thread; False (nothing queued) when ``max_queued`` requests
+        already wait for their first token."""
         with self._lock:
+            if max_queued is not None and self._queued >= max_queued:
+                return False
             self._queued += 1
         self._commands.put(("submit", ticket))
+        return True
 
     def cancel(self, ticket: Ticket) -> None:
         self._commands.put(("cancel", ticket))
