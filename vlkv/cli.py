@@ -406,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     from vlkv.store_cli import add_store_parser
 
     add_store_parser(sub)
+    from vlkv.serve.cli import add_serve_parser
+
+    add_serve_parser(sub)
     c = sub.add_parser(
         "link-check", help="measure linked-vs-full fidelity on built-in probes; saved beside the model"
     )

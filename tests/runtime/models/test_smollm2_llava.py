@@ -43,7 +43,7 @@ PARAGRAPH = (
 def test_prompt_template_format():
     assert S.prompt_template("Hi", 0) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     two = S.prompt_template("What is this?", 2)
-    assert two == "<|im_start|>user\n<image><image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
+    assert two == "<|im_start|>user\n<image>\n<image>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="n_images"):
         S.prompt_template("Hi", -1)
 

@@ -85,7 +85,9 @@ def prompt_template(text: str, n_images: int = 1) -> str:
     """
     if n_images < 0:
         raise ValueError(f"n_images must be >= 0, got {n_images}")
-    images = IMAGE_TOKEN * n_images + ("\n" if n_images else "")
+    # one line per image: adjacent images would run together into one span of image tokens, and the
+    # linker needs each image's own span to reuse it
+    images = "".join(IMAGE_TOKEN + "\n" for _ in range(n_images))
     return f"<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
