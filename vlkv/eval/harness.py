@@ -123,8 +123,10 @@ def _median_time(fn, repeats: int) -> float:
 
 def _settings(policy: Policy) -> str:
     """The policy's fields, ``key=value`` joined by commas (what a row was measured with)."""
-    fields = getattr(policy, "__dataclass_fields__", {})
-    return ",".join(f"{k}={getattr(policy, k)}" for k in fields if k not in ("budget",))
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(policy)] if dataclasses.is_dataclass(policy) else []
+    return ",".join(f"{k}={getattr(policy, k)}" for k in names if k != "budget")
 
 
 @torch.no_grad()

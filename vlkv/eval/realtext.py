@@ -45,6 +45,8 @@ KVPRESS_CONFIGS = (
 )
 
 
+# every row is also compared, paired, with this vlkv configuration (the snapkv default)
+REFERENCE = "snapkv:window=64,kernel=5"
 # (vlkv spec, kvpress spec) pairs that implement one method with the same settings
 MATCHED = (
     ("snapkv:window=64,kernel=5", "snapkv:window_size=64,kernel_size=5"),
@@ -183,13 +185,14 @@ def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
     lines = [
         f"Full cache (vlkv): PPL {ppl(base):.4f} over {w} windows x {t} tokens.",
         "",
-        "| side | configuration | budget | PPL | ΔPPL vs full [95% CI] | KV bytes / full | metadata bytes |",
-        "|---|---|---|---|---|---|---|",
+        f"| side | configuration | budget | PPL | ΔPPL vs full [95% CI] | vs vlkv `{REFERENCE}` [95% CI] "
+        "| KV bytes / full | metadata bytes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for rec in sorted(records, key=lambda r: (-r["budget"], r["side"], r.get("dppl", math.inf))):
         if "error" in rec:
             lines.append(
-                f"| {rec['side']} | `{rec['spec']}` | {rec['budget']:g} | failed: {rec['error']} | | | |"
+                f"| {rec['side']} | `{rec['spec']}` | {rec['budget']:g} | failed: {rec['error']} | | | | |"
             )
             continue
         ratio = (
@@ -200,9 +203,15 @@ def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
             else ""
         )
         meta = f"{rec['meta_bytes'] / w:,.0f}/window" if "meta_bytes" in rec else ""
+        ref = by_label.get(("vlkv", label(REFERENCE, rec["budget"])))
+        vs = ""
+        if ref is not None and rec["budget"] < 1:
+            point, lo, hi = paired_delta(by_label[(rec["side"], rec["label"])]["nll"], ref["nll"], n_boot)
+            rec.update(vs_reference=point, vs_reference_lo=lo, vs_reference_hi=hi)
+            vs = _fmt(point, lo, hi)
         lines.append(
             f"| {rec['side']} | `{rec['spec']}` | {rec['budget']:g} | {rec['ppl']:.4f} | "
-            f"{_fmt(rec['dppl'], rec['dppl_lo'], rec['dppl_hi'])} | {ratio} | {meta} |"
+            f"{_fmt(rec['dppl'], rec['dppl_lo'], rec['dppl_hi'])} | {vs} | {ratio} | {meta} |"
         )
     lines += [
         "",
