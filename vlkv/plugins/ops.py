@@ -47,11 +47,19 @@ def attn_stats(
     key_lengths: Tensor | None = None,
     q_offset: Tensor | None = None,
     chunk_rows: int = 256,
+    key_order: Tensor | None = None,
+    query_order: Tensor | None = None,
 ) -> AttnStats:
     """Attention statistics; shapes and semantics as in ``reference.attn_stats_reference``.
 
     q: (B, H, Q, D). k: (B, Hkv, S, D). query_rows: (B, Q) bool. key_lengths, q_offset: (B,) int64.
+    key_order (B, Hkv, S) / query_order (B, Q): masking by sequence order (a link step); the Triton
+    kernel has no such mask yet, so those calls take the reference on every device.
     """
+    if key_order is not None:
+        return attn_stats_reference(
+            q, k, scale, query_rows, causal, threshold, key_lengths, q_offset, chunk_rows, key_order, query_order
+        )
     if use_triton(q, k):
         from vlkv.plugins.triton_attn_stats import attn_stats_triton
 

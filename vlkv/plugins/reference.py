@@ -67,6 +67,8 @@ def attn_stats_reference(
     key_lengths: Tensor | None = None,
     q_offset: Tensor | None = None,
     chunk_rows: int = 256,
+    key_order: Tensor | None = None,
+    query_order: Tensor | None = None,
 ) -> AttnStats:
     """Column sums and sparsity counts of softmax(q k^T * scale), chunked over query rows.
 
@@ -76,6 +78,9 @@ def attn_stats_reference(
     q_offset: (B,) int64, cache slot of query row 0 (None = key_lengths - Q: the queries are the last Q keys).
     causal: row i of sample b sees key j iff j <= q_offset[b] + i and j < key_lengths[b]; otherwise every
         valid key. Softmax is float32 over the visible keys; rows with no visible key contribute nothing.
+    key_order: optional (B, Hkv, S) int64 sequence index of every key, with query_order (B, Q) int64:
+        row i sees key j iff key_order[b, h, j] <= query_order[b, i] (and j < key_lengths[b]), per KV
+        head, in place of ``causal`` — a link step's rows are a non-contiguous selection of the prompt.
     At most chunk_rows x S x H scores of one sample exist at once.
     """
     if chunk_rows < 1:
@@ -92,6 +97,12 @@ def attn_stats_reference(
     colsum = torch.zeros(batch, kv_heads, group, num_k, dtype=torch.float32, device=device)
     below = torch.zeros(batch, heads, dtype=torch.int64, device=device)
     visible = torch.zeros(batch, dtype=torch.int64, device=device)
+    by_order = key_order is not None
+    if by_order:
+        if query_order is None:
+            raise ValueError("key_order needs query_order")
+        key_order, query_order = key_order.to(device), query_order.to(device)
+        visible = torch.zeros(batch, kv_heads, dtype=torch.int64, device=device)
     key_idx = torch.arange(num_k, device=device)
     for b in range(batch):
         kb_t = k[b].float().transpose(-1, -2)  # (Hkv, D, S)
@@ -100,26 +111,30 @@ def attn_stats_reference(
             rows = stop - start
             row_idx = torch.arange(start, stop, device=device)
             vis = (key_idx[None, :] < key_lengths[b]) & query_rows[b, start:stop, None]  # (C, S)
-            if causal:
+            if by_order:  # (Hkv, C, S): per KV head, by sequence order
+                vis = vis[None] & (key_order[b][:, None, :] <= query_order[b, start:stop][None, :, None])
+            elif causal:
                 vis = vis & (key_idx[None, :] <= q_offset[b] + row_idx[:, None])
             # Fold the G query heads of a KV head into the row dimension: one bmm, no copy of K per head.
             qb = q[b, :, start:stop].float().reshape(kv_heads, group * rows, dim)
             scores = torch.bmm(qb, kb_t).mul_(scale).view(kv_heads, group, rows, num_k)
-            scores.masked_fill_(~vis, float("-inf"))
+            hv = vis[:, None] if by_order else vis  # broadcast over (Hkv, G, C, S)
+            scores.masked_fill_(~hv, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             # A row with no visible key is all -inf, which softmax turns into NaN; it contributes nothing.
-            empty = ~vis.any(dim=-1)
+            empty = ~hv.any(dim=-1)
             if bool(empty.any()):
-                probs.masked_fill_(empty[:, None], 0.0)
+                probs.masked_fill_(empty[..., None], 0.0)
             colsum[b] += probs.sum(dim=-2)
-            visible[b] += vis.sum()
+            visible[b] += vis.sum(dim=(-1, -2)) if by_order else vis.sum()
             if threshold is not None:
                 cut = threshold * probs.amax(dim=-1, keepdim=True)
-                below[b] += ((probs < cut) & vis).sum(dim=(-1, -2)).reshape(heads)
+                below[b] += ((probs < cut) & hv).sum(dim=(-1, -2)).reshape(heads)
+    visible = visible.repeat_interleave(group, dim=1) if by_order else visible[:, None].expand(batch, heads)
     return AttnStats(
         colsum=colsum.reshape(batch, heads, num_k),
         below=below if threshold is not None else None,
-        visible=visible[:, None].expand(batch, heads).contiguous(),
+        visible=visible.contiguous(),
     )
 
 

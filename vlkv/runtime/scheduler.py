@@ -112,16 +112,15 @@ class Scheduler:
             from vlkv.runtime.store.identity import validate_tenant
 
             validate_tenant(request.tenant)
+            if getattr(request.policy, "prefill_keep", 1.0) < 1.0:
+                raise ValueError(
+                    f"policy {request.policy.name!r} drops prompt rows inside the prefill (its prefill filter), "
+                    "which a link step cannot do: use --link none, or set its prefill_keep to 1"
+                )
             why = self._gate(request.link)
             if why is not None:
                 request.extras["link_refused"] = why
                 request.link = None
-            ctx = self.engine.context(request.batch)
-            if request.policy.prefill_request(ctx, n) is not None:
-                raise ValueError(
-                    f"policy {request.policy.name!r} needs prefill statistics, which a link step does not "
-                    "compute yet: use --link none, or a policy without them (full, local)"
-                )
         if not self.pool.grow:
             slots = self.pool.capacity(0)
             need = max(n, request.reserve)
@@ -214,12 +213,13 @@ class Scheduler:
         eng = self.engine
         if req.tenant not in self._sources:
             self._sources[req.tenant] = RecordSource.for_engine(eng, self.segments, self.store, req.tenant)
+        ctx = eng.context(req.batch)
+        request = req.policy.prefill_request(ctx, req.prompt_tokens)
         out, req.link_stats = link_prefill(
-            eng, req.batch, req.prompt.images, cache, req.link, self._sources[req.tenant]
+            eng, req.batch, req.prompt.images, cache, req.link, self._sources[req.tenant], request
         )
         out.peak_kv_bytes = cache.kv_bytes()
-        ctx = eng.context(req.batch)
-        apply_edits(cache, req.policy.after_prefill(cache, StepStats([None] * len(cache.layers)), ctx))
+        apply_edits(cache, req.policy.after_prefill(cache, out.stats, ctx))
         return out
 
     # ------------------------------------------------------------------ preemption

@@ -39,8 +39,6 @@ class _StepContext:
         self.requests: dict[str, StatsRequest] = {}
         if stats is not None:
             self.requests = {"": stats, **stats.extra}
-        if inputs.selective and self.requests:
-            raise ValueError("a selective (link) step computes no statistics")
         self.stats = StepStats([None] * n_layers, {name: [None] * n_layers for name in self.requests if name})
         # every row's sequence index, fixed for the whole step (a row filter keeps them)
         q = inputs.input_ids.shape[1]
@@ -77,7 +75,8 @@ class _StepContext:
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
         if self.inputs.selective:
             out = self._attend_by_order(layer_idx, q, k, v, scale, past, new_len)
-            selected = None
+            self._stats_by_order(layer_idx, q, k, scale, past, new_len)
+            return out.transpose(1, 2).contiguous()
         elif index is None:
             nq, s = q.shape[2], k.shape[2]
             j = torch.arange(s, device=q.device)
@@ -122,6 +121,30 @@ class _StepContext:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
+
+    def _stats_by_order(self, layer_idx, q, k, scale, past, new_len) -> None:
+        """A link step's statistics: the requested rows' softmax masked by sequence order, per KV head."""
+        from vlkv.plugins import attn_stats
+
+        layer = self.cache.layers[layer_idx]
+        for name, req in self.requests.items():
+            if not req.wants(layer_idx):
+                continue
+            st = attn_stats(
+                q,
+                k,
+                scale,
+                query_rows=self.rows[name],
+                causal=False,
+                threshold=req.threshold,
+                key_lengths=past + new_len,
+                key_order=layer.order[:, :, : k.shape[2]],
+                query_order=self.order,
+            )
+            if name:
+                self.stats.extra[name][layer_idx] = st
+            else:
+                self.stats[layer_idx] = st
 
     def filter_rows(self, keep: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """Keep only ``keep (B, q)`` rows (plus each sample's last valid row) for the next layers.

@@ -33,7 +33,10 @@ def test_json_reports_store_hits_and_ttft(tmp_path, capsys):
     [
         (["--link", "blend"], "unknown link method 'blend'"),
         (["--link", "mpic", "--link-k", "-1"], "link k must be an integer >= 0"),
-        (["--link", "mpic", "--policy", "snapkv"], "needs prefill statistics"),
+        (
+            ["--link", "mpic", "--policy", "avl", "--set", "prefill_keep=0.5"],
+            "drops prompt rows inside the prefill",
+        ),
     ],
 )
 def test_bad_link_settings_exit_2_with_one_line(argv, needle, capsys):

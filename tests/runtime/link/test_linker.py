@@ -125,8 +125,10 @@ def test_generate_links_later_prompts_to_earlier_images_and_reports_it(engines, 
     assert len(res.extras["ttft_s"]) == 2
     plain = engine.generate(prompts[:1], make_policy("full"), 4, stop_at_eos=False)
     assert res.samples[0].token_ids == plain.samples[0].token_ids  # the first prompt found nothing to link
-    with pytest.raises(ValueError, match="needs prefill statistics"):
-        engine.generate(prompts, make_policy("snapkv", budget=0.5), 4, link=LinkSpec("mpic", 2))
+    with pytest.raises(ValueError, match="drops prompt rows inside the prefill"):
+        engine.generate(
+            prompts, make_policy("avl", budget=0.5, prefill_keep=0.5), 4, link=LinkSpec("mpic", 2)
+        )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -146,3 +148,42 @@ def test_hits_skip_the_vision_tower_and_give_the_same_tokens(name, engines, imag
         seg.embeds = None  # now the linker must run the vision tower for those rows
     batch, cache, out, _ = _linked(engine, prompt, LinkSpec("mpic", 3), store)
     assert len(calls) == 1 and _decode(engine, batch, cache, out, NEW) == with_records
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("policy", ["snapkv", "vlcache", "h2o"])
+def test_a_policy_compresses_the_linked_cache_from_the_link_steps_statistics(name, policy, engines, images):
+    engine = engines[name]
+    # text after the images longer than SnapKV's window: every row it observes is recomputed
+    question = "First this one, then the other: what differs, and why? " * 8
+    prompt = Prompt(question, [images[0], images[1]])
+    batch = engine.encode([prompt])
+    full = engine.new_cache(batch)
+    pol = make_policy(policy, budget=0.4)
+    engine.prefill(batch, pol, full)  # the policy's choice on a plain prefill
+    # exact records cut from a full prefill: with the last rows recomputed, SnapKV's window and
+    # VL-Cache's post-vision rows see the same attention as in a plain prefill
+    ref = engine.new_cache(batch)
+    engine.prefill(batch, make_policy("full"), ref)
+    store = SegmentStore(ref.pool)
+    source = RecordSource.for_engine(engine, store)
+    for img, (a, b) in zip(prompt.images, batch.spans[0].image_spans):
+        store.images[source.key(img)] = SharedSegment.from_cache(ref, a, b)
+    cache = engine.new_cache(batch, pool=ref.pool)
+    ctx = engine.context(batch)
+    out, _ = link_prefill(
+        engine,
+        batch,
+        prompt.images,
+        cache,
+        LinkSpec("mpic", 2),
+        source,
+        pol.prefill_request(ctx, int(batch.lengths[0])),
+    )
+    from vlkv.runtime.engine import apply_edits
+
+    apply_edits(cache, pol.after_prefill(cache, out.stats, ctx))
+    assert cache.kv_bytes() < 0.6 * ref.kv_bytes()  # really compressed
+    if policy != "h2o":  # H2O scores every row; linked rows ran no query, so its choice may differ
+        for a, b in zip(cache.layers, full.layers):
+            assert torch.equal(a.positions[:, :, : a.max_length], b.positions[:, :, : b.max_length])

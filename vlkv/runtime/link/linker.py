@@ -19,13 +19,13 @@ stored pre-RoPE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from vlkv.runtime.backend import StepInputs, StepOutput
+from vlkv.runtime.backend import StatsRequest, StepInputs, StepOutput, StepStats
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.kv.pool import KVPool
 from vlkv.runtime.kv.segments import SharedSegment
@@ -121,12 +121,15 @@ def link_prefill(
     cache: KVCache,
     spec: LinkSpec,
     source: RecordSource,
+    request: StatsRequest | None = None,
 ) -> tuple[StepOutput, LinkStats]:
     """Prefill a one-prompt ``batch`` (whose images are ``images``) into ``cache`` reusing ``store``'s
     records; returns the step's output (logits of the last prompt token) and what was reused.
 
     Images whose token runs cannot be told apart (two images with no token between them) are
-    recomputed, never guessed."""
+    recomputed, never guessed. ``request`` (over the whole prompt's rows, as a policy asks for a
+    prefill) gets its statistics from the recomputed rows only — linked rows run no query — and the
+    returned statistics follow the cache's slots in sequence order."""
     stats = LinkStats()
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
@@ -175,9 +178,10 @@ def link_prefill(
         order=rows[None].to(dev),
         selective=bool(linked.any()),
     )
-    out = engine.backend.step(inputs, cache)
+    out = engine.backend.step(inputs, cache, _only_rows(request, rows))
     if linked.any():
-        _sort_tables(cache)
+        perms = _sort_tables(cache)
+        out.stats = _permute(out.stats, perms)
     cache.processed = torch.full_like(cache.processed, n)
     _remember(engine, batch, images, emb, cache, spec, source, keys)
     stats.bytes_loaded = source.loaded_bytes - loaded_before
@@ -221,14 +225,53 @@ def _link_part(seg: SharedSegment, cache: KVCache, batch: PromptBatch, m: int) -
         layer.link(ids[:, :m], batch.positions[0, :m], seg.modality[:m], 0, torch.arange(m))
 
 
-def _sort_tables(cache: KVCache) -> None:
-    """Put every layer's entries back in sequence order (slot tables and metadata only)."""
+def _sort_tables(cache: KVCache) -> list[Tensor]:
+    """Put every layer's entries back in sequence order (slot tables and metadata only).
+
+    Returns per layer the ``(B, H_kv, n)`` permutation applied (new column → old column)."""
+    perms = []
     for layer in cache.layers:
         n = layer.max_length
         order = layer.order[:, :, :n].masked_fill(
             ~layer.valid_mask()[:, None, :n], torch.iinfo(torch.long).max
         )
-        layer.select(torch.sort(order, dim=-1, stable=True).indices, layer.lengths.clone())
+        perm = torch.sort(order, dim=-1, stable=True).indices
+        layer.select(perm, layer.lengths.clone())
+        perms.append(perm)
+    return perms
+
+
+def _only_rows(request: StatsRequest | None, rows: Tensor) -> StatsRequest | None:
+    """A prefill statistics request narrowed to the recomputed ``rows (q,)`` of a one-prompt batch."""
+    if request is None:
+        return None
+
+    def cut(r: StatsRequest) -> StatsRequest:
+        sel = None if r.rows is None else r.rows[:, rows.to(r.rows.device)]
+        return replace(r, rows=sel, extra={})
+
+    return replace(cut(request), extra={name: cut(sub) for name, sub in request.extra.items()})
+
+
+def _permute(stats, perms: list[Tensor]):
+    """Statistics over pre-sort columns → the sorted tables' columns (per KV head, GQA-expanded)."""
+    from vlkv.plugins import AttnStats
+
+    def one(st, perm):
+        if st is None:
+            return None
+        group = st.colsum.shape[1] // perm.shape[1]
+        n = perm.shape[2]
+        idx = perm.repeat_interleave(group, dim=1).to(st.colsum.device)
+        colsum = st.colsum.clone()
+        colsum[:, :, :n] = st.colsum[:, :, :n].gather(2, idx)
+        return AttnStats(colsum, st.below, st.visible)
+
+    out = StepStats([one(st, p) for st, p in zip(stats, perms)])
+    out.extra = {
+        name: [one(st, p) for st, p in zip(v, perms)] for name, v in getattr(stats, "extra", {}).items()
+    }
+    return out
 
 
 def _remember(engine, batch, images, emb, cache, spec, source: RecordSource, keys) -> None:
