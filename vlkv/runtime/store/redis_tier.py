@@ -116,7 +116,9 @@ class RedisTier:
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"redis tier holds record bytes, got {type(value).__name__}")
         if len(value) > self.max_bytes:
-            raise ValueError(f"a record of {len(value)} bytes exceeds the redis tier's {self.max_bytes} bytes")
+            raise ValueError(
+                f"a record of {len(value)} bytes exceeds the redis tier's {self.max_bytes} bytes"
+            )
         name, data = self._name(key), bytes(value)
         exat = _expires(data)
         self._guard.call(lambda: self.client.set(name, data, exat=exat), None)

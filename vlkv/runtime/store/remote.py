@@ -125,4 +125,6 @@ class RemoteGuard:
 
 def remote_faults(store) -> dict[str, dict[str, int | str]]:
     """``{tier name: FaultStats.as_dict()}`` for every tier of ``store`` that has fault counters."""
-    return {t.name: t.faults.as_dict() for t in store.tiers if isinstance(getattr(t, "faults", None), FaultStats)}
+    return {
+        t.name: t.faults.as_dict() for t in store.tiers if isinstance(getattr(t, "faults", None), FaultStats)
+    }

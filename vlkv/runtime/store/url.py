@@ -72,7 +72,9 @@ def open_store(
             **store_kwargs,
         )
     if parts.scheme not in REMOTE_SCHEMES:
-        raise ValueError(f"--store {text!r}: scheme {parts.scheme!r} is not one of file, {', '.join(REMOTE_SCHEMES)}")
+        raise ValueError(
+            f"--store {text!r}: scheme {parts.scheme!r} is not one of file, {', '.join(REMOTE_SCHEMES)}"
+        )
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     remote = _remote_tier(parts, query, text)
     tiers: list[Tier] = []
