@@ -59,7 +59,8 @@ DEMO_PACKAGES = {
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-# Images first, like LLaVA; string contents pass through so text-only chats work too. No default
+# Images first, each on its own line (one token span per image, which linking needs), like LLaVA;
+# string contents pass through so text-only chats work too. No default
 # system turn: SmolLM2's own template adds one, which would make prompts differ from prompt_template.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -68,8 +69,7 @@ CHAT_TEMPLATE = (
     "{%- else -%}"
     "{%- set ns = namespace(images=0) -%}"
     "{%- for part in message['content'] if part['type'] == 'image' -%}"
-    "{{ '<image>' }}{%- set ns.images = ns.images + 1 -%}{%- endfor -%}"
-    "{%- if ns.images > 0 -%}{{ '\n' }}{%- endif -%}"
+    "{{ '<image>\n' }}{%- set ns.images = ns.images + 1 -%}{%- endfor -%}"
     "{%- for part in message['content'] if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}"
     "{%- endif -%}"
     "{{ '<|im_end|>\n' }}"
@@ -180,6 +180,7 @@ def _load(path: Path, dtype: torch.dtype) -> tuple[LlavaForConditionalGeneration
     start = time.perf_counter()
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
     processor = LlavaProcessor.from_pretrained(path)
+    processor.chat_template = CHAT_TEMPLATE  # the code's template, also for caches built by older versions
     logger.info("%s loaded from %s in %.2f s", MODEL_NAME, path, time.perf_counter() - start)
     return model, processor
 
