@@ -281,4 +281,15 @@ def write_report(out: Path, header: str = "", n_boot: int = 2000) -> Path:
     md, records = report(out, n_boot)
     (Path(out) / "results.md").write_text(header + md)
     (Path(out) / "results.json").write_text(json.dumps(records, indent=1) + "\n")
+    # the raw data every number above is computed from (equal-length windows: a window's mean NLL
+    # carries all that PPL and the paired bootstrap use); the .pt files stay local
+    runs = [r for r in _load(out) if "nll" in r]
+    raw = {
+        "windows": runs[0]["windows"] if runs else [],
+        "tokens_per_window": int(runs[0]["nll"].shape[1]) if runs else 0,
+        "window_mean_nll": {
+            f"{r['side']}:{r['label']}": [round(float(x), 7) for x in r["nll"].double().mean(1)] for r in runs
+        },
+    }
+    (Path(out) / "per_window.json").write_text(json.dumps(raw, indent=1) + "\n")
     return Path(out) / "results.md"
