@@ -45,3 +45,12 @@ def test_run_side_resumes_and_reports_intervals(engines, tmp_path):
     assert rows[("vlkv", "local@0.25")]["kv_bytes"] < rows[("vlkv", "full@1")]["kv_bytes"]
     path = write_report(tmp_path, "# head\n", n_boot=200)
     assert path.read_text().startswith("# head\n") and json.loads((tmp_path / "results.json").read_text())
+    raw = json.loads((tmp_path / "per_window.json").read_text())
+    assert raw["tokens_per_window"] == 8 and len(raw["windows"]) == 3
+    assert raw["window_mean_nll"]["vlkv:full@1"] == pytest.approx(full_means(tmp_path), abs=1e-6)
+
+
+def full_means(root):
+    return (
+        torch.load(root / "nll" / "vlkv" / "full@1.pt", weights_only=False)["nll"].double().mean(1).tolist()
+    )
