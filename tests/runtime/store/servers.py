@@ -119,12 +119,16 @@ class MooncakeMaster:
     workdir: Path
     port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
+    admin_port: int = field(default_factory=free_port)
     extra: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"mooncake://127.0.0.1:{self.port}?metadata=http://127.0.0.1:{self.http_port}/metadata"
+        return (
+            f"mooncake://127.0.0.1:{self.port}?metadata=http://127.0.0.1:{self.http_port}/metadata"
+            f"&admin=http://127.0.0.1:{self.admin_port}"
+        )
 
     def start(self, timeout_s: float = 20.0) -> MooncakeMaster:
         binary = mooncake_master_binary()
@@ -138,7 +142,7 @@ class MooncakeMaster:
             "--enable_http_metadata_server=true",
             "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={self.http_port}",
-            f"--metrics_port={free_port()}",
+            f"--metrics_port={self.admin_port}",
             "--metrics_host=127.0.0.1",
             *self.extra,
         ]
@@ -159,3 +163,83 @@ class MooncakeMaster:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=5)
+
+
+def _share_worker(url: str, p: int, procs: int, per_proc: int, barrier, out) -> None:
+    """One process of :func:`run_share`: writes its records while reading the others', then reads all."""
+    import torch
+
+    from tests.runtime.store.helpers import FP, make_record
+    from vlkv.runtime.store.url import open_store
+
+    torch.set_num_threads(1)
+    store = open_store(url, host_bytes=0, model_fingerprint=FP)
+    expect = {
+        (q, j): make_record(content=f"p{q}-r{j}".encode(), seed=q * 100_000 + j, n=3)
+        for q in range(procs)
+        for j in range(per_proc)
+    }
+
+    def same(a, b) -> bool:
+        pairs = zip([*a.keys, *a.values, a.embeds, a.modality], [*b.keys, *b.values, b.embeds, b.modality])
+        return a.key == b.key and a.tenant == b.tenant and all(torch.equal(x, y) for x, y in pairs)
+
+    barrier.wait(timeout=60)
+    early = hits = lost = corrupt = others = 0
+    for j in range(per_proc):  # writes interleaved with reads of the others' records, all at once
+        store.put(expect[p, j])
+        q = (p + 1 + j % (procs - 1)) % procs
+        got = store.get(expect[q, j].key, "alice")
+        if got is not None:
+            early += 1
+            corrupt += not same(got, expect[q, j])
+    barrier.wait(timeout=60)
+    for (q, _), rec in expect.items():
+        got = store.get(rec.key, "alice")
+        if got is None:
+            lost += 1
+        else:
+            hits += 1
+            others += q != p
+            corrupt += not same(got, rec)
+    barrier.wait(timeout=60)  # Mooncake: a process's records live in its segment until it leaves
+    remote = store.tiers[-1]
+    out.put(
+        {
+            "p": p,
+            "hits": hits,
+            "lost": lost,
+            "corrupt": corrupt + store.stats.corrupt + store.stats.stale,
+            "others": others,
+            "early": early,
+            "faults": remote.faults.faults,
+        }
+    )
+    if hasattr(remote, "close"):
+        remote.close()
+
+
+def run_share(url: str, procs: int, per_proc: int, timeout_s: float = 90.0) -> list[dict]:
+    """``procs`` processes × ``per_proc`` records on one store URL, all at once; each one's counts."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")  # torch is imported once, in the fork server, not per worker
+    ctx.set_forkserver_preload(["tests.runtime.store.helpers", "vlkv.runtime.store.url"])
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = [
+        ctx.Process(target=_share_worker, args=(url, p, procs, per_proc, barrier, out)) for p in range(procs)
+    ]
+    for w in workers:
+        w.start()
+    results = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for _ in range(procs):
+            results.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+                w.join(timeout=5)
+    return sorted(results, key=lambda r: r["p"])

@@ -17,6 +17,7 @@ Query parameters of a remote URL (all optional):
     segment=256MiB     memory this process contributes to the Mooncake pool
     buffer=64MiB       this process's Mooncake transfer buffer
     local=127.0.0.1    the address other Mooncake clients reach this process at
+    admin=URL          the Mooncake master's HTTP admin server (default ``http://<master host>:9003``)
 
 The remote tier is the last one, so every put is written through to it and every process on the
 same URL sees every other process's records; the host tier in front keeps this process's hot ones.
@@ -33,7 +34,7 @@ from vlkv.runtime.store.store import DEFAULT_DISK_BYTES, DEFAULT_HOST_BYTES, Con
 from vlkv.runtime.store.tiers import DeviceTier, DiskTier, HostTier, Tier
 
 REMOTE_SCHEMES = ("redis", "rediss", "mooncake")
-_OURS = {"timeout", "disk", "prefix", "metadata", "protocol", "segment", "buffer", "local"}
+_OURS = {"timeout", "disk", "prefix", "metadata", "protocol", "segment", "buffer", "local", "admin"}
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20}
 _UNITS |= {"mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
@@ -113,7 +114,9 @@ def _remote_tier(parts, query: dict[str, str], text: str) -> Tier:
         segment_bytes=_size(query, "segment", 256 << 20, text),
         buffer_bytes=_size(query, "buffer", 64 << 20, text),
         local_hostname=query.get("local", "127.0.0.1"),
-        timeout_s=timeout_s,
+        timeout_s=_float(query, "timeout", 1.0, text),
+        prefix=query.get("prefix", "vlkv"),
+        admin=query.get("admin"),
     )
 
 
