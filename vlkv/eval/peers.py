@@ -193,6 +193,7 @@ def peer_continuation_nll(
     configs: list[tuple[str, str, float, dict]],
     work_dir: Path,
     threads: int | None = 1,
+    timeout: float = 4 * 3600,
 ) -> dict[str, dict]:
     """The continuation protocol (:mod:`vlkv.eval.continuation`) run by kvpress presses.
 
@@ -220,7 +221,7 @@ def peer_continuation_nll(
         for _, press, budget, kwargs in configs
         for w in windows
     ]
-    results = run_kvpress(jobs)
+    results = run_kvpress(jobs, timeout=timeout)
     out, n = {}, len(windows)
     for c, (label, press, budget, kwargs) in enumerate(configs):
         rows = results[c * n : (c + 1) * n]

@@ -114,9 +114,14 @@ def run_side(
     meta = {"windows": [w.source for w in windows]}
     pending = [(spec, b) for spec, b in todo if not _path(out, side, label(spec, b)).is_file()]
     # vlkv: configurations asking the same prefill statistics run together (one shared prefill);
-    # kvpress: one adapter process per spec (its import costs ~20 s), all budgets at once
-    key = _stage_key if side == "vlkv" else (lambda spec: spec)
-    stages = [[p for p in pending if key(p[0]) == k] for k in dict.fromkeys(key(p[0]) for p in pending)]
+    # kvpress: one adapter process per configuration, so each is stored as soon as it is measured
+    if side == "vlkv":
+        stages = [
+            [p for p in pending if _stage_key(p[0]) == k]
+            for k in dict.fromkeys(_stage_key(p[0]) for p in pending)
+        ]
+    else:
+        stages = [[p] for p in pending]
     for group in stages:
         if side == "vlkv":
             configs = []
