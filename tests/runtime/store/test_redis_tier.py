@@ -64,6 +64,9 @@ def test_tier_protocol_round_trip(url):
     assert tier.faults.faults == 0
     with pytest.raises(ValueError, match="max_bytes"):
         RedisTier(url, max_bytes=0)
+    small = RedisTier(url, max_bytes=100)  # too big to send: dropped and counted, never raised
+    small.put(a.key, a.to_bytes())
+    assert small.faults.full == 1 and not small.backing_off
 
 
 def test_store_over_redis_verifies_and_isolates_namespaces(url):

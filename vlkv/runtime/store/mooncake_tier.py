@@ -10,8 +10,9 @@ process using this tier is such a client and contributes ``segment_bytes`` (0: i
 writes others' memory, e.g. a dedicated ``mooncake_store_service`` process). Objects in a segment
 vanish when its process exits, and the master forgets every object when it restarts; both are
 misses here, never errors. Size and eviction are the master's (``--eviction_high_watermark_ratio``,
-``--eviction_ratio``): :meth:`MooncakeTier.victims` is always empty and ``max_bytes`` is only the
-largest record accepted. The transport is TCP (``protocol="tcp"``; ``rdma`` where the NICs exist).
+``--eviction_ratio``): :meth:`MooncakeTier.victims` is always empty; ``max_bytes`` (default:
+unbounded) is the namespace's budget for an explicit ``ContextStore.gc``, and a record larger than
+``buffer_bytes`` is not sent (a ``full`` fault). The transport is TCP (``protocol="tcp"``; ``rdma`` where the NICs exist).
 
 The Python client does not raise: it returns error codes (or empty bytes), and a call to an
 unreachable master can block for seconds. So every call runs on a small thread pool and is waited
@@ -30,7 +31,7 @@ import urllib.parse
 import urllib.request
 
 from vlkv.runtime.store.identity import validate_key
-from vlkv.runtime.store.remote import DOWN, ERROR, FULL, TIMEOUT, Backoff, FaultStats, RemoteGuard
+from vlkv.runtime.store.remote import DOWN, ERROR, FULL, TIMEOUT, UNBOUNDED, Backoff, FaultStats, RemoteGuard
 
 MAX_RECORD = 1 << 30
 # Mooncake's ErrorCode values (mooncake-store/include/types.h) that this tier tells apart
@@ -75,6 +76,7 @@ class MooncakeTier:
         local_hostname: the address other clients reach this process's segment at.
         timeout_s: the longest a call is waited for; a slower one is a ``timeout`` fault (a miss).
         admin: the master's HTTP admin URL (``--metrics_port``, default 9003) for :meth:`keys`.
+        max_bytes: this namespace's budget for ``ContextStore.gc`` (default: unbounded).
     """
 
     holds = "bytes"
@@ -87,7 +89,7 @@ class MooncakeTier:
         segment_bytes: int = 256 << 20,
         buffer_bytes: int = 64 << 20,
         local_hostname: str = "127.0.0.1",
-        timeout_s: float = 1.0,
+        timeout_s: float = 2.0,
         prefix: str = "vlkv",
         admin: str | None = None,
         max_bytes: int | None = None,
@@ -99,13 +101,14 @@ class MooncakeTier:
         for field, value in (("segment_bytes", segment_bytes), ("buffer_bytes", buffer_bytes)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field} must be an int >= 0, got {value!r}")
-        max_bytes = min(MAX_RECORD, buffer_bytes) if max_bytes is None else max_bytes
-        if not isinstance(max_bytes, int) or not 0 < max_bytes <= MAX_RECORD:
-            raise ValueError(f"max_bytes must be an int in (0, {MAX_RECORD}], got {max_bytes!r}")
+        max_bytes = UNBOUNDED if max_bytes is None else max_bytes
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be an int > 0, got {max_bytes!r}")
         if not prefix or any(c.isspace() for c in prefix):
             raise ValueError(f"prefix must be non-empty, without spaces, got {prefix!r}")
         self._cls = _mooncake_store()
         self.name, self.max_bytes, self.timeout_s = name, max_bytes, timeout_s
+        self.max_record_bytes = min(max_bytes, buffer_bytes or MAX_RECORD, MAX_RECORD)
         self.master, self.metadata, self.protocol = master, metadata, protocol
         self.segment_bytes, self.buffer_bytes, self.local_hostname = (
             segment_bytes,
@@ -204,10 +207,9 @@ class MooncakeTier:
         """One ``upsert`` of the whole record; dropped (and counted) on a fault."""
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"mooncake tier holds record bytes, got {type(value).__name__}")
-        if len(value) > self.max_bytes:
-            raise ValueError(
-                f"a record of {len(value)} bytes exceeds the mooncake tier's {self.max_bytes} bytes"
-            )
+        if len(value) > self.max_record_bytes:  # too big to send: dropped and counted, like a full server
+            self._guard.count(FULL, ValueError(f"a record of {len(value)} bytes > {self.max_record_bytes}"))
+            return
         name, data = self._name(key), bytes(value)
 
         def put(client) -> None:

@@ -10,9 +10,11 @@ A record with an expiry is written with ``EXAT``, so Redis drops it when it expi
 Size and LRU belong to Redis: run the server with ``maxmemory <bytes>`` and
 ``maxmemory-policy allkeys-lru`` (or ``volatile-lru`` when the server is shared with data that must
 not be evicted). :meth:`RedisTier.victims` is therefore always empty — the store never demotes out of
-the shared tier on one process's say-so — and ``max_bytes`` is only the largest record this tier
-accepts (Redis strings stop at 512 MiB). Under ``noeviction`` a full server answers writes with an
-OOM error: counted as a ``full`` fault, the write is dropped, reads go on.
+the shared tier on one process's say-so. ``max_bytes`` (default: unbounded) is the namespace's budget
+for an explicit ``ContextStore.gc`` (which trims least recently used records first); a record larger
+than it or than 512 MiB (Redis's string limit) is not sent (a ``full`` fault). Under ``noeviction`` a
+full server answers writes with an OOM error: counted as a ``full`` fault, the write is dropped,
+reads go on.
 
 Faults (server down, slower than ``timeout_s``, full, a reply of the wrong type) never raise: reads
 miss, writes are dropped, and :attr:`RedisTier.faults` counts them (:mod:`~vlkv.runtime.store.remote`
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from vlkv.runtime.store.identity import validate_key
 from vlkv.runtime.store.record import CorruptRecord, StaleRecord, peek
-from vlkv.runtime.store.remote import DOWN, ERROR, FULL, TIMEOUT, Backoff, FaultStats, RemoteGuard
+from vlkv.runtime.store.remote import DOWN, ERROR, FULL, TIMEOUT, UNBOUNDED, Backoff, FaultStats, RemoteGuard
 
 REDIS_MAX_VALUE = 512 << 20
 SCAN_COUNT = 1000
@@ -44,7 +46,8 @@ class RedisTier:
 
     Args:
         url: ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS).
-        max_bytes: the largest record accepted (default and ceiling: 512 MiB, Redis's string limit).
+        max_bytes: this namespace's budget for ``ContextStore.gc`` (default: unbounded; the server's
+            ``maxmemory`` governs); records above ``min(max_bytes, 512 MiB)`` are dropped, counted.
         timeout_s: connect and per-call socket timeout; a slower call is a ``timeout`` fault (a miss).
         prefix: key namespace, so several stores (or other data) can share one Redis database.
         backoff: how long to leave the server alone after it looked unreachable.
@@ -57,15 +60,15 @@ class RedisTier:
         self,
         url: str,
         max_bytes: int | None = None,
-        timeout_s: float = 0.5,
+        timeout_s: float = 2.0,
         prefix: str = "vlkv",
         backoff: Backoff | None = None,
         name: str = "redis",
     ):
         if max_bytes is None:
-            max_bytes = REDIS_MAX_VALUE
-        if not isinstance(max_bytes, int) or not 0 < max_bytes <= REDIS_MAX_VALUE:
-            raise ValueError(f"max_bytes must be an int in (0, {REDIS_MAX_VALUE}], got {max_bytes!r}")
+            max_bytes = UNBOUNDED
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be an int > 0, got {max_bytes!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if not prefix or any(c.isspace() or c in "*?[]" for c in prefix):
@@ -75,6 +78,7 @@ class RedisTier:
         from redis.retry import Retry
 
         self.name, self.url, self.max_bytes, self.timeout_s = name, url, max_bytes, timeout_s
+        self.max_record_bytes = min(max_bytes, REDIS_MAX_VALUE)
         self.namespace = f"{prefix}:rec:"
         # no client-side retries: a failed call is a fault at once, and RemoteGuard decides when to retry
         self.client = redis.Redis.from_url(
@@ -115,10 +119,9 @@ class RedisTier:
         """One ``SET`` of the whole record; dropped (and counted) on a fault."""
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"redis tier holds record bytes, got {type(value).__name__}")
-        if len(value) > self.max_bytes:
-            raise ValueError(
-                f"a record of {len(value)} bytes exceeds the redis tier's {self.max_bytes} bytes"
-            )
+        if len(value) > self.max_record_bytes:  # too big to send: dropped and counted, like a full server
+            self._guard.count(FULL, ValueError(f"a record of {len(value)} bytes > {self.max_record_bytes}"))
+            return
         name, data = self._name(key), bytes(value)
         exat = _expires(data)
         self._guard.call(lambda: self.client.set(name, data, exat=exat), None)

@@ -29,6 +29,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 DOWN, TIMEOUT, FULL, ERROR = "down", "timeout", "full", "error"
+UNBOUNDED = 1 << 60  # a remote tier's default budget: the server's own limit governs (maxmemory, segments)
 _BACKS_OFF = {DOWN, TIMEOUT}
 
 
@@ -112,6 +113,11 @@ class RemoteGuard:
                 self._failures = 0
                 self.stats.recoveries += 1
         return out
+
+    def count(self, kind: str, exc: BaseException) -> None:
+        """Count a fault found without a server call (e.g. a record too big to send); no backoff unless
+        ``kind`` is down or timeout."""
+        self._fault(kind, exc)
 
     def _fault(self, kind: str, exc: BaseException) -> None:
         with self._lock:

@@ -9,7 +9,8 @@ Accepted forms::
 
 Query parameters of a remote URL (all optional):
 
-    timeout=0.5        seconds a remote call may take before it is a ``timeout`` fault (a miss)
+    timeout=2          seconds a remote call may take before it is a ``timeout`` fault (a miss); size it
+                       for the largest record (a dense fp32 576-token record is 27 MiB)
     disk=/path         also keep a local disk tier between host memory and the remote tier
     prefix=vlkv        Redis key namespace (keys are ``<prefix>:rec:<record key>``)
     metadata=URL       Mooncake metadata server (default ``http://<master host>:8080/metadata``)
@@ -90,7 +91,7 @@ def open_store(
 
 
 def _remote_tier(parts, query: dict[str, str], text: str) -> Tier:
-    timeout_s = _float(query, "timeout", 0.5, text)
+    timeout_s = _float(query, "timeout", 2.0, text)
     if parts.scheme in ("redis", "rediss"):
         from vlkv.runtime.store.redis_tier import RedisTier
 
@@ -114,7 +115,7 @@ def _remote_tier(parts, query: dict[str, str], text: str) -> Tier:
         segment_bytes=_size(query, "segment", 256 << 20, text),
         buffer_bytes=_size(query, "buffer", 64 << 20, text),
         local_hostname=query.get("local", "127.0.0.1"),
-        timeout_s=_float(query, "timeout", 1.0, text),
+        timeout_s=timeout_s,
         prefix=query.get("prefix", "vlkv"),
         admin=query.get("admin"),
     )
