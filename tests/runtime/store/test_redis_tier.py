@@ -240,3 +240,18 @@ def test_open_store_specs(url, tmp_path):
         open_store(url + "?timeout=-1")
     down = open_store("redis://127.0.0.1:1/0", host_bytes=0)  # nothing listens: a store that misses
     assert down.get(make_record().key, "alice") is None and down.tiers[-1].faults.down == 1
+
+
+def test_entries_and_gc_over_redis(url):
+    tier = RedisTier(url, max_bytes=10_000)
+    store = ContextStore([tier], model_fingerprint=FP)
+    recs = [make_record(content=f"g{i}".encode(), seed=i) for i in range(4)]
+    for rec in recs:
+        store.put(rec)
+        store.get(rec.key, "alice")
+    bad = make_record(content=b"bad", seed=9)
+    tier.client.set(tier.namespace + bad.key, bad.to_bytes()[:-1])
+    assert {e.key for e in store.entries()} == {r.key for r in recs} | {bad.key}
+    report = store.gc(max_bytes=2 * len(recs[0].to_bytes()))  # corrupt first, then LRU over budget
+    assert report["corrupt"] == 1 and report["evicted"] == 2  # (idle times have 1 s resolution: any 2)
+    assert len(set(tier.keys()) & {r.key for r in recs}) == 2 and tier.faults.faults == 0

@@ -131,8 +131,9 @@ class RedisTier:
         return bool(self._guard.call(lambda: self.client.delete(name), 0))
 
     def keys(self) -> list[str]:
-        """Record keys in this namespace, least recently used first (by ``OBJECT IDLETIME``; in scan
-        order when the server's policy is LFU, which keeps no idle time). O(records): for tools."""
+        """Record keys in this namespace, least recently used first (by ``OBJECT IDLETIME``, which has a
+        1-second resolution; in scan order when the server's policy is LFU, which keeps no idle time).
+        O(records): for tools."""
         return self._guard.call(self._keys, [])
 
     def bytes_used(self) -> int:
