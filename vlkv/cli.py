@@ -255,15 +255,15 @@ def cmd_generate(args) -> int:
     device = resolve_device(args.device)
     store = None
     if args.store is not None:
-        from vlkv.runtime.store import ContextStore
         from vlkv.runtime.store.identity import validate_tenant
+        from vlkv.runtime.store.url import open_store
 
         validate_tenant(args.tenant)
         if args.link == "none":
             raise CliError(
                 "--store needs --link (prefix, full-reuse or mpic): without linking nothing is reused"
             )
-        store = ContextStore.open(args.store)
+        store = open_store(args.store)
     link = (
         None
         if args.link == "none" and args.link_k is None
@@ -370,7 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         help="reuse stored image K/V: none, prefix, full-reuse or mpic (later prompts reuse earlier ones' images)",
     )
-    g.add_argument("--store", default=None, help="context-store directory: image records persist across runs")
+    g.add_argument(
+        "--store",
+        default=None,
+        help="context store: a directory, redis://host:port/db or mooncake://host:port?metadata=URL "
+        "(every process on the same URL shares records)",
+    )
     g.add_argument(
         "--link-threshold",
         type=float,
