@@ -6,8 +6,12 @@ prefill, then ``--steps`` (128) teacher-forced continuation tokens, the policy a
 step (Elastic Cache's own ``eval_ppl.py`` loop). Perplexity is pooled over every continuation token
 of every window; intervals are a paired bootstrap over windows.
 
-    python scripts/elastic_compare.py --windows 12 --out docs/benchmarks/elastic_real_text.json
+    python scripts/elastic_compare.py --protocol once --windows 12 --out once.json
+    python scripts/elastic_compare.py --protocol loop --windows 8 --out loop.json
     python scripts/elastic_compare.py --trace --windows 1   # per-layer, per-step vlkv vs reference
+    python scripts/elastic_compare.py --table once.json     # markdown table
+
+Results and conclusions: ``docs/elastic.md`` (raw rows in ``docs/benchmarks/elastic-real-text-*.json``).
 
 Needs the real-weight demo (``bash scripts/install_demo.sh``) and ``apt-get download`` access.
 """
