@@ -81,42 +81,43 @@ class ElasticPolicy(Policy):
         """One sample: ``importance (n,)`` → kept slots ``(K,)``, per-slot target ``(n,)``, f."""
         f = math.floor(n * (1 - self.budget) + EPS)
         tail = max(n - 1 - self.recent, self.start)  # the protected tail [tail, n)
-        cand = torch.arange(self.start, tail)
+        dev = importance.device
+        cand = torch.arange(self.start, tail, device=dev)
         f = min(f, cand.numel() - 2)  # always keep at least one anchor
         if f <= 0:
-            return torch.arange(n), torch.arange(n), 0
+            return torch.arange(n, device=dev), torch.arange(n, device=dev), 0
         n_anchor = cand.numel() - 1 - f
         s = importance[self.start : tail]
         if self.reference_quirks:
             anchors = cand[torch.argsort(s, stable=True) > f]
         else:
             anchors = torch.sort(cand[torch.sort(s, descending=True, stable=True).indices[:n_anchor]]).values
-        kept = torch.cat([torch.arange(self.start), anchors, torch.arange(tail, n)])
-        target = torch.full((n,), -1, dtype=torch.long)
-        target[kept] = torch.arange(kept.numel())
+        kept = torch.cat([torch.arange(self.start, device=dev), anchors, torch.arange(tail, n, device=dev)])
+        target = torch.full((n,), -1, dtype=torch.long, device=dev)
+        target[kept] = torch.arange(kept.numel(), device=dev)
         if self.merge:
             thrown = cand[target[cand] < 0]
             target[thrown] = self.start + nearest_anchor(thrown, anchors)
         return kept, target, f
 
     def after_prefill(self, cache: KVCache, stats, ctx):
-        bsz, heads = cache.batch_size, ctx.num_kv_heads
-        fixed = torch.zeros(bsz, dtype=torch.long)
+        bsz, heads, dev = cache.batch_size, ctx.num_kv_heads, cache.device
+        fixed = torch.zeros(bsz, dtype=torch.long, device=dev)
         edits = []
         for layer, st in zip(cache.layers, stats):
             importance = st.colsum.mean(1)  # (B, S)
             width = layer.max_length
             plans = [self._plan(importance[b], int(layer.lengths[b])) for b in range(bsz)]
             k = max(p[0].numel() for p in plans)
-            index = torch.zeros(bsz, k, dtype=torch.long)
-            assign = torch.full((bsz, width), -1, dtype=torch.long)
-            keep_len = torch.zeros(bsz, dtype=torch.long)
+            index = torch.zeros(bsz, k, dtype=torch.long, device=dev)
+            assign = torch.full((bsz, width), -1, dtype=torch.long, device=dev)
+            keep_len = torch.zeros(bsz, dtype=torch.long, device=dev)
             for b, (kept, target, f) in enumerate(plans):
                 n = target.numel()
                 index[b, : kept.numel()], assign[b, :n], keep_len[b] = kept, target, kept.numel()
                 p = (n - f) + self.distance if self.distance <= 0 else self.distance
                 fixed[b] = max(p, self.start)
-            counts = torch.zeros(bsz, k, dtype=torch.long).scatter_add_(
+            counts = torch.zeros(bsz, k, dtype=torch.long, device=dev).scatter_add_(
                 1, assign.clamp(min=0), (assign >= 0).long()
             )
             expand = lambda t: t[:, None].expand(-1, heads, -1).contiguous()  # noqa: E731
@@ -134,7 +135,7 @@ class ElasticPolicy(Policy):
                 edits.append(None)
                 continue
             keep_len = layer.lengths - drop.long()
-            j = torch.arange(int(keep_len.max()))[None, :]
+            j = torch.arange(int(keep_len.max()), device=layer.device)[None, :]
             index = j + ((j >= fixed[:, None]) & drop[:, None]).long()
             index = index.clamp(max=layer.max_length - 1)
             edits.append(LayerEdit(index[:, None].expand(-1, ctx.num_kv_heads, -1).contiguous(), keep_len))
