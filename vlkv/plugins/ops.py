@@ -58,7 +58,17 @@ def attn_stats(
     """
     if key_order is not None:
         return attn_stats_reference(
-            q, k, scale, query_rows, causal, threshold, key_lengths, q_offset, chunk_rows, key_order, query_order
+            q,
+            k,
+            scale,
+            query_rows,
+            causal,
+            threshold,
+            key_lengths,
+            q_offset,
+            chunk_rows,
+            key_order,
+            query_order,
         )
     if use_triton(q, k):
         from vlkv.plugins.triton_attn_stats import attn_stats_triton
