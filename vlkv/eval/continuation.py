@@ -183,15 +183,7 @@ def _fixed_pool(engine: Engine, slots: int):
     (a growable pool remaps its owners' slot tables through weak references when it compacts)."""
     from vlkv.runtime.kv.pool import KVPool, PoolSpec
 
-    be = engine.backend
-    spec = PoolSpec(
-        num_layers=be.num_layers,
-        kv_heads=be.num_kv_heads,
-        head_dim=be.head_dim,
-        dtype=be.dtype,
-        device=be.device,
-    )
-    return KVPool(spec, slots + 8, grow=False)
+    return KVPool(PoolSpec.for_backend(engine.backend), slots + 8, grow=False)
 
 
 def _freeze(x):

@@ -30,8 +30,16 @@ import threading
 import urllib.parse
 import urllib.request
 
-from vlkv.runtime.store.identity import validate_key
-from vlkv.runtime.store.remote import DOWN, ERROR, FULL, TIMEOUT, UNBOUNDED, Backoff, FaultStats, RemoteGuard
+from vlkv.runtime.store.remote import (
+    DOWN,
+    ERROR,
+    FULL,
+    TIMEOUT,
+    UNBOUNDED,
+    Backoff,
+    GuardedTier,
+    RemoteGuard,
+)
 
 MAX_RECORD = 1 << 30
 # Mooncake's ErrorCode values (mooncake-store/include/types.h) that this tier tells apart
@@ -63,7 +71,7 @@ def _mooncake_store():
     return MooncakeDistributedStore
 
 
-class MooncakeTier:
+class MooncakeTier(GuardedTier):
     """Record bytes in Mooncake Store under ``<prefix>:rec:<key>``; eviction is the master's.
 
     Args:
@@ -122,18 +130,6 @@ class MooncakeTier:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="vlkv-mooncake")
         self._guard = RemoteGuard(_classify, backoff)
         self._guard.call(self._connected, None)  # a master that is down is a fault, not an error
-
-    @property
-    def faults(self) -> FaultStats:
-        """This tier's fault counters (``faults``, ``down``, ``timeout``, ``full``, ``error``, ``skipped``, ...)."""
-        return self._guard.stats
-
-    @property
-    def backing_off(self) -> bool:
-        return self._guard.backing_off
-
-    def _name(self, key: str) -> str:
-        return self.namespace + validate_key(key)
 
     def _connected(self):
         """The client, set up on first use (again after a failed setup)."""

@@ -23,9 +23,17 @@ backs off after an unreachable server and retries it later). ``redis`` is import
 
 from __future__ import annotations
 
-from vlkv.runtime.store.identity import validate_key
 from vlkv.runtime.store.record import CorruptRecord, StaleRecord, peek
-from vlkv.runtime.store.remote import DOWN, ERROR, FULL, TIMEOUT, UNBOUNDED, Backoff, FaultStats, RemoteGuard
+from vlkv.runtime.store.remote import (
+    DOWN,
+    ERROR,
+    FULL,
+    TIMEOUT,
+    UNBOUNDED,
+    Backoff,
+    GuardedTier,
+    RemoteGuard,
+)
 
 REDIS_MAX_VALUE = 512 << 20
 SCAN_COUNT = 1000
@@ -41,7 +49,7 @@ def _redis():
     return redis
 
 
-class RedisTier:
+class RedisTier(GuardedTier):
     """Record bytes in Redis under ``<prefix>:rec:<key>``; LRU and size are the server's (see the module).
 
     Args:
@@ -90,18 +98,6 @@ class RedisTier:
             health_check_interval=0,
         )
         self._guard = RemoteGuard(_classify, backoff)
-
-    @property
-    def faults(self) -> FaultStats:
-        """This tier's fault counters (``faults``, ``down``, ``timeout``, ``full``, ``error``, ``skipped``, ...)."""
-        return self._guard.stats
-
-    @property
-    def backing_off(self) -> bool:
-        return self._guard.backing_off
-
-    def _name(self, key: str) -> str:
-        return self.namespace + validate_key(key)
 
     # ------------------------------------------------------------------ the Tier protocol
     def get(self, key: str, touch: bool = True) -> bytes | None:

@@ -134,3 +134,25 @@ def remote_faults(store) -> dict[str, dict[str, int | str]]:
     return {
         t.name: t.faults.as_dict() for t in store.tiers if isinstance(getattr(t, "faults", None), FaultStats)
     }
+
+
+class GuardedTier:
+    """What every remote tier shares: fault counters and backoff state from its :class:`RemoteGuard`,
+    and record ids namespaced under ``namespace``. Subclasses set ``namespace`` and ``_guard``."""
+
+    namespace: str
+    _guard: RemoteGuard
+
+    @property
+    def faults(self) -> FaultStats:
+        """This tier's fault counters (``faults``, ``down``, ``timeout``, ``full``, ``error``, ``skipped``, ...)."""
+        return self._guard.stats
+
+    @property
+    def backing_off(self) -> bool:
+        return self._guard.backing_off
+
+    def _name(self, key: str) -> str:
+        from vlkv.runtime.store.identity import validate_key
+
+        return self.namespace + validate_key(key)
