@@ -85,6 +85,9 @@ class Scheduler:
 
         self.link_threshold = DEFAULT_THRESHOLD if link_threshold is None else link_threshold
         self._checks: dict = {}  # LinkSpec -> saved LinkCheck or None
+        from vlkv.runtime.link.linker import LinkStats
+
+        self.link_totals = LinkStats()  # over every linked request (a server's store gauges read it)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -219,6 +222,7 @@ class Scheduler:
             eng, req.batch, req.prompt.images, cache, req.link, self._sources[req.tenant], request
         )
         out.peak_kv_bytes = cache.kv_bytes()
+        self.link_totals.add(req.link_stats)
         apply_edits(cache, req.policy.after_prefill(cache, out.stats, ctx))
         return out
 

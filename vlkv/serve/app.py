@@ -167,6 +167,23 @@ def _busy(cfg: ServeConfig) -> ApiError:
     )
 
 
+def _link_spec(req, cfg):
+    """The request's link settings (its ``vlkv`` field, else the server's), or None without a store."""
+    from vlkv.runtime.link.linker import LinkSpec
+
+    opts = getattr(req, "vlkv", None)
+    method = (opts.link if opts is not None and opts.link is not None else None) or cfg.link
+    k = opts.link_k if opts is not None and opts.link_k is not None else cfg.link_k
+    if method == "none":
+        return None
+    if not cfg.store:
+        raise ApiError(400, "vlkv.link needs a server started with --store", param="vlkv.link")
+    try:
+        return LinkSpec(method, k)
+    except ValueError as err:
+        raise ApiError(400, str(err), param="vlkv.link") from None
+
+
 def _validation_error(err: ValidationError) -> ApiError:
     errors = err.errors(include_url=False)
     first = errors[0]
@@ -186,6 +203,8 @@ async def _answer(http, state: ServerState, req, prompt, uuids, kind: str, defau
         max_new_tokens(req, cfg, default_tokens),
         make_sampler(req),
         stop_at_eos=not req.ignore_eos,
+        link=_link_spec(req, cfg),
+        tenant=req.cache_salt or "default",  # vLLM's cache_salt scopes stored records to a tenant
     )
     request.extras["image_uuids"] = uuids  # record identities for the context store (not yet wired in)
     request.extras["cache_salt"] = req.cache_salt

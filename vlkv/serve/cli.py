@@ -46,6 +46,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=None, help="budget of --policy (default: the CLI's)")
     p.add_argument("--backend", default="torch", help="torch or onnxruntime (default: torch)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="context store shared by requests (and replicas): a directory, redis://host:port/db or mooncake://...",
+    )
+    p.add_argument("--link", default="none", help="default link method: none, prefix, full-reuse or mpic")
+    p.add_argument("--link-k", type=int, default=32, help="MPIC: leading tokens of each image to recompute")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -94,6 +101,9 @@ def cmd_serve(args) -> int:
         request_timeout_s=args.request_timeout,
         policy=args.policy,
         budget=args.budget,
+        store=args.store,
+        link=args.link,
+        link_k=args.link_k,
     )
     budget = cfg.budget if cfg.budget is not None else None if cfg.policy in NO_BUDGET else DEFAULT_BUDGET
     make_policy(cfg.policy, **({} if budget is None else {"budget": budget}))  # refuse a bad default now
@@ -102,7 +112,12 @@ def cmd_serve(args) -> int:
     device = resolve_device(args.device)
     loaded = load_model(args.model, device=str(device))
     engine = Engine(loaded, backend=args.backend)
-    scheduler = Scheduler(engine, cfg.pool_bytes, max_running=cfg.max_running)
+    store = None
+    if cfg.store is not None:
+        from vlkv.runtime.store.url import open_store
+
+        store = open_store(cfg.store)
+    scheduler = Scheduler(engine, cfg.pool_bytes, max_running=cfg.max_running, store=store)
     metrics = ServeMetrics(args.model)
     state = ServerState(
         cfg, engine, EngineLoop(scheduler, metrics), metrics, args.model, position_limit(loaded)

@@ -23,6 +23,8 @@ class ServeConfig:
         max_running: most requests decoded together (the scheduler's batch).
         request_timeout_s: a request still running after this long is cancelled (HTTP 504).
         policy, budget: the KV policy for requests that name none (``budget`` None: the default).
+        store: context-store spec (directory, ``redis://`` or ``mooncake://``); None = no store.
+        link, link_k: how requests link stored images unless their ``vlkv`` field says otherwise.
     """
 
     model: str = "tiny-llava"
@@ -37,6 +39,9 @@ class ServeConfig:
     request_timeout_s: float = 600.0
     policy: str = "full"
     budget: float | None = None
+    store: str | None = None
+    link: str = "none"
+    link_k: int = 32
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,6 +59,11 @@ class ServeConfig:
             raise ValueError(f"pool_bytes must be >= 1, got {self.pool_bytes}")
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
             raise ValueError(f"request_timeout_s must be a finite number > 0, got {self.request_timeout_s}")
+        from vlkv.runtime.link.linker import LinkSpec
+
+        LinkSpec(self.link, self.link_k)  # one line naming a bad method or k
+        if self.link != "none" and self.store is None:
+            raise ValueError("--link needs --store (where the records live)")
         if self.allowed_media_dir is not None:
             if not os.path.isdir(self.allowed_media_dir):
                 raise ValueError(f"allowed media dir not found: {self.allowed_media_dir}")

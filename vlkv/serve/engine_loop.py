@@ -74,6 +74,9 @@ class Snapshot:
     pool_total_bytes: int = 0
     max_running: int = 0
     decode_steps: int = 0
+    store_hits: int = 0
+    store_misses: int = 0
+    store_corrupt: int = 0
 
 
 class EngineLoop:
@@ -247,6 +250,9 @@ class EngineLoop:
             pool_total_bytes=pool.held_bytes(),
             max_running=s.max_concurrent,
             decode_steps=s.decode_steps,
+            store_hits=s.link_totals.hits,
+            store_misses=s.link_totals.misses,
+            store_corrupt=0 if s.store is None else s.store.stats.corrupt,
         )
         self.snapshot = snap
         if self.metrics is not None:

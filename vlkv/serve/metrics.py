@@ -1,8 +1,8 @@
 """Prometheus metrics of one server, in a private registry (two servers in one process never clash).
 
 Gauges are set from the engine thread's :class:`~vlkv.serve.engine_loop.Snapshot`, never read from
-the scheduler across threads. The context-store gauges (hits, misses, corrupt records) are exported
-now and stay 0 until the store is wired in.
+the scheduler across threads. The context-store gauges count image hits and misses of linked requests
+and corrupt records the store refused (0 without ``--store``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ServeMetrics:
         self.pool_total = Gauge("vlkv_pool_total_bytes", "KV pool bytes held (the pool's size)", registry=r)
         self.decode_steps = Gauge("vlkv_decode_steps", "Batched decode steps since start", registry=r)
         self.store = {
-            k: Gauge(f"vlkv_store_{k}", f"Context-store {k} (0 until the store is wired in)", registry=r)
+            k: Gauge(f"vlkv_store_{k}", f"Context-store image {k} of linked requests", registry=r)
             for k in ("hits", "misses", "corrupt")
         }
         self.requests = Counter(
@@ -64,6 +64,8 @@ class ServeMetrics:
         self.pool_used.set(snap.pool_used_bytes)
         self.pool_total.set(snap.pool_total_bytes)
         self.decode_steps.set(snap.decode_steps)
+        for k in ("hits", "misses", "corrupt"):
+            self.store[k].set(getattr(snap, f"store_{k}"))
 
     def finished(self, req, timed_out: bool) -> None:
         outcome = "timeout" if timed_out else req.status.value

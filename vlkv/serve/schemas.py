@@ -79,6 +79,8 @@ class VlkvOptions(_Strict):
     budget: StrictFloat | StrictInt | None = None
     settings: dict[str, SettingValue] = Field(default_factory=dict)
     top_k: StrictInt = Field(default=0, ge=0)
+    link: StrictStr | None = None  # none, prefix, full-reuse or mpic (default: the server's --link)
+    link_k: StrictInt | None = Field(default=None, ge=0)
 
 
 class _Sampling(_Strict):

@@ -1,0 +1,43 @@
+"""`vlkv serve --store`: requests link the images earlier requests computed; `cache_salt` scopes them."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.serve.conftest import MODEL, data_url, png_bytes, start_server
+
+
+@pytest.fixture(scope="module")
+def linked_server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-store")
+    server = start_server(tmp, "--store", str(tmp / "store"), "--link", "mpic", "--link-k", "2")
+    yield server
+    server.stop()
+
+
+def _chat(server, image: str, text: str, **extra) -> httpx.Response:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": text}]}],
+        "max_tokens": 3,
+        "temperature": 0,
+        **extra,
+    }  # fmt: skip
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_a_later_request_links_the_stored_image_and_tenants_never_share(linked_server):
+    image = data_url(png_bytes(7))
+    assert _chat(linked_server, image, "What is it?", cache_salt="alice").status_code == 200
+    assert linked_server.metrics()["vlkv_store_misses"] == 1
+    assert _chat(linked_server, image, "And now?", cache_salt="alice").status_code == 200
+    m = linked_server.metrics()
+    assert (m["vlkv_store_hits"], m["vlkv_store_misses"]) == (1, 1)
+    assert _chat(linked_server, image, "Yours?", cache_salt="bob").status_code == 200  # another tenant
+    m = linked_server.metrics()
+    assert (m["vlkv_store_hits"], m["vlkv_store_misses"]) == (1, 2)
+    plain = _chat(linked_server, image, "No linking.", vlkv={"link": "none"})
+    assert plain.status_code == 200
+    bad = _chat(linked_server, image, "x", vlkv={"link": "blend"})
+    assert bad.status_code == 400 and "unknown link method 'blend'" in bad.json()["error"]["message"]
