@@ -41,3 +41,23 @@ def test_a_later_request_links_the_stored_image_and_tenants_never_share(linked_s
     assert plain.status_code == 200
     bad = _chat(linked_server, image, "x", vlkv={"link": "blend"})
     assert bad.status_code == 400 and "unknown link method 'blend'" in bad.json()["error"]["message"]
+
+
+def test_a_client_uuid_is_the_record_identity(linked_server):
+    before = linked_server.metrics()["vlkv_store_hits"]
+
+    def with_uuid(image: str, uuid: str, text: str) -> int:
+        part = {"type": "image_url", "image_url": {"url": image}, "uuid": uuid}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": text}]}],
+            "max_tokens": 2,
+            "temperature": 0,
+            "cache_salt": "carol",
+        }
+        return httpx.post(f"{linked_server.url}/v1/chat/completions", json=body, timeout=60).status_code
+
+    assert with_uuid(data_url(png_bytes(11)), "photo-1", "What is it?") == 200
+    # other bytes, same uuid: the client says it is the same image, so its record is linked
+    assert with_uuid(data_url(png_bytes(12)), "photo-1", "Again?") == 200
+    assert linked_server.metrics()["vlkv_store_hits"] == before + 1

@@ -219,7 +219,14 @@ class Scheduler:
         ctx = eng.context(req.batch)
         request = req.policy.prefill_request(ctx, req.prompt_tokens)
         out, req.link_stats = link_prefill(
-            eng, req.batch, req.prompt.images, cache, req.link, self._sources[req.tenant], request
+            eng,
+            req.batch,
+            req.prompt.images,
+            cache,
+            req.link,
+            self._sources[req.tenant],
+            request,
+            req.extras.get("image_uuids"),
         )
         out.peak_kv_bytes = cache.kv_bytes()
         self.link_totals.add(req.link_stats)

@@ -206,7 +206,7 @@ async def _answer(http, state: ServerState, req, prompt, uuids, kind: str, defau
         link=_link_spec(req, cfg),
         tenant=req.cache_salt or "default",  # vLLM's cache_salt scopes stored records to a tenant
     )
-    request.extras["image_uuids"] = uuids  # record identities for the context store (not yet wired in)
+    request.extras["image_uuids"] = uuids  # the client's record identity per image (None: its pixels)
     request.extras["cache_salt"] = req.cache_salt
     loop = asyncio.get_running_loop()
     ticket = Ticket(request, loop, time.monotonic() + cfg.request_timeout_s)

@@ -122,6 +122,7 @@ def link_prefill(
     spec: LinkSpec,
     source: RecordSource,
     request: StatsRequest | None = None,
+    uuids: list[str | None] | None = None,
 ) -> tuple[StepOutput, LinkStats]:
     """Prefill a one-prompt ``batch`` (whose images are ``images``) into ``cache`` reusing ``store``'s
     records; returns the step's output (logits of the last prompt token) and what was reused.
@@ -129,11 +130,13 @@ def link_prefill(
     Images whose token runs cannot be told apart (two images with no token between them) are
     recomputed, never guessed. ``request`` (over the whole prompt's rows, as a policy asks for a
     prefill) gets its statistics from the recomputed rows only — linked rows run no query — and the
-    returned statistics follow the cache's slots in sequence order."""
+    returned statistics follow the cache's slots in sequence order. ``uuids[i]``, when given, is the
+    client's identity for image ``i`` (its record key instead of the pixels)."""
     stats = LinkStats()
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
-    keys = [source.key(img) for img in images] if len(images) == len(spans) else None
+    uuids = list(uuids) if uuids is not None and len(uuids) == len(images) else [None] * len(images)
+    keys = [source.key(img, u) for img, u in zip(images, uuids)] if len(images) == len(spans) else None
     store = source.segments
     loaded_before = source.loaded_bytes
     linked = torch.zeros(n, dtype=torch.bool)
@@ -152,7 +155,7 @@ def link_prefill(
     elif spec.method in ("mpic", "full-reuse") and keys is not None:
         k = 0 if spec.method == "full-reuse" else spec.k
         for i, ((a, b), img) in enumerate(zip(spans, images)):
-            seg = source.lookup(img)
+            seg = source.lookup(img, uuids[i])
             if seg is None:
                 stats.misses += 1
                 continue
@@ -183,7 +186,7 @@ def link_prefill(
         perms = _sort_tables(cache)
         out.stats = _permute(out.stats, perms)
     cache.processed = torch.full_like(cache.processed, n)
-    _remember(engine, batch, images, emb, cache, spec, source, keys)
+    _remember(engine, batch, images, emb, cache, spec, source, keys, uuids)
     stats.bytes_loaded = source.loaded_bytes - loaded_before
     return out, stats
 
@@ -274,7 +277,7 @@ def _permute(stats, perms: list[Tensor]):
     return out
 
 
-def _remember(engine, batch, images, emb, cache, spec, source: RecordSource, keys) -> None:
+def _remember(engine, batch, images, emb, cache, spec, source: RecordSource, keys, uuids) -> None:
     """Store what a later request can reuse: missing images (computed alone) and the prompt prefix."""
     if keys is None or spec.method == "none":
         return
@@ -285,8 +288,8 @@ def _remember(engine, batch, images, emb, cache, spec, source: RecordSource, key
             n = len(ident)
             store.prefixes[ident] = SharedSegment.from_cache(cache, 0, n)
         return
-    for span, key, img in zip(batch.spans[0].image_spans, keys, images):
+    for span, key, img, uuid in zip(batch.spans[0].image_spans, keys, images, uuids):
         if key not in store.images:
             seg = standalone_segment(engine, batch, emb, span, cache.pool)
             seg.embeds = emb[0, span[0] : span[1]].detach()
-            source.remember(img, seg, seg.embeds)
+            source.remember(img, seg, seg.embeds, uuid)

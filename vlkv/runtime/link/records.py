@@ -45,23 +45,26 @@ class RecordSource:
             segments, store, validate_tenant(tenant), model_fingerprint(loaded), processor_settings(loaded)
         )
 
-    def identity(self, image):
-        """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec)."""
+    def identity(self, image, uuid: str | None = None):
+        """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec), or of
+        the client's ``uuid`` for it when given (then the pixels are not read)."""
         from vlkv.runtime.models.images import load_image
         from vlkv.runtime.store.identity import Identity, image_content
 
+        if uuid is not None:
+            return Identity.of(self.fingerprint, self.settings, uuid=uuid)
         return Identity.of(self.fingerprint, self.settings, content=image_content(load_image(image)))
 
-    def key(self, image) -> str:
-        return self.identity(image).key(self.tenant)
+    def key(self, image, uuid: str | None = None) -> str:
+        return self.identity(image, uuid).key(self.tenant)
 
-    def lookup(self, image) -> SharedSegment | None:
+    def lookup(self, image, uuid: str | None = None) -> SharedSegment | None:
         """The image's record in the pool, loading it from the store on a pool miss."""
-        key = self.key(image)
+        key = self.key(image, uuid)
         seg = self.segments.images.get(key)
         if seg is not None or self.store is None:
             return seg
-        record = self.store.find(self.identity(image), self.tenant)
+        record = self.store.find(self.identity(image, uuid), self.tenant)
         if record is None:
             return None
         seg = record.to_segment(self.segments.pool)
@@ -70,9 +73,9 @@ class RecordSource:
         self.segments.images[key] = seg
         return seg
 
-    def remember(self, image, seg: SharedSegment, embeds: Tensor) -> None:
+    def remember(self, image, seg: SharedSegment, embeds: Tensor, uuid: str | None = None) -> None:
         """Keep a freshly computed image record in the pool and write it to the store."""
-        self.segments.images[self.key(image)] = seg
+        self.segments.images[self.key(image, uuid)] = seg
         if self.store is not None:
             from vlkv.runtime.store.record import Record
 
