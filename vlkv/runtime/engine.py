@@ -263,6 +263,7 @@ class Engine:
             for i, p in enumerate(prompts)
         ]
         sched.run()
+        sched.flush()  # records written back in the background are in the store when generate returns
         for r in requests:
             if r.status is Status.FAILED:
                 raise r.exception

@@ -155,6 +155,23 @@ class Scheduler:
         while self.has_work:
             self.step()
 
+    def flush(self) -> None:
+        """Wait until every record write-back in flight has reached the store."""
+        for src in self._sources.values():
+            src.flush()
+
+    def _writer(self):
+        """One background thread for store writes: new records go back without delaying answers."""
+        if self.store is None:
+            return None
+        if getattr(self, "_write_pool", None) is None:
+            import concurrent.futures
+
+            self._write_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="vlkv-store"
+            )
+        return self._write_pool
+
     # ------------------------------------------------------------------ admission
     def _reserved(self) -> int:
         return sum(r.reserve for r in (*self.running, *self.swapped))
@@ -215,7 +232,9 @@ class Scheduler:
 
         eng = self.engine
         if req.tenant not in self._sources:
-            self._sources[req.tenant] = RecordSource.for_engine(eng, self.segments, self.store, req.tenant)
+            src = RecordSource.for_engine(eng, self.segments, self.store, req.tenant)
+            src.writer = self._writer()
+            self._sources[req.tenant] = src
         ctx = eng.context(req.batch)
         request = req.policy.prefill_request(ctx, req.prompt_tokens)
         out, req.link_stats = link_prefill(

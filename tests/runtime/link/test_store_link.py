@@ -58,3 +58,24 @@ def test_two_tenants_with_the_same_image_never_share(engines, images, tmp_path):
     assert st["hits"] == 1
     with pytest.raises(ValueError, match="invalid tenant name"):
         _run(engine, tmp_path, prompt, tenant="../bob")
+
+
+def test_a_client_uuid_identifies_the_stored_record_across_processes(engines, images, tmp_path):
+    from vlkv.runtime.request import Request
+    from vlkv.runtime.scheduler import Scheduler
+
+    engine = engines["tiny-llava"]
+
+    def run(image) -> dict:
+        sched = Scheduler(engine, store=ContextStore.open(tmp_path))  # a fresh store: a new process
+        req = Request(Prompt("What is it?", [image]), make_policy("full"), 2, stop_at_eos=False, link=SPEC)
+        req.extras["image_uuids"] = ["client-photo-1"]
+        sched.submit(req)
+        sched.run()
+        sched.flush()  # the record was written back in the background
+        return vars(req.link_stats)
+
+    first = run(images[0])
+    assert (first["hits"], first["misses"]) == (0, 1)
+    second = run(images[1])  # other pixels, same uuid: the client says it is the same image
+    assert second["hits"] == 1 and second["bytes_loaded"] > 0

@@ -9,7 +9,8 @@ computed alone is kept in the pool and written back to the store.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -27,6 +28,8 @@ class RecordSource:
         tenant: whose records these are (validated).
         fingerprint, settings: the model fingerprint and processor settings keys are made of.
         loaded_bytes: record bytes read from the store so far.
+        writer: optional executor the store writes go to, so a new record is written back without
+            delaying the answer (the record's tensors are copied out of the pool first).
     """
 
     segments: SegmentStore
@@ -35,6 +38,8 @@ class RecordSource:
     fingerprint: str
     settings: dict
     loaded_bytes: int = 0
+    writer: object | None = None
+    pending: list = field(default_factory=list)
 
     @classmethod
     def for_engine(cls, engine, segments: SegmentStore, store=None, tenant: str = "default") -> RecordSource:
@@ -79,6 +84,24 @@ class RecordSource:
         if self.store is not None:
             from vlkv.runtime.store.record import Record
 
-            self.store.put(
-                Record.from_segment(seg, self.identity(image), self.tenant, embeds=embeds.detach().cpu())
+            rec = Record.from_segment(
+                seg, self.identity(image, uuid), self.tenant, embeds=embeds.detach().cpu()
             )
+            if self.writer is None:
+                self.store.put(rec)
+            else:
+                self.pending = [f for f in self.pending if not f.done()]
+                self.pending.append(self.writer.submit(_put, self.store, rec))
+
+    def flush(self) -> None:
+        """Wait for the record writes still in flight."""
+        for f in self.pending:
+            f.result()
+        self.pending = []
+
+
+def _put(store, record) -> None:
+    try:
+        store.put(record)
+    except Exception as err:  # a write that fails loses a future hit, never an answer
+        logging.getLogger("vlkv.store").warning("record write failed: %s: %s", type(err).__name__, err)
