@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -238,7 +239,7 @@ def run_policy(policy: str, args) -> dict:
         cmd += ["--budget", budget] if budget else []
         cmd += ["--pool-bytes", str(args.pool_bytes)] if args.pool_bytes else []
         model_id = args.model
-    log = Path(f"/tmp/bench_serve-{port}.log")
+    log = Path(tempfile.gettempdir()) / f"bench_serve-{port}.log"
     with open(log, "wb") as f:
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -342,6 +343,14 @@ def markdown(rows: list[dict], args) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _portable(value):
+    """An argument as a report may record it: absolute paths become their last component (the
+    machine's directories say nothing about the measurement)."""
+    if not isinstance(value, str):
+        return value
+    return " ".join(Path(w).name if os.path.isabs(w) else w for w in value.split(" "))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-llava")
@@ -383,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = {
             "machine": f"{platform.machine()} {os.cpu_count()} CPU(s), {platform.platform()}",
-            "args": vars(args),
+            "args": {k: _portable(v) for k, v in vars(args).items()},
             "rows": rows,
         }
         Path(args.out).with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -234,7 +234,11 @@ def main(argv=None) -> None:
     if args.only is not None:
         extra = {r[0] for r in rows[len(rows) - len(args.extra) :]} if args.extra else set()
         rows = [r for r in rows if r[0] in extra | {"full"} or any(r[0].startswith(o) for o in args.only)]
-    results = {"protocol": vars(args) | {"out": str(args.out), "text_cache": None}, "windows": [], "rows": {}}
+    results = {
+        "protocol": vars(args) | {"out": args.out and Path(args.out).name, "text_cache": None},
+        "windows": [],
+        "rows": {},
+    }
     results["windows"] = [{"novel": n, "start_token": s} for n, s, _ in wins]
     nll = {}
     if args.resume and args.out and args.out.is_file():
