@@ -122,12 +122,12 @@ def hit_vs_recompute(engine, image, repeats: int) -> dict:
         src = RecordSource.for_engine(engine, SegmentStore(pool), store)
         emb = engine.backend.embed(batch)
         seg = standalone_segment(engine, batch, emb, span, pool)
-        src.remember(image, seg, emb[0, span[0] : span[1]])
+        src.remember(src.identity(image), seg, emb[0, span[0] : span[1]])
         hit, compute = [], []
         for _ in range(repeats):
             fresh = RecordSource.for_engine(engine, SegmentStore(pool), ContextStore.open(tmp, host_bytes=0))
             t0 = time.perf_counter()
-            got = fresh.lookup(image)
+            got = fresh.lookup(fresh.identity(image))
             hit.append(time.perf_counter() - t0)
             got.release()
             t0 = time.perf_counter()

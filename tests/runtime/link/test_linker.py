@@ -55,7 +55,7 @@ def test_selective_prefill_over_exact_entries_equals_full_recompute(name, k, eng
     store = SegmentStore(full.pool)
     source = RecordSource.for_engine(engine, store)
     for img, (a, b) in zip(prompt.images, batch.spans[0].image_spans):
-        store.images[source.key(img)] = SharedSegment.from_cache(full, a, b)
+        store.images[source.key(source.identity(img))] = SharedSegment.from_cache(full, a, b)
     cache = engine.new_cache(batch, pool=full.pool)
     out, stats = link_prefill(engine, batch, prompt.images, cache, LinkSpec("mpic", k), source)
     assert stats.hits == 2 and stats.reused_tokens == batch.spans[0].num_image_tokens - 2 * k
@@ -168,7 +168,7 @@ def test_a_policy_compresses_the_linked_cache_from_the_link_steps_statistics(nam
     store = SegmentStore(ref.pool)
     source = RecordSource.for_engine(engine, store)
     for img, (a, b) in zip(prompt.images, batch.spans[0].image_spans):
-        store.images[source.key(img)] = SharedSegment.from_cache(ref, a, b)
+        store.images[source.key(source.identity(img))] = SharedSegment.from_cache(ref, a, b)
     cache = engine.new_cache(batch, pool=ref.pool)
     ctx = engine.context(batch)
     out, _ = link_prefill(

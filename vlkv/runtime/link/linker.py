@@ -136,7 +136,8 @@ def link_prefill(
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
     uuids = list(uuids) if uuids is not None and len(uuids) == len(images) else [None] * len(images)
-    keys = [source.key(img, u) for img, u in zip(images, uuids)] if len(images) == len(spans) else None
+    idents = [source.identity(img, u) for img, u in zip(images, uuids)] if len(images) == len(spans) else None
+    keys = None if idents is None else [source.key(i) for i in idents]
     store = source.segments
     loaded_before = source.loaded_bytes
     linked = torch.zeros(n, dtype=torch.bool)
@@ -154,8 +155,8 @@ def link_prefill(
             stats.misses += 1
     elif spec.method in ("mpic", "full-reuse") and keys is not None:
         k = 0 if spec.method == "full-reuse" else spec.k
-        for i, ((a, b), img) in enumerate(zip(spans, images)):
-            seg = source.lookup(img, uuids[i])
+        for i, (a, b) in enumerate(spans):
+            seg = source.lookup(idents[i])
             if seg is None:
                 stats.misses += 1
                 continue
@@ -186,7 +187,7 @@ def link_prefill(
         perms = _sort_tables(cache)
         out.stats = _permute(out.stats, perms)
     cache.processed = torch.full_like(cache.processed, n)
-    _remember(engine, batch, images, emb, cache, spec, source, keys, uuids)
+    _remember(engine, batch, emb, cache, spec, source, keys, idents)
     stats.bytes_loaded = source.loaded_bytes - loaded_before
     return out, stats
 
@@ -277,7 +278,7 @@ def _permute(stats, perms: list[Tensor]):
     return out
 
 
-def _remember(engine, batch, images, emb, cache, spec, source: RecordSource, keys, uuids) -> None:
+def _remember(engine, batch, emb, cache, spec, source: RecordSource, keys, idents) -> None:
     """Store what a later request can reuse: missing images (computed alone) and the prompt prefix."""
     if keys is None or spec.method == "none":
         return
@@ -288,8 +289,8 @@ def _remember(engine, batch, images, emb, cache, spec, source: RecordSource, key
             n = len(ident)
             store.prefixes[ident] = SharedSegment.from_cache(cache, 0, n)
         return
-    for span, key, img, uuid in zip(batch.spans[0].image_spans, keys, images, uuids):
+    for span, key, ident in zip(batch.spans[0].image_spans, keys, idents):
         if key not in store.images:
             seg = standalone_segment(engine, batch, emb, span, cache.pool)
             seg.embeds = emb[0, span[0] : span[1]].detach()
-            source.remember(img, seg, seg.embeds, uuid)
+            source.remember(ident, seg, seg.embeds)

@@ -60,16 +60,18 @@ class RecordSource:
             return Identity.of(self.fingerprint, self.settings, uuid=uuid)
         return Identity.of(self.fingerprint, self.settings, content=image_content(load_image(image)))
 
-    def key(self, image, uuid: str | None = None) -> str:
-        return self.identity(image, uuid).key(self.tenant)
+    def key(self, identity) -> str:
+        """This tenant's record key for an :meth:`identity` (computed once per image and request:
+        an identity hashes the image's pixels)."""
+        return identity.key(self.tenant)
 
-    def lookup(self, image, uuid: str | None = None) -> SharedSegment | None:
-        """The image's record in the pool, loading it from the store on a pool miss."""
-        key = self.key(image, uuid)
+    def lookup(self, identity) -> SharedSegment | None:
+        """The record of ``identity`` in the pool, loading it from the store on a pool miss."""
+        key = self.key(identity)
         seg = self.segments.images.get(key)
         if seg is not None or self.store is None:
             return seg
-        record = self.store.find(self.identity(image, uuid), self.tenant)
+        record = self.store.find(identity, self.tenant)
         if record is None:
             return None
         seg = record.to_segment(self.segments.pool)
@@ -78,15 +80,13 @@ class RecordSource:
         self.segments.images[key] = seg
         return seg
 
-    def remember(self, image, seg: SharedSegment, embeds: Tensor, uuid: str | None = None) -> None:
+    def remember(self, identity, seg: SharedSegment, embeds: Tensor) -> None:
         """Keep a freshly computed image record in the pool and write it to the store."""
-        self.segments.images[self.key(image, uuid)] = seg
+        self.segments.images[self.key(identity)] = seg
         if self.store is not None:
             from vlkv.runtime.store.record import Record
 
-            rec = Record.from_segment(
-                seg, self.identity(image, uuid), self.tenant, embeds=embeds.detach().cpu()
-            )
+            rec = Record.from_segment(seg, identity, self.tenant, embeds=embeds.detach().cpu())
             if self.writer is None:
                 self.store.put(rec)
             else:
