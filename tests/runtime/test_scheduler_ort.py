@@ -16,3 +16,15 @@ def test_a_stream_on_onnxruntime_equals_each_request_alone(ort_engines, images):
         assert r.status is Status.FINISHED, r.error
         assert r.tokens == _solo(engine, p, pol, kw, m), f"{r.id}: {pol} {kw}"
     assert sched.pool.used_bytes() == 0
+
+
+def test_linking_on_onnxruntime_is_refused_in_one_line(ort_engines, images):  # noqa: F811
+    import pytest
+
+    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.prompt import Prompt
+
+    engine = ort_engines["tiny-llava"]
+    with pytest.raises(ValueError, match="linking needs the PyTorch backend; onnxruntime runs no link step"):
+        engine.generate([Prompt("Hi", [images[0]])], make_policy("full"), 2, link=LinkSpec("mpic", 2))

@@ -189,6 +189,8 @@ class Backend(Protocol):
     # family knowledge (positions, image-token layout) the engine uses to encode prompts; backends
     # that run no PyTorch decoder still expose it, since prompt encoding is backend-independent
     adapter: FamilyAdapter
+    # runs selective (link) steps: attention masked by sequence order over non-contiguous rows
+    supports_link: bool
 
     def embed(self, batch) -> Tensor:
         """``(B, T, hidden)`` prompt embeddings with image features spliced in."""

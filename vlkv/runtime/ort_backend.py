@@ -48,6 +48,7 @@ class OrtBackend:
     """Runs prefill / decode steps through ONNX Runtime (see the module docstring)."""
 
     name = "onnxruntime"
+    supports_link = False  # the layer graphs mask by slot; a link step masks by sequence order
 
     def __init__(
         self,
@@ -96,6 +97,10 @@ class OrtBackend:
     def step(self, inputs: StepInputs, cache: KVCache, stats: StatsRequest | None = None) -> StepOutput:
         """Run ``inputs`` through the layer graphs, append their K/V to ``cache``, return logits and
         stats (shapes as :class:`~vlkv.runtime.backend.StepOutput`)."""
+        if inputs.selective:
+            raise ValueError(
+                "a link step (attention by sequence order) needs the PyTorch backend: --backend torch"
+            )
         requests = {} if stats is None else {"": stats, **stats.extra}
         out_stats = StepStats([None] * self.num_layers, {n: [None] * self.num_layers for n in requests if n})
         rows = {n: _rows(inputs, r) for n, r in requests.items()}

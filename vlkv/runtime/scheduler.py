@@ -28,6 +28,7 @@ import torch
 
 from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepStats
 from vlkv.runtime.cache import KVCache, Modality
+from vlkv.runtime.engine import DECODE_SPARE, apply_edits
 from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
 from vlkv.runtime.link.linker import SegmentStore, link_prefill
@@ -115,6 +116,11 @@ class Scheduler:
             from vlkv.runtime.store.identity import validate_tenant
 
             validate_tenant(request.tenant)
+            if not getattr(self.engine.backend, "supports_link", False):
+                raise ValueError(
+                    f"linking needs the PyTorch backend; {self.engine.backend.name} runs no link step: "
+                    "use --backend torch or --link none"
+                )
             if getattr(request.policy, "prefill_keep", 1.0) < 1.0:
                 raise ValueError(
                     f"policy {request.policy.name!r} drops prompt rows inside the prefill (its prefill filter), "
@@ -227,7 +233,6 @@ class Scheduler:
 
     def _link(self, req: Request, cache: KVCache):
         """Prefill by linking stored records (the linker), then the request's policy edits."""
-        from vlkv.runtime.engine import apply_edits
         from vlkv.runtime.link.records import RecordSource
 
         eng = self.engine
@@ -325,8 +330,6 @@ class Scheduler:
                 r.peak_kv_bytes = max(r.peak_kv_bytes, cache.kv_bytes())
                 cache.next_position += 1
                 stats = _slice_stats(out.stats, i, cache)
-                from vlkv.runtime.engine import DECODE_SPARE, apply_edits
-
                 apply_edits(cache, r.policy.after_decode(cache, stats, ctx), spare=DECODE_SPARE)
                 r.decode_steps += 1
                 self._emit(r, int(r.sampler(out.logits[i : i + 1])[0]))

@@ -271,6 +271,7 @@ class TorchBackend:
     """Runs prefill / decode steps of a HF VLM with vlkv's cache (see module docstring)."""
 
     name = "torch"
+    supports_link = True
 
     def __init__(self, model, family: str, image_token_id: int):
         _register_attention()
