@@ -29,6 +29,7 @@ def test_build_command(tmp_path, tiny_llava_dir):
         "--checkpoint_dir": str(tmp_path / "ckpt"),
         "--output_dir": str(tmp_path / "llm"),
         "--gemm_plugin": "auto",
+        "--workers": "1",
         "--max_batch_size": "3",
         "--max_input_len": "2048",
         "--max_seq_len": "2560",

@@ -40,6 +40,9 @@ STAGE_NAMES = (
 _MODEL_TYPES = {"llava": "llava", "llava_next": "llava_next", "qwen2_vl": "qwen2_vl"}
 
 
+TRTLLM_FLOWS = ("build", "serve")
+
+
 class RecipeError(ValueError):
     """A recipe problem, always one line naming the dotted key (or the file) at fault."""
 
@@ -326,16 +329,27 @@ class TrtSection:
 
 @dataclass
 class TrtllmSection:
-    """TensorRT-LLM checkpoint + ``trtllm-build`` limits; ``max_multimodal_len`` 0 means max_batch × visual tokens."""
+    """TensorRT-LLM limits and parallelism; ``max_multimodal_len`` 0 means max_batch × visual tokens.
+
+    ``flow`` picks the TensorRT-LLM generation (docs/trtllm.md): ``build`` writes a sharded legacy
+    checkpoint for ``trtllm-build`` (TensorRT-LLM ≤ 1.2); ``serve`` writes the Hugging Face checkpoint
+    and the ``trtllm-serve`` command line (later releases, which dropped the legacy flow).
+    """
 
     enabled: bool = True
+    flow: str = "build"
+    tp_size: int = 1
+    pp_size: int = 1
     max_batch_size: int = 1
     max_input_len: int = 2048
     max_seq_len: int = 2560
     max_multimodal_len: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_input_len", "max_seq_len"):
+        _require(
+            self.flow in TRTLLM_FLOWS, f"flow: must be one of {', '.join(TRTLLM_FLOWS)}, got {self.flow!r}"
+        )
+        for name in ("tp_size", "pp_size", "max_batch_size", "max_input_len", "max_seq_len"):
             _require(getattr(self, name) >= 1, f"{name}: must be >= 1, got {getattr(self, name)}")
         _require(
             self.max_multimodal_len >= 0, f"max_multimodal_len: must be >= 0, got {self.max_multimodal_len}"

@@ -129,7 +129,9 @@ STAGES: dict[str, Stage] = {
         upstream=("vision_onnx",),
         optional=("decoder_onnx", "plugin_graph"),
     ),
-    "trtllm_checkpoint": Stage("trtllm_checkpoint", _trtllm_checkpoint, ("model",), trtllm_track=True),
+    "trtllm_checkpoint": Stage(
+        "trtllm_checkpoint", _trtllm_checkpoint, ("model", "trtllm"), trtllm_track=True
+    ),  # tp/pp size and flow change what it writes
     "trtllm_engine": Stage(
         "trtllm_engine",
         _trtllm_engine,

@@ -1,7 +1,8 @@
 """Stage ``trtllm_checkpoint``: the VLM's language model → a TensorRT-LLM checkpoint, and back.
 
-A checkpoint is ``config.json`` + ``rank0.safetensors`` (single rank: tp = pp = 1), with the names
-TensorRT-LLM's LLaMA and Qwen converters write (toolchain.md B2)::
+A checkpoint is ``config.json`` + ``rank{N}.safetensors`` for each of its ``tp_size × pp_size`` ranks
+(:mod:`vlkv.exporter.trtllm_shard` splits and re-assembles them), with the names TensorRT-LLM's
+LLaMA and Qwen converters write (toolchain.md B2); single-rank names::
 
     transformer.vocab_embedding.weight             ← model.embed_tokens
     transformer.layers.{i}.input_layernorm.weight  ← input_layernorm
@@ -16,7 +17,8 @@ TensorRT-LLM's LLaMA and Qwen converters write (toolchain.md B2)::
     lm_head.weight                                 ← lm_head (written even when tied)
 
 Writing needs no ``tensorrt_llm``. :func:`checkpoint_to_hf` is the inverse, used to prove the mapping
-by comparing logits.
+by comparing logits. This layout is what ``trtllm-build`` reads, i.e. TensorRT-LLM ≤ 1.2; later
+releases load the Hugging Face checkpoint directly (``trtllm.flow: serve``, see docs/trtllm.md).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from vlkv.exporter.errors import StageError
 from vlkv.exporter.recipe import Recipe
 from vlkv.exporter.source import TORCH_DTYPES, load_source_model
+from vlkv.exporter.trtllm_shard import assemble, expected_rank_shapes, shard, sharded_config
 
 # HF text model_type → (TensorRT-LLM architecture, HF causal-LM class for the inverse, qwen_type).
 ARCHITECTURES: dict[str, tuple[str, str, str | None]] = {
@@ -167,27 +170,53 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def write_checkpoint(out_dir: Path, config: dict, weights: dict[str, torch.Tensor]) -> None:
-    check_checkpoint(config, weights)
+    """Write ``config.json`` and one ``rank{N}.safetensors`` per rank of ``config['mapping']``.
+
+    ``weights`` are the single-rank weights of :func:`hf_to_trtllm`; they are split here.
+    """
+    check_checkpoint({**config, "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1}}, weights)
+    m = config.get("mapping") or {}
+    tp, pp = int(m.get("tp_size", 1)), int(m.get("pp_size", 1))
+    ranks = [weights] if tp * pp == 1 else shard(config, weights, tp, pp)
+    for rank, tensors in enumerate(ranks):
+        check_checkpoint(config, tensors, rank)
+    for stale in out_dir.glob("rank*.safetensors"):  # a rebuild with fewer ranks
+        stale.unlink()
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(weights, str(out_dir / "rank0.safetensors"))
+    for rank, tensors in enumerate(ranks):
+        save_file(tensors, str(out_dir / f"rank{rank}.safetensors"))
 
 
-def check_checkpoint(config: dict, weights: dict[str, torch.Tensor]) -> None:
-    """Raise StageError (one line) unless names and shapes are exactly those of :func:`expected_shapes`."""
-    expected = expected_shapes(config)
+def check_checkpoint(config: dict, weights: dict[str, torch.Tensor], rank: int = 0) -> None:
+    """Raise StageError (one line) unless names and shapes are exactly those rank ``rank`` must hold."""
+    m = config.get("mapping") or {}
+    single = int(m.get("tp_size", 1)) * int(m.get("pp_size", 1)) == 1
+    expected = expected_shapes(config) if single else expected_rank_shapes(config, rank)
+    where = "" if single else f"rank{rank}: "
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or extra:
-        raise StageError(f"checkpoint names differ: missing {missing[:3]}, unexpected {extra[:3]}")
+        raise StageError(f"{where}checkpoint names differ: missing {missing[:3]}, unexpected {extra[:3]}")
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
-            raise StageError(f"{name}: shape {tuple(weights[name].shape)}, expected {shape}")
+            raise StageError(f"{where}{name}: shape {tuple(weights[name].shape)}, expected {shape}")
 
 
 def load_checkpoint(ckpt_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(config, weights)`` of a single-rank checkpoint directory."""
+    """``(config, weights)`` of a checkpoint directory; several ranks are re-assembled into one."""
     ckpt_dir = Path(ckpt_dir)
     config = json.loads((ckpt_dir / "config.json").read_text())
-    return config, load_file(str(ckpt_dir / "rank0.safetensors"))
+    m = config.get("mapping") or {}
+    world = int(m.get("tp_size", 1)) * int(m.get("pp_size", 1))
+    files = [ckpt_dir / f"rank{r}.safetensors" for r in range(world)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise StageError(f"{ckpt_dir}: missing {', '.join(missing)} for mapping tp×pp = {world}")
+    ranks = [load_file(str(f)) for f in files]
+    for rank, tensors in enumerate(ranks):
+        check_checkpoint(config, tensors, rank)
+    if world == 1:
+        return config, ranks[0]
+    return config, assemble(config, ranks)
 
 
 def checkpoint_to_hf(config: dict, weights: dict[str, torch.Tensor]) -> PreTrainedModel:
@@ -243,13 +272,24 @@ def checkpoint_to_hf(config: dict, weights: dict[str, torch.Tensor]) -> PreTrain
 
 
 def run(recipe: Recipe, src_dir: Path, out_dir: Path) -> Path:
-    """Stage entry point: write the checkpoint, re-check names/shapes, and (small models) logits."""
+    """Stage entry point: write the checkpoint, re-check names/shapes, and (small models) logits.
+
+    With ``trtllm.flow: serve`` the checkpoint is the Hugging Face one (:func:`hf_checkpoint`).
+    """
+    if recipe.trtllm.flow == "serve":
+        return hf_checkpoint(recipe, out_dir)
     model = load_source_model(recipe.model)
     text_config, state = language_model(model)
-    config = trtllm_config(text_config, recipe.model.dtype)
+    config = sharded_config(
+        trtllm_config(text_config, recipe.model.dtype), recipe.trtllm.tp_size, recipe.trtllm.pp_size
+    )
     weights = hf_to_trtllm(state, config)
     write_checkpoint(out_dir, config, weights)
-    metrics = {"tensors": len(weights), "parameters": sum(w.numel() for w in weights.values())}
+    metrics = {
+        "tensors": len(weights),
+        "parameters": sum(w.numel() for w in weights.values()),
+        "ranks": config["mapping"]["world_size"],
+    }
     if metrics["parameters"] <= ROUND_TRIP_MAX_PARAMS:
         metrics["round_trip_max_abs_err"] = round_trip_error(model, out_dir)
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
@@ -268,3 +308,29 @@ def round_trip_error(model: PreTrainedModel, ckpt_dir: Path, seq: int = 12, seed
         want = model(input_ids=ids).logits.float()
         got = rebuilt(input_ids=ids).logits.float()
     return float((want - got).abs().max())
+
+
+def hf_checkpoint(recipe: Recipe, out_dir: Path) -> Path:
+    """Where ``trtllm-serve`` finds the Hugging Face checkpoint, recorded in ``hf_checkpoint.json``.
+
+    A local checkpoint directory is referenced where it is (no copy of a 7B model); a built-in model
+    exists only in code, so it is saved under ``out_dir/hf``. The tensor/pipeline split is checked
+    here, before any GPU is involved, with the same rules the legacy flow uses.
+    """
+    model = load_source_model(recipe.model)
+    text_config, _ = language_model(model)
+    sharded_config(
+        trtllm_config(text_config, recipe.model.dtype), recipe.trtllm.tp_size, recipe.trtllm.pp_size
+    )
+    if recipe.model.is_builtin:
+        hf_dir = out_dir / "hf"
+        model.save_pretrained(hf_dir)
+    else:
+        hf_dir = Path(recipe.model.name_or_path)
+    info = {
+        "hf_dir": str(hf_dir.resolve()),
+        "tp_size": recipe.trtllm.tp_size,
+        "pp_size": recipe.trtllm.pp_size,
+    }
+    (out_dir / "hf_checkpoint.json").write_text(json.dumps(info, indent=2) + "\n")
+    return out_dir

@@ -10,6 +10,11 @@ always written to ``build_command.sh`` / ``build_command.json``; it is executed 
 (LLaVA-1.5 at 336 px: 576; Qwen2-VL at 504×504: 324), unless the recipe sets it. The vision
 ``config.json``'s ``precision`` is the vision engine's I/O dtype, read off the vision ONNX graph
 (float32), whatever ``trt.fp16`` says about the arithmetic inside the engine.
+
+That is the TensorRT-LLM ≤ 1.2 flow (``trtllm.flow: build``). With ``trtllm.flow: serve`` (releases
+that load Hugging Face checkpoints directly) the stage writes ``serve_command.sh`` instead:
+``trtllm-serve <hf_dir> --tp_size N --pp_size M ...``, skipped with one line when ``trtllm-serve`` is
+not installed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def build_command(recipe: Recipe, checkpoint_dir: Path, llm_dir: Path, max_multi
         "--checkpoint_dir", str(checkpoint_dir),
         "--output_dir", str(llm_dir),
         "--gemm_plugin", "auto",
+        "--workers", str(t.tp_size * t.pp_size),  # one engine per rank of the sharded checkpoint
         "--max_batch_size", str(t.max_batch_size),
         "--max_input_len", str(t.max_input_len),
         "--max_seq_len", str(t.max_seq_len),
@@ -119,8 +125,42 @@ def vision_precision(src_dir: Path) -> str:
     return "float32"  # the only dtype vision_onnx exports
 
 
+def serve_command(recipe: Recipe, hf_dir: str, host: str = "127.0.0.1", port: int = 8000) -> list[str]:
+    """The ``trtllm-serve`` argv for TensorRT-LLM releases without the legacy flow (PyTorch backend)."""
+    t = recipe.trtllm
+    return [
+        "trtllm-serve", hf_dir,
+        "--tp_size", str(t.tp_size),
+        "--pp_size", str(t.pp_size),
+        "--max_batch_size", str(t.max_batch_size),
+        "--max_seq_len", str(t.max_seq_len),
+        "--host", host,
+        "--port", str(port),
+    ]  # fmt: skip
+
+
+def run_serve(recipe: Recipe, src_dir: Path, out_dir: Path) -> Path:
+    """``trtllm.flow: serve``: write ``serve_command.sh``/``.json``; nothing is built ahead of time."""
+    info = src_dir / "trtllm_checkpoint" / "hf_checkpoint.json"
+    if not info.is_file():
+        raise StageError(f"{info} is missing: run the trtllm_checkpoint stage with trtllm.flow: serve first")
+    command = serve_command(recipe, json.loads(info.read_text())["hf_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serve_command.sh").write_text("#!/bin/sh\nset -e\nexec " + shlex.join(command) + "\n")
+    (out_dir / "serve_command.json").write_text(json.dumps(command, indent=2) + "\n")
+    if shutil.which("trtllm-serve") is None:
+        raise StageSkipped(
+            f"trtllm-serve is not installed; skipped trtllm_engine (command in {out_dir / 'serve_command.sh'})"
+        )
+    metrics = {"flow": "serve", "tp_size": recipe.trtllm.tp_size, "pp_size": recipe.trtllm.pp_size}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return out_dir
+
+
 def run(recipe: Recipe, src_dir: Path, out_dir: Path) -> Path:
     """Stage entry point (see module doc)."""
+    if recipe.trtllm.flow == "serve":
+        return run_serve(recipe, src_dir, out_dir)
     checkpoint_dir = (src_dir / "trtllm_checkpoint").resolve()
     llm_dir = (out_dir / "llm").resolve()
     llm_dir.mkdir(parents=True, exist_ok=True)
@@ -137,6 +177,6 @@ def run(recipe: Recipe, src_dir: Path, out_dir: Path) -> Path:
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()
         raise StageError(f"trtllm-build exited with {done.returncode}: {tail[-1] if tail else 'no output'}")
-    metrics = {"vision_engine": has_vision_engine, "max_multimodal_len": int(command[-1])}
+    metrics = {"vision_engine": has_vision_engine, "max_multimodal_len": multimodal_len(recipe, src_dir)}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return out_dir
