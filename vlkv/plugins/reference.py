@@ -105,31 +105,50 @@ def attn_stats_reference(
         visible = torch.zeros(batch, kv_heads, dtype=torch.int64, device=device)
     key_idx = torch.arange(num_k, device=device)
     for b in range(batch):
-        kb_t = k[b].float().transpose(-1, -2)  # (Hkv, D, S)
-        for start in range(0, num_q, chunk_rows):
-            stop = min(start + chunk_rows, num_q)
-            rows = stop - start
-            row_idx = torch.arange(start, stop, device=device)
-            vis = (key_idx[None, :] < key_lengths[b]) & query_rows[b, start:stop, None]  # (C, S)
-            if by_order:  # (Hkv, C, S): per KV head, by sequence order
-                vis = vis[None] & (key_order[b][:, None, :] <= query_order[b, start:stop][None, :, None])
-            elif causal:
-                vis = vis & (key_idx[None, :] <= q_offset[b] + row_idx[:, None])
+        # only the requested rows are computed: a 64-row window of a 2k prompt costs 64 rows, not 2k
+        sel = query_rows[b].nonzero().squeeze(1)  # (R,) ascending
+        if sel.numel() == 0:
+            continue
+        klen = int(key_lengths[b])
+        kb_t = k[b, :, :klen].float().transpose(-1, -2)  # (Hkv, D, klen)
+        for start in range(0, sel.numel(), chunk_rows):
+            idx = sel[start : start + chunk_rows]
+            rows = idx.numel()
+            # keys past the chunk's last causal slot are invisible to all its rows: skip those columns
+            hi = klen
+            if causal and not by_order:
+                hi = max(0, min(klen, int(q_offset[b]) + int(idx[-1]) + 1))
+            if hi == 0:
+                continue
+            if by_order:  # (Hkv, C, hi): per KV head, by sequence order
+                vis = key_order[b][:, None, :hi] <= query_order[b, idx][None, :, None]
+            elif causal:  # (C, hi)
+                vis = key_idx[None, :hi] <= q_offset[b] + idx[:, None]
+            else:
+                vis = None  # every valid key of every row
             # Fold the G query heads of a KV head into the row dimension: one bmm, no copy of K per head.
-            qb = q[b, :, start:stop].float().reshape(kv_heads, group * rows, dim)
-            scores = torch.bmm(qb, kb_t).mul_(scale).view(kv_heads, group, rows, num_k)
-            hv = vis[:, None] if by_order else vis  # broadcast over (Hkv, G, C, S)
-            scores.masked_fill_(~hv, float("-inf"))
+            qb = q[b][:, idx].float().reshape(kv_heads, group * rows, dim)
+            scores = torch.bmm(qb, kb_t[:, :, :hi]).mul_(scale).view(kv_heads, group, rows, hi)
+            hv = None if vis is None else vis[:, None] if by_order else vis  # broadcasts over (Hkv, G, C, hi)
+            if hv is not None:
+                scores.masked_fill_(~hv, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             # A row with no visible key is all -inf, which softmax turns into NaN; it contributes nothing.
-            empty = ~hv.any(dim=-1)
-            if bool(empty.any()):
-                probs.masked_fill_(empty[..., None], 0.0)
-            colsum[b] += probs.sum(dim=-2)
-            visible[b] += vis.sum(dim=(-1, -2)) if by_order else vis.sum()
+            if hv is not None:
+                empty = ~hv.any(dim=-1)
+                if bool(empty.any()):
+                    probs.masked_fill_(empty[..., None], 0.0)
+            colsum[b, :, :, :hi] += probs.sum(dim=-2)
+            if by_order:
+                visible[b] += vis.sum(dim=(-1, -2))
+            else:
+                visible[b] += rows * hi if vis is None else vis.sum()
             if threshold is not None:
                 cut = threshold * probs.amax(dim=-1, keepdim=True)
-                below[b] += ((probs < cut) & hv).sum(dim=(-1, -2)).reshape(heads)
+                low = probs < cut
+                if hv is not None:
+                    low &= hv
+                below[b] += low.sum(dim=(-1, -2)).reshape(heads)
     visible = visible.repeat_interleave(group, dim=1) if by_order else visible[:, None].expand(batch, heads)
     return AttnStats(
         colsum=colsum.reshape(batch, heads, num_k),

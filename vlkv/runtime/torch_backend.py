@@ -49,6 +49,12 @@ class _StepContext:
             )
         self.order = order
         self.attended: list[Tensor | None] = [None] * n_layers  # (B,) per layer, on the compute device
+        # a prefill into an empty cache with no padded rows can take SDPA's is_causal path
+        self.plain = (
+            q > 1
+            and bool((inputs.new_len == q).all())
+            and all(not bool(lay.lengths.any()) for lay in cache.layers)
+        )
         valid = self._valid(inputs)
         self.rows = {
             name: valid if req.rows is None else req.rows.to(valid.device) & valid
@@ -78,16 +84,7 @@ class _StepContext:
             self._stats_by_order(layer_idx, q, k, scale, past, new_len)
             return out.transpose(1, 2).contiguous()
         elif index is None:
-            nq, s = q.shape[2], k.shape[2]
-            j = torch.arange(s, device=q.device)
-            i = torch.arange(nq, device=q.device)
-            # key j is visible to row i of sample b iff it is causal w.r.t. the row's slot and valid
-            mask = (j[None, None, :] <= (past[:, None, None] + i[None, :, None])) & (
-                j[None, None, :] < (past + new_len)[:, None, None]
-            )
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-            )
+            out = self._attend_full(q, k, v, scale, past, new_len)
             self.attended[layer_idx] = (past + new_len).double()
             selected = None
         else:
@@ -104,6 +101,37 @@ class _StepContext:
                 else:
                     self.stats[layer_idx] = st
         return out.transpose(1, 2).contiguous()
+
+    def _attend_full(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float, past: Tensor, new_len: Tensor
+    ) -> Tensor:
+        """Causal attention over the cache, by the cheapest SDPA call that gives the same result.
+
+        ``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)``, ``past``/``new_len (B,)`` → ``(B, H, q, D)``. Key ``j`` is
+        visible to row ``i`` of sample ``b`` iff ``j <= past[b] + i`` and ``j < past[b] + new_len[b]``.
+        """
+        b, h, nq, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        if self.plain and nq == s:
+            # a prefill into an empty cache without padded rows: SDPA's causal path skips the masked blocks
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != hkv)
+        j = torch.arange(s, device=q.device)
+        if nq == 1:
+            # one row per sample: its G query heads per KV head become G rows of one (B, H_kv, G, D) call,
+            # which reads each K/V head once (faster than enable_gqa) under a (B, 1, 1, S) mask
+            end = torch.minimum(past + 1, past + new_len)
+            mask = (j[None, :] < end[:, None])[:, None, None, :]
+            out = F.scaled_dot_product_attention(
+                q.reshape(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale
+            )
+            return out.view(b, h, 1, d)
+        i = torch.arange(nq, device=q.device)
+        mask = (j[None, None, :] <= (past[:, None, None] + i[None, :, None])) & (
+            j[None, None, :] < (past + new_len)[:, None, None]
+        )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=h != hkv
+        )
 
     def _attend_by_order(self, layer_idx, q, k, v, scale, past, new_len) -> Tensor:
         """A link step: row ``i`` sees every valid entry whose sequence order is ``<= order[i]``.
@@ -160,6 +188,7 @@ class _StepContext:
         keep[torch.arange(b, device=keep.device), last] |= inp.new_len > 0
         new_len = keep.sum(1)
         width = max(int(new_len.max()), 1)
+        self.plain = self.plain and width > 1 and bool((new_len == width).all())
         # kept rows first, in their original order (stable sort of the "dropped" flag)
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :width]
 

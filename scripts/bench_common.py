@@ -1,0 +1,58 @@
+"""``--device`` / ``--dtype`` for every benchmark script, and the machine name its report quotes.
+
+A script adds the flags with :func:`add_device_args` and calls :func:`check_device_args` right after
+parsing: ``--device cuda`` on a machine without CUDA ends the script with one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the long names some scripts already accepted
+DTYPES.update(float32=torch.float32, bfloat16=torch.bfloat16, float16=torch.float16)
+
+
+def add_device_args(ap: argparse.ArgumentParser, dtype: str = "fp32") -> None:
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--dtype", default=dtype, choices=sorted(DTYPES), help="model / tensor dtype")
+
+
+def check_device_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve ``args.device`` to a name that exists here, or ``ap.error`` with one line."""
+    from vlkv.runtime.device import resolve_device
+
+    try:
+        args.device = str(resolve_device(args.device))
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def load_for_bench(model: str, device: str, dtype: str):
+    """The registered model on ``device`` in ``dtype``; a load failure is one line (exit 2)."""
+    from vlkv.runtime.models.registry import ModelLoadError, load_model
+
+    try:
+        return load_model(model, dtype=torch_dtype(dtype), device=device)
+    except ModelLoadError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def sync(device: str) -> None:
+    """Wait for queued kernels so a wall-clock timer measures them."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def machine_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    cpu = platform.processor() or platform.machine()
+    return f"{torch.get_num_threads()}-thread {cpu} CPU, no GPU"

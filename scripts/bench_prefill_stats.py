@@ -1,0 +1,148 @@
+"""Prefill with attention statistics vs a plain prefill, all ratios from one interleaved run.
+
+    python scripts/bench_prefill_stats.py --model smollm2-llava --tokens 2048 --json out.json
+
+One image prompt padded with corpus prose to about ``--tokens`` tokens is prefilled by the backend
+(``backend.step``, the language model only: the vision tower runs once, outside the timed region)
+with no statistics, with each policy's own prefill request (SnapKV / VL-Cache / PyramidKV ask for a
+window of rows, H2O / Elastic for every row), and with the last ``r`` rows for each ``--rows``.
+Every repeat runs every configuration once, in order, so machine-load drifts hit all of them alike;
+the overhead is the median over repeats of (configuration time / plain time of the same repeat) - 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vlkv.runtime.backend import StatsRequest, StepInputs
+from vlkv.runtime.engine import Engine
+from vlkv.runtime.policies import make_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import add_device_args, check_device_args, load_for_bench, machine_name, sync  # noqa: E402
+
+POLICIES = ("snapkv", "vlcache", "pyramidkv", "h2o", "elastic")
+ROWS = (32, 64, 256, 1024)
+
+
+def prompt_of_length(engine: Engine, model: str, tokens: int):
+    """A document, an image, then a question: about ``tokens`` tokens (the text scaled in a few passes).
+
+    The image sits near the end, as in "read this, look at that, answer": VL-Cache's post-vision rows
+    are then the question's rows, the window its method describes.
+    """
+    from vlkv.eval.corpus import paragraphs
+    from vlkv.runtime.models.photos import real_photos
+    from vlkv.runtime.prompt import Prompt
+
+    image = real_photos()[0] if model == "smollm2-llava" else "builtin:gradient"
+    corpus = " ".join(paragraphs()).split()
+    words = max(tokens // 2, 1)
+    for _ in range(4):
+        text = " ".join(corpus[:words])
+        prompt = Prompt(
+            f"{text}\n{engine.placeholder}\nSummarise the text above and describe the image.",
+            [image],
+            raw=True,
+        )
+        batch = engine.encode([prompt])
+        n = int(batch.lengths[0])
+        if abs(n - tokens) <= 16:
+            break
+        words = max(1, round(words * tokens / n))
+    return batch
+
+
+def last_rows(batch, r: int) -> torch.Tensor:
+    """``(B, T)`` bool: each sample's last ``r`` valid rows."""
+    n = batch.lengths
+    i = torch.arange(batch.input_ids.shape[1])[None, :]
+    return (i >= (n - r)[:, None]) & (i < n[:, None])
+
+
+def run(args) -> dict:
+    engine = Engine(load_for_bench(args.model, args.device, args.dtype))
+    be = engine.backend
+    batch = prompt_of_length(engine, args.model, args.tokens)
+    emb = be.embed(batch)
+    ctx = engine.context(batch)
+    t = batch.input_ids.shape[1]
+    configs: dict[str, StatsRequest | None] = {"plain": None}
+    for name in args.policies:
+        configs[name] = make_policy(name, budget=0.2).prefill_request(ctx, t)
+    for r in args.rows:
+        if r < t:
+            configs[f"last {r} rows"] = StatsRequest(rows=last_rows(batch, r).to(be.device))
+    configs["every row"] = StatsRequest()
+
+    def once(request: StatsRequest | None) -> float:
+        cache = engine.new_cache(batch)
+        inputs = StepInputs(batch.input_ids, batch.positions, batch.modality, batch.lengths, emb)
+        sync(args.device)
+        start = time.perf_counter()
+        be.step(inputs, cache, request)
+        sync(args.device)
+        return time.perf_counter() - start
+
+    for request in configs.values():  # warm-up: allocator, thread pool, first-call dispatch
+        once(request)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(args.repeats):
+        for name, request in configs.items():
+            times[name].append(once(request))
+    plain = times["plain"]
+    rows = []
+    for name, ts in times.items():
+        req = configs[name]
+        asked = t if req is not None and req.rows is None else int(req.rows.sum()) if req is not None else 0
+        rows.append(
+            {
+                "config": name,
+                "rows_requested": asked,
+                "median_s": statistics.median(ts),
+                "overhead": statistics.median(a / p for a, p in zip(ts, plain)) - 1.0,
+            }
+        )
+    return {"machine": machine_name(args.device), "tokens": t, "dtype": args.dtype, "rows": rows}
+
+
+def to_markdown(res: dict) -> str:
+    lines = [
+        f"Prefill of {res['tokens']} tokens ({res['dtype']}, {res['machine']}): statistics overhead vs plain",
+        "",
+        "| configuration | rows with statistics | prefill (s) | overhead vs plain |",
+        "|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['config']} | {r['rows_requested']} | {r['median_s']:.3f} | {r['overhead']:+.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-llava")
+    ap.add_argument("--tokens", type=int, default=2048, help="prompt length to aim for")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES))
+    ap.add_argument("--rows", nargs="+", type=int, default=list(ROWS), help="last-rows windows to time")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None, help="write the results here")
+    add_device_args(ap)
+    args = ap.parse_args()
+    check_device_args(ap, args)
+    res = run(args)
+    print(to_markdown(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The backend's main attention picks a cheaper SDPA call where it can; each equals the masked reference."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlkv.runtime.backend import StepInputs
+from vlkv.runtime.prompt import Prompt
+from vlkv.runtime.torch_backend import _StepContext
+
+RTOL, ATOL = 1e-5, 1e-6  # float32; the paths differ only in summation order
+
+
+def masked_reference(q, k, v, scale, past, new_len):
+    """The explicit-mask SDPA every path must equal: ``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)``."""
+    nq, s = q.shape[2], k.shape[2]
+    j, i = torch.arange(s), torch.arange(nq)
+    mask = (j[None, None, :] <= past[:, None, None] + i[None, :, None]) & (
+        j[None, None, :] < (past + new_len)[:, None, None]
+    )
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask[:, None], scale=scale
+    )
+
+
+def _qkv(b, h, hkv, nq, s, d=16):
+    torch.manual_seed(b * 100 + nq + s)
+    return torch.randn(b, h, nq, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+
+
+@pytest.mark.parametrize("t", [1, 9, 81])
+def test_plain_prefill_is_causal_path(t):
+    q, k, v = _qkv(2, 6, 2, t, t)
+    past, new_len = torch.zeros(2, dtype=torch.long), torch.full((2,), t)
+    ctx = SimpleNamespace(plain=t > 1)
+    got = _StepContext._attend_full(ctx, q, k, v, 0.25, past, new_len)
+    torch.testing.assert_close(got, masked_reference(q, k, v, 0.25, past, new_len), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("s", [1, 9, 729])
+def test_decode_folds_query_heads(s):
+    q, k, v = _qkv(3, 6, 2, 1, s)
+    # ragged caches: sample 1 holds fewer entries than the widest, sample 2 adds nothing this step
+    past = torch.tensor([s - 1, max(s // 2 - 1, 0), s - 1])
+    new_len = torch.tensor([1, 1, 0 if s > 1 else 1])
+    got = _StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
+    want = masked_reference(q, k, v, 0.3, past, new_len)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, equal_nan=True)
+
+
+def test_padded_prefill_keeps_the_mask():
+    q, k, v = _qkv(2, 6, 2, 9, 9)
+    past, new_len = torch.zeros(2, dtype=torch.long), torch.tensor([9, 4])
+    got = _StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.25, past, new_len)
+    want = masked_reference(q, k, v, 0.25, past, new_len)
+    torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(got[1, :, :4], want[1, :, :4], rtol=RTOL, atol=ATOL)
+
+
+def test_step_takes_is_causal_only_for_an_unpadded_fresh_prefill(engines, images, monkeypatch):
+    engine = engines["tiny-llava"]
+    sdpa = F.scaled_dot_product_attention
+    layers = engine.backend.num_layers
+
+    def prefill(prompts) -> list[bool]:
+        """Per language-model layer: did its attention run SDPA's is_causal path without a mask?"""
+        batch = engine.encode(prompts)
+        cache = engine.new_cache(batch)
+        emb = engine.backend.embed(batch)  # the vision tower's own SDPA calls stay out of the count
+        calls: list[bool] = []
+
+        def spy(*args, **kw):
+            calls.append(bool(kw.get("is_causal", False)) and kw.get("attn_mask") is None)
+            return sdpa(*args, **kw)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        inputs = StepInputs(batch.input_ids, batch.positions, batch.modality, batch.lengths, emb)
+        engine.backend.step(inputs, cache)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+        return calls
+
+    assert prefill([Prompt("Describe the picture.", [images[0]])]) == [True] * layers
+    # a batch of two lengths has padded rows, which need the mask
+    two = [
+        Prompt("Describe the picture.", [images[0]]),
+        Prompt("Describe the picture in detail please.", [images[1]]),
+    ]
+    assert prefill(two) == [False] * layers
+
+
+def test_plain_flag_reads_cache_and_padding():
+    cache = SimpleNamespace(
+        layers=[SimpleNamespace(lengths=torch.zeros(2, dtype=torch.long))],
+        processed=torch.zeros(2, dtype=torch.long),
+    )
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    full = StepInputs(
+        ids, torch.zeros(2, 5, 1, dtype=torch.long), torch.zeros(2, 5, dtype=torch.int8), torch.tensor([5, 5])
+    )
+    assert _StepContext(cache, full, None).plain
+    padded = StepInputs(ids, full.positions, full.modality, torch.tensor([5, 3]))
+    assert not _StepContext(cache, padded, None).plain
+    cache.layers[0].lengths = torch.tensor([0, 2])
+    assert not _StepContext(cache, full, None).plain
