@@ -5,7 +5,7 @@
 For each image count, a first request computes the images (its records go to the store); the
 measured request asks something else about the same images, with *another* system text before them
 and the images in another order, so no prefix is shared. Per method (``none``, ``prefix``,
-``full-reuse``, ``mpic`` at several k) the report gives time to first token (median of repeats,
+``full-reuse``, ``cacheblend`` at several r, ``mpic`` at several k) the report gives time to first token (median of repeats,
 methods interleaved), the tokens recomputed, and fidelity to full recompute over ``--tokens``
 teacher-forced steps (top-1 agreement, mean KL). One image's store hit (load from disk + link)
 is timed against recomputing it, with the bytes a hit moves.
@@ -96,7 +96,7 @@ def measure(engine, images, specs, tokens: int, repeats: int) -> list[dict]:
         r = rows[spec]
         out.append(
             {
-                "method": spec.method if spec.method != "mpic" else f"mpic-{spec.k}",
+                "method": _name(spec),
                 "ttft_s": statistics.median(r["ttft"]),
                 "recomputed": r["stats"].recomputed_tokens,
                 "reused": r["stats"].reused_tokens,
@@ -106,6 +106,12 @@ def measure(engine, images, specs, tokens: int, repeats: int) -> list[dict]:
             }
         )
     return out
+
+
+def _name(spec: LinkSpec) -> str:
+    if spec.method == "mpic":
+        return f"mpic-{spec.k}"
+    return f"cacheblend-{spec.r:g}" if spec.method == "cacheblend" else spec.method
 
 
 def hit_vs_recompute(engine, image, repeats: int) -> dict:
@@ -147,6 +153,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny-qwen2-vl")
     ap.add_argument("--images", type=int, nargs="+", default=[1, 2, 5, 10])
     ap.add_argument("--k", type=int, nargs="+", default=[0, 8, 16, 32, 64])
+    ap.add_argument("--r", type=float, nargs="+", default=[0.15], help="CacheBlend fractions")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
@@ -154,9 +161,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(load_model(args.model))
-    specs = [LinkSpec("none"), LinkSpec("prefix"), LinkSpec("full-reuse")] + [
-        LinkSpec("mpic", k) for k in args.k
-    ]
+    specs = [LinkSpec("none"), LinkSpec("prefix"), LinkSpec("full-reuse")]
+    specs += [LinkSpec("cacheblend", r=r) for r in args.r] + [LinkSpec("mpic", k) for k in args.k]
     lines = [
         f"# Linking stored images — `{args.model}`",
         "",

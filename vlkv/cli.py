@@ -261,13 +261,13 @@ def cmd_generate(args) -> int:
         validate_tenant(args.tenant)
         if args.link == "none":
             raise CliError(
-                "--store needs --link (prefix, full-reuse or mpic): without linking nothing is reused"
+                "--store needs --link (prefix, full-reuse, cacheblend or mpic): without linking nothing is reused"
             )
         store = open_store(args.store)
     link = (
         None
         if args.link == "none" and args.link_k is None
-        else LinkSpec(args.link, 32 if args.link_k is None else args.link_k)
+        else LinkSpec(args.link, 32 if args.link_k is None else args.link_k, args.link_r, args.link_deviation)
     )
     if args.pool_bytes is not None and args.pool_bytes < 1:
         raise CliError(f"--pool-bytes must be >= 1, got {args.pool_bytes}")
@@ -305,15 +305,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _method_name(spec) -> str:
+    if spec.method == "cacheblend":
+        return f"cacheblend-r{spec.r:g}-{spec.deviation}"
+    return f"{spec.method}-{spec.k}"
+
+
 def cmd_link_check(args) -> int:
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.link.gate import DEFAULT_THRESHOLD, run_link_check
     from vlkv.runtime.link.linker import LinkSpec
     from vlkv.runtime.models.registry import load_model
 
-    spec = LinkSpec(args.link, args.link_k)
+    spec = LinkSpec(args.link, args.link_k, args.link_r, args.link_deviation)
     if spec.method == "none":
-        raise CliError("link-check measures a linking method: --link prefix, full-reuse or mpic")
+        raise CliError("link-check measures a linking method: --link prefix, full-reuse, cacheblend or mpic")
     threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
     if not 0.0 <= threshold <= 1.0:
         raise CliError(f"--threshold must be in [0, 1], got {threshold}")
@@ -327,7 +333,7 @@ def cmd_link_check(args) -> int:
         )
     else:
         print(
-            f"{check.model} {spec.method}-{spec.k}: top-1 agreement {check.agreement:.3f}, mean KL "
+            f"{check.model} {_method_name(spec)}: top-1 agreement {check.agreement:.3f}, mean KL "
             f"{check.mean_kl:.4f} over {check.probes} probes x {check.tokens} tokens; linking {verdict} at {threshold:.2f}"
         )
     return 0
@@ -368,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--link",
         default="none",
-        help="reuse stored image K/V: none, prefix, full-reuse or mpic (later prompts reuse earlier ones' images)",
+        help="reuse stored image K/V: none, prefix, full-reuse, cacheblend or mpic (later prompts reuse "
+        "earlier ones' images)",
     )
     g.add_argument(
         "--store",
@@ -387,6 +394,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--link-k", type=int, default=None, help="MPIC: leading tokens of each image to recompute (32)"
+    )
+    g.add_argument(
+        "--link-r",
+        type=float,
+        default=0.15,
+        help="CacheBlend: fraction of stored image tokens recomputed, by check-layer deviation (0.15)",
+    )
+    g.add_argument(
+        "--link-deviation", default="k", help="CacheBlend: deviation measured on k (keys) or v (values)"
     )
     g.add_argument(
         "--pool-bytes",
@@ -418,8 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
         "link-check", help="measure linked-vs-full fidelity on built-in probes; saved beside the model"
     )
     c.add_argument("--model", default="tiny-llava")
-    c.add_argument("--link", default="mpic", help="prefix, full-reuse or mpic (default: mpic)")
+    c.add_argument("--link", default="mpic", help="prefix, full-reuse, cacheblend or mpic (default: mpic)")
     c.add_argument("--link-k", type=int, default=32)
+    c.add_argument("--link-r", type=float, default=0.15)
+    c.add_argument("--link-deviation", default="k")
     c.add_argument("--tokens", type=int, default=64, help="teacher-forced tokens per probe (default: 64)")
     c.add_argument("--threshold", type=float, default=None, help="agreement needed to link (default 0.9)")
     c.add_argument("--json", action="store_true")

@@ -33,6 +33,8 @@ def test_json_reports_store_hits_and_ttft(tmp_path, capsys):
     [
         (["--link", "blend"], "unknown link method 'blend'"),
         (["--link", "mpic", "--link-k", "-1"], "link k must be an integer >= 0"),
+        (["--link", "cacheblend", "--link-r", "2"], "link r must be a fraction in [0, 1]"),
+        (["--link", "cacheblend", "--link-deviation", "q"], "link deviation must be one of k, v"),
         (
             ["--link", "mpic", "--policy", "avl", "--set", "prefill_keep=0.5"],
             "drops prompt rows inside the prefill",
@@ -57,3 +59,23 @@ def test_generate_with_a_store_then_vlkv_store_lists_the_record(tmp_path, capsys
     assert "alice" in listing and len(listing.strip().splitlines()) == 2  # header + one record
     assert main(["generate", "--model", "tiny-llava", "--store", str(tmp_path), "--max-new-tokens", "2"]) == 2
     assert "--store needs --link" in capsys.readouterr().err
+
+
+def test_generate_links_with_cacheblend_and_reports_the_recomputed_rows(tmp_path, capsys):
+    batch = tmp_path / "b.jsonl"
+    rows = [
+        {"prompt": "What is it?", "images": ["builtin:noise"]},
+        {"prompt": "Again?", "images": ["builtin:noise"]},
+    ]
+    batch.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reports = {}
+    for r in ("0", "0.5"):
+        code = main(
+            ["generate", "--model", "tiny-llava", "--policy", "full", "--batch-file", str(batch), "--link",
+             "cacheblend", "--link-r", r, "--max-new-tokens", "2", "--json"]
+        )  # fmt: skip
+        assert code == 0
+        reports[r] = json.loads(capsys.readouterr().out)["extras"]["store"]
+    assert reports["0"]["hits"] == reports["0.5"]["hits"] == 1
+    image = reports["0"]["reused_tokens"]  # r = 0: the whole stored image is reused
+    assert reports["0.5"]["reused_tokens"] == image - int(0.5 * image)

@@ -40,3 +40,14 @@ def test_linking_below_the_threshold_is_refused_and_recomputes(checks, images):
         prompts, make_policy("full"), 4, stop_at_eos=False, link=LinkSpec("mpic", 1), link_threshold=0.0
     )
     assert "link_refused" not in allowed.extras and allowed.extras["store"]["hits"] == 1
+
+
+def test_cacheblend_checks_are_saved_per_fraction(checks):
+    engine = checks[0]
+    full = run_link_check(engine, LinkSpec("cacheblend", r=1.0), tokens=8)
+    assert full.agreement == 1.0 and full.r == 1.0 and full.name == "cacheblend-r1"
+    part = run_link_check(engine, LinkSpec("cacheblend", r=0.25), tokens=8)
+    fp = model_fingerprint(engine.loaded)
+    assert load_check(fp, LinkSpec("cacheblend", r=0.25)) == part
+    assert load_check(fp, LinkSpec("cacheblend", r=1.0)) == full
+    assert load_check(fp, LinkSpec("cacheblend", r=0.5)) is None  # never measured

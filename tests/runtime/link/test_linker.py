@@ -105,7 +105,7 @@ def test_a_stored_image_is_a_hit_in_any_prompt_around_it(name, engines, images):
 
 def test_bad_link_settings_are_one_line():
     with pytest.raises(
-        ValueError, match="unknown link method 'blend'; known: none, prefix, full-reuse, mpic"
+        ValueError, match="unknown link method 'blend'; known: none, prefix, full-reuse, cacheblend, mpic"
     ):
         LinkSpec("blend")
     with pytest.raises(ValueError, match="link k must be an integer >= 0, got -1"):

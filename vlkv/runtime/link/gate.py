@@ -52,6 +52,11 @@ class LinkCheck:
     mean_kl: float  # KL(full || linked), nats, mean over steps and probes
     probes: int
     created: float
+    r: float | None = None  # CacheBlend's recomputed fraction (other methods: None)
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-r{self.r:g}" if self.r is not None else f"{self.method}-{self.k}"
 
     def passes(self, threshold: float) -> bool:
         return self.agreement >= threshold
@@ -63,7 +68,8 @@ def checks_dir() -> Path:
 
 
 def check_path(fingerprint: str, spec: LinkSpec, root: Path | None = None) -> Path:
-    return (root or checks_dir()) / f"{fingerprint[:24]}-{spec.method}-k{spec.k}.json"
+    tag = f"r{spec.r:g}-{spec.deviation}" if spec.method == "cacheblend" else f"k{spec.k}"
+    return (root or checks_dir()) / f"{fingerprint[:24]}-{spec.method}-{tag}.json"
 
 
 def load_check(fingerprint: str, spec: LinkSpec, root: Path | None = None) -> LinkCheck | None:
@@ -82,7 +88,7 @@ def refusal(check: LinkCheck | None, threshold: float) -> str | None:
     if check is None or check.passes(threshold):
         return None
     return (
-        f"linking refused: {check.method}-{check.k} agreed {check.agreement:.2f} < {threshold:.2f} with full "
+        f"linking refused: {check.name} agreed {check.agreement:.2f} < {threshold:.2f} with full "
         f"recompute on {check.model} (vlkv link-check); recomputing instead"
     )
 
@@ -141,6 +147,7 @@ def run_link_check(engine, spec: LinkSpec, tokens: int = 64, root: Path | None =
         mean_kl=kl / steps,
         probes=len(PROBES),
         created=time.time(),
+        r=spec.r if spec.method == "cacheblend" else None,
     )
     path = check_path(check.fingerprint, spec, root)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@ Every method is one :func:`link_prefill` call with a different *reuse plan*:
 * ``prefix`` — reuse a stored identical prefix (what vLLM's prefix caching does), recompute the rest;
 * ``full-reuse`` — reuse every stored image's entries, recompute the text (MPIC with k = 0);
 * ``mpic`` (MPIC-k) — reuse each stored image except its first ``k`` tokens; recompute those and
-  every text token.
+  every text token;
+* ``cacheblend`` (CacheBlend-r) — reuse stored images except the fraction ``r`` of their tokens
+  whose check-layer K (or V) deviates most from a fresh computation in this prompt.
 
 The plan's reused entries are linked into the cache at their *actual* positions (pre-RoPE keys,
 rotated on read); the remaining prompt rows — a non-contiguous selection — run through the model in
@@ -15,6 +17,12 @@ row sees exactly the entries before it, linked or recomputed; afterwards the slo
 in sequence order (metadata only). An image missing from the store is recomputed whole and becomes a
 record for the next request: computed alone, at positions starting from 0 (M-RoPE: its grid ids),
 stored pre-RoPE.
+
+CacheBlend's choice costs one extra pass: the whole prompt through layers ``0..CHECK_LAYER`` (a
+row filter drops every row but the last after the check layer, so later layers run one row) into a
+scratch cache, whose check-layer entries are compared with the records'. The selective prefill then
+recomputes the text plus the chosen rows in *every* layer; unchosen rows use the record in every
+layer, so ``r = 0`` is exactly ``full-reuse`` and ``r = 1`` exactly full recompute.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from vlkv.runtime.backend import StatsRequest, StepInputs, StepOutput, StepStats
+from vlkv.runtime.backend import RowFilter, StatsRequest, StepInputs, StepOutput, StepStats
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.kv.pool import KVPool
 from vlkv.runtime.kv.segments import SharedSegment
@@ -34,7 +42,9 @@ from vlkv.runtime.prompt import PromptBatch
 if TYPE_CHECKING:
     from vlkv.runtime.link.records import RecordSource
 
-LINK_METHODS = ("none", "prefix", "full-reuse", "mpic")
+LINK_METHODS = ("none", "prefix", "full-reuse", "cacheblend", "mpic")
+DEVIATIONS = ("k", "v")
+CHECK_LAYER = 1  # CacheBlend's check layer (its code's ``check_layers = [1]``)
 
 
 @dataclass(frozen=True)
@@ -44,16 +54,25 @@ class LinkSpec:
     Attributes:
         method: one of :data:`LINK_METHODS`.
         k: MPIC's recomputed leading tokens per image, >= 0.
+        r: CacheBlend's recomputed fraction of the stored image tokens, in [0, 1].
+        deviation: CacheBlend's check — ``"k"`` (keys, as LMCache) or ``"v"`` (values, as the
+            CacheBlend repository).
     """
 
     method: str = "mpic"
     k: int = 32
+    r: float = 0.15
+    deviation: str = "k"
 
     def __post_init__(self) -> None:
         if self.method not in LINK_METHODS:
             raise ValueError(f"unknown link method {self.method!r}; known: {', '.join(LINK_METHODS)}")
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
             raise ValueError(f"link k must be an integer >= 0, got {self.k!r}")
+        if isinstance(self.r, bool) or not isinstance(self.r, (int, float)) or not 0.0 <= self.r <= 1.0:
+            raise ValueError(f"link r must be a fraction in [0, 1], got {self.r!r}")
+        if self.deviation not in DEVIATIONS:
+            raise ValueError(f"link deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
 
 
 @dataclass
@@ -142,6 +161,7 @@ def link_prefill(
     loaded_before = source.loaded_bytes
     linked = torch.zeros(n, dtype=torch.bool)
     known: dict[int, Tensor | None] = {}  # image index -> embeddings from its record (None: none kept)
+    hits: dict[int, SharedSegment] = {}  # image index -> its record (image-wise methods)
     if spec.method == "prefix" and keys is not None:
         ident = identity(batch, keys)
         best = max((p for p in store.prefixes if ident[: len(p)] == p), key=len, default=None)
@@ -153,20 +173,28 @@ def link_prefill(
             known = {i: _ZERO for i, (a, b) in enumerate(spans) if b <= m}  # wholly linked: no rows to embed
         else:
             stats.misses += 1
-    elif spec.method in ("mpic", "full-reuse") and keys is not None:
-        k = 0 if spec.method == "full-reuse" else spec.k
-        for i, (a, b) in enumerate(spans):
+    elif spec.method in ("mpic", "full-reuse", "cacheblend") and keys is not None:
+        for i in range(len(spans)):
             seg = source.lookup(idents[i])
             if seg is None:
                 stats.misses += 1
                 continue
             stats.hits += 1
             known[i] = seg.embeds
-            s = min(k, b - a)
-            if s < b - a:
-                seg.link(cache, batch.positions[0, a + s : b], start=s, order=torch.arange(a + s, b))
-                linked[a + s : b] = True
+            hits[i] = seg
     emb = _embed(engine, batch, known) if keys is not None else engine.backend.embed(batch)
+    if hits:
+        k = spec.k if spec.method == "mpic" else 0
+        fresh = torch.zeros(n, dtype=torch.bool)  # stored rows recomputed anyway (CacheBlend's choice)
+        if spec.method == "cacheblend":
+            fresh[blend_rows(engine, batch, emb, hits, spec)] = True
+        for i, seg in hits.items():
+            a, b = spans[i]
+            keep = torch.arange(min(k, b - a), b - a)
+            keep = keep[~fresh[a + keep]]
+            if keep.numel():
+                _link_rows(seg, cache, keep, batch.positions[0, a + keep], a + keep)
+                linked[a + keep] = True
     linked[n - 1] = False  # the last prompt token always runs: it gives the logits
     rows = torch.nonzero(~linked).flatten()
     stats.reused_tokens = int(linked.sum())
@@ -219,6 +247,61 @@ def _embed(engine, batch: PromptBatch, known: dict) -> Tensor:
             a, b = spans[i]
             emb[0, a:b] = e.to(device=dev, dtype=emb.dtype)
     return emb
+
+
+def blend_rows(
+    engine, batch: PromptBatch, emb: Tensor, hits: dict[int, SharedSegment], spec: LinkSpec
+) -> Tensor:
+    """CacheBlend's choice: the prompt rows of stored images to recompute, ``(c,)`` int64.
+
+    The ``int(r * m)`` of the ``m`` stored image rows whose check-layer key (or value) deviates most,
+    in squared L2 over heads and dims, between the record (keys rotated to the row's position) and
+    a fresh pass of the whole prompt through layers ``0..CHECK_LAYER``.
+
+    Args:
+        emb: ``(1, n, hidden)`` the prompt's embeddings (every row, stored images included).
+        hits: image index → its record, for the prompt's stored images.
+    """
+    spans = batch.spans[0].image_spans
+    rows = torch.cat([torch.arange(*spans[i]) for i in hits])
+    count = int(spec.r * rows.numel())
+    if count == 0 or count == rows.numel():
+        return rows[:count]
+    n = int(batch.lengths[0])
+    pool = next(iter(hits.values())).pool
+    layer = min(CHECK_LAYER, engine.backend.num_layers - 1)
+    scratch = engine.new_cache(batch, pool=pool)
+    try:
+        # every row through the check layer; after it only the last row (kept by the filter) goes on
+        drop = RowFilter(layer, lambda _stats, _layer: torch.zeros(1, n, dtype=torch.bool))
+        inputs = StepInputs(
+            batch.input_ids[:, :n], batch.positions[:, :n], batch.modality[:, :n], torch.tensor([n]),
+            emb[:, :n], row_filter=drop,
+        )  # fmt: skip
+        engine.backend.step(inputs, scratch)
+        fk, fv = scratch.layers[layer].attention_kv(n)  # (1, H_kv, n, D), keys rotated
+    finally:
+        scratch.release()
+    stored = []
+    for i, seg in hits.items():
+        a, b = spans[i]
+        k, v = pool.read(layer, seg.ids[layer][None])  # (1, H_kv, n_i, D), keys pre-RoPE
+        if spec.deviation == "k":
+            pos = batch.positions[0, a:b].to(k.device)[None, None].expand(1, k.shape[1], -1, -1)
+            stored.append(pool.rope(k, pos))
+        else:
+            stored.append(v)
+    fresh = (fk if spec.deviation == "k" else fv)[:, :, rows.to(fk.device)]
+    dev = (fresh.float() - torch.cat(stored, dim=2).float()).square().sum(dim=(0, 1, 3))
+    return rows[dev.topk(count).indices.cpu()].sort().values
+
+
+def _link_rows(seg: SharedSegment, cache: KVCache, idx: Tensor, positions: Tensor, order: Tensor) -> None:
+    """Link entries ``idx (c,)`` of ``seg`` at ``positions (c, P)`` with sequence indices ``order (c,)``."""
+    if cache.pool is not seg.pool:
+        raise ValueError("a segment links only into caches on its own pool")
+    for layer, ids in zip(cache.layers, seg.ids):
+        layer.link(ids[:, idx.to(ids.device)], positions, seg.modality[idx], 0, order)
 
 
 def _link_part(seg: SharedSegment, cache: KVCache, batch: PromptBatch, m: int) -> None:
