@@ -56,3 +56,31 @@ def machine_name(device: str) -> str:
         return torch.cuda.get_device_name(torch.device(device))
     cpu = platform.processor() or platform.machine()
     return f"{torch.get_num_threads()}-thread {cpu} CPU, no GPU"
+
+
+def document_prompt(engine, model: str, tokens: int):
+    """A document, an image, then a question: about ``tokens`` tokens (the text scaled in a few passes).
+
+    The image sits near the end, as in "read this, look at that, answer": VL-Cache's post-vision rows
+    are then the question's rows, the window its method describes.
+    """
+    from vlkv.eval.corpus import paragraphs
+    from vlkv.runtime.models.photos import real_photos
+    from vlkv.runtime.prompt import Prompt
+
+    image = real_photos()[0] if model == "smollm2-llava" else "builtin:gradient"
+    corpus = " ".join(paragraphs()).split()
+    words = max(tokens // 2, 1)
+    for _ in range(4):
+        text = " ".join(corpus[:words])
+        prompt = Prompt(
+            f"{text}\n{engine.placeholder}\nSummarise the text above and describe the image.",
+            [image],
+            raw=True,
+        )
+        batch = engine.encode([prompt])
+        n = int(batch.lengths[0])
+        if abs(n - tokens) <= 16:
+            break
+        words = max(1, round(words * tokens / n))
+    return batch

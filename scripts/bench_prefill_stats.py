@@ -26,38 +26,17 @@ from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_device_args, check_device_args, load_for_bench, machine_name, sync  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_device_args,
+    check_device_args,
+    document_prompt,
+    load_for_bench,
+    machine_name,
+    sync,
+)
 
 POLICIES = ("snapkv", "vlcache", "pyramidkv", "h2o", "elastic")
 ROWS = (32, 64, 256, 1024)
-
-
-def prompt_of_length(engine: Engine, model: str, tokens: int):
-    """A document, an image, then a question: about ``tokens`` tokens (the text scaled in a few passes).
-
-    The image sits near the end, as in "read this, look at that, answer": VL-Cache's post-vision rows
-    are then the question's rows, the window its method describes.
-    """
-    from vlkv.eval.corpus import paragraphs
-    from vlkv.runtime.models.photos import real_photos
-    from vlkv.runtime.prompt import Prompt
-
-    image = real_photos()[0] if model == "smollm2-llava" else "builtin:gradient"
-    corpus = " ".join(paragraphs()).split()
-    words = max(tokens // 2, 1)
-    for _ in range(4):
-        text = " ".join(corpus[:words])
-        prompt = Prompt(
-            f"{text}\n{engine.placeholder}\nSummarise the text above and describe the image.",
-            [image],
-            raw=True,
-        )
-        batch = engine.encode([prompt])
-        n = int(batch.lengths[0])
-        if abs(n - tokens) <= 16:
-            break
-        words = max(1, round(words * tokens / n))
-    return batch
 
 
 def last_rows(batch, r: int) -> torch.Tensor:
@@ -70,7 +49,7 @@ def last_rows(batch, r: int) -> torch.Tensor:
 def run(args) -> dict:
     engine = Engine(load_for_bench(args.model, args.device, args.dtype))
     be = engine.backend
-    batch = prompt_of_length(engine, args.model, args.tokens)
+    batch = document_prompt(engine, args.model, args.tokens)
     emb = be.embed(batch)
     ctx = engine.context(batch)
     t = batch.input_ids.shape[1]

@@ -234,6 +234,8 @@ class LayerKV:
         b, h, q, _ = k.shape
         dev = self.device
         new_len = new_len.to(device=dev, dtype=torch.long)
+        if q == 1 and order is None and bool(new_len.all()):
+            return self._append_one(k, v, positions, modality)
         past = self.lengths.clone()
         self._reserve(int((past + q).max()) if q else self.capacity)
         rows = torch.arange(q, device=dev)
@@ -258,6 +260,29 @@ class LayerKV:
         for s in self.scores.values():
             s.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=s.dtype, device=dev))
         self.lengths = past + new_len
+        return past
+
+    def _append_one(self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor) -> Tensor:
+        """:meth:`append` of one new entry per sample (a decode step), in a third of its tensor ops.
+
+        ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``; returns ``(B,)`` past lengths.
+        """
+        b, dev = k.shape[0], self.device
+        past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
+        self._reserve(int(past.max()) + 1)
+        ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
+        self.pool.write(
+            self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
+        )
+        bi = torch.arange(b, device=dev)
+        self.slots[bi, :, past] = ids.t()
+        self.positions[bi, :, past] = positions.to(dev)[:, 0, None, :].to(torch.long)
+        self.modality[bi, :, past] = modality.to(dev).to(torch.int8)
+        self.order[bi, :, past] = self.next_order[:, None]
+        for s in self.scores.values():
+            s[bi, :, past] = 0
+        self.next_order = self.next_order + 1
+        self.lengths = past + 1
         return past
 
     def ensure_score(self, name: str) -> Tensor:

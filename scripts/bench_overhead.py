@@ -1,0 +1,170 @@
+"""vlkv's full-cache generation against transformers' own ``generate`` on the same weights, one run.
+
+    python scripts/bench_overhead.py --model smollm2-llava --tokens 512 --batch 1 4 --new 32
+
+Both sides get the same token ids (a text prompt of about ``--tokens`` tokens, repeated ``--batch``
+times so no row is padded), the same dtype, thread count and attention kernel (transformers runs
+its ``sdpa`` implementation on a second copy of the weights; vlkv calls SDPA from its own attention
+function). Greedy, no early stop. Each repeat times, interleaved: transformers for 1 and for
+``--new + 1`` tokens, then vlkv alike; prefill = the 1-token time, decode step = the difference over
+``--new``. Ratios are vlkv speed / transformers speed (> 1: vlkv is faster), median over repeats.
+``--profile`` adds a cProfile of vlkv's decode loop (top functions by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vlkv.runtime.engine import Engine
+from vlkv.runtime.policies import make_policy
+from vlkv.runtime.prompt import Prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import add_device_args, check_device_args, load_for_bench, machine_name, sync  # noqa: E402
+
+
+def text_of_length(engine: Engine, tokens: int) -> Prompt:
+    """A text-only prompt of about ``tokens`` tokens (corpus prose, scaled in a few passes)."""
+    from vlkv.eval.corpus import paragraphs
+
+    corpus = " ".join(paragraphs()).split()
+    words = max(tokens // 2, 1)
+    prompt = Prompt("")
+    for _ in range(4):
+        prompt = Prompt(" ".join(corpus[:words]), raw=True)
+        n = int(engine.encode([prompt]).lengths[0])
+        if abs(n - tokens) <= 4:
+            break
+        words = max(1, round(words * tokens / n))
+    return prompt
+
+
+def hf_generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+    """transformers' greedy ``generate`` for ``ids (B, T)``, exactly ``new`` tokens → ``(B, new)``."""
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[:, ids.shape[1] :]
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def run(args) -> dict:
+    engine = Engine(load_for_bench(args.model, args.device, args.dtype))
+    peer = load_for_bench(args.model, args.device, args.dtype).model
+    peer.config._attn_implementation = "sdpa"
+    peer.config.get_text_config()._attn_implementation = "sdpa"
+    prompt = text_of_length(engine, args.tokens)
+    full = make_policy("full")
+    rows = []
+    for b in args.batch:
+        prompts = [prompt] * b
+        ids = engine.encode(prompts).input_ids.to(args.device)
+
+        def ours(n: int, prompts=prompts):
+            return engine.generate(prompts, full, n, stop_at_eos=False)
+
+        def theirs(n: int, ids=ids):
+            return hf_generate(peer, ids, n)
+
+        # same tokens on both sides, or the comparison times different work
+        a = torch.tensor([s.token_ids for s in ours(args.new + 1).samples])
+        same = bool((a == theirs(args.new + 1).cpu()).all())
+        pre, step = {"vlkv": [], "hf": []}, {"vlkv": [], "hf": []}
+        for _ in range(args.repeats):
+            for name, fn in (("hf", theirs), ("vlkv", ours)):
+                one = timed(lambda fn=fn: fn(1), args.device)
+                many = timed(lambda fn=fn: fn(args.new + 1), args.device)
+                pre[name].append(one)
+                step[name].append((many - one) / args.new)
+        rows.append(
+            {
+                "batch": b,
+                "prompt_tokens": int(ids.shape[1]),
+                "same_tokens": same,
+                "prefill_s": {k: statistics.median(v) for k, v in pre.items()},
+                "decode_step_s": {k: statistics.median(v) for k, v in step.items()},
+                "prefill_speed_ratio": statistics.median(h / o for h, o in zip(pre["hf"], pre["vlkv"])),
+                "decode_speed_ratio": statistics.median(h / o for h, o in zip(step["hf"], step["vlkv"])),
+            }
+        )
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            ours(args.new + 1)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            print(buf.getvalue())
+    return {
+        "machine": machine_name(args.device),
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "new_tokens": args.new,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+
+
+def to_markdown(res: dict) -> str:
+    lines = [
+        f"vlkv full cache vs transformers `generate` ({res['dtype']}, {res['machine']}, "
+        f"{res['new_tokens']} new tokens, median of {res['repeats']} interleaved repeats)",
+        "",
+        "| batch | prompt tokens | same tokens | prefill vlkv / hf (s) | speed vs hf | decode step vlkv / hf (ms) | speed vs hf |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        p, d = r["prefill_s"], r["decode_step_s"]
+        lines.append(
+            f"| {r['batch']} | {r['prompt_tokens']} | {'yes' if r['same_tokens'] else 'NO'} "
+            f"| {p['vlkv']:.3f} / {p['hf']:.3f} | {r['prefill_speed_ratio']:.2f}× "
+            f"| {1e3 * d['vlkv']:.1f} / {1e3 * d['hf']:.1f} | {r['decode_speed_ratio']:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-llava")
+    ap.add_argument("--tokens", type=int, default=512, help="prompt length to aim for")
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--new", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of vlkv's generation")
+    ap.add_argument("--json", default=None, help="write the results here")
+    add_device_args(ap)
+    args = ap.parse_args()
+    check_device_args(ap, args)
+    if args.new < 1 or args.tokens < 1 or min(args.batch) < 1:
+        ap.error("--new, --tokens and --batch must be >= 1")
+    res = run(args)
+    print(to_markdown(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
