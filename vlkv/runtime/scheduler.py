@@ -178,6 +178,18 @@ class Scheduler:
             )
         return self._write_pool
 
+    def _loader(self):
+        """Threads for store reads: a request's hits load while its misses compute."""
+        if self.store is None:
+            return None
+        if getattr(self, "_read_pool", None) is None:
+            import concurrent.futures
+
+            self._read_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=2, thread_name_prefix="vlkv-load"
+            )
+        return self._read_pool
+
     # ------------------------------------------------------------------ admission
     def _reserved(self) -> int:
         return sum(r.reserve for r in (*self.running, *self.swapped))
@@ -239,6 +251,7 @@ class Scheduler:
         if req.tenant not in self._sources:
             src = RecordSource.for_engine(eng, self.segments, self.store, req.tenant)
             src.writer = self._writer()
+            src.loader = self._loader()
             self._sources[req.tenant] = src
         ctx = eng.context(req.batch)
         request = req.policy.prefill_request(ctx, req.prompt_tokens)

@@ -173,16 +173,10 @@ def link_prefill(
             known = {i: _ZERO for i, (a, b) in enumerate(spans) if b <= m}  # wholly linked: no rows to embed
         else:
             stats.misses += 1
-    elif spec.method in ("mpic", "full-reuse", "cacheblend") and keys is not None:
-        for i in range(len(spans)):
-            seg = source.lookup(idents[i])
-            if seg is None:
-                stats.misses += 1
-                continue
-            stats.hits += 1
-            known[i] = seg.embeds
-            hits[i] = seg
-    emb = _embed(engine, batch, known) if keys is not None else engine.backend.embed(batch)
+    if spec.method in ("mpic", "full-reuse", "cacheblend") and keys is not None:
+        emb = _load_or_compute(engine, batch, cache, source, keys, idents, hits, stats)
+    else:
+        emb = _embed(engine, batch, known) if keys is not None else engine.backend.embed(batch)
     if hits:
         k = spec.k if spec.method == "mpic" else 0
         fresh = torch.zeros(n, dtype=torch.bool)  # stored rows recomputed anyway (CacheBlend's choice)
@@ -223,25 +217,46 @@ def link_prefill(
 _ZERO = torch.zeros(0)  # marks an image whose rows are all linked (its embeddings are never read)
 
 
+def _load_or_compute(engine, batch, cache, source: RecordSource, keys, idents, hits: dict, stats: LinkStats):
+    """``(1, n, hidden)`` prompt embeddings; fills ``hits`` (image index → record) and the hit/miss counts.
+
+    Store reads start first; while they run (with ``source.loader``), the images nothing holds go
+    through the vision tower and become records. Then the reads are waited for and loaded into the
+    pool; an image whose read fails (a damaged record) or whose record kept no embeddings goes
+    through the vision tower last."""
+    spans = batch.spans[0].image_spans
+    pending = source.prefetch(idents)
+    emb = _embed(engine, batch, {i: _ZERO for i, p in enumerate(pending) if p is not None})
+    misses = [i for i, p in enumerate(pending) if p is None]
+    _records(engine, batch, emb, cache.pool, source, misses, keys, idents)
+    late = []
+    for i, entry in enumerate(pending):
+        seg = source.resolve(entry)
+        if seg is None:
+            stats.misses += 1
+            if entry is not None:
+                late.append(i)
+            continue
+        stats.hits += 1
+        hits[i] = seg
+        if seg.embeds is None:
+            late.append(i)
+        else:
+            a, b = spans[i]
+            emb[0, a:b] = seg.embeds.to(device=emb.device, dtype=emb.dtype)
+    _features(engine, batch, emb, late)
+    return emb
+
+
 def _embed(engine, batch: PromptBatch, known: dict) -> Tensor:
     """``(1, n, hidden)`` prompt embeddings, running the vision tower only for images without a record.
 
     ``known[i]`` holds image ``i``'s ``(n_i, hidden)`` embeddings from its record (or :data:`_ZERO`
     when none of its rows is recomputed); the others are computed, all in one vision call."""
-    ad = engine.backend.adapter
     dev = engine.backend.device
-    emb = ad.embed_tokens(batch.input_ids.to(dev))
+    emb = engine.backend.adapter.embed_tokens(batch.input_ids.to(dev))
     spans = batch.spans[0].image_spans
-    need = [known.get(i) is None for i in range(len(spans))]
-    if any(need):
-        feats = ad.image_features(
-            ad.select_images({k: v.to(dev) for k, v in batch.prompts[0].vision.items()}, need)
-        )
-        at = 0
-        for (a, b), todo in zip(spans, need):
-            if todo:
-                emb[0, a:b] = feats[at : at + b - a].to(emb.dtype)
-                at += b - a
+    _features(engine, batch, emb, [i for i in range(len(spans)) if known.get(i) is None])
     for i, e in known.items():
         if e is not None and e.numel():
             a, b = spans[i]
@@ -302,6 +317,22 @@ def _link_rows(seg: SharedSegment, cache: KVCache, idx: Tensor, positions: Tenso
         raise ValueError("a segment links only into caches on its own pool")
     for layer, ids in zip(cache.layers, seg.ids):
         layer.link(ids[:, idx.to(ids.device)], positions, seg.modality[idx], 0, order)
+
+
+def _features(engine, batch: PromptBatch, emb: Tensor, images: list[int]) -> None:
+    """Write images ``images``' vision features into their rows of ``emb (1, n, hidden)`` (one call)."""
+    if not images:
+        return
+    ad = engine.backend.adapter
+    spans = batch.spans[0].image_spans
+    need = [i in images for i in range(len(spans))]
+    vision = {k: v.to(engine.backend.device) for k, v in batch.prompts[0].vision.items()}
+    feats = ad.image_features(ad.select_images(vision, need))
+    at = 0
+    for (a, b), todo in zip(spans, need):
+        if todo:
+            emb[0, a:b] = feats[at : at + b - a].to(emb.dtype)
+            at += b - a
 
 
 def _link_part(seg: SharedSegment, cache: KVCache, batch: PromptBatch, m: int) -> None:
@@ -372,8 +403,14 @@ def _remember(engine, batch, emb, cache, spec, source: RecordSource, keys, ident
             n = len(ident)
             store.prefixes[ident] = SharedSegment.from_cache(cache, 0, n)
         return
-    for span, key, ident in zip(batch.spans[0].image_spans, keys, idents):
-        if key not in store.images:
-            seg = standalone_segment(engine, batch, emb, span, cache.pool)
-            seg.embeds = emb[0, span[0] : span[1]].detach()
-            source.remember(ident, seg, seg.embeds)
+    _records(engine, batch, emb, cache.pool, source, range(len(keys)), keys, idents)
+
+
+def _records(engine, batch, emb, pool, source: RecordSource, images, keys, idents) -> None:
+    """Make records of images ``images`` that have none yet (computed alone, kept, written back)."""
+    spans = batch.spans[0].image_spans
+    for i in images:
+        if keys[i] not in source.segments.images:
+            seg = standalone_segment(engine, batch, emb, spans[i], pool)
+            seg.embeds = emb[0, spans[i][0] : spans[i][1]].detach()
+            source.remember(idents[i], seg, seg.embeds)

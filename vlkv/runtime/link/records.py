@@ -30,6 +30,8 @@ class RecordSource:
         loaded_bytes: record bytes read from the store so far.
         writer: optional executor the store writes go to, so a new record is written back without
             delaying the answer (the record's tensors are copied out of the pool first).
+        loader: optional executor store reads go to (:meth:`prefetch`), so hits load (read, verify,
+            deserialise) while the misses compute; without it they load one by one, in order.
     """
 
     segments: SegmentStore
@@ -40,6 +42,7 @@ class RecordSource:
     loaded_bytes: int = 0
     writer: object | None = None
     pending: list = field(default_factory=list)
+    loader: object | None = None
 
     @classmethod
     def for_engine(cls, engine, segments: SegmentStore, store=None, tenant: str = "default") -> RecordSource:
@@ -65,6 +68,47 @@ class RecordSource:
         an identity hashes the image's pixels)."""
         return identity.key(self.tenant)
 
+    def prefetch(self, identities: list) -> list:
+        """Start finding every identity's record; per identity, what :meth:`resolve` takes.
+
+        An entry is the in-pool record, None for a miss known at once (nothing in any tier), or a
+        pending store read (a future when a ``loader`` runs it in the background). The same image
+        twice shares one read."""
+        reads: dict[str, object] = {}
+        out = []
+        for ident in identities:
+            key = self.key(ident)
+            seg = self.segments.images.get(key)
+            if seg is not None or self.store is None:
+                out.append(seg)
+            elif key in reads:
+                out.append(reads[key])
+            elif self.loader is None:
+                out.append(self.lookup(ident))
+            elif not self.store.contains(ident, self.tenant):
+                out.append(None)
+            else:
+                out.append(
+                    reads.setdefault(
+                        key, _Read(ident, self.loader.submit(self.store.find, ident, self.tenant))
+                    )
+                )
+        return out
+
+    def resolve(self, entry) -> SharedSegment | None:
+        """The record a :meth:`prefetch` entry stands for (waits for its read), loaded into the pool."""
+        if entry is None or isinstance(entry, SharedSegment):
+            return entry
+        key = self.key(entry.identity)
+        seg = self.segments.images.get(key)
+        if seg is not None:  # loaded already (the same image earlier in the prompt)
+            return seg
+        found = entry.found
+        record = found.result() if hasattr(found, "result") else found
+        if record is None or isinstance(record, SharedSegment):
+            return record
+        return self._load(key, record)
+
     def lookup(self, identity) -> SharedSegment | None:
         """The record of ``identity`` in the pool, loading it from the store on a pool miss."""
         key = self.key(identity)
@@ -72,8 +116,10 @@ class RecordSource:
         if seg is not None or self.store is None:
             return seg
         record = self.store.find(identity, self.tenant)
-        if record is None:
-            return None
+        return None if record is None else self._load(key, record)
+
+    def _load(self, key: str, record) -> SharedSegment:
+        """Copy a store record into the pool (the caller's thread: the pool is not thread-safe)."""
         seg = record.to_segment(self.segments.pool)
         seg.embeds = record.embeds.to(self.segments.pool.spec.device)
         self.loaded_bytes += record.nbytes
@@ -98,6 +144,14 @@ class RecordSource:
         for f in self.pending:
             f.result()
         self.pending = []
+
+
+@dataclass
+class _Read:
+    """One pending store read: the identity and its record (or a future of it)."""
+
+    identity: object
+    found: object
 
 
 def _put(store, record) -> None:

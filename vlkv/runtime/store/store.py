@@ -176,6 +176,14 @@ class ContextStore:
                 self.stats.hits += 1
             return record
 
+    def contains(self, identity: Identity, tenant: str) -> bool:
+        """Whether some tier holds a record :meth:`find` would try (no read, no verification): a
+        cheap hint that lets a linker start loading hits and computing misses at once. A record it
+        reports may still turn out damaged (then :meth:`find` is a miss)."""
+        validate_tenant(tenant, allow_reserved=True)
+        keys = [identity.key(tenant)] + ([identity.key(SHARED_TENANT)] if tenant != SHARED_TENANT else [])
+        return any(key in tier for key in keys for tier in self.tiers)
+
     def _lookup(self, key: str, tenant: str) -> Record | None:
         now = self.clock()
         for i, tier in enumerate(self.tiers):
