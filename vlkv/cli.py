@@ -267,7 +267,14 @@ def cmd_generate(args) -> int:
     link = (
         None
         if args.link == "none" and args.link_k is None
-        else LinkSpec(args.link, 32 if args.link_k is None else args.link_k, args.link_r, args.link_deviation)
+        else LinkSpec(
+            args.link,
+            32 if args.link_k is None else args.link_k,
+            args.link_r,
+            args.link_deviation,
+            args.store_budget,
+            args.store_scorer,
+        )
     )
     if args.pool_bytes is not None and args.pool_bytes < 1:
         raise CliError(f"--pool-bytes must be >= 1, got {args.pool_bytes}")
@@ -305,10 +312,28 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _store_budget_args(p) -> None:
+    p.add_argument(
+        "--store-budget",
+        type=float,
+        default=1.0,
+        help="share of each image's entries its new records keep (compressed below 1; default 1)",
+    )
+    p.add_argument(
+        "--store-scorer", default="keynorm", help="which entries a compressed record keeps: keynorm or stride"
+    )
+
+
 def _method_name(spec) -> str:
     if spec.method == "cacheblend":
-        return f"cacheblend-r{spec.r:g}-{spec.deviation}"
-    return f"{spec.method}-{spec.k}"
+        name = f"cacheblend-r{spec.r:g}-{spec.deviation}"
+    else:
+        name = f"{spec.method}-{spec.k}"
+    return (
+        name
+        if spec.store_budget >= 1.0
+        else f"{name} (records at {spec.store_budget:g}, {spec.store_scorer})"
+    )
 
 
 def cmd_link_check(args) -> int:
@@ -317,7 +342,9 @@ def cmd_link_check(args) -> int:
     from vlkv.runtime.link.linker import LinkSpec
     from vlkv.runtime.models.registry import load_model
 
-    spec = LinkSpec(args.link, args.link_k, args.link_r, args.link_deviation)
+    spec = LinkSpec(
+        args.link, args.link_k, args.link_r, args.link_deviation, args.store_budget, args.store_scorer
+    )
     if spec.method == "none":
         raise CliError("link-check measures a linking method: --link prefix, full-reuse, cacheblend or mpic")
     threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
@@ -404,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--link-deviation", default="k", help="CacheBlend: deviation measured on k (keys) or v (values)"
     )
+    _store_budget_args(g)
     g.add_argument(
         "--pool-bytes",
         type=int,
@@ -438,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--link-k", type=int, default=32)
     c.add_argument("--link-r", type=float, default=0.15)
     c.add_argument("--link-deviation", default="k")
+    _store_budget_args(c)
     c.add_argument("--tokens", type=int, default=64, help="teacher-forced tokens per probe (default: 64)")
     c.add_argument("--threshold", type=float, default=None, help="agreement needed to link (default 0.9)")
     c.add_argument("--json", action="store_true")

@@ -53,10 +53,12 @@ class LinkCheck:
     probes: int
     created: float
     r: float | None = None  # CacheBlend's recomputed fraction (other methods: None)
+    store_budget: float = 1.0  # share of each image's entries its records keep
 
     @property
     def name(self) -> str:
-        return f"{self.method}-r{self.r:g}" if self.r is not None else f"{self.method}-{self.k}"
+        name = f"{self.method}-r{self.r:g}" if self.r is not None else f"{self.method}-{self.k}"
+        return name if self.store_budget >= 1.0 else f"{name} on records at {self.store_budget:g}"
 
     def passes(self, threshold: float) -> bool:
         return self.agreement >= threshold
@@ -69,6 +71,8 @@ def checks_dir() -> Path:
 
 def check_path(fingerprint: str, spec: LinkSpec, root: Path | None = None) -> Path:
     tag = f"r{spec.r:g}-{spec.deviation}" if spec.method == "cacheblend" else f"k{spec.k}"
+    if spec.store_budget < 1.0:  # compressed records: another fidelity
+        tag += f"-b{spec.store_budget:g}-{spec.store_scorer}"
     return (root or checks_dir()) / f"{fingerprint[:24]}-{spec.method}-{tag}.json"
 
 
@@ -148,6 +152,7 @@ def run_link_check(engine, spec: LinkSpec, tokens: int = 64, root: Path | None =
         probes=len(PROBES),
         created=time.time(),
         r=spec.r if spec.method == "cacheblend" else None,
+        store_budget=spec.store_budget,
     )
     path = check_path(check.fingerprint, spec, root)
     path.parent.mkdir(parents=True, exist_ok=True)

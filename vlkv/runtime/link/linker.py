@@ -57,12 +57,17 @@ class LinkSpec:
         r: CacheBlend's recomputed fraction of the stored image tokens, in [0, 1].
         deviation: CacheBlend's check — ``"k"`` (keys, as LMCache) or ``"v"`` (values, as the
             CacheBlend repository).
+        store_budget: fraction of an image's entries kept in the records this request writes, in
+            (0, 1]; below 1 the records are compressed (:mod:`vlkv.runtime.link.compress`).
+        store_scorer: how a compressed record chooses its entries (``keynorm`` or ``stride``).
     """
 
     method: str = "mpic"
     k: int = 32
     r: float = 0.15
     deviation: str = "k"
+    store_budget: float = 1.0
+    store_scorer: str = "keynorm"
 
     def __post_init__(self) -> None:
         if self.method not in LINK_METHODS:
@@ -73,6 +78,15 @@ class LinkSpec:
             raise ValueError(f"link r must be a fraction in [0, 1], got {self.r!r}")
         if self.deviation not in DEVIATIONS:
             raise ValueError(f"link deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
+        b = self.store_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 < b <= 1.0:
+            raise ValueError(f"store budget must be a fraction in (0, 1], got {b!r}")
+        from vlkv.runtime.link.compress import RECORD_SCORERS
+
+        if self.store_scorer not in RECORD_SCORERS:
+            raise ValueError(
+                f"unknown record scorer {self.store_scorer!r}; known: {', '.join(RECORD_SCORERS)}"
+            )
 
 
 @dataclass
@@ -85,9 +99,11 @@ class LinkStats:
     recomputed_tokens: int = 0
     bytes_linked: int = 0
     bytes_loaded: int = 0
+    dropped_tokens: int = 0  # image rows a compressed record left out (neither linked nor recomputed)
 
     def add(self, other: LinkStats) -> None:
-        for name in ("hits", "misses", "reused_tokens", "recomputed_tokens", "bytes_linked", "bytes_loaded"):
+        names = ("hits", "misses", "reused_tokens", "recomputed_tokens", "bytes_linked", "bytes_loaded")
+        for name in (*names, "dropped_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -174,9 +190,10 @@ def link_prefill(
         else:
             stats.misses += 1
     if spec.method in ("mpic", "full-reuse", "cacheblend") and keys is not None:
-        emb = _load_or_compute(engine, batch, cache, source, keys, idents, hits, stats)
+        emb = _load_or_compute(engine, batch, cache, spec, source, keys, idents, hits, stats)
     else:
         emb = _embed(engine, batch, known) if keys is not None else engine.backend.embed(batch)
+    absent = torch.zeros(n, dtype=torch.bool)  # rows a compressed record left out
     if hits:
         k = spec.k if spec.method == "mpic" else 0
         fresh = torch.zeros(n, dtype=torch.bool)  # stored rows recomputed anyway (CacheBlend's choice)
@@ -184,13 +201,22 @@ def link_prefill(
             fresh[blend_rows(engine, batch, emb, hits, spec)] = True
         for i, seg in hits.items():
             a, b = spans[i]
-            keep = torch.arange(min(k, b - a), b - a)
-            keep = keep[~fresh[a + keep]]
-            if keep.numel():
-                _link_rows(seg, cache, keep, batch.positions[0, a + keep], a + keep)
-                linked[a + keep] = True
+            off = _offsets(seg)
+            fresh[a : a + min(k, b - a)] = True
+            use = ~fresh[a + off]
+            if use.any():
+                _link_rows(
+                    seg, cache, torch.nonzero(use).flatten(), batch.positions[0, a + off[use]], a + off[use]
+                )
+                linked[a + off[use]] = True
+            if off.numel() < b - a:
+                absent[a:b] = True
+                absent[a + off] = False
+                absent[a:b] &= ~fresh[a:b]
     linked[n - 1] = False  # the last prompt token always runs: it gives the logits
-    rows = torch.nonzero(~linked).flatten()
+    absent[n - 1] = False
+    stats.dropped_tokens = int(absent.sum())
+    rows = torch.nonzero(~linked & ~absent).flatten()
     stats.reused_tokens = int(linked.sum())
     stats.recomputed_tokens = rows.numel()
     stats.bytes_linked = stats.reused_tokens * cache.pool.spec.entry_bytes * len(cache.layers)
@@ -217,7 +243,9 @@ def link_prefill(
 _ZERO = torch.zeros(0)  # marks an image whose rows are all linked (its embeddings are never read)
 
 
-def _load_or_compute(engine, batch, cache, source: RecordSource, keys, idents, hits: dict, stats: LinkStats):
+def _load_or_compute(
+    engine, batch, cache, spec, source: RecordSource, keys, idents, hits: dict, stats: LinkStats
+):
     """``(1, n, hidden)`` prompt embeddings; fills ``hits`` (image index → record) and the hit/miss counts.
 
     Store reads start first; while they run (with ``source.loader``), the images nothing holds go
@@ -228,7 +256,7 @@ def _load_or_compute(engine, batch, cache, source: RecordSource, keys, idents, h
     pending = source.prefetch(idents)
     emb = _embed(engine, batch, {i: _ZERO for i, p in enumerate(pending) if p is not None})
     misses = [i for i, p in enumerate(pending) if p is None]
-    _records(engine, batch, emb, cache.pool, source, misses, keys, idents)
+    _records(engine, batch, emb, cache.pool, spec, source, misses, keys, idents)
     late = []
     for i, entry in enumerate(pending):
         seg = source.resolve(entry)
@@ -278,7 +306,7 @@ def blend_rows(
         hits: image index → its record, for the prompt's stored images.
     """
     spans = batch.spans[0].image_spans
-    rows = torch.cat([torch.arange(*spans[i]) for i in hits])
+    rows = torch.cat([spans[i][0] + _offsets(seg) for i, seg in hits.items()])
     count = int(spec.r * rows.numel())
     if count == 0 or count == rows.numel():
         return rows[:count]
@@ -300,15 +328,21 @@ def blend_rows(
     stored = []
     for i, seg in hits.items():
         a, b = spans[i]
-        k, v = pool.read(layer, seg.ids[layer][None])  # (1, H_kv, n_i, D), keys pre-RoPE
+        k, v = pool.read(layer, seg.ids[layer][None])  # (1, H_kv, m_i, D), keys pre-RoPE
         if spec.deviation == "k":
-            pos = batch.positions[0, a:b].to(k.device)[None, None].expand(1, k.shape[1], -1, -1)
+            pos = batch.positions[0, a + _offsets(seg)].to(k.device)[None, None].expand(1, k.shape[1], -1, -1)
             stored.append(pool.rope(k, pos))
         else:
             stored.append(v)
     fresh = (fk if spec.deviation == "k" else fv)[:, :, rows.to(fk.device)]
     dev = (fresh.float() - torch.cat(stored, dim=2).float()).square().sum(dim=(0, 1, 3))
     return rows[dev.topk(count).indices.cpu()].sort().values
+
+
+def _offsets(seg: SharedSegment) -> Tensor:
+    """``(m,)`` int64 offsets of a record's entries inside its image (all of them unless compressed)."""
+    off = getattr(seg, "offsets", None)
+    return torch.arange(seg.length) if off is None else off
 
 
 def _link_rows(seg: SharedSegment, cache: KVCache, idx: Tensor, positions: Tensor, order: Tensor) -> None:
@@ -403,14 +437,19 @@ def _remember(engine, batch, emb, cache, spec, source: RecordSource, keys, ident
             n = len(ident)
             store.prefixes[ident] = SharedSegment.from_cache(cache, 0, n)
         return
-    _records(engine, batch, emb, cache.pool, source, range(len(keys)), keys, idents)
+    _records(engine, batch, emb, cache.pool, spec, source, range(len(keys)), keys, idents)
 
 
-def _records(engine, batch, emb, pool, source: RecordSource, images, keys, idents) -> None:
-    """Make records of images ``images`` that have none yet (computed alone, kept, written back)."""
+def _records(engine, batch, emb, pool, spec: LinkSpec, source: RecordSource, images, keys, idents) -> None:
+    """Make records of images ``images`` that have none yet (computed alone, compressed to the
+    request's store budget, kept, written back)."""
     spans = batch.spans[0].image_spans
     for i in images:
         if keys[i] not in source.segments.images:
             seg = standalone_segment(engine, batch, emb, spans[i], pool)
             seg.embeds = emb[0, spans[i][0] : spans[i][1]].detach()
+            if spec.store_budget < 1.0:
+                from vlkv.runtime.link.compress import compress_segment
+
+                seg = compress_segment(seg, spec.store_budget, spec.store_scorer)
             source.remember(idents[i], seg, seg.embeds)

@@ -3,11 +3,17 @@
 Byte layout (little endian)::
 
     0      8  magic  b"VLKVREC\\n"
-    8      4  u32 layout version (LAYOUT_VERSION)
+    8      4  u32 layout version (LAYOUT_VERSION; | COMPRESSED for a compressed record)
     12     4  u32 header length H
     16     H  header: UTF-8 JSON (identity, tenant, times, dtype, shapes, payload length)
-    16+H   P  payload: safetensors ("k.<l>", "v.<l>", "embeds", "modality"); no pickle
+    16+H   P  payload: safetensors ("k.<l>", "v.<l>", "embeds", "modality"[, "offsets"]); no pickle
     16+H+P 32 SHA-256 over every byte before it (magic, version, header and payload)
+
+A *compressed* record keeps only some of the span's entries (the same ones in every layer and KV
+head): its K/V and modality hold ``kept`` entries, ``offsets`` says where each sits inside the span,
+and ``embeds`` still covers the whole span (any row can be recomputed). Its layout version carries
+the :data:`COMPRESSED` bit, so a reader that predates compressed records takes it for another layout
+(a counted miss) rather than misreading it; dense records keep the plain version, readable by both.
 
 :meth:`Record.from_bytes` checks, in order: the magic and the length (:class:`CorruptRecord`), the
 layout version (:class:`StaleRecord`: another layout cannot even be parsed), the checksum, the
@@ -32,6 +38,7 @@ MAGIC = b"VLKVREC\n"
 _PREFIX = struct.Struct("<8sII")  # magic, layout version, header length
 _DIGEST = 32
 MAX_HEADER = 1 << 20
+COMPRESSED = 0x100  # layout-version bit of a compressed record (entries kept at ``offsets``)
 _DTYPES = {"float32", "float16", "bfloat16", "float64"}
 
 
@@ -88,10 +95,13 @@ class Record:
         identity: what the K/V depends on (:class:`Identity`); with ``tenant`` it gives :attr:`key`.
         tenant: the owner; :data:`SHARED_TENANT` marks the dynamic (shared) library.
         key: the record id, computed from ``identity`` and ``tenant`` (64 hex digits).
-        keys, values: per layer ``(H_kv, n, D)`` K (before RoPE) and V, one dtype for all.
+        keys, values: per layer ``(H_kv, m, D)`` K (before RoPE) and V, one dtype for all; ``m = n``
+            unless the record is compressed.
         embeds: ``(n, hidden)`` the span's input embeddings (projected image features), for
             recomputing selected tokens.
-        modality: ``(n,)`` int8 :class:`~vlkv.runtime.cache.Modality` codes.
+        modality: ``(m,)`` int8 :class:`~vlkv.runtime.cache.Modality` codes.
+        offsets: ``(m,)`` int64 strictly increasing offsets in ``[0, n)`` of the kept entries inside the
+            span (a compressed record), or None (every entry, in order).
         created, expires: Unix seconds; ``expires`` None never expires.
     """
 
@@ -101,6 +111,7 @@ class Record:
     values: list[Tensor]
     embeds: Tensor
     modality: Tensor
+    offsets: Tensor | None = None
     created: float = field(default_factory=time.time)
     expires: float | None = None
     key: str = field(init=False)  # the record id: ``identity.key(tenant)``, fixed at construction
@@ -125,12 +136,18 @@ class Record:
                         f"{name}[{layer}] is {tuple(t.shape)} {t.dtype}, layer 0 is {shape} {dtype}"
                     )
         _dtype_name(dtype)
-        n = shape[1]
-        if self.embeds.dim() != 2 or self.embeds.shape[0] != n:
-            raise ValueError(f"embeds must be (n={n}, hidden), got {tuple(self.embeds.shape)}")
+        m = shape[1]
+        if self.embeds.dim() != 2 or (self.offsets is None and self.embeds.shape[0] != m):
+            raise ValueError(f"embeds must be (n={m}, hidden), got {tuple(self.embeds.shape)}")
         _dtype_name(self.embeds.dtype)
-        if tuple(self.modality.shape) != (n,):
-            raise ValueError(f"modality must be (n={n},), got {tuple(self.modality.shape)}")
+        if tuple(self.modality.shape) != (m,):
+            raise ValueError(f"modality must be (m={m},), got {tuple(self.modality.shape)}")
+        if self.offsets is not None:
+            n, off = self.embeds.shape[0], self.offsets
+            if tuple(off.shape) != (m,) or off.dtype != torch.int64:
+                raise ValueError(f"offsets must be (m={m},) int64, got {tuple(off.shape)} {off.dtype}")
+            if m and (int(off[0]) < 0 or int(off[-1]) >= n or bool((off[1:] <= off[:-1]).any())):
+                raise ValueError(f"offsets must increase strictly inside [0, n={n})")
         self.modality = self.modality.to(torch.int8)
         self.key = self.identity.key(self.tenant)
 
@@ -144,7 +161,18 @@ class Record:
     # ------------------------------------------------------------------ views
     @property
     def length(self) -> int:
+        """The span's tokens (``n``)."""
+        return self.embeds.shape[0]
+
+    @property
+    def kept(self) -> int:
+        """Entries stored (``m``; ``n`` unless compressed)."""
         return self.keys[0].shape[1]
+
+    @property
+    def version(self) -> int:
+        """The layout version written for this record."""
+        return LAYOUT_VERSION | (COMPRESSED if self.offsets is not None else 0)
 
     @property
     def shared(self) -> bool:
@@ -155,6 +183,7 @@ class Record:
     def nbytes(self) -> int:
         """Tensor bytes (what a device tier holds)."""
         ts = (*self.keys, *self.values, self.embeds, self.modality)
+        ts += () if self.offsets is None else (self.offsets,)
         return sum(t.numel() * t.element_size() for t in ts)
 
     def expired(self, now: float) -> bool:
@@ -169,13 +198,15 @@ class Record:
             values=[v.to(device) for v in self.values],
             embeds=self.embeds.to(device),
             modality=self.modality.to(device),
+            offsets=None if self.offsets is None else self.offsets.to(device),
             created=self.created,
             expires=self.expires,
         )
 
     # ------------------------------------------------------------------ pool
     def to_segment(self, pool):
-        """A :class:`~vlkv.runtime.kv.segments.SharedSegment` holding this record's K/V in ``pool``."""
+        """A :class:`~vlkv.runtime.kv.segments.SharedSegment` holding this record's K/V in ``pool``
+        (a compressed record's segment gets an ``offsets`` attribute, ``(m,)`` int64 on the CPU)."""
         from vlkv.runtime.kv.segments import SharedSegment
 
         spec = pool.spec
@@ -186,13 +217,16 @@ class Record:
         dev = spec.device
         keys = [k.to(dev) for k in self.keys]
         values = [v.to(dev) for v in self.values]
-        return SharedSegment.from_tensors(pool, keys, values, self.modality.to(dev))
+        seg = SharedSegment.from_tensors(pool, keys, values, self.modality.to(dev))
+        seg.offsets = None if self.offsets is None else self.offsets.cpu()
+        return seg
 
     @classmethod
     def from_segment(
         cls, segment, identity: Identity, tenant: str, embeds: Tensor, expires: float | None = None
     ) -> Record:
-        """A record of a :class:`~vlkv.runtime.kv.segments.SharedSegment`'s pre-RoPE K/V (copied)."""
+        """A record of a :class:`~vlkv.runtime.kv.segments.SharedSegment`'s pre-RoPE K/V (copied);
+        compressed when the segment has ``offsets`` (``embeds`` then covers the whole span)."""
         keys, values = [], []
         for layer, ids in enumerate(segment.ids):
             k, v = segment.pool.read(layer, ids[None])
@@ -200,7 +234,7 @@ class Record:
             values.append(v[0])
         return cls(
             identity=identity, tenant=tenant, keys=keys, values=values, embeds=embeds,
-            modality=segment.modality, expires=expires,
+            modality=segment.modality, offsets=getattr(segment, "offsets", None), expires=expires,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ bytes
@@ -219,7 +253,8 @@ class Record:
             "embeds_dtype": _dtype_name(self.embeds.dtype),
             "num_layers": len(self.keys),
             "kv_heads": h,
-            "length": n,
+            "length": self.length,
+            "kept": n,
             "head_dim": d,
             "hidden": self.embeds.shape[1],
             "payload_bytes": payload_bytes,
@@ -231,11 +266,13 @@ class Record:
         from safetensors.torch import save
 
         tensors = {"embeds": self.embeds, "modality": self.modality}
+        if self.offsets is not None:
+            tensors["offsets"] = self.offsets
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k, v
         payload = save({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()})
         header = json.dumps(self._header(len(payload)), sort_keys=True, allow_nan=False).encode()
-        body = b"".join((_PREFIX.pack(MAGIC, LAYOUT_VERSION, len(header)), header, payload))
+        body = b"".join((_PREFIX.pack(MAGIC, self.version, len(header)), header, payload))
         return body + hashlib.sha256(body).digest()
 
     @classmethod
@@ -270,10 +307,13 @@ class Record:
         except (SafetensorError, ValueError) as exc:
             raise CorruptRecord(f"unreadable payload ({exc})") from None
         layers, h, n, d = (header[f] for f in ("num_layers", "kv_heads", "length", "head_dim"))
+        m = header["kept"]
         kv_dtype, emb_dtype = _dtype(header["dtype"]), _dtype(header["embeds_dtype"])
-        want = {"embeds": ((n, header["hidden"]), emb_dtype), "modality": ((n,), torch.int8)}
+        want = {"embeds": ((n, header["hidden"]), emb_dtype), "modality": ((m,), torch.int8)}
+        if header["compressed"]:
+            want["offsets"] = ((m,), torch.int64)
         for layer in range(layers):
-            want[f"k.{layer}"] = want[f"v.{layer}"] = ((h, n, d), kv_dtype)
+            want[f"k.{layer}"] = want[f"v.{layer}"] = ((h, m, d), kv_dtype)
         if set(tensors) != set(want):
             raise CorruptRecord(f"payload tensors {sorted(tensors)} do not match the header")
         for name, (shape, dtype) in want.items():
@@ -295,6 +335,7 @@ class Record:
                 values=[tensors[f"v.{i}"] for i in range(layers)],
                 embeds=tensors["embeds"],
                 modality=tensors["modality"],
+                offsets=tensors.get("offsets"),
                 created=float(header["created"]),
                 expires=None if header["expires"] is None else float(header["expires"]),
             )
@@ -319,7 +360,7 @@ def _read_header(data: bytes, layout_version: int = LAYOUT_VERSION) -> tuple[dic
     magic, version, hlen = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise CorruptRecord(f"wrong magic {magic!r}")
-    if version != layout_version:
+    if version & ~COMPRESSED != layout_version:
         raise StaleRecord(f"layout version {version}, this reader uses {layout_version}")
     if hlen > MAX_HEADER or len(data) < _PREFIX.size + hlen:
         raise CorruptRecord(f"truncated or bad header length {hlen} ({len(data)} bytes)")
@@ -334,6 +375,12 @@ def _read_header(data: bytes, layout_version: int = LAYOUT_VERSION) -> tuple[dic
             raise CorruptRecord(f"header field {name!r} missing or not {kind}")
     if header.get("expires") is not None and not isinstance(header["expires"], (int, float)):
         raise CorruptRecord("header field 'expires' is not a number")
+    header["compressed"] = bool(version & COMPRESSED)
+    header.setdefault("kept", header["length"])  # dense records written before "kept" existed
+    if not isinstance(header["kept"], int) or isinstance(header["kept"], bool) or header["kept"] < 0:
+        raise CorruptRecord("header field 'kept' is not a count")
+    if header["kept"] > header["length"] or (header["kept"] != header["length"] and not header["compressed"]):
+        raise CorruptRecord(f"header keeps {header['kept']} of {header['length']} entries")
     if (
         min(header[f] for f in ("num_layers", "kv_heads", "length", "head_dim", "hidden", "payload_bytes"))
         < 0

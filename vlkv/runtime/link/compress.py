@@ -1,0 +1,71 @@
+"""Compressed records: keep a query-agnostic share of an image's entries when its record is written.
+
+The choice is head-uniform — the same entries in every layer and KV head — so one ``(m,)`` offset
+list says where each kept entry sits inside the image, and a hit links ``m`` entries (and moves
+``m / n`` of the dense K/V bytes). No query is known when a record is written, so the scorers
+look at the stored entries alone:
+
+* ``keynorm`` — keep the entries whose keys have the smallest norm, averaged over layers and heads
+  after dividing each (layer, head) by its mean norm (a low-norm key draws attention);
+* ``stride`` — keep evenly spaced entries (a position-only baseline).
+
+The dropped entries of a linked image are neither linked nor recomputed (unless a link method
+recomputes those rows anyway, e.g. MPIC's first ``k``): the request's cache simply lacks them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.kv.segments import SharedSegment
+
+RECORD_SCORERS = ("keynorm", "stride")
+
+
+def kept_count(n: int, budget: float) -> int:
+    """Entries a record of ``n`` keeps at ``budget`` (at least one)."""
+    return min(n, max(1, round(budget * n)))
+
+
+def choose_entries(keys: list[Tensor], budget: float, scorer: str = "keynorm") -> Tensor:
+    """``(m,)`` int64 ascending offsets of the entries to keep.
+
+    Args:
+        keys: per layer ``(H_kv, n, D)`` pre-RoPE keys of the span.
+        budget: fraction of the ``n`` entries kept, in (0, 1].
+        scorer: one of :data:`RECORD_SCORERS`.
+    """
+    if scorer not in RECORD_SCORERS:
+        raise ValueError(f"unknown record scorer {scorer!r}; known: {', '.join(RECORD_SCORERS)}")
+    n = keys[0].shape[1]
+    m = kept_count(n, budget)
+    if m == n:
+        return torch.arange(n)
+    if scorer == "stride":
+        return torch.linspace(0, n - 1, m).round().long().unique()
+    norms = torch.stack([k.float().norm(dim=-1) for k in keys])  # (L, H_kv, n)
+    norms = norms / norms.mean(dim=-1, keepdim=True).clamp_min(1e-12)
+    score = -norms.mean(dim=(0, 1)).cpu()  # higher = keep
+    return score.topk(m).indices.sort().values
+
+
+def compress_segment(seg: SharedSegment, budget: float, scorer: str = "keynorm") -> SharedSegment:
+    """A new segment holding only ``seg``'s chosen entries (``offsets`` set); ``seg`` is released.
+
+    Returns ``seg`` itself when every entry is kept."""
+    pool = seg.pool
+    keys = [pool.read(layer, ids[None])[0][0] for layer, ids in enumerate(seg.ids)]
+    keep = choose_entries(keys, budget, scorer)
+    if keep.numel() == seg.length:
+        return seg
+    ks, vs = [], []
+    for layer, ids in enumerate(seg.ids):
+        k, v = pool.read(layer, ids[None, :, keep.to(ids.device)])
+        ks.append(k[0])
+        vs.append(v[0])
+    out = SharedSegment.from_tensors(pool, ks, vs, seg.modality[keep.to(seg.modality.device)])
+    out.offsets = keep
+    out.embeds = seg.embeds
+    seg.release()
+    return out
