@@ -246,6 +246,10 @@ def cmd_generate(args) -> int:
         raise CliError("set the budget with --budget, not --set budget=...")
     _check_setting_types(args.policy, settings)
     policy = make_policy(args.policy, **_budget(args), **settings)
+    if args.backend != "torch" and hasattr(policy, "replay_request"):
+        from vlkv.runtime.replay import replay_refusal
+
+        raise CliError(replay_refusal(args.backend, getattr(policy, "gradient", False)))
     sampler = Sampler(args.do_sample, args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -51,11 +51,14 @@ class StatsRequest:
 
 class StepStats(list):
     """Per-layer statistics of a step's main :class:`StatsRequest` (a list, None where not
-    requested), plus ``extra[name]``: the per-layer list of each named extra request."""
+    requested), plus ``extra[name]``: the per-layer list of each named extra request, and
+    ``replay``: after a prefill, the per-layer ``(B, H_kv, S)`` replay scores a query-agnostic
+    policy asked for (:mod:`vlkv.runtime.replay`), else None."""
 
     def __init__(self, layers: list, extra: dict[str, list] | None = None):
         super().__init__(layers)
         self.extra: dict[str, list] = extra or {}
+        self.replay: list | None = None
 
 
 @dataclass

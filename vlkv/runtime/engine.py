@@ -156,19 +156,35 @@ class Engine:
     def prefill(self, batch: PromptBatch, policy: Policy, cache: KVCache, all_logits: bool = False):
         ctx = self.context(batch)
         request = policy.prefill_request(ctx, batch.input_ids.shape[1])
+        embeds = self.backend.embed(batch)
         inputs = StepInputs(
             batch.input_ids,
             batch.positions,
             batch.modality,
             batch.lengths,
-            self.backend.embed(batch),
+            embeds,
             all_logits,
             row_filter=policy.prefill_filter(cache, ctx),
         )
         out = self.backend.step(inputs, cache, request)
         out.peak_kv_bytes = cache.kv_bytes()
+        out.stats.replay = self.replay(policy, ctx, batch, cache, embeds)
         apply_edits(cache, policy.after_prefill(cache, out.stats, ctx))
         return out
+
+    def replay(self, policy: Policy, ctx: PolicyContext, batch: PromptBatch, cache: KVCache, embeds=None):
+        """The replay statistics a query-agnostic policy asks for after prefill (``replay_request``),
+        read from the prefilled cache without changing it; None when the policy asks for none.
+
+        ``embeds``: the prompt's ``(B, T, hidden)`` embeddings when the caller has them already.
+        """
+        ask = getattr(policy, "replay_request", None)
+        request = ask(ctx) if ask is not None else None
+        if request is None:
+            return None
+        ids = self.tokenizer(request.template, add_special_tokens=False)["input_ids"]
+        embeds = self.backend.embed(batch) if embeds is None else embeds
+        return self.backend.replay(request, cache, embeds, batch.lengths, torch.tensor(ids, dtype=torch.long))
 
     def decode_positions(self, policy: Policy, cache: KVCache) -> Tensor:
         """``(B, 1, P)`` positions of the next token under the policy's position mode."""

@@ -49,6 +49,7 @@ class OrtBackend:
 
     name = "onnxruntime"
     supports_link = False  # the layer graphs mask by slot; a link step masks by sequence order
+    supports_replay = False  # the layer graphs append what they attend to and take no gradients
 
     def __init__(
         self,
@@ -92,6 +93,12 @@ class OrtBackend:
     def embed(self, batch) -> Tensor:
         """``(B, T, hidden)`` prompt embeddings with image features spliced in (PyTorch)."""
         return self._torch.embed(batch)
+
+    def replay(self, request, cache, context, lengths, template_ids):
+        """Not available here (:func:`vlkv.runtime.replay.replay_refusal` says why, in one line)."""
+        from vlkv.runtime.replay import replay_refusal
+
+        raise ValueError(replay_refusal(self.name, request.gradient))
 
     @torch.no_grad()
     def step(self, inputs: StepInputs, cache: KVCache, stats: StatsRequest | None = None) -> StepOutput:

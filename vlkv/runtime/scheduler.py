@@ -112,6 +112,13 @@ class Scheduler:
         loaded = self.engine.loaded
         check_fits([n], request.max_new_tokens, position_limit(loaded), getattr(loaded, "name", "the model"))
         request.reserve = _reserve(request, n)
+        replay = getattr(request.policy, "replay_request", None)
+        if replay is not None and not getattr(self.engine.backend, "supports_replay", False):
+            from vlkv.runtime.replay import replay_refusal
+
+            raise ValueError(
+                replay_refusal(self.engine.backend.name, getattr(request.policy, "gradient", False))
+            )
         if request.link is not None and request.link.method != "none":
             from vlkv.runtime.store.identity import validate_tenant
 
@@ -266,6 +273,7 @@ class Scheduler:
             req.extras.get("image_uuids"),
         )
         out.peak_kv_bytes = cache.kv_bytes()
+        out.stats.replay = eng.replay(req.policy, ctx, req.batch, cache)
         self.link_totals.add(req.link_stats)
         _engine.apply_edits(cache, req.policy.after_prefill(cache, out.stats, ctx))
         return out

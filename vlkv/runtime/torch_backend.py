@@ -24,6 +24,7 @@ from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepOutp
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.models.adapter import FamilyAdapter, make_adapter
 from vlkv.runtime.prompt import PromptBatch, PromptError
+from vlkv.runtime.replay import ReplayContext, ReplayRequest, run_replay
 
 ATTN_NAME = "vlkv"
 
@@ -278,7 +279,7 @@ def vlkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     Outside a vlkv step (e.g. ``model.generate``) it defers to transformers' SDPA path so the
     model stays usable as an ordinary HF model.
     """
-    if isinstance(attention_mask, _StepContext):
+    if isinstance(attention_mask, (_StepContext, ReplayContext)):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return attention_mask.attend(module.layer_idx, query, key, value, scale), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -301,6 +302,7 @@ class TorchBackend:
 
     name = "torch"
     supports_link = True
+    supports_replay = True  # KVzip/KVgrad replay steps, gradients included (vlkv/runtime/replay.py)
 
     def __init__(self, model, family: str, image_token_id: int):
         _register_attention()
@@ -328,6 +330,13 @@ class TorchBackend:
                 )
             emb[b, slots] = feats.to(emb.dtype)
         return emb
+
+    def replay(
+        self, request: ReplayRequest, cache: KVCache, context: Tensor, lengths: Tensor, template_ids: Tensor
+    ) -> list[Tensor | None]:
+        """Replay ``context (B, T, hidden)`` (``lengths (B,)``) after ``template_ids (R0,)`` over the
+        prefilled cache without writing to it; per layer ``(B, H_kv, S)`` max attention per entry."""
+        return run_replay(self, request, cache, context, lengths, template_ids)
 
     @torch.no_grad()
     def step(self, inputs: StepInputs, cache: KVCache, stats: StatsRequest | None = None) -> StepOutput:

@@ -1,0 +1,312 @@
+"""The replay step: extra query rows run over a prefilled cache without writing to it (KVzip, KVgrad).
+
+After prefill, a query-agnostic policy asks the backend to *replay* the context: a short text
+template ("Repeat the previous context:") followed by the context itself, as new query rows over
+the cached context. The statistics are, per layer, the largest attention each cached entry
+receives from any replay row, per KV head (max over the GQA group and over rows).
+
+Chunking follows KVzip's reference form: the context is replayed in chunks of ``chunk_size``
+tokens, each chunk preceded by the template, and chunk ``c`` attends to the cached context plus
+its *own* rows only (causally), never to earlier replay chunks: the cache holds the context alone
+for every chunk, exactly as KVzip truncates the cache back to the context after each chunk. So the
+scores do not depend on the chunk boundaries of earlier chunks, and peak memory is
+O(chunk × context) per layer. Each replay row's softmax runs over every cached entry (not a
+window), so the score is the attention the model really pays; every entry collects the max over
+all chunks' rows (not only the rows of the chunk that reconstructs it).
+
+The context is replayed as its prompt *embeddings* (``Backend.embed``), so an image span is
+replayed as its projected image features: the same rows for text and images.
+
+KVgrad adds, per chunk, a backward pass of ``Phi = sum_p ||h_p||^2`` (``h`` = last decoder layer's
+output on the valid replay rows) and weights each (row, query head, entry) attention by the gradient
+norm of ``Phi`` with respect to that row's attention output and by ``||W_O,h v||`` of the entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vlkv.runtime.cache import KVCache
+
+DEFAULT_TEMPLATE = "\n\nRepeat the previous context:"
+REPLAY_MODES = ("context", "prompt")
+
+
+@dataclass
+class ReplayRequest:
+    """What a query-agnostic policy asks the backend to replay after prefill.
+
+    Attributes:
+        template: text prepended to every replayed chunk.
+        chunk_size: context tokens per replay chunk, >= 1.
+        gradient: also weight by the objective's gradient and ``||W_O v||`` (KVgrad; PyTorch only).
+        mode: ``"context"`` replays template + context (KVzip); ``"prompt"`` runs the template alone
+            once (a fixed generic prompt such as "Describe the image.", cost independent of the context).
+        every: replay only every ``every``-th chunk (1 = all; subsampled replay is cheaper); entries
+            never scored by a replay row of their own chunk still get the max from the replayed rows.
+    """
+
+    template: str = DEFAULT_TEMPLATE
+    chunk_size: int = 512
+    gradient: bool = False
+    mode: str = "context"
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.every < 1:
+            raise ValueError(f"every must be >= 1, got {self.every}")
+        if self.mode not in REPLAY_MODES:
+            raise ValueError(f"mode must be one of {REPLAY_MODES}, got {self.mode!r}")
+
+
+def replay_chunks(
+    template: Tensor, context: Tensor, lengths: Tensor, request: ReplayRequest
+) -> list[tuple[Tensor, Tensor]]:
+    """The replay rows of every chunk, right-padded per sample.
+
+    Args:
+        template: ``(R0, hidden)`` template embeddings.
+        context: ``(B, T, hidden)`` prompt embeddings (right-padded).
+        lengths: ``(B,)`` int64 valid prompt tokens.
+
+    Returns:
+        per replayed chunk, ``rows (B, R0 + chunk, hidden)`` and ``new_len (B,)`` int64.
+    """
+    b = context.shape[0]
+    lengths = lengths.to(context.device)
+    head = template[None].expand(b, -1, -1)
+    r0 = template.shape[0]
+    if request.mode == "prompt":
+        return [(head.contiguous(), torch.full((b,), r0, dtype=torch.long, device=context.device))]
+    n_chunks = -(-int(lengths.max()) // request.chunk_size)
+    out = []
+    for c in range(0, n_chunks, request.every):
+        start = c * request.chunk_size
+        body = context[:, start : start + request.chunk_size]
+        width = (lengths - start).clamp(0, body.shape[1])
+        if not bool((width > 0).any()):
+            continue
+        new_len = torch.where(width > 0, width + r0, torch.zeros_like(width))
+        out.append((torch.cat([head, body], dim=1), new_len))
+    return out
+
+
+def replay_attention_max(
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+    cache_len: Tensor,
+    new_len: Tensor,
+    row_weight: Tensor | None = None,
+    col_weight: Tensor | None = None,
+) -> Tensor:
+    """Max attention each cached entry receives from the valid replay rows, per KV head.
+
+    Args:
+        q: ``(B, H, r, D)`` replay queries.
+        k: ``(B, H_kv, S + r, D)`` keys: ``S`` cached slots (valid below ``cache_len``), then the r rows'.
+        cache_len: ``(B,)`` valid cached entries; new_len: ``(B,)`` valid replay rows.
+        row_weight: optional ``(B, r)`` factor per row (KVgrad's gradient norm).
+        col_weight: optional ``(B, H, S)`` factor per query head and entry (KVgrad's ``||W_O v||``).
+
+    Returns:
+        ``(B, H_kv, S)`` float32: ``max over rows and GQA group`` of softmax probability × weights;
+        0 at invalid slots. Holds ``(B, H, r, S + r)`` at a time: O(chunk × context).
+    """
+    b, h, r, _ = q.shape
+    hkv, total = k.shape[1], k.shape[2]
+    s = total - r
+    dev = q.device
+    cache_len, new_len = cache_len.to(dev), new_len.to(dev)
+    logits = torch.einsum("bkgrd,bksd->bkgrs", q.float().view(b, hkv, h // hkv, r, -1), k.float()).reshape(
+        b, h, r, total
+    )
+    visible = _replay_mask(cache_len, new_len, s, r, dev)  # (B, r, S + r)
+    probs = torch.softmax(logits.mul_(scale).masked_fill_(~visible[:, None], float("-inf")), dim=-1)
+    att = probs[..., :s] * (torch.arange(r, device=dev)[None, :] < new_len[:, None])[:, None, :, None]
+    if row_weight is not None:
+        att = att * row_weight.to(dev, torch.float32)[:, None, :, None]
+    best = att.amax(dim=2)  # (B, H, S)
+    if col_weight is not None:  # constant over rows, so it commutes with the row max
+        best = best * col_weight.to(dev, torch.float32)
+    return best.view(b, hkv, h // hkv, s).amax(dim=2)
+
+
+def _replay_mask(cache_len: Tensor, new_len: Tensor, s: int, r: int, device) -> Tensor:
+    """``(B, r, S + r)`` bool: row ``i`` sees the valid cached slots and the replay rows ``<= i``.
+
+    Padding rows (``i >= new_len``) still see themselves so no softmax row is empty.
+    """
+    j = torch.arange(s + r, device=device)
+    i = torch.arange(r, device=device)
+    cached = j[None, None, :] < cache_len[:, None, None]
+    own = (j[None, :] >= s) & (j[None, :] - s <= i[:, None])  # (r, S + r)
+    return cached.expand(-1, r, -1) | own[None]
+
+
+def replay_refusal(backend: str, gradient: bool) -> str:
+    """The one-line reason a backend without replay steps refuses KVzip (or KVgrad, which needs gradients)."""
+    if gradient:
+        return (
+            f"kvgrad needs gradients through the model, which only the PyTorch backend has "
+            f"(not {backend}): use --backend torch"
+        )
+    return f"the replay step (kvzip) is not available on the {backend} backend: use --backend torch"
+
+
+class ReplayContext:
+    """Per-chunk state handed to the attention function in place of HF's mask and cache.
+
+    ``update`` returns the cached K/V with the chunk's K/V appended but writes nothing to the cache.
+    """
+
+    def __init__(self, cache: KVCache, new_len: Tensor, keep_queries: bool = False):
+        self.cache, self.new_len = cache, new_len
+        self.scores: list[Tensor | None] = [None] * len(cache.layers)
+        # KVgrad scores after the backward pass: the queries and the chunk's keys per layer
+        self.keep_queries = keep_queries
+        self.saved: dict[int, tuple[Tensor, Tensor, float]] = {}
+
+    def update(self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None) -> tuple[Tensor, Tensor]:
+        ck, cv = self.cache.layers[layer_idx].attention_kv()
+        return torch.cat([ck.to(k.dtype), k], dim=2), torch.cat([cv.to(v.dtype), v], dim=2)
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """``q (B, H, r, D)``, ``k/v (B, H_kv, S + r, D)`` → ``(B, r, H, D)``."""
+        r = q.shape[2]
+        s = k.shape[2] - r
+        cache_len = self.cache.layers[layer_idx].lengths.to(q.device)
+        new_len = self.new_len.to(q.device)
+        mask = _replay_mask(cache_len, new_len, s, r, q.device)[:, None]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        if self.keep_queries:
+            self.saved[layer_idx] = (q.detach(), k[:, :, s:].detach(), scale)
+        else:
+            with torch.no_grad():
+                self.scores[layer_idx] = replay_attention_max(q, k, scale, cache_len, new_len)
+        return out.transpose(1, 2).contiguous()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.layers[layer_idx].max_length
+
+
+def value_output_norm(values: Tensor, o_weight: Tensor, num_heads: int) -> Tensor:
+    """``||W_O,h v||`` per query head: what entry ``v`` writes into the residual stream through head ``h``.
+
+    Args:
+        values: ``(B, H_kv, S, D)``.
+        o_weight: ``(hidden, H * D)`` the output projection's weight.
+
+    Returns:
+        ``(B, H, S)`` float32.
+    """
+    b, hkv, s, d = values.shape
+    w = o_weight.float().view(-1, num_heads, d)  # (hidden, H, D)
+    gram = torch.einsum("chd,che->hde", w, w)  # (H, D, D): ||W v||^2 = v^T W^T W v
+    v = values.float().repeat_interleave(num_heads // hkv, dim=1)  # (B, H, S, D)
+    sq = torch.einsum("bhsd,hde,bhse->bhs", v, gram, v)
+    return sq.clamp(min=0).sqrt()
+
+
+def merge_max(total: list[Tensor | None], part: list[Tensor | None]) -> list[Tensor | None]:
+    """Element-wise max of two per-layer score lists (``(B, H_kv, S)`` each, None = nothing yet)."""
+    return [p if t is None else (t if p is None else torch.maximum(t, p)) for t, p in zip(total, part)]
+
+
+def run_replay(
+    backend, request: ReplayRequest, cache: KVCache, context: Tensor, lengths: Tensor, template_ids: Tensor
+):
+    """Replay ``context`` over ``cache`` on a PyTorch backend; the cache is left bit-identical.
+
+    Args:
+        backend: a :class:`~vlkv.runtime.torch_backend.TorchBackend`.
+        context: ``(B, T, hidden)`` prompt embeddings; lengths: ``(B,)`` int64 valid tokens.
+        template_ids: ``(R0,)`` int64 template token ids.
+
+    Returns:
+        per layer ``(B, H_kv, S)`` float32 scores over the layer's ``S = max_length`` slots.
+    """
+    adapter, dev = backend.adapter, backend.device
+    with torch.no_grad():
+        template = adapter.embed_tokens(template_ids[None].to(dev))[0]
+    total: list[Tensor | None] = [None] * len(cache.layers)
+    for rows, new_len in replay_chunks(template, context.to(dev), lengths, request):
+        run = _chunk_gradient if request.gradient else _chunk
+        total = merge_max(total, run(backend, cache, rows, new_len))
+    return total
+
+
+def _positions(cache: KVCache, r: int) -> Tensor:
+    """``(B, r, P)`` positions of replay rows: right after the context, restarting for every chunk."""
+    nxt = cache.next_position
+    return nxt[:, None, :] + torch.arange(r, device=nxt.device)[None, :, None]
+
+
+def _run_layers(backend, ctx: ReplayContext, cache: KVCache, rows: Tensor) -> Tensor:
+    adapter = backend.adapter
+    cos_sin = adapter.rotary(rows, _positions(cache, rows.shape[1]).to(rows.device))
+    hidden = rows
+    for layer in adapter.layers:
+        hidden = layer(hidden, attention_mask=ctx, position_embeddings=cos_sin, past_key_values=ctx)
+    return hidden
+
+
+@torch.no_grad()
+def _chunk(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> list[Tensor | None]:
+    ctx = ReplayContext(cache, new_len)
+    _run_layers(backend, ctx, cache, rows)
+    return ctx.scores
+
+
+def _chunk_gradient(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> list[Tensor | None]:
+    """KVgrad: forward, ``d Phi / d (attention output)`` by autograd, then the weighted scores."""
+    adapter = backend.adapter
+    frozen = [p for p in backend.model.parameters() if p.requires_grad]
+    outputs: dict[int, Tensor] = {}
+
+    def keep(i):
+        return lambda module, args, out: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+
+    hooks = [layer.self_attn.register_forward_hook(keep(i)) for i, layer in enumerate(adapter.layers)]
+    try:
+        for p in frozen:  # gradients w.r.t. activations only
+            p.requires_grad_(False)
+        with torch.enable_grad():
+            ctx = ReplayContext(cache, new_len, keep_queries=True)
+            hidden = _run_layers(backend, ctx, cache, rows.detach().requires_grad_(True))
+            valid = (
+                torch.arange(rows.shape[1], device=rows.device)[None, :] < new_len.to(rows.device)[:, None]
+            )
+            phi = (hidden.float().square().sum(-1) * valid).sum()
+            layers = sorted(outputs)
+            grads = torch.autograd.grad(phi, [outputs[i] for i in layers])
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for p in frozen:
+            p.requires_grad_(True)
+    scores: list[Tensor | None] = [None] * len(cache.layers)
+    with torch.no_grad():
+        for i, g in zip(layers, grads):
+            q, k_new, scale = ctx.saved[i]
+            layer = cache.layers[i]
+            ck, cv = layer.attention_kv()
+            col = value_output_norm(cv, adapter.layers[i].self_attn.o_proj.weight, q.shape[1])
+            scores[i] = replay_attention_max(
+                q,
+                torch.cat([ck.to(k_new.dtype), k_new], dim=2),
+                scale,
+                layer.lengths,
+                new_len,
+                row_weight=g.float().norm(dim=-1),
+                col_weight=col,
+            )
+    return scores
