@@ -75,3 +75,48 @@ def test_pool_read_equals_advanced_indexing():
     heads = torch.arange(H)[None, :, None]
     assert torch.equal(k, pool.keys[0][heads, ids]) and torch.equal(v, pool.values[0][heads, ids])
     assert k.shape == (4, H, 81, D)
+
+
+def _batch_rows(seed: int) -> list[LayerKV]:
+    """Three single-sample layers on one shared pool, holding 5, 2 and 7 entries and a score."""
+    from vlkv.runtime.cache import private_pool
+
+    g = torch.Generator().manual_seed(seed)
+    pool = private_pool(1, H, D, torch.float32, "cpu")
+    rows = []
+    for n in (5, 2, 7):
+        layer = LayerKV(pool, 0, 1, P)
+        layer.append(
+            torch.randn(1, H, n, D, generator=g),
+            torch.randn(1, H, n, D, generator=g),
+            torch.randint(0, 50, (1, n, P), generator=g),
+            torch.zeros(1, n, dtype=torch.int8),
+            torch.tensor([n]),
+        )
+        layer.scores["s"] = torch.rand(1, H, layer.capacity, generator=g)
+        rows.append(layer)
+    return rows
+
+
+@pytest.mark.parametrize("steps", [1, 9])
+def test_batch_view_one_row_append_equals_per_request_append(steps):
+    from vlkv.runtime.kv.batch import LayerBatch
+
+    fast, slow = LayerBatch(_batch_rows(5)), LayerBatch(_batch_rows(5))
+    g = torch.Generator().manual_seed(6)
+    for _ in range(steps):
+        k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+        pos, mod = torch.randint(0, 99, (B, 1, P), generator=g), torch.full((B, 1), 3, dtype=torch.int8)
+        ones = torch.ones(B, dtype=torch.long)
+        got = fast.append(k, v, pos, mod, ones)  # the batched one-row path
+        order = torch.cat([r.next_order for r in slow.rows])[:, None]
+        want = slow.append(k, v, pos, mod, ones, order=order)  # per request, general path
+        assert torch.equal(got, want)
+    for a, b in zip(fast.rows, slow.rows):
+        n = int(a.lengths)
+        assert n == int(b.lengths) and torch.equal(a.next_order, b.next_order)
+        for name in ("slots", "order", "modality", "positions"):
+            assert torch.equal(getattr(a, name)[:, :, :n], getattr(b, name)[:, :, :n]), name
+        assert torch.equal(a.scores["s"][:, :, :n], b.scores["s"][:, :, :n])
+    for x, y in zip(fast.attention_kv(), slow.attention_kv()):
+        assert torch.equal(x, y)

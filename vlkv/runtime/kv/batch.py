@@ -45,12 +45,40 @@ class LayerBatch:
         order: Tensor | None = None,
     ) -> Tensor:
         """Append row ``b`` of ``k, v (B, H_kv, q, D)`` etc. to request ``b``; returns ``(B,)`` past lengths."""
+        if k.shape[2] == 1 and order is None and all(r.batch == 1 for r in self.rows) and bool(new_len.all()):
+            return self._append_one(k, v, positions, modality)
         out = []
         for b, r in enumerate(self.rows):
             row = slice(b, b + 1)
             own = None if order is None else order[row]
             out.append(r.append(k[row], v[row], positions[row], modality[row], new_len[row], own))
         return torch.cat(out)
+
+    def _append_one(self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor) -> Tensor:
+        """One new entry per request (a decode step): one pool allocation and one write for the whole
+        batch, then plain-slice table writes per request (no per-request index kernels).
+
+        ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``; returns ``(B,)`` past lengths.
+        """
+        dev = self.pool.spec.device
+        past = self.lengths
+        ids = self.pool.alloc(self.layer, len(self.rows))  # (H_kv, B)
+        self.pool.write(
+            self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
+        )
+        pos = positions.to(dev)[:, 0].to(torch.long)  # (B, P)
+        mod = modality.to(dev)[:, 0].to(torch.int8)  # (B,)
+        for i, (r, p) in enumerate(zip(self.rows, past.tolist())):
+            r._reserve(p + 1)
+            r.slots[0, :, p] = ids[:, i]
+            r.positions[0, :, p] = pos[i]
+            r.modality[0, :, p] = mod[i]
+            r.order[0, :, p] = r.next_order[0]
+            for s in r.scores.values():
+                s[0, :, p] = 0
+            r.next_order = r.next_order + 1
+            r.lengths = r.lengths + 1
+        return past
 
     def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
         """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length."""
