@@ -16,6 +16,8 @@ from vlkv.runtime.policies.cadence import Cadence
 from vlkv.runtime.policies.elastic import ElasticPolicy
 from vlkv.runtime.policies.full import FullPolicy
 from vlkv.runtime.policies.h2o import H2OPolicy
+from vlkv.runtime.policies.kvgrad import KVgradPolicy
+from vlkv.runtime.policies.kvzip import KVzipPolicy
 from vlkv.runtime.policies.local import LocalPolicy
 from vlkv.runtime.policies.pyramid import PyramidKVPolicy
 from vlkv.runtime.policies.snapkv import SnapKVPolicy
@@ -30,9 +32,18 @@ POLICIES: dict[str, type[Policy]] = {
     "pyramidkv": PyramidKVPolicy,
     "vlcache": VLCachePolicy,
     "avl": AVLPolicy,
+    "kvzip": KVzipPolicy,
+    "kvgrad": KVgradPolicy,
 }
 
 ALLOCATOR_PREFIX = "allocator_"
+
+# policies that spread their budget themselves (allocators do not forward the replay request)
+_OWN_ALLOCATION = {
+    **NOT_COMPOSABLE,
+    "kvzip": "it spreads its budget over layers itself (scope=model|layer)",
+    "kvgrad": "it spreads its budget over layers itself (scope=model|layer)",
+}
 
 
 def _allocator_fields() -> list[str]:
@@ -49,7 +60,7 @@ def policy_fields(name: str) -> list[str]:
     own = [f.name for f in dataclasses.fields(cls) if f.init]
     if cls.can_defer_edits:
         own.append(CADENCE_FIELD)
-    return own if name in NOT_COMPOSABLE or "allocator" in own else own + _allocator_fields()
+    return own if name in _OWN_ALLOCATION or "allocator" in own else own + _allocator_fields()
 
 
 def _resolve(name: str) -> type[Policy]:
@@ -62,8 +73,8 @@ def make_policy(name: str, **kwargs) -> Policy:
     """Build a policy by name; unknown names or fields raise ``ValueError`` naming them."""
     cls = _resolve(name)
     own = {f.name for f in dataclasses.fields(cls) if f.init}
-    if "allocator" in kwargs and "allocator" not in own and name in NOT_COMPOSABLE:
-        raise ValueError(f"allocator cannot be combined with policy {name!r}: {NOT_COMPOSABLE[name]}")
+    if "allocator" in kwargs and "allocator" not in own and name in _OWN_ALLOCATION:
+        raise ValueError(f"allocator cannot be combined with policy {name!r}: {_OWN_ALLOCATION[name]}")
     known = set(policy_fields(name))
     unknown = sorted(set(kwargs) - known)
     if unknown:
