@@ -116,7 +116,7 @@ def test_compress_segment_keeps_the_chosen_entries_exactly(engines, images):
         )
 
 
-def test_the_gate_measures_compressed_links(engines):
+def test_the_gate_measures_compressed_links(engines, images):
     engine = engines["tiny-llava"]
     dense = run_link_check(engine, LinkSpec("mpic", 4), tokens=8)
     small = run_link_check(engine, LinkSpec("mpic", 4, store_budget=0.5), tokens=8)
@@ -124,4 +124,17 @@ def test_the_gate_measures_compressed_links(engines):
     assert load_check(fp, LinkSpec("mpic", 4, store_budget=0.5)) == small
     assert load_check(fp, LinkSpec("mpic", 4)) == dense and small != dense
     assert small.store_budget == 0.5 and "records at 0.5" in small.name
-    assert 0.0 <= small.agreement <= 1.0 and small.mean_kl >= 0.0
+    # a request that writes and links compressed records is gated by the compressed measurement
+    prompts = [Prompt("What is it?", [images[0]]), Prompt("And this time?", [images[0]])]
+    spec = LinkSpec("mpic", 4, store_budget=0.5)
+    above = small.agreement + 0.01
+    res = engine.generate(prompts, make_policy("full"), 2, stop_at_eos=False, link=spec, link_threshold=above)
+    assert small.agreement < 1.0  # half the entries gone: lossy, so a threshold above it exists
+    (why,) = res.extras["link_refused"]
+    assert "records at 0.5" in why and f"agreed {small.agreement:.2f}" in why
+    assert res.extras["store"]["hits"] == 0
+    res = engine.generate(
+        prompts, make_policy("full"), 2, stop_at_eos=False, link=spec, link_threshold=small.agreement
+    )
+    assert "link_refused" not in res.extras and res.extras["store"]["hits"] == 1
+    assert res.extras["store"]["dropped_tokens"] > 0
