@@ -108,7 +108,7 @@ def bench_selected(args, device: str, dtype: torch.dtype) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None,
+    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "fp16", "bf16", "fp32"], default=None,
                         help="default: float16 on cuda, float32 on cpu")  # fmt: skip
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype or ("float16" if args.device == "cuda" else "float32"))
+    name = args.dtype or ("float16" if args.device == "cuda" else "float32")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}.get(name) or getattr(
+        torch, name
+    )
     if args.device == "cuda":
         machine = torch.cuda.get_device_name()
     else:

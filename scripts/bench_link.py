@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import add_device_args, check_device_args, torch_dtype  # scripts/ is sys.path[0]
 
 from vlkv.runtime.engine import Engine
 from vlkv.runtime.link.gate import _forced
@@ -168,9 +169,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
+    add_device_args(ap)
     args = ap.parse_args()
+    check_device_args(ap, args)
     torch.set_num_threads(args.threads)
-    engine = Engine(load_model(args.model))
+    engine = Engine(load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device))
     specs = [LinkSpec("none"), LinkSpec("prefix"), LinkSpec("full-reuse")]
     specs += [LinkSpec("cacheblend", r=r) for r in args.r] + [LinkSpec("mpic", k) for k in args.k]
     for b in args.budget:

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import torch
+from bench_common import add_device_args, check_device_args, torch_dtype  # scripts/ is sys.path[0]
 from PIL import Image
 
 from vlkv.runtime.engine import Engine
@@ -97,13 +98,15 @@ def main(argv: list[str] | None = None) -> dict:
         "--threads", type=int, default=0, help="intra-op threads of both backends (0: defaults)"
     )
     parser.add_argument("--json", help="also write the results here")
+    add_device_args(parser)
     args = parser.parse_args(argv)
+    check_device_args(parser, args)
     options = dict(_option(o, parser) for o in args.option)
     if args.threads:
         torch.set_num_threads(args.threads)
         os.environ[THREADS_ENV] = str(args.threads)
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     start = time.perf_counter()
     engines = {name: Engine(loaded, backend=name) for name in BACKENDS}
     setup_s = time.perf_counter() - start  # includes the ONNX export on a cold cache

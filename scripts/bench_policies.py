@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from bench_common import add_device_args, check_device_args, torch_dtype  # scripts/ is sys.path[0]
 from tqdm import tqdm
 
 from vlkv.eval.harness import context_prompt
@@ -41,7 +42,7 @@ def _machine(device: str) -> str:
 
 
 def run(args) -> list[dict]:
-    engine = Engine(load_model(args.model))
+    engine = Engine(load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device))
     images = _images(args.model, args.images)
     prompts = [context_prompt(im, args.words) for im in images]
     configs = [(p, b) for p in args.policies for b in args.budgets]
@@ -115,8 +116,10 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=128, help="words of corpus text before each image")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="markdown report path (JSON written beside it)")
+    add_device_args(ap)
     args = ap.parse_args()
-    machine = _machine("cpu")
+    check_device_args(ap, args)
+    machine = _machine(args.device)
     rows = run(args)
     md = to_markdown(rows, args, machine)
     print(md)

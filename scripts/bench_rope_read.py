@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import add_device_args, check_device_args, torch_dtype  # scripts/ is sys.path[0]
 
 from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.engine import Engine
@@ -87,9 +88,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
+    add_device_args(ap)
     args = ap.parse_args()
+    check_device_args(ap, args)
     torch.set_num_threads(args.threads)
-    engine = Engine(load_model(args.model))
+    engine = Engine(load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device))
     rows = [measure(engine, w, args.repeats) for w in args.words]
     machine = f"CPU ({platform.machine()}, {args.threads} thread(s), 2-core VM, 24 GB, no GPU)"
     lines = [

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_common import add_device_args, check_device_args, torch_dtype  # scripts/ is sys.path[0]
 
 from vlkv.runtime.cache import LayerKV
 from vlkv.runtime.engine import Engine
@@ -253,13 +254,13 @@ def main() -> None:
     ap.add_argument("--pool-requests", type=float, default=3.0, help="pool size in uncompressed requests")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_device_args(ap)
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    check_device_args(ap, args)
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    loaded = load_model(args.model, device=args.device, dtype=torch_dtype(args.dtype))
     engine = Engine(loaded)
     stream = make_stream(args.model, args.requests, args.rate, args.seed, args.max_new)
     be = engine.backend

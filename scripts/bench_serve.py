@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from bench_common import add_device_args, check_device_args, torch_dtype  # scripts/ is sys.path[0]
 
 START_S = 300.0
 STOP_S = 60.0
@@ -235,6 +236,7 @@ def run_policy(policy: str, args) -> dict:
     else:
         cmd = [args.python, "-m", "vlkv.serve", "--model", args.model, "--port", str(port)]
         cmd += ["--log-level", "warning", "--policy", name, "--max-tokens", str(args.max_tokens)]
+        cmd += ["--device", args.device]
         cmd += ["--max-queue", str(args.requests), "--request-timeout", str(args.time_limit)]
         cmd += ["--budget", budget] if budget else []
         cmd += ["--pool-bytes", str(args.pool_bytes)] if args.pool_bytes else []
@@ -381,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds before the load stops itself")
     p.add_argument("--out", default=None, help="markdown report (a JSON twin is written beside it)")
+    add_device_args(p)
     args = p.parse_args(argv)
+    check_device_args(p, args)
+    if torch_dtype(args.dtype) != torch_dtype("fp32"):
+        p.error(f"--dtype {args.dtype}: the vlkv server loads its model in fp32 (it has no dtype option yet)")
     rows = []
     for policy in args.policies:
         row = run_policy(policy, args)

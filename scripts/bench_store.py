@@ -27,6 +27,7 @@ import zlib
 from pathlib import Path
 
 import torch
+from bench_common import add_device_args, check_device_args, torch_dtype  # scripts/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -145,7 +146,7 @@ def throughput(url: str, procs: int, per_proc: int, reads: int) -> dict:
     }
 
 
-def recompute(repeats: int, threads: int) -> dict:
+def recompute(repeats: int, threads: int, device: str = "cpu", dtype: str = "fp32") -> dict:
     """Runs under the demo venv: a 576-token LM prefill, and one real image (vision tower + prefill)."""
     torch.set_num_threads(threads)
     from vlkv.runtime.engine import Engine
@@ -155,15 +156,17 @@ def recompute(repeats: int, threads: int) -> dict:
     from vlkv.runtime.models.registry import load_model
     from vlkv.runtime.prompt import Prompt
 
-    engine = Engine(load_model("smollm2-llava"))
+    engine = Engine(load_model("smollm2-llava", dtype=torch_dtype(dtype), device=device))
     model = engine.loaded.model
     lm = model.model.language_model if hasattr(model.model, "language_model") else model.language_model
-    x = torch.randn(1, TOKENS, HIDDEN)
+    x = torch.randn(1, TOKENS, HIDDEN, dtype=torch_dtype(dtype), device=device)
     prefill = []
     with torch.inference_mode():
         for _ in range(repeats):
             t0 = time.perf_counter()
             lm(inputs_embeds=x, use_cache=True)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
             prefill.append(time.perf_counter() - t0)
     batch = engine.encode([Prompt("Describe.", [load_image(real_photos()[0])])])
     span = batch.spans[0].image_spans[0]
@@ -195,13 +198,15 @@ def main() -> None:
         "--from-json", default=None, help="rewrite --out from a previous run's JSON (no measuring)"
     )
     ap.add_argument("--out", default=None)
+    add_device_args(ap)
     args = ap.parse_args()
+    check_device_args(ap, args)
     if args.from_json:
         d = json.loads(Path(args.from_json).read_text())
         Path(args.out).write_text(report(d["hits"], d["throughput"], d["recompute"], args, d["loadavg"]))
         return
     if args.recompute_only:
-        print(json.dumps(recompute(args.repeats, args.threads)))
+        print(json.dumps(recompute(args.repeats, args.threads, args.device, args.dtype)))
         return
     torch.set_num_threads(args.threads)
     from tests.runtime.store.servers import MooncakeMaster, RedisServer
@@ -236,6 +241,10 @@ def main() -> None:
             "3",
             "--threads",
             str(args.threads),
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
         ]
         done = subprocess.run(
             cmd,
