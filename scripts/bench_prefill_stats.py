@@ -106,6 +106,39 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(res: dict, path: str) -> bool:
+    """Prefill overhead vs rows with statistics (the last-rows windows and every row), policies marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return False
+    rows = res["rows"]
+    sweep = sorted(
+        (r["rows_requested"], 100 * r["overhead"])
+        for r in rows
+        if r["config"] in ("plain", "every row") or r["config"].startswith("last ")
+    )
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot([x for x, _ in sweep], [y for _, y in sweep], "k-o", label="last r rows")
+    for r in rows:
+        if r["config"] in ("plain", "every row") or r["config"].startswith("last "):
+            continue
+        ax.plot(r["rows_requested"], 100 * r["overhead"], "s")
+        ax.annotate(r["config"], (r["rows_requested"], 100 * r["overhead"]), fontsize=8)
+    ax.axhline(10, color="grey", ls=":", label="10% target")
+    ax.set_xlabel(f"rows with statistics (of {res['tokens']})")
+    ax.set_ylabel("prefill overhead vs plain (%)")
+    ax.set_title(f"statistics overhead, {res['tokens']}-token prefill")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-llava")
@@ -114,6 +147,7 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=list(ROWS), help="last-rows windows to time")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     add_device_args(ap)
     args = ap.parse_args()
     check_device_args(ap, args)
@@ -121,6 +155,8 @@ def main() -> None:
     print(to_markdown(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
+    if args.plot:
+        plot(res, args.plot)
 
 
 if __name__ == "__main__":
