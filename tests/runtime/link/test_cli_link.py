@@ -35,6 +35,8 @@ def test_json_reports_store_hits_and_ttft(tmp_path, capsys):
         (["--link", "mpic", "--link-k", "-1"], "link k must be an integer >= 0"),
         (["--link", "cacheblend", "--link-r", "2"], "link r must be a fraction in [0, 1]"),
         (["--link", "cacheblend", "--link-deviation", "q"], "link deviation must be one of k, v"),
+        (["--link", "mpic", "--store-budget", "0"], "store budget must be a fraction in (0, 1]"),
+        (["--link", "mpic", "--store-budget", "0.5", "--store-scorer", "x"], "unknown record scorer 'x'"),
         (
             ["--link", "mpic", "--policy", "avl", "--set", "prefill_keep=0.5"],
             "drops prompt rows inside the prefill",
@@ -79,3 +81,23 @@ def test_generate_links_with_cacheblend_and_reports_the_recomputed_rows(tmp_path
     assert reports["0"]["hits"] == reports["0.5"]["hits"] == 1
     image = reports["0"]["reused_tokens"]  # r = 0: the whole stored image is reused
     assert reports["0.5"]["reused_tokens"] == image - int(0.5 * image)
+
+
+def test_a_store_budget_writes_compressed_records(tmp_path, capsys):
+    args = [
+        "generate",
+        "--model",
+        "tiny-llava",
+        "--policy",
+        "full",
+        "--link",
+        "full-reuse",
+        "--store-budget",
+        "0.5",
+    ]
+    args += ["--store", str(tmp_path), "--max-new-tokens", "2", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["extras"]["store"]["misses"] == 1
+    assert main(args) == 0
+    store = json.loads(capsys.readouterr().out)["extras"]["store"]
+    assert store["hits"] == 1 and store["reused_tokens"] == store["dropped_tokens"] > 0  # half of the image
