@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlkv.runtime.link.linker import CHECK_LAYER, LinkSpec, SegmentStore, blend_rows, link_prefill
+from vlkv.runtime.link.cacheblend import CHECK_LAYER, blend_rows
+from vlkv.runtime.link.linker import LinkSpec, SegmentStore, link_prefill
 from vlkv.runtime.link.records import RecordSource
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt

@@ -23,6 +23,12 @@ from vlkv.runtime.kv.segments import SharedSegment
 RECORD_SCORERS = ("keynorm", "stride")
 
 
+def entry_offsets(seg: SharedSegment) -> Tensor:
+    """``(m,)`` int64 offsets of a record's entries inside its image (all of them unless compressed)."""
+    off = getattr(seg, "offsets", None)
+    return torch.arange(seg.length) if off is None else off
+
+
 def kept_count(n: int, budget: float) -> int:
     """Entries a record of ``n`` keeps at ``budget`` (at least one)."""
     return min(n, max(1, round(budget * n)))

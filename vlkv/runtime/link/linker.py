@@ -18,11 +18,8 @@ in sequence order (metadata only). An image missing from the store is recomputed
 record for the next request: computed alone, at positions starting from 0 (M-RoPE: its grid ids),
 stored pre-RoPE.
 
-CacheBlend's choice costs one extra pass: the whole prompt through layers ``0..CHECK_LAYER`` (a
-row filter drops every row but the last after the check layer, so later layers run one row) into a
-scratch cache, whose check-layer entries are compared with the records'. The selective prefill then
-recomputes the text plus the chosen rows in *every* layer; unchosen rows use the record in every
-layer, so ``r = 0`` is exactly ``full-reuse`` and ``r = 1`` exactly full recompute.
+CacheBlend's choice (:mod:`vlkv.runtime.link.cacheblend`) costs one extra pass over the first
+layers; the selective prefill then recomputes the text plus the chosen rows in *every* layer.
 """
 
 from __future__ import annotations
@@ -33,10 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from vlkv.runtime.backend import RowFilter, StatsRequest, StepInputs, StepOutput, StepStats
+from vlkv.runtime.backend import StatsRequest, StepInputs, StepOutput, StepStats
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.kv.pool import KVPool
 from vlkv.runtime.kv.segments import SharedSegment
+from vlkv.runtime.link.cacheblend import blend_rows
+from vlkv.runtime.link.compress import entry_offsets as _offsets
 from vlkv.runtime.prompt import PromptBatch
 
 if TYPE_CHECKING:
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 
 LINK_METHODS = ("none", "prefix", "full-reuse", "cacheblend", "mpic")
 DEVIATIONS = ("k", "v")
-CHECK_LAYER = 1  # CacheBlend's check layer (its code's ``check_layers = [1]``)
 
 
 @dataclass(frozen=True)
@@ -290,59 +288,6 @@ def _embed(engine, batch: PromptBatch, known: dict) -> Tensor:
             a, b = spans[i]
             emb[0, a:b] = e.to(device=dev, dtype=emb.dtype)
     return emb
-
-
-def blend_rows(
-    engine, batch: PromptBatch, emb: Tensor, hits: dict[int, SharedSegment], spec: LinkSpec
-) -> Tensor:
-    """CacheBlend's choice: the prompt rows of stored images to recompute, ``(c,)`` int64.
-
-    The ``int(r * m)`` of the ``m`` stored image rows whose check-layer key (or value) deviates most,
-    in squared L2 over heads and dims, between the record (keys rotated to the row's position) and
-    a fresh pass of the whole prompt through layers ``0..CHECK_LAYER``.
-
-    Args:
-        emb: ``(1, n, hidden)`` the prompt's embeddings (every row, stored images included).
-        hits: image index → its record, for the prompt's stored images.
-    """
-    spans = batch.spans[0].image_spans
-    rows = torch.cat([spans[i][0] + _offsets(seg) for i, seg in hits.items()])
-    count = int(spec.r * rows.numel())
-    if count == 0 or count == rows.numel():
-        return rows[:count]
-    n = int(batch.lengths[0])
-    pool = next(iter(hits.values())).pool
-    layer = min(CHECK_LAYER, engine.backend.num_layers - 1)
-    scratch = engine.new_cache(batch, pool=pool)
-    try:
-        # every row through the check layer; after it only the last row (kept by the filter) goes on
-        drop = RowFilter(layer, lambda _stats, _layer: torch.zeros(1, n, dtype=torch.bool))
-        inputs = StepInputs(
-            batch.input_ids[:, :n], batch.positions[:, :n], batch.modality[:, :n], torch.tensor([n]),
-            emb[:, :n], row_filter=drop,
-        )  # fmt: skip
-        engine.backend.step(inputs, scratch)
-        fk, fv = scratch.layers[layer].attention_kv(n)  # (1, H_kv, n, D), keys rotated
-    finally:
-        scratch.release()
-    stored = []
-    for i, seg in hits.items():
-        a, b = spans[i]
-        k, v = pool.read(layer, seg.ids[layer][None])  # (1, H_kv, m_i, D), keys pre-RoPE
-        if spec.deviation == "k":
-            pos = batch.positions[0, a + _offsets(seg)].to(k.device)[None, None].expand(1, k.shape[1], -1, -1)
-            stored.append(pool.rope(k, pos))
-        else:
-            stored.append(v)
-    fresh = (fk if spec.deviation == "k" else fv)[:, :, rows.to(fk.device)]
-    dev = (fresh.float() - torch.cat(stored, dim=2).float()).square().sum(dim=(0, 1, 3))
-    return rows[dev.topk(count).indices.cpu()].sort().values
-
-
-def _offsets(seg: SharedSegment) -> Tensor:
-    """``(m,)`` int64 offsets of a record's entries inside its image (all of them unless compressed)."""
-    off = getattr(seg, "offsets", None)
-    return torch.arange(seg.length) if off is None else off
 
 
 def _link_rows(seg: SharedSegment, cache: KVCache, idx: Tensor, positions: Tensor, order: Tensor) -> None:
