@@ -22,13 +22,24 @@ def add_device_args(ap: argparse.ArgumentParser, dtype: str = "fp32") -> None:
 
 
 def check_device_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Resolve ``args.device`` to a name that exists here, or ``ap.error`` with one line."""
+    """Resolve ``args.device`` to a name that exists here, or ``ap.error`` with one line; apply
+    ``args.threads`` where the script has it."""
     from vlkv.runtime.device import resolve_device
 
     try:
         args.device = str(resolve_device(args.device))
     except ValueError as exc:
         ap.error(str(exc))
+    threads = getattr(args, "threads", 0)
+    if threads < 0:
+        ap.error(f"--threads must be >= 0, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def add_threads_arg(ap: argparse.ArgumentParser) -> None:
+    # on a CPU shared with other jobs, 1 thread avoids OpenMP barrier stalls that swamp the ratios
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
 def torch_dtype(name: str) -> torch.dtype:

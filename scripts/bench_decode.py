@@ -34,6 +34,7 @@ from vlkv.runtime.policies import make_policy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
     add_device_args,
+    add_threads_arg,
     check_device_args,
     document_prompt,
     load_for_bench,
@@ -140,14 +141,21 @@ def run_length(engine: Engine, args, tokens: int, configs: list[tuple[str, float
 
     decode("full", 1.0)  # warm-up
     runs: dict[tuple[str, float], list[tuple[float, float]]] = {c: [] for c in configs}
-    full_runs: list[tuple[float, float]] = []
+    # one full-cache run before each policy's budgets, paired with each of them
+    full_of: dict[tuple[str, float], list[tuple[float, float]]] = {c: [] for c in configs}
     for _ in range(args.repeats):
-        for c in configs:
-            full_runs.append(decode("full", 1.0))  # paired with the next configuration
+        for i, c in enumerate(configs):
+            if i == 0 or configs[i - 1][0] != c[0]:
+                full = decode("full", 1.0)
             runs[c].append(decode(*c))
+            full_of[c].append(full)
+            print(
+                f"  {tokens} tokens: {c[0]} {c[1]}: {1e3 * runs[c][-1][0]:.1f} ms vs full {1e3 * full[0]:.1f} ms",
+                flush=True,
+            )
     rows = []
     for (name, budget), rs in runs.items():
-        pairs = list(zip(full_runs[configs.index((name, budget)) :: len(configs)], rs))
+        pairs = list(zip(full_of[(name, budget)], rs))
         speed = statistics.median(f[0] / p[0] for f, p in pairs)
         kv_full = statistics.median(f[1] for f, _ in pairs)
         kv_pol = statistics.median(p[1] for _, p in pairs)
@@ -183,7 +191,7 @@ def _repeat(prompt_batch, b: int):
 def to_markdown(res: dict) -> str:
     lines = [
         f"Decode step vs the bandwidth limit ({res['dtype']}, {res['machine']}, batch {res['batch']}, "
-        f"median of {res['steps']} steps × {res['repeats']} interleaved repeats)",
+        f"median of {res['steps']} steps; each policy's budgets paired with a full-cache run just before them)",
         "",
         "W = weight bytes read per step; KV = K/V bytes the step attends. limit = (W + KV_full) / (W + KV);",
         "of limit = measured speed-up over the full cache / limit.",
@@ -244,6 +252,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     add_device_args(ap)
+    add_threads_arg(ap)
     args = ap.parse_args()
     check_device_args(ap, args)
     if args.batch < 1 or args.steps < 1 or args.repeats < 1 or min(args.tokens) < 16:

@@ -30,7 +30,14 @@ from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_device_args, check_device_args, load_for_bench, machine_name, sync  # noqa: E402
+from bench_common import (
+    add_device_args,
+    add_threads_arg,
+    check_device_args,
+    load_for_bench,
+    machine_name,
+    sync,
+)  # noqa: E402
 
 
 def text_of_length(engine: Engine, tokens: int) -> Prompt:
@@ -156,6 +163,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of vlkv's generation")
     ap.add_argument("--json", default=None, help="write the results here")
     add_device_args(ap)
+    add_threads_arg(ap)
     args = ap.parse_args()
     check_device_args(ap, args)
     if args.new < 1 or args.tokens < 1 or min(args.batch) < 1:

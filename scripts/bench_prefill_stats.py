@@ -28,6 +28,7 @@ from vlkv.runtime.policies import make_policy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
     add_device_args,
+    add_threads_arg,
     check_device_args,
     document_prompt,
     load_for_bench,
@@ -149,6 +150,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     add_device_args(ap)
+    add_threads_arg(ap)
     args = ap.parse_args()
     check_device_args(ap, args)
     res = run(args)

@@ -35,6 +35,33 @@ def _prepare(q: Tensor, k: Tensor, query_rows, key_lengths, q_offset):
     return group, rows, klen.contiguous(), qoff.contiguous()
 
 
+def compact_rows(q: Tensor, rows: Tensor, q_offset: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Cut ``q`` down to each sample's span of requested rows (a SnapKV / VL-Cache window).
+
+    q: (B, H, Q, D). rows: (B, Q) int8. q_offset: (B,) int64. Returns ``q (B, H, W, D)``, ``rows (B, W)``
+    and ``q_offset (B,)`` shifted by each span's first row, so causal visibility is unchanged; W is the
+    widest span. The kernels launch over query blocks, so a 64-row window of an 8k prompt then costs
+    64 rows' blocks instead of 8k. Returned unchanged when the spans cover more than half of Q.
+    """
+    b, _, num_q, _ = q.shape
+    want = rows != 0
+    if num_q == 0 or not bool(want.any()):
+        return q, rows, q_offset
+    ar = torch.arange(num_q, device=q.device)
+    first = torch.where(want, ar, num_q).amin(1)
+    last = torch.where(want, ar, -1).amax(1)
+    first = torch.where(last >= 0, first, torch.zeros_like(first))
+    width = int((last - first + 1).clamp(min=0).max())
+    if 2 * width > num_q:
+        return q, rows, q_offset
+    idx = first[:, None] + torch.arange(width, device=q.device)[None, :]  # (B, W)
+    inside = idx < num_q
+    idx = idx.clamp(max=num_q - 1)
+    q_c = q.gather(2, idx[:, None, :, None].expand(b, q.shape[1], width, q.shape[3])).contiguous()
+    rows_c = (rows.gather(1, idx) * inside).to(torch.int8).contiguous()
+    return q_c, rows_c, (q_offset + first).contiguous()
+
+
 def attn_stats_triton(
     q: Tensor,
     k: Tensor,
@@ -55,6 +82,8 @@ def attn_stats_triton(
     if q.dtype != k.dtype:
         raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) must share a dtype")
     group, rows, klen, qoff = _prepare(q, k, query_rows, key_lengths, q_offset)
+    if query_rows is not None:
+        q, rows, qoff = compact_rows(q, rows, qoff)
     batch, heads, num_q, dim = q.shape
     num_k = k.shape[2]
     block_m, block_n, block_d = block_sizes(dim, num_k)
