@@ -86,6 +86,8 @@ PRESSES: dict[str, str | None] = {
     "tova": "TOVAPress",
     "random": "RandomPress",
     "merging": "MergingPress",
+    "kvzip": "KVzipPress",  # context-reconstruction scores (query-agnostic)
+    "kvgrad": "KVgradPress",  # KVzip's replay weighted by ||v W_O|| and gradient attribution
 }
 # ObservedAttention scores from the eager attention probabilities; SDPA does not return them.
 NEEDS_EAGER = {"observed_attention"}

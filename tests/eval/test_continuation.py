@@ -103,12 +103,15 @@ def test_shared_prefill_equals_one_prefill_per_policy(engines, windows):
         make_policy("h2o", budget=0.3),
         make_policy("h2o", budget=0.5),
         make_policy("avl", budget=0.3, prefill_keep=0.9),
+        make_policy("kvzip", budget=0.3),  # scored by a replay over the prefilled cache
     ]
     shared = shared_continuation_nll(engine, windows, policies)
     for policy, got in zip(policies, shared):
         one = continuation_nll(engine, windows, policy)
         assert torch.equal(got.nll, one.nll), policy
         assert (got.kv_bytes, got.meta_bytes) == (one.kv_bytes, one.meta_bytes), policy
+    full, zipped = shared[1], shared[-1]
+    assert zipped.kv_bytes < full.kv_bytes and not torch.equal(zipped.nll, full.nll)
     out = run_protocol(engine, windows, [("f", policies[1]), ("s", policies[2])], batch_size=1)
     assert out["f"]["nll"].shape == (len(windows), 12) and out["s"]["kv_bytes"] < out["f"]["kv_bytes"]
 

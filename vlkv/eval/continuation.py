@@ -242,6 +242,8 @@ def shared_continuation_nll(
         for i in members:
             cache = copy.deepcopy(base) if i != members[-1] else base
             stats = copy.deepcopy(out.stats) if i != members[-1] else out.stats
+            # query-agnostic policies (kvzip, kvgrad) score from a replay over the prefilled cache
+            stats.replay = engine.replay(policies[i], ctx, batch, cache)
             apply_edits(cache, policies[i].after_prefill(cache, stats, ctx))
             kv, meta = cache.kv_bytes(), cache.meta_bytes()
             nll = _continue(engine, cache, policies[i], out.logits, windows)

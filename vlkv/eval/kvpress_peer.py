@@ -43,6 +43,8 @@ KVPRESS_NAMES = (
     "tova",
     "random",
     "merging",
+    "kvzip",
+    "kvgrad",
 )
 MODES = ("greedy", "logits", "timing")
 

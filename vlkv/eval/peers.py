@@ -11,6 +11,7 @@ sinks), never kvpress's own defaults unless they are the same.
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -33,7 +34,11 @@ PEER_PRESSES = {
     "knorm": "knorm",
     "expected_attention": "expected_attention",
     "merging": "merging",
+    "kvzip": "kvzip",
+    "kvgrad": "kvgrad",
 }
+# presses whose memory grows with every job run in one process (see peer_continuation_nll)
+LEAKY_PRESSES = ("kvzip", "kvgrad")
 # peer names that are also vlkv policy names (their settings are matched)
 _VLKV_OF = ("local", "snapkv", "pyramidkv")
 
@@ -72,6 +77,13 @@ def export_language_model(engine: Engine, out_dir: Path) -> Path:
         state["lm_head.weight"] = adapter.lm_head.weight
         lm.load_state_dict(state, strict=False)
         lm.save_pretrained(out_dir)
+        tok = getattr(engine, "tokenizer", None)
+        if tok is not None:
+            # KVzip/KVgrad presses load the tokenizer from the model directory to build their replay
+            # prompt; the protocol feeds raw text, so no chat template wraps the context
+            tok = copy.copy(tok)
+            tok.chat_template = None
+            tok.save_pretrained(out_dir)
     finally:
         cfg._attn_implementation = saved
     return out_dir
@@ -221,7 +233,12 @@ def peer_continuation_nll(
         for _, press, budget, kwargs in configs
         for w in windows
     ]
-    results = run_kvpress(jobs, timeout=timeout)
+    if any(press in LEAKY_PRESSES for _, press, _, _ in configs):
+        # kvpress 0.5.5's KVzip/KVgrad keep ~3 GB per window alive inside one process (measured on
+        # SmolLM2-135M, 800-token contexts): one process per job bounds the peak
+        results = [r for job in jobs for r in run_kvpress([job], timeout=timeout)]
+    else:
+        results = run_kvpress(jobs, timeout=timeout)
     out, n = {}, len(windows)
     for c, (label, press, budget, kwargs) in enumerate(configs):
         rows = results[c * n : (c + 1) * n]

@@ -32,6 +32,8 @@ VLKV_CONFIGS = (
     "local",
     "snapkv:window=32,kernel=5",
     "snapkv:window=64,kernel=7",
+    "kvzip",
+    "kvgrad",
 )
 KVPRESS_CONFIGS = (
     "snapkv:window_size=64,kernel_size=5",
@@ -42,6 +44,8 @@ KVPRESS_CONFIGS = (
     "knorm",
     "expected_attention",
     "pyramidkv:window_size=64,kernel_size=5,beta=20",
+    "kvzip",
+    "kvgrad",
 )
 
 
@@ -53,6 +57,8 @@ MATCHED = (
     ("snapkv:window=32,kernel=7", "snapkv:window_size=32,kernel_size=7"),
     ("pyramidkv:window=64,kernel=5,fallback=true", "pyramidkv:window_size=64,kernel_size=5,beta=20"),
     ("local", "streaming_llm:n_sink=4"),
+    ("kvzip", "kvzip"),
+    ("kvgrad", "kvgrad"),
 )
 
 
