@@ -75,6 +75,8 @@ class LayerKV:
         self.scores: dict[str, Tensor] = {}
         self.offloaded: tuple[Tensor, Tensor] | None = None  # host K/V while swapped out
         self.linked = False  # holds shared entries (pre-RoPE keys, rotated on read)
+        # low-rank factored entries (slot = -(1 + factor row)), see vlkv/runtime/kv/lowrank.py
+        self.lowrank = None
         pool.attach(layer, self)
 
     @classmethod
@@ -125,11 +127,14 @@ class LayerKV:
             z = torch.zeros(self.batch, self.kv_heads, n, d, dtype=self.pool.spec.dtype, device=self.device)
             return z, z.clone()
         ids = self.slots[:, :, :n]
-        k, v = self.pool.read(self.layer, ids)
+        dense = ids.clamp(min=0) if self.lowrank is not None else ids
+        k, v = self.pool.read(self.layer, dense)
         if self.linked:
-            pre = self.pool.is_prerope(self.layer, ids) & self.valid_mask()[:, None, :n]
+            pre = self.pool.is_prerope(self.layer, dense) & self.valid_mask()[:, None, :n] & (ids >= 0)
             if bool(pre.any()):
                 k = torch.where(pre[..., None], self.pool.rope(k, self.positions[:, :, :n]), k)
+        if self.lowrank is not None:
+            k, v = self.lowrank.fill(self, k, v, ids)
         return k, v
 
     def link(
@@ -178,8 +183,12 @@ class LayerKV:
         return self.attention_kv(self.capacity)[1]
 
     def kv_bytes(self) -> int:
-        """K/V bytes of the pool slots this cache holds (no padding: slots are per entry)."""
-        return int(self.lengths.sum()) * self.pool.spec.entry_bytes
+        """K/V bytes of the pool slots this cache holds (no padding: slots are per entry), plus the
+        low-rank factors it holds."""
+        if self.lowrank is None:
+            return int(self.lengths.sum()) * self.pool.spec.entry_bytes
+        dense = int(((self.slots >= 0) & self.valid_mask()[:, None, :]).sum())
+        return dense * self.pool.spec.entry_bytes // self.kv_heads + self.lowrank.nbytes()
 
     def used_kv_bytes(self) -> int:
         """Bytes of K/V in valid entries (== :meth:`kv_bytes` on a slot pool)."""
@@ -303,7 +312,7 @@ class LayerKV:
 
     def _release(self, drop: Tensor) -> None:
         """Drop this cache's reference to the slots of valid entries where ``drop (B, H_kv, C)`` is True."""
-        bt, ht, ct = torch.nonzero(drop & self.valid_mask()[:, None, :], as_tuple=True)
+        bt, ht, ct = torch.nonzero(drop & self.valid_mask()[:, None, :] & (self.slots >= 0), as_tuple=True)
         self.pool.release(self.layer, self.slots[bt, ht, ct], heads=ht)
 
     def _take(self, index: Tensor, slots: int) -> dict[str, Tensor]:
@@ -338,6 +347,8 @@ class LayerKV:
         index, keep_len = index.to(self.device), keep_len.to(device=self.device, dtype=torch.long)
         self._release(~self._kept_mask(index, keep_len))
         self._install(self._take(index, index.shape[2] + spare), keep_len)
+        if self.lowrank is not None:
+            self.lowrank.prune(self)
 
     def merge(self, index: Tensor, keep_len: Tensor, assign: Tensor, counts: Tensor) -> None:
         """Keep the indexed anchors and replace each by the mean of the entries assigned to it.
@@ -351,7 +362,9 @@ class LayerKV:
             counts: ``(B, H_kv, K)`` int64 sources per anchor (>= 1 for real anchors).
         """
         from vlkv.plugins import merge_kv
+        from vlkv.runtime.kv.lowrank import densify
 
+        densify(self)  # merged anchors are rewritten in place: they need pool slots
         dev = self.device
         index, keep_len = index.to(dev), keep_len.to(device=dev, dtype=torch.long)
         assign, counts = assign.to(dev), counts.to(dev)
@@ -384,20 +397,24 @@ class LayerKV:
             return
         heads = torch.arange(self.kv_heads, device=self.device)[None, :, None]
         valid = self.valid_mask()[:, None, :]
+        dense = valid & (self.slots >= 0)  # factored entries name factor rows, not slots
         # spare columns may name ids past the new capacity: only valid entries are followed
-        self.slots = torch.where(valid, remap[heads, torch.where(valid, self.slots, 0)], 0)
+        moved = remap[heads, torch.where(dense, self.slots, 0)]
+        self.slots = torch.where(dense, moved, torch.where(valid, self.slots, 0))
 
     def release(self) -> None:
         """Free every slot this cache holds (finished or cancelled request); the cache is empty after."""
         self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
         self.lengths = torch.zeros_like(self.lengths)
         self.slots.zero_()
+        self.lowrank = None
 
     def offload(self, device: torch.device | str = "cpu") -> None:
         """Swap out: copy the valid K/V to ``device`` (host memory) and free the pool slots."""
         n = self.max_length
         k, v = self.attention_kv(n)
         self.offloaded = (k.to(device), v.to(device))
+        self.lowrank = None  # swapped back in dense (reconstructed)
         lengths = self.lengths.clone()
         self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
         self.lengths = lengths  # the metadata stays; the entries come back in :meth:`reload`

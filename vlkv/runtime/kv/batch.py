@@ -83,6 +83,14 @@ class LayerBatch:
     def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
         """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length."""
         n = self.max_length if upto is None else upto
+        if any(r.lowrank is not None or r.linked for r in self.rows):
+            # factored or pre-RoPE entries need their own read (reconstruct / rotate)
+            kv = [r.attention_kv(min(n, r.capacity)) for r in self.rows]
+
+            def pad(t: Tensor) -> Tensor:
+                return torch.cat([t, t.new_zeros(*t.shape[:2], n - t.shape[2], t.shape[3])], dim=2)
+
+            return torch.cat([pad(k) for k, _ in kv]), torch.cat([pad(v) for _, v in kv])
         tables = []
         for r in self.rows:
             t = r.slots[:, :, :n]

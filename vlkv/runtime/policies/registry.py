@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from vlkv.runtime.policies.allocators import ALLOCATORS, NOT_COMPOSABLE, AllocatedPolicy, make_allocator
+from vlkv.runtime.policies.attnpack import AttnPackPolicy
 from vlkv.runtime.policies.avl import AVLPolicy
 from vlkv.runtime.policies.base import Policy
 from vlkv.runtime.policies.cadence import Cadence
@@ -32,6 +33,7 @@ POLICIES: dict[str, type[Policy]] = {
     "pyramidkv": PyramidKVPolicy,
     "vlcache": VLCachePolicy,
     "avl": AVLPolicy,
+    "attnpack": AttnPackPolicy,
     "kvzip": KVzipPolicy,
     "kvgrad": KVgradPolicy,
 }

@@ -1,0 +1,122 @@
+"""The ``attnpack`` policy: full rank gives the full cache's tokens, low ranks hold fewer bytes,
+importance picks the rows reconstructed at full rank, recompression and eviction compose, bad
+settings are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_image
+from tests.runtime.test_cli_errors import _refused, no_model_compute  # noqa: F401 (fixture)
+from vlkv.runtime.cache import Modality
+from vlkv.runtime.policies import make_policy
+from vlkv.runtime.policies.attnpack import SCORE
+from vlkv.runtime.prompt import Prompt
+
+MODELS = ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl"]
+
+
+def _prompts(images):
+    return [
+        Prompt("Just text, no picture.", []),
+        Prompt("What is in the picture?", [make_image(7, 96)]),
+        Prompt("Compare the two pictures.", [images[0], make_image(8, 160)]),
+    ]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_full_rank_gives_the_full_cache_tokens(name, engines, images):
+    engine = engines[name]
+    prompts = _prompts(images)
+    want = engine.generate(prompts, make_policy("full"), 12, stop_at_eos=False)
+    got = engine.generate(prompts, make_policy("attnpack", rank=10**6, exact=True), 12, stop_at_eos=False)
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+def test_low_rank_holds_fewer_bytes_and_marks_important_rows(name, engines, images):
+    engine = engines[name]
+    prompts = _prompts(images)
+    batch = engine.encode(prompts)
+    policy = make_policy("attnpack", rank=4, rank_lo=1, top_fraction=0.25)
+    full = engine.new_cache(batch)
+    engine.prefill(batch, make_policy("full"), full)
+    cache = engine.new_cache(batch)
+    engine.prefill(batch, policy, cache)
+    assert cache.kv_bytes() < full.kv_bytes()
+    for layer in cache.layers:
+        img = (layer.modality == int(Modality.IMAGE)) & layer.valid_mask()[:, None, :]
+        assert bool((layer.slots[img] < 0).all()) and bool(
+            (layer.slots[~img & layer.valid_mask()[:, None, :]] >= 0).all()
+        )
+        for s, f in enumerate(layer.lowrank.samples):
+            if s == 0:
+                assert f is None
+                continue
+            hi = f.rank_v == 4
+            assert int(hi.sum()) == -(-f.rows // 4)  # ceil(top_fraction · rows)
+            # the rows at full rank are those the last query row attended to most
+            named = (layer.slots[s] < 0) & layer.valid_mask()[s][None, :]
+            imp = torch.full((f.rows,), float("-inf")).scatter_reduce_(
+                0, -layer.slots[s][named] - 1, layer.scores[SCORE][s][named], "amax"
+            )
+            assert float(imp[hi].min()) >= float(imp[~hi].max())
+
+
+def test_decode_updates_importance_by_ema(engines, images):
+    engine = engines["tiny-llava"]
+    prompts = [Prompt("Describe it.", [images[2]])]
+    policy = make_policy("attnpack", rank=8, alpha=0.5)
+    batch = engine.encode(prompts)
+    cache = engine.new_cache(batch)
+    engine.prefill(batch, policy, cache)
+    before = cache.layers[0].scores[SCORE][0, 0, : int(cache.layers[0].lengths[0])].clone()
+    out = engine.decode(torch.tensor([5]), batch, policy, cache, 1)
+    after = cache.layers[0].scores[SCORE][0, 0, : before.numel()]
+    assert out is not None and not torch.equal(before, after)
+    # EMA with α = 0.5: every entry moves at most half-way towards a weight in [0, 1]
+    assert bool((after >= 0.5 * before - 1e-6).all()) and bool((after <= 0.5 * before + 0.5 + 1e-6).all())
+
+
+def test_compress_text_recompresses_every_t_new_tokens(engines, images):
+    engine = engines["tiny-llava"]
+    prompt = [Prompt("Tell me a story about it.", [images[0]])]
+    policy = make_policy("attnpack", rank=16, compress_text=True, recompress_every=4)
+    res = engine.generate(prompt, policy, 10, stop_at_eos=False)
+    # every processed token is kept (the last generated one is never run through the model)
+    assert res.samples[0].kept_per_layer[0] == res.samples[0].prompt_tokens + 9
+    batch = engine.encode(prompt)
+    cache = engine.new_cache(batch)
+    engine.prefill(batch, policy, cache)
+    tok = torch.tensor([7])
+    for step in range(1, 7):
+        engine.decode(tok, batch, policy, cache, step)
+        layer = cache.layers[0]
+        dense = int(((layer.slots >= 0) & layer.valid_mask()[:, None, :])[0, 0].sum())
+        assert dense == step % 4
+
+
+def test_evict_then_factor_composes(engines, images):
+    engine = engines["tiny-llava"]
+    prompts = _prompts(images)
+    policy = make_policy("attnpack", rank=2, evict="h2o", budget=0.5)
+    res = engine.generate(prompts, policy, 8, stop_at_eos=False)
+    alone = engine.generate(prompts, make_policy("h2o", budget=0.5), 8, stop_at_eos=False)
+    assert [s.kept_per_layer for s in res.samples] == [s.kept_per_layer for s in alone.samples]
+    assert res.kv_bytes_used < alone.kv_bytes_used
+
+
+@pytest.mark.parametrize(
+    ("setting", "needle"),
+    [
+        ("rank=0", "rank must be >= 1, got 0"),
+        ("rank_lo=65", "rank_lo must be in [1, rank=64], got 65"),
+        ("top_fraction=0", "top_fraction must be in (0.0, 1.0], got 0"),
+        ("top_fraction=1.5", "top_fraction must be in (0.0, 1.0], got 1.5"),
+        ("alpha=1", "alpha must be in [0, 1), got 1"),
+        ("recompress_every=0", "recompress_every must be >= 1, got 0"),
+    ],
+)
+def test_bad_settings_are_one_line(capsys, no_model_compute, setting, needle):  # noqa: F811
+    assert needle in _refused(capsys, "--policy", "attnpack", "--set", setting)

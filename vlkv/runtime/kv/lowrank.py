@@ -1,0 +1,246 @@
+"""Low-rank segments (AttentionPack): a sample's image K/V held as joint-head truncated-SVD factors.
+
+Per layer and sample, the pre-RoPE keys of the factored entries form a matrix ``M_k (T, H_kv·D)``
+(heads concatenated, one row per token); a rank-``R`` truncated SVD ``M_k ≈ U S Vhᵀ`` is stored as
+``K̄ = U·diag(S) (T, R)`` and ``D_k = Vhᵀ (R, H_kv·D)``, the same for values. Keys are factored
+*before* RoPE (pre-RoPE keys are lower-rank) and rotated to each entry's own positions on read, so
+a factored entry behaves like a linked shared one and M-RoPE positions stay whatever the table says.
+
+The factored entries keep their slot-table columns (positions, modality, order, scores move with
+every edit as usual); their pool slots are released and the table names a factor row instead:
+``slot = -(1 + row)``. :meth:`LowRank.fill` writes the reconstructed rows into the dense K/V that
+:meth:`~vlkv.runtime.cache.LayerKV.attention_kv` hands a backend (path (a): reconstruct → rotate →
+attend), so every backend step and every policy works unchanged. Rows no head references any more
+(after an eviction) are dropped, so the bytes a cache reports are the bytes it holds.
+
+Attention-aware decompression: each row has its own reconstruction rank (``rank_k``/``rank_v``,
+at most the stored rank); an importance-driven policy lowers it for unimportant rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# randomized SVD: extra sampled directions beyond the kept rank, and power iterations; a rank that
+# leaves fewer than OVERSAMPLE spare directions uses the exact SVD instead (full rank is exact)
+OVERSAMPLE = 8
+NITER = 2
+
+
+def truncated_svd(m: Tensor, rank: int, exact: bool = False) -> tuple[Tensor, Tensor]:
+    """Factor ``m (T, N)`` as ``bar (T, r) @ basis (r, N)`` with ``r = min(rank, T, N)`` (fp32 compute).
+
+    ``bar = U·diag(S)``, ``basis = Vhᵀ`` of the best rank-``r`` approximation (Eckart–Young: the
+    Frobenius error² is the sum of the discarded σ², exactly with ``exact``, nearly otherwise).
+    """
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    m = m.float()
+    r = min(rank, *m.shape)
+    if exact or r + OVERSAMPLE >= min(m.shape):
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        return u[:, :r] * s[:r], vh[:r]
+    u, s, v = torch.svd_lowrank(m, q=r + OVERSAMPLE, niter=NITER)
+    return u[:, :r] * s[:r], v[:, :r].T
+
+
+def _masked(bar: Tensor, ranks: Tensor) -> Tensor:
+    """``bar (T, R)`` with the columns past each row's rank ``ranks (T,)`` zeroed."""
+    cols = torch.arange(bar.shape[1], device=bar.device)[None, :]
+    return torch.where(cols < ranks[:, None], bar, 0)
+
+
+@dataclass
+class Factors:
+    """One sample's factored rows in one layer (storage dtype = the pool's).
+
+    Attributes:
+        kbar: ``(T, R_k)`` K̄ = U·diag(S) of the pre-RoPE keys. dk: ``(R_k, H_kv·D)`` D_k.
+        vbar: ``(T, R_v)``. dv: ``(R_v, H_kv·D)``.
+        rank_k, rank_v: ``(T,)`` int64 components each row is reconstructed with (<= R_k, R_v).
+    """
+
+    kbar: Tensor
+    dk: Tensor
+    vbar: Tensor
+    dv: Tensor
+    rank_k: Tensor
+    rank_v: Tensor
+
+    def __post_init__(self) -> None:
+        if self.kbar.shape[0] != self.vbar.shape[0]:
+            raise ValueError(
+                f"kbar and vbar must have the same rows, got {self.kbar.shape} and {self.vbar.shape}"
+            )
+
+    @property
+    def rows(self) -> int:
+        return self.kbar.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kbar, self.dk, self.vbar, self.dv))
+
+    def reconstruct(self, full: bool = False) -> tuple[Tensor, Tensor]:
+        """``(T, H_kv·D)`` fp32 pre-RoPE keys and values (each row at its own rank unless ``full``)."""
+        kbar, vbar = self.kbar.float(), self.vbar.float()
+        if not full:
+            kbar, vbar = _masked(kbar, self.rank_k), _masked(vbar, self.rank_v)
+        return kbar @ self.dk.float(), vbar @ self.dv.float()
+
+    def take(self, rows: Tensor) -> Factors:
+        """The factors of ``rows (T',)`` only (the bases are shared)."""
+        return Factors(
+            self.kbar[rows], self.dk, self.vbar[rows], self.dv, self.rank_k[rows], self.rank_v[rows]
+        )
+
+
+class LowRank:
+    """A layer's factored rows, one :class:`Factors` (or None) per sample."""
+
+    def __init__(self, batch: int):
+        self.samples: list[Factors | None] = [None] * batch
+
+    def nbytes(self) -> int:
+        return sum(f.nbytes() for f in self.samples if f is not None)
+
+    def fill(self, layer, k: Tensor, v: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Put the reconstructed, rotated rows into ``k, v (B, H_kv, n, D)`` where ``ids (B, H_kv, n)`` < 0."""
+        b, h, n, d = k.shape
+        out_k, out_v = k.clone(), v.clone()
+        valid = layer.valid_mask()[:, None, :n]
+        for s, f in enumerate(self.samples):
+            if f is None:
+                continue
+            hs, cs = torch.nonzero((ids[s] < 0) & valid[s], as_tuple=True)
+            if hs.numel() == 0:
+                continue
+            rk, rv = f.reconstruct()
+            rows = -ids[s, hs, cs] - 1
+            kk = rk.view(f.rows, h, d)[rows, hs]  # (N, D) pre-RoPE
+            vv = rv.view(f.rows, h, d)[rows, hs]
+            pos = layer.positions[s, hs, cs]  # (N, P)
+            kk = layer.pool.rope(kk.to(k.dtype)[None, None], pos[None, None])[0, 0]
+            out_k[s, hs, cs] = kk.to(k.dtype)
+            out_v[s, hs, cs] = vv.to(v.dtype)
+        return out_k, out_v
+
+    def prune(self, layer) -> None:
+        """Drop factor rows that no valid entry of ``layer`` names any more; renumber the table."""
+        valid = layer.valid_mask()[:, None, :].expand_as(layer.slots)
+        for s, f in enumerate(self.samples):
+            if f is None:
+                continue
+            named = (layer.slots[s] < 0) & valid[s]
+            rows = -layer.slots[s][named] - 1
+            used = torch.zeros(f.rows, dtype=torch.bool, device=layer.device)
+            used[rows] = True
+            if bool(used.all()):
+                continue
+            if not bool(used.any()):
+                self.samples[s] = None
+                continue
+            keep = torch.nonzero(used).flatten()
+            new = torch.full((f.rows,), -1, dtype=torch.long, device=layer.device)
+            new[keep] = torch.arange(keep.numel(), device=layer.device)
+            layer.slots[s][named] = -new[rows] - 1
+            self.samples[s] = f.take(keep)
+
+
+def factor(layer, select: Tensor, rank: int, rank_v: int | None = None, exact: bool = False) -> None:
+    """Factor ``layer``'s entries chosen by ``select (B, H_kv, C)`` (valid, not yet factored) into
+    each sample's low-rank rows, together with the rows it already holds (re-SVD of both).
+
+    Args:
+        layer: a :class:`~vlkv.runtime.cache.LayerKV` whose pool has ``rope`` set.
+        rank, rank_v: components kept for keys and for values (``rank_v`` defaults to ``rank``).
+        exact: use the exact SVD (tests; the randomized one is the default).
+
+    Rows are tokens (by ``order``): an entry a head evicted earlier is a zero block in that head's
+    columns, never read. The chosen entries' pool slots are released.
+    """
+    rope = layer.pool.rope
+    if rope is None:
+        raise RuntimeError("low-rank factoring needs pool.rope (keys are factored before RoPE)")
+    rank_v = rank if rank_v is None else rank_v
+    if layer.lowrank is None:
+        layer.lowrank = LowRank(layer.batch)
+    lr: LowRank = layer.lowrank
+    h, d = layer.kv_heads, layer.pool.spec.head_dim
+    dt, dev = layer.pool.spec.dtype, layer.device
+    valid = layer.valid_mask()[:, None, :].expand_as(layer.slots)
+    select = select.to(dev) & valid & (layer.slots >= 0)
+    width = layer.max_length
+    k, v = layer.attention_kv(width)  # other samples' factoring leaves sample s's entries alone
+    for s in range(layer.batch):
+        old = lr.samples[s]
+        if not bool(select[s].any()):
+            continue
+        held = (layer.slots[s] < 0) & valid[s]
+        group = (select[s] | held)[:, :width]
+        hs, cs = torch.nonzero(group, as_tuple=True)
+        tokens, row = torch.unique(layer.order[s, hs, cs], return_inverse=True)
+        mk = torch.zeros(tokens.numel(), h, d, dtype=torch.float32, device=dev)
+        mv = torch.zeros_like(mk)
+        new = select[s, hs, cs]
+        # dense entries: stored rotated unless a shared (pre-RoPE) slot
+        kd = k[s : s + 1, hs[new], cs[new]][:, None]  # (1, 1, N, D) post-RoPE as read
+        pos = layer.positions[s, hs[new], cs[new]][None, None]
+        pre = rope(kd, pos, inverse=True)[0, 0]
+        mk[row[new], hs[new]] = pre.float()
+        mv[row[new], hs[new]] = v[s, hs[new], cs[new]].float()
+        if old is not None:  # re-SVD the held rows at their full stored rank
+            ok, ov = old.reconstruct(full=True)
+            rows_old = -layer.slots[s, hs[~new], cs[~new]] - 1
+            mk[row[~new], hs[~new]] = ok.view(old.rows, h, d)[rows_old, hs[~new]]
+            mv[row[~new], hs[~new]] = ov.view(old.rows, h, d)[rows_old, hs[~new]]
+        kbar, dk = truncated_svd(mk.view(tokens.numel(), h * d), rank, exact)
+        vbar, dv = truncated_svd(mv.view(tokens.numel(), h * d), rank_v, exact)
+        t = tokens.numel()
+        lr.samples[s] = Factors(
+            kbar.to(dt),
+            dk.to(dt),
+            vbar.to(dt),
+            dv.to(dt),
+            torch.full((t,), kbar.shape[1], dtype=torch.long, device=dev),
+            torch.full((t,), vbar.shape[1], dtype=torch.long, device=dev),
+        )
+        layer.pool.release(layer.layer, layer.slots[s, hs[new], cs[new]], heads=hs[new])
+        layer.slots[s, hs, cs] = -row - 1
+
+
+def set_ranks(layer, sample: int, rank_k: Tensor, rank_v: Tensor) -> None:
+    """Reconstruction ranks ``rank_k, rank_v (T,)`` for ``sample``'s factor rows (clamped to the stored rank)."""
+    f = layer.lowrank.samples[sample] if layer.lowrank is not None else None
+    if f is None:
+        return
+    f.rank_k = rank_k.clamp(max=f.kbar.shape[1]).to(f.rank_k)
+    f.rank_v = rank_v.clamp(max=f.vbar.shape[1]).to(f.rank_v)
+
+
+def densify(layer) -> None:
+    """Write every factored entry back into fresh pool slots (rotated, at its reconstruction rank)."""
+    if layer.lowrank is None:
+        return
+    width = layer.max_length
+    k, v = layer.attention_kv(width)
+    neg = (layer.slots[:, :, :width] < 0) & layer.valid_mask()[:, None, :width]
+    layer.lowrank = None
+    for s in range(layer.batch):
+        hs, cs = torch.nonzero(neg[s], as_tuple=True)
+        if hs.numel() == 0:
+            continue
+        # the pool allocates the same count in every head
+        counts = torch.bincount(hs, minlength=layer.kv_heads)
+        ids = layer.pool.alloc(layer.layer, int(counts.max()))
+        # heads with fewer factored entries than the most give their spare fresh slots back
+        rank = torch.arange(hs.numel(), device=hs.device) - (torch.cumsum(counts, 0) - counts)[hs]
+        slot = ids[hs, rank]
+        layer.pool.write_entries(layer.layer, hs, slot, k[s, hs, cs], v[s, hs, cs])
+        layer.slots[s, hs, cs] = slot
+        spare = torch.arange(ids.shape[1], device=hs.device)[None, :] >= counts[:, None]
+        sh, sc = torch.nonzero(spare, as_tuple=True)
+        if sh.numel():
+            layer.pool.release(layer.layer, ids[sh, sc], heads=sh)

@@ -1,0 +1,168 @@
+"""``attnpack`` (AttentionPack): image K/V held as joint-head low-rank factors, decompressed by importance.
+
+After prefill every layer's image entries (per sample) become rank-``rank`` factors of their pre-RoPE
+keys and values (:mod:`vlkv.runtime.kv.lowrank`); text stays dense. Each step the last query row's
+attention onto the cache, averaged over heads, updates an EMA importance ``I ← α·I + (1 − α)·a``;
+the ``top_fraction`` most important factored rows are reconstructed with ``rank`` components, the
+others with ``rank_lo`` (values always, keys too when ``lo_keys``). With ``compress_text`` the text
+is factored as well, and every ``recompress_every`` new dense tokens the held rows and the new ones
+are factored again together (the appendix's Algorithm 1).
+
+Composition with eviction: ``evict=NAME`` (a registered per-entry policy at this ``budget``) evicts
+first and the survivors are factored (at prefill); later decode evictions drop factor rows no head
+names any more.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from vlkv.runtime.backend import StatsRequest
+from vlkv.runtime.cache import KVCache, Modality
+from vlkv.runtime.kv.lowrank import factor, set_ranks
+from vlkv.runtime.policies.base import Policy, check_range, layer_wide
+
+SCORE = "attnpack"
+EXTRA = "attnpack"
+
+
+@dataclass
+class AttnPackPolicy(Policy):
+    """Attributes:
+    rank: components kept (and used for the important rows), >= 1.
+    rank_lo: components the unimportant rows are reconstructed with, in [1, rank]; default rank // 4
+        (16 at rank 64); ``rank_lo = rank`` turns attention-aware decompression off.
+    top_fraction: share of factored rows reconstructed with ``rank``, in (0, 1].
+    alpha: EMA weight of the old importance, in [0, 1).
+    recompress_every: new dense compressible tokens that trigger a re-factoring, >= 1.
+    lo_keys: apply ``rank_lo`` to keys too (the authors' code) or to values only (the appendix).
+    compress_text: factor text and generated tokens too (the paper does not, for image QA).
+    evict: a registered eviction policy run first at ``budget`` ("" = none).
+    exact: exact SVD instead of the randomized one (slower; tests).
+    """
+
+    rank: int = 64
+    rank_lo: int | None = None
+    top_fraction: float = 0.25
+    alpha: float = 0.5
+    recompress_every: int = 256
+    lo_keys: bool = True
+    compress_text: bool = False
+    evict: str = ""
+    exact: bool = False
+    inner: Policy | None = field(default=None, init=False, repr=False)
+
+    name: ClassVar[str] = "attnpack"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rank < 1:
+            raise ValueError(f"rank must be >= 1, got {self.rank}")
+        if self.rank_lo is None:
+            self.rank_lo = max(1, self.rank // 4)
+        if not 1 <= self.rank_lo <= self.rank:
+            raise ValueError(f"rank_lo must be in [1, rank={self.rank}], got {self.rank_lo}")
+        check_range("top_fraction", self.top_fraction, 0.0, 1.0)
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+        if self.recompress_every < 1:
+            raise ValueError(f"recompress_every must be >= 1, got {self.recompress_every}")
+        if self.evict:
+            from vlkv.runtime.policies.registry import make_policy
+
+            if self.evict == self.name:
+                raise ValueError("evict must name an eviction policy, not attnpack")
+            self.inner = make_policy(self.evict, budget=self.budget)
+        elif self.budget != 1.0:
+            raise ValueError(f"budget must be 1 without evict=NAME, got {self.budget}")
+
+    @property
+    def evicts_during_decode(self) -> bool:  # type: ignore[override]
+        return self.inner is not None and self.inner.evicts_during_decode
+
+    # statistics ------------------------------------------------------------
+    def _with_inner(self, mine: StatsRequest, theirs: StatsRequest | None) -> StatsRequest:
+        if self.inner is None:
+            return mine
+        theirs = theirs or StatsRequest()
+        return StatsRequest(theirs.rows, theirs.threshold, theirs.layers, {**theirs.extra, EXTRA: mine})
+
+    def _mine(self, stats: list) -> list:
+        return stats.extra[EXTRA] if self.inner is not None else stats
+
+    def prefill_request(self, ctx, rows):
+        n = ctx.prompt_lengths
+        last = torch.arange(rows, device=n.device)[None, :] == (n - 1)[:, None]
+        inner = self.inner.prefill_request(ctx, rows) if self.inner is not None else None
+        return self._with_inner(StatsRequest(rows=last), inner)
+
+    def decode_request(self, cache, ctx):
+        inner = self.inner.decode_request(cache, ctx) if self.inner is not None else None
+        return self._with_inner(StatsRequest(), inner)
+
+    def _observe(self, cache: KVCache, stats: list, ctx, first: bool) -> None:
+        for layer, st in zip(cache.layers, self._mine(stats)):
+            score = layer.ensure_score(SCORE)
+            a = layer_wide(st.colsum.float(), ctx.num_kv_heads)
+            s = min(a.shape[-1], score.shape[-1])
+            score[:, :, :s] = (
+                a[..., :s] if first else self.alpha * score[:, :, :s] + (1 - self.alpha) * a[..., :s]
+            )
+
+    # factoring -------------------------------------------------------------
+    def _compressible(self, layer) -> torch.Tensor:
+        if self.compress_text:
+            return torch.ones_like(layer.modality, dtype=torch.bool)
+        return layer.modality == int(Modality.IMAGE)
+
+    def _factor(self, cache: KVCache, threshold: int) -> None:
+        for layer in cache.layers:
+            want = self._compressible(layer) & (layer.slots >= 0) & layer.valid_mask()[:, None, :]
+            due = want.sum(-1).amax(-1) >= threshold  # (B,)
+            if bool(due.any()):
+                factor(layer, want & due[:, None, None], self.rank, exact=self.exact)
+
+    def _assign_ranks(self, cache: KVCache) -> None:
+        """The ``top_fraction`` rows by importance get ``rank``, the rest ``rank_lo``."""
+        if self.rank_lo == self.rank:
+            return
+        for layer in cache.layers:
+            if layer.lowrank is None:
+                continue
+            score = layer.scores[SCORE]
+            valid = layer.valid_mask()[:, None, :]
+            for s, f in enumerate(layer.lowrank.samples):
+                if f is None:
+                    continue
+                named = (layer.slots[s] < 0) & valid[s]
+                imp = torch.full((f.rows,), float("-inf"), device=layer.device)
+                imp.scatter_reduce_(0, -layer.slots[s][named] - 1, score[s][named], "amax")
+                top = torch.topk(imp, math.ceil(self.top_fraction * f.rows)).indices
+                hi = torch.zeros(f.rows, dtype=torch.bool, device=layer.device)
+                hi[top] = True
+                lo = torch.where(hi, self.rank, self.rank_lo)
+                set_ranks(layer, s, lo if self.lo_keys else torch.full_like(lo, self.rank), lo)
+
+    # hooks -----------------------------------------------------------------
+    def after_prefill(self, cache, stats, ctx):
+        self._observe(cache, stats, ctx, first=True)  # stats index the prefill table: before edits
+        if self.inner is not None:  # evict first: only the survivors are factored
+            edits = self.inner.after_prefill(cache, stats, ctx) or []
+            for layer, edit in zip(cache.layers, edits):
+                if edit is not None and edit.assign is None:
+                    layer.select(edit.index, edit.keep_len)
+                elif edit is not None:
+                    layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
+        self._factor(cache, 1)
+        self._assign_ranks(cache)
+        return None
+
+    def after_decode(self, cache, stats, ctx):
+        self._observe(cache, stats, ctx, first=False)
+        self._factor(cache, self.recompress_every)
+        self._assign_ranks(cache)
+        return self.inner.after_decode(cache, stats, ctx) if self.inner is not None else None
