@@ -81,6 +81,7 @@ def document_prompt(engine, model: str, tokens: int):
 
     image = real_photos()[0] if model == "smollm2-llava" else "builtin:gradient"
     corpus = " ".join(paragraphs()).split()
+    corpus = corpus * (2 * tokens // len(corpus) + 1)  # long contexts repeat the corpus
     words = max(tokens // 2, 1)
     for _ in range(4):
         text = " ".join(corpus[:words])
