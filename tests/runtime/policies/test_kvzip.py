@@ -156,3 +156,17 @@ def test_backends_without_replay_refuse_in_one_line(engines, images, monkeypatch
     monkeypatch.setattr(engine.backend, "supports_replay", False)
     with pytest.raises(ValueError, match=r"the replay step \(kvzip\) is not available"):
         engine.generate([Prompt("Hi")], make_policy("kvzip", budget=0.5), max_new_tokens=2)
+
+
+def test_a_linked_prefill_is_replayed_too(engines, images):
+    from vlkv.runtime.link.linker import LinkSpec
+
+    engine = engines["tiny-llava"]
+    prompts = [Prompt("First look.", [images[0]]), Prompt("Second look at it.", [images[0]])]
+    out = engine.generate(
+        prompts, make_policy("kvzip", budget=0.3), max_new_tokens=2, link=LinkSpec("mpic", 2)
+    )
+    assert out.extras["store"]["hits"] >= 1, out.extras["store"]
+    for s in out.samples:
+        k = max(round(0.3 * s.prompt_tokens), 5)
+        assert sum(s.kept_per_layer) == len(s.kept_per_layer) * (k + 1)
