@@ -324,7 +324,9 @@ def _store_budget_args(p) -> None:
         help="share of each image's entries its new records keep (compressed below 1; default 1)",
     )
     p.add_argument(
-        "--store-scorer", default="keynorm", help="which entries a compressed record keeps: keynorm or stride"
+        "--store-scorer",
+        default="keynorm",
+        help="which entries a compressed record keeps: keynorm, stride or kvzip",
     )
 
 

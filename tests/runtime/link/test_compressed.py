@@ -138,3 +138,36 @@ def test_the_gate_measures_compressed_links(engines, images):
     )
     assert "link_refused" not in res.extras and res.extras["store"]["hits"] == 1
     assert res.extras["store"]["dropped_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_kvzip_records_keep_the_entries_the_replay_attends_most(name, engines, images, tmp_path):
+    from vlkv.runtime.link.linker import standalone_segment
+    from vlkv.runtime.replay import ReplayRequest
+
+    engine = engines[name]
+    prompt = Prompt("Look.", [images[2]])
+    batch = engine.encode([prompt])
+    emb = engine.backend.embed(batch)
+    a, b = batch.spans[0].image_spans[0]
+    n = b - a
+    # plain reference: the image alone in its own cache, replayed, ranked with loops
+    pool = engine.new_cache(batch).pool
+    seg = standalone_segment(engine, batch, emb, (a, b), pool)
+    cache = engine.new_cache(batch, pool=pool)
+    pos = batch.positions[0, a:b]
+    seg.link(cache, pos - pos.amin(0))  # at its standalone positions (M-RoPE: its grid ids)
+    ids = engine.tokenizer(ReplayRequest().template, add_special_tokens=False)["input_ids"]
+    scores = engine.backend.replay(ReplayRequest(), cache, emb[:, a:b], torch.tensor([n]), torch.tensor(ids))
+    want_score = torch.zeros(n)
+    for sc in scores:
+        row = torch.tensor([max(float(sc[0, h, j]) for h in range(sc.shape[1])) for j in range(n)])
+        want_score += row / row.mean() / len(scores)
+    want = want_score.argsort(descending=True)[: kept_count(n, 0.5)].sort().values
+    got = compress_segment(standalone_segment(engine, batch, emb, (a, b), pool, replay=True), 0.5, "kvzip")
+    assert torch.equal(got.offsets, want)
+    # end to end: records written with the kvzip scorer are compressed hits
+    spec = LinkSpec("full-reuse", store_budget=0.5, store_scorer="kvzip")
+    _link(engine, prompt, spec, tmp_path)
+    _, _, _, stats, _ = _link(engine, Prompt("Again?", [images[2]]), spec, tmp_path)
+    assert stats.hits == 1 and stats.dropped_tokens == n - kept_count(n, 0.5)

@@ -7,7 +7,11 @@ look at the stored entries alone:
 
 * ``keynorm`` — keep the entries whose keys have the smallest norm, averaged over layers and heads
   after dividing each (layer, head) by its mean norm (a low-norm key draws attention);
-* ``stride`` — keep evenly spaced entries (a position-only baseline).
+* ``stride`` — keep evenly spaced entries (a position-only baseline);
+* ``kvzip`` — keep the entries the model attends to most when asked to repeat the image (KVzip's
+  replay, :mod:`vlkv.runtime.replay`, run over the image's own cache when the record is made):
+  per layer the max over KV heads, over the layer's mean, averaged over layers. It costs a replay
+  pass over the image (template + its rows) per new record.
 
 The dropped entries of a linked image are neither linked nor recomputed (unless a link method
 recomputes those rows anyway, e.g. MPIC's first ``k``): the request's cache simply lacks them.
@@ -20,7 +24,7 @@ from torch import Tensor
 
 from vlkv.runtime.kv.segments import SharedSegment
 
-RECORD_SCORERS = ("keynorm", "stride")
+RECORD_SCORERS = ("keynorm", "stride", "kvzip")
 
 
 def entry_offsets(seg: SharedSegment) -> Tensor:
@@ -34,13 +38,16 @@ def kept_count(n: int, budget: float) -> int:
     return min(n, max(1, round(budget * n)))
 
 
-def choose_entries(keys: list[Tensor], budget: float, scorer: str = "keynorm") -> Tensor:
+def choose_entries(
+    keys: list[Tensor], budget: float, scorer: str = "keynorm", replay: list[Tensor] | None = None
+) -> Tensor:
     """``(m,)`` int64 ascending offsets of the entries to keep.
 
     Args:
         keys: per layer ``(H_kv, n, D)`` pre-RoPE keys of the span.
         budget: fraction of the ``n`` entries kept, in (0, 1].
         scorer: one of :data:`RECORD_SCORERS`.
+        replay: for ``kvzip``, per layer ``(H_kv, n)`` replay attention scores of the entries.
     """
     if scorer not in RECORD_SCORERS:
         raise ValueError(f"unknown record scorer {scorer!r}; known: {', '.join(RECORD_SCORERS)}")
@@ -50,6 +57,12 @@ def choose_entries(keys: list[Tensor], budget: float, scorer: str = "keynorm") -
         return torch.arange(n)
     if scorer == "stride":
         return torch.linspace(0, n - 1, m).round().long().unique()
+    if scorer == "kvzip":
+        if replay is None:
+            raise ValueError("the kvzip record scorer needs the image's replay scores")
+        per_layer = torch.stack([s.float().amax(dim=0) for s in replay])  # (L, n)
+        per_layer = per_layer / per_layer.mean(dim=-1, keepdim=True).clamp_min(1e-12)
+        return per_layer.mean(dim=0).cpu().topk(m).indices.sort().values
     norms = torch.stack([k.float().norm(dim=-1) for k in keys])  # (L, H_kv, n)
     norms = norms / norms.mean(dim=-1, keepdim=True).clamp_min(1e-12)
     score = -norms.mean(dim=(0, 1)).cpu()  # higher = keep
@@ -62,7 +75,7 @@ def compress_segment(seg: SharedSegment, budget: float, scorer: str = "keynorm")
     Returns ``seg`` itself when every entry is kept."""
     pool = seg.pool
     keys = [pool.read(layer, ids[None])[0][0] for layer, ids in enumerate(seg.ids)]
-    keep = choose_entries(keys, budget, scorer)
+    keep = choose_entries(keys, budget, scorer, getattr(seg, "replay_scores", None))
     if keep.numel() == seg.length:
         return seg
     ks, vs = [], []

@@ -133,8 +133,13 @@ def identity(batch: PromptBatch, keys: list[str]) -> tuple:
     return tuple(out)
 
 
-def standalone_segment(engine, batch: PromptBatch, emb: Tensor, span: tuple[int, int], pool) -> SharedSegment:
-    """One image's K/V computed alone, at positions from 0, stored pre-RoPE (a reusable record)."""
+def standalone_segment(
+    engine, batch: PromptBatch, emb: Tensor, span: tuple[int, int], pool, replay: bool = False
+) -> SharedSegment:
+    """One image's K/V computed alone, at positions from 0, stored pre-RoPE (a reusable record).
+
+    ``replay`` also scores its entries by KVzip's replay over the image alone (``seg.replay_scores``,
+    per layer ``(H_kv, n)``), for the ``kvzip`` record scorer."""
     a, b = span
     pos = batch.positions[:, a:b]
     pos = pos - pos.amin(dim=1, keepdim=True)  # 1-D: 0..n-1; M-RoPE: the image's own grid ids
@@ -143,6 +148,15 @@ def standalone_segment(engine, batch: PromptBatch, emb: Tensor, span: tuple[int,
     inputs = StepInputs(batch.input_ids[:, a:b], pos, batch.modality[:, a:b], torch.tensor([n]), emb[:, a:b])
     engine.backend.step(inputs, cache)
     seg = SharedSegment.from_cache(cache, 0, n)
+    if replay:
+        from vlkv.runtime.replay import ReplayRequest
+
+        request = ReplayRequest()
+        ids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
+        scores = engine.backend.replay(
+            request, cache, emb[:, a:b], torch.tensor([n]), torch.tensor(ids, dtype=torch.long)
+        )
+        seg.replay_scores = [sc[0, :, :n] for sc in scores]
     cache.release()
     return seg
 
@@ -391,7 +405,8 @@ def _records(engine, batch, emb, pool, spec: LinkSpec, source: RecordSource, ima
     spans = batch.spans[0].image_spans
     for i in images:
         if keys[i] not in source.segments.images:
-            seg = standalone_segment(engine, batch, emb, spans[i], pool)
+            replay = spec.store_budget < 1.0 and spec.store_scorer == "kvzip"
+            seg = standalone_segment(engine, batch, emb, spans[i], pool, replay)
             seg.embeds = emb[0, spans[i][0] : spans[i][1]].detach()
             if spec.store_budget < 1.0:
                 from vlkv.runtime.link.compress import compress_segment
