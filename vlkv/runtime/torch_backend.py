@@ -113,7 +113,7 @@ class _StepContext:
         """
         b, h, nq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
-        if self.plain and nq == s:
+        if getattr(self, "plain", False) and nq == s:  # contexts built without __init__ take the mask
             # a prefill into an empty cache without padded rows: SDPA's causal path skips the masked blocks
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != hkv)
         j = torch.arange(s, device=q.device)
