@@ -53,7 +53,7 @@ def replay(engine, batch, policy, tokens: list[int]):
 
 
 def configs(ranks, budgets) -> list[tuple[str, str, dict]]:
-    out = [("full", "full", {})]
+    out = []  # the full cache is the reference every row is compared with
     for r in ranks:
         out.append((f"attnpack r={r}", "attnpack", {"rank": r, "rank_lo": r}))
         out.append((f"attnpack r={r} aware (lo={max(1, r // 4)})", "attnpack", {"rank": r}))
