@@ -57,6 +57,8 @@ class AttnPackPolicy(Policy):
     inner: Policy | None = field(default=None, init=False, repr=False)
 
     name: ClassVar[str] = "attnpack"
+    # it compresses by rank: full rank (not budget 1) is the lossless setting
+    exact_at_full_budget: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

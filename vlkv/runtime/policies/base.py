@@ -95,6 +95,9 @@ class Policy:
     # its decode hook splits into observe() (every step) + decode_edits(), so a cadence wrapper
     # may skip the edits on some steps without losing statistics
     can_defer_edits: ClassVar[bool] = False
+    # budget = 1 reproduces the full cache exactly; False for policies that compress by another
+    # knob (attnpack's rank), whose lossless setting is their own
+    exact_at_full_budget: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_range("budget", self.budget, 0.0, 1.0)
