@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -22,9 +23,11 @@ import torch
 
 from vlkv.runtime.cache import Modality
 from vlkv.runtime.engine import Engine
-from vlkv.runtime.models.registry import load_model
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import add_device_args, check_device_args, load_for_bench  # noqa: E402
 
 QUESTION = "Describe this photo in detail."
 
@@ -66,7 +69,7 @@ def configs(ranks, budgets) -> list[tuple[str, str, dict]]:
 def run(args) -> dict:
     from vlkv.runtime.models.photos import real_photos
 
-    engine = Engine(load_model(args.model))
+    engine = Engine(load_for_bench(args.model, args.device, args.dtype))
     photos = real_photos()[: args.images]
     rows: dict[str, dict] = {}
     for i, photo in enumerate(photos):
@@ -126,8 +129,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/attnpack-smollm2-llava-cpu.md"))
+    add_device_args(ap)
     args = ap.parse_args()
+    check_device_args(ap, args)
     if args.images < 1 or args.new < 2:
         ap.error("--images must be >= 1 and --new >= 2")
     write(run(args), args.out)

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import add_device_args, check_device_args, load_for_bench  # noqa: E402
+
 QUESTIONS = (
     "What is in this picture?",
     "Describe the colors in the image.",
@@ -156,7 +159,7 @@ def _write(args, questions, per, cost, done) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/image-qa-smollm2-llava-cpu.json"))
     ap.add_argument("--model", default="smollm2-llava")
     ap.add_argument("--photos", nargs="+", default=["chelsea", "astronaut", "coffee", "rocket"])
     ap.add_argument("--questions", type=int, default=len(QUESTIONS))
@@ -164,15 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.1])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--threads", type=int, default=2)
+    add_device_args(ap)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    check_device_args(ap, args)
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.models.photos import real_photos
-    from vlkv.runtime.models.registry import load_model
     from vlkv.runtime.policies import make_policy
     from vlkv.runtime.prompt import Prompt
 
-    engine = Engine(load_model(args.model))
+    engine = Engine(load_for_bench(args.model, args.device, args.dtype))
     questions = QUESTIONS[: args.questions]
     per: dict[str, dict[str, list]] = {}
     cost: dict[str, list[float]] = {}

@@ -11,7 +11,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = (
+    "bench_attnpack",
     "bench_decode",
+    "bench_image_qa",
     "bench_kernels",
     "bench_link",
     "bench_ort",
