@@ -61,3 +61,31 @@ def test_a_client_uuid_is_the_record_identity(linked_server):
     # other bytes, same uuid: the client says it is the same image, so its record is linked
     assert with_uuid(data_url(png_bytes(12)), "photo-1", "Again?") == 200
     assert linked_server.metrics()["vlkv_store_hits"] == before + 1
+
+
+def test_cacheblend_and_compressed_records_pass_through(linked_server):
+    image = data_url(png_bytes(23))
+    ok = _chat(linked_server, image, "What is it?", vlkv={"store_budget": 0.5, "store_scorer": "stride"})
+    assert ok.status_code == 200
+    blend = _chat(
+        linked_server, image, "And now?", vlkv={"link": "cacheblend", "link_r": 0.5, "link_deviation": "v"}
+    )
+    assert blend.status_code == 200
+    for opts, words in (
+        ({"link": "cacheblend", "link_r": 2.0}, "link r must be a fraction in [0, 1]"),
+        ({"link_deviation": "q"}, "link deviation must be one of k, v"),
+        ({"store_budget": 0.0}, "store budget must be a fraction in (0, 1]"),
+        ({"store_scorer": "best"}, "unknown record scorer 'best'"),
+    ):
+        bad = _chat(linked_server, image, "x", vlkv=opts)
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], opts
+
+
+def test_server_link_defaults_are_checked_at_start():
+    from vlkv.serve.config import ServeConfig
+
+    with pytest.raises(ValueError, match="link r must be a fraction"):
+        ServeConfig(store="x", link="cacheblend", link_r=1.5)
+    cfg = ServeConfig(store="x", link="mpic", store_budget=0.5, store_scorer="stride")
+    spec = cfg.link_spec(k=4)
+    assert (spec.method, spec.k, spec.store_budget, spec.store_scorer) == ("mpic", 4, 0.5, "stride")

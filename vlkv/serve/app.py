@@ -169,19 +169,26 @@ def _busy(cfg: ServeConfig) -> ApiError:
 
 def _link_spec(req, cfg):
     """The request's link settings (its ``vlkv`` field, else the server's), or None without a store."""
-    from vlkv.runtime.link.linker import LinkSpec
-
     opts = getattr(req, "vlkv", None)
+    fields = ("link_k", "link_r", "link_deviation", "store_budget", "store_scorer")
+    asked = {name: getattr(opts, name, None) for name in fields} if opts is not None else {}
     method = (opts.link if opts is not None and opts.link is not None else None) or cfg.link
-    k = opts.link_k if opts is not None and opts.link_k is not None else cfg.link_k
     if method == "none":
         return None
     if not cfg.store:
         raise ApiError(400, "vlkv.link needs a server started with --store", param="vlkv.link")
     try:
-        return LinkSpec(method, k)
+        spec = cfg.link_spec(
+            method=method,
+            k=asked.get("link_k"),
+            r=asked.get("link_r"),
+            deviation=asked.get("link_deviation"),
+            store_budget=asked.get("store_budget"),
+            store_scorer=asked.get("store_scorer"),
+        )
     except ValueError as err:
         raise ApiError(400, str(err), param="vlkv.link") from None
+    return spec
 
 
 def _validation_error(err: ValidationError) -> ApiError:

@@ -51,8 +51,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context store shared by requests (and replicas): a directory, redis://host:port/db or mooncake://...",
     )
-    p.add_argument("--link", default="none", help="default link method: none, prefix, full-reuse or mpic")
+    p.add_argument(
+        "--link", default="none", help="default link method: none, prefix, full-reuse, cacheblend or mpic"
+    )
     p.add_argument("--link-k", type=int, default=32, help="MPIC: leading tokens of each image to recompute")
+    p.add_argument(
+        "--link-r", type=float, default=0.15, help="CacheBlend: fraction of image tokens to recompute"
+    )
+    p.add_argument("--link-deviation", default="k", help="CacheBlend: deviation checked, k or v")
+    p.add_argument(
+        "--store-budget", type=float, default=1.0, help="share of an image's entries new records keep (0, 1]"
+    )
+    p.add_argument("--store-scorer", default="keynorm", help="how a compressed record picks its entries")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -104,6 +114,10 @@ def cmd_serve(args) -> int:
         store=args.store,
         link=args.link,
         link_k=args.link_k,
+        link_r=args.link_r,
+        link_deviation=args.link_deviation,
+        store_budget=args.store_budget,
+        store_scorer=args.store_scorer,
     )
     budget = cfg.budget if cfg.budget is not None else None if cfg.policy in NO_BUDGET else DEFAULT_BUDGET
     make_policy(cfg.policy, **({} if budget is None else {"budget": budget}))  # refuse a bad default now

@@ -24,7 +24,9 @@ class ServeConfig:
         request_timeout_s: a request still running after this long is cancelled (HTTP 504).
         policy, budget: the KV policy for requests that name none (``budget`` None: the default).
         store: context-store spec (directory, ``redis://`` or ``mooncake://``); None = no store.
-        link, link_k: how requests link stored images unless their ``vlkv`` field says otherwise.
+        link, link_k, link_r, link_deviation, store_budget, store_scorer: how requests link stored
+            images and write new records unless their ``vlkv`` field says otherwise
+            (:class:`~vlkv.runtime.link.linker.LinkSpec`).
     """
 
     model: str = "tiny-llava"
@@ -42,6 +44,10 @@ class ServeConfig:
     store: str | None = None
     link: str = "none"
     link_k: int = 32
+    link_r: float = 0.15
+    link_deviation: str = "k"
+    store_budget: float = 1.0
+    store_scorer: str = "keynorm"
 
     def __post_init__(self) -> None:
         for name in (
@@ -59,12 +65,25 @@ class ServeConfig:
             raise ValueError(f"pool_bytes must be >= 1, got {self.pool_bytes}")
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
             raise ValueError(f"request_timeout_s must be a finite number > 0, got {self.request_timeout_s}")
-        from vlkv.runtime.link.linker import LinkSpec
-
-        LinkSpec(self.link, self.link_k)  # one line naming a bad method or k
+        self.link_spec()  # one line naming a bad method, k, r, deviation or record budget
         if self.link != "none" and self.store is None:
             raise ValueError("--link needs --store (where the records live)")
         if self.allowed_media_dir is not None:
             if not os.path.isdir(self.allowed_media_dir):
                 raise ValueError(f"allowed media dir not found: {self.allowed_media_dir}")
             self.allowed_media_dir = os.path.realpath(self.allowed_media_dir)
+
+    def link_spec(self, **overrides):
+        """The server's :class:`LinkSpec`, with a request's ``overrides`` (None values ignored)."""
+        from vlkv.runtime.link.linker import LinkSpec
+
+        fields = {
+            "method": self.link,
+            "k": self.link_k,
+            "r": self.link_r,
+            "deviation": self.link_deviation,
+            "store_budget": self.store_budget,
+            "store_scorer": self.store_scorer,
+        }
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return LinkSpec(**fields)

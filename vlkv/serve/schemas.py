@@ -79,8 +79,12 @@ class VlkvOptions(_Strict):
     budget: StrictFloat | StrictInt | None = None
     settings: dict[str, SettingValue] = Field(default_factory=dict)
     top_k: StrictInt = Field(default=0, ge=0)
-    link: StrictStr | None = None  # none, prefix, full-reuse or mpic (default: the server's --link)
+    link: StrictStr | None = None  # none, prefix, full-reuse, cacheblend or mpic (default: the server's)
     link_k: StrictInt | None = Field(default=None, ge=0)
+    link_r: StrictFloat | StrictInt | None = None  # CacheBlend's recomputed fraction (LinkSpec checks it)
+    link_deviation: StrictStr | None = None  # CacheBlend's check: k or v
+    store_budget: StrictFloat | StrictInt | None = None  # share of entries the records it writes keep
+    store_scorer: StrictStr | None = None  # how a compressed record picks them
 
 
 class _Sampling(_Strict):
