@@ -175,27 +175,21 @@ class Scheduler:
 
     def _writer(self):
         """One background thread for store writes: new records go back without delaying answers."""
-        if self.store is None:
-            return None
-        if getattr(self, "_write_pool", None) is None:
-            import concurrent.futures
-
-            self._write_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="vlkv-store"
-            )
-        return self._write_pool
+        return self._threads("_write_pool", 1, "vlkv-store")
 
     def _loader(self):
         """Threads for store reads: a request's hits load while its misses compute."""
+        return self._threads("_read_pool", 2, "vlkv-load")
+
+    def _threads(self, attr: str, workers: int, prefix: str):
+        """The executor kept under ``attr``, made on first use (None without a store)."""
         if self.store is None:
             return None
-        if getattr(self, "_read_pool", None) is None:
+        if getattr(self, attr, None) is None:
             import concurrent.futures
 
-            self._read_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=2, thread_name_prefix="vlkv-load"
-            )
-        return self._read_pool
+            setattr(self, attr, concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=prefix))
+        return getattr(self, attr)
 
     # ------------------------------------------------------------------ admission
     def _reserved(self) -> int:
