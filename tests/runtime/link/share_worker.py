@@ -78,27 +78,9 @@ def link_worker(url: str, p: int, procs: int, per_proc: int, n_images: int, wave
 
 def run_link_share(url: str, procs: int, per_proc: int, n_images: int, wave: int, timeout_s: float = 240.0):
     """``procs`` processes × ``per_proc`` linked requests on one store URL, started together."""
-    import multiprocessing as mp
-    import time
+    from tests.runtime.store.servers import run_processes
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.runtime.link.share_worker", "vlkv.runtime.engine"])
-    barrier, out = ctx.Barrier(procs), ctx.Queue()
-    workers = [
-        ctx.Process(target=link_worker, args=(url, p, procs, per_proc, n_images, wave, barrier, out))
-        for p in range(procs)
-    ]
-    for w in workers:
-        w.start()
-    results = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        for _ in range(procs):
-            results.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
-    finally:
-        for w in workers:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.kill()
-                w.join(timeout=5)
-    return sorted(results, key=lambda r: r["p"])
+    preload = ["tests.runtime.link.share_worker", "vlkv.runtime.engine"]
+    return run_processes(
+        link_worker, lambda p: (url, p, procs, per_proc, n_images, wave), procs, preload, timeout_s
+    )

@@ -221,14 +221,19 @@ def _share_worker(url: str, p: int, procs: int, per_proc: int, barrier, out) -> 
 
 def run_share(url: str, procs: int, per_proc: int, timeout_s: float = 90.0) -> list[dict]:
     """``procs`` processes × ``per_proc`` records on one store URL, all at once; each one's counts."""
+    preload = ["tests.runtime.store.helpers", "vlkv.runtime.store.url"]
+    return run_processes(_share_worker, lambda p: (url, p, procs, per_proc), procs, preload, timeout_s)
+
+
+def run_processes(target, args_of, procs: int, preload: list[str], timeout_s: float) -> list[dict]:
+    """Start ``procs`` processes ``target(*args_of(p), barrier, out)`` together and collect one result
+    dict (with key ``"p"``) from each, bounded by ``timeout_s``; stragglers are killed."""
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")  # torch is imported once, in the fork server, not per worker
-    ctx.set_forkserver_preload(["tests.runtime.store.helpers", "vlkv.runtime.store.url"])
+    ctx.set_forkserver_preload(preload)
     barrier, out = ctx.Barrier(procs), ctx.Queue()
-    workers = [
-        ctx.Process(target=_share_worker, args=(url, p, procs, per_proc, barrier, out)) for p in range(procs)
-    ]
+    workers = [ctx.Process(target=target, args=(*args_of(p), barrier, out)) for p in range(procs)]
     for w in workers:
         w.start()
     results = []
