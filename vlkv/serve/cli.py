@@ -55,14 +55,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--link", default="none", help="default link method: none, prefix, full-reuse, cacheblend or mpic"
     )
     p.add_argument("--link-k", type=int, default=32, help="MPIC: leading tokens of each image to recompute")
-    p.add_argument(
-        "--link-r", type=float, default=0.15, help="CacheBlend: fraction of image tokens to recompute"
-    )
-    p.add_argument("--link-deviation", default="k", help="CacheBlend: deviation checked, k or v")
-    p.add_argument(
-        "--store-budget", type=float, default=1.0, help="share of an image's entries new records keep (0, 1]"
-    )
-    p.add_argument("--store-scorer", default="keynorm", help="how a compressed record picks its entries")
+    p.add_argument("--link-r", type=float, help="CacheBlend: fraction of image tokens to recompute (0.15)")
+    p.add_argument("--link-deviation", help="CacheBlend: deviation checked, k (default) or v")
+    p.add_argument("--store-budget", type=float, help="share of an image's entries new records keep (0, 1]")
+    p.add_argument("--store-scorer", help="how a compressed record picks its entries (default keynorm)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 

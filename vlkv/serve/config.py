@@ -44,10 +44,11 @@ class ServeConfig:
     store: str | None = None
     link: str = "none"
     link_k: int = 32
-    link_r: float = 0.15
-    link_deviation: str = "k"
-    store_budget: float = 1.0
-    store_scorer: str = "keynorm"
+    # None: LinkSpec's default (one place holds them)
+    link_r: float | None = None
+    link_deviation: str | None = None
+    store_budget: float | None = None
+    store_scorer: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -85,5 +86,5 @@ class ServeConfig:
             "store_budget": self.store_budget,
             "store_scorer": self.store_scorer,
         }
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        return LinkSpec(**fields)
+        fields.update(overrides)
+        return LinkSpec(**{k: v for k, v in fields.items() if v is not None})
