@@ -153,12 +153,9 @@ class AttnPackPolicy(Policy):
     def after_prefill(self, cache, stats, ctx):
         self._observe(cache, stats, ctx, first=True)  # stats index the prefill table: before edits
         if self.inner is not None:  # evict first: only the survivors are factored
-            edits = self.inner.after_prefill(cache, stats, ctx) or []
-            for layer, edit in zip(cache.layers, edits):
-                if edit is not None and edit.assign is None:
-                    layer.select(edit.index, edit.keep_len)
-                elif edit is not None:
-                    layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
+            from vlkv.runtime.engine import apply_edits  # engine imports the policies
+
+            apply_edits(cache, self.inner.after_prefill(cache, stats, ctx))
         self._factor(cache, 1)
         self._assign_ranks(cache)
         return None
