@@ -103,6 +103,7 @@ def test_shared_prefill_equals_one_prefill_per_policy(engines, windows):
         make_policy("h2o", budget=0.3),
         make_policy("h2o", budget=0.5),
         make_policy("avl", budget=0.3, prefill_keep=0.9),
+        make_policy("kvzip", budget=0.5, heads="adaptive"),  # shares the replay of the next one
         make_policy("kvzip", budget=0.3),  # scored by a replay over the prefilled cache
     ]
     shared = shared_continuation_nll(engine, windows, policies)

@@ -239,11 +239,16 @@ def shared_continuation_nll(
         request = policies[members[0]].prefill_request(ctx, rows)
         out = engine.backend.step(_prefill_inputs(engine, batch), base, request)
         peak = base.full_kv_bytes()
+        replays: dict = {}  # one replay per distinct request: kvzip at three budgets scores once
         for i in members:
             cache = copy.deepcopy(base) if i != members[-1] else base
             stats = copy.deepcopy(out.stats) if i != members[-1] else out.stats
             # query-agnostic policies (kvzip, kvgrad) score from a replay over the prefilled cache
-            stats.replay = engine.replay(policies[i], ctx, batch, cache)
+            ask = getattr(policies[i], "replay_request", None)
+            key = _freeze(ask(ctx) if ask is not None else None)
+            if key not in replays:
+                replays[key] = engine.replay(policies[i], ctx, batch, cache)
+            stats.replay = replays[key]
             apply_edits(cache, policies[i].after_prefill(cache, stats, ctx))
             kv, meta = cache.kv_bytes(), cache.meta_bytes()
             nll = _continue(engine, cache, policies[i], out.logits, windows)

@@ -13,6 +13,11 @@ Layout, shared by every backend:
   post-RoPE (a linked record is rotated when it is written, see docs/architecture.md), and each
   entry remembers its original position (3 components for M-RoPE) and its modality.
 
+*Holes* give KV heads different budgets (KVzip's non-uniform head budgets): a column may be a hole
+for some heads — the entry was evicted from that head, its pool slot freed, and attention and
+statistics skip it — while other heads keep a real entry in the same column. The table keeps one
+length per sample, so appends and causality stay per sample; only the freed K/V bytes differ per head.
+
 Eviction (:meth:`LayerKV.select`) frees the evicted slots and rewrites only the slot table: the
 surviving K/V never move, so an evicting decode step writes O(new tokens) K/V bytes.
 :meth:`LayerKV.merge` writes only the anchors whose value changed. ``kv_bytes`` counts the pool
@@ -61,6 +66,8 @@ class LayerKV:
         next_order: ``(B,)`` int64 order the next appended token gets unless a step names it.
         scores: name → ``(B, H_kv, C)`` float32 running statistics a policy keeps per entry
             (e.g. H2O's accumulated attention); they move with their entry on every edit.
+        holes: None, or ``(B, H_kv, C)`` bool: True where a valid column holds no entry for that head
+            (evicted with a per-head budget: no pool slot, never attended).
     """
 
     def __init__(self, pool: KVPool, layer: int, batch: int, pos_dims: int, capacity: int = 0):
@@ -73,6 +80,7 @@ class LayerKV:
         self.order = torch.zeros(batch, h, capacity, dtype=torch.long, device=dev)
         self.next_order = torch.zeros(batch, dtype=torch.long, device=dev)
         self.scores: dict[str, Tensor] = {}
+        self.holes: Tensor | None = None
         self.offloaded: tuple[Tensor, Tensor] | None = None  # host K/V while swapped out
         self.linked = False  # holds shared entries (pre-RoPE keys, rotated on read)
         # low-rank factored entries (slot = -(1 + factor row)), see vlkv/runtime/kv/lowrank.py
@@ -169,6 +177,8 @@ class LayerKV:
         self.next_order[sample] = torch.maximum(self.next_order[sample], order.max() + 1)
         for s in self.scores.values():
             s[sample, :, cols] = 0
+        if self.holes is not None:
+            self.holes[sample, :, cols] = False
         self.lengths[sample] += n
         self.linked = True
 
@@ -185,10 +195,38 @@ class LayerKV:
     def kv_bytes(self) -> int:
         """K/V bytes of the pool slots this cache holds (no padding: slots are per entry), plus the
         low-rank factors it holds."""
-        if self.lowrank is None:
+        if self.lowrank is None and self.holes is None:
             return int(self.lengths.sum()) * self.pool.spec.entry_bytes
-        dense = int(((self.slots >= 0) & self.valid_mask()[:, None, :]).sum())
-        return dense * self.pool.spec.entry_bytes // self.kv_heads + self.lowrank.nbytes()
+        dense = int(self.held_mask().sum())
+        factors = 0 if self.lowrank is None else self.lowrank.nbytes()
+        return dense * self.pool.spec.entry_bytes // self.kv_heads + factors
+
+    def held_mask(self, width: int | None = None) -> Tensor:
+        """``(B, H_kv, width)`` bool: valid columns whose head holds a pool slot (not a hole, not a
+        low-rank factor row)."""
+        width = self.capacity if width is None else width
+        held = self.valid_mask()[:, None, :width] & (self.slots[:, :, :width] >= 0)
+        if self.holes is not None:
+            held = held & ~self.holes[:, :, :width]
+        return held
+
+    def kept_entries(self) -> Tensor:
+        """``(B,)`` int64 entries the layer keeps per KV head: ``lengths``, less holes (mean over
+        heads, rounded) when heads keep different numbers."""
+        if self.holes is None:
+            return self.lengths.clone()
+        held = self.valid_mask()[:, None, :] & ~self.holes
+        return held.sum(2).double().mean(1).round().long()
+
+    def open_mask(self, width: int) -> Tensor | None:
+        """``(B, H_kv, width)`` bool, False at holes (columns a head must not attend); None when the
+        cache has no holes (every valid column is attended by every head)."""
+        if self.holes is None:
+            return None
+        holes = self.holes[:, :, :width]
+        if holes.shape[2] < width:
+            holes = torch.cat([holes, holes.new_zeros(*holes.shape[:2], width - holes.shape[2])], dim=2)
+        return ~holes
 
     def used_kv_bytes(self) -> int:
         """Bytes of K/V in valid entries (== :meth:`kv_bytes` on a slot pool)."""
@@ -196,6 +234,8 @@ class LayerKV:
 
     def meta_bytes(self) -> int:
         tensors = [self.slots, self.positions, self.modality, self.order, self.lengths, *self.scores.values()]
+        if self.holes is not None:
+            tensors.append(self.holes)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ writes
@@ -217,6 +257,8 @@ class LayerKV:
             grow(self.modality),
         )
         self.scores = {name: grow(s) for name, s in self.scores.items()}
+        if self.holes is not None:
+            self.holes = grow(self.holes)
 
     def append(
         self,
@@ -268,6 +310,8 @@ class LayerKV:
         self.next_order = torch.maximum(self.next_order, top + 1)
         for s in self.scores.values():
             s.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=s.dtype, device=dev))
+        if self.holes is not None:  # new entries are held by every head
+            self.holes.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=torch.bool, device=dev))
         self.lengths = past + new_len
         return past
 
@@ -290,6 +334,8 @@ class LayerKV:
         self.order[bi, :, past] = self.next_order[:, None]
         for s in self.scores.values():
             s[bi, :, past] = 0
+        if self.holes is not None:
+            self.holes[bi, :, past] = False
         self.next_order = self.next_order + 1
         self.lengths = past + 1
         return past
@@ -301,6 +347,11 @@ class LayerKV:
         return self.scores[name]
 
     # ------------------------------------------------------------------ edits
+    def _listed(self, index: Tensor, keep_len: Tensor) -> Tensor:
+        """``(B, H_kv, K)`` bool: positions of ``index`` inside ``[:keep_len[b]]``."""
+        ranks = torch.arange(index.shape[2], device=self.device)[None, None, :]
+        return (ranks < keep_len.to(self.device)[:, None, None]).expand(index.shape)
+
     def _kept_mask(self, index: Tensor, keep_len: Tensor) -> Tensor:
         """``(B, H_kv, C)`` bool: table columns listed in ``index[..., :keep_len[b]]``."""
         ok = (
@@ -312,7 +363,7 @@ class LayerKV:
 
     def _release(self, drop: Tensor) -> None:
         """Drop this cache's reference to the slots of valid entries where ``drop (B, H_kv, C)`` is True."""
-        bt, ht, ct = torch.nonzero(drop & self.valid_mask()[:, None, :] & (self.slots >= 0), as_tuple=True)
+        bt, ht, ct = torch.nonzero(drop & self.held_mask(), as_tuple=True)
         self.pool.release(self.layer, self.slots[bt, ht, ct], heads=ht)
 
     def _take(self, index: Tensor, slots: int) -> dict[str, Tensor]:
@@ -332,10 +383,11 @@ class LayerKV:
             "positions": g(self.positions),
             "modality": g(self.modality),
             "order": g(self.order),
+            **({} if self.holes is None else {"holes": g(self.holes)}),
             **{f"score:{n}": g(s) for n, s in self.scores.items()},
         }
 
-    def select(self, index: Tensor, keep_len: Tensor, spare: int = 0) -> None:
+    def select(self, index: Tensor, keep_len: Tensor, spare: int = 0, holes: Tensor | None = None) -> None:
         """Keep only the indexed entries, in the given order; free the others' pool slots.
 
         Args:
@@ -343,10 +395,26 @@ class LayerKV:
                 entries past ``keep_len[b]`` are padding (any in-range column).
             keep_len: ``(B,)`` int64 entries kept per sample.
             spare: extra table columns to keep for the coming appends.
+            holes: optional ``(B, H_kv, K)`` bool: listed columns that become holes for that head
+                (the column stays, the head's entry is freed and no longer attended).
         """
         index, keep_len = index.to(self.device), keep_len.to(device=self.device, dtype=torch.long)
-        self._release(~self._kept_mask(index, keep_len))
-        self._install(self._take(index, index.shape[2] + spare), keep_len)
+        kept = self._kept_mask(index, keep_len)
+        if holes is not None:
+            holes = holes.to(self.device) & self._listed(index, keep_len)
+            if bool(holes.any()):
+                punched = torch.zeros(self.slots.shape, dtype=torch.bool, device=self.device)
+                kept = kept & ~punched.scatter_(2, index, holes)
+                if self.holes is None:
+                    self.holes = torch.zeros(self.slots.shape, dtype=torch.bool, device=self.device)
+            else:
+                holes = None
+        self._release(~kept)
+        meta = self._take(index, index.shape[2] + spare)
+        if holes is not None:
+            meta["holes"][:, :, : index.shape[2]] |= holes
+            meta["slots"] = meta["slots"].masked_fill(meta["holes"], 0)  # a freed id names nothing
+        self._install(meta, keep_len)
         if self.lowrank is not None:
             self.lowrank.prune(self)
 
@@ -364,6 +432,8 @@ class LayerKV:
         from vlkv.plugins import merge_kv
         from vlkv.runtime.kv.lowrank import densify
 
+        if self.holes is not None and bool(self.holes.any()):
+            raise ValueError("merging needs every head to hold its entries; this cache has per-head holes")
         densify(self)  # merged anchors are rewritten in place: they need pool slots
         dev = self.device
         index, keep_len = index.to(dev), keep_len.to(device=dev, dtype=torch.long)
@@ -384,6 +454,7 @@ class LayerKV:
         self.slots = meta["slots"].contiguous()
         self.lengths = lengths.to(torch.long).clone()
         self.positions, self.modality, self.order = meta["positions"], meta["modality"], meta["order"]
+        self.holes = meta.get("holes")
         self.scores = {n[len("score:") :]: t for n, t in meta.items() if n.startswith("score:")}
 
     def valid_mask(self) -> Tensor:
@@ -397,10 +468,11 @@ class LayerKV:
             return
         heads = torch.arange(self.kv_heads, device=self.device)[None, :, None]
         valid = self.valid_mask()[:, None, :]
-        dense = valid & (self.slots >= 0)  # factored entries name factor rows, not slots
+        dense = self.held_mask()  # factored entries name factor rows, holes name nothing
         # spare columns may name ids past the new capacity: only valid entries are followed
         moved = remap[heads, torch.where(dense, self.slots, 0)]
-        self.slots = torch.where(dense, moved, torch.where(valid, self.slots, 0))
+        keep = valid & (self.slots < 0)  # factor rows stay; holes and spare columns point at slot 0
+        self.slots = torch.where(dense, moved, torch.where(keep, self.slots, 0))
 
     def release(self) -> None:
         """Free every slot this cache holds (finished or cancelled request); the cache is empty after."""
@@ -408,6 +480,7 @@ class LayerKV:
         self.lengths = torch.zeros_like(self.lengths)
         self.slots.zero_()
         self.lowrank = None
+        self.holes = None
 
     def offload(self, device: torch.device | str = "cpu") -> None:
         """Swap out: copy the valid K/V to ``device`` (host memory) and free the pool slots."""
@@ -431,6 +504,10 @@ class LayerKV:
         heads = torch.arange(self.kv_heads, device=self.device)
         self.slots[bt[None, :], heads[:, None], it[None, :]] = ids
         self.offloaded = None
+        if self.holes is not None:  # every column got a slot per head: holes give theirs back
+            hb, hh, hc = torch.nonzero(self.holes & self.valid_mask()[:, None, :], as_tuple=True)
+            self.pool.release(self.layer, self.slots[hb, hh, hc], heads=hh)
+            self.slots[hb, hh, hc] = 0
 
 
 @dataclass
@@ -484,6 +561,10 @@ class KVCache:
     def lengths(self) -> Tensor:
         """``(L, B)`` int64 valid entries per layer and sample."""
         return torch.stack([layer.lengths for layer in self.layers])
+
+    def kept_entries(self) -> Tensor:
+        """``(L, B)`` int64 entries per layer, sample and KV head (holes excluded, see ``LayerKV``)."""
+        return torch.stack([layer.kept_entries() for layer in self.layers])
 
     def kv_bytes(self) -> int:
         return sum(layer.kv_bytes() for layer in self.layers)

@@ -90,7 +90,7 @@ def apply_edits(cache: KVCache, edits: list[LayerEdit | None] | None, spare: int
         if edit is None:
             continue
         if edit.assign is None:
-            layer.select(edit.index, edit.keep_len, spare=spare)
+            layer.select(edit.index, edit.keep_len, spare=spare, holes=edit.holes)
         else:
             layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
 

@@ -108,6 +108,10 @@ class OrtBackend:
             raise ValueError(
                 "a link step (attention by sequence order) needs the PyTorch backend: --backend torch"
             )
+        if any(getattr(layer, "holes", None) is not None for layer in cache.layers):
+            raise ValueError(
+                "a cache with per-head budgets (holes) needs the PyTorch backend: --backend torch"
+            )
         requests = {} if stats is None else {"": stats, **stats.extra}
         out_stats = StepStats([None] * self.num_layers, {n: [None] * self.num_layers for n in requests if n})
         rows = {n: _rows(inputs, r) for n, r in requests.items()}

@@ -234,6 +234,8 @@ def run_replay(
     Returns:
         per layer ``(B, H_kv, S)`` float32 scores over the layer's ``S = max_length`` slots.
     """
+    if any(layer.holes is not None for layer in cache.layers):
+        raise ValueError("replay scores a cache before per-head eviction; this cache already has holes")
     adapter, dev = backend.adapter, backend.device
     with torch.no_grad():
         template = adapter.embed_tokens(template_ids[None].to(dev))[0]

@@ -376,7 +376,7 @@ class Scheduler:
         cache = req.cache
         if cache is not None and not req.final:
             req.final = {
-                "kept_per_layer": cache.lengths()[:, 0].tolist(),
+                "kept_per_layer": cache.kept_entries()[:, 0].tolist(),
                 "kv_bytes": cache.kv_bytes(),
                 "full_kv_bytes": cache.full_kv_bytes(),
             }

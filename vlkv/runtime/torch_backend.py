@@ -80,14 +80,22 @@ class _StepContext:
         past = self.past[layer_idx]
         new_len = self.inputs.new_len.to(past)
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
+        # per-head holes (heads with their own budgets): False where a head must not attend
+        open_ = self.cache.layers[layer_idx].open_mask(k.shape[2])
+        if open_ is not None:
+            open_ = open_.to(q.device)
         if self.inputs.selective:
-            out = self._attend_by_order(layer_idx, q, k, v, scale, past, new_len)
-            self._stats_by_order(layer_idx, q, k, scale, past, new_len)
+            out = self._attend_by_order(layer_idx, q, k, v, scale, past, new_len, open_)
+            self._stats_by_order(layer_idx, q, k, scale, past, new_len, open_)
             return out.transpose(1, 2).contiguous()
         elif index is None:
-            out = self._attend_full(q, k, v, scale, past, new_len)
-            self.attended[layer_idx] = (past + new_len).double()
+            out = self._attend_full(q, k, v, scale, past, new_len, open_)
+            self.attended[layer_idx] = _attended(past + new_len, open_)
             selected = None
+        elif open_ is not None:
+            raise ValueError(
+                "attend indices (A-VL's selected attention) cannot read a cache with per-head holes"
+            )
         else:
             from vlkv.plugins import selected_attention
 
@@ -96,7 +104,7 @@ class _StepContext:
             self.attended[layer_idx] = selected[1].double().mean(1)
         for name, req in self.requests.items():
             if req.wants(layer_idx):
-                st = _stats(q, k, scale, self.rows[name], req.threshold, past, new_len, selected)
+                st = _stats(q, k, scale, self.rows[name], req.threshold, past, new_len, selected, open_)
                 if name:
                     self.stats.extra[name][layer_idx] = st
                 else:
@@ -104,12 +112,20 @@ class _StepContext:
         return out.transpose(1, 2).contiguous()
 
     def _attend_full(
-        self, q: Tensor, k: Tensor, v: Tensor, scale: float, past: Tensor, new_len: Tensor
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float,
+        past: Tensor,
+        new_len: Tensor,
+        open_: Tensor | None = None,
     ) -> Tensor:
         """Causal attention over the cache, by the cheapest SDPA call that gives the same result.
 
         ``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)``, ``past``/``new_len (B,)`` → ``(B, H, q, D)``. Key ``j`` is
-        visible to row ``i`` of sample ``b`` iff ``j <= past[b] + i`` and ``j < past[b] + new_len[b]``.
+        visible to row ``i`` of sample ``b`` iff ``j <= past[b] + i`` and ``j < past[b] + new_len[b]``, and,
+        with ``open_ (B, H_kv, S)``, KV head ``h`` reads it only where ``open_[b, h, j]``.
         """
         b, h, nq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
@@ -122,6 +138,8 @@ class _StepContext:
             # which reads each K/V head once (faster than enable_gqa) under a (B, 1, 1, S) mask
             end = torch.minimum(past + 1, past + new_len)
             mask = (j[None, :] < end[:, None])[:, None, None, :]
+            if open_ is not None:
+                mask = mask & open_[:, :, None, :]  # (B, H_kv, 1, S): per KV head, shared by its G rows
             out = F.scaled_dot_product_attention(
                 q.reshape(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale
             )
@@ -130,11 +148,12 @@ class _StepContext:
         mask = (j[None, None, :] <= (past[:, None, None] + i[None, :, None])) & (
             j[None, None, :] < (past + new_len)[:, None, None]
         )
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=h != hkv
-        )
+        mask = mask[:, None]
+        if open_ is not None:
+            mask = mask & open_.repeat_interleave(h // hkv, dim=1)[:, :, None, :]  # (B, H, q, S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=h != hkv)
 
-    def _attend_by_order(self, layer_idx, q, k, v, scale, past, new_len) -> Tensor:
+    def _attend_by_order(self, layer_idx, q, k, v, scale, past, new_len, open_=None) -> Tensor:
         """A link step: row ``i`` sees every valid entry whose sequence order is ``<= order[i]``.
 
         ``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)``; the mask is per KV head (entries may differ per head).
@@ -145,17 +164,22 @@ class _StepContext:
         valid = torch.arange(s, device=q.device)[None, :] < (past + new_len)[:, None]  # (B, S)
         row_order = self.order.to(q.device)  # (B, q)
         mask = (key_order[:, :, None, :] <= row_order[:, None, :, None]) & valid[:, None, None, :]
+        if open_ is not None:
+            mask = mask & open_[:, :, None, :]
         mask = mask.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, q, S)
-        self.attended[layer_idx] = (past + new_len).double()
+        self.attended[layer_idx] = _attended(past + new_len, open_)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
 
-    def _stats_by_order(self, layer_idx, q, k, scale, past, new_len) -> None:
+    def _stats_by_order(self, layer_idx, q, k, scale, past, new_len, open_=None) -> None:
         """A link step's statistics: the requested rows' softmax masked by sequence order, per KV head."""
         from vlkv.plugins import attn_stats
 
         layer = self.cache.layers[layer_idx]
+        key_order = layer.order[:, :, : k.shape[2]]
+        if open_ is not None:  # a hole is never visible: an order no row reaches
+            key_order = key_order.masked_fill(~open_.to(key_order.device), torch.iinfo(torch.long).max)
         for name, req in self.requests.items():
             if not req.wants(layer_idx):
                 continue
@@ -167,7 +191,7 @@ class _StepContext:
                 causal=False,
                 threshold=req.threshold,
                 key_lengths=past + new_len,
-                key_order=layer.order[:, :, : k.shape[2]],
+                key_order=key_order,
                 query_order=self.order,
             )
             if name:
@@ -221,14 +245,40 @@ def _with_new_slot(index: AttendIndex, past: Tensor) -> tuple[Tensor, Tensor]:
     return idx, lens + 1
 
 
-def _stats(q, k, scale, rows, threshold, past, new_len, selected):
+def _attended(lengths: Tensor, open_: Tensor | None) -> Tensor:
+    """``(B,)`` float64 entries the last row attended (mean over KV heads): ``lengths (B,)`` minus holes."""
+    if open_ is None:
+        return lengths.double()
+    visible = torch.arange(open_.shape[2], device=open_.device)[None, None, :] < lengths[:, None, None]
+    return (open_ & visible).double().sum(2).mean(1)
+
+
+def _stats(q, k, scale, rows, threshold, past, new_len, selected, open_=None):
     """:func:`vlkv.plugins.attn_stats` over the full cache, or over the selected slots only.
 
     With ``selected = (indices (B, H_kv, K), lengths (B, H_kv))`` the softmax runs over the
     selected keys (what the step really attended) and ``colsum`` is scattered back to slots.
+    With holes (``open_ (B, H_kv, S)`` False there), causality is expressed as an order mask (key
+    ``j`` has order ``j``, row ``i`` order ``past + i``) so each KV head skips its own holes.
     """
     from vlkv.plugins import AttnStats, attn_stats
 
+    if selected is None and open_ is not None:
+        s, nq = k.shape[2], q.shape[2]
+        key_order = torch.arange(s, device=k.device)[None, None, :].expand(k.shape[0], k.shape[1], s)
+        key_order = key_order.masked_fill(~open_, torch.iinfo(torch.long).max)
+        query_order = past[:, None] + torch.arange(nq, device=past.device)[None, :]
+        return attn_stats(
+            q,
+            k,
+            scale,
+            query_rows=rows,
+            causal=False,
+            threshold=threshold,
+            key_lengths=past + new_len,
+            key_order=key_order,
+            query_order=query_order,
+        )
     if selected is None:
         return attn_stats(
             q,

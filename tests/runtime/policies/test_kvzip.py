@@ -170,3 +170,68 @@ def test_a_linked_prefill_is_replayed_too(engines, images):
     for s in out.samples:
         k = max(round(0.3 * s.prompt_tokens), 5)
         assert sum(s.kept_per_layer) == len(s.kept_per_layer) * (k + 1)
+
+
+def _held(layer, b):
+    """Real entries per KV head of sample ``b`` (holes excluded)."""
+    n = int(layer.lengths[b])
+    open_ = layer.open_mask(n)
+    return [n] * layer.kv_heads if open_ is None else open_[b].sum(1).tolist()
+
+
+@pytest.mark.parametrize("scope", ["model", "layer"])
+def test_adaptive_heads_keep_their_own_count_of_their_best(engines, images, scope):
+    """``heads="adaptive"``: one ranking decides each head's count; each head keeps its own best
+    entries; the others become holes that hold no bytes."""
+    engine = engines["tiny-llava"]
+    policy, batch, cache, scores, edits = _scored(engine, images, budget=0.3, scope=scope, heads="adaptive")
+    heads = scores[0].shape[1]
+    from vlkv.runtime.engine import apply_edits
+
+    apply_edits(cache, edits)
+    uneven = False
+    for b, n in enumerate(batch.lengths.tolist()):
+        k = max(round(0.3 * n), policy.sinks + 1)
+        ranked = [
+            s[b, :, :n].clone().float().index_fill_(1, torch.arange(policy.sinks), float("inf"))
+            for s in scores
+        ]
+        groups = [ranked] if scope == "model" else [[r] for r in ranked]
+        want_counts = []
+        for group in groups:
+            flat = torch.cat([r.reshape(-1) for r in group])
+            picks = torch.sort(flat, descending=True, stable=True).indices[: len(group) * heads * k] // n
+            want_counts += torch.bincount(picks, minlength=len(group) * heads).clamp(min=1).tolist()
+        held = [c for layer in cache.layers for c in _held(layer, b)]
+        assert held == want_counts
+        uneven |= len(set(held)) > 1
+        # each head's real entries are its best ``count`` (sinks first)
+        for layer, r in zip(cache.layers, ranked):
+            open_ = layer.open_mask(int(layer.lengths[b]))
+            for h in range(heads):
+                real = layer.positions[b, h, : int(layer.lengths[b]), 0]
+                real = set(real[open_[b, h]].tolist()) if open_ is not None else set(real.tolist())
+                c = len(real)
+                assert real == set(torch.argsort(r[h], descending=True, stable=True)[:c].tolist())
+    assert uneven  # the ranking really gave heads different budgets
+    per_head_entry = cache.pool.spec.entry_bytes // heads
+    total = sum(sum(_held(layer, b)) for layer in cache.layers for b in range(len(batch.prompts)))
+    assert cache.kv_bytes() == total * per_head_entry == cache.pool.used_bytes()
+
+
+@pytest.mark.parametrize("name", ["kvzip", "kvgrad"])
+def test_adaptive_generation_runs_and_budget_one_is_exact(engines, images, name):
+    engine = engines["tiny-qwen2-vl"]
+    full = engine.generate(_prompts(images), make_policy("full"), max_new_tokens=4)
+    same = engine.generate(
+        _prompts(images), make_policy(name, budget=1.0, heads="adaptive"), max_new_tokens=4
+    )
+    assert [s.token_ids for s in full.samples] == [s.token_ids for s in same.samples]
+    out = engine.generate(
+        _prompts(images), make_policy(name, budget=0.3, chunk_size=8, heads="adaptive"), max_new_tokens=3
+    )
+    for s in out.samples:
+        k = max(round(0.3 * s.prompt_tokens), 5)
+        # per head, on average over layers, about the budget (+ 2 appended tokens; each head >= 1)
+        mean = sum(s.kept_per_layer) / len(s.kept_per_layer)
+        assert abs(mean - (k + 2)) <= 1.0, (mean, k)

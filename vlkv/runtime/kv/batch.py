@@ -76,9 +76,18 @@ class LayerBatch:
             r.order[0, :, p] = r.next_order[0]
             for s in r.scores.values():
                 s[0, :, p] = 0
+            if r.holes is not None:
+                r.holes[0, :, p] = False
             r.next_order = r.next_order + 1
             r.lengths = r.lengths + 1
         return past
+
+    def open_mask(self, width: int) -> Tensor | None:
+        """``(B, H_kv, width)`` bool, False at any request's holes; None when no request has holes."""
+        if all(r.holes is None for r in self.rows):
+            return None
+        ones = torch.ones(1, self.pool.spec.kv_heads, width, dtype=torch.bool, device=self.pool.spec.device)
+        return torch.cat([ones if r.holes is None else r.open_mask(width) for r in self.rows])
 
     def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
         """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length."""

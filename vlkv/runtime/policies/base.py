@@ -42,12 +42,24 @@ class LayerEdit:
         assign: optional ``(B, H_kv, S)`` int64, for merging: for each of the first ``S`` slots the
             kept entry (index into ``[0, K)``) it is averaged into, or -1 to drop it.
         counts: ``(B, H_kv, K)`` int64 sources per kept entry (with ``assign``).
+        holes: optional ``(B, H_kv, K)`` bool (selection only): listed columns that become holes for
+            that KV head, so heads keep different numbers of entries (see :class:`LayerKV`).
     """
 
     index: Tensor
     keep_len: Tensor
     assign: Tensor | None = None
     counts: Tensor | None = None
+    holes: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.holes is not None:
+            if self.assign is not None:
+                raise ValueError("an edit either merges (assign) or punches holes, not both")
+            if tuple(self.holes.shape) != tuple(self.index.shape):
+                raise ValueError(
+                    f"holes must be shaped like index {tuple(self.index.shape)}, got {tuple(self.holes.shape)}"
+                )
 
 
 @dataclass

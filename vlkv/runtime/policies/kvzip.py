@@ -14,6 +14,12 @@ Budgets follow ``docs/policies.md``; how they are spread:
 * ``scope="layer"``: every layer keeps ``k_b`` entries per KV head, each head its own best.
 * ``heads="shared"`` (the head-level variant): the KV heads of a layer keep one common set, ranked
   by their max score: one index per layer instead of one per head.
+* ``heads="adaptive"`` (KVzip's non-uniform head budgets): the ranking also decides how many
+  entries each KV head keeps — over layers × heads × entries with ``scope="model"``, over heads ×
+  entries within each layer with ``scope="layer"``. A layer's table is as wide as its fullest head;
+  the other heads' extra columns become *holes* (their slots are freed and never attended, see
+  :class:`~vlkv.runtime.cache.LayerKV`), so the K/V bytes held are exactly the picked entries'.
+  Every head keeps at least one entry.
 
 ``sinks`` first entries are always kept. At ``budget = 1`` nothing is replayed or evicted.
 """
@@ -31,7 +37,7 @@ from vlkv.runtime.policies.base import LayerEdit, Policy, sink_mask, top_entries
 from vlkv.runtime.replay import DEFAULT_TEMPLATE, REPLAY_MODES, ReplayRequest
 
 SCOPES = ("model", "layer")
-HEADS = ("own", "shared")
+HEADS = ("own", "shared", "adaptive")
 
 
 @dataclass
@@ -40,7 +46,8 @@ class KVzipPolicy(Policy):
     chunk_size: context tokens per replay chunk, >= 1 (memory O(chunk_size × context)).
     sinks: first entries always kept, >= 0.
     scope: ``"model"`` (non-uniform layer budgets from one ranking) or ``"layer"``.
-    heads: ``"own"`` (each KV head its own entries) or ``"shared"`` (head-level: one set per layer).
+    heads: ``"own"`` (each KV head its own entries, equal counts), ``"shared"`` (head-level: one set
+        per layer) or ``"adaptive"`` (each KV head its own entries *and* its own count).
     every: replay every ``every``-th chunk only, >= 1 (cheaper scoring).
     template: the text replayed before each chunk.
     mode: ``"context"`` (template + context) or ``"prompt"`` (the template alone, e.g. a generic
@@ -87,6 +94,8 @@ class KVzipPolicy(Policy):
         n = ctx.prompt_lengths
         keep = self.prompt_keep(n, min_keep=self.sinks + 1)
         scores = [self._head_scores(s, cache.layers[i].max_length) for i, s in enumerate(scores)]
+        if self.heads == "adaptive":
+            return self._adaptive_edits(cache, scores, keep)
         per_layer = self._layer_keep(cache, scores, keep) if self.scope == "model" else [keep] * len(scores)
         edits = []
         for layer, score, k in zip(cache.layers, scores, per_layer):
@@ -103,6 +112,61 @@ class KVzipPolicy(Policy):
         if self.heads == "shared":
             score = score.amax(1, keepdim=True).expand_as(score)
         return score
+
+    def _ranked(self, layer, score: Tensor) -> Tensor:
+        """``(B, H_kv, width)`` float32: ``score`` with invalid slots -inf and sinks +inf."""
+        width = score.shape[2]
+        valid = valid_slots(layer, width).expand_as(score)
+        ranked = score.float().masked_fill(~valid, float("-inf"))
+        return ranked.masked_fill(
+            sink_mask(layer.lengths, width, self.sinks).expand_as(score) & valid, float("inf")
+        )
+
+    def _head_counts(self, cache: KVCache, ranked: list[Tensor], keep: Tensor) -> Tensor:
+        """``(L, B, H_kv)`` int64 entries each (layer, sample, head) keeps: its picks in one ranking
+        of ``H_kv · k_b`` entries per layer (over every layer with ``scope="model"``, each layer
+        alone with ``scope="layer"``), at least one per head."""
+        n_layers, (b, heads, _) = len(ranked), ranked[0].shape
+        counts = torch.zeros(n_layers, b, heads, dtype=torch.long, device=keep.device)
+        groups = [list(range(n_layers))] if self.scope == "model" else [[i] for i in range(n_layers)]
+        for s in range(b):
+            for group in groups:
+                parts = [ranked[i][s, :, : int(cache.layers[i].lengths[s])] for i in group]
+                flat = torch.cat([p.reshape(-1) for p in parts])
+                owner = torch.cat(
+                    [
+                        (j * heads + torch.arange(heads, device=p.device))[:, None].expand_as(p).reshape(-1)
+                        for j, p in enumerate(parts)
+                    ]
+                )
+                total = min(int(keep[s]) * heads * len(group), flat.numel())
+                picked = owner[torch.sort(flat, descending=True, stable=True).indices[:total]]
+                got = torch.bincount(picked, minlength=heads * len(group)).view(len(group), heads)
+                counts[group, s] = got.to(counts.device)
+        lengths = torch.stack([layer.lengths for layer in cache.layers]).to(counts.device)  # (L, B)
+        return torch.minimum(counts.clamp(min=1), lengths[:, :, None])
+
+    def _adaptive_edits(self, cache: KVCache, scores: list[Tensor], keep: Tensor) -> list[LayerEdit]:
+        """Per-head budgets: each layer keeps, per head, its top ``width`` entries (``width`` = the
+        fullest head's count) and marks the ones past the head's own count as holes."""
+        ranked = [self._ranked(layer, score) for layer, score in zip(cache.layers, scores)]
+        counts = self._head_counts(cache, ranked, keep)
+        edits = []
+        for layer, score, rank_in, count in zip(cache.layers, scores, ranked, counts):
+            width = score.shape[2]
+            index, keep_len = top_entries(
+                score,
+                valid_slots(layer, width),
+                count.amax(1),
+                force=sink_mask(layer.lengths, width, self.sinks),
+            )
+            order = torch.sort(rank_in, dim=-1, descending=True, stable=True).indices
+            rank = torch.empty_like(order).scatter_(
+                2, order, torch.arange(width, device=order.device).expand_as(order)
+            )
+            holes = rank.gather(2, index) >= count.to(rank.device)[:, :, None]
+            edits.append(LayerEdit(index, keep_len, holes=holes))
+        return edits
 
     def _layer_keep(self, cache: KVCache, scores: list[Tensor], keep: Tensor) -> list[Tensor]:
         """Per layer ``(B,)`` entries per KV head: each layer's share of one model-wide ranking.
