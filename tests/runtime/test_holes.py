@@ -17,7 +17,7 @@ from vlkv.runtime.kv import pool as pool_mod
 from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
-from vlkv.runtime.torch_backend import _StepContext, _stats
+from vlkv.runtime.torch_backend import _stats, _StepContext
 
 TEXT = "The cat sat on the mat while the dog slept by the warm fire all night long."
 
