@@ -97,3 +97,24 @@ def test_reported_bytes_are_the_bytes_held(policy, budget, engines, images):
         token = out.logits.argmax(-1)
         _check_accounting(cache)
     assert cache.used_kv_bytes() <= cache.kv_bytes()
+
+
+def test_view_reads_equal_gathers_and_default_reads_are_copies():
+    """One ascending run of slots is read as a view of the pool (``view=True``); any other layout, and
+    every default read, is a gather whose result no later pool write can change."""
+    layer = LayerKV.empty(1, 2, 4, 1, torch.float32, "cpu")
+    k = torch.randn(1, 2, 6, 4)
+    layer.append(
+        k, -k, torch.arange(6)[None, :, None], torch.zeros(1, 6, dtype=torch.int8), torch.tensor([6])
+    )
+    kv, vv = layer.attention_kv(view=True)
+    kc, vc = layer.attention_kv()
+    assert kv.data_ptr() != kc.data_ptr() and torch.equal(kv, kc) and torch.equal(vv, vc)
+    assert kv.untyped_storage().data_ptr() == layer.pool.keys[0].untyped_storage().data_ptr()  # a view
+    layer.pool.keys[0].add_(1.0)
+    assert torch.equal(kc, k) and not torch.equal(kv, k)  # the copy kept its values
+    # not one run (an eviction left a gap): the view request falls back to a gather
+    layer.select(torch.tensor([0, 2, 3, 5])[None, None].expand(1, 2, 4).clone(), torch.tensor([4]))
+    kv, _ = layer.attention_kv(view=True)
+    torch.testing.assert_close(kv, k[:, :, [0, 2, 3, 5]] + 1.0)
+    assert kv.untyped_storage().data_ptr() != layer.pool.keys[0].untyped_storage().data_ptr()

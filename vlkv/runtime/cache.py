@@ -122,8 +122,11 @@ class LayerKV:
     def max_length(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
-    def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
+    def attention_kv(self, upto: int | None = None, view: bool = False) -> tuple[Tensor, Tensor]:
         """Dense K/V a backend attends over: ``(B, H_kv, upto, D)`` gathered from the pool.
+
+        ``view=True`` (a backend reading within one step) allows a view of the pool when the entries are
+        one ascending run of slots; otherwise the result is always a copy the caller may keep.
 
         Keys of shared (linked) entries are stored before RoPE and rotated here to the positions
         this cache gives them (``pool.rope``); private entries are stored rotated. Columns past a
@@ -135,6 +138,11 @@ class LayerKV:
             z = torch.zeros(self.batch, self.kv_heads, n, d, dtype=self.pool.spec.dtype, device=self.device)
             return z, z.clone()
         ids = self.slots[:, :, :n]
+        if view and self.batch == 1 and not self.linked and self.lowrank is None:
+            start = self._run_start(ids[0])
+            if start is not None:  # one ascending run of slots: a view of the pool, no gather
+                keys, values = self.pool.keys[self.layer], self.pool.values[self.layer]
+                return keys[None, :, start : start + n], values[None, :, start : start + n]
         dense = ids.clamp(min=0) if self.lowrank is not None else ids
         k, v = self.pool.read(self.layer, dense)
         if self.linked:
@@ -144,6 +152,15 @@ class LayerKV:
         if self.lowrank is not None:
             k, v = self.lowrank.fill(self, k, v, ids)
         return k, v
+
+    def _run_start(self, ids: Tensor) -> int | None:
+        """The first slot if ``ids (H_kv, n)`` is the same ascending run ``start … start + n − 1`` in
+        every head (a fresh request's entries on a private pool), else None."""
+        start = int(ids[0, 0])
+        if start + ids.shape[1] > self.pool.capacity(self.layer):
+            return None
+        run = torch.arange(start, start + ids.shape[1], device=ids.device)
+        return start if bool((ids == run).all()) else None
 
     def link(
         self, ids: Tensor, positions: Tensor, modality: Tensor, sample: int = 0, order: Tensor | None = None
@@ -285,8 +302,8 @@ class LayerKV:
         b, h, q, _ = k.shape
         dev = self.device
         new_len = new_len.to(device=dev, dtype=torch.long)
-        if q == 1 and order is None and bool(new_len.all()):
-            return self._append_one(k, v, positions, modality)
+        if q == 1 and bool(new_len.all()):
+            return self._append_one(k, v, positions, modality, order)
         past = self.lengths.clone()
         self._reserve(int((past + q).max()) if q else self.capacity)
         rows = torch.arange(q, device=dev)
@@ -315,10 +332,13 @@ class LayerKV:
         self.lengths = past + new_len
         return past
 
-    def _append_one(self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor) -> Tensor:
+    def _append_one(
+        self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
+    ) -> Tensor:
         """:meth:`append` of one new entry per sample (a decode step), in a third of its tensor ops.
 
-        ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``; returns ``(B,)`` past lengths.
+        ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
+        ``(B, 1)``; returns ``(B,)`` past lengths.
         """
         b, dev = k.shape[0], self.device
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
@@ -331,12 +351,17 @@ class LayerKV:
         self.slots[bi, :, past] = ids.t()
         self.positions[bi, :, past] = positions.to(dev)[:, 0, None, :].to(torch.long)
         self.modality[bi, :, past] = modality.to(dev).to(torch.int8)
-        self.order[bi, :, past] = self.next_order[:, None]
+        if order is None:
+            self.order[bi, :, past] = self.next_order[:, None]
+            self.next_order = self.next_order + 1
+        else:
+            order = order.to(device=dev, dtype=torch.long)[:, 0]
+            self.order[bi, :, past] = order[:, None]
+            self.next_order = torch.maximum(self.next_order, order + 1)
         for s in self.scores.values():
             s[bi, :, past] = 0
         if self.holes is not None:
             self.holes[bi, :, past] = False
-        self.next_order = self.next_order + 1
         self.lengths = past + 1
         return past
 

@@ -174,7 +174,7 @@ class ReplayContext:
         self.saved: dict[int, tuple[Tensor, Tensor, float]] = {}
 
     def update(self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None) -> tuple[Tensor, Tensor]:
-        ck, cv = self.cache.layers[layer_idx].attention_kv()
+        ck, cv = self.cache.layers[layer_idx].attention_kv(view=True)
         return torch.cat([ck.to(k.dtype), k], dim=2), torch.cat([cv.to(v.dtype), v], dim=2)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

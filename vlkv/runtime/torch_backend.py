@@ -73,7 +73,7 @@ class _StepContext:
         self.past[layer_idx] = layer.append(
             k, v, self.inputs.positions, self.inputs.modality, self.inputs.new_len, self.order
         )
-        return layer.attention_kv()
+        return layer.attention_kv(view=True)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)`` → ``(B, q, H, D)``."""
@@ -137,6 +137,10 @@ class _StepContext:
             # one row per sample: its G query heads per KV head become G rows of one (B, H_kv, G, D) call,
             # which reads each K/V head once (faster than enable_gqa) under a (B, 1, 1, S) mask
             end = torch.minimum(past + 1, past + new_len)
+            if open_ is None and bool((end == s).all()):
+                # every sample reads every column (batch 1, or equal lengths): no mask, SDPA's fast path
+                out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k, v, scale=scale)
+                return out.view(b, h, 1, d)
             mask = (j[None, :] < end[:, None])[:, None, None, :]
             if open_ is not None:
                 mask = mask & open_[:, :, None, :]  # (B, H_kv, 1, S): per KV head, shared by its G rows

@@ -45,8 +45,8 @@ class LayerBatch:
         order: Tensor | None = None,
     ) -> Tensor:
         """Append row ``b`` of ``k, v (B, H_kv, q, D)`` etc. to request ``b``; returns ``(B,)`` past lengths."""
-        if k.shape[2] == 1 and order is None and all(r.batch == 1 for r in self.rows) and bool(new_len.all()):
-            return self._append_one(k, v, positions, modality)
+        if k.shape[2] == 1 and all(r.batch == 1 for r in self.rows) and bool(new_len.all()):
+            return self._append_one(k, v, positions, modality, order)
         out = []
         for b, r in enumerate(self.rows):
             row = slice(b, b + 1)
@@ -54,11 +54,14 @@ class LayerBatch:
             out.append(r.append(k[row], v[row], positions[row], modality[row], new_len[row], own))
         return torch.cat(out)
 
-    def _append_one(self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor) -> Tensor:
+    def _append_one(
+        self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
+    ) -> Tensor:
         """One new entry per request (a decode step): one pool allocation and one write for the whole
         batch, then plain-slice table writes per request (no per-request index kernels).
 
-        ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``; returns ``(B,)`` past lengths.
+        ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
+        ``(B, 1)`` sequence indices; returns ``(B,)`` past lengths.
         """
         dev = self.pool.spec.device
         past = self.lengths
@@ -68,17 +71,22 @@ class LayerBatch:
         )
         pos = positions.to(dev)[:, 0].to(torch.long)  # (B, P)
         mod = modality.to(dev)[:, 0].to(torch.int8)  # (B,)
+        orders = None if order is None else order[:, 0].tolist()
         for i, (r, p) in enumerate(zip(self.rows, past.tolist())):
             r._reserve(p + 1)
             r.slots[0, :, p] = ids[:, i]
             r.positions[0, :, p] = pos[i]
             r.modality[0, :, p] = mod[i]
-            r.order[0, :, p] = r.next_order[0]
+            if orders is None:
+                r.order[0, :, p] = r.next_order[0]
+                r.next_order = r.next_order + 1
+            else:
+                r.order[0, :, p] = orders[i]
+                r.next_order = r.next_order.clamp(min=orders[i] + 1)
             for s in r.scores.values():
                 s[0, :, p] = 0
             if r.holes is not None:
                 r.holes[0, :, p] = False
-            r.next_order = r.next_order + 1
             r.lengths = r.lengths + 1
         return past
 
@@ -89,8 +97,9 @@ class LayerBatch:
         ones = torch.ones(1, self.pool.spec.kv_heads, width, dtype=torch.bool, device=self.pool.spec.device)
         return torch.cat([ones if r.holes is None else r.open_mask(width) for r in self.rows])
 
-    def attention_kv(self, upto: int | None = None) -> tuple[Tensor, Tensor]:
-        """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length."""
+    def attention_kv(self, upto: int | None = None, view: bool = False) -> tuple[Tensor, Tensor]:
+        """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length (``view``: as
+        :meth:`LayerKV.attention_kv`)."""
         n = self.max_length if upto is None else upto
         if any(r.lowrank is not None or r.linked for r in self.rows):
             # factored or pre-RoPE entries need their own read (reconstruct / rotate)
@@ -100,6 +109,8 @@ class LayerBatch:
                 return torch.cat([t, t.new_zeros(*t.shape[:2], n - t.shape[2], t.shape[3])], dim=2)
 
             return torch.cat([pad(k) for k, _ in kv]), torch.cat([pad(v) for _, v in kv])
+        if len(self.rows) == 1 and self.rows[0].capacity >= n:
+            return self.rows[0].attention_kv(n, view)
         tables = []
         for r in self.rows:
             t = r.slots[:, :, :n]

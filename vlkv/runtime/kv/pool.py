@@ -185,13 +185,17 @@ class KVPool:
             if not self.grow:
                 raise PoolFull(f"layer {layer} has {free} free slots of {self.capacity(layer)}, needs {n}")
             self._grow(layer, n - free)
+        host = self._nfree_host[layer]
         top = self._nfree[layer]
-        at = top[:, None] - 1 - torch.arange(n, device=dev)[None, :]  # top of the stack first
-        ids = self._free[layer].gather(1, at)
+        if host.count(host[0]) == len(host):  # every head's stack equally deep: one slice
+            ids = self._free[layer][:, host[0] - n : host[0]].flip(1)  # top of the stack first
+        else:
+            at = top[:, None] - 1 - torch.arange(n, device=dev)[None, :]
+            ids = self._free[layer].gather(1, at)
         self._nfree[layer] = top - n
-        self._nfree_host[layer] = [f - n for f in self._nfree_host[layer]]
-        self._refs[layer][self._heads[:, None], ids] = 1
-        self._prerope[layer][self._heads[:, None], ids] = False
+        self._nfree_host[layer] = [f - n for f in host]
+        self._refs[layer].scatter_(1, ids, 1)
+        self._prerope[layer].scatter_(1, ids, False)
         return ids
 
     def retain(self, layer: int, heads: Tensor, ids: Tensor) -> None:
@@ -240,10 +244,15 @@ class KVPool:
 
     def write(self, layer: int, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False) -> None:
         """Store ``k, v (H_kv, n, D)`` at slots ``ids (H_kv, n)`` (the same count in every head)."""
-        heads = self._heads[:, None].expand_as(ids)
-        self.write_entries(
-            layer, heads.reshape(-1), ids.reshape(-1), k.flatten(0, 1), v.flatten(0, 1), prerope
-        )
+        keys, values = self.keys[layer], self.values[layer]
+        h, cap, d = keys.shape
+        # rows of the flattened (H_kv·cap, D) store: index_copy_ beats 2-D advanced indexing per call
+        flat = (ids + self._heads[:, None] * cap).reshape(-1)
+        n = flat.numel()
+        keys.view(h * cap, d).index_copy_(0, flat, k.reshape(n, -1).expand(n, d).to(keys.dtype))
+        values.view(h * cap, d).index_copy_(0, flat, v.reshape(n, -1).expand(n, d).to(values.dtype))
+        self._prerope[layer].scatter_(1, ids, prerope)
+        self.bytes_written += ids.numel() * self.spec.entry_bytes // self.spec.kv_heads
 
     def write_entries(
         self, layer: int, heads: Tensor, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False
