@@ -1,0 +1,129 @@
+"""What query-agnostic scoring costs at compression time, as a ratio to a plain prefill, one run.
+
+    python scripts/bench_scoring_cost.py --model smollm2-llava --tokens 1024 --batch 4 --repeats 3
+
+Every configuration prefills the same KJV windows (``--tokens`` each, ``--batch`` of them) and then
+runs its replay (``Engine.replay``): KVzip's one-chunk replay, chunked replays with every n-th chunk
+(``every``), KVgrad's replay with its backward pass. Repeats are interleaved (every configuration
+once per repeat, the plain prefill first); the ratio is (prefill + replay) / plain prefill of the same
+repeat, median over repeats. Writes ``<out>.json`` and ``<out>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    add_device_args,
+    add_threads_arg,
+    check_device_args,
+    load_for_bench,
+    machine_name,
+    sync,
+)
+
+CONFIGS = (
+    "kvzip",
+    "kvzip:chunk_size=256",
+    "kvzip:chunk_size=256,every=2",
+    "kvzip:chunk_size=256,every=4",
+    "kvgrad",
+)
+
+
+def _windows(engine, tokens: int, batch: int):
+    from vlkv.eval.continuation import text_windows
+    from vlkv.eval.corpus import kjv_books
+
+    tok = engine.tokenizer
+    windows = text_windows(lambda s: tok(s, add_special_tokens=False)["input_ids"], kjv_books(), 1, tokens, 1)
+    if len(windows) < batch:
+        raise SystemExit(f"error: only {len(windows)} windows of {tokens} tokens, --batch {batch}")
+    return windows[:batch]
+
+
+def measure(engine, windows, spec: str | None, device: str) -> float:
+    """Seconds of one plain prefill (``spec`` None) or prefill + the configuration's replay."""
+    from vlkv.eval.continuation import _batch, _prefill_inputs
+    from vlkv.eval.realtext import parse_spec
+    from vlkv.runtime.policies import make_policy
+
+    batch = _batch(windows, engine.pad_id)
+    cache = engine.new_cache(batch)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        engine.backend.step(_prefill_inputs(engine, batch), cache, None)
+    if spec is not None:
+        name, kwargs = parse_spec(spec)
+        policy = make_policy(name, budget=0.25, **kwargs)
+        engine.replay(policy, engine.context(batch), batch, cache)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-llava")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/scoring-cost"))
+    add_device_args(ap)
+    add_threads_arg(ap)
+    args = ap.parse_args(argv)
+    check_device_args(ap, args)
+    if args.repeats < 1 or args.tokens < 2 or args.batch < 1:
+        ap.error("--repeats and --batch must be >= 1, --tokens >= 2")
+    from vlkv.runtime.engine import Engine
+
+    engine = Engine(load_for_bench(args.model, args.device, args.dtype))
+    windows = _windows(engine, args.tokens, args.batch)
+    measure(engine, windows, None, args.device)  # warm-up
+    times: dict[str, list[float]] = {"plain": [], **{c: [] for c in args.configs}}
+    ratios: dict[str, list[float]] = {c: [] for c in args.configs}
+    for rep in range(args.repeats):
+        plain = measure(engine, windows, None, args.device)
+        times["plain"].append(plain)
+        for spec in args.configs:
+            t = measure(engine, windows, spec, args.device)
+            times[spec].append(t)
+            ratios[spec].append(t / plain)
+            print(f"repeat {rep + 1}/{args.repeats} {spec}: {t / plain:.2f}x plain", flush=True)
+    machine = machine_name(args.device)
+    res = {
+        "machine": machine,
+        "model": args.model,
+        "tokens": args.tokens,
+        "batch": args.batch,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "seconds": times,
+        "ratio_median": {c: statistics.median(r) for c, r in ratios.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    lines = [
+        f"Scoring cost at compression time ({args.model}, {args.dtype}, {machine}; batch {args.batch} x "
+        f"{args.tokens} tokens, median of {args.repeats} interleaved repeats)",
+        "",
+        "| configuration | prefill + replay / plain prefill |",
+        "|---|---|",
+        *(f"| `{c}` | {res['ratio_median'][c]:.2f}x |" for c in args.configs),
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
