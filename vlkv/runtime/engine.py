@@ -10,7 +10,7 @@ from torch import Tensor
 from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.cache import KVCache, Modality
 from vlkv.runtime.kv.pool import KVPool
-from vlkv.runtime.policies import LayerEdit, Policy, PolicyContext, make_policy
+from vlkv.runtime.policies import FactorEdit, Policy, PolicyContext, make_policy
 from vlkv.runtime.prompt import Prompt, PromptBatch, collate, encode_prompt
 from vlkv.runtime.sampling import Sampler
 
@@ -84,15 +84,24 @@ class KVUsage:
         return {"kv_stored_fraction": self.stored / self.full, "kv_used_fraction": self.used / self.full}
 
 
-def apply_edits(cache: KVCache, edits: list[LayerEdit | None] | None, spare: int = 0) -> None:
-    """Apply a policy's per-layer edits to the cache (backend-independent tensor ops)."""
-    for layer, edit in zip(cache.layers, edits or []):
-        if edit is None:
-            continue
-        if edit.assign is None:
-            layer.select(edit.index, edit.keep_len, spare=spare, holes=edit.holes)
-        else:
-            layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
+def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
+    """Apply a policy's per-layer edits to the cache (backend-independent tensor ops).
+
+    ``edits[l]`` is None, a :class:`LayerEdit` (select / merge), a :class:`FactorEdit` (hold entries as
+    low-rank factors), or a tuple of them applied in order.
+    """
+    from vlkv.runtime.kv.lowrank import apply_factor_edit
+
+    for layer, item in zip(cache.layers, edits or []):
+        for edit in item if isinstance(item, tuple) else (item,):
+            if edit is None:
+                continue
+            if isinstance(edit, FactorEdit):
+                apply_factor_edit(layer, edit)
+            elif edit.assign is None:
+                layer.select(edit.index, edit.keep_len, spare=spare, holes=edit.holes)
+            else:
+                layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
 
 
 class Engine:

@@ -120,3 +120,33 @@ def test_evict_then_factor_composes(engines, images):
 )
 def test_bad_settings_are_one_line(capsys, no_model_compute, setting, needle):  # noqa: F811
     assert needle in _refused(capsys, "--policy", "attnpack", "--set", setting)
+
+
+def test_the_policy_decides_and_the_engine_factors(engines, images):
+    """The seam: ``after_prefill`` returns edits (evict, then factor) and leaves the K/V, the slot
+    table and the pool alone; ``apply_edits`` does the factoring."""
+    from vlkv.runtime.backend import StepStats
+    from vlkv.runtime.engine import apply_edits
+    from vlkv.runtime.policies import FactorEdit, LayerEdit
+
+    engine = engines["tiny-llava"]
+    batch = engine.encode(_prompts(images))
+    policy = make_policy("attnpack", rank=4, evict="snapkv", budget=0.6)
+    cache = engine.new_cache(batch)
+    ctx = engine.context(batch)
+    rows = batch.input_ids.shape[1]
+    from vlkv.runtime.backend import StepInputs
+
+    embeds = engine.backend.embed(batch)
+    inputs = StepInputs(batch.input_ids, batch.positions, batch.modality, batch.lengths, embeds)
+    out = engine.backend.step(inputs, cache, policy.prefill_request(ctx, rows))
+    before = ([layer.slots.clone() for layer in cache.layers], cache.pool.used_bytes(), cache.kv_bytes())
+    edits = policy.after_prefill(cache, StepStats(out.stats, out.stats.extra), ctx)
+    assert all(torch.equal(a, layer.slots) for a, layer in zip(before[0], cache.layers))
+    assert (cache.pool.used_bytes(), cache.kv_bytes()) == before[1:]
+    assert all(layer.lowrank is None for layer in cache.layers)
+    assert all(isinstance(e, LayerEdit) and isinstance(f, FactorEdit) for e, f in edits)
+    apply_edits(cache, edits)
+    assert cache.kv_bytes() < before[2] and any(layer.lowrank is not None for layer in cache.layers)
+    with pytest.raises(ValueError, match="rank_lo"):
+        FactorEdit(rank=4, importance=SCORE, rank_lo=8)

@@ -19,6 +19,7 @@ at most the stored rank); an importance-driven policy lowers it for unimportant 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -244,3 +245,32 @@ def densify(layer) -> None:
         sh, sc = torch.nonzero(spare, as_tuple=True)
         if sh.numel():
             layer.pool.release(layer.layer, ids[sh, sc], heads=sh)
+
+
+def apply_factor_edit(layer, edit) -> None:
+    """Apply a :class:`~vlkv.runtime.policies.base.FactorEdit` to ``layer``: factor the chosen dense
+    entries of every sample that is due, then set each sample's reconstruction ranks by importance."""
+    want = layer.valid_mask()[:, None, :] & (layer.slots >= 0)
+    if edit.modalities is not None:
+        codes = torch.tensor(sorted(edit.modalities), dtype=layer.modality.dtype, device=layer.device)
+        want = want & torch.isin(layer.modality, codes)
+    if layer.holes is not None:
+        want = want & ~layer.holes
+    due = want.sum(-1).amax(-1) >= edit.threshold  # (B,)
+    if bool(due.any()):
+        factor(layer, want & due[:, None, None], edit.rank, exact=edit.exact)
+    if edit.importance is None or edit.rank_lo == edit.rank or layer.lowrank is None:
+        return
+    score = layer.scores[edit.importance]
+    valid = layer.valid_mask()[:, None, :]
+    for s, f in enumerate(layer.lowrank.samples):
+        if f is None:
+            continue
+        named = (layer.slots[s] < 0) & valid[s]
+        imp = torch.full((f.rows,), float("-inf"), device=layer.device)
+        imp.scatter_reduce_(0, -layer.slots[s][named] - 1, score[s][named], "amax")
+        top = torch.topk(imp, math.ceil(edit.top_fraction * f.rows)).indices
+        hi = torch.zeros(f.rows, dtype=torch.bool, device=layer.device)
+        hi[top] = True
+        lo = torch.where(hi, edit.rank, edit.rank_lo)
+        set_ranks(layer, s, lo if edit.lo_keys else torch.full_like(lo, edit.rank), lo)

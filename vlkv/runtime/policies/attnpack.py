@@ -15,7 +15,6 @@ names any more.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -23,8 +22,7 @@ import torch
 
 from vlkv.runtime.backend import StatsRequest
 from vlkv.runtime.cache import KVCache, Modality
-from vlkv.runtime.kv.lowrank import factor, set_ranks
-from vlkv.runtime.policies.base import Policy, check_range, layer_wide
+from vlkv.runtime.policies.base import FactorEdit, Policy, check_range, layer_wide
 
 SCORE = "attnpack"
 EXTRA = "attnpack"
@@ -116,52 +114,33 @@ class AttnPackPolicy(Policy):
             )
 
     # factoring -------------------------------------------------------------
-    def _compressible(self, layer) -> torch.Tensor:
-        if self.compress_text:
-            return torch.ones_like(layer.modality, dtype=torch.bool)
-        return layer.modality == int(Modality.IMAGE)
-
-    def _factor(self, cache: KVCache, threshold: int) -> None:
-        for layer in cache.layers:
-            want = self._compressible(layer) & (layer.slots >= 0) & layer.valid_mask()[:, None, :]
-            due = want.sum(-1).amax(-1) >= threshold  # (B,)
-            if bool(due.any()):
-                factor(layer, want & due[:, None, None], self.rank, exact=self.exact)
-
-    def _assign_ranks(self, cache: KVCache) -> None:
-        """The ``top_fraction`` rows by importance get ``rank``, the rest ``rank_lo``."""
-        if self.rank_lo == self.rank:
-            return
-        for layer in cache.layers:
-            if layer.lowrank is None:
-                continue
-            score = layer.scores[SCORE]
-            valid = layer.valid_mask()[:, None, :]
-            for s, f in enumerate(layer.lowrank.samples):
-                if f is None:
-                    continue
-                named = (layer.slots[s] < 0) & valid[s]
-                imp = torch.full((f.rows,), float("-inf"), device=layer.device)
-                imp.scatter_reduce_(0, -layer.slots[s][named] - 1, score[s][named], "amax")
-                top = torch.topk(imp, math.ceil(self.top_fraction * f.rows)).indices
-                hi = torch.zeros(f.rows, dtype=torch.bool, device=layer.device)
-                hi[top] = True
-                lo = torch.where(hi, self.rank, self.rank_lo)
-                set_ranks(layer, s, lo if self.lo_keys else torch.full_like(lo, self.rank), lo)
+    def _factor_edit(self, threshold: int) -> FactorEdit:
+        """What to factor (the engine applies it): image entries, or every entry with ``compress_text``;
+        importance-ranked reconstruction ranks from the EMA score."""
+        return FactorEdit(
+            rank=self.rank,
+            modalities=None if self.compress_text else frozenset({int(Modality.IMAGE)}),
+            threshold=threshold,
+            importance=SCORE,
+            rank_lo=self.rank_lo,
+            top_fraction=self.top_fraction,
+            lo_keys=self.lo_keys,
+            exact=self.exact,
+        )
 
     # hooks -----------------------------------------------------------------
+    def _each_layer(self, cache: KVCache, edits, factor_first: bool) -> list[tuple]:
+        """Per layer, the inner eviction's edit and the factoring, in the order they apply."""
+        f = self._factor_edit(1 if not factor_first else self.recompress_every)
+        edits = edits or [None] * len(cache.layers)
+        return [(f, e) if factor_first else (e, f) for e in edits]
+
     def after_prefill(self, cache, stats, ctx):
         self._observe(cache, stats, ctx, first=True)  # stats index the prefill table: before edits
-        if self.inner is not None:  # evict first: only the survivors are factored
-            from vlkv.runtime.engine import apply_edits  # engine imports the policies
-
-            apply_edits(cache, self.inner.after_prefill(cache, stats, ctx))
-        self._factor(cache, 1)
-        self._assign_ranks(cache)
-        return None
+        inner = self.inner.after_prefill(cache, stats, ctx) if self.inner is not None else None
+        return self._each_layer(cache, inner, factor_first=False)  # evict first: survivors are factored
 
     def after_decode(self, cache, stats, ctx):
         self._observe(cache, stats, ctx, first=False)
-        self._factor(cache, self.recompress_every)
-        self._assign_ranks(cache)
-        return self.inner.after_decode(cache, stats, ctx) if self.inner is not None else None
+        inner = self.inner.after_decode(cache, stats, ctx) if self.inner is not None else None
+        return self._each_layer(cache, inner, factor_first=True)

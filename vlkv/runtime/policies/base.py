@@ -63,6 +63,41 @@ class LayerEdit:
 
 
 @dataclass
+class FactorEdit:
+    """Hold some of one layer's entries as low-rank factors (AttentionPack), applied by the engine
+    (:func:`vlkv.runtime.kv.lowrank.apply_factor_edit`) on the table as it is when the edit is applied.
+
+    Attributes:
+        rank: components kept for keys and values, >= 1.
+        modalities: :class:`~vlkv.runtime.cache.Modality` codes whose dense entries are factored (None =
+            every entry).
+        threshold: a sample is factored only once it holds at least this many such dense entries in
+            one KV head (1 at prefill; the recompression cadence while decoding), >= 1.
+        importance: name of a per-entry running score (``LayerKV.scores``) that ranks each sample's
+            factor rows: the ``top_fraction`` best are reconstructed with ``rank`` components, the rest
+            with ``rank_lo`` (keys too when ``lo_keys``); None = every row at ``rank``.
+        exact: exact SVD instead of the randomized one.
+    """
+
+    rank: int
+    modalities: frozenset[int] | None = None
+    threshold: int = 1
+    importance: str | None = None
+    rank_lo: int | None = None
+    top_fraction: float = 1.0
+    lo_keys: bool = True
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.threshold < 1:
+            raise ValueError(f"rank and threshold must be >= 1, got {self.rank} and {self.threshold}")
+        if self.importance is not None and not (
+            self.rank_lo is not None and 1 <= self.rank_lo <= self.rank and 0.0 < self.top_fraction <= 1.0
+        ):
+            raise ValueError("an importance ranking needs rank_lo in [1, rank] and top_fraction in (0, 1]")
+
+
+@dataclass
 class PolicyContext:
     """Batch facts a policy may read.
 
