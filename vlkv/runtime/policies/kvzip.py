@@ -7,19 +7,19 @@ compressed once serves every later question (query-agnostic).
 
 Budgets follow ``docs/policies.md``; how they are spread:
 
-* ``scope="model"`` (KVzip's default): one ranking over every layer × KV head × entry of a sample
-  picks the ``L · H_kv · k_b`` best; each layer then keeps its share of them, so layers get
-  non-uniform budgets (mean ``k_b``). Within a layer every KV head keeps the same number of entries
-  (the cache stores equal per-head lengths), each head its own best ones.
-* ``scope="layer"``: every layer keeps ``k_b`` entries per KV head, each head its own best.
+* ``heads="adaptive"`` (the default, KVzip's non-uniform head budgets): the ranking also decides
+  how many entries each KV head keeps — over layers × heads × entries with ``scope="model"`` (the
+  default), over heads × entries within each layer with ``scope="layer"``. A layer's table is as
+  wide as its fullest head; the other heads' extra columns become *holes* (their slots are freed
+  and never attended, see :class:`~vlkv.runtime.cache.LayerKV`), so the K/V bytes held are exactly
+  the picked entries'. Every head keeps at least one entry. On real text it beats ``heads="own"``
+  at every budget (docs/policies.md).
+* ``heads="own"``: every KV head of a layer keeps the same number of entries, each head its own
+  best ones. With ``scope="model"`` one ranking over every layer × KV head × entry of a sample picks
+  the ``L · H_kv · k_b`` best and each layer keeps its share of them (non-uniform layer budgets, mean
+  ``k_b``); with ``scope="layer"`` every layer keeps ``k_b`` per KV head.
 * ``heads="shared"`` (the head-level variant): the KV heads of a layer keep one common set, ranked
   by their max score: one index per layer instead of one per head.
-* ``heads="adaptive"`` (KVzip's non-uniform head budgets): the ranking also decides how many
-  entries each KV head keeps — over layers × heads × entries with ``scope="model"``, over heads ×
-  entries within each layer with ``scope="layer"``. A layer's table is as wide as its fullest head;
-  the other heads' extra columns become *holes* (their slots are freed and never attended, see
-  :class:`~vlkv.runtime.cache.LayerKV`), so the K/V bytes held are exactly the picked entries'.
-  Every head keeps at least one entry.
 
 ``sinks`` first entries are always kept. At ``budget = 1`` nothing is replayed or evicted.
 """
@@ -57,7 +57,7 @@ class KVzipPolicy(Policy):
     chunk_size: int = 2048
     sinks: int = 4
     scope: str = "model"
-    heads: str = "own"
+    heads: str = "adaptive"
     every: int = 1
     template: str = DEFAULT_TEMPLATE
     mode: str = "context"
