@@ -171,3 +171,23 @@ def test_kvzip_records_keep_the_entries_the_replay_attends_most(name, engines, i
     _link(engine, prompt, spec, tmp_path)
     _, _, _, stats, _ = _link(engine, Prompt("Again?", [images[2]]), spec, tmp_path)
     assert stats.hits == 1 and stats.dropped_tokens == n - kept_count(n, 0.5)
+
+
+def test_budgets_and_scorers_are_separate_records(engines, images, tmp_path):
+    """The store budget and scorer are part of the record key: a request asking for dense records never
+    links a compressed one of the same image (nor another budget's), and dense keys are unchanged."""
+    engine = engines["tiny-llava"]
+    first, later = Prompt("Look.", [images[0]]), Prompt("Another question about it?", [images[0]])
+    _link(engine, first, LinkSpec("full-reuse", store_budget=0.25), tmp_path)  # a compressed record
+    _, _, _, stats, source = _link(engine, later, LinkSpec("full-reuse"), tmp_path)
+    assert stats.hits == 0 and stats.misses == 1 and stats.dropped_tokens == 0  # dense asked: no hit
+    dense_key = source.key(source.identity(images[0]))
+    assert dense_key == source.key(source.identity(images[0], variant=LinkSpec("mpic").record_variant()))
+    for spec, hit in (
+        (LinkSpec("full-reuse"), 1),  # the dense record the last request wrote
+        (LinkSpec("full-reuse", store_budget=0.25), 1),
+        (LinkSpec("full-reuse", store_budget=0.25, store_scorer="stride"), 0),
+        (LinkSpec("full-reuse", store_budget=0.5), 0),
+    ):
+        _, _, _, stats, _ = _link(engine, later, spec, tmp_path)
+        assert stats.hits == hit, spec

@@ -86,6 +86,14 @@ class LinkSpec:
                 f"unknown record scorer {self.store_scorer!r}; known: {', '.join(RECORD_SCORERS)}"
             )
 
+    def record_variant(self) -> dict | None:
+        """What makes this request's records differ from a dense record of the same image (part of
+        the record key, so a compressed record is never linked where a dense one, or another budget,
+        was asked for); None for dense records (their keys are unchanged)."""
+        if self.store_budget >= 1.0:
+            return None
+        return {"budget": float(self.store_budget), "scorer": self.store_scorer}
+
 
 @dataclass
 class LinkStats:
@@ -183,7 +191,12 @@ def link_prefill(
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
     uuids = list(uuids) if uuids is not None and len(uuids) == len(images) else [None] * len(images)
-    idents = [source.identity(img, u) for img, u in zip(images, uuids)] if len(images) == len(spans) else None
+    variant = spec.record_variant()
+    idents = (
+        [source.identity(img, u, variant) for img, u in zip(images, uuids)]
+        if len(images) == len(spans)
+        else None
+    )
     keys = None if idents is None else [source.key(i) for i in idents]
     store = source.segments
     loaded_before = source.loaded_bytes

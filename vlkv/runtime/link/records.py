@@ -53,15 +53,17 @@ class RecordSource:
             segments, store, validate_tenant(tenant), model_fingerprint(loaded), processor_settings(loaded)
         )
 
-    def identity(self, image, uuid: str | None = None):
+    def identity(self, image, uuid: str | None = None, variant: dict | None = None):
         """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec), or of
-        the client's ``uuid`` for it when given (then the pixels are not read)."""
+        the client's ``uuid`` for it when given (then the pixels are not read). ``variant`` (a
+        compressed record's budget and scorer, :meth:`LinkSpec.record_variant`) joins the settings."""
         from vlkv.runtime.models.images import load_image
         from vlkv.runtime.store.identity import Identity, image_content
 
+        settings = self.settings if variant is None else {**self.settings, "record": variant}
         if uuid is not None:
-            return Identity.of(self.fingerprint, self.settings, uuid=uuid)
-        return Identity.of(self.fingerprint, self.settings, content=image_content(load_image(image)))
+            return Identity.of(self.fingerprint, settings, uuid=uuid)
+        return Identity.of(self.fingerprint, settings, content=image_content(load_image(image)))
 
     def key(self, identity) -> str:
         """This tenant's record key for an :meth:`identity` (computed once per image and request:
