@@ -56,6 +56,8 @@ class _StepContext:
             and bool((inputs.new_len == q).all())
             and all(not bool(lay.lengths.any()) for lay in cache.layers)
         )
+        # a decode step: one new row per sample (decided once, not per layer)
+        self.one_row = q == 1 and bool((inputs.new_len == 1).all())
         valid = self._valid(inputs)
         self.rows = {
             name: valid if req.rows is None else req.rows.to(valid.device) & valid
@@ -136,8 +138,9 @@ class _StepContext:
         if nq == 1:
             # one row per sample: its G query heads per KV head become G rows of one (B, H_kv, G, D) call,
             # which reads each K/V head once (faster than enable_gqa) under a (B, 1, 1, S) mask
-            end = torch.minimum(past + 1, past + new_len)
-            if open_ is None and bool((end == s).all()):
+            one = getattr(self, "one_row", False)
+            end = past + 1 if one else torch.minimum(past + 1, past + new_len)
+            if open_ is None and (int(past.min()) + 1 == s if one else bool((end == s).all())):
                 # every sample reads every column (batch 1, or equal lengths): no mask, SDPA's fast path
                 out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k, v, scale=scale)
                 return out.view(b, h, 1, d)
