@@ -54,3 +54,18 @@ def full_means(root):
     return (
         torch.load(root / "nll" / "vlkv" / "full@1.pt", weights_only=False)["nll"].double().mean(1).tolist()
     )
+
+
+def test_dppl_plot_draws_the_measured_lines(tmp_path):
+    from vlkv.eval.realtext import plot_dppl
+
+    recs = [
+        {"side": s, "spec": spec, "budget": b, "dppl": d, "dppl_lo": d - 0.01, "dppl_hi": d + 0.02}
+        for s, spec in (("vlkv", "kvgrad"), ("kvpress", "kvzip"))
+        for b, d in ((0.5, 0.01), (0.25, 0.05), (0.1, 0.2))
+    ]
+    path = plot_dppl(
+        recs + [{"side": "vlkv", "spec": "full", "budget": 1.0, "dppl": 0.0}], tmp_path / "d.png"
+    )
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    assert plot_dppl([{**recs[0], "spec": "local"}], tmp_path / "none.png") is None

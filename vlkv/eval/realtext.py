@@ -303,4 +303,63 @@ def write_report(out: Path, header: str = "", n_boot: int = 2000) -> Path:
         },
     }
     (Path(out) / "per_window.json").write_text(json.dumps(raw, indent=1) + "\n")
+    plot_dppl(records, Path(out) / "dppl.png")
     return Path(out) / "results.md"
+
+
+# the lines the ΔPPL plot draws when measured: each side's query-agnostic and best classic configurations
+PLOTTED = (
+    ("vlkv", "kvgrad"),
+    ("vlkv", "kvzip"),
+    ("vlkv", "kvzip:heads=own"),
+    ("vlkv", "h2o"),
+    ("vlkv", "snapkv:window=64,kernel=5"),
+    ("kvpress", "kvgrad"),
+    ("kvpress", "kvzip"),
+    ("kvpress", "snapkv:window_size=64,kernel_size=5"),
+)
+
+
+def plot_dppl(records: list[dict], path: Path) -> Path | None:
+    """ΔPPL vs budget with the 95 % intervals, one line per :data:`PLOTTED` configuration measured
+    (vlkv solid, kvpress dashed); None when none was."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    lines = {}
+    for side, spec in PLOTTED:
+        pts = sorted(
+            (r["budget"], r["dppl"], r["dppl_lo"], r["dppl_hi"])
+            for r in records
+            if r.get("side") == side and r.get("spec") == spec and "dppl" in r and r["budget"] < 1
+        )
+        if pts:
+            lines[(side, spec)] = pts
+    if not lines:
+        return None
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for (side, spec), pts in lines.items():
+        b, d, lo, hi = (list(x) for x in zip(*pts))
+        err = [[100 * (y - lo_) for y, lo_ in zip(d, lo)], [100 * (hi_ - y) for y, hi_ in zip(d, hi)]]
+        ax.errorbar(
+            b,
+            [100 * y for y in d],
+            yerr=err,
+            marker="o",
+            capsize=3,
+            linestyle="-" if side == "vlkv" else "--",
+            label=f"{side} {spec}",
+        )
+    ax.set_xscale("log")
+    ax.set_xticks(sorted({p[0] for pts in lines.values() for p in pts}))
+    ax.get_xaxis().set_major_formatter(lambda x, _: f"{x:g}")
+    ax.set_xlabel("budget (kept fraction)")
+    ax.set_ylabel("ΔPPL vs full cache (%)")
+    ax.set_title("Continuation perplexity change, paired 95% intervals")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
