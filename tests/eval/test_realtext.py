@@ -61,7 +61,7 @@ def test_dppl_plot_draws_the_measured_lines(tmp_path):
 
     recs = [
         {"side": s, "spec": spec, "budget": b, "dppl": d, "dppl_lo": d - 0.01, "dppl_hi": d + 0.02}
-        for s, spec in (("vlkv", "kvgrad"), ("kvpress", "kvzip"))
+        for s, spec in (("vlkv", "kvgrad:heads=adaptive"), ("kvpress", "kvzip"))
         for b, d in ((0.5, 0.01), (0.25, 0.05), (0.1, 0.2))
     ]
     path = plot_dppl(

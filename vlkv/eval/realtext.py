@@ -32,8 +32,10 @@ VLKV_CONFIGS = (
     "local",
     "snapkv:window=32,kernel=5",
     "snapkv:window=64,kernel=7",
-    "kvzip",
-    "kvgrad",
+    "kvzip:heads=adaptive",
+    "kvgrad:heads=adaptive",
+    "kvzip:heads=own",
+    "kvgrad:heads=own",
 )
 KVPRESS_CONFIGS = (
     "snapkv:window_size=64,kernel_size=5",
@@ -57,8 +59,8 @@ MATCHED = (
     ("snapkv:window=32,kernel=7", "snapkv:window_size=32,kernel_size=7"),
     ("pyramidkv:window=64,kernel=5,fallback=true", "pyramidkv:window_size=64,kernel_size=5,beta=20"),
     ("local", "streaming_llm:n_sink=4"),
-    ("kvzip", "kvzip"),
-    ("kvgrad", "kvgrad"),
+    ("kvzip:heads=adaptive", "kvzip"),  # kvpress masks per head after one ranking: non-uniform head budgets
+    ("kvgrad:heads=adaptive", "kvgrad"),
 )
 
 
@@ -309,8 +311,8 @@ def write_report(out: Path, header: str = "", n_boot: int = 2000) -> Path:
 
 # the lines the ΔPPL plot draws when measured: each side's query-agnostic and best classic configurations
 PLOTTED = (
-    ("vlkv", "kvgrad"),
-    ("vlkv", "kvzip"),
+    ("vlkv", "kvgrad:heads=adaptive"),
+    ("vlkv", "kvzip:heads=adaptive"),
     ("vlkv", "kvzip:heads=own"),
     ("vlkv", "h2o"),
     ("vlkv", "snapkv:window=64,kernel=5"),
