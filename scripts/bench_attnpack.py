@@ -27,7 +27,7 @@ from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_device_args, check_device_args, load_for_bench  # noqa: E402
+from bench_common import add_device_args, add_threads_arg, check_device_args, load_for_bench  # noqa: E402
 
 QUESTION = "Describe this photo in detail."
 
@@ -93,14 +93,49 @@ def run(args) -> dict:
             row["kv"].append(kv / full_kv)
             row["time"].append(t / t_full)
             print(i, label, {k: round(v[-1], 4) for k, v in row.items()}, flush=True)
+            write(_summary(args, i + 1, rows), args.out)  # a run cut short keeps what it measured
+    return _summary(args, len(photos), rows)
+
+
+def _summary(args, photos: int, rows: dict) -> dict:
     mean = {label: {k: sum(v) / len(v) for k, v in r.items()} for label, r in rows.items()}
     return {
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads, no GPU",
         "model": args.model,
-        "photos": len(photos),
+        "photos": photos,
         "new_tokens": args.new,
         "rows": mean,
     }
+
+
+def plot(result: dict, path: Path) -> Path:
+    """KL(full ‖ config) against the image-KV bytes held, one line per family (log-log)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    families: dict[str, list[tuple[float, float, str]]] = {}
+    for label, r in result["rows"].items():
+        fam = "attnpack aware" if "aware" in label else label.split(" ")[0]
+        tag = label.split(" ")[1]
+        families.setdefault(fam, []).append((max(r["img"], 1e-3), max(r["kl"], 1e-6), tag))
+    fig = Figure(figsize=(6.5, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for fam, pts in families.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
+        for x, y, tag in pts:
+            ax.annotate(tag, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("image-KV bytes held / dense")
+    ax.set_ylabel("KL(full ‖ config), mean over tokens")
+    ax.set_title(f"{result['model']}: bytes vs fidelity ({result['new_tokens']} tokens)")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
 
 
 def write(result: dict, out: Path) -> None:
@@ -120,6 +155,8 @@ def write(result: dict, out: Path) -> None:
         )
     out.write_text("\n".join(lines) + "\n")
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    if result["rows"]:
+        plot(result, out.with_suffix(".png"))
 
 
 def main() -> None:
@@ -131,6 +168,7 @@ def main() -> None:
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/attnpack-smollm2-llava-cpu.md"))
     add_device_args(ap)
+    add_threads_arg(ap)
     args = ap.parse_args()
     check_device_args(ap, args)
     if args.images < 1 or args.new < 2:
