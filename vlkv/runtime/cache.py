@@ -126,7 +126,8 @@ class LayerKV:
         """Dense K/V a backend attends over: ``(B, H_kv, upto, D)`` gathered from the pool.
 
         ``view=True`` (a backend reading within one step) allows a view of the pool when the entries are
-        one ascending run of slots; otherwise the result is always a copy the caller may keep.
+        one ascending run of slots, or a gather into the pool's scratch buffer (valid until the next
+        such read); otherwise the result is always a copy the caller may keep.
 
         Keys of shared (linked) entries are stored before RoPE and rotated here to the positions
         this cache gives them (``pool.rope``); private entries are stored rotated. Columns past a
@@ -144,7 +145,9 @@ class LayerKV:
                 keys, values = self.pool.keys[self.layer], self.pool.values[self.layer]
                 return keys[None, :, start : start + n], values[None, :, start : start + n]
         dense = ids.clamp(min=0) if self.lowrank is not None else ids
-        k, v = self.pool.read(self.layer, dense)
+        # a backend's read (view) may gather into the pool's scratch buffer, unless this layer still
+        # rewrites what it read (rotation of shared keys, low-rank fill)
+        k, v = self.pool.read(self.layer, dense, scratch=view and not self.linked and self.lowrank is None)
         if self.linked:
             pre = self.pool.is_prerope(self.layer, dense) & self.valid_mask()[:, None, :n] & (ids >= 0)
             if bool(pre.any()):

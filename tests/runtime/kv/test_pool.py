@@ -102,3 +102,22 @@ def test_offload_and_reload_are_bit_identical():
         k1, v1 = layer.attention_kv()
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     assert pool.used_bytes() == cache.kv_bytes() + other.kv_bytes()
+
+
+def test_scratch_reads_equal_copies_and_reuse_one_buffer():
+    """``read(scratch=True)`` gathers into one reused buffer (a backend's per-layer read); the default
+    read is a fresh copy that a later scratch read cannot change."""
+    spec = PoolSpec(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    pool = KVPool(spec, 16, grow=False)
+    for layer in range(2):
+        ids = pool.alloc(layer, 10)
+        pool.write(layer, ids, torch.randn(2, 10, 4), torch.randn(2, 10, 4))
+    want = torch.tensor([[[3, 1, 7], [0, 9, 2]]])  # (B, H_kv, n), any order
+    copy0 = pool.read(0, want)
+    k0, v0 = pool.read(0, want, scratch=True)
+    assert torch.equal(k0, copy0[0]) and torch.equal(v0, copy0[1])
+    k1, _ = pool.read(1, want, scratch=True)
+    assert k1.untyped_storage().data_ptr() == k0.untyped_storage().data_ptr()  # the same buffer
+    assert torch.equal(k1, pool.read(1, want)[0]) and not torch.equal(copy0[0], k1)
+    bigger = torch.arange(10)[None, None].expand(1, 2, 10).contiguous()  # grows the buffer
+    torch.testing.assert_close(pool.read(1, bigger, scratch=True)[1], pool.read(1, bigger)[1])

@@ -123,7 +123,7 @@ class LayerBatch:
                 len(self.rows), spec.kv_heads, n, spec.head_dim, dtype=spec.dtype, device=spec.device
             )
             return z, z.clone()
-        return self.pool.read(self.layer, torch.cat(tables))
+        return self.pool.read(self.layer, torch.cat(tables), scratch=view)
 
 
 class CacheBatch:
