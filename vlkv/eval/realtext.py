@@ -355,6 +355,7 @@ def plot_dppl(records: list[dict], path: Path) -> Path | None:
             label=f"{side} {spec}",
         )
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(sorted({p[0] for pts in lines.values() for p in pts}))
     ax.get_xaxis().set_major_formatter(lambda x, _: f"{x:g}")
     ax.set_xlabel("budget (kept fraction)")
