@@ -231,6 +231,7 @@ class Scheduler:
                 req.extras["cache_hit_rate"] = hit_rate_report(eng, req.batch, cache, k=self.hit_rate_k)
             self.running.append(req)
             self.max_concurrent = max(self.max_concurrent, len(self.running))
+            self._headroom()
             self._emit(req, int(req.sampler(out.logits)[0]))
         except Exception as err:  # one request's failure never stops the others
             self._fail(req, err)
@@ -390,6 +391,13 @@ class Scheduler:
             self.running.remove(req)
         if req in self.swapped:
             self.swapped.remove(req)
+        self._headroom()
+
+    def _headroom(self) -> None:
+        """A growable pool keeps room for the running requests' remaining decode steps (one slot per
+        request and step; decode evictions only free), so decode never stops to grow or re-compact."""
+        if self.pool.grow:
+            self.pool.ensure_headroom(sum(r.max_new_tokens - len(r.tokens) for r in self.running))
 
 
 # ---------------------------------------------------------------------- helpers

@@ -121,3 +121,39 @@ def test_scratch_reads_equal_copies_and_reuse_one_buffer():
     assert torch.equal(k1, pool.read(1, want)[0]) and not torch.equal(copy0[0], k1)
     bigger = torch.arange(10)[None, None].expand(1, 2, 10).contiguous()  # grows the buffer
     torch.testing.assert_close(pool.read(1, bigger, scratch=True)[1], pool.read(1, bigger)[1])
+
+
+def test_headroom_grows_once_and_survives_compaction():
+    spec = PoolSpec(num_layers=1, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    pool = KVPool(spec, 0, grow=True)
+    ids = pool.alloc(0, 400)
+    pool.ensure_headroom(100)
+    assert pool.free_slots(0) >= 100 and pool.capacity(0) == 500
+    cap = pool.capacity(0)
+    for _ in range(100):  # the appends the headroom was for: no growth
+        pool.alloc(0, 1)
+    assert pool.capacity(0) == cap
+    pool.ensure_headroom(50)
+    assert pool.capacity(0) == 550
+    pool.release(0, ids[:, :350])  # frees most of the layer: compaction shrinks it, keeping the headroom
+    assert pool.compactions == 1 and pool.capacity(0) == 150 + 50 and pool.free_slots(0) == 50
+
+
+def test_decode_never_grows_the_generate_pool(engines, images, monkeypatch):
+    """``Engine.generate`` keeps room for every running request's remaining tokens: the pool grows
+    for prompts only, never during decode."""
+    from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.prompt import Prompt
+
+    grows = []
+    real = KVPool._grow
+    monkeypatch.setattr(
+        KVPool, "_grow", lambda self, layer, extra: (grows.append(extra), real(self, layer, extra))
+    )
+    prompts = [Prompt("Describe it.", [images[0]]), Prompt("A short text prompt.")]
+    engine = engines["tiny-llava"]
+    engine.generate(prompts, make_policy("full"), 1, stop_at_eos=False)
+    one = len(grows)
+    grows.clear()
+    engine.generate(prompts, make_policy("full"), 40, stop_at_eos=False)
+    assert len(grows) == one

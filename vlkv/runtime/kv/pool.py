@@ -120,6 +120,8 @@ class KVPool:
         # readers of pre-RoPE (shared) slots rotate with it
         self.rope = None
         self._scratch: Tensor | None = None  # (2, N, D) gather buffer of scratch reads
+        # growable pools: free slots per layer the owner will append soon (see ensure_headroom)
+        self.headroom = 0
 
     @classmethod
     def with_bytes(cls, spec: PoolSpec, nbytes: int) -> KVPool:
@@ -340,9 +342,22 @@ class KVPool:
             self._nfree[layer] = new_cap - used
         self._nfree_host[layer] = self._nfree[layer].tolist()
 
+    def ensure_headroom(self, slots: int) -> None:
+        """A growable pool keeps ``slots`` free slots per layer for the appends its owner expects (a
+        batch's remaining decode steps): it grows once now instead of every few steps, and compaction
+        keeps that room. Fixed pools ignore it."""
+        if not self.grow:
+            return
+        self.headroom = max(0, int(slots))
+        for layer in range(self.spec.num_layers):
+            free = self.free_slots(layer)
+            if free < self.headroom:
+                self._resize(layer, self.capacity(layer) + self.headroom - free, self.capacity(layer))
+
     def _maybe_compact(self, layer: int) -> None:
         cap = self.capacity(layer)
-        if not self.grow or cap <= COMPACT_MIN_SLOTS or self.free_slots(layer) <= COMPACT_FREE_FRACTION * cap:
+        spare = self.free_slots(layer) - self.headroom
+        if not self.grow or cap <= COMPACT_MIN_SLOTS or spare <= COMPACT_FREE_FRACTION * cap:
             return
         self.compact(layer)
 
@@ -367,5 +382,5 @@ class KVPool:
             owner = ref()
             if owner is not None:
                 owner.remap(remap, layer)
-        self._resize(layer, max(max(used) + GROW_SLOTS, 1), used)
+        self._resize(layer, max(max(used) + max(GROW_SLOTS, self.headroom), 1), used)
         self.compactions += 1
