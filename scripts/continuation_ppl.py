@@ -1,8 +1,12 @@
 """Real-text continuation perplexity, vlkv policies and kvpress presses side by side.
 
     python scripts/continuation_ppl.py --side vlkv --out docs/benchmarks/<date>-cpu-x86_64-2t/realtext
-    python scripts/continuation_ppl.py --side kvpress --out ...   # in parallel: another process
+    python scripts/continuation_ppl.py --side kvpress --out ...   # another process, once the vlkv
+                                                                  # side's full cache has run
     python scripts/continuation_ppl.py --side report --out ...
+
+KL and top-1 agreement are taken against vlkv's full-cache logits, which the vlkv side's first
+configuration stores per window (``--reference-dir``); the kvpress side's adapter reads them.
 
 Protocol (``vlkv/eval/continuation.py``): KJV narrative books (Debian ``bible-kjv``), windows of
 1024 context + 128 continuation tokens, compressed once after prefill, continuation teacher-forced;
@@ -12,6 +16,7 @@ paired bootstrap intervals over windows. A run resumes: stored configurations ar
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--boot", type=int, default=2000)
+    ap.add_argument(
+        "--reference-dir",
+        type=Path,
+        default=None,
+        help="full-cache logits per window, for KL and top-1 agreement (25 MB a window; default "
+        "${VLKV_CACHE:-~/.cache/vlkv}/realtext-reference/<model>-<context>+<continuation>)",
+    )
+    ap.add_argument("--no-kl", action="store_true", help="perplexity only (no reference logits)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from vlkv.eval.realtext import run_side, write_report
@@ -62,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         args.continuation,
     )
     specs = args.specs or (VLKV_CONFIGS if args.side == "vlkv" else KVPRESS_CONFIGS)
+    reference = None
+    if not args.no_kl:
+        reference = args.reference_dir or (
+            Path(os.environ.get("VLKV_CACHE") or "~/.cache/vlkv").expanduser()
+            / "realtext-reference"
+            / f"{args.model}-{args.context}+{args.continuation}"
+        )
     run_side(
         args.side,
         engine,
@@ -71,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         args.batch_size,
         log=lambda m: print(m, flush=True),
+        reference_dir=reference,
     )
     return 0
 

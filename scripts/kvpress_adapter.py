@@ -30,6 +30,11 @@ Job fields (defaults in :data:`JOB_DEFAULTS`):
     threads              torch CPU threads (timing reproducibility); default: torch's choice.
     top_k                top-k logits per step kept in the JSON (0 disables).
     logits_path          if set, full per-step logits ``(T, V)`` float32 are saved there.
+    reference_logits_path
+                         mode ``logits`` only: a ``(T, V)`` float ``.pt`` of the full cache's logits
+                         over the same continuation (vlkv's); the result then holds
+                         ``continuation_kl`` (KL(reference ‖ this run) per token, nats, float64
+                         log-softmax) and ``continuation_top1`` (argmax equal, per token).
     kept_indices_path    if set, kept prompt positions per layer are saved there: a list of
                          ``(num_kv_heads, m_l)`` int64 tensors (ascending; -1 if unmatched).
 
@@ -63,6 +68,7 @@ JOB_DEFAULTS = {
     "continuation_ids": None,
     "top_k": 5,
     "logits_path": None,
+    "reference_logits_path": None,
     "kept_indices_path": None,
     "attn_implementation": None,
     "dtype": "float32",
@@ -257,6 +263,22 @@ def _teacher_forced(model, cache, first_logits, pos, job):
     return torch.stack(rows)
 
 
+def _against_reference(logits: torch.Tensor, path: str) -> dict:
+    """Per-token KL(reference ‖ logits) and top-1 agreement; logits and the file both ``(T, V)``."""
+    ref = torch.load(path, map_location="cpu", weights_only=True)
+    logits = logits.detach().cpu()
+    if ref.shape != logits.shape:
+        raise ValueError(f"reference logits {tuple(ref.shape)} in {path} do not match {tuple(logits.shape)}")
+    log_p = torch.log_softmax(ref.double(), dim=-1)
+    log_q = torch.log_softmax(logits.double(), dim=-1)
+    p = log_p.exp()
+    kl = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+    return {
+        "continuation_kl": kl.tolist(),
+        "continuation_top1": (ref.argmax(-1) == logits.argmax(-1)).tolist(),
+    }
+
+
 def _kept_per_layer(cache, question_ids) -> list[int]:
     """Prompt entries left in each layer right after prefill (the uncompressed question excluded)."""
     return [layer.keys.shape[2] - len(question_ids or ()) for layer in cache.layers]
@@ -342,6 +364,8 @@ def run_job(job: dict, models: _ModelCache) -> dict:
         result["continuation_nll"] = torch.nn.functional.cross_entropy(
             logits.float(), target, reduction="none"
         ).tolist()
+        if job["reference_logits_path"]:
+            result.update(_against_reference(logits, job["reference_logits_path"]))
     logits = logits.float().cpu()
     if job["top_k"]:
         top = logits.topk(min(job["top_k"], logits.shape[-1]), dim=-1)

@@ -132,3 +132,40 @@ def test_kjv_books_are_plain_prose():
     (name, text), *_ = kjv_books((("Ruth", 4),))
     assert name == "kjv:Ruth" and text.startswith("Now it came to pass in the days when the judges ruled")
     assert text.count("\n\n") == 3 and "Ruth1:" not in text and len(text.split()) > 2000
+
+
+def test_kl_and_top1_against_the_stored_full_cache_logits(engines, windows, tmp_path):
+    """The full run stores its logits; every configuration's per-token KL and top-1 agreement are
+    taken against them, equal to the metrics on separately computed logits; the full cache itself
+    scores KL 0 and agreement 1."""
+    from vlkv.eval.continuation import ReferenceLogits
+    from vlkv.eval.metrics import kl_divergence
+
+    engine = engines["tiny-llava"]
+    full, snap = make_policy("full"), make_policy("snapkv", budget=0.25, window=8)
+    ref = ReferenceLogits(tmp_path / "ref")
+    assert ref.get(windows) is None
+    out = run_protocol(engine, windows, [("s", snap), ("f", full)], batch_size=1, reference=ref)
+    assert ref.has(windows)
+    assert torch.equal(out["f"]["kl"], torch.zeros_like(out["f"]["kl"])) and bool(out["f"]["top1"].all())
+    stored = ref.get(windows)
+    want = continuation_nll(engine, windows, snap, keep_logits=True)
+    assert want.kl is None and want.logits.shape == stored.shape
+    kl = kl_divergence(stored.flatten(0, 1), want.logits.flatten(0, 1)).view(len(windows), -1)
+    torch.testing.assert_close(out["s"]["kl"], kl, rtol=1e-6, atol=1e-9)
+    assert float(out["s"]["kl"].mean()) > 0
+    top1 = stored.argmax(-1) == want.logits.argmax(-1)
+    assert torch.equal(out["s"]["top1"], top1) and not bool(top1.all())
+    # a later run without the full policy reuses the stored reference
+    again = run_protocol(engine, windows, [("s", snap)], batch_size=2, reference=ref)
+    torch.testing.assert_close(again["s"]["kl"], out["s"]["kl"], rtol=1e-6, atol=1e-9)
+    # shared prefills give the same metrics as one prefill per policy
+    shared = shared_continuation_nll(engine, windows, [full, snap], stored)
+    torch.testing.assert_close(shared[1].kl, out["s"]["kl"], rtol=1e-6, atol=1e-9)
+    # no reference: no metric, and a wrong-shaped reference names the mismatch
+    assert "kl" not in run_protocol(engine, windows[:1], [("s", snap)])["s"]
+    with pytest.raises(ValueError, match="do not match"):
+        continuation_nll(engine, windows, snap, reference=stored[:, :-1])
+    torch.save(torch.zeros(3, 5), ref.path(windows[0]))
+    with pytest.raises(ValueError, match="delete it"):
+        ref.get(windows)

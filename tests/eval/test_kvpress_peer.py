@@ -80,6 +80,28 @@ def test_press_ratio_kvpress_mode_keeps_the_float_floor(adapter):
         adapter.press_ratio(0.5, 40, "ceil")
 
 
+def test_adapter_kl_against_reference_equals_vlkv_metrics(adapter, tmp_path):
+    """The adapter scores kvpress's logits against vlkv's stored full-cache logits with the same
+    KL and top-1 definitions as vlkv's own side."""
+    from vlkv.eval.metrics import kl_divergence
+
+    g = torch.Generator().manual_seed(3)
+    ref, mine = torch.randn(6, 50, generator=g), torch.randn(6, 50, generator=g)
+    mine[0] = ref[0]  # one row identical: KL 0, argmax equal
+    torch.save(ref, tmp_path / "ref.pt")
+    got = adapter._against_reference(mine, str(tmp_path / "ref.pt"))
+    torch.testing.assert_close(
+        torch.tensor(got["continuation_kl"], dtype=torch.float64),
+        kl_divergence(ref, mine),
+        rtol=1e-9,
+        atol=1e-12,
+    )
+    assert got["continuation_kl"][0] == 0 and got["continuation_top1"][0] is True
+    assert got["continuation_top1"] == (ref.argmax(-1) == mine.argmax(-1)).tolist()
+    with pytest.raises(ValueError, match="do not match"):
+        adapter._against_reference(mine[:, :10], str(tmp_path / "ref.pt"))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -50,6 +50,36 @@ def test_run_side_resumes_and_reports_intervals(engines, tmp_path):
     assert raw["window_mean_nll"]["vlkv:full@1"] == pytest.approx(full_means(tmp_path), abs=1e-6)
 
 
+def test_run_side_with_reference_adds_kl_and_top1(engines, tmp_path):
+    """With a reference folder the full run writes the logits, every configuration carries KL and
+    top-1 agreement, results stored without them are measured again, and the report shows them;
+    the kvpress side refuses to start before the reference exists."""
+    engine = engines["tiny-llava"]
+    tok = engine.tokenizer
+    text = " ".join(paragraphs())
+    windows = text_windows(lambda s: tok(s, add_special_tokens=False)["input_ids"], [("c", text)], 2, 64, 8)
+    logs = []
+    run_side("vlkv", engine, windows, ["local"], [0.25], tmp_path, batch_size=2, log=logs.append)
+    assert len(logs) == 2 and "KL" not in logs[-1]
+    with pytest.raises(ValueError, match="run the vlkv side first"):
+        run_side(
+            "kvpress", engine, windows, ["streaming_llm"], [0.25], tmp_path, reference_dir=tmp_path / "r"
+        )
+    run_side(
+        "vlkv", engine, windows, ["local"], [0.25], tmp_path, log=logs.append, reference_dir=tmp_path / "r"
+    )
+    assert len(logs) == 4 and "KL" in logs[-1]  # both stored without KL: measured again
+    run_side(
+        "vlkv", engine, windows, ["local"], [0.25], tmp_path, log=logs.append, reference_dir=tmp_path / "r"
+    )
+    assert len(logs) == 4
+    md, records = report(tmp_path, n_boot=200)
+    rows = {r["label"]: r for r in records}
+    assert rows["full@1"]["kl"] == 0 and rows["full@1"]["top1"] == 1
+    assert rows["local@0.25"]["kl"] > 0 and rows["local@0.25"]["kl_lo"] <= rows["local@0.25"]["kl"]
+    assert "KL(full ‖ config)" in md and f"{rows['local@0.25']['top1']:.3f}" in md
+
+
 def full_means(root):
     return (
         torch.load(root / "nll" / "vlkv" / "full@1.pt", weights_only=False)["nll"].double().mean(1).tolist()

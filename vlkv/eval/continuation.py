@@ -17,8 +17,10 @@ Text-only: policies see no image spans (A-VL's vision paths are not exercised he
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -29,6 +31,7 @@ from vlkv.runtime.policies import Policy
 from vlkv.runtime.prompt import EncodedPrompt, Spans, collate
 
 __all__ = [
+    "ReferenceLogits",
     "Window",
     "continuation_nll",
     "paired_delta",
@@ -116,6 +119,10 @@ class ContinuationResult:
         full_kv_bytes: K/V bytes of the uncompressed context.
         meta_bytes: per-entry metadata bytes (positions, modality, scores) held after compression.
         peak_kv_bytes: K/V bytes held before the policy's edit (the prefill writes every entry).
+        kl: ``(B, T)`` float64 KL(reference ‖ this run) per continuation token, when a reference was
+            given (the full cache's logits on the same windows); else None.
+        top1: ``(B, T)`` bool, this run's argmax == the reference's, when a reference was given.
+        logits: ``(B, T, V)`` float32 continuation logits, only when asked (``keep_logits``).
     """
 
     nll: Tensor
@@ -123,6 +130,30 @@ class ContinuationResult:
     full_kv_bytes: int
     meta_bytes: int
     peak_kv_bytes: int
+    kl: Tensor | None = None
+    top1: Tensor | None = None
+    logits: Tensor | None = None
+
+
+def _score(logits: Tensor, windows, reference: Tensor | None, keep_logits: bool):
+    """``(nll, kl, top1, logits)`` of ``logits (B, T, V)`` against the continuations and, when given,
+    the reference logits ``(B, T, V)``."""
+    from vlkv.eval.metrics import kl_divergence
+
+    cont = torch.tensor([w.continuation for w in windows], dtype=torch.long)
+    b, t = cont.shape
+    flat = logits.reshape(b * t, -1)
+    nll = torch.nn.functional.cross_entropy(flat, cont.reshape(-1), reduction="none").reshape(b, t)
+    kl = top1 = None
+    if reference is not None:
+        if reference.shape != logits.shape:
+            raise ValueError(
+                f"reference logits {tuple(reference.shape)} do not match this run's {tuple(logits.shape)}"
+            )
+        ref = reference.reshape(b * t, -1)
+        kl = kl_divergence(ref, flat).reshape(b, t)
+        top1 = (ref.argmax(-1) == flat.argmax(-1)).reshape(b, t)
+    return nll, kl, top1, (logits if keep_logits else None)
 
 
 def _prefill_inputs(engine: Engine, batch):
@@ -134,7 +165,8 @@ def _prefill_inputs(engine: Engine, batch):
 
 
 def _continue(engine: Engine, cache, policy: Policy, first_logits: Tensor, windows) -> Tensor:
-    """``(B, T)`` NLL of the continuations over ``cache`` (already compressed), no further edit."""
+    """``(B, T, V)`` float32 logits of the continuations over ``cache`` (already compressed), no
+    further edit; row ``t`` predicts continuation token ``t``."""
     from vlkv.runtime.backend import StepInputs
 
     cont = torch.tensor([w.continuation for w in windows], dtype=torch.long)
@@ -152,9 +184,7 @@ def _continue(engine: Engine, cache, policy: Policy, first_logits: Tensor, windo
         cache,
         None,
     )
-    logits = torch.cat([first_logits[:, None].float(), step.logits.float()], 1)  # (B, T, V)
-    nll = torch.nn.functional.cross_entropy(logits.reshape(b * t, -1), cont.reshape(-1), reduction="none")
-    return nll.reshape(b, t)
+    return torch.cat([first_logits[:, None].float(), step.logits.float()], 1)
 
 
 def _check_lengths(windows: Sequence[Window]) -> None:
@@ -164,10 +194,21 @@ def _check_lengths(windows: Sequence[Window]) -> None:
 
 
 @torch.no_grad()
-def continuation_nll(engine: Engine, windows: Sequence[Window], policy: Policy) -> ContinuationResult:
+def continuation_nll(
+    engine: Engine,
+    windows: Sequence[Window],
+    policy: Policy,
+    reference: Tensor | None = None,
+    keep_logits: bool = False,
+) -> ContinuationResult:
     """Compress each window's context once with ``policy``, then score its continuation.
 
     All windows must share context and continuation lengths (one padding-free batch).
+
+    Args:
+        reference: optional ``(B, T, V)`` logits of the full cache on the same windows: the result
+            then carries per-token KL and top-1 agreement against it.
+        keep_logits: return this run's ``(B, T, V)`` logits (to serve as a later reference).
     """
     _check_lengths(windows)
     batch = _batch(windows, engine.pad_id)
@@ -175,7 +216,9 @@ def continuation_nll(engine: Engine, windows: Sequence[Window], policy: Policy) 
     out = engine.prefill(batch, policy, cache)
     peak = cache.full_kv_bytes()  # the step wrote every context entry before the policy's edit
     kv, meta = cache.kv_bytes(), cache.meta_bytes()
-    return ContinuationResult(_continue(engine, cache, policy, out.logits, windows), kv, peak, meta, peak)
+    logits = _continue(engine, cache, policy, out.logits, windows)
+    nll, kl, top1, kept = _score(logits, windows, reference, keep_logits)
+    return ContinuationResult(nll, kv, peak, meta, peak, kl, top1, kept)
 
 
 def _fixed_pool(engine: Engine, slots: int):
@@ -205,13 +248,19 @@ def _freeze(x):
 
 @torch.no_grad()
 def shared_continuation_nll(
-    engine: Engine, windows: Sequence[Window], policies: Sequence[Policy]
+    engine: Engine,
+    windows: Sequence[Window],
+    policies: Sequence[Policy],
+    reference: Tensor | None = None,
+    keep_logits: Sequence[int] = (),
 ) -> list[ContinuationResult]:
     """:func:`continuation_nll` for several policies, one prefill per distinct statistics request.
 
     Policies that ask the same prefill statistics (e.g. one scorer at several budgets) and have no
     prefill filter share one forward pass; each edits its own copy of the cache. The result equals
     running :func:`continuation_nll` per policy (tested), at a fraction of the cost.
+    ``reference`` is as in :func:`continuation_nll`; ``keep_logits`` lists the policies (indices)
+    whose logits the results keep.
     """
     import copy
 
@@ -231,7 +280,8 @@ def shared_continuation_nll(
     results: list[ContinuationResult | None] = [None] * len(policies)
     for key, members in groups.items():
         if key[0] == "unshared":
-            results[members[0]] = continuation_nll(engine, windows, policies[members[0]])
+            i = members[0]
+            results[i] = continuation_nll(engine, windows, policies[i], reference, i in keep_logits)
             continue
         base = engine.new_cache(
             batch, _fixed_pool(engine, len(windows) * (rows + len(windows[0].continuation)))
@@ -251,8 +301,9 @@ def shared_continuation_nll(
             stats.replay = replays[key]
             apply_edits(cache, policies[i].after_prefill(cache, stats, ctx))
             kv, meta = cache.kv_bytes(), cache.meta_bytes()
-            nll = _continue(engine, cache, policies[i], out.logits, windows)
-            results[i] = ContinuationResult(nll, kv, peak, meta, peak)
+            logits = _continue(engine, cache, policies[i], out.logits, windows)
+            nll, kl, top1, kept = _score(logits, windows, reference, i in keep_logits)
+            results[i] = ContinuationResult(nll, kv, peak, meta, peak, kl, top1, kept)
     return results
 
 
@@ -283,26 +334,77 @@ def paired_delta(
     return point, float(lo), float(hi)
 
 
+class ReferenceLogits:
+    """The full cache's continuation logits per window, on disk, so KL and top-1 agreement can be
+    taken against them by later runs and by other processes (kvpress's adapter reads the files).
+
+    One ``(T, V)`` float32 file per window (``<dir>/<window source>.pt``): 25 MB for 128 tokens of a
+    49k vocabulary, so keep ``dir`` out of the repository.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+
+    def path(self, window: Window) -> Path:
+        return self.dir / (re.sub(r"[^A-Za-z0-9._=@-]+", "_", window.source) + ".pt")
+
+    def has(self, windows: Sequence[Window]) -> bool:
+        return all(self.path(w).is_file() for w in windows)
+
+    def get(self, windows: Sequence[Window]) -> Tensor | None:
+        """``(B, T, V)`` for ``windows``, or None when any window has no stored reference."""
+        if not self.has(windows):
+            return None
+        rows = [torch.load(self.path(w), weights_only=True) for w in windows]
+        for w, r in zip(windows, rows):
+            if r.dim() != 2 or r.shape[0] != len(w.continuation):
+                raise ValueError(
+                    f"{self.path(w)} holds logits {tuple(r.shape)}, not ({len(w.continuation)}, V): "
+                    "delete it to measure the reference again"
+                )
+        return torch.stack(rows)
+
+    def put(self, windows: Sequence[Window], logits: Tensor) -> None:
+        """Store ``logits (B, T, V)``, row ``b`` for ``windows[b]``."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for w, row in zip(windows, logits):
+            tmp = self.path(w).with_suffix(".tmp")
+            torch.save(row.float().contiguous().clone(), tmp)
+            tmp.replace(self.path(w))
+
+
 def run_protocol(
     engine: Engine,
     windows: Sequence[Window],
     configs: Sequence[tuple[str, Policy]],
     batch_size: int = 4,
     progress=None,
+    reference: ReferenceLogits | None = None,
 ) -> dict[str, dict]:
     """Score each ``(label, policy)`` on every window; returns ``{label: {"nll": (W, T), ...}}``.
 
     Each entry also carries ``kv_bytes``, ``full_kv_bytes``, ``meta_bytes`` summed over windows,
     ``peak_kv_bytes`` (largest batch) and ``seconds`` (wall time shared evenly among the configs:
     configurations with equal prefill statistics share one prefill).
+
+    With ``reference``: a ``full`` policy among ``configs`` stores its logits there, and every
+    configuration also gets ``kl`` ``(W, T)`` float64 and ``top1`` ``(W, T)`` bool against the stored
+    full-cache logits (absent when no reference exists for some window).
     """
     import time
 
+    full = [i for i, (_, p) in enumerate(configs) if p.name == "full"]
+
+    def batch(ws):
+        ref = reference.get(ws) if reference is not None else None
+        if reference is not None and ref is None and full:
+            # measure the reference first so every configuration of this batch is scored against it
+            ref = continuation_nll(engine, ws, configs[full[0]][1], keep_logits=True).logits
+            reference.put(ws, ref)
+        return shared_continuation_nll(engine, ws, [p for _, p in configs], ref)
+
     t0 = time.perf_counter()
-    parts = [
-        shared_continuation_nll(engine, windows[i : i + batch_size], [p for _, p in configs])
-        for i in range(0, len(windows), batch_size)
-    ]
+    parts = [batch(windows[i : i + batch_size]) for i in range(0, len(windows), batch_size)]
     seconds = (time.perf_counter() - t0) / len(configs)
     out = {}
     for c, (label, policy) in enumerate(configs):
@@ -317,6 +419,9 @@ def run_protocol(
             "peak_kv_bytes": max(p.peak_kv_bytes for p in mine),
             "seconds": seconds,
         }
+        if all(p.kl is not None for p in mine):
+            out[label]["kl"] = torch.cat([p.kl for p in mine])
+            out[label]["top1"] = torch.cat([p.top1 for p in mine])
         if progress:
             progress(label, out[label])
     return out

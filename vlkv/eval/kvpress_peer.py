@@ -66,6 +66,8 @@ class KvpressJob:
         input_ids: prompt ids, length n; or
         inputs_embeds_path: ``.pt`` of a float ``(n, hidden)`` tensor (exactly one of the two).
         continuation_ids: teacher-forced ids for ``mode="logits"``, length T (logits ``(T, V)``).
+        reference_logits_path: ``.pt`` of the full cache's ``(T, V)`` logits over the same
+            continuation: the result adds per-token KL and top-1 agreement against them.
     """
 
     model_dir: str
@@ -82,6 +84,7 @@ class KvpressJob:
     continuation_ids: list[int] | None = None
     top_k: int = 5
     logits_path: str | None = None
+    reference_logits_path: str | None = None
     kept_indices_path: str | None = None
     attn_implementation: str | None = None
     dtype: str = "float32"

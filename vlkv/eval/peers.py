@@ -206,16 +206,22 @@ def peer_continuation_nll(
     work_dir: Path,
     threads: int | None = 1,
     timeout: float = 4 * 3600,
+    reference=None,
 ) -> dict[str, dict]:
     """The continuation protocol (:mod:`vlkv.eval.continuation`) run by kvpress presses.
 
     Args:
         windows: :class:`~vlkv.eval.continuation.Window` list (token ids, no images).
         configs: ``(label, press, budget, press_kwargs)``; ``press`` a :data:`PEER_PRESSES` value.
+        reference: optional :class:`~vlkv.eval.continuation.ReferenceLogits` holding vlkv's
+            full-cache logits for every window: the adapter then also returns per-token KL and
+            top-1 agreement against them (``kl`` ``(W, T)`` float64, ``top1`` ``(W, T)`` bool).
 
     Returns ``{label: {"nll": (W, T) float32, "press": ..., "budget": ..., "kept_per_layer": ...}}``;
     a failed press gets ``{"error": "<one line>"}`` instead of ``nll``.
     """
+    if reference is not None and not reference.has(windows):
+        raise ValueError(f"no full-cache reference logits for every window under {reference.dir}")
     work_dir = Path(work_dir)
     model_dir = export_language_model(engine, work_dir / "lm")
     jobs = [
@@ -229,6 +235,7 @@ def peer_continuation_nll(
             continuation_ids=list(w.continuation),
             top_k=0,
             threads=threads,
+            reference_logits_path=str(reference.path(w)) if reference is not None else None,
         )
         for _, press, budget, kwargs in configs
         for w in windows
@@ -251,5 +258,8 @@ def peer_continuation_nll(
             entry["kept_per_layer"] = rows[0]["kept_per_layer"]
             entry["prompt_length"] = rows[0]["prompt_length"]
             entry["seconds"] = sum(r.get("job_s", 0.0) for r in rows)
+            if reference is not None:
+                entry["kl"] = torch.tensor([r["continuation_kl"] for r in rows], dtype=torch.float64)
+                entry["top1"] = torch.tensor([r["continuation_top1"] for r in rows], dtype=torch.bool)
         out[label] = entry
     return out

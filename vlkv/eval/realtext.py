@@ -20,7 +20,7 @@ import torch
 
 from vlkv.eval.continuation import Window, paired_delta, ppl, run_protocol
 
-__all__ = ["KVPRESS_CONFIGS", "MATCHED", "VLKV_CONFIGS", "parse_spec", "report", "run_side"]
+__all__ = ["KVPRESS_CONFIGS", "MATCHED", "VLKV_CONFIGS", "mean_interval", "parse_spec", "report", "run_side"]
 
 # Ordered by what the comparison needs first: a run cut short still answers the main questions.
 VLKV_CONFIGS = (
@@ -113,14 +113,39 @@ def run_side(
     out: Path,
     batch_size: int = 4,
     log=print,
+    reference_dir: Path | None = None,
 ) -> None:
-    """Measure every ``spec × budget`` (plus the full cache) not yet stored under ``out``."""
+    """Measure every ``spec × budget`` (plus the full cache) not yet stored under ``out``.
+
+    With ``reference_dir`` (:class:`~vlkv.eval.continuation.ReferenceLogits`: vlkv's full-cache
+    logits per window, written by the vlkv side's full run) every configuration also gets per-token
+    KL and top-1 agreement against the full cache; stored results without them are measured again.
+    The kvpress side needs the vlkv side's reference first.
+    """
+    from vlkv.eval.continuation import ReferenceLogits
     from vlkv.runtime.policies import make_policy
 
     first = ("full" if side == "vlkv" else "none", 1.0)
     todo = [first] + [(s, b) for s in specs for b in budgets]
     meta = {"windows": [w.source for w in windows]}
-    pending = [(spec, b) for spec, b in todo if not _path(out, side, label(spec, b)).is_file()]
+    reference = ReferenceLogits(reference_dir) if reference_dir is not None else None
+    if side == "kvpress" and reference is not None and not reference.has(windows):
+        raise ValueError(
+            f"no full-cache reference logits under {reference_dir}: run the vlkv side first "
+            "(its full cache writes them)"
+        )
+
+    def done(spec, b) -> bool:
+        path = _path(out, side, label(spec, b))
+        if not path.is_file():
+            return False
+        if reference is None:
+            return True
+        if side == "vlkv" and spec == "full" and not reference.has(windows):
+            return False
+        return "kl" in torch.load(path, weights_only=False)
+
+    pending = [(spec, b) for spec, b in todo if not done(spec, b)]
     # vlkv: configurations asking the same prefill statistics run together (one shared prefill);
     # kvpress: one adapter process per configuration, so each is stored as soon as it is measured
     if side == "vlkv":
@@ -137,14 +162,14 @@ def run_side(
                 name, kwargs = parse_spec(spec)
                 policy = make_policy(name) if name == "full" else make_policy(name, budget=budget, **kwargs)
                 configs.append((label(spec, budget), policy))
-            results = run_protocol(engine, windows, configs, batch_size)
+            results = run_protocol(engine, windows, configs, batch_size, reference=reference)
         else:
             from vlkv.eval.peers import peer_continuation_nll
 
             cfgs = [(label(spec, b), *parse_spec(spec)[:1], b, parse_spec(spec)[1]) for spec, b in group]
             # the exported LM (hundreds of MB) stays out of the results folder
             with tempfile.TemporaryDirectory(prefix="vlkv-realtext-") as work:
-                results = peer_continuation_nll(engine, list(windows), cfgs, Path(work))
+                results = peer_continuation_nll(engine, list(windows), cfgs, Path(work), reference=reference)
         for spec, budget in group:
             lab = label(spec, budget)
             res = results[lab]
@@ -153,7 +178,12 @@ def run_side(
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(res, path)
             if "nll" in res:
-                log(f"{side} {lab}: ppl {ppl(res['nll']):.4f} ({res.get('seconds', 0):.0f} s)")
+                extra = (
+                    f", KL {float(res['kl'].mean()):.4f}, top-1 {float(res['top1'].double().mean()):.3f}"
+                    if "kl" in res
+                    else ""
+                )
+                log(f"{side} {lab}: ppl {ppl(res['nll']):.4f}{extra} ({res.get('seconds', 0):.0f} s)")
             else:
                 log(f"{side} {lab}: FAILED {res.get('error')}")
 
@@ -164,6 +194,30 @@ def _load(out: Path) -> list[dict]:
 
 def _fmt(point, lo, hi) -> str:
     return f"{100 * point:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+
+
+def mean_interval(
+    x: torch.Tensor, base: torch.Tensor | None = None, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float, float]:
+    """Mean of ``x (W, T)`` (minus ``base``'s, paired, when given) and its percentile-bootstrap
+    interval over windows: for additive per-token metrics (KL, top-1 agreement)."""
+    a = x.double().mean(1)
+    if base is not None:
+        if base.shape != x.shape:
+            raise ValueError(
+                f"paired metrics must share (W, T), got {tuple(x.shape)} and {tuple(base.shape)}"
+            )
+        a = a - base.double().mean(1)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, a.shape[0], (n_boot, a.shape[0]), generator=g)
+    lo, hi = torch.quantile(
+        a[idx].mean(1), torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    )
+    return float(a.mean()), float(lo), float(hi)
+
+
+def _fmt_kl(point, lo, hi) -> str:
+    return f"{point:.4f} [{lo:.4f}, {hi:.4f}]"
 
 
 def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
@@ -186,6 +240,9 @@ def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
             raise ValueError(f"{r['label']} was measured on other windows than the full cache")
         point, lo, hi = paired_delta(r["nll"], base, n_boot)
         rec.update(ppl=ppl(r["nll"]), dppl=point, dppl_lo=lo, dppl_hi=hi)
+        if "kl" in r:
+            rec["kl"], rec["kl_lo"], rec["kl_hi"] = mean_interval(r["kl"], n_boot=n_boot)
+            rec["top1"] = float(r["top1"].double().mean())
         for key in ("kv_bytes", "full_kv_bytes", "meta_bytes", "peak_kv_bytes", "seconds"):
             if key in r:
                 rec[key] = r[key]
@@ -199,13 +256,13 @@ def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
         f"Full cache (vlkv): PPL {ppl(base):.4f} over {w} windows x {t} tokens.",
         "",
         f"| side | configuration | budget | PPL | ΔPPL vs full [95% CI] | vs vlkv `{REFERENCE}` [95% CI] "
-        "| KV bytes / full | metadata bytes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| KL(full ‖ config) [95% CI] | top-1 agreement | KV bytes / full | metadata bytes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rec in sorted(records, key=lambda r: (-r["budget"], r["side"], r.get("dppl", math.inf))):
         if "error" in rec:
             lines.append(
-                f"| {rec['side']} | `{rec['spec']}` | {rec['budget']:g} | failed: {rec['error']} | | | | |"
+                f"| {rec['side']} | `{rec['spec']}` | {rec['budget']:g} | failed: {rec['error']} | | | | | | |"
             )
             continue
         ratio = (
@@ -216,6 +273,8 @@ def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
             else ""
         )
         meta = f"{rec['meta_bytes'] / w:,.0f}/window" if "meta_bytes" in rec else ""
+        kl = _fmt_kl(rec["kl"], rec["kl_lo"], rec["kl_hi"]) if "kl" in rec else ""
+        top1 = f"{rec['top1']:.3f}" if "top1" in rec else ""
         ref = by_label.get(("vlkv", label(REFERENCE, rec["budget"])))
         vs = ""
         if ref is not None and rec["budget"] < 1:
@@ -224,15 +283,16 @@ def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
             vs = _fmt(point, lo, hi)
         lines.append(
             f"| {rec['side']} | `{rec['spec']}` | {rec['budget']:g} | {rec['ppl']:.4f} | "
-            f"{_fmt(rec['dppl'], rec['dppl_lo'], rec['dppl_hi'])} | {vs} | {ratio} | {meta} |"
+            f"{_fmt(rec['dppl'], rec['dppl_lo'], rec['dppl_hi'])} | {vs} | {kl} | {top1} | {ratio} | {meta} |"
         )
     lines += [
         "",
         "Best per side and budget (lowest PPL), and vlkv-best vs kvpress-best: "
         "PPL(vlkv best) / PPL(kvpress best) − 1, paired over windows (negative = vlkv better).",
         "",
-        "| budget | vlkv best | ΔPPL vs full | kvpress best | ΔPPL vs full | vlkv − kvpress [95% CI] |",
-        "|---|---|---|---|---|---|",
+        "| budget | vlkv best | ΔPPL vs full | kvpress best | ΔPPL vs full | vlkv − kvpress [95% CI] "
+        "| KL: vlkv − kvpress [95% CI] | top-1: vlkv − kvpress [95% CI] |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for b in budgets:
         best = {}
@@ -246,20 +306,26 @@ def report(out: Path, n_boot: int = 2000) -> tuple[str, list[dict]]:
         point, lo, hi = paired_delta(
             by_label[("vlkv", v["label"])]["nll"], by_label[("kvpress", k["label"])]["nll"], n_boot
         )
-        records.append(
-            {
-                "side": "compare",
-                "budget": b,
-                "vlkv": v["spec"],
-                "kvpress": k["spec"],
-                "delta": point,
-                "lo": lo,
-                "hi": hi,
-            }
-        )
+        rec = {
+            "side": "compare",
+            "budget": b,
+            "vlkv": v["spec"],
+            "kvpress": k["spec"],
+            "delta": point,
+            "lo": lo,
+            "hi": hi,
+        }
+        rv, rk = by_label[("vlkv", v["label"])], by_label[("kvpress", k["label"])]
+        kl_cell = top1_cell = ""
+        if "kl" in rv and "kl" in rk:
+            rec["kl_delta"], rec["kl_lo"], rec["kl_hi"] = mean_interval(rv["kl"], rk["kl"], n_boot)
+            rec["top1_delta"], rec["top1_lo"], rec["top1_hi"] = mean_interval(rv["top1"], rk["top1"], n_boot)
+            kl_cell = f"{rec['kl_delta']:+.4f} [{rec['kl_lo']:+.4f}, {rec['kl_hi']:+.4f}]"
+            top1_cell = f"{rec['top1_delta']:+.3f} [{rec['top1_lo']:+.3f}, {rec['top1_hi']:+.3f}]"
+        records.append(rec)
         lines.append(
             f"| {b:g} | `{v['spec']}` | {100 * v['dppl']:+.2f}% | `{k['spec']}` | {100 * k['dppl']:+.2f}% | "
-            f"{_fmt(point, lo, hi)} |"
+            f"{_fmt(point, lo, hi)} | {kl_cell} | {top1_cell} |"
         )
     lines += [
         "",
@@ -302,6 +368,16 @@ def write_report(out: Path, header: str = "", n_boot: int = 2000) -> Path:
         "tokens_per_window": int(runs[0]["nll"].shape[1]) if runs else 0,
         "window_mean_nll": {
             f"{r['side']}:{r['label']}": [round(float(x), 7) for x in r["nll"].double().mean(1)] for r in runs
+        },
+        "window_mean_kl": {
+            f"{r['side']}:{r['label']}": [round(float(x), 8) for x in r["kl"].double().mean(1)]
+            for r in runs
+            if "kl" in r
+        },
+        "window_top1": {
+            f"{r['side']}:{r['label']}": [round(float(x), 6) for x in r["top1"].double().mean(1)]
+            for r in runs
+            if "top1" in r
         },
     }
     (Path(out) / "per_window.json").write_text(json.dumps(raw, indent=1) + "\n")
