@@ -55,11 +55,15 @@ def replay(engine, batch, policy, tokens: list[int]):
     return torch.log_softmax(torch.stack(logits), -1), held, time.perf_counter() - t0, cache.kv_bytes()
 
 
-def configs(ranks, budgets) -> list[tuple[str, str, dict]]:
+def configs(ranks, budgets, paths=("a",)) -> list[tuple[str, str, dict]]:
     out = []  # the full cache is the reference every row is compared with
     for r in ranks:
-        out.append((f"attnpack r={r}", "attnpack", {"rank": r, "rank_lo": r}))
-        out.append((f"attnpack r={r} aware (lo={max(1, r // 4)})", "attnpack", {"rank": r}))
+        for path in paths:
+            tag = "" if path == "a" else " path=b"
+            out.append((f"attnpack r={r}{tag}", "attnpack", {"rank": r, "rank_lo": r, "path": path}))
+            out.append(
+                (f"attnpack r={r} aware (lo={max(1, r // 4)}){tag}", "attnpack", {"rank": r, "path": path})
+            )
     for b in budgets:
         for name in ("snapkv", "h2o"):
             out.append((f"{name} budget={b}", name, {"budget": b}))
@@ -77,7 +81,7 @@ def run(args) -> dict:
         want = engine.generate([Prompt(QUESTION, [photo])], make_policy("full"), args.new, stop_at_eos=False)
         tokens = want.samples[0].token_ids
         ref, full_img, _, full_kv = replay(engine, batch, make_policy("full"), tokens)
-        for label, name, kw in configs(args.ranks, args.budgets):
+        for label, name, kw in configs(args.ranks, args.budgets, args.paths):
             _, _, t_full, _ = replay(engine, batch, make_policy("full"), tokens)  # interleaved timing
             lp, held, t, kv = replay(engine, batch, make_policy(name, **kw), tokens)
             free = engine.generate(
@@ -165,7 +169,16 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=2)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 128])
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
+    ap.add_argument(
+        "--budgets", type=float, nargs="*", default=[0.5, 0.25], help="eviction rows (none: no eviction rows)"
+    )
+    ap.add_argument(
+        "--paths",
+        nargs="+",
+        choices=["a", "b"],
+        default=["a", "b"],
+        help="a: pre-RoPE factors reconstructed each step; b: post-RoPE factors, rank-space decode",
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/attnpack-smollm2-llava-cpu.md"))
     add_device_args(ap)
     add_threads_arg(ap)

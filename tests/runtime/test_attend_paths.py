@@ -107,3 +107,85 @@ def test_plain_flag_reads_cache_and_padding():
     assert not _StepContext(cache, padded, None).plain
     cache.layers[0].lengths = torch.tensor([0, 2])
     assert not _StepContext(cache, full, None).plain
+
+
+@pytest.mark.parametrize("s", [1, 7, 300])
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("threshold", [None, 0.05])
+def test_decode_statistics_from_one_softmax_row(s, holes, threshold):
+    """A decode step's statistics from its one softmax row per head equal the statistics kernel's
+    reference, per KV head with holes, over ragged caches and unrequested rows."""
+    from vlkv.plugins import attn_stats_reference
+    from vlkv.runtime.torch_backend import _one_row_probs, _one_row_stats
+
+    b, h, hkv, d = 3, 6, 2, 16
+    q, k, v = _qkv(b, h, hkv, 1, s, d)
+    past = torch.tensor([s - 1, max(s // 2 - 1, 0), s - 1])
+    open_ = None
+    if holes and s > 1:
+        open_ = torch.rand(b, hkv, s, generator=torch.Generator().manual_seed(s)) > 0.3
+        open_[:, :, 0] = True  # every head sees at least one entry
+    rows = torch.tensor([[True], [True], [False]])
+    probs, vis = _one_row_probs(q, k, 0.3, past, open_)
+    got = _one_row_stats(probs, vis, rows, threshold)
+    key_order = torch.arange(s)[None, None, :].expand(b, hkv, s)
+    if open_ is not None:
+        key_order = key_order.masked_fill(~open_, torch.iinfo(torch.long).max)
+    ref = attn_stats_reference(
+        q,
+        k,
+        0.3,
+        query_rows=rows,
+        causal=False,
+        threshold=threshold,
+        key_lengths=past + 1,
+        key_order=key_order,
+        query_order=past[:, None],
+    )
+    torch.testing.assert_close(got.colsum, ref.colsum, rtol=RTOL, atol=ATOL)
+    assert torch.equal(got.visible, ref.visible)
+    if threshold is None:
+        assert got.below is None and ref.below is None
+    else:
+        assert torch.equal(got.below, ref.below) and int(got.below.sum()) > (0 if s > 7 else -1)
+    assert vis is None if (open_ is None and s == 1) else vis is not None
+
+
+def test_h2o_decode_statistics_equal_the_reference_path(engines, images, monkeypatch):
+    """End to end: H2O's logits and running scores over several decode steps are the same whether
+    the step takes the one-row statistics or the general statistics pass."""
+    import vlkv.runtime.torch_backend as tb
+    from vlkv.runtime.policies import make_policy
+
+    engine = engines["tiny-llava"]
+    batch = engine.encode([Prompt("Describe this in detail please.", images=[images[0]]), Prompt("Hi there")])
+
+    def run():
+        policy = make_policy("h2o", budget=0.6)
+        cache = engine.new_cache(batch)
+        tok = engine.prefill(batch, policy, cache).logits.argmax(-1)
+        logits = []
+        for step in range(1, 6):
+            out = engine.decode(tok, batch, policy, cache, step)
+            logits.append(out.logits)
+            tok = out.logits.argmax(-1)
+        return torch.stack(logits), [lay.scores["h2o"].clone() for lay in cache.layers]
+
+    calls = []
+    real = tb._one_row_probs
+    monkeypatch.setattr(tb, "_one_row_probs", lambda *a: calls.append(1) or real(*a))
+    row_logits, row_scores = run()
+    assert calls  # the one-row statistics were taken
+    old_attend = tb._StepContext.attend
+
+    def attend(self, *args):
+        self.one_row = False  # the separate statistics pass
+        return old_attend(self, *args)
+
+    monkeypatch.setattr(tb._StepContext, "attend", attend)
+    calls.clear()
+    plain_logits, plain_scores = run()
+    assert not calls
+    assert torch.equal(row_logits, plain_logits)  # the output is the same SDPA call
+    for a, b in zip(row_scores, plain_scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -122,7 +122,9 @@ class LayerKV:
     def max_length(self) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 
-    def attention_kv(self, upto: int | None = None, view: bool = False) -> tuple[Tensor, Tensor]:
+    def attention_kv(
+        self, upto: int | None = None, view: bool = False, fill: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """Dense K/V a backend attends over: ``(B, H_kv, upto, D)`` gathered from the pool.
 
         ``view=True`` (a backend reading within one step) allows a view of the pool when the entries are
@@ -131,7 +133,9 @@ class LayerKV:
 
         Keys of shared (linked) entries are stored before RoPE and rotated here to the positions
         this cache gives them (``pool.rope``); private entries are stored rotated. Columns past a
-        sample's length read arbitrary (finite) pool data: attention masks them.
+        sample's length read arbitrary (finite) pool data: attention masks them. ``fill=False``
+        leaves factored (low-rank) columns as arbitrary finite data too: for a backend that attends
+        to them in the rank space.
         """
         n = self.max_length if upto is None else upto
         if n == 0 or self.pool.capacity(self.layer) == 0:
@@ -145,15 +149,16 @@ class LayerKV:
                 keys, values = self.pool.keys[self.layer], self.pool.values[self.layer]
                 return keys[None, :, start : start + n], values[None, :, start : start + n]
         dense = ids.clamp(min=0) if self.lowrank is not None else ids
+        lowrank = self.lowrank if fill else None
         # a backend's read (view) may gather into the pool's scratch buffer, unless this layer still
         # rewrites what it read (rotation of shared keys, low-rank fill)
-        k, v = self.pool.read(self.layer, dense, scratch=view and not self.linked and self.lowrank is None)
+        k, v = self.pool.read(self.layer, dense, scratch=view and not self.linked and lowrank is None)
         if self.linked:
             pre = self.pool.is_prerope(self.layer, dense) & self.valid_mask()[:, None, :n] & (ids >= 0)
             if bool(pre.any()):
                 k = torch.where(pre[..., None], self.pool.rope(k, self.positions[:, :, :n]), k)
-        if self.lowrank is not None:
-            k, v = self.lowrank.fill(self, k, v, ids)
+        if lowrank is not None:
+            k, v = lowrank.fill(self, k, v, ids)
         return k, v
 
     def _run_start(self, ids: Tensor) -> int | None:
@@ -485,9 +490,17 @@ class LayerKV:
         self.holes = meta.get("holes")
         self.scores = {n[len("score:") :]: t for n, t in meta.items() if n.startswith("score:")}
 
-    def valid_mask(self) -> Tensor:
-        """``(B, C)`` bool, True at valid table columns."""
-        return torch.arange(self.capacity, device=self.device)[None, :] < self.lengths[:, None]
+    def valid_mask(self, width: int | None = None) -> Tensor:
+        """``(B, width)`` bool (default: the table's capacity), True at valid table columns."""
+        n = self.capacity if width is None else width
+        return torch.arange(n, device=self.device)[None, :] < self.lengths[:, None]
+
+    def table(self, width: int) -> Tensor:
+        """``(B, H_kv, width)`` slot ids of the first ``width`` columns (0 past the table's capacity)."""
+        t = self.slots[:, :, :width]
+        if t.shape[2] < width:
+            t = torch.cat([t, t.new_zeros(*t.shape[:2], width - t.shape[2])], dim=2)
+        return t
 
     # ------------------------------------------------------------------ pool life cycle
     def remap(self, remap: Tensor, layer: int | None = None) -> None:

@@ -75,7 +75,18 @@ class _StepContext:
         self.past[layer_idx] = layer.append(
             k, v, self.inputs.positions, self.inputs.modality, self.inputs.new_len, self.order
         )
-        return layer.attention_kv(view=True)
+        # post-RoPE factors: a decode step attends to them in the rank space (attend), unrebuilt
+        return layer.attention_kv(view=True, fill=not self._rank_space(layer))
+
+    def _rank_space(self, layer) -> bool:
+        """This step attends to ``layer``'s factored rows in the rank space (AttentionPack path (b))."""
+        return (
+            getattr(self, "one_row", False)
+            and layer.lowrank is not None
+            and layer.lowrank.post_rope
+            and self.inputs.attend is None
+            and not self.inputs.selective
+        )
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
         """``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)`` → ``(B, q, H, D)``."""
@@ -91,8 +102,33 @@ class _StepContext:
             self._stats_by_order(layer_idx, q, k, scale, past, new_len, open_)
             return out.transpose(1, 2).contiguous()
         elif index is None:
-            out = self._attend_full(q, k, v, scale, past, new_len, open_)
             self.attended[layer_idx] = _attended(past + new_len, open_)
+            wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
+            layer = self.cache.layers[layer_idx]
+            if self._rank_space(layer):
+                out, probs, vis = _rank_space_one_row(q, k, v, scale, past, open_, layer)
+                for name in wanted:
+                    st = _one_row_stats(probs, vis, self.rows[name], self.requests[name].threshold)
+                    if name:
+                        self.stats.extra[name][layer_idx] = st
+                    else:
+                        self.stats[layer_idx] = st
+                return out.transpose(1, 2).contiguous()
+            if wanted and getattr(self, "one_row", False):
+                # a decode step's statistics are one softmax row per head: a few tensor ops, not the
+                # general chunked pass (whose per-sample loop cost more than the attention itself).
+                # The output stays SDPA's, so a policy that evicts nothing equals the full cache
+                # bit for bit.
+                out = self._attend_full(q, k, v, scale, past, new_len, open_)
+                probs, vis = _one_row_probs(q, k, scale, past, open_)
+                for name in wanted:
+                    st = _one_row_stats(probs, vis, self.rows[name], self.requests[name].threshold)
+                    if name:
+                        self.stats.extra[name][layer_idx] = st
+                    else:
+                        self.stats[layer_idx] = st
+                return out.transpose(1, 2).contiguous()
+            out = self._attend_full(q, k, v, scale, past, new_len, open_)
             selected = None
         elif open_ is not None:
             raise ValueError(
@@ -258,6 +294,101 @@ def _attended(lengths: Tensor, open_: Tensor | None) -> Tensor:
         return lengths.double()
     visible = torch.arange(open_.shape[2], device=open_.device)[None, None, :] < lengths[:, None, None]
     return (open_ & visible).double().sum(2).mean(1)
+
+
+def _one_row_probs(
+    q: Tensor, k: Tensor, scale: float, past: Tensor, open_: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """A decode step's attention probabilities: one new row per sample at slot ``past[b]``.
+
+    ``q (B, H, 1, D)``, ``k (B, H_kv, S, D)``, ``past (B,)``, ``open_ (B, H_kv, S)`` or None →
+    ``probs (B, H_kv, G, S)`` float32 (the softmax each query head takes) and the visibility
+    ``(B, 1 or H_kv, 1, S)`` bool, or None when every row sees every column.
+    """
+    b, h, _, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    # the G query heads of a KV head are G rows of one matmul: each K head is read once
+    scores = torch.matmul(q.reshape(b, hkv, h // hkv, d).float(), k.float().transpose(-1, -2)).mul_(scale)
+    vis = None
+    if open_ is not None or int(past.min()) + 1 != s:
+        vis = (torch.arange(s, device=q.device)[None, :] <= past[:, None])[:, None, None, :]
+        if open_ is not None:
+            vis = vis & open_[:, :, None, :]
+        scores.masked_fill_(~vis, float("-inf"))
+    return torch.softmax(scores, dim=-1), vis
+
+
+def _rank_space_one_row(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, past: Tensor, open_: Tensor | None, layer
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A decode step over a cache whose factored columns hold post-RoPE low-rank rows (path (b)).
+
+    ``q (B, H, 1, D)``; ``k/v (B, H_kv, S, D)`` as read without filling the factored columns (their
+    content is arbitrary). Factored scores are ``(q·D_kᵀ)·K̄ᵀ`` and their share of the output
+    ``(p·V̄)·D_v``: the dense image K/V are never rebuilt. Returns ``out (B, H, 1, D)`` in ``q``'s
+    dtype, ``probs (B, H_kv, G, S)`` float32 in table-column layout (the statistics read them) and
+    the visibility as :func:`_one_row_probs`.
+    """
+    b, h, _, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = h // hkv
+    qg = q.reshape(b, hkv, g, d).float()
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(scale)  # dense columns
+    ids = layer.table(s).to(q.device)
+    factored = (ids < 0) & layer.valid_mask(s)[:, None, :].to(q.device)  # (B, H_kv, S)
+    picks = []
+    for sb, f in enumerate(layer.lowrank.samples):
+        if f is None:
+            continue
+        hs, cs = torch.nonzero(factored[sb], as_tuple=True)
+        if hs.numel() == 0:
+            continue
+        kbar, vbar = f.bars_at_rank()
+        # the G query heads of every KV head projected onto that head's slice of D_k: (H_kv, G, R)
+        qd = torch.einsum("jgd,rjd->jgr", qg[sb], f.dk.float().view(-1, hkv, d))
+        rows = -ids[sb, hs, cs] - 1
+        # (N, G): column (h, c) scores its factor row against head h's projected queries
+        scores[sb, hs, :, cs] = torch.einsum("ngr,nr->ng", qd[hs], kbar[rows]) * scale
+        picks.append((sb, f, hs, cs, rows, vbar))
+    vis = None
+    if open_ is not None or int(past.min()) + 1 != s:
+        vis = (torch.arange(s, device=q.device)[None, :] <= past[:, None])[:, None, None, :]
+        if open_ is not None:
+            vis = vis & open_[:, :, None, :]
+        scores.masked_fill_(~vis, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.masked_fill(factored[:, :, None, :], 0.0), v.float())  # (B, H_kv, G, D)
+    for sb, f, hs, cs, rows, vbar in picks:
+        # probability mass per factor row and head, then through V̄ and D_v: (H_kv, G, R_v) → (H_kv, G, D)
+        mass = torch.zeros(hkv, f.rows, g, device=q.device)
+        mass.index_put_((hs, rows), probs[sb, hs, :, cs], accumulate=True)
+        pv = torch.einsum("jtg,tr->jgr", mass, vbar)
+        out[sb] += torch.einsum("jgr,rjd->jgd", pv, f.dv.float().view(-1, hkv, d))
+    return out.view(b, h, 1, d).to(q.dtype), probs, vis
+
+
+def _one_row_stats(probs: Tensor, vis: Tensor | None, rows: Tensor, threshold: float | None):
+    """:func:`vlkv.plugins.attn_stats` of a decode step from its probabilities.
+
+    ``probs (B, H_kv, G, S)``, ``vis (B, 1 or H_kv, 1, S)`` or None (all visible), ``rows (B, 1)`` bool
+    (samples whose row is requested) → :class:`~vlkv.plugins.AttnStats` over ``S`` columns.
+    """
+    from vlkv.plugins import AttnStats
+
+    b, hkv, g, s = probs.shape
+    on = rows.reshape(b).to(probs.device)
+    colsum = probs.reshape(b, hkv * g, s) * on[:, None, None]
+    if vis is None:
+        seen = torch.full((b, hkv * g), s, dtype=torch.int64, device=probs.device)
+    else:
+        seen = vis.sum(-1, dtype=torch.int64).expand(b, hkv, g).reshape(b, hkv * g)
+    below = None
+    if threshold is not None:
+        low = probs < threshold * probs.amax(-1, keepdim=True)
+        if vis is not None:
+            low &= vis
+        below = low.sum(-1).reshape(b, hkv * g) * on[:, None]
+    return AttnStats(colsum=colsum, below=below, visible=seen * on[:, None])
 
 
 def _stats(q, k, scale, rows, threshold, past, new_len, selected, open_=None):

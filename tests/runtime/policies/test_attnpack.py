@@ -116,6 +116,7 @@ def test_evict_then_factor_composes(engines, images):
         ("top_fraction=1.5", "top_fraction must be in (0.0, 1.0], got 1.5"),
         ("alpha=1", "alpha must be in [0, 1), got 1"),
         ("recompress_every=0", "recompress_every must be >= 1, got 0"),
+        ("path=c", "path must be 'a' (reconstruct) or 'b' (rank space), got 'c'"),
     ],
 )
 def test_bad_settings_are_one_line(capsys, no_model_compute, setting, needle):  # noqa: F811
@@ -150,3 +151,57 @@ def test_the_policy_decides_and_the_engine_factors(engines, images):
     assert cache.kv_bytes() < before[2] and any(layer.lowrank is not None for layer in cache.layers)
     with pytest.raises(ValueError, match="rank_lo"):
         FactorEdit(rank=4, importance=SCORE, rank_lo=8)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_path_b_at_full_rank_gives_the_full_cache_tokens(name, engines, images):
+    """Post-RoPE factors attended in the rank space: lossless at full rank, M-RoPE included."""
+    engine = engines[name]
+    prompts = _prompts(images)
+    want = engine.generate(prompts, make_policy("full"), 10, stop_at_eos=False)
+    got = engine.generate(
+        prompts, make_policy("attnpack", rank=10**6, exact=True, path="b"), 10, stop_at_eos=False
+    )
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+
+
+@pytest.mark.parametrize("evict", ["", "snapkv"])
+def test_path_b_equals_reconstructing_the_same_factors(evict, engines, images, monkeypatch):
+    """At low rank (and attention-aware ranks per row), decode steps that attend in the rank space
+    give the logits and importance scores of reconstructing the same post-RoPE factors densely, and
+    never rebuild the image K/V; per-head evictions (snapkv first) keep each head to its own rows."""
+    import copy
+
+    import vlkv.runtime.kv.lowrank as lowrank
+    import vlkv.runtime.torch_backend as tb
+
+    engine = engines["tiny-llava"]
+    prompts = _prompts(images)
+    batch = engine.encode(prompts)
+    kwargs = dict(evict=evict, budget=0.6) if evict else {}
+    policy = make_policy("attnpack", rank=6, rank_lo=2, path="b", **kwargs)
+    cache = engine.new_cache(batch)
+    engine.prefill(batch, policy, cache)
+    assert all(layer.lowrank is not None and layer.lowrank.post_rope for layer in cache.layers)
+    other = copy.deepcopy(cache)
+    fills = []
+    real_fill = lowrank.LowRank.fill
+    monkeypatch.setattr(lowrank.LowRank, "fill", lambda *a: fills.append(1) or real_fill(*a))
+
+    def steps(c, pol):
+        tok, logits = torch.tensor([5, 9, 11]), []
+        for step in range(1, 4):
+            out = engine.decode(tok, batch, pol, c, step)
+            logits.append(out.logits)
+            tok = out.logits.argmax(-1)
+        return torch.stack(logits), [lay.scores[SCORE].clone() for lay in c.layers]
+
+    pol_b = copy.deepcopy(policy)
+    got, got_scores = steps(cache, pol_b)
+    assert not fills  # the dense image K/V were never rebuilt
+    monkeypatch.setattr(tb._StepContext, "_rank_space", lambda self, layer: False)
+    want, want_scores = steps(other, copy.deepcopy(policy))
+    assert fills
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got_scores, want_scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

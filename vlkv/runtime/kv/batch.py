@@ -97,13 +97,36 @@ class LayerBatch:
         ones = torch.ones(1, self.pool.spec.kv_heads, width, dtype=torch.bool, device=self.pool.spec.device)
         return torch.cat([ones if r.holes is None else r.open_mask(width) for r in self.rows])
 
-    def attention_kv(self, upto: int | None = None, view: bool = False) -> tuple[Tensor, Tensor]:
-        """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length (``view``: as
-        :meth:`LayerKV.attention_kv`)."""
+    @property
+    def lowrank(self):
+        """The requests' low-rank factors as one :class:`~vlkv.runtime.kv.lowrank.LowRank` (one
+        sample per request), or None when no request holds factors."""
+        if all(r.lowrank is None for r in self.rows):
+            return None
+        from vlkv.runtime.kv.lowrank import LowRank
+
+        view = LowRank(len(self.rows))
+        view.samples = [None if r.lowrank is None else r.lowrank.samples[0] for r in self.rows]
+        return view
+
+    def table(self, width: int) -> Tensor:
+        """``(B, H_kv, width)`` slot table of every request, 0 past each one's columns."""
+        return torch.cat([r.table(width) for r in self.rows])
+
+    def valid_mask(self, width: int | None = None) -> Tensor:
+        """``(B, width)`` bool, True at each request's valid columns (``width`` default: the widest)."""
+        n = self.max_length if width is None else width
+        return torch.arange(n, device=self.pool.spec.device)[None, :] < self.lengths[:, None]
+
+    def attention_kv(
+        self, upto: int | None = None, view: bool = False, fill: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """``(B, H_kv, upto, D)`` K/V of every request, padded past each one's length (``view``,
+        ``fill``: as :meth:`LayerKV.attention_kv`)."""
         n = self.max_length if upto is None else upto
         if any(r.lowrank is not None or r.linked for r in self.rows):
             # factored or pre-RoPE entries need their own read (reconstruct / rotate)
-            kv = [r.attention_kv(min(n, r.capacity)) for r in self.rows]
+            kv = [r.attention_kv(min(n, r.capacity), fill=fill) for r in self.rows]
 
             def pad(t: Tensor) -> Tensor:
                 return torch.cat([t, t.new_zeros(*t.shape[:2], n - t.shape[2], t.shape[3])], dim=2)

@@ -62,6 +62,8 @@ class Factors:
         kbar: ``(T, R_k)`` K̄ = U·diag(S) of the pre-RoPE keys. dk: ``(R_k, H_kv·D)`` D_k.
         vbar: ``(T, R_v)``. dv: ``(R_v, H_kv·D)``.
         rank_k, rank_v: ``(T,)`` int64 components each row is reconstructed with (<= R_k, R_v).
+        post_rope: the keys were factored after RoPE (path (b): attention in the rank space, no
+            rotation on read) instead of before it (path (a)).
     """
 
     kbar: Tensor
@@ -70,6 +72,7 @@ class Factors:
     dv: Tensor
     rank_k: Tensor
     rank_v: Tensor
+    post_rope: bool = False
 
     def __post_init__(self) -> None:
         if self.kbar.shape[0] != self.vbar.shape[0]:
@@ -85,7 +88,8 @@ class Factors:
         return sum(t.numel() * t.element_size() for t in (self.kbar, self.dk, self.vbar, self.dv))
 
     def reconstruct(self, full: bool = False) -> tuple[Tensor, Tensor]:
-        """``(T, H_kv·D)`` fp32 pre-RoPE keys and values (each row at its own rank unless ``full``)."""
+        """``(T, H_kv·D)`` fp32 keys (pre-RoPE, or post-RoPE with ``post_rope``) and values, each row at
+        its own rank unless ``full``."""
         kbar, vbar = self.kbar.float(), self.vbar.float()
         if not full:
             kbar, vbar = _masked(kbar, self.rank_k), _masked(vbar, self.rank_v)
@@ -94,8 +98,19 @@ class Factors:
     def take(self, rows: Tensor) -> Factors:
         """The factors of ``rows (T',)`` only (the bases are shared)."""
         return Factors(
-            self.kbar[rows], self.dk, self.vbar[rows], self.dv, self.rank_k[rows], self.rank_v[rows]
+            self.kbar[rows],
+            self.dk,
+            self.vbar[rows],
+            self.dv,
+            self.rank_k[rows],
+            self.rank_v[rows],
+            self.post_rope,
         )
+
+    def bars_at_rank(self) -> tuple[Tensor, Tensor]:
+        """``(K̄, V̄)`` fp32 ``(T, R)`` with each row's columns past its rank zeroed: attention in the
+        rank space at the rows' reconstruction ranks."""
+        return _masked(self.kbar.float(), self.rank_k), _masked(self.vbar.float(), self.rank_v)
 
 
 class LowRank:
@@ -106,6 +121,12 @@ class LowRank:
 
     def nbytes(self) -> int:
         return sum(f.nbytes() for f in self.samples if f is not None)
+
+    @property
+    def post_rope(self) -> bool:
+        """Every sample's factors hold post-RoPE keys (the rank-space attention path applies)."""
+        held = [f for f in self.samples if f is not None]
+        return bool(held) and all(f.post_rope for f in held)
 
     def fill(self, layer, k: Tensor, v: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Put the reconstructed, rotated rows into ``k, v (B, H_kv, n, D)`` where ``ids (B, H_kv, n)`` < 0."""
@@ -122,8 +143,9 @@ class LowRank:
             rows = -ids[s, hs, cs] - 1
             kk = rk.view(f.rows, h, d)[rows, hs]  # (N, D) pre-RoPE
             vv = rv.view(f.rows, h, d)[rows, hs]
-            pos = layer.positions[s, hs, cs]  # (N, P)
-            kk = layer.pool.rope(kk.to(k.dtype)[None, None], pos[None, None])[0, 0]
+            if not f.post_rope:
+                pos = layer.positions[s, hs, cs]  # (N, P)
+                kk = layer.pool.rope(kk.to(k.dtype)[None, None], pos[None, None])[0, 0]
             out_k[s, hs, cs] = kk.to(k.dtype)
             out_v[s, hs, cs] = vv.to(v.dtype)
         return out_k, out_v
@@ -150,7 +172,14 @@ class LowRank:
             self.samples[s] = f.take(keep)
 
 
-def factor(layer, select: Tensor, rank: int, rank_v: int | None = None, exact: bool = False) -> None:
+def factor(
+    layer,
+    select: Tensor,
+    rank: int,
+    rank_v: int | None = None,
+    exact: bool = False,
+    post_rope: bool = False,
+) -> None:
     """Factor ``layer``'s entries chosen by ``select (B, H_kv, C)`` (valid, not yet factored) into
     each sample's low-rank rows, together with the rows it already holds (re-SVD of both).
 
@@ -158,6 +187,8 @@ def factor(layer, select: Tensor, rank: int, rank_v: int | None = None, exact: b
         layer: a :class:`~vlkv.runtime.cache.LayerKV` whose pool has ``rope`` set.
         rank, rank_v: components kept for keys and for values (``rank_v`` defaults to ``rank``).
         exact: use the exact SVD (tests; the randomized one is the default).
+        post_rope: factor the keys as attention reads them (after RoPE: path (b), attention in the
+            rank space) instead of un-rotated (path (a)).
 
     Rows are tokens (by ``order``): an entry a head evicted earlier is a zero block in that head's
     columns, never read. The chosen entries' pool slots are released.
@@ -179,6 +210,8 @@ def factor(layer, select: Tensor, rank: int, rank_v: int | None = None, exact: b
         old = lr.samples[s]
         if not bool(select[s].any()):
             continue
+        if old is not None and old.post_rope != post_rope:
+            raise ValueError("a sample's factors cannot mix pre-RoPE and post-RoPE keys")
         held = (layer.slots[s] < 0) & valid[s]
         group = (select[s] | held)[:, :width]
         hs, cs = torch.nonzero(group, as_tuple=True)
@@ -189,7 +222,7 @@ def factor(layer, select: Tensor, rank: int, rank_v: int | None = None, exact: b
         # dense entries: stored rotated unless a shared (pre-RoPE) slot
         kd = k[s : s + 1, hs[new], cs[new]][:, None]  # (1, 1, N, D) post-RoPE as read
         pos = layer.positions[s, hs[new], cs[new]][None, None]
-        pre = rope(kd, pos, inverse=True)[0, 0]
+        pre = kd[0, 0] if post_rope else rope(kd, pos, inverse=True)[0, 0]
         mk[row[new], hs[new]] = pre.float()
         mv[row[new], hs[new]] = v[s, hs[new], cs[new]].float()
         if old is not None:  # re-SVD the held rows at their full stored rank
@@ -207,6 +240,7 @@ def factor(layer, select: Tensor, rank: int, rank_v: int | None = None, exact: b
             dv.to(dt),
             torch.full((t,), kbar.shape[1], dtype=torch.long, device=dev),
             torch.full((t,), vbar.shape[1], dtype=torch.long, device=dev),
+            post_rope,
         )
         layer.pool.release(layer.layer, layer.slots[s, hs[new], cs[new]], heads=hs[new])
         layer.slots[s, hs, cs] = -row - 1
@@ -258,7 +292,7 @@ def apply_factor_edit(layer, edit) -> None:
         want = want & ~layer.holes
     due = want.sum(-1).amax(-1) >= edit.threshold  # (B,)
     if bool(due.any()):
-        factor(layer, want & due[:, None, None], edit.rank, exact=edit.exact)
+        factor(layer, want & due[:, None, None], edit.rank, exact=edit.exact, post_rope=edit.post_rope)
     if edit.importance is None or edit.rank_lo == edit.rank or layer.lowrank is None:
         return
     score = layer.scores[edit.importance]

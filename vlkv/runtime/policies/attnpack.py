@@ -41,6 +41,9 @@ class AttnPackPolicy(Policy):
     compress_text: factor text and generated tokens too (the paper does not, for image QA).
     evict: a registered eviction policy run first at ``budget`` ("" = none).
     exact: exact SVD instead of the randomized one (slower; tests).
+    path: ``a`` — pre-RoPE factors, reconstructed and rotated every step (the authors' choice);
+        ``b`` — post-RoPE factors, decode attention computed in the rank space (never rebuilding
+        the dense image K/V); prefill and multi-row steps reconstruct.
     """
 
     rank: int = 64
@@ -52,6 +55,7 @@ class AttnPackPolicy(Policy):
     compress_text: bool = False
     evict: str = ""
     exact: bool = False
+    path: str = "a"
     inner: Policy | None = field(default=None, init=False, repr=False)
 
     name: ClassVar[str] = "attnpack"
@@ -69,6 +73,8 @@ class AttnPackPolicy(Policy):
         check_range("top_fraction", self.top_fraction, 0.0, 1.0)
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"alpha must be in [0, 1), got {self.alpha}")
+        if self.path not in ("a", "b"):
+            raise ValueError(f"path must be 'a' (reconstruct) or 'b' (rank space), got {self.path!r}")
         if self.recompress_every < 1:
             raise ValueError(f"recompress_every must be >= 1, got {self.recompress_every}")
         if self.evict:
@@ -126,6 +132,7 @@ class AttnPackPolicy(Policy):
             top_fraction=self.top_fraction,
             lo_keys=self.lo_keys,
             exact=self.exact,
+            post_rope=self.path == "b",
         )
 
     # hooks -----------------------------------------------------------------

@@ -77,6 +77,8 @@ class FactorEdit:
             factor rows: the ``top_fraction`` best are reconstructed with ``rank`` components, the rest
             with ``rank_lo`` (keys too when ``lo_keys``); None = every row at ``rank``.
         exact: exact SVD instead of the randomized one.
+        post_rope: factor keys after RoPE, for attention in the rank space (path (b)); default
+            before RoPE, reconstructed and rotated on read (path (a)).
     """
 
     rank: int
@@ -87,6 +89,7 @@ class FactorEdit:
     top_fraction: float = 1.0
     lo_keys: bool = True
     exact: bool = False
+    post_rope: bool = False
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.threshold < 1:
@@ -231,6 +234,11 @@ def top_entries(
     ranked = scores.float().masked_fill(~valid, float("-inf"))
     if force is not None:
         ranked = ranked.masked_fill(force.expand(b, h, s) & valid, float("inf"))
+    drop = s - keep
+    if int(drop.max()) * 4 <= s:
+        # a decode step evicts a few entries of many: find the few (a partial selection), not a full
+        # sort of the many — the same set the stable sort keeps
+        return _drop_lowest(ranked, drop), keep
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     k = max(int(keep.max()), 1)
     top = order[..., :k]
@@ -238,6 +246,29 @@ def top_entries(
     top = torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s))  # push padding last
     top = torch.sort(top, dim=-1).values
     return top.masked_fill(top == s, 0), keep
+
+
+def _drop_lowest(ranked: Tensor, drop: Tensor) -> Tensor:
+    """``ranked (B, H_kv, S)`` float, ``drop (B,)`` → ascending ``(B, H_kv, max(S - drop))`` columns
+    kept when each row drops its ``drop[b]`` lowest (ties: the higher column goes first, as the
+    stable descending sort of :func:`top_entries` orders them); padding columns are 0."""
+    b, h, s = ranked.shape
+    keep = s - drop
+    width = max(int(keep.max()), 1)
+    cols = torch.arange(s, device=ranked.device).expand(b, h, s)
+    dmax = int(drop.max())
+    if dmax == 0:
+        return cols[..., :width].clone()
+    lowest = torch.topk(ranked, dmax, dim=-1, largest=False, sorted=True).values  # (B, H_kv, dmax)
+    cut = lowest.gather(-1, (drop - 1).clamp(min=0)[:, None, None].expand(b, h, 1))  # drop[b]-th lowest
+    below, tied = ranked < cut, ranked == cut
+    need = drop[:, None, None] - below.sum(-1, keepdim=True)  # ties to drop, from the right
+    from_right = tied.flip(-1).cumsum(-1).flip(-1)
+    kept = ~(below | (tied & (from_right <= need))) | (drop == 0)[:, None, None]
+    # each kept column goes to its rank among the kept; the rest to a spare column cut off below
+    dest = torch.where(kept, kept.cumsum(-1) - 1, width)
+    out = torch.zeros(b, h, width + 1, dtype=torch.long, device=ranked.device)
+    return out.scatter_(-1, dest, cols)[..., :width]
 
 
 def evict_to(cache: KVCache, target: Tensor, score, force) -> list[LayerEdit | None]:

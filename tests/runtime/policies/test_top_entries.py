@@ -1,0 +1,60 @@
+"""Picking the entries to keep: the partial-selection path for small evictions equals the full
+stable sort, ties, forced and invalid slots included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlkv.runtime.policies import base
+from vlkv.runtime.policies.base import top_entries
+
+
+def _by_sort(scores, valid, keep, force):
+    """The full stable sort, forced: what :func:`top_entries` returned before the fast path."""
+    b, h, s = scores.shape
+    valid = valid.expand(b, h, s)
+    keep = torch.minimum(keep, valid[:, 0].sum(-1))
+    ranked = scores.float().masked_fill(~valid, float("-inf"))
+    if force is not None:
+        ranked = ranked.masked_fill(force.expand(b, h, s) & valid, float("inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    k = max(int(keep.max()), 1)
+    top = order[..., :k]
+    ranks = torch.arange(k)[None, None, :]
+    top = torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s))
+    top = torch.sort(top, dim=-1).values
+    return top.masked_fill(top == s, 0), keep
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_small_evictions_equal_the_stable_sort(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, h, s = 3, 2, int(torch.randint(8, 200, (1,), generator=g))
+    # few distinct values: many ties, which must break toward keeping the lower column
+    scores = torch.randint(0, 4 if seed % 2 else 1000, (b, h, s), generator=g).float()
+    lengths = torch.tensor([s, s - int(torch.randint(0, s // 8 + 1, (1,), generator=g)), s])
+    valid = (torch.arange(s)[None, :] < lengths[:, None])[:, None]
+    drop = torch.randint(0, max(s // 4 - s // 8, 1), (b,), generator=g)
+    drop[1] = 0 if seed % 3 == 0 else drop[1]
+    keep = lengths - drop
+    force = None
+    if seed % 4 == 1:
+        force = torch.zeros(b, 1, s, dtype=torch.bool)
+        force[:, :, -3:] = True  # the recent window
+        force[:, :, :2] = True  # sinks
+    got = top_entries(scores, valid, keep, force)
+    want = _by_sort(scores, valid, keep, force)
+    assert torch.equal(got[1], want[1])
+    assert torch.equal(got[0], want[0]), (seed, s, drop)
+
+
+def test_large_evictions_take_the_sort(monkeypatch):
+    called = []
+    monkeypatch.setattr(base, "_drop_lowest", lambda *a: called.append(1))
+    scores = torch.rand(1, 2, 40)
+    valid = torch.ones(1, 1, 40, dtype=torch.bool)
+    index, keep = top_entries(scores, valid, torch.tensor([10]), None)
+    assert not called and index.shape == (1, 2, 10) and int(keep) == 10
+    top_entries(scores, valid, torch.tensor([35]), None)
+    assert called
