@@ -85,6 +85,11 @@ class LayerKV:
         self.linked = False  # holds shared entries (pre-RoPE keys, rotated on read)
         # low-rank factored entries (slot = -(1 + factor row)), see vlkv/runtime/kv/lowrank.py
         self.lowrank = None
+        # a one-sample cache on a growable pool may take its prompt and ``run_reserve`` more slots as
+        # one run: its decode appends then continue the run (``spare_ids (H_kv, m)``, held, unused),
+        # and a batch of such requests reads the pool as a strided view instead of a gather
+        self.run_reserve = 0
+        self.spare_ids: Tensor | None = None
         pool.attach(layer, self)
 
     @classmethod
@@ -317,7 +322,7 @@ class LayerKV:
         rows = torch.arange(q, device=dev)
         valid = rows[None, :] < new_len[:, None]  # (B, q)
         bt, it = torch.nonzero(valid, as_tuple=True)  # row-major: sample, then row
-        ids = self.pool.alloc(self.layer, bt.numel())  # (H_kv, T)
+        ids = self._alloc_prompt(bt.numel(), past)  # (H_kv, T)
         heads = torch.arange(h, device=dev)
         kk, vv = k.to(dev).permute(1, 0, 2, 3)[:, bt, it], v.to(dev).permute(1, 0, 2, 3)[:, bt, it]
         self.pool.write(self.layer, ids, kk, vv)
@@ -340,6 +345,30 @@ class LayerKV:
         self.lengths = past + new_len
         return past
 
+    def _alloc_prompt(self, n: int, past: Tensor) -> Tensor:
+        """``(H_kv, n)`` slots for a step's new entries: with ``run_reserve`` on a fresh one-sample
+        cache of a growable pool, the first ``n`` of one run whose rest is kept as ``spare_ids``."""
+        fresh = self.batch == 1 and self.spare_ids is None and n > 0 and not bool(past.any())
+        if self.run_reserve > 0 and self.pool.grow and fresh:
+            run = self.pool.alloc_run(self.layer, n + self.run_reserve)
+            self.spare_ids = run[:, n:]
+            return run[:, :n]
+        return self.pool.alloc(self.layer, n)
+
+    def take_spare(self) -> Tensor | None:
+        """``(H_kv,)`` the next spare slot of this one-sample cache's run, or None when none is left."""
+        if self.spare_ids is None or self.spare_ids.shape[1] == 0:
+            return None
+        ids = self.spare_ids[:, 0]
+        self.spare_ids = self.spare_ids[:, 1:]
+        return ids
+
+    def release_spare(self) -> None:
+        """Give the unused spare slots of the run back to the pool."""
+        if self.spare_ids is not None and self.spare_ids.numel():
+            self.pool.release(self.layer, self.spare_ids)
+        self.spare_ids = None
+
     def _append_one(
         self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
     ) -> Tensor:
@@ -351,7 +380,9 @@ class LayerKV:
         b, dev = k.shape[0], self.device
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
         self._reserve(int(past.max()) + 1)
-        ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
+        spare = self.take_spare() if b == 1 else None
+        # (H_kv, B): sample-major, as the general path allocates
+        ids = spare[:, None] if spare is not None else self.pool.alloc(self.layer, b)
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
@@ -514,9 +545,12 @@ class LayerKV:
         moved = remap[heads, torch.where(dense, self.slots, 0)]
         keep = valid & (self.slots < 0)  # factor rows stay; holes and spare columns point at slot 0
         self.slots = torch.where(dense, moved, torch.where(keep, self.slots, 0))
+        if self.spare_ids is not None:
+            self.spare_ids = remap.gather(1, self.spare_ids)
 
     def release(self) -> None:
         """Free every slot this cache holds (finished or cancelled request); the cache is empty after."""
+        self.release_spare()
         self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
         self.lengths = torch.zeros_like(self.lengths)
         self.slots.zero_()
@@ -529,6 +563,7 @@ class LayerKV:
         k, v = self.attention_kv(n)
         self.offloaded = (k.to(device), v.to(device))
         self.lowrank = None  # swapped back in dense (reconstructed)
+        self.release_spare()
         lengths = self.lengths.clone()
         self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
         self.lengths = lengths  # the metadata stays; the entries come back in :meth:`reload`

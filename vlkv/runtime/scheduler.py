@@ -215,6 +215,10 @@ class Scheduler:
         eng = self.engine
         try:
             cache = eng.new_cache(req.batch, pool=self.pool)
+            if self.pool.grow:
+                # the prompt and its decode appends as one run of slots: a batch reads a pool view
+                for layer in cache.layers:
+                    layer.run_reserve = req.max_new_tokens
             req.cache, req.status = cache, Status.RUNNING
             t0 = time.perf_counter()
             if req.link is not None and req.link.method != "none":
@@ -397,7 +401,13 @@ class Scheduler:
         """A growable pool keeps room for the running requests' remaining decode steps (one slot per
         request and step; decode evictions only free), so decode never stops to grow or re-compact."""
         if self.pool.grow:
-            self.pool.ensure_headroom(sum(r.max_new_tokens - len(r.tokens) for r in self.running))
+            spare = [r.cache.layers[0].spare_ids for r in self.running]
+            self.pool.ensure_headroom(
+                sum(
+                    max(0, r.max_new_tokens - len(r.tokens) - (0 if s is None else s.shape[1]))
+                    for r, s in zip(self.running, spare)
+                )
+            )
 
 
 # ---------------------------------------------------------------------- helpers

@@ -65,7 +65,14 @@ class LayerBatch:
         """
         dev = self.pool.spec.device
         past = self.lengths
-        ids = self.pool.alloc(self.layer, len(self.rows))  # (H_kv, B)
+        spare = [r.take_spare() if r.batch == 1 else None for r in self.rows]
+        if all(s is not None for s in spare):  # every request continues its own run
+            ids = torch.stack(spare, 1)  # (H_kv, B)
+        else:
+            ids = self.pool.alloc(self.layer, sum(s is None for s in spare))
+            if any(s is not None for s in spare):
+                fresh = iter(ids.unbind(1))
+                ids = torch.stack([s if s is not None else next(fresh) for s in spare], 1)
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
@@ -134,6 +141,10 @@ class LayerBatch:
             return torch.cat([pad(k) for k, _ in kv]), torch.cat([pad(v) for _, v in kv])
         if len(self.rows) == 1 and self.rows[0].capacity >= n:
             return self.rows[0].attention_kv(n, view)
+        if view and n > 0:
+            strided = self._strided(n)
+            if strided is not None:
+                return strided
         tables = []
         for r in self.rows:
             t = r.slots[:, :, :n]
@@ -147,6 +158,34 @@ class LayerBatch:
             )
             return z, z.clone()
         return self.pool.read(self.layer, torch.cat(tables), scratch=view)
+
+    def _strided(self, n: int) -> tuple[Tensor, Tensor] | None:
+        """Every request's entries as one run of slots, the runs equally spaced in the pool: the
+        ``(B, H_kv, n, D)`` K/V are a strided view of the pool (no gather), else None. A request
+        shorter than ``n`` reads past its run (finite pool data the attention masks)."""
+        starts = []
+        for r in self.rows:
+            if r.batch != 1 or r.lowrank is not None or r.linked or r.holes is not None:
+                return None
+            m = int(r.lengths[0])
+            if m == 0:
+                return None
+            start = r._run_start(r.slots[0, :, :m])
+            if start is None:
+                return None
+            starts.append(start)
+        gap = starts[1] - starts[0]
+        if gap <= 0 or any(b - a != gap for a, b in zip(starts, starts[1:])):
+            return None
+        keys, values = self.pool.keys[self.layer], self.pool.values[self.layer]
+        h, cap, d = keys.shape
+        if starts[-1] + n > cap:
+            return None
+        shape, stride = (len(self.rows), h, n, d), (gap * d, cap * d, d, 1)
+        return (
+            keys.as_strided(shape, stride, keys.storage_offset() + starts[0] * d),
+            values.as_strided(shape, stride, values.storage_offset() + starts[0] * d),
+        )
 
 
 class CacheBatch:

@@ -201,6 +201,25 @@ class KVPool:
         self._prerope[layer].scatter_(1, ids, False)
         return ids
 
+    def alloc_run(self, layer: int, n: int) -> Tensor:
+        """``(H_kv, n)`` ids ``c … c+n−1``, the same run in every head, one reference each.
+
+        A growable pool grows by ``n`` and hands out exactly the new ids (the lowest-first stack
+        order is kept for every other allocation); a fixed pool allocates as :meth:`alloc`.
+        """
+        if not self.grow or n <= 0:
+            return self.alloc(layer, n)
+        cap = self.capacity(layer)
+        self._resize(layer, cap + n, cap)  # the new ids sit at the bottom of every head's stack
+        buf, top = self._free[layer], self._nfree[layer]
+        buf[:, : buf.shape[1] - n] = buf[:, n:].clone()
+        self._nfree[layer] = top - n
+        self._nfree_host[layer] = [f - n for f in self._nfree_host[layer]]
+        ids = torch.arange(cap, cap + n, device=self.spec.device).expand(self.spec.kv_heads, n).clone()
+        self._refs[layer][:, cap : cap + n] = 1
+        self._prerope[layer][:, cap : cap + n] = False
+        return ids
+
     def retain(self, layer: int, heads: Tensor, ids: Tensor) -> None:
         """Add a reference to each slot ``(heads (N,), ids (N,))`` (a request linking shared entries)."""
         self._refs[layer].index_put_((heads, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
