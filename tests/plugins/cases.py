@@ -121,3 +121,46 @@ class MergeCase:
 
 MERGE_CASES = (MergeCase(1, 1, 1, 16, 1), MergeCase(2, 3, 9, 8, 4), MergeCase(3, 2, 81, 40, 30))
 BIG_MERGE_CASE = MergeCase(1, 2, 729, 64, 200)
+
+
+@dataclass(frozen=True)
+class LowRankCase:
+    """Inputs of the rank-space decode attention (AttentionPack path (b))."""
+
+    batch: int
+    kv_heads: int
+    group: int
+    dim: int
+    rows: tuple[int, ...]  # valid factor rows per sample (T = the max + 2 padding rows)
+    dense: tuple[int, ...]  # valid dense entries per sample (S = the max + 1)
+    rank_k: int
+    rank_v: int
+
+    def make(self, dtype: torch.dtype, seed: int = 0) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        b, hkv, d = self.batch, self.kv_heads, self.dim
+        t, s = max(self.rows) + 2, max(self.dense) + 1
+
+        def rnd(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+        # factor scales keep the scores O(1), as an SVD's do (left factors scaled by the singular values)
+        return {
+            "q": rnd(b, hkv * self.group, d),
+            "kbar": rnd(b, t, self.rank_k),
+            "dk": rnd(b, self.rank_k, hkv * d, scale=self.rank_k**-0.5),
+            "vbar": rnd(b, t, self.rank_v),
+            "dv": rnd(b, self.rank_v, hkv * d, scale=self.rank_v**-0.5),
+            "rows": torch.tensor(self.rows),
+            "k": rnd(b, hkv, s, d),
+            "v": rnd(b, hkv, s, d),
+            "dense_len": torch.tensor(self.dense),
+        }
+
+
+LOWRANK_CASES = [
+    LowRankCase(1, 1, 1, 16, (1,), (1,), 1, 1),
+    LowRankCase(2, 2, 3, 16, (63, 0), (5, 65), 8, 24),
+    LowRankCase(2, 3, 2, 24, (65, 129), (0, 33), 16, 16),
+    LowRankCase(3, 2, 20, 8, (130, 1, 64), (2, 0, 64), 40, 17),
+]

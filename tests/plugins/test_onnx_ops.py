@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.plugins.cases import MERGE_CASES, SELECT_CASES, STATS_CASES
+from tests.plugins.cases import LOWRANK_CASES, MERGE_CASES, SELECT_CASES, STATS_CASES
 from vlkv.plugins import onnx_ops
 from vlkv.plugins.reference import attn_stats_reference, merge_kv_reference, selected_attention_reference
 
@@ -49,6 +49,16 @@ def test_selected_attention_ort_matches_reference():
     feeds = {name: _np(args[name]) for name in ("q", "k", "v", "indices", "lengths")}
     (out,) = onnx_ort.run_single_op("SelectedAttention", feeds, scale=args["scale"])
     ref = selected_attention_reference(**args)
+    torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_lowrank_attention_ort_matches_reference():
+    from vlkv.plugins.lowrank_reference import lowrank_decode_attention
+
+    args = LOWRANK_CASES[1].make(torch.float32)
+    (out,) = onnx_ort.run_single_op("LowRankAttention", {n: _np(x) for n, x in args.items()}, scale=0.3)
+    ref = lowrank_decode_attention(**args, scale=0.3)
+    assert out.shape == (2, 6, 16)
     torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-6, atol=1e-6)
 
 

@@ -15,9 +15,16 @@ CONSTEXPRS = {
     "attn_stats": {"SCALE": 0.125, "THRESHOLD": 0.01, "CAUSAL": True, "HAS_THRESHOLD": True},
     "selected_attention": {"SCALE": 0.125},
     "merge_kv": {},
+    "lowrank_attention": {"SCALE": 0.125, "BLOCK_RK": 64, "BLOCK_RV": 32},
 }
-DIMS = {"B": 2, "H": 12, "HKV": 4, "Q": 1, "S": 100, "D": 64, "K_SEL": 30, "S_OUT": 50}
-GRIDS = {"attn_stats": (24, 1, 1), "selected_attention": (8, 1, 1), "merge_kv": (8, 2, 1)}
+DIMS = {"B": 2, "H": 12, "HKV": 4, "Q": 1, "S": 100, "D": 64, "K_SEL": 30, "S_OUT": 50, "T": 576}
+DIMS |= {"RK": 64, "RV": 32}
+GRIDS = {
+    "attn_stats": (24, 1, 1),
+    "selected_attention": (8, 1, 1),
+    "merge_kv": (8, 2, 1),
+    "lowrank_attention": (8, 1, 1),
+}
 
 
 @pytest.mark.parametrize("op_name", sorted(AOT_KERNELS))
@@ -42,6 +49,19 @@ def test_compile_ptx_validates_arguments():
         compile_ptx("attn_stats", "float16", head_dim=64)
     with pytest.raises(ValueError, match="dtype"):
         compile_ptx("merge_kv", "int8", head_dim=64)
+    with pytest.raises(ValueError, match="BLOCK_RK"):
+        compile_ptx("lowrank_attention", "float16", head_dim=64, SCALE=0.1)
+
+
+def test_lowrank_abi_follows_the_op_input_order():
+    """TensorRT passes inputs in the op's order, where float and int64 inputs interleave."""
+    from vlkv.plugins.onnx_ops import OPS
+
+    abi = AOT_KERNELS["lowrank_attention"].abi
+    ports = [p.name for p in OPS["LowRankAttention"].inputs]
+    renamed = {"dense_len": "dlen"}
+    assert abi[: len(ports)] == tuple(f"{renamed.get(n, n)}_ptr" for n in ports)
+    assert abi[len(ports) :] == ("H", "HKV", "T", "S", "D", "RK", "RV", "out_ptr")
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,12 @@ def qdp(monkeypatch):
 def test_plugins_register_and_aot_compile_on_the_qdp_double(qdp):
     pytest.importorskip("triton", reason="triton is not installed")
     ids = trt_plugins.register_plugins(arch="sm_90")
-    assert ids == ["vlkv::attn_stats", "vlkv::merge_kv", "vlkv::selected_attention"]
+    assert ids == [
+        "vlkv::attn_stats",
+        "vlkv::lowrank_attention",
+        "vlkv::merge_kv",
+        "vlkv::selected_attention",
+    ]
     assert all(qdp.registry[i].autotune and qdp.registry[i].aot_impl for i in ids)
 
     half, i64 = FLOAT16, INT64
@@ -87,6 +92,20 @@ def test_plugins_register_and_aot_compile_on_the_qdp_double(qdp):
     name, _, launch, extra = qdp.run_aot("vlkv::merge_kv", inputs, outs, {})
     assert name == b"merge_kv_aot_kernel" and (launch.grid_x, launch.grid_y) == (8, 2)
     assert [e.value for e in extra.values] == [4, 100, 50, 64]
+
+    q1, t = TensorDesc((2, 12, 64), half), 576
+    kbar, dk = TensorDesc((2, t, 64), half), TensorDesc((2, 64, 256), half)
+    vbar, dv = TensorDesc((2, t, 20), half), TensorDesc((2, 20, 256), half)
+    inputs = [q1, kbar, dk, vbar, dv, lengths, k, v, offset]
+    attrs = {"scale": 0.125}
+    outs = qdp.run_register("vlkv::lowrank_attention", inputs, attrs)
+    assert outs[0].shape_expr == (2, 12, 64) and outs[0].dtype == half
+    (combo,) = qdp.run_autotune("vlkv::lowrank_attention", inputs, outs, attrs)
+    assert combo.layouts == ["LINEAR"]
+    name, ptx, launch, extra = qdp.run_aot("vlkv::lowrank_attention", inputs, outs, attrs)
+    assert name == b"lowrank_attention_aot_kernel" and b".entry lowrank_attention_aot_kernel" in ptx
+    assert (launch.grid_x, launch.grid_y, launch.block_x) == (8, 1, 128)
+    assert [e.value for e in extra.values] == [12, 4, t, 100, 64, 64, 20]  # H, HKV, T, S, D, RK, RV
 
 
 def test_plugins_compile_for_the_architecture_asked_for(qdp):

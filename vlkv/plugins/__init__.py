@@ -21,6 +21,8 @@ _EXPORTS: dict[str, str] = {
     "attn_stats": "vlkv.plugins.ops",
     "selected_attention": "vlkv.plugins.ops",
     "merge_kv": "vlkv.plugins.ops",
+    "lowrank_attention": "vlkv.plugins.ops",
+    "lowrank_decode_attention": "vlkv.plugins.lowrank_reference",
     "compile_ptx": "vlkv.plugins.ptx",
     "PtxArtifact": "vlkv.plugins.ptx",
     "register_plugins": "vlkv.plugins.trt_plugins",

@@ -36,7 +36,8 @@ def lowrank_decode_attention(
         scale: softmax scale (default ``D ** -0.5``).
 
     Returns:
-        ``(B, H, D)`` attention output in ``q``'s dtype (computed in fp32).
+        ``(B, H, D)`` attention output in ``q``'s dtype (computed in fp32); zeros for a sample with no
+        visible row.
     """
     b, h, d = q.shape
     hkv = k.shape[1]
@@ -52,7 +53,8 @@ def lowrank_decode_attention(
     s_dn = s_dn.masked_fill(
         ~(torch.arange(s, device=q.device) < dense_len[:, None])[:, None, None], float("-inf")
     )
-    p = torch.softmax(torch.cat([s_lr, s_dn], -1), -1)
+    # a sample with nothing visible has an all -inf row: zeros, not NaN (the kernel's definition too)
+    p = torch.softmax(torch.cat([s_lr, s_dn], -1), -1).nan_to_num(0.0)
     p_lr, p_dn = p[..., :t], p[..., t:]
     pv = torch.einsum("bjgt,btr->bjgr", p_lr, vbar.float())  # (B, H_kv, g, R_v)
     out = torch.einsum("bjgr,brjd->bjgd", pv, dv.float().view(b, -1, hkv, d))

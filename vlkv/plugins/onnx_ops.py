@@ -1,7 +1,8 @@
 """ONNX custom ops of the ``vlkv`` domain: schemas, node builders and the three forms of a node.
 
 One op, three spellings (a graph-surgeon pass writes the canonical one, then converts):
-- canonical: ``domain="vlkv"``, op type ``AttnStats`` / ``SelectedAttention`` / ``MergeKV``;
+- canonical: ``domain="vlkv"``, op type ``AttnStats`` / ``SelectedAttention`` / ``MergeKV`` /
+  ``LowRankAttention``;
 - ONNX Runtime test double: same op type in ``ai.onnx.contrib``, executed by the onnxruntime-extensions
   Python ops in ``onnx_ort.py`` (CPU, float32 only);
 - TensorRT parser: default domain, op type = plugin name (``attn_stats`` ...), string attribute
@@ -25,6 +26,7 @@ PLUGIN_VERSION = "1"
 OP_ATTN_STATS = "AttnStats"
 OP_SELECTED_ATTENTION = "SelectedAttention"
 OP_MERGE_KV = "MergeKV"
+OP_LOWRANK_ATTENTION = "LowRankAttention"
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,27 @@ OPS: dict[str, OpSpec] = {
             Port("k_out", "float", ("B", "Hkv", "S_out", "D"), "merged keys"),
             Port("v_out", "float", ("B", "Hkv", "S_out", "D"), "merged values"),
         ),
+    ),
+    OP_LOWRANK_ATTENTION: OpSpec(
+        name=OP_LOWRANK_ATTENTION,
+        plugin="lowrank_attention",
+        doc="One decode row per sample over post-RoPE low-rank factors (scores (q Dk^T) Kbar^T, output "
+        "(p Vbar) Dv) and dense entries in one softmax; see lowrank_reference.lowrank_decode_attention.",
+        inputs=(
+            Port("q", "float", ("B", "H", "D"), "post-RoPE queries of the decode row"),
+            Port("kbar", "float", ("B", "T", "Rk"), "post-RoPE key factor rows (left singular vectors x S)"),
+            Port("dk", "float", ("B", "Rk", "C"), "key basis, C = Hkv * D (heads concatenated)"),
+            Port("vbar", "float", ("B", "T", "Rv"), "value factor rows"),
+            Port("dv", "float", ("B", "Rv", "C"), "value basis"),
+            Port("rows", "int64", ("B",), "valid factor rows; rows >= rows[b] are padding"),
+            Port("k", "float", ("B", "Hkv", "S", "D"), "dense keys (text)"),
+            Port("v", "float", ("B", "Hkv", "S", "D"), "dense values"),
+            Port("dense_len", "int64", ("B",), "valid dense entries"),
+        ),
+        outputs=(
+            Port("out", "float", ("B", "H", "D"), "attention output, q's dtype; zeros if nothing is visible"),
+        ),
+        attrs={"scale": Attr("float", 1.0, "softmax scale, usually head_dim ** -0.5")},
     ),
 }
 

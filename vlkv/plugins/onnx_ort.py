@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vlkv.plugins.onnx_ops import (
     OP_ATTN_STATS,
+    OP_LOWRANK_ATTENTION,
     OP_MERGE_KV,
     OP_SELECTED_ATTENTION,
     ORT_DOMAIN,
@@ -74,6 +75,18 @@ def register_ort_ops() -> None:
     def _merge_kv(k, v, assign, counts):
         k_out, v_out = merge_kv_reference(*(torch.from_numpy(x) for x in (k, v, assign, counts)))
         return k_out.numpy(), v_out.numpy()
+
+    @onnx_op(
+        op_type=OP_LOWRANK_ATTENTION,
+        inputs=[f32, f32, f32, f32, f32, i64, f32, f32, i64],
+        outputs=[f32],
+        attrs={"scale": f32},
+    )
+    def _lowrank_attention(q, kbar, dk, vbar, dv, rows, k, v, dense_len, **attrs):
+        from vlkv.plugins.lowrank_reference import lowrank_decode_attention
+
+        args = (torch.from_numpy(x) for x in (q, kbar, dk, vbar, dv, rows, k, v, dense_len))
+        return lowrank_decode_attention(*args, scale=attrs["scale"]).numpy()
 
     _REGISTERED = True
 

@@ -103,3 +103,30 @@ def merge_kv(k: Tensor, v: Tensor, assign: Tensor, counts: Tensor) -> tuple[Tens
 
         return merge_kv_triton(k, v, assign, counts)
     return merge_kv_reference(k, v, assign, counts)
+
+
+def lowrank_attention(
+    q: Tensor,
+    kbar: Tensor,
+    dk: Tensor,
+    vbar: Tensor,
+    dv: Tensor,
+    rows: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dense_len: Tensor,
+    scale: float | None = None,
+) -> Tensor:
+    """One decode row attending to post-RoPE low-rank factors plus dense entries (AttentionPack path (b));
+    see ``lowrank_reference.lowrank_decode_attention``.
+
+    q: (B, H, D). kbar: (B, T, R_k), dk: (B, R_k, H_kv·D), vbar: (B, T, R_v), dv: (B, R_v, H_kv·D).
+    rows, dense_len: (B,) int64. k, v: (B, H_kv, S, D). Returns (B, H, D) in q's dtype.
+    """
+    if use_triton(q, kbar, dk, vbar, dv, k, v):
+        from vlkv.plugins.triton_lowrank_attention import lowrank_attention_triton
+
+        return lowrank_attention_triton(q, kbar, dk, vbar, dv, rows, k, v, dense_len, scale)
+    from vlkv.plugins.lowrank_reference import lowrank_decode_attention
+
+    return lowrank_decode_attention(q, kbar, dk, vbar, dv, rows, k, v, dense_len, scale)

@@ -72,11 +72,18 @@ class AotKernelSpec:
     grid: Callable[[Mapping[str, Any], Mapping[str, Any], Callable], tuple]
     required: tuple[str, ...] = ()
     defaults: dict[str, Any] = field(default_factory=dict)
+    # the op's input order where float and int inputs interleave (TensorRT passes inputs in op order)
+    input_order: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.input_order and sorted(self.input_order) != sorted((*self.float_inputs, *self.int_inputs)):
+            raise ValueError(f"{self.kernel}: input_order must name every float and int input once")
 
     @property
     def abi(self) -> tuple[str, ...]:
         """Kernel parameter names in launch order (inputs, scalars, outputs)."""
-        return (*self.float_inputs, *self.int_inputs, *self.scalars, *(name for name, _ in self.outputs))
+        inputs = self.input_order or (*self.float_inputs, *self.int_inputs)
+        return (*inputs, *self.scalars, *(name for name, _ in self.outputs))
 
 
 AOT_KERNELS: dict[str, AotKernelSpec] = {
@@ -111,6 +118,28 @@ AOT_KERNELS: dict[str, AotKernelSpec] = {
         outputs=(("k_out_ptr", "float"), ("v_out_ptr", "float")),
         grid=lambda d, c, cdiv: (d["B"] * d["HKV"], cdiv(d["S_OUT"], c["BLOCK_T"]), 1),
         defaults={"BLOCK_T": 32, "BLOCK_S": 32},
+    ),
+    "lowrank_attention": AotKernelSpec(
+        module="vlkv.plugins.lowrank_attention_kernels",
+        kernel="lowrank_attention_aot_kernel",
+        float_inputs=("q_ptr", "kbar_ptr", "dk_ptr", "vbar_ptr", "dv_ptr", "k_ptr", "v_ptr"),
+        int_inputs=("rows_ptr", "dlen_ptr"),
+        input_order=(
+            "q_ptr",
+            "kbar_ptr",
+            "dk_ptr",
+            "vbar_ptr",
+            "dv_ptr",
+            "rows_ptr",
+            "k_ptr",
+            "v_ptr",
+            "dlen_ptr",
+        ),
+        scalars=("H", "HKV", "T", "S", "D", "RK", "RV"),
+        outputs=(("out_ptr", "float"),),
+        grid=lambda d, c, cdiv: (d["B"] * d["HKV"], cdiv(d["H"] // d["HKV"], c["BLOCK_M"]), 1),
+        required=("SCALE", "BLOCK_RK", "BLOCK_RV"),
+        defaults={"BLOCK_M": 16, "BLOCK_N": 32},
     ),
 }
 
@@ -202,7 +231,8 @@ def compile_ptx(
 
     arch: one of :data:`SM_ARCHES` (``"sm_90"`` or ``90``); None = the visible GPU, else :data:`CI_ARCH`
     (TensorRT builds always pass it: see ``trt_plugins.register_plugins``). head_dim: D, which fixes
-    BLOCK_D. constexprs: SCALE (attn_stats, selected_attention), THRESHOLD, CAUSAL, HAS_THRESHOLD,
+    BLOCK_D. constexprs: SCALE (attn_stats, selected_attention, lowrank_attention), THRESHOLD, CAUSAL,
+    HAS_THRESHOLD, BLOCK_RK / BLOCK_RV (lowrank_attention: the ranks, padded to a power of two >= 16),
     BLOCK_* overrides. Results are cached per argument set.
     """
     if arch is None:

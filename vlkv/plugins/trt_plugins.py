@@ -1,6 +1,7 @@
 """TensorRT quickly-deployable plugins (``tensorrt.plugin``) for the vlkv ops, AOT-compiled Triton kernels.
 
-``register_plugins()`` defines ``vlkv::attn_stats``, ``vlkv::selected_attention`` and ``vlkv::merge_kv``:
+``register_plugins()`` defines ``vlkv::attn_stats``, ``vlkv::selected_attention``, ``vlkv::merge_kv`` and
+``vlkv::lowrank_attention``:
 ``@trtp.register`` (output shapes and types), ``@trtp.autotune`` (type/format combinations) and
 ``@trtp.aot_impl`` (PTX from ``ptx.compile_ptx``, baked into the engine, so no Python runs at inference).
 Inputs, outputs and attributes follow ``onnx_ops.OPS``; an ONNX node in TensorRT form (see
@@ -144,6 +145,52 @@ def _define(trt, trtp) -> None:
         dims = {"B": k.shape_expr[0], "HKV": k.shape_expr[1], "S": k.shape_expr[2]}
         dims |= {"S_OUT": counts.shape_expr[2], "D": k.shape_expr[3]}
         return _aot_result(trtp, artifact, dims)
+
+    _define_lowrank(trt, trtp, aot_result, combinations, ints)
+
+
+def _define_lowrank(trt, trtp, aot_result, combinations, ints: str) -> None:
+    """``vlkv::lowrank_attention``: AttentionPack path (b), one decode row over factors + dense entries."""
+
+    @trtp.register(PLUGIN_IDS["LowRankAttention"])
+    def _lowrank_desc(
+        q: trtp.TensorDesc, kbar: trtp.TensorDesc, dk: trtp.TensorDesc, vbar: trtp.TensorDesc,
+        dv: trtp.TensorDesc, rows: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc,
+        dense_len: trtp.TensorDesc, scale: float,
+    ) -> trtp.TensorDesc:  # fmt: skip
+        return q.like()
+
+    @trtp.autotune(PLUGIN_IDS["LowRankAttention"])
+    def _lowrank_tune(q, kbar, dk, vbar, dv, rows, k, v, dense_len, outputs) -> combinations:
+        f = _FLOAT_TYPES
+        types = f"{f}, {f}, {f}, {f}, {f}, {ints}, {f}, {f}, {ints}, {f}"
+        return [trtp.AutoTuneCombination(types, "LINEAR")]
+
+    @trtp.aot_impl(PLUGIN_IDS["LowRankAttention"])
+    def _lowrank_aot(q, kbar, dk, vbar, dv, rows, k, v, dense_len, scale: float, outputs,
+                     tactic: int) -> aot_result:  # fmt: skip
+        # the ranks fix the rank tiles, so like the head dim they are build-time constants
+        rank_k, rank_v = (
+            _const(kbar.shape_expr[2], "rank (kbar dim 2)"),
+            _const(vbar.shape_expr[2], "rank (vbar dim 2)"),
+        )
+        artifact = compile_ptx(
+            "lowrank_attention", q.dtype, head_dim=_const(q.shape_expr[2], "head_dim"), arch=_target["arch"],
+            SCALE=float(scale), BLOCK_RK=_rank_tile(rank_k), BLOCK_RV=_rank_tile(rank_v),
+        )  # fmt: skip
+        dims = {"B": q.shape_expr[0], "H": q.shape_expr[1], "HKV": k.shape_expr[1], "T": kbar.shape_expr[1]}
+        dims |= {
+            "S": k.shape_expr[2],
+            "D": q.shape_expr[2],
+            "RK": kbar.shape_expr[2],
+            "RV": vbar.shape_expr[2],
+        }
+        return _aot_result(trtp, artifact, dims)
+
+
+def _rank_tile(rank: int) -> int:
+    """The rank padded to a power of two >= 16 (the smallest tl.dot tile side)."""
+    return max(16, 1 << (max(rank, 1) - 1).bit_length())
 
 
 def resolve_arch(arch: int | str | None, what: str = "trt.ptx_arch") -> int:

@@ -173,7 +173,9 @@ class ReplayContext:
         self.keep_queries = keep_queries
         self.saved: dict[int, tuple[Tensor, Tensor, float]] = {}
 
-    def update(self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None) -> tuple[Tensor, Tensor]:
+    def update(
+        self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None, **kwargs
+    ) -> tuple[Tensor, Tensor]:
         ck, cv = self.cache.layers[layer_idx].attention_kv(view=True)
         return torch.cat([ck.to(k.dtype), k], dim=2), torch.cat([cv.to(v.dtype), v], dim=2)
 
@@ -257,7 +259,7 @@ def _run_layers(backend, ctx: ReplayContext, cache: KVCache, rows: Tensor) -> Te
     cos_sin = adapter.rotary(rows, _positions(cache, rows.shape[1]).to(rows.device))
     hidden = rows
     for layer in adapter.layers:
-        hidden = layer(hidden, attention_mask=ctx, position_embeddings=cos_sin, past_key_values=ctx)
+        hidden = adapter.run_layer(layer, hidden, ctx, cos_sin)
     return hidden
 
 

@@ -69,7 +69,9 @@ class _StepContext:
         q = inputs.input_ids.shape[1]
         return torch.arange(q, device=inputs.new_len.device)[None, :] < inputs.new_len[:, None]
 
-    def update(self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None) -> tuple[Tensor, Tensor]:
+    def update(
+        self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None, **kwargs
+    ) -> tuple[Tensor, Tensor]:
         """HF ``Cache.update`` contract: store the new K/V, return what attention reads."""
         layer = self.cache.layers[layer_idx]
         self.past[layer_idx] = layer.append(
@@ -536,7 +538,7 @@ class TorchBackend:
         cos_sin = self.adapter.rotary(hidden, positions)
         flt = inputs.row_filter
         for i, layer in enumerate(self.adapter.layers):
-            hidden = layer(hidden, attention_mask=ctx, position_embeddings=cos_sin, past_key_values=ctx)
+            hidden = self.adapter.run_layer(layer, hidden, ctx, cos_sin)
             if flt is not None and i == flt.after_layer and i + 1 < self.num_layers:
                 hidden, positions = ctx.filter_rows(flt.choose(ctx.stats, i), hidden)
                 cos_sin = self.adapter.rotary(hidden, positions.to(self.device))

@@ -7,6 +7,7 @@ are produced. Everything else in the runtime is family-agnostic.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,20 @@ class FamilyAdapter:
     @property
     def lm_head(self) -> nn.Module:
         return self.model.lm_head
+
+    def run_layer(self, layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
+        """One decoder layer over ``hidden (B, q, hidden)`` with ``ctx`` as its cache and mask.
+
+        transformers renamed the layers' cache argument (``past_key_values`` → ``cache``, 5.2x; the old
+        name warns and goes in 5.40), so the name is read off the layer's signature once.
+        """
+        name = self._cache_arg
+        if name is None:
+            params = inspect.signature(type(layer).forward).parameters
+            name = self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        return layer(hidden, attention_mask=ctx, position_embeddings=cos_sin, **{name: ctx})
+
+    _cache_arg: str | None = None
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """``(B, q)`` ids → ``(B, q, hidden)`` embeddings."""
