@@ -90,6 +90,10 @@ class LayerKV:
         # and a batch of such requests reads the pool as a strided view instead of a gather
         self.run_reserve = 0
         self.spare_ids: Tensor | None = None
+        # a fixed pool's byte budget covers low-rank factors too: the layer holds as many slots as
+        # its factors' bytes fill (``ballast (H_kv, n)``, never written), so admission and
+        # preemption see them; a growable pool has no budget to charge
+        self.ballast: Tensor | None = None
         pool.attach(layer, self)
 
     @classmethod
@@ -369,6 +373,22 @@ class LayerKV:
             self.pool.release(self.layer, self.spare_ids)
         self.spare_ids = None
 
+    def charge_factors(self) -> None:
+        """Hold ``ceil(factor bytes / entry bytes)`` slots of a fixed pool for this layer's low-rank
+        factors (:attr:`ballast`): growing factors take more (``PoolFull`` when none are free, as a
+        dense append would), shrinking or dropped ones give them back."""
+        if self.pool.grow and self.ballast is None:
+            return
+        nbytes = 0 if self.lowrank is None else self.lowrank.nbytes()
+        need = 0 if self.pool.grow else -(-nbytes // self.pool.spec.entry_bytes)
+        have = 0 if self.ballast is None else self.ballast.shape[1]
+        if need > have:
+            more = self.pool.alloc(self.layer, need - have)
+            self.ballast = more if self.ballast is None else torch.cat([self.ballast, more], 1)
+        elif need < have:
+            self.pool.release(self.layer, self.ballast[:, need:])
+            self.ballast = self.ballast[:, :need] if need else None
+
     def _append_one(
         self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
     ) -> Tensor:
@@ -481,6 +501,7 @@ class LayerKV:
         self._install(meta, keep_len)
         if self.lowrank is not None:
             self.lowrank.prune(self)
+            self.charge_factors()
 
     def merge(self, index: Tensor, keep_len: Tensor, assign: Tensor, counts: Tensor) -> None:
         """Keep the indexed anchors and replace each by the mean of the entries assigned to it.
@@ -547,6 +568,8 @@ class LayerKV:
         self.slots = torch.where(dense, moved, torch.where(keep, self.slots, 0))
         if self.spare_ids is not None:
             self.spare_ids = remap.gather(1, self.spare_ids)
+        if self.ballast is not None:
+            self.ballast = remap.gather(1, self.ballast)
 
     def release(self) -> None:
         """Free every slot this cache holds (finished or cancelled request); the cache is empty after."""
@@ -555,6 +578,7 @@ class LayerKV:
         self.lengths = torch.zeros_like(self.lengths)
         self.slots.zero_()
         self.lowrank = None
+        self.charge_factors()
         self.holes = None
 
     def offload(self, device: torch.device | str = "cpu") -> None:
@@ -563,6 +587,7 @@ class LayerKV:
         k, v = self.attention_kv(n)
         self.offloaded = (k.to(device), v.to(device))
         self.lowrank = None  # swapped back in dense (reconstructed)
+        self.charge_factors()
         self.release_spare()
         lengths = self.lengths.clone()
         self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))

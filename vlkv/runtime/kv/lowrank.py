@@ -263,6 +263,7 @@ def densify(layer) -> None:
     k, v = layer.attention_kv(width)
     neg = (layer.slots[:, :, :width] < 0) & layer.valid_mask()[:, None, :width]
     layer.lowrank = None
+    layer.charge_factors()  # the factors' slots serve the dense entries first
     for s in range(layer.batch):
         hs, cs = torch.nonzero(neg[s], as_tuple=True)
         if hs.numel() == 0:
@@ -293,6 +294,7 @@ def apply_factor_edit(layer, edit) -> None:
     due = want.sum(-1).amax(-1) >= edit.threshold  # (B,)
     if bool(due.any()):
         factor(layer, want & due[:, None, None], edit.rank, exact=edit.exact, post_rope=edit.post_rope)
+        layer.charge_factors()
     if edit.importance is None or edit.rank_lo == edit.rank or layer.lowrank is None:
         return
     score = layer.scores[edit.importance]
