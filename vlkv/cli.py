@@ -278,6 +278,7 @@ def cmd_generate(args) -> int:
             args.link_deviation,
             args.store_budget,
             args.store_scorer,
+            args.store_rank,
         )
     )
     if args.pool_bytes is not None and args.pool_bytes < 1:
@@ -328,6 +329,12 @@ def _store_budget_args(p) -> None:
         default="keynorm",
         help="which entries a compressed record keeps: keynorm, stride or kvzip",
     )
+    p.add_argument(
+        "--store-rank",
+        type=int,
+        default=0,
+        help="store new records' K/V as joint-head low-rank factors of this rank (0: dense; default 0)",
+    )
 
 
 def _method_name(spec) -> str:
@@ -335,11 +342,9 @@ def _method_name(spec) -> str:
         name = f"cacheblend-r{spec.r:g}-{spec.deviation}"
     else:
         name = f"{spec.method}-{spec.k}"
-    return (
-        name
-        if spec.store_budget >= 1.0
-        else f"{name} (records at {spec.store_budget:g}, {spec.store_scorer})"
-    )
+    if spec.store_budget < 1.0:
+        name += f" (records at {spec.store_budget:g}, {spec.store_scorer})"
+    return name if not spec.store_rank else f"{name} (records at rank {spec.store_rank})"
 
 
 def cmd_link_check(args) -> int:
@@ -349,7 +354,13 @@ def cmd_link_check(args) -> int:
     from vlkv.runtime.models.registry import load_model
 
     spec = LinkSpec(
-        args.link, args.link_k, args.link_r, args.link_deviation, args.store_budget, args.store_scorer
+        args.link,
+        args.link_k,
+        args.link_r,
+        args.link_deviation,
+        args.store_budget,
+        args.store_scorer,
+        args.store_rank,
     )
     if spec.method == "none":
         raise CliError("link-check measures a linking method: --link prefix, full-reuse, cacheblend or mpic")

@@ -88,3 +88,38 @@ def compress_segment(seg: SharedSegment, budget: float, scorer: str = "keynorm")
     out.embeds = seg.embeds
     seg.release()
     return out
+
+
+def factor_segment(seg: SharedSegment, rank: int) -> SharedSegment:
+    """A new segment whose K/V are ``seg``'s at rank ``rank`` (``seg`` is released).
+
+    Per layer the ``(m, H_kv·D)`` pre-RoPE keys and values (heads concatenated) go through an exact
+    truncated SVD and back, so every hit — from the device tier or from bytes — links the same
+    rank-``rank`` entries; :meth:`~vlkv.runtime.store.record.Record.to_bytes` then stores the
+    factors (``rank`` attribute set). A rank at or above ``min(m, H_kv·D)`` changes nothing but the
+    rounding. Returns ``seg`` for ``rank`` 0.
+    """
+    from vlkv.runtime.kv.lowrank import truncated_svd
+
+    if rank <= 0:
+        return seg
+    pool = seg.pool
+    ks, vs = [], []
+    for layer, ids in enumerate(seg.ids):
+        k, v = pool.read(layer, ids[None])
+        out = []
+        for t in (k[0], v[0]):  # (H_kv, m, D)
+            h, m, d = t.shape
+            bar, basis = truncated_svd(t.permute(1, 0, 2).reshape(m, h * d).float(), rank, exact=True)
+            out.append((bar @ basis).view(m, h, d).permute(1, 0, 2).to(t.dtype))
+        ks.append(out[0])
+        vs.append(out[1])
+    new = SharedSegment.from_tensors(pool, ks, vs, seg.modality)
+    new.offsets = getattr(seg, "offsets", None)
+    new.embeds = getattr(seg, "embeds", None)
+    for name in ("replay_scores",):
+        if hasattr(seg, name):
+            setattr(new, name, getattr(seg, name))
+    new.rank = rank
+    seg.release()
+    return new

@@ -54,11 +54,14 @@ class LinkCheck:
     created: float
     r: float | None = None  # CacheBlend's recomputed fraction (other methods: None)
     store_budget: float = 1.0  # share of each image's entries its records keep
+    store_rank: int = 0  # rank of the records' K/V factors (0: dense)
 
     @property
     def name(self) -> str:
         name = f"{self.method}-r{self.r:g}" if self.r is not None else f"{self.method}-{self.k}"
-        return name if self.store_budget >= 1.0 else f"{name} on records at {self.store_budget:g}"
+        if self.store_budget < 1.0:
+            name += f" on records at {self.store_budget:g}"
+        return name if not self.store_rank else f"{name} (records at rank {self.store_rank})"
 
     def passes(self, threshold: float) -> bool:
         return self.agreement >= threshold
@@ -73,6 +76,8 @@ def check_path(fingerprint: str, spec: LinkSpec, root: Path | None = None) -> Pa
     tag = f"r{spec.r:g}-{spec.deviation}" if spec.method == "cacheblend" else f"k{spec.k}"
     if spec.store_budget < 1.0:  # compressed records: another fidelity
         tag += f"-b{spec.store_budget:g}-{spec.store_scorer}"
+    if spec.store_rank:  # factored records: another fidelity
+        tag += f"-rank{spec.store_rank}"
     return (root or checks_dir()) / f"{fingerprint[:24]}-{spec.method}-{tag}.json"
 
 
@@ -153,6 +158,7 @@ def run_link_check(engine, spec: LinkSpec, tokens: int = 64, root: Path | None =
         created=time.time(),
         r=spec.r if spec.method == "cacheblend" else None,
         store_budget=spec.store_budget,
+        store_rank=spec.store_rank,
     )
     path = check_path(check.fingerprint, spec, root)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,10 @@ class LinkSpec:
         store_budget: fraction of an image's entries kept in the records this request writes, in
             (0, 1]; below 1 the records are compressed (:mod:`vlkv.runtime.link.compress`).
         store_scorer: how a compressed record chooses its entries (``keynorm`` or ``stride``).
+        store_rank: 0 (dense records) or the rank R of low-rank records: each layer's kept
+            pre-RoPE K and V (``(m, H_kv·D)``, heads concatenated) held as truncated-SVD factors
+            (AttentionPack's joint-head layout), so a hit from disk or a remote tier moves
+            ``2·R·(m + H_kv·D)`` numbers per layer instead of ``2·m·H_kv·D``.
     """
 
     method: str = "mpic"
@@ -66,6 +70,7 @@ class LinkSpec:
     deviation: str = "k"
     store_budget: float = 1.0
     store_scorer: str = "keynorm"
+    store_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in LINK_METHODS:
@@ -79,6 +84,9 @@ class LinkSpec:
         b = self.store_budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 < b <= 1.0:
             raise ValueError(f"store budget must be a fraction in (0, 1], got {b!r}")
+        r = self.store_rank
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"store rank must be an integer >= 0 (0: dense records), got {r!r}")
         from vlkv.runtime.link.compress import RECORD_SCORERS
 
         if self.store_scorer not in RECORD_SCORERS:
@@ -90,9 +98,12 @@ class LinkSpec:
         """What makes this request's records differ from a dense record of the same image (part of
         the record key, so a compressed record is never linked where a dense one, or another budget,
         was asked for); None for dense records (their keys are unchanged)."""
-        if self.store_budget >= 1.0:
-            return None
-        return {"budget": float(self.store_budget), "scorer": self.store_scorer}
+        out: dict = {}
+        if self.store_budget < 1.0:
+            out |= {"budget": float(self.store_budget), "scorer": self.store_scorer}
+        if self.store_rank:
+            out["rank"] = int(self.store_rank)
+        return out or None
 
 
 @dataclass
@@ -425,4 +436,8 @@ def _records(engine, batch, emb, pool, spec: LinkSpec, source: RecordSource, ima
                 from vlkv.runtime.link.compress import compress_segment
 
                 seg = compress_segment(seg, spec.store_budget, spec.store_scorer)
+            if spec.store_rank:
+                from vlkv.runtime.link.compress import factor_segment
+
+                seg = factor_segment(seg, spec.store_rank)
             source.remember(idents[i], seg, seg.embeds)

@@ -27,7 +27,7 @@ class RecordSource:
         store: optional :class:`~vlkv.runtime.store.ContextStore` behind them.
         tenant: whose records these are (validated).
         fingerprint, settings: the model fingerprint and processor settings keys are made of.
-        loaded_bytes: record bytes read from the store so far.
+        loaded_bytes: record bytes read from the store so far (a factored record counts its factors).
         writer: optional executor the store writes go to, so a new record is written back without
             delaying the answer (the record's tensors are copied out of the pool first).
         loader: optional executor store reads go to (:meth:`prefetch`), so hits load (read, verify,
@@ -124,7 +124,7 @@ class RecordSource:
         """Copy a store record into the pool (the caller's thread: the pool is not thread-safe)."""
         seg = record.to_segment(self.segments.pool)
         seg.embeds = record.embeds.to(self.segments.pool.spec.device)
-        self.loaded_bytes += record.nbytes
+        self.loaded_bytes += record.stored_nbytes
         self.segments.images[key] = seg
         return seg
 

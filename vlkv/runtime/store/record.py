@@ -3,7 +3,7 @@
 Byte layout (little endian)::
 
     0      8  magic  b"VLKVREC\\n"
-    8      4  u32 layout version (LAYOUT_VERSION; | COMPRESSED for a compressed record)
+    8      4  u32 layout version (LAYOUT_VERSION; | COMPRESSED, | FACTORED as below)
     12     4  u32 header length H
     16     H  header: UTF-8 JSON (identity, tenant, times, dtype, shapes, payload length)
     16+H   P  payload: safetensors ("k.<l>", "v.<l>", "embeds", "modality"[, "offsets"]); no pickle
@@ -14,6 +14,12 @@ head): its K/V and modality hold ``kept`` entries, ``offsets`` says where each s
 and ``embeds`` still covers the whole span (any row can be recomputed). Its layout version carries
 the :data:`COMPRESSED` bit, so a reader that predates compressed records takes it for another layout
 (a counted miss) rather than misreading it; dense records keep the plain version, readable by both.
+
+A *factored* record (``rank`` R, bit :data:`FACTORED`) stores each layer's ``(m, H_kv·D)`` K and V
+(heads concatenated) as truncated-SVD factors ``kbar.<l> (m, R')``, ``dk.<l> (R', H_kv·D)``,
+``vbar.<l>``, ``dv.<l>`` with ``R' = min(R, m, H_kv·D)``, and is read back dense (the product). Its
+K/V were already cut to rank R when the record was made (``link.compress.factor_segment``), so the
+round trip changes only the rounding.
 
 :meth:`Record.from_bytes` checks, in order: the magic and the length (:class:`CorruptRecord`), the
 layout version (:class:`StaleRecord`: another layout cannot even be parsed), the checksum, the
@@ -39,6 +45,7 @@ _PREFIX = struct.Struct("<8sII")  # magic, layout version, header length
 _DIGEST = 32
 MAX_HEADER = 1 << 20
 COMPRESSED = 0x100  # layout-version bit of a compressed record (entries kept at ``offsets``)
+FACTORED = 0x200  # layout-version bit of a record whose K/V are stored as low-rank factors
 _DTYPES = {"float32", "float16", "bfloat16", "float64"}
 
 
@@ -103,6 +110,7 @@ class Record:
         offsets: ``(m,)`` int64 strictly increasing offsets in ``[0, n)`` of the kept entries inside the
             span (a compressed record), or None (every entry, in order).
         created, expires: Unix seconds; ``expires`` None never expires.
+        rank: None (K/V stored dense) or the rank its K/V are stored at as factors.
     """
 
     identity: Identity
@@ -114,6 +122,7 @@ class Record:
     offsets: Tensor | None = None
     created: float = field(default_factory=time.time)
     expires: float | None = None
+    rank: int | None = None
     key: str = field(init=False)  # the record id: ``identity.key(tenant)``, fixed at construction
 
     def __post_init__(self) -> None:
@@ -148,6 +157,10 @@ class Record:
                 raise ValueError(f"offsets must be (m={m},) int64, got {tuple(off.shape)} {off.dtype}")
             if m and (int(off[0]) < 0 or int(off[-1]) >= n or bool((off[1:] <= off[:-1]).any())):
                 raise ValueError(f"offsets must increase strictly inside [0, n={n})")
+        if self.rank is not None and (
+            isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1
+        ):
+            raise ValueError(f"rank must be None or an integer >= 1, got {self.rank!r}")
         self.modality = self.modality.to(torch.int8)
         self.key = self.identity.key(self.tenant)
 
@@ -172,7 +185,11 @@ class Record:
     @property
     def version(self) -> int:
         """The layout version written for this record."""
-        return LAYOUT_VERSION | (COMPRESSED if self.offsets is not None else 0)
+        return (
+            LAYOUT_VERSION
+            | (COMPRESSED if self.offsets is not None else 0)
+            | (FACTORED if self.rank is not None else 0)
+        )
 
     @property
     def shared(self) -> bool:
@@ -185,6 +202,18 @@ class Record:
         ts = (*self.keys, *self.values, self.embeds, self.modality)
         ts += () if self.offsets is None else (self.offsets,)
         return sum(t.numel() * t.element_size() for t in ts)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Tensor bytes as written to bytes (a factored record's factors instead of its dense K/V):
+        what a hit from a disk or remote tier moves."""
+        if self.rank is None:
+            return self.nbytes
+        h, m, d = self.keys[0].shape
+        r = self._stored_rank()
+        dense = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        factors = 2 * len(self.keys) * (m * r + r * h * d) * self.keys[0].element_size()
+        return self.nbytes - dense + factors
 
     def expired(self, now: float) -> bool:
         return self.expires is not None and now >= self.expires
@@ -201,6 +230,7 @@ class Record:
             offsets=None if self.offsets is None else self.offsets.to(device),
             created=self.created,
             expires=self.expires,
+            rank=self.rank,
         )
 
     # ------------------------------------------------------------------ pool
@@ -219,6 +249,7 @@ class Record:
         values = [v.to(dev) for v in self.values]
         seg = SharedSegment.from_tensors(pool, keys, values, self.modality.to(dev))
         seg.offsets = None if self.offsets is None else self.offsets.cpu()
+        seg.rank = self.rank
         return seg
 
     @classmethod
@@ -235,6 +266,7 @@ class Record:
         return cls(
             identity=identity, tenant=tenant, keys=keys, values=values, embeds=embeds,
             modality=segment.modality, offsets=getattr(segment, "offsets", None), expires=expires,
+            rank=getattr(segment, "rank", None) or None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ bytes
@@ -259,7 +291,12 @@ class Record:
             "hidden": self.embeds.shape[1],
             "payload_bytes": payload_bytes,
             "checksum": "sha256",
+            **({} if self.rank is None else {"rank": self._stored_rank()}),
         }
+
+    def _stored_rank(self) -> int:
+        h, m, d = self.keys[0].shape
+        return min(self.rank, m, h * d)
 
     def to_bytes(self) -> bytes:
         """The record as one self-describing bytes object (see the module docstring)."""
@@ -269,7 +306,12 @@ class Record:
         if self.offsets is not None:
             tensors["offsets"] = self.offsets
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
-            tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k, v
+            if self.rank is None:
+                tensors[f"k.{layer}"], tensors[f"v.{layer}"] = k, v
+                continue
+            for name, t in (("k", k), ("v", v)):
+                bar, basis = _factors(t, self._stored_rank())
+                tensors[f"{name}bar.{layer}"], tensors[f"d{name}.{layer}"] = bar, basis
         payload = save({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()})
         header = json.dumps(self._header(len(payload)), sort_keys=True, allow_nan=False).encode()
         body = b"".join((_PREFIX.pack(MAGIC, self.version, len(header)), header, payload))
@@ -312,8 +354,13 @@ class Record:
         want = {"embeds": ((n, header["hidden"]), emb_dtype), "modality": ((m,), torch.int8)}
         if header["compressed"]:
             want["offsets"] = ((m,), torch.int64)
+        rank = header.get("rank")
         for layer in range(layers):
-            want[f"k.{layer}"] = want[f"v.{layer}"] = ((h, m, d), kv_dtype)
+            if rank is None:
+                want[f"k.{layer}"] = want[f"v.{layer}"] = ((h, m, d), kv_dtype)
+            else:
+                want[f"kbar.{layer}"] = want[f"vbar.{layer}"] = ((m, rank), kv_dtype)
+                want[f"dk.{layer}"] = want[f"dv.{layer}"] = ((rank, h * d), kv_dtype)
         if set(tensors) != set(want):
             raise CorruptRecord(f"payload tensors {sorted(tensors)} do not match the header")
         for name, (shape, dtype) in want.items():
@@ -331,19 +378,42 @@ class Record:
             record = cls(
                 identity=identity,
                 tenant=header["tenant"],
-                keys=[tensors[f"k.{i}"] for i in range(layers)],
-                values=[tensors[f"v.{i}"] for i in range(layers)],
+                keys=[_dense(tensors, "k", i, h, d, rank) for i in range(layers)],
+                values=[_dense(tensors, "v", i, h, d, rank) for i in range(layers)],
                 embeds=tensors["embeds"],
                 modality=tensors["modality"],
                 offsets=tensors.get("offsets"),
                 created=float(header["created"]),
                 expires=None if header["expires"] is None else float(header["expires"]),
+                rank=header.get("rank"),
             )
         except (TypeError, ValueError, AttributeError) as exc:
             raise CorruptRecord(f"invalid header ({exc})") from None
         if record.key != header["key"]:
             raise CorruptRecord("the stored key does not match the record's identity and tenant")
         return record
+
+
+def _factors(t: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """``t (H_kv, m, D)`` → ``(m, rank)`` and ``(rank, H_kv·D)`` factors (exact SVD, fp32), in ``t``'s dtype."""
+    from vlkv.runtime.kv.lowrank import truncated_svd
+
+    h, m, d = t.shape
+    bar, basis = truncated_svd(t.detach().cpu().permute(1, 0, 2).reshape(m, h * d).float(), rank, exact=True)
+    pad = rank - bar.shape[1]  # an all-zero matrix has fewer components: zero columns keep the shape
+    if pad:
+        bar = torch.cat([bar, bar.new_zeros(m, pad)], 1)
+        basis = torch.cat([basis, basis.new_zeros(pad, h * d)], 0)
+    return bar.to(t.dtype).contiguous(), basis.to(t.dtype).contiguous()
+
+
+def _dense(tensors: dict, name: str, layer: int, h: int, d: int, rank: int | None) -> Tensor:
+    """Layer ``layer``'s ``(H_kv, m, D)`` K (``name`` "k") or V from a payload, dense or factored."""
+    if rank is None:
+        return tensors[f"{name}.{layer}"]
+    bar, basis = tensors[f"{name}bar.{layer}"], tensors[f"d{name}.{layer}"]
+    m = bar.shape[0]
+    return (bar.float() @ basis.float()).view(m, h, d).permute(1, 0, 2).to(bar.dtype).contiguous()
 
 
 _FIELDS = {
@@ -360,7 +430,7 @@ def _read_header(data: bytes, layout_version: int = LAYOUT_VERSION) -> tuple[dic
     magic, version, hlen = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise CorruptRecord(f"wrong magic {magic!r}")
-    if version & ~COMPRESSED != layout_version:
+    if version & ~(COMPRESSED | FACTORED) != layout_version:
         raise StaleRecord(f"layout version {version}, this reader uses {layout_version}")
     if hlen > MAX_HEADER or len(data) < _PREFIX.size + hlen:
         raise CorruptRecord(f"truncated or bad header length {hlen} ({len(data)} bytes)")
@@ -376,6 +446,12 @@ def _read_header(data: bytes, layout_version: int = LAYOUT_VERSION) -> tuple[dic
     if header.get("expires") is not None and not isinstance(header["expires"], (int, float)):
         raise CorruptRecord("header field 'expires' is not a number")
     header["compressed"] = bool(version & COMPRESSED)
+    factored = bool(version & FACTORED)
+    rank = header.get("rank")
+    if factored != (rank is not None) or (
+        factored and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1)
+    ):
+        raise CorruptRecord(f"factored bit {int(factored)} with header rank {rank!r}")
     header.setdefault("kept", header["length"])  # dense records written before "kept" existed
     if not isinstance(header["kept"], int) or isinstance(header["kept"], bool) or header["kept"] < 0:
         raise CorruptRecord("header field 'kept' is not a count")
