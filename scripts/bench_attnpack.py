@@ -55,14 +55,19 @@ def replay(engine, batch, policy, tokens: list[int]):
     return torch.log_softmax(torch.stack(logits), -1), held, time.perf_counter() - t0, cache.kv_bytes()
 
 
-def configs(ranks, budgets, paths=("a",)) -> list[tuple[str, str, dict]]:
+def configs(ranks, budgets, paths=("a",), text: bool = False) -> list[tuple[str, str, dict]]:
     out = []  # the full cache is the reference every row is compared with
+    extra = {"compress_text": True} if text else {}
     for r in ranks:
         for path in paths:
             tag = "" if path == "a" else " path=b"
-            out.append((f"attnpack r={r}{tag}", "attnpack", {"rank": r, "rank_lo": r, "path": path}))
+            out.append((f"attnpack r={r}{tag}", "attnpack", {"rank": r, "rank_lo": r, "path": path, **extra}))
             out.append(
-                (f"attnpack r={r} aware (lo={max(1, r // 4)}){tag}", "attnpack", {"rank": r, "path": path})
+                (
+                    f"attnpack r={r} aware (lo={max(1, r // 4)}){tag}",
+                    "attnpack",
+                    {"rank": r, "path": path, **extra},
+                )
             )
     for b in budgets:
         for name in ("snapkv", "h2o"):
@@ -70,23 +75,39 @@ def configs(ranks, budgets, paths=("a",)) -> list[tuple[str, str, dict]]:
     return out
 
 
-def run(args) -> dict:
-    from vlkv.runtime.models.photos import real_photos
+def text_prompts(n: int, words: int = 400) -> list[Prompt]:
+    """``n`` passages of about ``words`` words from the bundled corpus, each with a question."""
+    from vlkv.eval.corpus import paragraphs
 
+    out, cur = [], []
+    for para in paragraphs():
+        cur.append(para)
+        if sum(len(p.split()) for p in cur) >= words:
+            out.append(Prompt("\n\n".join(cur) + "\n\nSummarise the passage above in detail.", []))
+            cur = []
+            if len(out) == n:
+                break
+    return out
+
+
+def run(args) -> dict:
     engine = Engine(load_for_bench(args.model, args.device, args.dtype))
-    photos = real_photos()[: args.images]
+    if args.text:
+        prompts = text_prompts(args.images)
+    else:
+        from vlkv.runtime.models.photos import real_photos
+
+        prompts = [Prompt(QUESTION, [photo]) for photo in real_photos()[: args.images]]
     rows: dict[str, dict] = {}
-    for i, photo in enumerate(photos):
-        batch = engine.encode([Prompt(QUESTION, [photo])])
-        want = engine.generate([Prompt(QUESTION, [photo])], make_policy("full"), args.new, stop_at_eos=False)
+    for i, prompt in enumerate(prompts):
+        batch = engine.encode([prompt])
+        want = engine.generate([prompt], make_policy("full"), args.new, stop_at_eos=False)
         tokens = want.samples[0].token_ids
         ref, full_img, _, full_kv = replay(engine, batch, make_policy("full"), tokens)
-        for label, name, kw in configs(args.ranks, args.budgets, args.paths):
+        for label, name, kw in configs(args.ranks, args.budgets, args.paths, args.text):
             _, _, t_full, _ = replay(engine, batch, make_policy("full"), tokens)  # interleaved timing
             lp, held, t, kv = replay(engine, batch, make_policy(name, **kw), tokens)
-            free = engine.generate(
-                [Prompt(QUESTION, [photo])], make_policy(name, **kw), args.new, stop_at_eos=False
-            )
+            free = engine.generate([prompt], make_policy(name, **kw), args.new, stop_at_eos=False)
             got = free.samples[0].token_ids
             n = min(len(got), len(tokens))
             row = rows.setdefault(label, {k: [] for k in ("top1", "kl", "greedy", "img", "kv", "time")})
@@ -98,7 +119,7 @@ def run(args) -> dict:
             row["time"].append(t / t_full)
             print(i, label, {k: round(v[-1], 4) for k, v in row.items()}, flush=True)
             write(_summary(args, i + 1, rows), args.out)  # a run cut short keeps what it measured
-    return _summary(args, len(photos), rows)
+    return _summary(args, len(prompts), rows)
 
 
 def _summary(args, photos: int, rows: dict) -> dict:
@@ -107,6 +128,7 @@ def _summary(args, photos: int, rows: dict) -> dict:
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads, no GPU",
         "model": args.model,
         "photos": photos,
+        "prompts": "text passages (bundled corpus), compress_text=true" if args.text else "real photos",
         "new_tokens": args.new,
         "rows": mean,
     }
@@ -118,10 +140,12 @@ def plot(result: dict, path: Path) -> Path:
     from matplotlib.figure import Figure
 
     families: dict[str, list[tuple[float, float, str]]] = {}
+    text = result.get("prompts", "").startswith("text")
     for label, r in result["rows"].items():
         fam = "attnpack aware" if "aware" in label else label.split(" ")[0]
         tag = label.split(" ")[1]
-        families.setdefault(fam, []).append((max(r["img"], 1e-3), max(r["kl"], 1e-6), tag))
+        x = r["kv"] if text else r["img"]
+        families.setdefault(fam, []).append((max(x, 1e-3), max(r["kl"], 1e-6), tag))
     fig = Figure(figsize=(6.5, 4.2), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -132,7 +156,7 @@ def plot(result: dict, path: Path) -> Path:
             ax.annotate(tag, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("image-KV bytes held / dense")
+    ax.set_xlabel("all KV bytes held / dense" if text else "image-KV bytes held / dense")
     ax.set_ylabel("KL(full ‖ config), mean over tokens")
     ax.set_title(f"{result['model']}: bytes vs fidelity ({result['new_tokens']} tokens)")
     ax.grid(True, alpha=0.3, which="both")
@@ -144,9 +168,9 @@ def plot(result: dict, path: Path) -> Path:
 
 def write(result: dict, out: Path) -> None:
     lines = [
-        f"# AttentionPack on {result['model']} (real photos)",
+        f"# AttentionPack on {result['model']} ({result.get('prompts', 'real photos')})",
         "",
-        f"Machine: {result['machine']}. {result['photos']} photos, {result['new_tokens']} generated tokens each,"
+        f"Machine: {result['machine']}. {result['photos']} prompts, {result['new_tokens']} generated tokens each,"
         " generated by `scripts/bench_attnpack.py`. Ratios are against the full cache in the same run"
         " (decode time: a full-cache replay run right before each configuration).",
         "",
@@ -166,7 +190,8 @@ def write(result: dict, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-llava")
-    ap.add_argument("--images", type=int, default=2)
+    ap.add_argument("--images", type=int, default=2, help="photos (or text passages with --text)")
+    ap.add_argument("--text", action="store_true", help="text passages, every entry factored")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     ap.add_argument(
