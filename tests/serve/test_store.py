@@ -67,6 +67,8 @@ def test_cacheblend_and_compressed_records_pass_through(linked_server):
     image = data_url(png_bytes(23))
     ok = _chat(linked_server, image, "What is it?", vlkv={"store_budget": 0.5, "store_scorer": "stride"})
     assert ok.status_code == 200
+    factored = _chat(linked_server, image, "What is it?", vlkv={"store_rank": 4})
+    assert factored.status_code == 200
     blend = _chat(
         linked_server, image, "And now?", vlkv={"link": "cacheblend", "link_r": 0.5, "link_deviation": "v"}
     )
@@ -76,6 +78,7 @@ def test_cacheblend_and_compressed_records_pass_through(linked_server):
         ({"link_deviation": "q"}, "link deviation must be one of k, v"),
         ({"store_budget": 0.0}, "store budget must be a fraction in (0, 1]"),
         ({"store_scorer": "best"}, "unknown record scorer 'best'"),
+        ({"store_rank": -2}, "store rank must be an integer >= 0"),
     ):
         bad = _chat(linked_server, image, "x", vlkv=opts)
         assert bad.status_code == 400 and words in bad.json()["error"]["message"], opts
@@ -86,6 +89,7 @@ def test_server_link_defaults_are_checked_at_start():
 
     with pytest.raises(ValueError, match="link r must be a fraction"):
         ServeConfig(store="x", link="cacheblend", link_r=1.5)
-    cfg = ServeConfig(store="x", link="mpic", store_budget=0.5, store_scorer="stride")
+    cfg = ServeConfig(store="x", link="mpic", store_budget=0.5, store_scorer="stride", store_rank=8)
     spec = cfg.link_spec(k=4)
     assert (spec.method, spec.k, spec.store_budget, spec.store_scorer) == ("mpic", 4, 0.5, "stride")
+    assert spec.store_rank == 8 and cfg.link_spec(store_rank=0).store_rank == 0

@@ -170,7 +170,7 @@ def _busy(cfg: ServeConfig) -> ApiError:
 def _link_spec(req, cfg):
     """The request's link settings (its ``vlkv`` field, else the server's), or None without a store."""
     opts = getattr(req, "vlkv", None)
-    fields = ("link_k", "link_r", "link_deviation", "store_budget", "store_scorer")
+    fields = ("link_k", "link_r", "link_deviation", "store_budget", "store_scorer", "store_rank")
     asked = {name: getattr(opts, name, None) for name in fields} if opts is not None else {}
     method = (opts.link if opts is not None and opts.link is not None else None) or cfg.link
     if method == "none":
@@ -185,6 +185,7 @@ def _link_spec(req, cfg):
             deviation=asked.get("link_deviation"),
             store_budget=asked.get("store_budget"),
             store_scorer=asked.get("store_scorer"),
+            store_rank=asked.get("store_rank"),
         )
     except ValueError as err:
         raise ApiError(400, str(err), param="vlkv.link") from None

@@ -59,6 +59,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-deviation", help="CacheBlend: deviation checked, k (default) or v")
     p.add_argument("--store-budget", type=float, help="share of an image's entries new records keep (0, 1]")
     p.add_argument("--store-scorer", help="how a compressed record picks its entries (default keynorm)")
+    p.add_argument(
+        "--store-rank", type=int, help="store new records' K/V as rank-R factors (default 0: dense)"
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -114,6 +117,7 @@ def cmd_serve(args) -> int:
         link_deviation=args.link_deviation,
         store_budget=args.store_budget,
         store_scorer=args.store_scorer,
+        store_rank=args.store_rank,
     )
     budget = cfg.budget if cfg.budget is not None else None if cfg.policy in NO_BUDGET else DEFAULT_BUDGET
     make_policy(cfg.policy, **({} if budget is None else {"budget": budget}))  # refuse a bad default now

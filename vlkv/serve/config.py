@@ -24,7 +24,7 @@ class ServeConfig:
         request_timeout_s: a request still running after this long is cancelled (HTTP 504).
         policy, budget: the KV policy for requests that name none (``budget`` None: the default).
         store: context-store spec (directory, ``redis://`` or ``mooncake://``); None = no store.
-        link, link_k, link_r, link_deviation, store_budget, store_scorer: how requests link stored
+        link, link_k, link_r, link_deviation, store_budget, store_scorer, store_rank: how requests link stored
             images and write new records unless their ``vlkv`` field says otherwise
             (:class:`~vlkv.runtime.link.linker.LinkSpec`).
     """
@@ -49,6 +49,7 @@ class ServeConfig:
     link_deviation: str | None = None
     store_budget: float | None = None
     store_scorer: str | None = None
+    store_rank: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -85,6 +86,7 @@ class ServeConfig:
             "deviation": self.link_deviation,
             "store_budget": self.store_budget,
             "store_scorer": self.store_scorer,
+            "store_rank": self.store_rank,
         }
         fields.update(overrides)
         return LinkSpec(**{k: v for k, v in fields.items() if v is not None})

@@ -85,6 +85,7 @@ class VlkvOptions(_Strict):
     link_deviation: StrictStr | None = None  # CacheBlend's check: k or v
     store_budget: StrictFloat | StrictInt | None = None  # share of entries the records it writes keep
     store_scorer: StrictStr | None = None  # how a compressed record picks them
+    store_rank: StrictInt | None = None  # rank of the factors the records it writes are stored as
 
 
 class _Sampling(_Strict):
