@@ -6,6 +6,7 @@ with that reason when the venv is absent; the job validation tests always run.
 """
 
 import importlib.util
+import inspect
 import math
 
 import pytest
@@ -246,11 +247,14 @@ def test_knorm_keeps_smallest_key_norms_and_decodes_at_original_positions(tiny, 
     # Reference: the same compressed cache built here, continuation fed at positions n, n+1, ...
     small = DynamicCache(ddp_cache_data=pairs, config=tiny["model"].config)
     cont = tiny["cont"]
+    # transformers renamed the model's cache argument (past_key_values -> cache, 5.2x)
+    params = inspect.signature(type(tiny["model"]).forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"
     with torch.no_grad():
         out = tiny["model"](
             torch.tensor([cont[:-1]]),
-            past_key_values=small,
             position_ids=torch.arange(N_PROMPT, N_PROMPT + len(cont) - 1)[None],
+            **{cache_arg: small},
         )
     logits = torch.load(res["logits_path"])
     torch.testing.assert_close(logits[1:], out.logits[0], rtol=1e-4, atol=1e-5)
