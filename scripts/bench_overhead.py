@@ -5,10 +5,13 @@
 Both sides get the same token ids (a text prompt of about ``--tokens`` tokens, repeated ``--batch``
 times so no row is padded), the same dtype, thread count and attention kernel (transformers runs
 its ``sdpa`` implementation on a second copy of the weights; vlkv calls SDPA from its own attention
-function). Greedy, no early stop. Each repeat times, interleaved: transformers for 1 and for
-``--new + 1`` tokens, then vlkv alike; prefill = the 1-token time, decode step = the difference over
-``--new``. Ratios are vlkv speed / transformers speed (> 1: vlkv is faster), median over repeats.
-``--profile`` adds a cProfile of vlkv's decode loop (top functions by own time).
+function). Greedy, no early stop. Each repeat runs, interleaved, transformers then vlkv for
+``--new + 1`` tokens and stamps the clock as each step's tokens come out (transformers: a stopping
+criterion, which ``generate`` calls once per step; vlkv: the request's ``on_token`` callback, the
+batch's last token of the step). Prefill = start to the first token; decode step = first to last
+token over ``--new``, so the loop's own per-step work counts on both sides and a noisy prefill
+does not leak into the step time. Ratios are vlkv speed / transformers speed (> 1: vlkv is faster),
+median over repeats of the per-repeat ratio. ``--profile`` adds a cProfile of vlkv's generation.
 """
 
 from __future__ import annotations
@@ -56,8 +59,36 @@ def text_of_length(engine: Engine, tokens: int) -> Prompt:
     return prompt
 
 
-def hf_generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+class _Stamps:
+    """Wall-clock time at which each step's last token came out, for one generation."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.steps: list[float] = []
+
+    def prefill_s(self) -> float:
+        return self.steps[0] - self.start
+
+    def step_s(self) -> float:
+        return (self.steps[-1] - self.steps[0]) / (len(self.steps) - 1)
+
+
+class _HFStamp:
+    """A stopping criterion that never stops: ``generate`` calls it once per step, after the step's
+    tokens are appended."""
+
+    def __init__(self, stamps: _Stamps) -> None:
+        self.stamps = stamps
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.stamps.steps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def hf_generate(model, ids: torch.Tensor, new: int, stamps: _Stamps | None = None) -> torch.Tensor:
     """transformers' greedy ``generate`` for ``ids (B, T)``, exactly ``new`` tokens → ``(B, new)``."""
+    from transformers import StoppingCriteriaList
+
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
@@ -66,16 +97,34 @@ def hf_generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
         do_sample=False,
         eos_token_id=None,
         pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([_HFStamp(stamps)] if stamps else []),
     )
     return out[:, ids.shape[1] :]
 
 
-def timed(fn, device: str) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
+def vlkv_generate(engine: Engine, prompts: list[Prompt], new: int, stamps: _Stamps | None = None):
+    """vlkv's greedy full-cache generation through its scheduler → list of ``new`` token ids per prompt."""
+    from vlkv.runtime.request import Request, Status
+    from vlkv.runtime.sampling import Sampler
+    from vlkv.runtime.scheduler import Scheduler
+
+    emitted = [0]
+
+    def on_token(req, token):
+        emitted[0] += 1
+        if stamps is not None and emitted[0] % len(prompts) == 0:  # the step's last request
+            stamps.steps.append(time.perf_counter())
+
+    sched = Scheduler(engine)
+    full = make_policy("full")
+    reqs = [
+        sched.submit(Request(p, full, new, Sampler(), stop_at_eos=False, on_token=on_token)) for p in prompts
+    ]
+    sched.run()
+    for r in reqs:
+        if r.status is not Status.FINISHED:
+            raise RuntimeError(f"vlkv request ended {r.status}: {r.error}")
+    return [list(r.tokens) for r in reqs]
 
 
 def run(args) -> dict:
@@ -84,28 +133,27 @@ def run(args) -> dict:
     peer.config._attn_implementation = "sdpa"
     peer.config.get_text_config()._attn_implementation = "sdpa"
     prompt = text_of_length(engine, args.tokens)
-    full = make_policy("full")
     rows = []
     for b in args.batch:
         prompts = [prompt] * b
         ids = engine.encode(prompts).input_ids.to(args.device)
-
-        def ours(n: int, prompts=prompts):
-            return engine.generate(prompts, full, n, stop_at_eos=False)
-
-        def theirs(n: int, ids=ids):
-            return hf_generate(peer, ids, n)
-
         # same tokens on both sides, or the comparison times different work
-        a = torch.tensor([s.token_ids for s in ours(args.new + 1).samples])
-        same = bool((a == theirs(args.new + 1).cpu()).all())
+        a = torch.tensor(vlkv_generate(engine, prompts, args.new + 1))
+        same = bool((a == hf_generate(peer, ids, args.new + 1).cpu()).all())
         pre, step = {"vlkv": [], "hf": []}, {"vlkv": [], "hf": []}
         for _ in range(args.repeats):
-            for name, fn in (("hf", theirs), ("vlkv", ours)):
-                one = timed(lambda fn=fn: fn(1), args.device)
-                many = timed(lambda fn=fn: fn(args.new + 1), args.device)
-                pre[name].append(one)
-                step[name].append((many - one) / args.new)
+            for name in ("hf", "vlkv"):
+                sync(args.device)
+                stamps = _Stamps()
+                if name == "hf":
+                    hf_generate(peer, ids, args.new + 1, stamps)
+                else:
+                    vlkv_generate(engine, prompts, args.new + 1, stamps)
+                sync(args.device)
+                if len(stamps.steps) != args.new + 1:
+                    raise RuntimeError(f"{name}: {len(stamps.steps)} step stamps, expected {args.new + 1}")
+                pre[name].append(stamps.prefill_s())
+                step[name].append(stamps.step_s())
         rows.append(
             {
                 "batch": b,
@@ -120,7 +168,7 @@ def run(args) -> dict:
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
-            ours(args.new + 1)
+            vlkv_generate(engine, prompts, args.new + 1)
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
