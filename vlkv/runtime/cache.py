@@ -90,6 +90,13 @@ class LayerKV:
         # and a batch of such requests reads the pool as a strided view instead of a gather
         self.run_reserve = 0
         self.spare_ids: Tensor | None = None
+        # the id ``spare_ids`` start at while they continue the prompt's run (a Python int, so an
+        # append knows it extends the run without a tensor compare), None when unknown
+        self._spare_next: int | None = None
+        # memo of :meth:`_run_start`: (slots tensor, its version counter, entries n, first slot).
+        # Every table write is in place (the version moves) or a new tensor, so a matching memo
+        # still describes the table; a decode step reads it instead of comparing n ids per head
+        self._run: tuple[Tensor, int, int, int] | None = None
         # a fixed pool's byte budget covers low-rank factors too: the layer holds as many slots as
         # its factors' bytes fill (``ballast (H_kv, n)``, never written), so admission and
         # preemption see them; a growable pool has no budget to charge
@@ -153,7 +160,7 @@ class LayerKV:
             return z, z.clone()
         ids = self.slots[:, :, :n]
         if view and self.batch == 1 and not self.linked and self.lowrank is None:
-            start = self._run_start(ids[0])
+            start = self._run_start(n)
             if start is not None:  # one ascending run of slots: a view of the pool, no gather
                 keys, values = self.pool.keys[self.layer], self.pool.values[self.layer]
                 return keys[None, :, start : start + n], values[None, :, start : start + n]
@@ -170,14 +177,28 @@ class LayerKV:
             k, v = lowrank.fill(self, k, v, ids)
         return k, v
 
-    def _run_start(self, ids: Tensor) -> int | None:
-        """The first slot if ``ids (H_kv, n)`` is the same ascending run ``start … start + n − 1`` in
-        every head (a fresh request's entries on a private pool), else None."""
-        start = int(ids[0, 0])
-        if start + ids.shape[1] > self.pool.capacity(self.layer):
+    def _run_start(self, n: int) -> int | None:
+        """The first slot if sample 0's first ``n`` entries are the same ascending run
+        ``start … start + n − 1`` in every head (a fresh request's entries on a private pool), else None."""
+        if n <= 0:
             return None
-        run = torch.arange(start, start + ids.shape[1], device=ids.device)
-        return start if bool((ids == run).all()) else None
+        memo = self._run
+        if memo is not None and memo[0] is self.slots and memo[1] == self.slots._version and n <= memo[2]:
+            start = memo[3]  # a prefix of a run is a run
+        else:
+            ids = self.slots[0, :, :n]
+            start = int(ids[0, 0])
+            if not bool((ids == torch.arange(start, start + n, device=ids.device)).all()):
+                return None
+            self._run = (self.slots, self.slots._version, n, start)
+        return start if start + n <= self.pool.capacity(self.layer) else None
+
+    def _run_ends_at(self, p: int) -> int | None:
+        """The memoised run's first slot when it covers exactly the first ``p`` entries, else None."""
+        memo = self._run
+        if memo is not None and memo[0] is self.slots and memo[1] == self.slots._version and memo[2] == p:
+            return memo[3]
+        return None
 
     def link(
         self, ids: Tensor, positions: Tensor, modality: Tensor, sample: int = 0, order: Tensor | None = None
@@ -356,6 +377,7 @@ class LayerKV:
         if self.run_reserve > 0 and self.pool.grow and fresh:
             run = self.pool.alloc_run(self.layer, n + self.run_reserve)
             self.spare_ids = run[:, n:]
+            self._spare_next = int(run[0, 0]) + n
             return run[:, :n]
         return self.pool.alloc(self.layer, n)
 
@@ -365,6 +387,8 @@ class LayerKV:
             return None
         ids = self.spare_ids[:, 0]
         self.spare_ids = self.spare_ids[:, 1:]
+        if self._spare_next is not None:
+            self._spare_next += 1
         return ids
 
     def release_spare(self) -> None:
@@ -372,6 +396,7 @@ class LayerKV:
         if self.spare_ids is not None and self.spare_ids.numel():
             self.pool.release(self.layer, self.spare_ids)
         self.spare_ids = None
+        self._spare_next = None
 
     def charge_factors(self) -> None:
         """Hold ``ceil(factor bytes / entry bytes)`` slots of a fixed pool for this layer's low-rank
@@ -398,11 +423,30 @@ class LayerKV:
         ``(B, 1)``; returns ``(B,)`` past lengths.
         """
         b, dev = k.shape[0], self.device
+        if b == 1:  # plain-slice writes at a known column: no index tensors
+            past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
+            p = int(past.item())
+            self._reserve(p + 1)
+            at = self._spare_next
+            spare = self.take_spare()
+            ids = spare[:, None] if spare is not None else self.pool.alloc(self.layer, 1)
+            self.pool.write(
+                self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
+            )
+            own = None if order is None else int(order[0, 0])
+            pos = positions[0, 0].to(device=dev, dtype=torch.long)
+            self.put_one(
+                p,
+                ids[:, 0],
+                pos,
+                modality[0, 0].to(device=dev, dtype=torch.int8),
+                own,
+                at if spare is not None else None,
+            )
+            return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
         self._reserve(int(past.max()) + 1)
-        spare = self.take_spare() if b == 1 else None
-        # (H_kv, B): sample-major, as the general path allocates
-        ids = spare[:, None] if spare is not None else self.pool.alloc(self.layer, b)
+        ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
@@ -423,6 +467,31 @@ class LayerKV:
             self.holes[bi, :, past] = False
         self.lengths = past + 1
         return past
+
+    def put_one(
+        self, p: int, ids: Tensor, pos: Tensor, mod: Tensor, order: int | None, run_id: int | None = None
+    ) -> None:
+        """Table writes of one new entry of this one-sample cache at column ``p`` (after
+        :meth:`_reserve`, its K/V already in the pool): ``ids (H_kv,)`` its slots, ``pos (P,)`` int64,
+        ``mod ()`` int8, ``order`` its sequence index (None: the next one). ``run_id``: the slot id
+        the entry has in every head when it is the run's next spare (keeps the run memo)."""
+        start = None if run_id is None else self._run_ends_at(p)
+        self.slots[0, :, p] = ids
+        self.positions[0, :, p] = pos
+        self.modality[0, :, p] = mod
+        if order is None:
+            self.order[0, :, p] = self.next_order
+            self.next_order = self.next_order + 1
+        else:
+            self.order[0, :, p] = order
+            self.next_order = self.next_order.clamp(min=order + 1)
+        for s in self.scores.values():
+            s[0, :, p] = 0
+        if self.holes is not None:
+            self.holes[0, :, p] = False
+        self.lengths = self.lengths + 1
+        if start is not None and run_id == start + p:
+            self._run = (self.slots, self.slots._version, p + 1, start)
 
     def ensure_score(self, name: str) -> Tensor:
         """A ``(B, H_kv, C)`` float32 running statistic, created as zeros on first use."""
@@ -568,6 +637,7 @@ class LayerKV:
         self.slots = torch.where(dense, moved, torch.where(keep, self.slots, 0))
         if self.spare_ids is not None:
             self.spare_ids = remap.gather(1, self.spare_ids)
+            self._spare_next = None  # a compaction need not keep the run
         if self.ballast is not None:
             self.ballast = remap.gather(1, self.ballast)
 

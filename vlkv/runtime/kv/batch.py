@@ -64,11 +64,15 @@ class LayerBatch:
         ``(B, 1)`` sequence indices; returns ``(B,)`` past lengths.
         """
         dev = self.pool.spec.device
-        past = self.lengths
+        past = [int(r.lengths.item()) for r in self.rows]
+        for r, p in zip(self.rows, past):
+            r._reserve(p + 1)
+        run_ids = [r._spare_next for r in self.rows]
         spare = [r.take_spare() if r.batch == 1 else None for r in self.rows]
         if all(s is not None for s in spare):  # every request continues its own run
             ids = torch.stack(spare, 1)  # (H_kv, B)
         else:
+            run_ids = [a if s is not None else None for a, s in zip(run_ids, spare)]
             ids = self.pool.alloc(self.layer, sum(s is None for s in spare))
             if any(s is not None for s in spare):
                 fresh = iter(ids.unbind(1))
@@ -76,26 +80,12 @@ class LayerBatch:
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
-        pos = positions.to(dev)[:, 0].to(torch.long)  # (B, P)
-        mod = modality.to(dev)[:, 0].to(torch.int8)  # (B,)
-        orders = None if order is None else order[:, 0].tolist()
-        for i, (r, p) in enumerate(zip(self.rows, past.tolist())):
-            r._reserve(p + 1)
-            r.slots[0, :, p] = ids[:, i]
-            r.positions[0, :, p] = pos[i]
-            r.modality[0, :, p] = mod[i]
-            if orders is None:
-                r.order[0, :, p] = r.next_order[0]
-                r.next_order = r.next_order + 1
-            else:
-                r.order[0, :, p] = orders[i]
-                r.next_order = r.next_order.clamp(min=orders[i] + 1)
-            for s in r.scores.values():
-                s[0, :, p] = 0
-            if r.holes is not None:
-                r.holes[0, :, p] = False
-            r.lengths = r.lengths + 1
-        return past
+        pos = positions.to(dev)[:, 0].to(torch.long).unbind(0)  # B x (P,)
+        mod = modality.to(dev)[:, 0].to(torch.int8).unbind(0)  # B x ()
+        orders = [None] * len(self.rows) if order is None else order[:, 0].tolist()
+        for i, (r, col) in enumerate(zip(self.rows, ids.t().unbind(0))):
+            r.put_one(past[i], col, pos[i], mod[i], orders[i], run_ids[i])
+        return torch.tensor(past, device=dev)
 
     def open_mask(self, width: int) -> Tensor | None:
         """``(B, H_kv, width)`` bool, False at any request's holes; None when no request has holes."""
@@ -167,10 +157,7 @@ class LayerBatch:
         for r in self.rows:
             if r.batch != 1 or r.lowrank is not None or r.linked or r.holes is not None:
                 return None
-            m = int(r.lengths[0])
-            if m == 0:
-                return None
-            start = r._run_start(r.slots[0, :, :m])
+            start = r._run_start(int(r.lengths.item()))
             if start is None:
                 return None
             starts.append(start)
