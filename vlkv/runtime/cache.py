@@ -136,7 +136,8 @@ class LayerKV:
 
     @property
     def max_length(self) -> int:
-        return int(self.lengths.max()) if self.lengths.numel() else 0
+        n = self.lengths.numel()
+        return int(self.lengths.item()) if n == 1 else int(self.lengths.max()) if n else 0
 
     def attention_kv(
         self, upto: int | None = None, view: bool = False, fill: bool = True
@@ -738,6 +739,9 @@ class KVCache:
         return torch.stack([layer.kept_entries() for layer in self.layers])
 
     def kv_bytes(self) -> int:
+        if all(layer.lowrank is None and layer.holes is None for layer in self.layers):
+            # one sum over every layer's lengths, not a reduction per layer (a decode step asks per request)
+            return int(self.lengths().sum()) * self.layers[0].pool.spec.entry_bytes
         return sum(layer.kv_bytes() for layer in self.layers)
 
     def used_kv_bytes(self) -> int:

@@ -172,7 +172,6 @@ class _StepContext:
         if getattr(self, "plain", False) and nq == s:  # contexts built without __init__ take the mask
             # a prefill into an empty cache without padded rows: SDPA's causal path skips the masked blocks
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != hkv)
-        j = torch.arange(s, device=q.device)
         if nq == 1:
             # one row per sample: its G query heads per KV head become G rows of one (B, H_kv, G, D) call,
             # which reads each K/V head once (faster than enable_gqa) under a (B, 1, 1, S) mask
@@ -182,14 +181,14 @@ class _StepContext:
                 # every sample reads every column (batch 1, or equal lengths): no mask, SDPA's fast path
                 out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k, v, scale=scale)
                 return out.view(b, h, 1, d)
-            mask = (j[None, :] < end[:, None])[:, None, None, :]
+            mask = (torch.arange(s, device=q.device)[None, :] < end[:, None])[:, None, None, :]
             if open_ is not None:
                 mask = mask & open_[:, :, None, :]  # (B, H_kv, 1, S): per KV head, shared by its G rows
             out = F.scaled_dot_product_attention(
                 q.reshape(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale
             )
             return out.view(b, h, 1, d)
-        i = torch.arange(nq, device=q.device)
+        i, j = torch.arange(nq, device=q.device), torch.arange(s, device=q.device)
         mask = (j[None, None, :] <= (past[:, None, None] + i[None, :, None])) & (
             j[None, None, :] < (past + new_len)[:, None, None]
         )

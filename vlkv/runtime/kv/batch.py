@@ -64,6 +64,7 @@ class LayerBatch:
         ``(B, 1)`` sequence indices; returns ``(B,)`` past lengths.
         """
         dev = self.pool.spec.device
+        before = self.lengths  # (B,), returned; put_one gives each request a new lengths tensor
         past = [int(r.lengths.item()) for r in self.rows]
         for r, p in zip(self.rows, past):
             r._reserve(p + 1)
@@ -85,7 +86,7 @@ class LayerBatch:
         orders = [None] * len(self.rows) if order is None else order[:, 0].tolist()
         for i, (r, col) in enumerate(zip(self.rows, ids.t().unbind(0))):
             r.put_one(past[i], col, pos[i], mod[i], orders[i], run_ids[i])
-        return torch.tensor(past, device=dev)
+        return before
 
     def open_mask(self, width: int) -> Tensor | None:
         """``(B, H_kv, width)`` bool, False at any request's holes; None when no request has holes."""

@@ -75,7 +75,7 @@ class PoolSpec:
     @property
     def entry_bytes(self) -> int:
         """K + V bytes of one token in one layer (all KV heads)."""
-        return 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def slots_for_bytes(self, nbytes: int) -> int:
         """Slots per layer a pool of ``nbytes`` K/V bytes holds."""
@@ -269,12 +269,15 @@ class KVPool:
         keys, values = self.keys[layer], self.values[layer]
         h, cap, d = keys.shape
         # rows of the flattened (H_kv·cap, D) store: index_copy_ beats 2-D advanced indexing per call
-        flat = (ids + self._heads[:, None] * cap).reshape(-1)
+        flat = ids.add(self._heads[:, None], alpha=cap).view(-1)
         n = flat.numel()
-        keys.view(h * cap, d).index_copy_(0, flat, k.reshape(n, -1).expand(n, d).to(keys.dtype))
-        values.view(h * cap, d).index_copy_(0, flat, v.reshape(n, -1).expand(n, d).to(values.dtype))
+        if k.dtype != keys.dtype:
+            k, v = k.to(keys.dtype), v.to(values.dtype)
+        # (a row of width 1 broadcasts: tests fill slots with one value per entry)
+        keys.view(h * cap, d).index_copy_(0, flat, k.reshape(n, -1).expand(n, d))
+        values.view(h * cap, d).index_copy_(0, flat, v.reshape(n, -1).expand(n, d))
         self._prerope[layer].scatter_(1, ids, prerope)
-        self.bytes_written += ids.numel() * self.spec.entry_bytes // self.spec.kv_heads
+        self.bytes_written += n * self.spec.entry_bytes // self.spec.kv_heads
 
     def write_entries(
         self, layer: int, heads: Tensor, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False
