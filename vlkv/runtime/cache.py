@@ -52,6 +52,24 @@ def private_pool(
     return KVPool(spec, 0, grow=True)
 
 
+def _table(name: str) -> property:
+    """A per-entry table attribute of :class:`LayerKV`: reading or replacing it first writes the
+    pending decode entries (:meth:`LayerKV.put_one` defers them while they continue a run)."""
+    attr = "_" + name
+
+    def get(self: LayerKV) -> Tensor:
+        if self._tail:
+            self._flush()
+        return getattr(self, attr)
+
+    def put(self: LayerKV, value: Tensor) -> None:
+        if self._tail:
+            self._flush()
+        setattr(self, attr, value)
+
+    return property(get, put)
+
+
 class LayerKV:
     """The cache of one decoder layer for a batch of samples, indexing a pool layer.
 
@@ -70,9 +88,18 @@ class LayerKV:
             (evicted with a per-head budget: no pool slot, never attended).
     """
 
+    slots = _table("slots")
+    positions = _table("positions")
+    modality = _table("modality")
+    order = _table("order")
+    next_order = _table("next_order")
+
     def __init__(self, pool: KVPool, layer: int, batch: int, pos_dims: int, capacity: int = 0):
         h, dev = pool.spec.kv_heads, pool.spec.device
         self.pool, self.layer = pool, layer
+        # decode entries not yet in the tables: ``(positions [P ints], modality, order | None)``
+        # each, the run's next columns (see :meth:`put_one`; written by :meth:`_flush`)
+        self._tail: list[tuple[list[int], int, int | None]] = []
         self.slots = torch.zeros(batch, h, capacity, dtype=torch.long, device=dev)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, h, capacity, pos_dims, dtype=torch.long, device=dev)
@@ -89,7 +116,8 @@ class LayerKV:
         # one run: its decode appends then continue the run (``spare_ids (H_kv, m)``, held, unused),
         # and a batch of such requests reads the pool as a strided view instead of a gather
         self.run_reserve = 0
-        self.spare_ids: Tensor | None = None
+        self._spare: Tensor | None = None  # ``spare_ids`` is ``_spare[:, _spare_off:]``
+        self._spare_off = 0
         # the id ``spare_ids`` start at while they continue the prompt's run (a Python int, so an
         # append knows it extends the run without a tensor compare), None when unknown
         self._spare_next: int | None = None
@@ -118,21 +146,31 @@ class LayerKV:
         return cls(private_pool(1, kv_heads, head_dim, dtype, device), 0, batch, pos_dims, capacity)
 
     # ------------------------------------------------------------------ shape / accounting
+    # shapes and device read the private table: a flush never changes them
     @property
     def batch(self) -> int:
-        return self.slots.shape[0]
+        return self._slots.shape[0]
 
     @property
     def kv_heads(self) -> int:
-        return self.slots.shape[1]
+        return self._slots.shape[1]
 
     @property
     def capacity(self) -> int:
-        return self.slots.shape[2]
+        return self._slots.shape[2]
 
     @property
     def device(self) -> torch.device:
-        return self.slots.device
+        return self._slots.device
+
+    @property
+    def spare_ids(self) -> Tensor | None:
+        """``(H_kv, m)`` held, unused slots that continue this one-sample cache's run, or None."""
+        return None if self._spare is None else self._spare[:, self._spare_off :]
+
+    @spare_ids.setter
+    def spare_ids(self, ids: Tensor | None) -> None:
+        self._spare, self._spare_off = ids, 0
 
     @property
     def max_length(self) -> int:
@@ -159,12 +197,12 @@ class LayerKV:
             d = self.pool.spec.head_dim
             z = torch.zeros(self.batch, self.kv_heads, n, d, dtype=self.pool.spec.dtype, device=self.device)
             return z, z.clone()
-        ids = self.slots[:, :, :n]
         if view and self.batch == 1 and not self.linked and self.lowrank is None:
             start = self._run_start(n)
             if start is not None:  # one ascending run of slots: a view of the pool, no gather
                 keys, values = self.pool.keys[self.layer], self.pool.values[self.layer]
                 return keys[None, :, start : start + n], values[None, :, start : start + n]
+        ids = self.slots[:, :, :n]
         dense = ids.clamp(min=0) if self.lowrank is not None else ids
         lowrank = self.lowrank if fill else None
         # a backend's read (view) may gather into the pool's scratch buffer, unless this layer still
@@ -184,8 +222,8 @@ class LayerKV:
         if n <= 0:
             return None
         memo = self._run
-        if memo is not None and memo[0] is self.slots and memo[1] == self.slots._version and n <= memo[2]:
-            start = memo[3]  # a prefix of a run is a run
+        if self._memo_holds() and n <= memo[2] + len(self._tail):
+            start = memo[3]  # a prefix of a run is a run; pending entries continue it
         else:
             ids = self.slots[0, :, :n]
             start = int(ids[0, 0])
@@ -194,11 +232,15 @@ class LayerKV:
             self._run = (self.slots, self.slots._version, n, start)
         return start if start + n <= self.pool.capacity(self.layer) else None
 
+    def _memo_holds(self) -> bool:
+        """The run memo still describes the table (written tables only; pending entries continue it)."""
+        memo = self._run
+        return memo is not None and memo[0] is self._slots and memo[1] == self._slots._version
+
     def _run_ends_at(self, p: int) -> int | None:
         """The memoised run's first slot when it covers exactly the first ``p`` entries, else None."""
-        memo = self._run
-        if memo is not None and memo[0] is self.slots and memo[1] == self.slots._version and memo[2] == p:
-            return memo[3]
+        if self._memo_holds() and self._run[2] + len(self._tail) == p:
+            return self._run[3]
         return None
 
     def link(
@@ -348,7 +390,9 @@ class LayerKV:
         rows = torch.arange(q, device=dev)
         valid = rows[None, :] < new_len[:, None]  # (B, q)
         bt, it = torch.nonzero(valid, as_tuple=True)  # row-major: sample, then row
+        run = self._spare_next  # None unless this append takes a fresh run
         ids = self._alloc_prompt(bt.numel(), past)  # (H_kv, T)
+        run = None if run is not None or self._spare_next is None else self._spare_next - bt.numel()
         heads = torch.arange(h, device=dev)
         kk, vv = k.to(dev).permute(1, 0, 2, 3)[:, bt, it], v.to(dev).permute(1, 0, 2, 3)[:, bt, it]
         self.pool.write(self.layer, ids, kk, vv)
@@ -369,6 +413,8 @@ class LayerKV:
         if self.holes is not None:  # new entries are held by every head
             self.holes.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=torch.bool, device=dev))
         self.lengths = past + new_len
+        if run is not None:  # the table's entries are the run: decode appends may queue (put_one)
+            self._run = (self.slots, self.slots._version, bt.numel(), run)
         return past
 
     def _alloc_prompt(self, n: int, past: Tensor) -> Tensor:
@@ -382,15 +428,16 @@ class LayerKV:
             return run[:, :n]
         return self.pool.alloc(self.layer, n)
 
-    def take_spare(self) -> Tensor | None:
-        """``(H_kv,)`` the next spare slot of this one-sample cache's run, or None when none is left."""
-        if self.spare_ids is None or self.spare_ids.shape[1] == 0:
+    def take_spare(self) -> Tensor | int | None:
+        """The next spare slot of this one-sample cache's run: its id (an int, the same in every head)
+        while the spares continue the prompt's run, else ``(H_kv,)`` ids; None when none is left."""
+        if self._spare is None or self._spare_off >= self._spare.shape[1]:
             return None
-        ids = self.spare_ids[:, 0]
-        self.spare_ids = self.spare_ids[:, 1:]
+        self._spare_off += 1
         if self._spare_next is not None:
             self._spare_next += 1
-        return ids
+            return self._spare_next - 1
+        return self._spare[:, self._spare_off - 1]
 
     def release_spare(self) -> None:
         """Give the unused spare slots of the run back to the pool."""
@@ -428,22 +475,20 @@ class LayerKV:
             past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
             p = int(past.item())
             self._reserve(p + 1)
-            at = self._spare_next
             spare = self.take_spare()
-            ids = spare[:, None] if spare is not None else self.pool.alloc(self.layer, 1)
+            if spare is None:
+                ids = self.pool.alloc(self.layer, 1)
+            elif isinstance(spare, int):
+                ids = torch.tensor([spare], device=dev).expand(self.kv_heads, 1)
+            else:
+                ids = spare[:, None]
             self.pool.write(
                 self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
             )
             own = None if order is None else int(order[0, 0])
-            pos = positions[0, 0].to(device=dev, dtype=torch.long)
-            self.put_one(
-                p,
-                ids[:, 0],
-                pos,
-                modality[0, 0].to(device=dev, dtype=torch.int8),
-                own,
-                at if spare is not None else None,
-            )
+            run_id = spare if isinstance(spare, int) else None
+            col = None if run_id is not None else ids[:, 0]
+            self.put_one(p, col, positions[0, 0].tolist(), int(modality[0, 0]), own, run_id)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
         self._reserve(int(past.max()) + 1)
@@ -470,15 +515,33 @@ class LayerKV:
         return past
 
     def put_one(
-        self, p: int, ids: Tensor, pos: Tensor, mod: Tensor, order: int | None, run_id: int | None = None
+        self,
+        p: int,
+        ids: Tensor | None,
+        pos: list[int],
+        mod: int,
+        order: int | None,
+        run_id: int | None = None,
     ) -> None:
         """Table writes of one new entry of this one-sample cache at column ``p`` (after
-        :meth:`_reserve`, its K/V already in the pool): ``ids (H_kv,)`` its slots, ``pos (P,)`` int64,
-        ``mod ()`` int8, ``order`` its sequence index (None: the next one). ``run_id``: the slot id
-        the entry has in every head when it is the run's next spare (keeps the run memo)."""
+        :meth:`_reserve`, its K/V already in the pool): ``ids (H_kv,)`` its slots (None: ``run_id`` in
+        every head), ``pos`` its ``P`` position components, ``mod`` its modality code, ``order`` its
+        sequence index (None: the next one). ``run_id``: the slot id the entry has in every head when
+        it is the run's next spare. Plain Python values: a queued entry keeps no view of the step's
+        tensors (a caller may advance them in place).
+
+        An entry that continues the memoised run of a cache without per-entry scores or holes is only
+        queued (``_tail``): its slot follows from the run, and its metadata is written with the
+        others' by :meth:`_flush` when a table is next read, so a decode step of the full cache writes
+        no tables (each write is a kernel call per request and layer).
+        """
         start = None if run_id is None else self._run_ends_at(p)
-        self.slots[0, :, p] = ids
-        self.positions[0, :, p] = pos
+        if start is not None and run_id == start + p and not self.scores and self.holes is None:
+            self._tail.append((pos, mod, order))
+            self.lengths = self.lengths + 1
+            return
+        self.slots[0, :, p] = run_id if ids is None else ids
+        self.positions[0, :, p] = torch.tensor(pos, device=self.device)
         self.modality[0, :, p] = mod
         if order is None:
             self.order[0, :, p] = self.next_order
@@ -493,6 +556,25 @@ class LayerKV:
         self.lengths = self.lengths + 1
         if start is not None and run_id == start + p:
             self._run = (self.slots, self.slots._version, p + 1, start)
+
+    def _flush(self) -> None:
+        """Write the queued decode entries (:meth:`put_one`) into the tables: the run's next columns."""
+        tail, self._tail = self._tail, []
+        memo = self._run
+        if memo is None or memo[0] is not self._slots:
+            raise RuntimeError(f"layer {self.layer}: queued decode entries lost their run (table replaced)")
+        n, k, start, dev = memo[2], len(tail), memo[3], self._slots.device
+        cols = slice(n, n + k)
+        self._slots[0, :, cols] = torch.arange(start + n, start + n + k, device=dev)
+        self._positions[0, :, cols] = torch.tensor([t[0] for t in tail], device=dev)
+        self._modality[0, :, cols] = torch.tensor([t[1] for t in tail], dtype=torch.int8, device=dev)
+        nxt, orders = int(self._next_order[0]), []
+        for _, _, o in tail:
+            orders.append(nxt if o is None else o)
+            nxt = nxt + 1 if o is None else max(nxt, o + 1)
+        self._order[0, :, cols] = torch.tensor(orders, device=dev)
+        self._next_order = torch.tensor([nxt], device=dev)
+        self._run = (self._slots, self._slots._version, n + k, start)
 
     def ensure_score(self, name: str) -> Tensor:
         """A ``(B, H_kv, C)`` float32 running statistic, created as zeros on first use."""

@@ -120,3 +120,85 @@ def test_batch_view_one_row_append_equals_per_request_append(steps):
         assert torch.equal(a.scores["s"][:, :, :n], b.scores["s"][:, :, :n])
     for x, y in zip(fast.attention_kv(), slow.attention_kv()):
         assert torch.equal(x, y)
+
+
+def _run_rows(seed: int, reserve: int, lengths: tuple[int, ...]) -> list[LayerKV]:
+    """Single-sample layers on one growable pool holding ``lengths`` entries, no scores: with
+    ``reserve > 0`` each prompt takes a run of slots whose spares its decode appends continue."""
+    from vlkv.runtime.cache import private_pool
+
+    g = torch.Generator().manual_seed(seed)
+    pool = private_pool(1, H, D, torch.float32, "cpu")
+    rows = []
+    for n in lengths:
+        layer = LayerKV(pool, 0, 1, P)
+        layer.run_reserve = reserve
+        layer.append(
+            torch.randn(1, H, n, D, generator=g),
+            torch.randn(1, H, n, D, generator=g),
+            torch.randint(0, 50, (1, n, P), generator=g),
+            torch.zeros(1, n, dtype=torch.int8),
+            torch.tensor([n]),
+        )
+        rows.append(layer)
+    return rows
+
+
+def _same_entries(a: LayerKV, b: LayerKV) -> None:
+    n = int(a.lengths)
+    assert n == int(b.lengths) and torch.equal(a.next_order, b.next_order)
+    for name in ("order", "modality", "positions"):
+        assert torch.equal(getattr(a, name)[:, :, :n], getattr(b, name)[:, :, :n]), name
+    for x, y in zip(a.attention_kv(n, view=True), b.attention_kv(n)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("lengths", [(5, 5, 5), (5, 2, 7)])
+def test_queued_decode_entries_equal_written_ones(lengths):
+    """Appends that continue a request's run are queued and written when a table is read: tables,
+    K/V and the batch's read (a strided view for equal runs, else a gather that reads the tables)
+    equal a cache that writes every entry at once, through in-place edits of the caller's step
+    tensors, a mid-run read, explicit orders, a compaction and the release."""
+    from vlkv.runtime.kv.batch import LayerBatch
+
+    fast = LayerBatch(_run_rows(7, 16, lengths))
+    slow = LayerBatch(_run_rows(7, 0, lengths))
+    g = torch.Generator().manual_seed(8)
+    queued = 0
+    for step in range(12):
+        k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+        pos, mod = torch.randint(0, 99, (B, 1, P), generator=g), torch.full((B, 1), 3, dtype=torch.int8)
+        order = None if step % 4 != 3 else torch.tensor([[40 + step], [3], [90]])  # a link step's indices
+        ones = torch.ones(B, dtype=torch.long)
+        assert torch.equal(fast.append(k, v, pos, mod, ones, order), slow.append(k, v, pos, mod, ones, order))
+        pos += 1000  # the caller advances its tensors in place (``next_position += 1``)
+        mod.fill_(0)
+        queued = max(queued, min(len(r._tail) for r in fast.rows))
+        kf, vf = fast.attention_kv(view=True)
+        ks, vs = slow.attention_kv()
+        valid = slow.valid_mask()[:, None, :, None].expand_as(ks)
+        assert torch.equal(kf[valid], ks[valid]) and torch.equal(vf[valid], vs[valid])
+        if step == 5:
+            _same_entries(fast.rows[0], slow.rows[0])  # a read writes the queue; appends queue again
+    # equal runs are read as one strided view: nothing reads the tables, the queue grows (row 0 was
+    # read at step 5); ragged runs are gathered through the tables every step
+    assert queued == (6 if len(set(lengths)) == 1 else 1)
+    for r in fast.rows:  # each request's slots are still its run
+        start, n = int(r.slots[0, 0, 0]), int(r.lengths)
+        assert torch.equal(r.slots[0, :, :n], torch.arange(start, start + n).expand(H, n))
+    for a, b in zip(fast.rows, slow.rows):
+        _same_entries(a, b)
+    # queue again, then let the pool compact under the queue (remap reads the tables first)
+    k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+    pos, mod = torch.randint(0, 99, (B, 1, P), generator=g), torch.full((B, 1), 3, dtype=torch.int8)
+    for view in (fast, slow):
+        view.append(k, v, pos, mod, torch.ones(B, dtype=torch.long))
+    assert all(r._tail for r in fast.rows)
+    fast.rows[1].release()
+    slow.rows[1].release()
+    fast.pool.compact(0)
+    for i in (0, 2):
+        _same_entries(fast.rows[i], slow.rows[i])
+    for r in (fast.rows[0], fast.rows[2]):
+        r.release()
+    assert fast.pool.used_slots(0) == 0

@@ -19,12 +19,14 @@ from vlkv.runtime.cache import KVCache, LayerKV
 class LayerBatch:
     """One layer of a :class:`CacheBatch`: the rows are the requests' single-sample layers."""
 
-    def __init__(self, rows: list[LayerKV]):
+    def __init__(self, rows: list[LayerKV], memo: dict | None = None):
         pools = {id(r.pool) for r in rows}
         if len(pools) != 1 or len({r.layer for r in rows}) != 1:
             raise ValueError("a batch view needs every row on the same pool layer")
         self.rows = rows
         self.pool, self.layer = rows[0].pool, rows[0].layer
+        # per-step values every layer of a batch view shares (see ``_step_rows``)
+        self._memo = {} if memo is None else memo
 
     @property
     def lengths(self) -> Tensor:
@@ -57,36 +59,54 @@ class LayerBatch:
     def _append_one(
         self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
     ) -> Tensor:
-        """One new entry per request (a decode step): one pool allocation and one write for the whole
-        batch, then plain-slice table writes per request (no per-request index kernels).
+        """One new entry per request (a decode step): one pool write for the whole batch, then each
+        request's table entry (queued while it continues the request's run, see ``LayerKV.put_one``).
 
         ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
         ``(B, 1)`` sequence indices; returns ``(B,)`` past lengths.
         """
-        dev = self.pool.spec.device
-        before = self.lengths  # (B,), returned; put_one gives each request a new lengths tensor
+        spec = self.pool.spec
         past = [int(r.lengths.item()) for r in self.rows]
+        before = torch.tensor(past, device=spec.device)
         for r, p in zip(self.rows, past):
             r._reserve(p + 1)
-        run_ids = [r._spare_next for r in self.rows]
-        spare = [r.take_spare() if r.batch == 1 else None for r in self.rows]
-        if all(s is not None for s in spare):  # every request continues its own run
-            ids = torch.stack(spare, 1)  # (H_kv, B)
+        spare = [r.take_spare() for r in self.rows]
+        run_ids = [s if isinstance(s, int) else None for s in spare]
+        if all(s is not None for s in run_ids):  # every request continues its own run
+            ids = torch.tensor(run_ids, device=spec.device).expand(spec.kv_heads, len(run_ids))
         else:
-            run_ids = [a if s is not None else None for a, s in zip(run_ids, spare)]
-            ids = self.pool.alloc(self.layer, sum(s is None for s in spare))
-            if any(s is not None for s in spare):
-                fresh = iter(ids.unbind(1))
-                ids = torch.stack([s if s is not None else next(fresh) for s in spare], 1)
+            fresh = iter(self.pool.alloc(self.layer, sum(s is None for s in spare)).unbind(1))
+            cols = []
+            for s in spare:
+                if isinstance(s, int):
+                    s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
+                cols.append(next(fresh) if s is None else s)
+            ids = torch.stack(cols, 1)
+        dev = spec.device
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
-        pos = positions.to(dev)[:, 0].to(torch.long).unbind(0)  # B x (P,)
-        mod = modality.to(dev)[:, 0].to(torch.int8).unbind(0)  # B x ()
-        orders = [None] * len(self.rows) if order is None else order[:, 0].tolist()
-        for i, (r, col) in enumerate(zip(self.rows, ids.t().unbind(0))):
+        pos, mod, orders = self._step_rows(positions, modality, order)
+        for i, r in enumerate(self.rows):
+            col = None if run_ids[i] is not None else ids[:, i]
             r.put_one(past[i], col, pos[i], mod[i], orders[i], run_ids[i])
         return before
+
+    def _step_rows(
+        self, positions: Tensor, modality: Tensor, order: Tensor | None
+    ) -> tuple[list[list[int]], list[int], list[int | None]]:
+        """The step's new rows as Python values per request, converted once per step (every layer
+        appends the same rows): ``positions (B, 1, P)``, ``modality (B, 1)``, ``order (B, 1)``."""
+        memo = self._memo.get("rows")
+        if memo is not None and memo[0] is positions and memo[1] is modality and memo[2] is order:
+            return memo[3]
+        rows = (
+            positions[:, 0].tolist(),
+            modality[:, 0].tolist(),
+            [None] * len(self.rows) if order is None else order[:, 0].tolist(),
+        )
+        self._memo["rows"] = (positions, modality, order, rows)
+        return rows
 
     def open_mask(self, width: int) -> Tensor | None:
         """``(B, H_kv, width)`` bool, False at any request's holes; None when no request has holes."""
@@ -183,7 +203,8 @@ class CacheBatch:
         if not caches:
             raise ValueError("a batch view needs at least one cache")
         self.caches = caches
-        self.layers = [LayerBatch([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))]
+        memo: dict = {}
+        self.layers = [LayerBatch([c.layers[i] for c in caches], memo) for i in range(len(caches[0].layers))]
 
     @property
     def batch_size(self) -> int:
