@@ -476,18 +476,16 @@ class LayerKV:
             p = int(past.item())
             self._reserve(p + 1)
             spare = self.take_spare()
-            if spare is None:
-                ids = self.pool.alloc(self.layer, 1)
-            elif isinstance(spare, int):
-                ids = torch.tensor([spare], device=dev).expand(self.kv_heads, 1)
+            kh, vh = k[0].to(dev), v[0].to(dev)  # (H_kv, 1, D)
+            if isinstance(spare, int):
+                ids = None
+                self.pool.write_columns(self.layer, torch.tensor([spare], device=dev), kh, vh)
             else:
-                ids = spare[:, None]
-            self.pool.write(
-                self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
-            )
+                ids = self.pool.alloc(self.layer, 1) if spare is None else spare[:, None]
+                self.pool.write(self.layer, ids, kh, vh)
             own = None if order is None else int(order[0, 0])
             run_id = spare if isinstance(spare, int) else None
-            col = None if run_id is not None else ids[:, 0]
+            col = None if ids is None else ids[:, 0]
             self.put_one(p, col, positions[0, 0].tolist(), int(modality[0, 0]), own, run_id)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it

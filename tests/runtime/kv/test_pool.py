@@ -157,3 +157,21 @@ def test_decode_never_grows_the_generate_pool(engines, images, monkeypatch):
     grows.clear()
     engine.generate(prompts, make_policy("full"), 40, stop_at_eos=False)
     assert len(grows) == one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_column_write_equals_the_per_head_write(dtype):
+    spec = PoolSpec(num_layers=1, kv_heads=3, head_dim=5, dtype=dtype, device="cpu")
+    a, b = KVPool(spec, 12, grow=False), KVPool(spec, 12, grow=False)
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(2, 3, 12, 5, generator=g).unbind(0)
+    for pool in (a, b):  # same contents, some keys marked pre-RoPE
+        pool.write(0, torch.arange(12).expand(3, 12), *old)
+        pool.write(0, torch.tensor([[2, 7]]).expand(3, 2), torch.zeros(3, 2, 5), torch.zeros(3, 2, 5), True)
+    ids = torch.tensor([7, 0, 11])
+    k, v = torch.randn(2, 3, 3, 5, generator=g).unbind(0)  # fp32 in: cast to the pool's dtype
+    a.write_columns(0, ids, k.transpose(1, 2).contiguous().transpose(1, 2), v)  # strided source too
+    b.write(0, ids.expand(3, 3), k, v)
+    assert torch.equal(a.keys[0], b.keys[0]) and torch.equal(a.values[0], b.values[0])
+    assert torch.equal(a._prerope[0], b._prerope[0]) and not bool(a._prerope[0][:, 7].any())
+    assert bool(a._prerope[0][:, 2].all()) and a.bytes_written == b.bytes_written

@@ -72,20 +72,20 @@ class LayerBatch:
             r._reserve(p + 1)
         spare = [r.take_spare() for r in self.rows]
         run_ids = [s if isinstance(s, int) else None for s in spare]
+        dev = spec.device
+        kh, vh = k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)  # (H_kv, B, D)
         if all(s is not None for s in run_ids):  # every request continues its own run
-            ids = torch.tensor(run_ids, device=spec.device).expand(spec.kv_heads, len(run_ids))
+            ids = None
+            self.pool.write_columns(self.layer, torch.tensor(run_ids, device=dev), kh, vh)
         else:
             fresh = iter(self.pool.alloc(self.layer, sum(s is None for s in spare)).unbind(1))
             cols = []
             for s in spare:
                 if isinstance(s, int):
-                    s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
+                    s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=dev)
                 cols.append(next(fresh) if s is None else s)
-            ids = torch.stack(cols, 1)
-        dev = spec.device
-        self.pool.write(
-            self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
-        )
+            ids = torch.stack(cols, 1)  # (H_kv, B)
+            self.pool.write(self.layer, ids, kh, vh)
         pos, mod, orders = self._step_rows(positions, modality, order)
         for i, r in enumerate(self.rows):
             col = None if run_ids[i] is not None else ids[:, i]

@@ -279,6 +279,15 @@ class KVPool:
         self._prerope[layer].scatter_(1, ids, prerope)
         self.bytes_written += n * self.spec.entry_bytes // self.spec.kv_heads
 
+    def write_columns(self, layer: int, ids: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store ``k, v (H_kv, n, D)`` at slots ``ids (n,)``, the same slot in every head (decode
+        appends that continue their runs): one copy per store along the slot axis, no flat index."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(1, ids, k if k.dtype == keys.dtype else k.to(keys.dtype))
+        values.index_copy_(1, ids, v if v.dtype == values.dtype else v.to(values.dtype))
+        self._prerope[layer].index_fill_(1, ids, False)
+        self.bytes_written += ids.numel() * self.spec.entry_bytes
+
     def write_entries(
         self, layer: int, heads: Tensor, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False
     ) -> None:
