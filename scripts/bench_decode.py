@@ -29,7 +29,7 @@ import torch
 
 from vlkv.runtime.backend import StatsRequest, StepInputs, StepStats
 from vlkv.runtime.engine import Engine, apply_edits
-from vlkv.runtime.policies import make_policy
+from vlkv.runtime.policies import make_policy, policy_fields
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
@@ -107,7 +107,7 @@ def run_length(engine: Engine, args, tokens: int, configs: list[tuple[str, float
     batch = _repeat(document_prompt(engine, args.model, tokens), args.batch)
     t = batch.input_ids.shape[1]
     ctx = engine.context(batch)
-    pols = {f"{n}@{b}": make_policy(n, budget=b) for n, b in configs if n != "full"}
+    pols = {f"{n}@{b}": make_policy(n, budget=b, **cadence(n, args)) for n, b in configs if n != "full"}
     names_by_kind = {}
     for key in pols:
         names_by_kind.setdefault(key.split("@")[0], key)
@@ -137,7 +137,9 @@ def run_length(engine: Engine, args, tokens: int, configs: list[tuple[str, float
                 read.append(float(res.attended.sum()) * entry if res.attended is not None else float("nan"))
             tok = res.logits.argmax(-1)
         c.release()
-        return statistics.median(times), statistics.median(read)
+        # with a cadence one step in ``every`` evicts: the mean carries its cost, a median would not
+        agg = statistics.mean if args.evict_every > 1 else statistics.median
+        return agg(times), agg(read)
 
     decode("full", 1.0)  # warm-up
     runs: dict[tuple[str, float], list[tuple[float, float]]] = {c: [] for c in configs}
@@ -191,7 +193,9 @@ def _repeat(prompt_batch, b: int):
 def to_markdown(res: dict) -> str:
     lines = [
         f"Decode step vs the bandwidth limit ({res['dtype']}, {res['machine']}, batch {res['batch']}, "
-        f"median of {res['steps']} steps; each policy's budgets paired with a full-cache run just before them)",
+        f"{'median' if res.get('evict_every', 1) == 1 else 'mean'} of {res['steps']} steps"
+        + (f", decode eviction every {res['evict_every']} steps" if res.get("evict_every", 1) > 1 else "")
+        + "; each policy's budgets paired with a full-cache run just before them)",
         "",
         "W = weight bytes read per step; KV = K/V bytes the step attends. limit = (W + KV_full) / (W + KV);",
         "of limit = measured speed-up over the full cache / limit.",
@@ -236,6 +240,13 @@ def plot(res: dict, path: str) -> bool:
     return True
 
 
+def cadence(name: str, args) -> dict:
+    """``evict_every`` for a policy that evicts while decoding, when ``--evict-every`` asks for it."""
+    if args.evict_every > 1 and "evict_every" in policy_fields(name):
+        return {"evict_every": args.evict_every}
+    return {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-llava")
@@ -245,6 +256,12 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     ap.add_argument("--steps", type=int, default=6, help="decode steps timed per configuration")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--evict-every",
+        type=int,
+        default=1,
+        help="run the decode-time eviction of h2o/local/elastic every N steps (their evict_every)",
+    )
     ap.add_argument("--plot-budget", type=float, default=0.2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
@@ -252,8 +269,10 @@ def main() -> None:
     add_threads_arg(ap)
     args = ap.parse_args()
     check_device_args(ap, args)
-    if args.batch < 1 or args.steps < 1 or args.repeats < 1 or min(args.tokens) < 16:
-        ap.error("--batch, --steps, --repeats must be >= 1 and --tokens >= 16")
+    if args.batch < 1 or args.steps < 1 or args.repeats < 1 or args.evict_every < 1 or min(args.tokens) < 16:
+        ap.error("--batch, --steps, --repeats, --evict-every must be >= 1 and --tokens >= 16")
+    if args.steps % args.evict_every:
+        ap.error(f"--steps ({args.steps}) must be a multiple of --evict-every ({args.evict_every})")
     if any(not 0.0 < b < 1.0 for b in args.budgets):
         ap.error("--budgets must be in (0, 1)")
     engine = Engine(load_for_bench(args.model, args.device, args.dtype))
@@ -269,6 +288,7 @@ def main() -> None:
         "steps": args.steps,
         "repeats": args.repeats,
         "plot_budget": args.plot_budget,
+        "evict_every": args.evict_every,
         "compress_once": list(COMPRESS_ONCE),
         "rows": rows,
     }
