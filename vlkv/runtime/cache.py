@@ -633,6 +633,16 @@ class LayerKV:
                 (the column stays, the head's entry is freed and no longer attended).
         """
         index, keep_len = index.to(self.device), keep_len.to(device=self.device, dtype=torch.long)
+        if self.batch == 1 and holes is None and self.holes is None and self.lowrank is None:
+            # one sample, every head holds its columns (a decode-time eviction): the dropped slots are
+            # the unlisted valid columns, no masks over the whole table
+            n, k = int(self.lengths.item()), int(keep_len.item())
+            kept = torch.zeros(1, self.kv_heads, n, dtype=torch.bool, device=self.device)
+            ht, ct = torch.nonzero(~kept.scatter_(2, index[:, :, :k], True)[0], as_tuple=True)
+            if ht.numel():
+                self.pool.release(self.layer, self.slots[0, ht, ct], heads=ht)
+            self._install(self._take(index, index.shape[2] + spare), keep_len)
+            return
         kept = self._kept_mask(index, keep_len)
         if holes is not None:
             holes = holes.to(self.device) & self._listed(index, keep_len)
