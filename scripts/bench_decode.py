@@ -223,21 +223,54 @@ def plot(res: dict, path: str) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return False
-    budget = res["plot_budget"]
-    rows = [r for r in res["rows"] if r["budget"] == budget]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.axhline(1.0, color="k", lw=1, label="full")
-    for name in sorted({r["policy"] for r in rows}):
-        pts = sorted((r["tokens"], r["speedup"], r["limit"]) for r in rows if r["policy"] == name)
-        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=name)
-        ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color())
-    ax.set_xlabel("context tokens per sample")
-    ax.set_ylabel("decode step speed-up over the full cache")
-    ax.set_title(f"budget {budget}, batch {res['batch']} (dotted: (W + KV_full) / (W + KV) limit)")
-    ax.legend(fontsize=8)
+    if len({r["tokens"] for r in res["rows"]}) == 1:
+        fig, ax = _plot_one_context(plt, res)
+    else:
+        budget = res["plot_budget"]
+        rows = [r for r in res["rows"] if r["budget"] == budget]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.axhline(1.0, color="k", lw=1, label="full")
+        for name in sorted({r["policy"] for r in rows}):
+            pts = sorted((r["tokens"], r["speedup"], r["limit"]) for r in rows if r["policy"] == name)
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=name)
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], ":", color=line.get_color())
+        ax.set_xlabel("context tokens per sample")
+        ax.set_ylabel("decode step speed-up over the full cache")
+        ax.set_title(f"budget {budget}, batch {res['batch']} (dotted: (W + KV_full) / (W + KV) limit)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
+
+
+def _plot_one_context(plt, res: dict):
+    """One context length: speed-up per policy (bars) at every budget, the limit as a black tick."""
+    rows = res["rows"]
+    budgets = sorted({r["budget"] for r in rows}, reverse=True)
+    names = sorted({r["policy"] for r in rows})
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.axhline(1.0, color="k", lw=1, label="full")
+    for i, name in enumerate(names):
+        for j, b in enumerate(budgets):
+            r = next((r for r in rows if r["policy"] == name and r["budget"] == b), None)
+            if r is None:
+                continue
+            x = j + (i - (len(names) - 1) / 2) * width
+            ax.bar(x, r["speedup"], width * 0.9, color=f"C{i}", label=name if j == 0 else None)
+            ax.plot([x - width / 2, x + width / 2], [r["limit"]] * 2, "k-", lw=2)
+            ax.text(x, r["speedup"], f"{100 * r['of_limit']:.0f}%", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(budgets)), [f"budget {b}" for b in budgets])
+    ax.set_ylabel("decode step speed-up over the full cache")
+    every = res.get("evict_every", 1)
+    ax.set_title(
+        f"{rows[0]['tokens']} tokens × batch {res['batch']}"
+        + (f", eviction every {every} steps" if every > 1 else "")
+        + "\nblack: the bandwidth limit; label: % of it",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
+    return fig, ax
 
 
 def cadence(name: str, args) -> dict:
