@@ -141,20 +141,71 @@ def run_length(engine: Engine, args, tokens: int, configs: list[tuple[str, float
         agg = statistics.mean if args.evict_every > 1 else statistics.median
         return agg(times), agg(read)
 
+    def lockstep(confs: list[tuple[str, float]]) -> dict:
+        """Every configuration and the full cache one decode step at a time, in a rotating order, so
+        a drift of the machine's speed hits them alike. Returns, per configuration, ``((full step,
+        full read), (step, read))`` where ``step`` is the median over steps of the *paired* ratio
+        applied to the full step's median (time / full time measured within one round)."""
+        keys = [("full", 1.0), *confs]
+        state = {}
+        for key in keys:
+            pol = make_policy("full") if key[0] == "full" else pols[f"{key[0]}@{key[1]}"]
+            c = copy_cache(engine, batch, cache)
+            if key[0] != "full":
+                apply_edits(c, pol.after_prefill(c, stats_for(out.stats, alias.get(key[0], key[0])), ctx))
+            state[key] = [pol, c, first]
+        times: dict = {k: [] for k in keys}
+        read: dict = {k: [] for k in keys}
+        for step in range(args.steps + 1):
+            shift = step % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                pol, c, tok = state[key]
+                sync(args.device)
+                start = time.perf_counter()
+                res = engine.decode(tok, batch, pol, c, step + 1)
+                sync(args.device)
+                if step:  # the first step pays one-off growth of the tables
+                    times[key].append(time.perf_counter() - start)
+                    read[key].append(
+                        float(res.attended.sum()) * entry if res.attended is not None else float("nan")
+                    )
+                state[key][2] = res.logits.argmax(-1)
+        for _, c, _ in state.values():
+            c.release()
+        agg = statistics.mean if args.evict_every > 1 else statistics.median
+        full = (agg(times[keys[0]]), agg(read[keys[0]]))
+        pairs = {}
+        for key in confs:
+            # the same aggregate of per-round ratios, scaled by the full step: paired within a round
+            ratio = agg(t / f for t, f in zip(times[key], times[keys[0]]))
+            pairs[key] = (full, (ratio * full[0], agg(read[key])))
+            print(
+                f"  {tokens} tokens: {key[0]} {key[1]}: {1e3 * pairs[key][1][0]:.1f} ms vs full "
+                f"{1e3 * full[0]:.1f} ms (interleaved)",
+                flush=True,
+            )
+        return pairs
+
     decode("full", 1.0)  # warm-up
     runs: dict[tuple[str, float], list[tuple[float, float]]] = {c: [] for c in configs}
     # one full-cache run before each policy's budgets, paired with each of them
     full_of: dict[tuple[str, float], list[tuple[float, float]]] = {c: [] for c in configs}
-    for _ in range(args.repeats):
-        for i, c in enumerate(configs):
-            if i == 0 or configs[i - 1][0] != c[0]:
-                full = decode("full", 1.0)
-            runs[c].append(decode(*c))
-            full_of[c].append(full)
-            print(
-                f"  {tokens} tokens: {c[0]} {c[1]}: {1e3 * runs[c][-1][0]:.1f} ms vs full {1e3 * full[0]:.1f} ms",
-                flush=True,
-            )
+    if args.interleave:
+        for _ in range(args.repeats):
+            for c, pair in lockstep(configs).items():
+                full_of[c].append(pair[0])
+                runs[c].append(pair[1])
+    else:
+        for _ in range(args.repeats):
+            for i, c in enumerate(configs):
+                if i == 0 or configs[i - 1][0] != c[0]:
+                    full = decode("full", 1.0)
+                runs[c].append(decode(*c))
+                full_of[c].append(full)
+                print(
+                    f"  {tokens} tokens: {c[0]} {c[1]}: {1e3 * runs[c][-1][0]:.1f} ms vs full {1e3 * full[0]:.1f} ms",
+                    flush=True,
+                )
     rows = []
     for (name, budget), rs in runs.items():
         pairs = list(zip(full_of[(name, budget)], rs))
@@ -195,7 +246,12 @@ def to_markdown(res: dict) -> str:
         f"Decode step vs the bandwidth limit ({res['dtype']}, {res['machine']}, batch {res['batch']}, "
         f"{'median' if res.get('evict_every', 1) == 1 else 'mean'} of {res['steps']} steps"
         + (f", decode eviction every {res['evict_every']} steps" if res.get("evict_every", 1) > 1 else "")
-        + "; each policy's budgets paired with a full-cache run just before them)",
+        + (
+            "; every configuration stepped in lockstep with the full cache, each step paired with the "
+            "full step of its round)"
+            if res.get("interleave")
+            else "; each policy's budgets paired with a full-cache run just before them)"
+        ),
         "",
         "W = weight bytes read per step; KV = K/V bytes the step attends. limit = (W + KV_full) / (W + KV);",
         "of limit = measured speed-up over the full cache / limit.",
@@ -295,6 +351,12 @@ def main() -> None:
         default=1,
         help="run the decode-time eviction of h2o/local/elastic every N steps (their evict_every)",
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run every configuration and the full cache one step at a time in a rotating order "
+        "(pairs each step with a full step of the same round; needs every configuration's cache at once)",
+    )
     ap.add_argument("--plot-budget", type=float, default=0.2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
@@ -322,6 +384,7 @@ def main() -> None:
         "repeats": args.repeats,
         "plot_budget": args.plot_budget,
         "evict_every": args.evict_every,
+        "interleave": args.interleave,
         "compress_once": list(COMPRESS_ONCE),
         "rows": rows,
     }

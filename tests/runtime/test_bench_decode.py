@@ -40,3 +40,21 @@ def test_steps_not_a_multiple_of_the_cadence_is_one_line():
     done = _run("--tokens", "64", "--steps", "3", "--evict-every", "2")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--steps (3) must be a multiple of --evict-every (2)" in done.stderr
+
+
+def test_interleaved_run_pairs_every_step_with_a_full_step(tmp_path):
+    out = tmp_path / "d.json"
+    done = _run(
+        "--tokens", "64", "--policies", "local", "snapkv", "--budgets", "0.5", "0.2", "--steps", "3",
+        "--interleave", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    assert res["interleave"] is True and "stepped in lockstep with the full cache" in done.stdout
+    assert done.stdout.count("(interleaved)") == 4
+    rows = {(r["policy"], r["budget"]): r for r in res["rows"]}
+    assert sorted(rows) == [("local", 0.2), ("local", 0.5), ("snapkv", 0.2), ("snapkv", 0.5)]
+    fulls = {r["full_step_ms"] for r in rows.values()}
+    assert len(fulls) == 1  # one full cache stepped beside every configuration
+    for r in rows.values():  # the reported step is the paired ratio applied to the full step
+        assert abs(r["speedup"] - r["full_step_ms"] / r["step_ms"]) < 1e-9
