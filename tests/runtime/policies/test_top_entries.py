@@ -58,3 +58,44 @@ def test_large_evictions_take_the_sort(monkeypatch):
     assert not called and index.shape == (1, 2, 10) and int(keep) == 10
     top_entries(scores, valid, torch.tensor([35]), None)
     assert called
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_layers_ranked_together_pick_what_each_layer_alone_picks(seed):
+    """``evict_to`` stacks the layers that hold the same lengths into one ranking: the edits equal
+    one :func:`top_entries` call per layer (ties, forced recent slots, layers within the target)."""
+    from vlkv.runtime.cache import KVCache
+    from vlkv.runtime.policies.base import evict_to, recent_mask, valid_slots
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, d = 2, 3, 4
+    cache = KVCache.empty(5, b, h, d, 1, torch.float32)
+    lens = [[9, 6], [9, 6], [4, 3], [9, 6], [7, 7]]  # three layers alike, one within the target
+    for layer, n in zip(cache.layers, lens):
+        q = max(n)
+        layer.append(
+            torch.randn(b, h, q, d, generator=g),
+            torch.randn(b, h, q, d, generator=g),
+            torch.arange(q).expand(b, q)[..., None],
+            torch.zeros(b, q, dtype=torch.int8),
+            torch.tensor(n),
+        )
+        # integer scores: ties between columns and between heads
+        layer.scores["s"] = torch.randint(0, 4, (b, h, layer.capacity), generator=g).float()
+    target = torch.tensor([5, 4])
+
+    def score(layer, width):
+        return layer.scores["s"][:, :, :width]
+
+    def force(layer, width, keep):
+        return recent_mask(layer.lengths, width, keep // 3)
+
+    got = evict_to(cache, target, score, force)
+    for layer, edit in zip(cache.layers, got):
+        if bool((layer.lengths <= target).all()):
+            assert edit is None
+            continue
+        width, keep = layer.max_length, torch.minimum(target, layer.lengths)
+        want = top_entries(score(layer, width), valid_slots(layer, width), keep, force(layer, width, keep))
+        assert torch.equal(edit.index, want[0]) and torch.equal(edit.keep_len, want[1])
+    assert got[2] is None and all(e is not None for e in (got[0], got[1], got[3], got[4]))

@@ -274,18 +274,31 @@ def _drop_lowest(ranked: Tensor, drop: Tensor) -> Tensor:
 def evict_to(cache: KVCache, target: Tensor, score, force) -> list[LayerEdit | None]:
     """Per layer, keep at most ``target[b]`` entries: the best by ``score(layer, width)``
     (``(B, H_kv, width)``), with ``force(layer, width, keep)`` (``(B, 1 or H_kv, width)`` bool) always in.
-    Layers already within the target get no edit."""
-    edits: list[LayerEdit | None] = []
-    for layer in cache.layers:
-        if bool((layer.lengths <= target).all()):
-            edits.append(None)
-            continue
-        width = layer.max_length
-        keep = torch.minimum(target, layer.lengths)
-        index, keep_len = top_entries(
-            score(layer, width), valid_slots(layer, width), keep, force(layer, width, keep)
-        )
-        edits.append(LayerEdit(index, keep_len))
+    Layers already within the target get no edit.
+
+    ``force`` may depend on a layer only through its lengths: layers holding the same lengths (every
+    layer of a uniform per-step policy) are ranked in one :func:`top_entries` call over their stacked
+    scores, with one ``force`` mask — the same picks as one call per layer, at one call's cost."""
+    edits: list[LayerEdit | None] = [None] * len(cache.layers)
+    lengths = cache.lengths()  # (L, B)
+    over = (lengths > target.to(lengths.device)[None, :]).any(1).tolist()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (row, o) in enumerate(zip(lengths.tolist(), over)):
+        if o:
+            groups.setdefault(tuple(row), []).append(i)
+    for row, members in groups.items():
+        first = cache.layers[members[0]]
+        width, b = max(row), len(row)
+        keep = torch.minimum(target, first.lengths)
+        scores = torch.cat([score(cache.layers[i], width) for i in members])  # (G·B, H_kv, width)
+        g = len(members)
+        valid, forced = valid_slots(first, width), force(first, width, keep)
+        if g > 1:
+            valid = valid.repeat(g, 1, 1)
+            forced = None if forced is None else forced.repeat(g, 1, 1)
+        index, keep_len = top_entries(scores, valid, keep.repeat(g), forced)
+        for j, i in enumerate(members):
+            edits[i] = LayerEdit(index[j * b : (j + 1) * b], keep_len[j * b : (j + 1) * b])
     return edits
 
 
