@@ -390,9 +390,9 @@ class LayerKV:
         rows = torch.arange(q, device=dev)
         valid = rows[None, :] < new_len[:, None]  # (B, q)
         bt, it = torch.nonzero(valid, as_tuple=True)  # row-major: sample, then row
-        run = self._spare_next  # None unless this append takes a fresh run
+        fresh_run = self._spare is None
         ids = self._alloc_prompt(bt.numel(), past)  # (H_kv, T)
-        run = None if run is not None or self._spare_next is None else self._spare_next - bt.numel()
+        fresh_run = fresh_run and self._spare is not None  # this append took the run its decode continues
         heads = torch.arange(h, device=dev)
         kk, vv = k.to(dev).permute(1, 0, 2, 3)[:, bt, it], v.to(dev).permute(1, 0, 2, 3)[:, bt, it]
         self.pool.write(self.layer, ids, kk, vv)
@@ -413,8 +413,8 @@ class LayerKV:
         if self.holes is not None:  # new entries are held by every head
             self.holes.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=torch.bool, device=dev))
         self.lengths = past + new_len
-        if run is not None:  # the table's entries are the run: decode appends may queue (put_one)
-            self._run = (self.slots, self.slots._version, bt.numel(), run)
+        if fresh_run:  # the table's entries are the run: decode appends may queue (put_one)
+            self._run = (self.slots, self.slots._version, bt.numel(), self._spare_next - bt.numel())
         return past
 
     def _alloc_prompt(self, n: int, past: Tensor) -> Tensor:
@@ -471,22 +471,10 @@ class LayerKV:
         ``(B, 1)``; returns ``(B,)`` past lengths.
         """
         b, dev = k.shape[0], self.device
-        if b == 1:  # plain-slice writes at a known column: no index tensors
+        if b == 1:  # the one-sample path a batch view takes too: no index tensors
             past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
-            p = int(past.item())
-            self._reserve(p + 1)
-            spare = self.take_spare()
-            kh, vh = k[0].to(dev), v[0].to(dev)  # (H_kv, 1, D)
-            if isinstance(spare, int):
-                ids = None
-                self.pool.write_columns(self.layer, torch.tensor([spare], device=dev), kh, vh)
-            else:
-                ids = self.pool.alloc(self.layer, 1) if spare is None else spare[:, None]
-                self.pool.write(self.layer, ids, kh, vh)
-            own = None if order is None else int(order[0, 0])
-            run_id = spare if isinstance(spare, int) else None
-            col = None if ids is None else ids[:, 0]
-            self.put_one(p, col, positions[0, 0].tolist(), int(modality[0, 0]), own, run_id)
+            orders = [None] if order is None else order[:, 0].tolist()
+            append_one_each([self], k, v, positions[:, 0].tolist(), modality[:, 0].tolist(), orders)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
         self._reserve(int(past.max()) + 1)
@@ -770,6 +758,48 @@ class LayerKV:
             hb, hh, hc = torch.nonzero(self.holes & self.valid_mask()[:, None, :], as_tuple=True)
             self.pool.release(self.layer, self.slots[hb, hh, hc], heads=hh)
             self.slots[hb, hh, hc] = 0
+
+
+def append_one_each(
+    rows: list[LayerKV],
+    k: Tensor,
+    v: Tensor,
+    positions: list[list[int]],
+    modality: list[int],
+    orders: list[int | None],
+) -> list[int]:
+    """One new entry for each one-sample layer of ``rows`` (a decode step; every row on the same pool
+    layer): one pool write for all of them, then each row's table entry (queued while it continues
+    the row's run, see :meth:`LayerKV.put_one`).
+
+    ``k, v (B, H_kv, 1, D)`` (row ``b`` for ``rows[b]``); ``positions``, ``modality``, ``orders``: per
+    row its ``P`` position components, modality code and sequence index (None: the next one).
+    Returns each row's length before the write.
+    """
+    pool, layer = rows[0].pool, rows[0].layer
+    spec = pool.spec
+    past = [int(r.lengths.item()) for r in rows]
+    for r, p in zip(rows, past):
+        r._reserve(p + 1)
+    spare = [r.take_spare() for r in rows]
+    run_ids = [s if isinstance(s, int) else None for s in spare]
+    kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
+    ids = None  # (H_kv, B) when some row does not continue its run
+    if all(s is not None for s in run_ids):
+        pool.write_columns(layer, torch.tensor(run_ids, device=spec.device), kh, vh)
+    else:
+        fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
+        cols = []
+        for s in spare:
+            if isinstance(s, int):
+                s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
+            cols.append(next(fresh) if s is None else s)
+        ids = torch.stack(cols, 1)
+        pool.write(layer, ids, kh, vh)
+    for i, r in enumerate(rows):
+        col = None if run_ids[i] is not None else ids[:, i]
+        r.put_one(past[i], col, positions[i], modality[i], orders[i], run_ids[i])
+    return past
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vlkv.runtime.cache import KVCache, LayerKV
+from vlkv.runtime.cache import KVCache, LayerKV, append_one_each
 
 
 class LayerBatch:
@@ -59,38 +59,13 @@ class LayerBatch:
     def _append_one(
         self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
     ) -> Tensor:
-        """One new entry per request (a decode step): one pool write for the whole batch, then each
-        request's table entry (queued while it continues the request's run, see ``LayerKV.put_one``).
+        """One new entry per request (a decode step), see :func:`~vlkv.runtime.cache.append_one_each`.
 
         ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
         ``(B, 1)`` sequence indices; returns ``(B,)`` past lengths.
         """
-        spec = self.pool.spec
-        past = [int(r.lengths.item()) for r in self.rows]
-        before = torch.tensor(past, device=spec.device)
-        for r, p in zip(self.rows, past):
-            r._reserve(p + 1)
-        spare = [r.take_spare() for r in self.rows]
-        run_ids = [s if isinstance(s, int) else None for s in spare]
-        dev = spec.device
-        kh, vh = k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)  # (H_kv, B, D)
-        if all(s is not None for s in run_ids):  # every request continues its own run
-            ids = None
-            self.pool.write_columns(self.layer, torch.tensor(run_ids, device=dev), kh, vh)
-        else:
-            fresh = iter(self.pool.alloc(self.layer, sum(s is None for s in spare)).unbind(1))
-            cols = []
-            for s in spare:
-                if isinstance(s, int):
-                    s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=dev)
-                cols.append(next(fresh) if s is None else s)
-            ids = torch.stack(cols, 1)  # (H_kv, B)
-            self.pool.write(self.layer, ids, kh, vh)
-        pos, mod, orders = self._step_rows(positions, modality, order)
-        for i, r in enumerate(self.rows):
-            col = None if run_ids[i] is not None else ids[:, i]
-            r.put_one(past[i], col, pos[i], mod[i], orders[i], run_ids[i])
-        return before
+        past = append_one_each(self.rows, k, v, *self._step_rows(positions, modality, order))
+        return torch.tensor(past, device=self.pool.spec.device)
 
     def _step_rows(
         self, positions: Tensor, modality: Tensor, order: Tensor | None
