@@ -77,15 +77,19 @@ def test_pool_read_equals_advanced_indexing():
     assert k.shape == (4, H, 81, D)
 
 
-def _batch_rows(seed: int) -> list[LayerKV]:
-    """Three single-sample layers on one shared pool, holding 5, 2 and 7 entries and a score."""
+def _batch_rows(
+    seed: int, lengths: tuple[int, ...] = (5, 2, 7), reserve: int = 0, score: bool = True
+) -> list[LayerKV]:
+    """Single-sample layers on one growable pool holding ``lengths`` entries (and a score): with
+    ``reserve > 0`` each prompt takes a run of slots whose spares its decode appends continue."""
     from vlkv.runtime.cache import private_pool
 
     g = torch.Generator().manual_seed(seed)
     pool = private_pool(1, H, D, torch.float32, "cpu")
     rows = []
-    for n in (5, 2, 7):
+    for n in lengths:
         layer = LayerKV(pool, 0, 1, P)
+        layer.run_reserve = reserve
         layer.append(
             torch.randn(1, H, n, D, generator=g),
             torch.randn(1, H, n, D, generator=g),
@@ -93,7 +97,8 @@ def _batch_rows(seed: int) -> list[LayerKV]:
             torch.zeros(1, n, dtype=torch.int8),
             torch.tensor([n]),
         )
-        layer.scores["s"] = torch.rand(1, H, layer.capacity, generator=g)
+        if score:
+            layer.scores["s"] = torch.rand(1, H, layer.capacity, generator=g)
         rows.append(layer)
     return rows
 
@@ -122,28 +127,6 @@ def test_batch_view_one_row_append_equals_per_request_append(steps):
         assert torch.equal(x, y)
 
 
-def _run_rows(seed: int, reserve: int, lengths: tuple[int, ...]) -> list[LayerKV]:
-    """Single-sample layers on one growable pool holding ``lengths`` entries, no scores: with
-    ``reserve > 0`` each prompt takes a run of slots whose spares its decode appends continue."""
-    from vlkv.runtime.cache import private_pool
-
-    g = torch.Generator().manual_seed(seed)
-    pool = private_pool(1, H, D, torch.float32, "cpu")
-    rows = []
-    for n in lengths:
-        layer = LayerKV(pool, 0, 1, P)
-        layer.run_reserve = reserve
-        layer.append(
-            torch.randn(1, H, n, D, generator=g),
-            torch.randn(1, H, n, D, generator=g),
-            torch.randint(0, 50, (1, n, P), generator=g),
-            torch.zeros(1, n, dtype=torch.int8),
-            torch.tensor([n]),
-        )
-        rows.append(layer)
-    return rows
-
-
 def _same_entries(a: LayerKV, b: LayerKV) -> None:
     n = int(a.lengths)
     assert n == int(b.lengths) and torch.equal(a.next_order, b.next_order)
@@ -161,8 +144,8 @@ def test_queued_decode_entries_equal_written_ones(lengths):
     tensors, a mid-run read, explicit orders, a compaction and the release."""
     from vlkv.runtime.kv.batch import LayerBatch
 
-    fast = LayerBatch(_run_rows(7, 16, lengths))
-    slow = LayerBatch(_run_rows(7, 0, lengths))
+    fast = LayerBatch(_batch_rows(7, lengths, reserve=16, score=False))
+    slow = LayerBatch(_batch_rows(7, lengths, score=False))
     g = torch.Generator().manual_seed(8)
     queued = 0
     for step in range(12):
@@ -202,3 +185,23 @@ def test_queued_decode_entries_equal_written_ones(lengths):
     for r in (fast.rows[0], fast.rows[2]):
         r.release()
     assert fast.pool.used_slots(0) == 0
+
+
+def test_one_sample_select_equals_the_general_select():
+    """The one-sample eviction path (no holes, no factors) frees and keeps what the general path does:
+    tables, K/V, scores and the pool's free slots (an all-False ``holes`` takes the general path)."""
+    g = torch.Generator().manual_seed(9)
+    fast, slow = _batch_rows(3, (9,), reserve=4)[0], _batch_rows(3, (9,), reserve=4)[0]
+    for spare in (0, 2):
+        n = int(fast.lengths)
+        drop = torch.stack([torch.randperm(n, generator=g)[:3] for _ in range(H)])  # (H, 3), per head
+        keep = torch.ones(H, n, dtype=torch.bool).scatter_(1, drop, False)
+        index = torch.stack([torch.nonzero(row).squeeze(1) for row in keep])[None]  # (1, H, n - 3)
+        index = torch.cat([index, index[:, :, :1]], 2)  # a padding column past keep_len
+        keep_len = torch.tensor([n - 3])
+        fast.select(index, keep_len, spare=spare)
+        slow.select(index, keep_len, spare=spare, holes=torch.zeros(1, H, index.shape[2], dtype=torch.bool))
+        assert fast.pool.free_slots(0) == slow.pool.free_slots(0)
+        assert torch.equal(fast.slots, slow.slots) and fast.capacity == slow.capacity
+        _same_entries(fast, slow)
+        assert torch.equal(fast.scores["s"], slow.scores["s"]) and slow.holes is None
