@@ -120,65 +120,59 @@ def run_length(engine: Engine, args, tokens: int, configs: list[tuple[str, float
     entry = 2 * be.num_kv_heads * be.head_dim * torch.finfo(be.dtype).bits // 8
     w = weight_bytes(engine)
 
-    def decode(name: str, budget: float) -> tuple[float, float]:
-        """Median step seconds and K/V bytes attended per step, for one configuration."""
+    # with a cadence one step in ``every`` evicts: the mean carries its cost, a median would not
+    agg = statistics.mean if args.evict_every > 1 else statistics.median
+
+    def begin(name: str, budget: float) -> list:
+        """A configuration's own copy of the prefilled cache after its policy's prefill edits:
+        ``[policy, cache, next tokens]``."""
         pol = make_policy(name) if name == "full" else pols[f"{name}@{budget}"]
         c = copy_cache(engine, batch, cache)
         if name != "full":
             apply_edits(c, pol.after_prefill(c, stats_for(out.stats, alias.get(name, name)), ctx))
-        tok, times, read = first, [], []
-        for step in range(args.steps + 1):
-            sync(args.device)
-            start = time.perf_counter()
-            res = engine.decode(tok, batch, pol, c, step + 1)
-            sync(args.device)
-            if step:  # the first step pays one-off growth of the tables
-                times.append(time.perf_counter() - start)
-                read.append(float(res.attended.sum()) * entry if res.attended is not None else float("nan"))
-            tok = res.logits.argmax(-1)
-        c.release()
-        # with a cadence one step in ``every`` evicts: the mean carries its cost, a median would not
-        agg = statistics.mean if args.evict_every > 1 else statistics.median
-        return agg(times), agg(read)
+        return [pol, c, first]
+
+    def advance(state: list, step: int) -> tuple[float, float]:
+        """One decode step of a configuration: seconds and K/V bytes attended."""
+        pol, c, tok = state
+        sync(args.device)
+        start = time.perf_counter()
+        res = engine.decode(tok, batch, pol, c, step + 1)
+        sync(args.device)
+        seconds = time.perf_counter() - start
+        state[2] = res.logits.argmax(-1)
+        return seconds, float(res.attended.sum()) * entry if res.attended is not None else float("nan")
+
+    def decode(name: str, budget: float) -> tuple[float, float]:
+        """Step seconds and K/V bytes attended per step (median, or mean under a cadence)."""
+        state = begin(name, budget)
+        # the first step pays one-off growth of the tables
+        timed = [advance(state, step) for step in range(args.steps + 1)][1:]
+        state[1].release()
+        return agg([t for t, _ in timed]), agg([r for _, r in timed])
 
     def lockstep(confs: list[tuple[str, float]]) -> dict:
         """Every configuration and the full cache one decode step at a time, in a rotating order, so
         a drift of the machine's speed hits them alike. Returns, per configuration, ``((full step,
-        full read), (step, read))`` where ``step`` is the median over steps of the *paired* ratio
-        applied to the full step's median (time / full time measured within one round)."""
+        full read), (step, read))`` where ``step`` is the aggregate over steps of the *paired* ratio
+        (time / full time within one round) applied to the full step's aggregate."""
         keys = [("full", 1.0), *confs]
-        state = {}
-        for key in keys:
-            pol = make_policy("full") if key[0] == "full" else pols[f"{key[0]}@{key[1]}"]
-            c = copy_cache(engine, batch, cache)
-            if key[0] != "full":
-                apply_edits(c, pol.after_prefill(c, stats_for(out.stats, alias.get(key[0], key[0])), ctx))
-            state[key] = [pol, c, first]
-        times: dict = {k: [] for k in keys}
-        read: dict = {k: [] for k in keys}
+        state = {key: begin(*key) for key in keys}
+        timed: dict = {key: [] for key in keys}
         for step in range(args.steps + 1):
             shift = step % len(keys)
             for key in keys[shift:] + keys[:shift]:
-                pol, c, tok = state[key]
-                sync(args.device)
-                start = time.perf_counter()
-                res = engine.decode(tok, batch, pol, c, step + 1)
-                sync(args.device)
+                got = advance(state[key], step)
                 if step:  # the first step pays one-off growth of the tables
-                    times[key].append(time.perf_counter() - start)
-                    read[key].append(
-                        float(res.attended.sum()) * entry if res.attended is not None else float("nan")
-                    )
-                state[key][2] = res.logits.argmax(-1)
-        for _, c, _ in state.values():
-            c.release()
-        agg = statistics.mean if args.evict_every > 1 else statistics.median
-        full = (agg(times[keys[0]]), agg(read[keys[0]]))
+                    timed[key].append(got)
+        for st in state.values():
+            st[1].release()
+        base = timed[keys[0]]
+        full = (agg([t for t, _ in base]), agg([r for _, r in base]))
         pairs = {}
         for key in confs:
-            # the same aggregate of per-round ratios, scaled by the full step: paired within a round
-            ratio = agg(t / f for t, f in zip(times[key], times[keys[0]]))
-            pairs[key] = (full, (ratio * full[0], agg(read[key])))
+            ratio = agg([t / f for (t, _), (f, _) in zip(timed[key], base)])
+            pairs[key] = (full, (ratio * full[0], agg([r for _, r in timed[key]])))
             print(
                 f"  {tokens} tokens: {key[0]} {key[1]}: {1e3 * pairs[key][1][0]:.1f} ms vs full "
                 f"{1e3 * full[0]:.1f} ms (interleaved)",
