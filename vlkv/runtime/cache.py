@@ -34,6 +34,9 @@ from torch import Tensor
 
 from vlkv.runtime.kv.pool import GROW_SLOTS, KVPool, PoolSpec
 
+# most slots per head a decode-time eviction hands to the cache's next appends instead of the pool
+RECYCLE_MAX = 16
+
 
 class Modality(IntEnum):
     """What produced a cache entry."""
@@ -121,6 +124,9 @@ class LayerKV:
         # the id ``spare_ids`` start at while they continue the prompt's run (a Python int, so an
         # append knows it extends the run without a tensor compare), None when unknown
         self._spare_next: int | None = None
+        # a batch cache's slots recycled from decode evictions (see :attr:`recycled`)
+        self._recycled: Tensor | None = None
+        self._recycled_off = 0
         # memo of :meth:`_run_start`: (slots tensor, its version counter, entries n, first slot).
         # Every table write is in place (the version moves) or a new tensor, so a matching memo
         # still describes the table; a decode step reads it instead of comparing n ids per head
@@ -326,6 +332,13 @@ class LayerKV:
             holes = torch.cat([holes, holes.new_zeros(*holes.shape[:2], width - holes.shape[2])], dim=2)
         return ~holes
 
+    def spare_bytes(self) -> int:
+        """Bytes of the held, unused slots the coming appends write (:attr:`spare_ids`: a prompt run's
+        reserve, slots recycled from decode evictions); not part of :meth:`kv_bytes`."""
+        spare, left = self.spare_ids, self.recycled
+        n = (0 if spare is None else spare.shape[1]) + (0 if left is None else left[0].numel())
+        return n * self.pool.spec.entry_bytes
+
     def used_kv_bytes(self) -> int:
         """Bytes of K/V in valid entries (== :meth:`kv_bytes` on a slot pool)."""
         return self.kv_bytes()
@@ -439,12 +452,76 @@ class LayerKV:
             return self._spare_next - 1
         return self._spare[:, self._spare_off - 1]
 
+    def _uniform_select(self, index: Tensor, keep_len: Tensor, spare: int, recycle: bool) -> bool:
+        """:meth:`select` of a cache whose samples hold the same number of entries and keep the same
+        number, every head holding its columns (a decode-time eviction of a batch moving in step, or
+        of one request): the dropped slots are the unlisted columns, no masks over the whole table.
+        Returns False (nothing changed) when the shape does not fit or ``index`` repeats a column."""
+        lengths, keeps = self.lengths.tolist(), keep_len.tolist()
+        if not lengths or min(lengths) != max(lengths) or min(keeps) != max(keeps):
+            return False
+        b, h = self.batch, self.kv_heads
+        n, k = lengths[0], keeps[0]
+        if n > k:
+            kept = torch.zeros(b, h, n, dtype=torch.bool, device=self.device)
+            dropped = self.slots[:, :, :n][~kept.scatter_(2, index[:, :, :k], True)]  # sample, head, column
+            if dropped.numel() != b * h * (n - k):
+                return False
+            self._drop(dropped.view(b, h, n - k), recycle)
+        self._install(self._take(index, index.shape[2] + spare), keep_len)
+        return True
+
+    def _drop(self, dropped: Tensor, recycle: bool) -> None:
+        """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists.
+
+        A decode-time eviction (``recycle``) drops a few per step and the next step appends as many:
+        when ``m <= RECYCLE_MAX`` and no one else references them, they become the slots the next
+        appends write (a one-sample cache's :attr:`spare_ids`, a batch's recycled columns) instead of
+        a pool release now and an allocation next step — one reference check in place of the pool's
+        free-stack bookkeeping, twice. Larger drops (a prompt's eviction) go back to the pool."""
+        b, h, m = dropped.shape
+        per_head = dropped.transpose(0, 1).reshape(h, b * m)  # (H_kv, B·m)
+        if not recycle or m > RECYCLE_MAX or not self.pool.sole_owner(self.layer, per_head):
+            self.pool.release(self.layer, per_head)
+            return
+        if b == 1:
+            held = self.spare_ids
+            # recycled first, so the held slots stay at most the run's spares + one step's drop
+            self.spare_ids = (
+                per_head if held is None or held.shape[1] == 0 else torch.cat([per_head, held], 1)
+            )
+            self._spare_next = None  # the spares no longer continue one run
+            return
+        new = dropped.permute(1, 0, 2)  # (H_kv, B, m)
+        left = self.recycled
+        self._recycled = new if left is None else torch.cat([new, left], 2)
+        self._recycled_off = 0
+
+    @property
+    def recycled(self) -> Tensor | None:
+        """``(H_kv, B, m)`` held, unused slots a batch cache's next ``m`` decode appends write (one
+        per sample and head each), recycled from decode-time evictions; None when none are held."""
+        r = self._recycled
+        return None if r is None or self._recycled_off >= r.shape[2] else r[:, :, self._recycled_off :]
+
+    def _take_recycled(self) -> Tensor | None:
+        """``(H_kv, B)`` the next recycled slots of a batch cache, or None."""
+        r = self.recycled
+        if r is None:
+            return None
+        self._recycled_off += 1
+        return r[:, :, 0]
+
     def release_spare(self) -> None:
-        """Give the unused spare slots of the run back to the pool."""
+        """Give the unused spare slots (the run's, recycled ones) back to the pool."""
         if self.spare_ids is not None and self.spare_ids.numel():
             self.pool.release(self.layer, self.spare_ids)
         self.spare_ids = None
         self._spare_next = None
+        left = self.recycled
+        if left is not None:
+            self.pool.release(self.layer, left.reshape(left.shape[0], -1))
+        self._recycled, self._recycled_off = None, 0
 
     def charge_factors(self) -> None:
         """Hold ``ceil(factor bytes / entry bytes)`` slots of a fixed pool for this layer's low-rank
@@ -478,7 +555,9 @@ class LayerKV:
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
         self._reserve(int(past.max()) + 1)
-        ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
+        ids = self._take_recycled()
+        if ids is None:
+            ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
@@ -589,14 +668,16 @@ class LayerKV:
         self.pool.release(self.layer, self.slots[bt, ht, ct], heads=ht)
 
     def _take(self, index: Tensor, slots: int) -> dict[str, Tensor]:
-        """Gather per-entry tables; ``index`` is ``(B, H_kv, K)``, padded with any valid column."""
+        """Gather per-entry tables; ``index`` is ``(B, H_kv, K)``, padded with any valid column.
+
+        The ``slots - K`` columns past ``index`` (room for appends) are gathered from column 0 like
+        padding: past a sample's length a column's content is never read as an entry."""
+        if index.shape[2] < slots and self.capacity:
+            index = torch.cat([index, index.new_zeros(*index.shape[:2], slots - index.shape[2])], 2)
 
         def g(t: Tensor) -> Tensor:
-            idx = index
-            if t.dim() == 4:
-                idx = index[..., None].expand(-1, -1, -1, t.shape[-1])
-            out = t.gather(2, idx)
-            if out.shape[2] < slots:  # keep spare columns for appends
+            out = t.gather(2, index if t.dim() == 3 else index[..., None].expand(-1, -1, -1, t.shape[-1]))
+            if out.shape[2] < slots:  # an empty table: zero columns for appends
                 out = torch.cat([out, out.new_zeros(*out.shape[:2], slots - out.shape[2], *out.shape[3:])], 2)
             return out
 
@@ -609,7 +690,14 @@ class LayerKV:
             **{f"score:{n}": g(s) for n, s in self.scores.items()},
         }
 
-    def select(self, index: Tensor, keep_len: Tensor, spare: int = 0, holes: Tensor | None = None) -> None:
+    def select(
+        self,
+        index: Tensor,
+        keep_len: Tensor,
+        spare: int = 0,
+        holes: Tensor | None = None,
+        recycle: bool = False,
+    ) -> None:
         """Keep only the indexed entries, in the given order; free the others' pool slots.
 
         Args:
@@ -619,17 +707,17 @@ class LayerKV:
             spare: extra table columns to keep for the coming appends.
             holes: optional ``(B, H_kv, K)`` bool: listed columns that become holes for that head
                 (the column stays, the head's entry is freed and no longer attended).
+            recycle: a decode-time eviction: up to ``RECYCLE_MAX`` dropped slots per sample and head
+                that only this cache references become the slots its coming appends write (see
+                :meth:`_drop`) instead of going back to the pool.
         """
         index, keep_len = index.to(self.device), keep_len.to(device=self.device, dtype=torch.long)
-        if self.batch == 1 and holes is None and self.holes is None and self.lowrank is None:
-            # one sample, every head holds its columns (a decode-time eviction): the dropped slots are
-            # the unlisted valid columns, no masks over the whole table
-            n, k = int(self.lengths.item()), int(keep_len.item())
-            kept = torch.zeros(1, self.kv_heads, n, dtype=torch.bool, device=self.device)
-            ht, ct = torch.nonzero(~kept.scatter_(2, index[:, :, :k], True)[0], as_tuple=True)
-            if ht.numel():
-                self.pool.release(self.layer, self.slots[0, ht, ct], heads=ht)
-            self._install(self._take(index, index.shape[2] + spare), keep_len)
+        if (
+            holes is None
+            and self.holes is None
+            and self.lowrank is None
+            and self._uniform_select(index, keep_len, spare, recycle)
+        ):
             return
         kept = self._kept_mask(index, keep_len)
         if holes is not None:
@@ -717,6 +805,12 @@ class LayerKV:
         if self.spare_ids is not None:
             self.spare_ids = remap.gather(1, self.spare_ids)
             self._spare_next = None  # a compaction need not keep the run
+        left = self.recycled
+        if left is not None:
+            self._recycled, self._recycled_off = (
+                remap.gather(1, left.reshape(left.shape[0], -1)).view(left.shape),
+                0,
+            )
         if self.ballast is not None:
             self.ballast = remap.gather(1, self.ballast)
 
@@ -863,6 +957,10 @@ class KVCache:
             # one sum over every layer's lengths, not a reduction per layer (a decode step asks per request)
             return int(self.lengths().sum()) * self.layers[0].pool.spec.entry_bytes
         return sum(layer.kv_bytes() for layer in self.layers)
+
+    def spare_bytes(self) -> int:
+        """Bytes of held, unused slots over every layer (:meth:`LayerKV.spare_bytes`)."""
+        return sum(layer.spare_bytes() for layer in self.layers)
 
     def used_kv_bytes(self) -> int:
         return sum(layer.used_kv_bytes() for layer in self.layers)

@@ -88,7 +88,9 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
     """Apply a policy's per-layer edits to the cache (backend-independent tensor ops).
 
     ``edits[l]`` is None, a :class:`LayerEdit` (select / merge), a :class:`FactorEdit` (hold entries as
-    low-rank factors), or a tuple of them applied in order.
+    low-rank factors), or a tuple of them applied in order. ``spare > 0`` marks decode-time edits:
+    their tables keep ``spare`` columns for the coming appends, and the few slots an eviction drops
+    are handed to those appends (:meth:`LayerKV.select`'s ``recycle``).
     """
     from vlkv.runtime.kv.lowrank import apply_factor_edit
 
@@ -99,7 +101,7 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
             if isinstance(edit, FactorEdit):
                 apply_factor_edit(layer, edit)
             elif edit.assign is None:
-                layer.select(edit.index, edit.keep_len, spare=spare, holes=edit.holes)
+                layer.select(edit.index, edit.keep_len, spare=spare, holes=edit.holes, recycle=spare > 0)
             else:
                 layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
 

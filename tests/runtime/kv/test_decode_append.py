@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from vlkv.runtime.cache import LayerKV
 
 B, H, D, P = 3, 2, 8, 3
 
 
-def _layer(seed: int) -> LayerKV:
-    """A layer holding a ragged prefill (lengths 5, 2, 7) and a policy score, built from ``seed``."""
+def _layer(seed: int, lengths: tuple[int, ...] = (5, 2, 7)) -> LayerKV:
+    """A layer holding a prefill of ``lengths`` (ragged by default) and a policy score, from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     layer = LayerKV.empty(B, H, D, P, torch.float32, "cpu")
     q = 7
@@ -20,7 +21,7 @@ def _layer(seed: int) -> LayerKV:
         torch.randn(B, H, q, D, generator=g),
         torch.randint(0, 50, (B, q, P), generator=g),
         torch.randint(0, 3, (B, q), generator=g).to(torch.int8),
-        torch.tensor([5, 2, 7]),
+        torch.tensor(lengths),
     )
     layer.scores["s"] = torch.rand(B, H, layer.capacity, generator=g)
     return layer
@@ -128,8 +129,10 @@ def test_batch_view_one_row_append_equals_per_request_append(steps):
 
 
 def _same_entries(a: LayerKV, b: LayerKV) -> None:
-    n = int(a.lengths)
-    assert n == int(b.lengths) and torch.equal(a.next_order, b.next_order)
+    """Equal tables and K/V over the valid columns of two caches whose samples hold equal lengths."""
+    n = int(a.lengths.max())
+    assert torch.equal(a.lengths, b.lengths) and int(a.lengths.min()) == n
+    assert torch.equal(a.next_order, b.next_order)
     for name in ("order", "modality", "positions"):
         assert torch.equal(getattr(a, name)[:, :, :n], getattr(b, name)[:, :, :n]), name
     for x, y in zip(a.attention_kv(n, view=True), b.attention_kv(n)):
@@ -187,21 +190,112 @@ def test_queued_decode_entries_equal_written_ones(lengths):
     assert fast.pool.used_slots(0) == 0
 
 
+def _drop_three(layer: LayerKV, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """An eviction of 3 random columns per head: ``index (1, H, n - 2)`` (one padding column),
+    ``keep_len (1,)`` and the dropped slots ``(H, 3)`` ascending by column."""
+    n = int(layer.lengths)
+    drop = torch.stack([torch.randperm(n, generator=g)[:3].sort().values for _ in range(H)])  # (H, 3)
+    keep = torch.ones(H, n, dtype=torch.bool).scatter_(1, drop, False)
+    index = torch.stack([torch.nonzero(row).squeeze(1) for row in keep])[None]  # (1, H, n - 3)
+    index = torch.cat([index, index[:, :, :1]], 2)  # a padding column past keep_len
+    return index, torch.tensor([n - 3]), layer.slots[0].gather(1, drop)
+
+
 def test_one_sample_select_equals_the_general_select():
-    """The one-sample eviction path (no holes, no factors) frees and keeps what the general path does:
-    tables, K/V, scores and the pool's free slots (an all-False ``holes`` takes the general path)."""
+    """The one-sample eviction path (no holes, no factors) keeps what the general path does (tables,
+    K/V, scores); the few slots it drops become its next spares where the general path frees them,
+    and the next appends take them (an all-False ``holes`` takes the general path)."""
     g = torch.Generator().manual_seed(9)
     fast, slow = _batch_rows(3, (9,), reserve=4)[0], _batch_rows(3, (9,), reserve=4)[0]
+    free = fast.pool.free_slots(0)
     for spare in (0, 2):
-        n = int(fast.lengths)
-        drop = torch.stack([torch.randperm(n, generator=g)[:3] for _ in range(H)])  # (H, 3), per head
-        keep = torch.ones(H, n, dtype=torch.bool).scatter_(1, drop, False)
-        index = torch.stack([torch.nonzero(row).squeeze(1) for row in keep])[None]  # (1, H, n - 3)
-        index = torch.cat([index, index[:, :, :1]], 2)  # a padding column past keep_len
-        keep_len = torch.tensor([n - 3])
-        fast.select(index, keep_len, spare=spare)
+        index, keep_len, dropped = _drop_three(fast, g)
+        held = fast.spare_ids
+        fast.select(index, keep_len, spare=spare, recycle=True)
         slow.select(index, keep_len, spare=spare, holes=torch.zeros(1, H, index.shape[2], dtype=torch.bool))
-        assert fast.pool.free_slots(0) == slow.pool.free_slots(0)
+        assert slow.pool.free_slots(0) == free + 3 * (1 + (spare == 2))
+        assert fast.pool.free_slots(0) == free  # recycled, not freed
+        assert torch.equal(fast.spare_ids, torch.cat([dropped, held], 1))  # the dropped ones first
         assert torch.equal(fast.slots, slow.slots) and fast.capacity == slow.capacity
         _same_entries(fast, slow)
         assert torch.equal(fast.scores["s"], slow.scores["s"]) and slow.holes is None
+    # the next three decode appends write the recycled slots (newest drop first), then the run's spares
+    k, v = torch.randn(1, H, 4, D, generator=g), torch.randn(1, H, 4, D, generator=g)
+    want = fast.spare_ids[:, :4].clone()
+    for t in range(4):
+        fast.append(
+            k[:, :, t : t + 1],
+            v[:, :, t : t + 1],
+            torch.zeros(1, 1, P, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.int8),
+            torch.ones(1, dtype=torch.long),
+        )
+    n = int(fast.lengths)
+    assert torch.equal(fast.slots[0, :, n - 4 : n], want) and fast.pool.free_slots(0) == free
+    got_k, got_v = fast.attention_kv(n)
+    assert torch.equal(got_k[0, :, n - 4 :], k[0]) and torch.equal(got_v[0, :, n - 4 :], v[0])
+    fast.release()
+    assert fast.pool.used_slots(0) == 0
+
+
+def test_shared_or_many_dropped_slots_go_back_to_the_pool():
+    """Recycling is for the few slots only this cache holds: a drop that includes a slot another
+    holder references, or more than ``RECYCLE_MAX`` per head, is released as before."""
+    from vlkv.runtime.cache import RECYCLE_MAX
+
+    g = torch.Generator().manual_seed(11)
+    layer = _batch_rows(3, (9,))[0]
+    index, keep_len, dropped = _drop_three(layer, g)
+    layer.pool.retain(0, torch.tensor([0]), dropped[0, :1])  # a second holder of one dropped slot
+
+    def held(pool) -> int:  # referenced (head, slot) pairs, summed over heads
+        return int((pool._refs[0] > 0).sum())
+
+    before = held(layer.pool)
+    layer.select(index, keep_len, recycle=True)
+    assert layer.spare_ids is None and held(layer.pool) == before - (3 * H - 1)
+    big = _batch_rows(3, (RECYCLE_MAX + 9,))[0]
+    before, n = held(big.pool), int(big.lengths)
+    big.select(torch.arange(8).expand(1, H, 8), torch.tensor([8]), recycle=True)
+    assert big.spare_ids is None and held(big.pool) == before - H * (n - 8)
+
+
+def test_a_batch_eviction_recycles_its_slots_into_the_next_appends():
+    """A batch moving in step (equal lengths, equal keep) takes the uniform path: the same tables and
+    K/V as the general path; its dropped slots are held (``recycled``, counted in ``spare_bytes``) and
+    the next decode appends write them, one per sample and head; a compaction follows them and a
+    release frees them."""
+    g = torch.Generator().manual_seed(12)
+    n = 7
+    fast, slow = _layer(13, (n,) * B), _layer(13, (n,) * B)
+    drop = torch.stack(
+        [torch.stack([torch.randperm(n, generator=g)[:2] for _ in range(H)]) for _ in range(B)]
+    )
+    keep = torch.ones(B, H, n, dtype=torch.bool).scatter_(2, drop, False)
+    index = torch.stack([torch.stack([torch.nonzero(r).squeeze(1) for r in s]) for s in keep])  # (B, H, 5)
+    keep_len = torch.full((B,), n - 2)
+    dropped = fast.slots[:, :, :n][~keep].view(B, H, 2)
+    fast.select(index, keep_len, spare=2, recycle=True)
+    slow.select(index, keep_len, spare=2, holes=torch.zeros(B, H, n - 2, dtype=torch.bool))  # general path
+    assert torch.equal(fast.recycled, dropped.permute(1, 0, 2)) and fast.spare_ids is None
+    assert fast.spare_bytes() == 2 * B * fast.pool.spec.entry_bytes
+    _same_entries(fast, slow)
+    assert torch.equal(fast.scores["s"][:, :, : n - 2], slow.scores["s"][:, :, : n - 2])
+    free = fast.pool.free_slots(0)
+    k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+    pos, mod = torch.zeros(B, 1, P, dtype=torch.long), torch.zeros(B, 1, dtype=torch.int8)
+    fast.append(k, v, pos, mod, torch.ones(B, dtype=torch.long))
+    slow.append(k, v, pos, mod, torch.ones(B, dtype=torch.long))
+    assert fast.pool.free_slots(0) == free  # no allocation: the first recycled column was written
+    assert torch.equal(fast.slots[:, :, n - 2], dropped[:, :, 0])
+    _same_entries(fast, slow)
+    assert torch.equal(fast.recycled, dropped.permute(1, 0, 2)[:, :, 1:])
+    fast.pool.compact(0)  # the held recycled slots follow the compaction
+    k2, v2 = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+    fast.append(k2, v2, pos, mod, torch.ones(B, dtype=torch.long))
+    slow.append(k2, v2, pos, mod, torch.ones(B, dtype=torch.long))
+    _same_entries(fast, slow)
+    assert fast.recycled is None and fast.spare_bytes() == 0
+    fast.append(k2, v2, pos, mod, torch.ones(B, dtype=torch.long))  # none left: the pool allocates
+    fast.release()
+    assert fast.pool.used_slots(0) == 0

@@ -224,6 +224,11 @@ class KVPool:
         """Add a reference to each slot ``(heads (N,), ids (N,))`` (a request linking shared entries)."""
         self._refs[layer].index_put_((heads, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
 
+    def sole_owner(self, layer: int, ids: Tensor) -> bool:
+        """Whether every slot of ``ids (H_kv, m)`` (row ``h`` in head ``h``) has exactly one reference:
+        its holder may reuse it for a new entry without asking the pool."""
+        return bool((self._refs[layer].gather(1, ids) == 1).all())
+
     def release(self, layer: int, ids: Tensor, heads: Tensor | None = None) -> None:
         """Drop one reference to each slot; slots left with none return to their head's free stack.
 
@@ -269,7 +274,7 @@ class KVPool:
         keys, values = self.keys[layer], self.values[layer]
         h, cap, d = keys.shape
         # rows of the flattened (H_kv·cap, D) store: index_copy_ beats 2-D advanced indexing per call
-        flat = ids.add(self._heads[:, None], alpha=cap).view(-1)
+        flat = ids.add(self._heads[:, None], alpha=cap).reshape(-1)
         n = flat.numel()
         if k.dtype != keys.dtype:
             k, v = k.to(keys.dtype), v.to(values.dtype)
