@@ -32,12 +32,17 @@ class StatsRequest:
         extra: further named row sets computed in the same pass (e.g. an allocator's post-vision
             rows next to a scorer's observation window); their results come back in
             :attr:`StepStats.extra` under the same names. Nested ``extra`` is not allowed.
+        exact_output: the step's attention output must be the backend's plain attention, bit for bit
+            what a step without statistics computes (a policy that evicts nothing at budget 1
+            equals the full cache). Otherwise a backend may derive the output from the statistics'
+            own probabilities, reading the keys once (equal within rounding).
     """
 
     rows: Tensor | None = None
     threshold: float | None = None
     layers: frozenset[int] | None = None
     extra: dict[str, StatsRequest] = field(default_factory=dict)
+    exact_output: bool = False
 
     def __post_init__(self) -> None:
         if self.threshold is not None and not 0.0 < self.threshold < 1.0:

@@ -119,10 +119,14 @@ class _StepContext:
             if wanted and getattr(self, "one_row", False):
                 # a decode step's statistics are one softmax row per head: a few tensor ops, not the
                 # general chunked pass (whose per-sample loop cost more than the attention itself).
-                # The output stays SDPA's, so a policy that evicts nothing equals the full cache
-                # bit for bit.
-                out = self._attend_full(q, k, v, scale, past, new_len, open_)
+                # The output comes from those probabilities: the keys are read once, not by SDPA and
+                # again for the statistics (that second read was most of what a per-step policy paid
+                # over a compress-once one at a large cache)
                 probs, vis = _one_row_probs(q, k, scale, past, open_)
+                if any(self.requests[name].exact_output for name in wanted):
+                    out = self._attend_full(q, k, v, scale, past, new_len, open_)
+                else:
+                    out = _one_row_out(probs, v, q)
                 for name in wanted:
                     st = _one_row_stats(probs, vis, self.rows[name], self.requests[name].threshold)
                     if name:
@@ -317,6 +321,13 @@ def _one_row_probs(
             vis = vis & open_[:, :, None, :]
         scores.masked_fill_(~vis, float("-inf"))
     return torch.softmax(scores, dim=-1), vis
+
+
+def _one_row_out(probs: Tensor, v: Tensor, q: Tensor) -> Tensor:
+    """A decode step's attention output from its probabilities: ``probs (B, H_kv, G, S)`` float32,
+    ``v (B, H_kv, S, D)``, ``q (B, H, 1, D)`` (shape and dtype of the result) → ``(B, H, 1, D)``.
+    The probabilities go to ``v``'s dtype first, as a fused attention kernel feeds them to P·V."""
+    return torch.matmul(probs.to(v.dtype), v).view(q.shape).to(q.dtype)
 
 
 def _rank_space_one_row(

@@ -192,7 +192,7 @@ class AVLPolicy(Policy):
         return self.interval > 0 and step % self.interval == 0
 
     def decode_request(self, cache, ctx):
-        return StatsRequest()
+        return StatsRequest(exact_output=self.budget >= 1)
 
     def decode_attend(self, cache: KVCache, ctx) -> list[AttendIndex | None] | None:
         """Engine hook: per layer, the past entries a non-update step computes over (None = all)."""

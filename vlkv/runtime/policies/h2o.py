@@ -45,7 +45,7 @@ class H2OPolicy(Policy):
         return StatsRequest()
 
     def decode_request(self, cache, ctx):
-        return StatsRequest()
+        return StatsRequest(exact_output=self.budget >= 1)
 
     def _accumulate(self, cache: KVCache, stats: list, ctx: PolicyContext) -> None:
         for layer, st in zip(cache.layers, stats):
