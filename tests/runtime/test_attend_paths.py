@@ -128,6 +128,11 @@ def test_decode_statistics_from_one_softmax_row(s, holes, threshold):
     rows = torch.tensor([[True], [True], [False]])
     probs, vis = _one_row_probs(q, k, 0.3, past, open_)
     got = _one_row_stats(probs, vis, rows, threshold)
+    every = _one_row_stats(probs, vis, None, threshold)  # every sample's row requested
+    every_ref = _one_row_stats(probs, vis, torch.ones_like(rows), threshold)
+    for name in ("colsum", "below", "visible"):
+        a, e = getattr(every, name), getattr(every_ref, name)
+        assert (a is None and e is None) or torch.equal(a, e), name
     key_order = torch.arange(s)[None, None, :].expand(b, hkv, s)
     if open_ is not None:
         key_order = key_order.masked_fill(~open_, torch.iinfo(torch.long).max)

@@ -63,6 +63,11 @@ class _StepContext:
             name: valid if req.rows is None else req.rows.to(valid.device) & valid
             for name, req in self.requests.items()
         }
+        # a decode step's statistics: None where every sample's row is requested (decided once per
+        # step, so no layer masks its probabilities by a row set that keeps them all)
+        self.one_rows = {
+            name: None if self.one_row and bool(rows.all()) else rows for name, rows in self.rows.items()
+        }
 
     @staticmethod
     def _valid(inputs: StepInputs) -> Tensor:
@@ -110,7 +115,7 @@ class _StepContext:
             if self._rank_space(layer):
                 out, probs, vis = _rank_space_one_row(q, k, v, scale, past, open_, layer)
                 for name in wanted:
-                    st = _one_row_stats(probs, vis, self.rows[name], self.requests[name].threshold)
+                    st = _one_row_stats(probs, vis, self.one_rows[name], self.requests[name].threshold)
                     if name:
                         self.stats.extra[name][layer_idx] = st
                     else:
@@ -128,7 +133,7 @@ class _StepContext:
                 else:
                     out = _one_row_out(probs, v, q)
                 for name in wanted:
-                    st = _one_row_stats(probs, vis, self.rows[name], self.requests[name].threshold)
+                    st = _one_row_stats(probs, vis, self.one_rows[name], self.requests[name].threshold)
                     if name:
                         self.stats.extra[name][layer_idx] = st
                     else:
@@ -379,17 +384,20 @@ def _rank_space_one_row(
     return out.view(b, h, 1, d).to(q.dtype), probs, vis
 
 
-def _one_row_stats(probs: Tensor, vis: Tensor | None, rows: Tensor, threshold: float | None):
+def _one_row_stats(probs: Tensor, vis: Tensor | None, rows: Tensor | None, threshold: float | None):
     """:func:`vlkv.plugins.attn_stats` of a decode step from its probabilities.
 
     ``probs (B, H_kv, G, S)``, ``vis (B, 1 or H_kv, 1, S)`` or None (all visible), ``rows (B, 1)`` bool
-    (samples whose row is requested) → :class:`~vlkv.plugins.AttnStats` over ``S`` columns.
+    (samples whose row is requested; None: every sample's) → :class:`~vlkv.plugins.AttnStats` over
+    ``S`` columns. With ``rows`` None, ``colsum`` is a view of ``probs``.
     """
     from vlkv.plugins import AttnStats
 
     b, hkv, g, s = probs.shape
-    on = rows.reshape(b).to(probs.device)
-    colsum = probs.reshape(b, hkv * g, s) * on[:, None, None]
+    on = None if rows is None else rows.reshape(b).to(probs.device)
+    colsum = probs.reshape(b, hkv * g, s)
+    if on is not None:
+        colsum = colsum * on[:, None, None]
     if vis is None:
         seen = torch.full((b, hkv * g), s, dtype=torch.int64, device=probs.device)
     else:
@@ -399,8 +407,10 @@ def _one_row_stats(probs: Tensor, vis: Tensor | None, rows: Tensor, threshold: f
         low = probs < threshold * probs.amax(-1, keepdim=True)
         if vis is not None:
             low &= vis
-        below = low.sum(-1).reshape(b, hkv * g) * on[:, None]
-    return AttnStats(colsum=colsum, below=below, visible=seen * on[:, None])
+        below = low.sum(-1).reshape(b, hkv * g)
+        if on is not None:
+            below = below * on[:, None]
+    return AttnStats(colsum=colsum, below=below, visible=seen if on is None else seen * on[:, None])
 
 
 def _stats(q, k, scale, rows, threshold, past, new_len, selected, open_=None):

@@ -49,6 +49,28 @@ def test_small_evictions_equal_the_stable_sort(seed):
     assert torch.equal(got[0], want[0]), (seed, s, drop)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_one_drop_per_row_equals_the_stable_sort(seed):
+    """The per-step case (every row drops exactly one) takes its own path: the same picks as the
+    sort, with ties, a row one shorter (its invalid column is the one dropped) and forced slots."""
+    g = torch.Generator().manual_seed(100 + seed)
+    b, h, s = 3, 2, int(torch.randint(3, 120, (1,), generator=g))
+    scores = torch.randint(0, 3 if seed % 2 else 1000, (b, h, s), generator=g).float()
+    lengths = torch.tensor([s, s - (seed % 3 == 0), s])
+    valid = (torch.arange(s)[None, :] < lengths[:, None])[:, None]
+    keep = torch.full((b,), s - 1)
+    force = None
+    if seed % 4 == 1:
+        force = torch.zeros(b, 1, s, dtype=torch.bool)
+        force[:, :, -2:] = True
+        force[:, :, :1] = True
+    if seed == 7:  # every slot forced: the highest column goes
+        force = torch.ones(b, 1, s, dtype=torch.bool)
+    got = top_entries(scores, valid, keep, force)
+    want = _by_sort(scores, valid, keep, force)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (seed, s)
+
+
 def test_large_evictions_take_the_sort(monkeypatch):
     called = []
     monkeypatch.setattr(base, "_drop_lowest", lambda *a: called.append(1))

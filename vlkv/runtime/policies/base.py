@@ -259,6 +259,12 @@ def _drop_lowest(ranked: Tensor, drop: Tensor) -> Tensor:
     dmax = int(drop.max())
     if dmax == 0:
         return cols[..., :width].clone()
+    if dmax == 1 and int(drop.min()) == 1:
+        # every row drops one (a per-step eviction): its lowest, the highest column among equals —
+        # the first minimum of the reversed row — and keeps the rest, in four passes, not fifteen
+        last = (s - 1) - ranked.flip(-1).argmin(-1, keepdim=True)  # (B, H_kv, 1)
+        kept = torch.arange(s - 1, device=ranked.device)
+        return (kept + (kept >= last)).expand(b, h, s - 1)
     lowest = torch.topk(ranked, dmax, dim=-1, largest=False, sorted=True).values  # (B, H_kv, dmax)
     cut = lowest.gather(-1, (drop - 1).clamp(min=0)[:, None, None].expand(b, h, 1))  # drop[b]-th lowest
     below, tied = ranked < cut, ranked == cut
