@@ -554,28 +554,33 @@ class LayerKV:
             append_one_each([self], k, v, positions[:, 0].tolist(), modality[:, 0].tolist(), orders)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
-        self._reserve(int(past.max()) + 1)
+        lens = past.tolist()
+        self._reserve(max(lens) + 1)
         ids = self._take_recycled()
         if ids is None:
             ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
-        bi = torch.arange(b, device=dev)
-        self.slots[bi, :, past] = ids.t()
-        self.positions[bi, :, past] = positions.to(dev)[:, 0, None, :].to(torch.long)
-        self.modality[bi, :, past] = modality.to(dev).to(torch.int8)
+        # a batch moving in step writes one column of every table (a slice); a ragged one indexes
+        at = (slice(None), slice(None), lens[0]) if min(lens) == lens[0] == max(lens) else None
+        if at is None:
+            bi = torch.arange(b, device=dev)
+            at = (bi, slice(None), past)
+        self.slots[at] = ids.t()
+        self.positions[at] = positions.to(dev)[:, 0, None, :].to(torch.long)
+        self.modality[at] = modality.to(dev).to(torch.int8)
         if order is None:
-            self.order[bi, :, past] = self.next_order[:, None]
+            self.order[at] = self.next_order[:, None]
             self.next_order = self.next_order + 1
         else:
             order = order.to(device=dev, dtype=torch.long)[:, 0]
-            self.order[bi, :, past] = order[:, None]
+            self.order[at] = order[:, None]
             self.next_order = torch.maximum(self.next_order, order + 1)
         for s in self.scores.values():
-            s[bi, :, past] = 0
+            s[at] = 0
         if self.holes is not None:
-            self.holes[bi, :, past] = False
+            self.holes[at] = False
         self.lengths = past + 1
         return past
 

@@ -27,9 +27,10 @@ def _layer(seed: int, lengths: tuple[int, ...] = (5, 2, 7)) -> LayerKV:
     return layer
 
 
+@pytest.mark.parametrize("lengths", [(5, 2, 7), (7, 7, 7)])  # ragged: indexed writes; in step: one column
 @pytest.mark.parametrize("steps", [1, 9])
-def test_one_row_append_equals_general_append(steps):
-    fast, slow = _layer(0), _layer(0)
+def test_one_row_append_equals_general_append(steps, lengths):
+    fast, slow = _layer(0, lengths), _layer(0, lengths)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
