@@ -744,6 +744,49 @@ class LayerKV:
             self.lowrank.prune(self)
             self.charge_factors()
 
+    def cut(self, start: Tensor, count: Tensor, recycle: bool = False) -> None:
+        """Delete entries ``start[b] … start[b] + count[b] − 1`` of sample ``b``; the later ones move
+        left by ``count[b]``, in order (a fixed-point eviction, see :class:`~vlkv.runtime.policies.base.CutEdit`).
+
+        Copies only the columns after the cut, one slice per table when the samples cut alike (a
+        batch moving in step, or one request), where :meth:`select` gathers every table whole.
+        ``start``, ``count``: ``(B,)`` int64, ``0 <= start[b]`` and ``start[b] + count[b] <=
+        lengths[b]``; ``recycle``: as in :meth:`select`. A cache with per-head holes or low-rank
+        factors takes :meth:`select` (their bookkeeping lives there).
+        """
+        starts, counts, lens = start.tolist(), count.tolist(), self.lengths.tolist()
+        for b, (s, c, n) in enumerate(zip(starts, counts, lens)):
+            if c < 0 or (c and not 0 <= s <= n - c):
+                raise ValueError(
+                    f"layer {self.layer}: cut of {c} entries at column {s} of sample {b}, which holds {n}"
+                )
+        if not any(counts):
+            return
+        if self.holes is not None or self.lowrank is not None:
+            width = max(n - c for n, c in zip(lens, counts))
+            j = torch.arange(max(width, 1), device=self.device)[None, :]
+            s, c = start.to(self.device)[:, None], count.to(self.device)[:, None]
+            index = (j + (j >= s).long() * c).clamp(max=max(max(lens) - 1, 0))
+            index = index[:, None].expand(-1, self.kv_heads, -1)
+            self.select(index, self.lengths - count.to(self.lengths), recycle=recycle)
+            return
+        tables = [self.slots, self.positions, self.modality, self.order, *self.scores.values()]
+        alike = len(set(starts)) == len(set(counts)) == len(set(lens)) == 1
+        rows = [slice(None)] if alike else [slice(b, b + 1) for b, c in enumerate(counts) if c]
+        dropped = []
+        for row in rows:
+            b = row.start or 0
+            s, c, n = starts[b], counts[b], lens[b]
+            dropped.append(self.slots[row, :, s : s + c].clone())
+            if s + c < n:
+                for t in tables:  # overlapping ranges: the source is copied first
+                    t[row, :, s : n - c] = t[row, :, s + c : n].clone()
+        self.lengths = self.lengths - count.to(self.lengths)
+        if alike:
+            self._drop(dropped[0], recycle)
+        else:  # samples cut differently: no per-sample recycled columns of one width
+            self.pool.release(self.layer, torch.cat([d[0] for d in dropped], 1))
+
     def merge(self, index: Tensor, keep_len: Tensor, assign: Tensor, counts: Tensor) -> None:
         """Keep the indexed anchors and replace each by the mean of the entries assigned to it.
 

@@ -10,7 +10,7 @@ from torch import Tensor
 from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.cache import KVCache, Modality
 from vlkv.runtime.kv.pool import KVPool
-from vlkv.runtime.policies import FactorEdit, Policy, PolicyContext, make_policy
+from vlkv.runtime.policies import CutEdit, FactorEdit, Policy, PolicyContext, make_policy
 from vlkv.runtime.prompt import Prompt, PromptBatch, collate, encode_prompt
 from vlkv.runtime.sampling import Sampler
 
@@ -87,8 +87,9 @@ class KVUsage:
 def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
     """Apply a policy's per-layer edits to the cache (backend-independent tensor ops).
 
-    ``edits[l]`` is None, a :class:`LayerEdit` (select / merge), a :class:`FactorEdit` (hold entries as
-    low-rank factors), or a tuple of them applied in order. ``spare > 0`` marks decode-time edits:
+    ``edits[l]`` is None, a :class:`LayerEdit` (select / merge), a :class:`CutEdit` (delete a run of
+    entries per sample), a :class:`FactorEdit` (hold entries as low-rank factors), or a tuple of them
+    applied in order. ``spare > 0`` marks decode-time edits:
     their tables keep ``spare`` columns for the coming appends, and the few slots an eviction drops
     are handed to those appends (:meth:`LayerKV.select`'s ``recycle``).
     """
@@ -100,6 +101,8 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
                 continue
             if isinstance(edit, FactorEdit):
                 apply_factor_edit(layer, edit)
+            elif isinstance(edit, CutEdit):
+                layer.cut(edit.start, edit.count, recycle=spare > 0)
             elif edit.assign is None:
                 layer.select(edit.index, edit.keep_len, spare=spare, holes=edit.holes, recycle=spare > 0)
             else:

@@ -300,3 +300,97 @@ def test_a_batch_eviction_recycles_its_slots_into_the_next_appends():
     fast.append(k2, v2, pos, mod, torch.ones(B, dtype=torch.long))  # none left: the pool allocates
     fast.release()
     assert fast.pool.used_slots(0) == 0
+
+
+def _cut_as_select(layer: LayerKV, start: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+    """The general edit a cut stands for: ``index (B, H, K)`` skipping each sample's run, ``keep_len``."""
+    keep_len = layer.lengths - count
+    j = torch.arange(int(keep_len.max()))[None, :]
+    index = (j + (j >= start[:, None]).long() * count[:, None]).clamp(max=int(layer.lengths.max()) - 1)
+    return index[:, None].expand(-1, H, -1).contiguous(), keep_len
+
+
+def _same_valid(a: LayerKV, b: LayerKV) -> None:
+    """Equal lengths, tables, scores and K/V over each sample's valid columns (ragged allowed)."""
+    assert torch.equal(a.lengths, b.lengths) and torch.equal(a.next_order, b.next_order)
+    n = int(a.lengths.max())
+    valid = a.valid_mask(n)[:, None, :].expand(a.batch, H, n)
+    for name in ("slots", "order", "modality"):
+        assert torch.equal(getattr(a, name)[:, :, :n][valid], getattr(b, name)[:, :, :n][valid]), name
+    assert torch.equal(a.positions[:, :, :n][valid], b.positions[:, :, :n][valid])
+    for s in a.scores:
+        assert torch.equal(a.scores[s][:, :, :n][valid], b.scores[s][:, :, :n][valid]), s
+    for x, y in zip(a.attention_kv(n), b.attention_kv(n)):
+        assert torch.equal(x[valid], y[valid])
+
+
+@pytest.mark.parametrize(
+    ("lengths", "start", "count"),
+    [
+        ((7, 7, 7), (3, 3, 3), (1, 1, 1)),  # a batch moving in step: one slice per table, recycled
+        ((7, 7, 7), (6, 6, 6), (1, 1, 1)),  # the last entry: nothing moves
+        ((5, 2, 7), (1, 0, 4), (2, 0, 3)),  # ragged, one sample left alone: per-sample slices, freed
+    ],
+)
+def test_a_cut_equals_the_select_it_stands_for(lengths, start, count):
+    """:meth:`LayerKV.cut` keeps what a select skipping each sample's run keeps (tables, scores,
+    K/V), holds or frees the same slots, and the next decode append lands after the moved entries."""
+    start, count = torch.tensor(start), torch.tensor(count)
+    fast, slow = _layer(14, lengths), _layer(14, lengths)
+    dropped = [
+        fast.slots[b, :, s : s + c].clone() for b, (s, c) in enumerate(zip(start.tolist(), count.tolist()))
+    ]
+    free = fast.pool.free_slots(0)
+    fast.cut(start, count, recycle=True)
+    index, keep_len = _cut_as_select(slow, start, count)
+    slow.select(index, keep_len, holes=torch.zeros(index.shape, dtype=torch.bool))  # the general path
+    _same_valid(fast, slow)
+    if len(set(lengths)) == 1:  # cut alike: the dropped slots wait for the next appends
+        assert torch.equal(fast.recycled, torch.stack(dropped).permute(1, 0, 2))
+        assert fast.pool.free_slots(0) == free
+    else:
+        assert fast.recycled is None and fast.pool.free_slots(0) == slow.pool.free_slots(0)
+    g = torch.Generator().manual_seed(15)
+    k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+    pos, mod = torch.zeros(B, 1, P, dtype=torch.long), torch.zeros(B, 1, dtype=torch.int8)
+    for layer in (fast, slow):
+        layer.append(k, v, pos, mod, torch.ones(B, dtype=torch.long))
+    _same_valid(fast, slow)
+    fast.release()
+    assert fast.pool.used_slots(0) == 0
+
+
+def test_a_cut_of_queued_entries_and_of_a_cache_with_holes():
+    """A one-sample run with queued decode entries is written before it is cut (the cut entry is
+    one of them); a cache with per-head holes takes the general select; a cut past a sample's
+    entries names the layer and the sample."""
+    fast, slow = (
+        _batch_rows(16, (6,), reserve=8, score=False)[0],
+        _batch_rows(16, (6,), reserve=8, score=False)[0],
+    )
+    g = torch.Generator().manual_seed(17)
+    for _ in range(3):
+        k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
+        pos, mod = torch.randint(0, 99, (1, 1, P), generator=g), torch.zeros(1, 1, dtype=torch.int8)
+        for layer in (fast, slow):
+            layer.append(k, v, pos, mod, torch.ones(1, dtype=torch.long))
+        fast.attention_kv(view=True)  # a backend's read: finds the run, so the next appends queue
+    assert len(fast._tail) == 2
+    start, count = torch.tensor([7]), torch.tensor([1])
+    fast.cut(start, count, recycle=True)
+    index, keep_len = _cut_as_select(slow, start, count)
+    slow.select(index, keep_len)
+    _same_valid(fast, slow)
+
+    holed, plain = _layer(18, (7, 7, 7)), _layer(18, (7, 7, 7))
+    punch = torch.zeros(B, H, 7, dtype=torch.bool)
+    punch[1, 0, 2] = True
+    for layer in (holed, plain):
+        layer.select(torch.arange(7).expand(B, H, 7), torch.full((B,), 7), holes=punch)
+    start, count = torch.tensor([2, 4, 0]), torch.tensor([2, 1, 0])
+    holed.cut(start, count)
+    plain.select(*_cut_as_select(plain, start, count))
+    assert torch.equal(holed.holes[:, :, :6], plain.holes[:, :, :6])
+    _same_valid(holed, plain)
+    with pytest.raises(ValueError, match="layer 0: cut of 3 entries at column 5 of sample 1"):
+        holed.cut(torch.tensor([0, 5, 0]), torch.tensor([0, 3, 0]))

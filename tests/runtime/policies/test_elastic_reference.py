@@ -52,7 +52,8 @@ def _vlkv_steps(engine, prompt: torch.Tensor, continuation: torch.Tensor, policy
         for layer in cache.layers:
             length = int(layer.lengths[0])
             k, v = layer.attention_kv()
-            layers.append((layer.positions[0, 0, :length, 0], k[0, :, :length], v[0, :, :length]))
+            # a copy: the cache edits its tables in place (appends, cuts)
+            layers.append((layer.positions[0, 0, :length, 0].clone(), k[0, :, :length], v[0, :, :length]))
         steps.append((out.logits[0].float(), layers))
     return steps
 

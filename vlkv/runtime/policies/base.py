@@ -63,6 +63,27 @@ class LayerEdit:
 
 
 @dataclass
+class CutEdit:
+    """Delete a run of entries per sample, the later ones moving left in order (a fixed-point
+    eviction: Elastic Cache's FIFO past its point ``P``). The cache copies only the columns after
+    the cut (:meth:`LayerKV.cut`), where a :class:`LayerEdit` rebuilds every table whole.
+
+    Attributes:
+        start: ``(B,)`` int64 first table column deleted from each sample.
+        count: ``(B,)`` int64 entries deleted from ``start`` on (0: the sample is left as it is).
+    """
+
+    start: Tensor
+    count: Tensor
+
+    def __post_init__(self) -> None:
+        if self.start.dim() != 1 or self.start.shape != self.count.shape:
+            raise ValueError(
+                f"start and count must both be (B,), got {tuple(self.start.shape)} and {tuple(self.count.shape)}"
+            )
+
+
+@dataclass
 class FactorEdit:
     """Hold some of one layer's entries as low-rank factors (AttentionPack), applied by the engine
     (:func:`vlkv.runtime.kv.lowrank.apply_factor_edit`) on the table as it is when the edit is applied.

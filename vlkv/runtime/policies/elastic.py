@@ -12,7 +12,7 @@ import torch
 
 from vlkv.runtime.backend import StatsRequest
 from vlkv.runtime.cache import KVCache
-from vlkv.runtime.policies.base import LayerEdit, Policy
+from vlkv.runtime.policies.base import CutEdit, LayerEdit, Policy
 
 STATE_P = "elastic_fixed_point"
 # int(n - n*budget) in floating point turns 10 * 0.7 into 2.999...: absorb that rounding noise
@@ -127,16 +127,10 @@ class ElasticPolicy(Policy):
 
     def after_decode(self, cache: KVCache, stats, ctx):
         fixed = cache.policy_state[STATE_P]
-        edits = []
-        for layer in cache.layers:
-            over = (layer.lengths.double() - cache.processed.double() * self.budget + EPS).floor() >= 1
-            drop = over & (fixed < layer.lengths)
-            if not bool(drop.any()):
-                edits.append(None)
-                continue
-            keep_len = layer.lengths - drop.long()
-            j = torch.arange(int(keep_len.max()), device=layer.device)[None, :]
-            index = j + ((j >= fixed[:, None]) & drop[:, None]).long()
-            index = index.clamp(max=layer.max_length - 1)
-            edits.append(LayerEdit(index[:, None].expand(-1, ctx.num_kv_heads, -1).contiguous(), keep_len))
-        return edits
+        # every layer at once: a step cuts one entry at P from each (layer, sample) over its budget
+        lengths = cache.lengths()  # (L, B)
+        over = (lengths.double() - cache.processed.double()[None] * self.budget + EPS).floor() >= 1
+        drop = (over & (fixed[None] < lengths)).long()
+        if not bool(drop.any()):
+            return [None] * len(cache.layers)
+        return [CutEdit(fixed, d) if any(f) else None for d, f in zip(drop, drop.tolist())]
