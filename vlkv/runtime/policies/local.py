@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from vlkv.runtime.cache import KVCache
-from vlkv.runtime.policies.base import LayerEdit, Policy, PolicyContext, evict_to, sink_mask
+from vlkv.runtime.policies.base import CutEdit, Policy, PolicyContext
 
 
 @dataclass
@@ -30,16 +31,18 @@ class LocalPolicy(Policy):
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
 
-    def _keep(self, cache: KVCache, target) -> list[LayerEdit | None]:
-        def recency(layer, width):  # later slots rank higher
-            b, h = layer.batch, layer.kv_heads
-            return torch.arange(width, dtype=torch.float32, device=layer.device)[None, None, :].expand(
-                b, h, width
-            )
+    def _keep(self, cache: KVCache, target: Tensor) -> list[CutEdit | None]:
+        """Per layer, hold at most ``target (B,)`` entries: the ``sinks`` first and the most recent.
 
-        return evict_to(
-            cache, target, recency, lambda layer, width, keep: sink_mask(layer.lengths, width, self.sinks)
-        )
+        Entries sit in the table in the order they came, so what goes is one run per sample, the
+        oldest after the sinks (``[sinks, sinks + over)``): a :class:`CutEdit`, which moves only the
+        entries after it instead of ranking and gathering every table."""
+        lengths = cache.lengths()  # (L, B)
+        over = lengths - torch.minimum(target.to(lengths)[None, :], lengths)
+        if not bool(over.any()):
+            return [None] * len(cache.layers)
+        start = torch.full_like(over[0], self.sinks)
+        return [CutEdit(start, o) if any(f) else None for o, f in zip(over, over.tolist())]
 
     def after_prefill(self, cache, stats, ctx: PolicyContext):
         return self._keep(cache, self.prompt_keep(ctx.prompt_lengths, min_keep=self.sinks + 1))
