@@ -185,6 +185,32 @@ def test_core_only_decoding_uses_less_than_it_stores(engines, images):
         assert sample.kept_per_layer == [expect] * engine.backend.num_layers, f"sample {i}"
 
 
+@pytest.mark.parametrize("extra", [{}, {"prefill_keep": 0.5}])
+def test_a_core_as_large_as_the_secondary_set_leaves_no_vision_entry_idle(extra, engines, images):
+    """With ``core`` defaulting to ``secondary`` every held vision entry is core at every step (so
+    ``decode_attend`` attends to everything without building per-layer masks)."""
+    from vlkv.runtime.policies.avl import REGION, VISION
+
+    engine = engines["tiny-llava"]
+    batch = engine.encode([Prompt("Describe it.", [images[0]]), Prompt("And this, in detail?", [images[1]])])
+    policy = make_policy("avl", budget=0.4, interval=2, **extra)
+    cache = engine.new_cache(batch)
+    out = engine.prefill(batch, policy, cache)
+    token = out.logits.argmax(-1)
+    for t in range(1, 6):
+        out = engine.decode(token, batch, policy, cache, t)
+        token = out.logits.argmax(-1)
+        for i, layer in enumerate(cache.layers):
+            n = int(layer.lengths.max())
+            held = layer.valid_mask(n)[:, None, :]
+            vision = (layer.scores[REGION][:, :, :n] == VISION) & held
+            assert bool(vision.any()), f"layer {i} holds no vision entry: the check would be empty"
+            assert bool((layer.scores[CORE][:, :, :n][vision] == 1).all()), f"step {t} layer {i}"
+        ctx = engine.context(batch)
+        ctx.step = 1  # a core-only step (not a refresh)
+        assert policy.decode_attend(cache, ctx) is None
+
+
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
 def test_prefill_filter_runs_later_layers_on_kept_rows(name, engines, loaded_models, images):
     engine = engines[name]

@@ -198,6 +198,9 @@ class AVLPolicy(Policy):
         """Engine hook: per layer, the past entries a non-update step computes over (None = all)."""
         if self.interval < 0 or self.update_step(ctx.step):
             return None
+        if self.core_share >= self.secondary_share:
+            # the core is every secondary entry a layer holds: no vision entry is ever idle
+            return None
         plans: list[AttendIndex | None] = []
         for layer in cache.layers:
             width = layer.max_length
