@@ -462,14 +462,42 @@ class LayerKV:
             return False
         b, h = self.batch, self.kv_heads
         n, k = lengths[0], keeps[0]
+        head = self._kept_head(index, k)  # columns [0, head) stay where they are in every row
+        dropped = None
         if n > k:
-            kept = torch.zeros(b, h, n, dtype=torch.bool, device=self.device)
-            dropped = self.slots[:, :, :n][~kept.scatter_(2, index[:, :, :k], True)]  # sample, head, column
+            kept = torch.zeros(b, h, n - head, dtype=torch.bool, device=self.device)
+            moved = index[:, :, head:k] - head
+            dropped = self.slots[:, :, head:n][~kept.scatter_(2, moved, True)]  # sample, head, column
             if dropped.numel() != b * h * (n - k):
                 return False
+        if not recycle or n - k > RECYCLE_MAX or k + spare > self.capacity:
+            # a prompt's (or any large) eviction rebuilds the tables at their new width: they shrink
+            self._install(self._take(index, index.shape[2] + spare), keep_len)
+        else:
+            # a few entries (a decode step's eviction): in place, only the columns after the kept
+            # head move (one entry dropped near the end rewrites a few columns, not every table)
+            cols = index[:, :, head:k]
+            for t in (self.slots, self.order, self.modality, *self.scores.values()):
+                t[:, :, head:k] = t.gather(2, cols)
+            pos = self.positions
+            pos[:, :, head:k] = pos.gather(2, cols[..., None].expand(-1, -1, -1, pos.shape[-1]))
+            self.lengths = keep_len.to(torch.long).clone()
+        if dropped is not None:
+            # after the tables: a compaction the release starts remaps the new table (and clears
+            # the columns past the new length, which still name the dropped slots)
             self._drop(dropped.view(b, h, n - k), recycle)
-        self._install(self._take(index, index.shape[2] + spare), keep_len)
         return True
+
+    def _kept_head(self, index: Tensor, k: int) -> int:
+        """How many leading columns ``index (B, H_kv, ≥k)`` keeps in place in every row (its first
+        ``k`` entries equal ``0, 1, …`` up to there); 0 when a later entry points before them."""
+        if k == 0:
+            return 0
+        moved = (index[:, :, :k] != torch.arange(k, device=index.device)).reshape(-1, k).any(0)
+        if not bool(moved.any()):
+            return k
+        head = int(moved.int().argmax())
+        return head if head == 0 or int(index[:, :, head:k].min()) >= head else 0
 
     def _drop(self, dropped: Tensor, recycle: bool) -> None:
         """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists.
