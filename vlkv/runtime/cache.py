@@ -477,16 +477,19 @@ class LayerKV:
             # a few entries (a decode step's eviction): in place, only the columns after the kept
             # head move (one entry dropped near the end rewrites a few columns, not every table)
             cols = index[:, :, head:k]
-            for t in (self.slots, self.order, self.modality, *self.scores.values()):
-                t[:, :, head:k] = t.gather(2, cols)
-            pos = self.positions
-            pos[:, :, head:k] = pos.gather(2, cols[..., None].expand(-1, -1, -1, pos.shape[-1]))
+            for t in self._entry_tables():
+                t[:, :, head:k] = _gather_columns(t, cols)
             self.lengths = keep_len.to(torch.long).clone()
         if dropped is not None:
             # after the tables: a compaction the release starts remaps the new table (and clears
             # the columns past the new length, which still name the dropped slots)
             self._drop(dropped.view(b, h, n - k), recycle)
         return True
+
+    def _entry_tables(self) -> list[Tensor]:
+        """The per-entry tables an in-place edit moves together (holes and factors excluded: caches
+        holding them are edited by rebuilding, see :meth:`select`)."""
+        return [self.slots, self.positions, self.modality, self.order, *self.scores.values()]
 
     def _kept_head(self, index: Tensor, k: int) -> int:
         """How many leading columns ``index (B, H_kv, ≥k)`` keeps in place in every row (its first
@@ -709,7 +712,7 @@ class LayerKV:
             index = torch.cat([index, index.new_zeros(*index.shape[:2], slots - index.shape[2])], 2)
 
         def g(t: Tensor) -> Tensor:
-            out = t.gather(2, index if t.dim() == 3 else index[..., None].expand(-1, -1, -1, t.shape[-1]))
+            out = _gather_columns(t, index)
             if out.shape[2] < slots:  # an empty table: zero columns for appends
                 out = torch.cat([out, out.new_zeros(*out.shape[:2], slots - out.shape[2], *out.shape[3:])], 2)
             return out
@@ -798,7 +801,7 @@ class LayerKV:
             index = index[:, None].expand(-1, self.kv_heads, -1)
             self.select(index, self.lengths - count.to(self.lengths), recycle=recycle)
             return
-        tables = [self.slots, self.positions, self.modality, self.order, *self.scores.values()]
+        tables = self._entry_tables()
         alike = len(set(starts)) == len(set(counts)) == len(set(lens)) == 1
         rows = [slice(None)] if alike else [slice(b, b + 1) for b, c in enumerate(counts) if c]
         dropped = []
@@ -928,6 +931,11 @@ class LayerKV:
             hb, hh, hc = torch.nonzero(self.holes & self.valid_mask()[:, None, :], as_tuple=True)
             self.pool.release(self.layer, self.slots[hb, hh, hc], heads=hh)
             self.slots[hb, hh, hc] = 0
+
+
+def _gather_columns(t: Tensor, index: Tensor) -> Tensor:
+    """Columns ``index (B, H_kv, K)`` of a per-entry table ``t (B, H_kv, C)`` or ``(B, H_kv, C, P)``."""
+    return t.gather(2, index if t.dim() == 3 else index[..., None].expand(-1, -1, -1, t.shape[-1]))
 
 
 def append_one_each(

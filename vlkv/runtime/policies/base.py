@@ -64,9 +64,10 @@ class LayerEdit:
 
 @dataclass
 class CutEdit:
-    """Delete a run of entries per sample, the later ones moving left in order (a fixed-point
-    eviction: Elastic Cache's FIFO past its point ``P``). The cache copies only the columns after
-    the cut (:meth:`LayerKV.cut`), where a :class:`LayerEdit` rebuilds every table whole.
+    """Delete a run of entries per sample, the later ones moving left in order (Elastic Cache's
+    FIFO past its fixed point ``P``, StreamingLLM's oldest entries after the sinks). The cache copies
+    only the columns after the cut (:meth:`LayerKV.cut`), where a :class:`LayerEdit` names every
+    entry it keeps.
 
     Attributes:
         start: ``(B,)`` int64 first table column deleted from each sample.
