@@ -462,7 +462,12 @@ class LayerKV:
             return False
         b, h = self.batch, self.kv_heads
         n, k = lengths[0], keeps[0]
-        head = self._kept_head(index, k)  # columns [0, head) stay where they are in every row
+        # a decode step's eviction of a few entries near the end (recent text, A-VL's H2O) rewrites
+        # the last quarter of the tables in place; anything else rebuilds them at their new width
+        # (a prompt's eviction: they shrink). Writing most of a table back into strided slices
+        # costs more than gathering fresh tables, so the quarter bounds the in-place work
+        small = recycle and n - k <= RECYCLE_MAX and k + spare <= self.capacity
+        head = self._kept_prefix(index, k) if small else 0
         dropped = None
         if n > k:
             kept = torch.zeros(b, h, n - head, dtype=torch.bool, device=self.device)
@@ -470,12 +475,9 @@ class LayerKV:
             dropped = self.slots[:, :, head:n][~kept.scatter_(2, moved, True)]  # sample, head, column
             if dropped.numel() != b * h * (n - k):
                 return False
-        if not recycle or n - k > RECYCLE_MAX or k + spare > self.capacity:
-            # a prompt's (or any large) eviction rebuilds the tables at their new width: they shrink
+        if head == 0:
             self._install(self._take(index, index.shape[2] + spare), keep_len)
         else:
-            # a few entries (a decode step's eviction): in place, only the columns after the kept
-            # head move (one entry dropped near the end rewrites a few columns, not every table)
             cols = index[:, :, head:k]
             for t in self._entry_tables():
                 t[:, :, head:k] = _gather_columns(t, cols)
@@ -491,16 +493,14 @@ class LayerKV:
         holding them are edited by rebuilding, see :meth:`select`)."""
         return [self.slots, self.positions, self.modality, self.order, *self.scores.values()]
 
-    def _kept_head(self, index: Tensor, k: int) -> int:
-        """How many leading columns ``index (B, H_kv, ≥k)`` keeps in place in every row (its first
-        ``k`` entries equal ``0, 1, …`` up to there); 0 when a later entry points before them."""
-        if k == 0:
+    def _kept_prefix(self, index: Tensor, k: int) -> int:
+        """``k - k // 4`` when every row of ``index (B, H_kv, ≥k)`` keeps its first ``k - k // 4``
+        columns where they are, else 0. One column tells: ascending distinct columns with
+        ``index[j] == j`` keep ``0 … j`` in place."""
+        j = k - k // 4
+        if j == k or not bool((index[:, :, j] == j).all()):
             return 0
-        moved = (index[:, :, :k] != torch.arange(k, device=index.device)).reshape(-1, k).any(0)
-        if not bool(moved.any()):
-            return k
-        head = int(moved.int().argmax())
-        return head if head == 0 or int(index[:, :, head:k].min()) >= head else 0
+        return j if int(index[:, :, j:k].min()) >= j else 0  # an index out of order: rebuild
 
     def _drop(self, dropped: Tensor, recycle: bool) -> None:
         """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists.

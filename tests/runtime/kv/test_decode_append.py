@@ -395,3 +395,27 @@ def test_a_cut_of_queued_entries_and_of_a_cache_with_holes():
     _same_valid(holed, plain)
     with pytest.raises(ValueError, match="layer 0: cut of 3 entries at column 5 of sample 1"):
         holed.cut(torch.tensor([0, 5, 0]), torch.tensor([0, 3, 0]))
+
+
+@pytest.mark.parametrize("near_end", [True, False])
+def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end):
+    """A decode-time drop of one entry per row within the last quarter of the table rewrites the
+    tables in place (the same tensors, only the last quarter moves); one anywhere else rebuilds them.
+    Both keep what the general path keeps, and the next append lands after the kept entries."""
+    g = torch.Generator().manual_seed(19)
+    n = 7  # keeps 6: the last quarter is the last column
+    fast, slow = _layer(20, (n,) * B), _layer(20, (n,) * B)
+    lo = n - 1 if near_end else 0
+    drop = torch.randint(lo, n, (B, H, 1), generator=g)
+    keep = torch.ones(B, H, n, dtype=torch.bool).scatter_(2, drop, False)
+    index = torch.nonzero(keep)[:, 2].view(B, H, n - 1)
+    before = fast.slots
+    fast.select(index, torch.full((B,), n - 1), spare=1, recycle=True)
+    slow.select(index, torch.full((B,), n - 1), spare=1, holes=torch.zeros(B, H, n - 1, dtype=torch.bool))
+    assert (fast.slots is before) == near_end
+    _same_valid(fast, slow)
+    k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
+    pos, mod = torch.zeros(B, 1, P, dtype=torch.long), torch.zeros(B, 1, dtype=torch.int8)
+    for layer in (fast, slow):
+        layer.append(k, v, pos, mod, torch.ones(B, dtype=torch.long))
+    _same_valid(fast, slow)
