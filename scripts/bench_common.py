@@ -47,8 +47,20 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_for_bench(model: str, device: str, dtype: str):
-    """The registered model on ``device`` in ``dtype``; a load failure is one line (exit 2)."""
+    """The registered model on ``device`` in ``dtype``; a load failure is one line (exit 2).
+
+    ``shape:NAME`` is a random-weight model at a real checkpoint's shape
+    (``vlkv.runtime.models.real_shape.SHAPES``, e.g. ``shape:llava-1.5-7b``): speed only, no text.
+    """
     from vlkv.runtime.models.registry import ModelLoadError, load_model
+
+    if model.startswith("shape:"):
+        from vlkv.runtime.models.real_shape import load_real_shape
+
+        try:
+            return load_real_shape(model.removeprefix("shape:"), device=device, dtype=torch_dtype(dtype))
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
 
     try:
         return load_model(model, dtype=torch_dtype(dtype), device=device)

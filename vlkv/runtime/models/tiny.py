@@ -81,8 +81,13 @@ class TinySpec:
     # last-row entropy is 0.4-0.7 and hidden states grow over depth as in trained models.
     initializer_range: float = 0.2
     max_position_embeddings: int = 4096
+    # None: exactly the tokenizer's size. Larger only for speed measurements at a real model's shape
+    # (the output head is part of every decode step's weight read); never for generating text.
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 or None, got {self.vocab_size}")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -128,7 +133,7 @@ def _text_kwargs(spec: TinySpec, tok: PreTrainedTokenizerFast) -> dict:
     return {
         # Exactly the tokenizer's size, not padded: a randomly initialised LM head would happily
         # generate ids that the tokenizer cannot decode.
-        "vocab_size": len(tok),
+        "vocab_size": max(spec.vocab_size or 0, len(tok)),
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_layers,

@@ -1,0 +1,138 @@
+"""``report.md`` of a ``gpu_check.py`` run: the parts, the targets, then one table per measurement."""
+
+from __future__ import annotations
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return format(x, spec) if isinstance(x, int | float) else str(x)
+
+
+def _env(res: dict) -> list[str]:
+    gpu = res.get("gpu") or {}
+    bw = res.get("bandwidth") or {}
+    lines = [
+        f"- device: {gpu.get('name', res.get('cpu', '?'))} (capability {gpu.get('capability', '-')}, "
+        f"{gpu.get('multiprocessors', '-')} SMs, {gpu.get('memory_gib', '-')} GiB); nvidia-smi: "
+        f"{res.get('nvidia_smi', '-')}",
+        f"- python {res.get('python')}, torch {res.get('torch')} (CUDA {res.get('cuda_runtime')}), "
+        + ", ".join(f"{k} {v or 'absent'}" for k, v in (res.get("versions") or {}).items()),
+    ]
+    if bw:
+        lines.append(
+            f"- memory bandwidth: copy {bw['copy_gbps']:.0f} GB/s (read + write), read-only sum "
+            f"{bw['read_gbps']:.0f} GB/s, over a {bw['buffer_bytes'] / 2**30:.2f} GiB buffer"
+        )
+    return lines
+
+
+def _kernels(res: dict) -> list[str]:
+    lines = [f"Path: {res.get('path')}, {res.get('dtype')}, sizes {res.get('sizes')}", ""]
+    stats = res.get("stats")
+    if isinstance(stats, list):
+        lines += [
+            "| keys | statistics (ms) | SDPA same rows (ms) | ratio | colsum max err |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {r['keys']} | {r['stats_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['ratio']:.2f} | {r['colsum_max_err']:.2e} |"
+            for r in stats
+        ]
+    else:
+        lines.append(f"statistics: {stats}")
+    sel = res.get("selected")
+    if isinstance(sel, dict):
+        lines += ["", "| selected of keys | selected (ms) | gather + SDPA (ms) | full SDPA (ms) | speed-up vs gather | max err |",
+                  "|---|---:|---:|---:|---:|---:|",
+                  f"| {sel['selected']} of {sel['keys']} | {sel['selected_ms']:.3f} | {sel['gather_sdpa_ms']:.3f} "
+                  f"| {sel['full_sdpa_ms']:.3f} | {sel['speedup_vs_gather']:.2f}× | {sel['max_err']:.2e} |"]  # fmt: skip
+    else:
+        lines.append(f"selected attention: {sel}")
+    paged = res.get("paged")
+    if isinstance(paged, list):
+        lines += ["", "| paged read: tokens × batch | paged (ms) | SDPA contiguous (ms) | ratio | GB/s | max err |",
+                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            f"| {r['tokens']} × {r['batch']} | {r['paged_ms']:.3f} | {r['contiguous_sdpa_ms']:.3f} "
+            f"| {r['ratio_vs_sdpa']:.2f} | {r['paged_gbps']:.0f} | {r['max_err_vs_sdpa']:.2e} |"
+            for r in paged
+        ]
+    else:
+        lines.append(f"paged read: {paged}")
+    for name in ("lowrank", "merge"):
+        r = res.get(name)
+        lines.append("")
+        lines.append(
+            f"{name}: "
+            + (", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in r.items()) if isinstance(r, dict) else str(r))
+        )
+    return lines
+
+
+def _decode(res: dict) -> list[str]:
+    lines = [
+        f"{res.get('dtype')}; bandwidth for the bound: {_fmt(res.get('bandwidth_gbps'), '.0f')} GB/s (copy). "
+        "bound = (weight bytes + K/V bytes attended) / bandwidth; of bound = bound / measured step.",
+        "",
+        "| model | context × batch | policy | budget | step (ms) | full step (ms) | speed-up | limit | of bound | full of bound |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for c in res.get("cells", []):
+        where = f"{c['model'].removeprefix('shape:')} | {c['tokens']} × {c['batch']}"
+        if "status" in c:
+            notes.append(f"- {where.replace(' |', ',')}: {c['status']}")
+            continue
+        for r in c.get("rows", []):
+            lines.append(
+                f"| {where} | {r['policy']} | {r['budget']} | {r['step_ms']:.2f} | {r['full_step_ms']:.2f} "
+                f"| {r['speedup']:.2f}× | {r['limit']:.2f}× | {r['of_bound']:.0%} | {r['full_of_bound']:.0%} |"
+            )
+        for pol, why in c.get("errors", {}).items():
+            notes.append(f"- {where.replace(' |', ',')}, {pol}: {why}")
+    return lines + ([""] + notes if notes else [])
+
+
+def _prefill(res: dict) -> list[str]:
+    rows = res.get("rows") or []
+    lines = [f"{res.get('tokens')} tokens, {res.get('dtype')}, {res.get('machine')}", "",
+             "| configuration | rows with statistics | prefill (s) | overhead |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        f"| {r['config']} | {r['rows_requested']} | {r['median_s']:.4f} | {r['overhead']:+.1%} |"
+        for r in rows
+    ]
+    return lines
+
+
+def _pytest(res: dict) -> list[str]:
+    return [f"`{res.get('command')}` → exit {res.get('exit_code')}, {res.get('counts')}", "", "```text",
+            *(res.get("tail") or "").strip().splitlines()[-25:], "```"]  # fmt: skip
+
+
+SECTIONS = {"env": _env, "kernels": _kernels, "decode": _decode, "prefill": _prefill, "pytest": _pytest}
+
+
+def to_markdown(report: dict) -> str:
+    env = report["parts"].get("env", {}).get("result", {})
+    device = (env.get("gpu") or {}).get("name") or env.get("cpu") or report["device"]
+    lines = [
+        f"# vlkv GPU check — {device}",
+        "",
+        f"Started {report['started']}, {report['wall_s']:.0f} s in all"
+        + (" (toy sizes: the CPU dry run)" if report.get("tiny") else "")
+        + ".",
+        "",
+        "| part | status | wall (s) | limit (s) | reason |",
+        "|---|---|---:|---:|---|",
+    ]
+    for name, p in report["parts"].items():
+        lines.append(
+            f"| {name} | {p['status']} | {p['wall_s']:.1f} | {p['budget_s']:.0f} | {p['reason'] or ''} |"
+        )
+    lines += ["", "## Targets", "", "| measure | value | target | met |", "|---|---:|---|---|"]
+    for t in report["targets"]:
+        met = "—" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(f"| {t['name']} | {_fmt(t['value'], '.3g')} | {t['target']} | {met} |")
+    for name, part in report["parts"].items():
+        if name in SECTIONS and part["result"] and "skipped" not in part["result"]:
+            lines += ["", f"## {name}", "", *SECTIONS[name](part["result"])]
+    return "\n".join(lines) + "\n"
