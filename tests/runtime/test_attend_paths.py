@@ -229,3 +229,40 @@ def test_h2o_decode_statistics_equal_the_reference_path(engines, images, monkeyp
     assert torch.equal(row_logits.argmax(-1), plain_logits.argmax(-1))
     for a, b in zip(row_scores, plain_scores):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _cuda_layout_sdpa(sdpa):
+    """SDPA whose output has the strides CUDA's fused kernels give: ``(B, H, L, D)`` values stored as
+    ``(B, L, H, D)``, so ``.view`` over heads fails where ``.reshape`` works (found on an H200)."""
+
+    def call(*args, **kw):
+        out = sdpa(*args, **kw)
+        return out.transpose(1, 2).contiguous().transpose(1, 2) if out.dim() == 4 else out
+
+    return call
+
+
+@pytest.mark.parametrize("s", [1, 9, 81])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_decode_reads_sdpa_outputs_of_any_layout(s, ragged, monkeypatch):
+    q, k, v = _qkv(3, 6, 2, 1, s)
+    past = torch.tensor([s - 1, max(s // 2 - 1, 0) if ragged else s - 1, s - 1])
+    new_len = torch.ones(3, dtype=torch.long)
+    want = _StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", _cuda_layout_sdpa(F.scaled_dot_product_attention))
+    got = _StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_batched_generation_with_cuda_sdpa_layouts(engines, images, monkeypatch):
+    """Every policy's batched decode with SDPA returning CUDA's strided outputs gives the same tokens."""
+    from vlkv.runtime.policies import make_policy
+
+    engine = engines["tiny-llava"]
+    prompts = [Prompt("Describe it.", [images[0]]), Prompt("Two of them?", [images[1], images[2]])]
+    for name, kw in (("full", {}), ("h2o", {"budget": 0.4}), ("vlcache", {"budget": 0.4})):
+        want = engine.generate(prompts, make_policy(name, **kw), 4, stop_at_eos=False)
+        with monkeypatch.context() as m:
+            m.setattr(F, "scaled_dot_product_attention", _cuda_layout_sdpa(F.scaled_dot_product_attention))
+            got = engine.generate(prompts, make_policy(name, **kw), 4, stop_at_eos=False)
+        assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples], name

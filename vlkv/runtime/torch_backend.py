@@ -189,14 +189,15 @@ class _StepContext:
             if open_ is None and (int(past.min()) + 1 == s if one else bool((end == s).all())):
                 # every sample reads every column (batch 1, or equal lengths): no mask, SDPA's fast path
                 out = F.scaled_dot_product_attention(q.reshape(b, hkv, h // hkv, d), k, v, scale=scale)
-                return out.view(b, h, 1, d)
+                # reshape, not view: CUDA's fused SDPA kernels return (B, H_kv, G, D) as a strided view
+                return out.reshape(b, h, 1, d)
             mask = (torch.arange(s, device=q.device)[None, :] < end[:, None])[:, None, None, :]
             if open_ is not None:
                 mask = mask & open_[:, :, None, :]  # (B, H_kv, 1, S): per KV head, shared by its G rows
             out = F.scaled_dot_product_attention(
                 q.reshape(b, hkv, h // hkv, d), k, v, attn_mask=mask, scale=scale
             )
-            return out.view(b, h, 1, d)
+            return out.reshape(b, h, 1, d)
         i, j = torch.arange(nq, device=q.device), torch.arange(s, device=q.device)
         mask = (j[None, None, :] <= (past[:, None, None] + i[None, :, None])) & (
             j[None, None, :] < (past + new_len)[:, None, None]
@@ -332,7 +333,7 @@ def _one_row_out(probs: Tensor, v: Tensor, q: Tensor) -> Tensor:
     """A decode step's attention output from its probabilities: ``probs (B, H_kv, G, S)`` float32,
     ``v (B, H_kv, S, D)``, ``q (B, H, 1, D)`` (shape and dtype of the result) → ``(B, H, 1, D)``.
     The probabilities go to ``v``'s dtype first, as a fused attention kernel feeds them to P·V."""
-    return torch.matmul(probs.to(v.dtype), v).view(q.shape).to(q.dtype)
+    return torch.matmul(probs.to(v.dtype), v).reshape(q.shape).to(q.dtype)
 
 
 def _rank_space_one_row(
