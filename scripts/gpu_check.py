@@ -15,6 +15,7 @@ others; a part stopped at its limit keeps what it measured so far):
   random-weight models at LLaVA-1.5-7B's and Qwen2-VL-7B's decoder shapes (M-RoPE), each step set
   against its bandwidth bound ``(weight bytes + K/V bytes attended) / bandwidth`` measured in the run;
 - ``prefill``: statistics overhead of an 8k prefill at LLaVA-1.5-7B's shape;
+- ``profile``: torch.profiler over decode steps per policy at 8k x 4 (top operators, host syncs per step);
 - ``pytest``: ``pytest -m gpu`` (the engine with every policy on CUDA, kernels vs references);
 - ``compile``, ``tensorrt``: recorded as skipped with the reason when there is nothing to run.
 
@@ -40,13 +41,14 @@ HERE = Path(__file__).resolve().parent
 SCHEMA = "vlkv.gpu_check/1"
 # seconds per part on a GPU (about 7 minutes in all) and in the toy dry run
 BUDGETS = {
-    "env": 30,
-    "kernels": 80,
-    "decode": 200,
-    "prefill": 60,
-    "pytest": 110,
-    "compile": 15,
-    "tensorrt": 15,
+    "env": 25,
+    "kernels": 70,
+    "decode": 180,
+    "prefill": 50,
+    "pytest": 90,
+    "profile": 60,
+    "compile": 10,
+    "tensorrt": 10,
 }
 TINY_BUDGETS = {
     "env": 30,
@@ -54,6 +56,7 @@ TINY_BUDGETS = {
     "decode": 60,
     "prefill": 40,
     "pytest": 60,
+    "profile": 40,
     "compile": 20,
     "tensorrt": 20,
 }
@@ -67,7 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="gpu-report", help="folder for report.json, report.md, gpu_check.log")
     ap.add_argument("--parts", nargs="+", default=None, help=f"subset of: {', '.join(BUDGETS)}")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every part's time limit")
+    ap.add_argument(
+        "--limit", nargs="+", default=[], metavar="PART=SECONDS", help="one part's own time limit"
+    )
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per kernel (default 20; tiny 2)")
+    ap.add_argument(
+        "--decode-from", type=int, default=0, help="skip the decode part's first N cells (a rerun)"
+    )
     # internal: run one part in this process
     ap.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--part-file", default=None, help=argparse.SUPPRESS)
@@ -80,6 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.scale <= 0:
         ap.error(f"--scale must be > 0, got {args.scale}")
+    args.limits = {}
+    for item in args.limit:
+        name, _, value = item.partition("=")
+        try:
+            args.limits[name] = float(value)
+        except ValueError:
+            ap.error(f"--limit takes PART=SECONDS, got {item!r}")
+        if name not in BUDGETS or args.limits[name] <= 0:
+            ap.error(f"--limit {item!r}: part must be one of {', '.join(BUDGETS)} and seconds > 0")
     if args.repeats is None:
         args.repeats = 2 if args.tiny else 20
     if args.repeats < 1:
@@ -115,7 +133,7 @@ def run_part(name: str, args, budget: float, work: Path, log) -> dict:
     """Run one part in a child process under ``budget`` seconds; its record for the report."""
     part_file = work / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-part", name, "--part-file", str(part_file),
-           "--part-budget", str(budget), "--device", args.device, "--repeats", str(args.repeats)]  # fmt: skip
+           "--part-budget", str(budget), "--device", args.device, "--repeats", str(args.repeats), "--decode-from", str(args.decode_from)]  # fmt: skip
     if args.tiny:
         cmd.append("--tiny")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -238,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as work, open(out / "gpu_check.log", "w") as log:
         for name in names:
-            report["parts"][name] = run_part(name, args, budgets[name] * args.scale, Path(work), log)
+            limit = args.limits.get(name, budgets[name] * args.scale)
+            report["parts"][name] = run_part(name, args, limit, Path(work), log)
             report["wall_s"] = time.perf_counter() - start
             report["targets"] = targets(report["parts"])
             (out / "report.json").write_text(json.dumps(report, indent=1, default=str))

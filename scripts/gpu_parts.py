@@ -381,7 +381,7 @@ def run_decode(args, sink: Sink) -> None:
     sink(result)
     budgets = [0.5, 0.2, 0.1]
     engines: dict[str, Engine] = {}
-    for model, tokens, batch in decode_cells(args):
+    for model, tokens, batch in decode_cells(args)[args.decode_from :]:
         if time.monotonic() > deadline:
             result["cells"].append(
                 {"model": model, "tokens": tokens, "batch": batch, "status": "skipped: part time limit"}
@@ -424,6 +424,79 @@ def run_decode(args, sink: Sink) -> None:
                 cell["rows"].append(r)
             sink(result)
     sink(result)
+
+
+# -------------------------------------------------------------------------------------------- profile
+PROFILE_POLICIES = ("full", "snapkv", "vlcache", "h2o", "avl")
+
+
+def run_profile(args, sink: Sink) -> None:
+    """Where a decode step's time goes, per policy: torch.profiler over a few steps at LLaVA-1.5-7B's
+    shape (8k x 4), the top operators by self CPU time, and host-device synchronisations per step."""
+    import bench_decode
+    from bench_common import document_prompt, load_for_bench
+
+    from vlkv.runtime.backend import StepInputs
+    from vlkv.runtime.engine import Engine, apply_edits
+    from vlkv.runtime.policies import make_policy
+
+    model, tokens, b = ("shape:toy-llava", 96, 2) if args.tiny else ("shape:llava-1.5-7b", 8192, 4)
+    dtype = "fp32" if args.device == "cpu" else "bf16"
+    engine = Engine(load_for_bench(model, args.device, dtype))
+    be = engine.backend
+    batch = bench_decode._repeat(document_prompt(engine, model, tokens), b)
+    ctx = engine.context(batch)
+    t = batch.input_ids.shape[1]
+    result: dict = {"model": model, "tokens": t, "batch": b, "policies": {}}
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    steps = 3
+    for name in PROFILE_POLICIES:
+        try:
+            pol = make_policy(name) if name == "full" else make_policy(name, budget=0.2)
+            request, alias = bench_decode.joint_request({name: pol}, ctx, t)
+            cache = engine.new_cache(batch)
+            inputs = StepInputs(
+                batch.input_ids, batch.positions, batch.modality, batch.lengths, be.embed(batch)
+            )
+            out = be.step(inputs, cache, request)
+            if name != "full":
+                apply_edits(
+                    cache,
+                    pol.after_prefill(cache, bench_decode.stats_for(out.stats, alias.get(name, name)), ctx),
+                )
+            tok = out.logits.argmax(-1)
+            for step in range(2):  # warm-up: one-off table growth, first-call dispatch
+                tok = engine.decode(tok, batch, pol, cache, step + 1).logits.argmax(-1)
+            sync(args.device)
+            start = time.perf_counter()
+            with torch.profiler.profile(activities=acts) as prof:
+                for step in range(steps):
+                    tok = engine.decode(tok, batch, pol, cache, step + 3).logits.argmax(-1)
+                sync(args.device)
+            wall = (time.perf_counter() - start) / steps * 1e3
+            events = prof.key_averages()
+            top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+            syncs = sum(e.count for e in events if e.key in ("aten::_local_scalar_dense", "aten::item"))
+            copies = sum(e.count for e in events if e.key in ("aten::copy_", "aten::to", "aten::_to_copy"))
+            cache.release()
+            result["policies"][name] = {
+                "step_ms_profiled": wall,
+                "syncs_per_step": syncs / steps,
+                "copies_per_step": copies / steps,
+                "ops_per_step": sum(e.count for e in events) / steps,
+                "top_self_cpu": [
+                    {"op": e.key, "calls_per_step": e.count / steps, "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                     "device_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps}
+                    for e in top
+                ],
+            }  # fmt: skip
+        except Exception as exc:
+            result["policies"][name] = (
+                f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            )
+        sink(result)
 
 
 # -------------------------------------------------------------------------------------------- prefill
@@ -471,6 +544,7 @@ PARTS: dict[str, Callable[[argparse.Namespace, Sink], None]] = {
     "kernels": run_kernels,
     "decode": run_decode,
     "prefill": run_prefill,
+    "profile": run_profile,
     "pytest": run_pytest,
     "compile": run_compile,
     "tensorrt": run_tensorrt,

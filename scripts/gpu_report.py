@@ -108,7 +108,30 @@ def _pytest(res: dict) -> list[str]:
             *(res.get("tail") or "").strip().splitlines()[-25:], "```"]  # fmt: skip
 
 
-SECTIONS = {"env": _env, "kernels": _kernels, "decode": _decode, "prefill": _prefill, "pytest": _pytest}
+def _profile(res: dict) -> list[str]:
+    lines = [f"{res.get('model', '').removeprefix('shape:')}, {res.get('tokens')} tokens × batch {res.get('batch')}, budget 0.2", "",
+             "| policy | step (ms, profiled) | ops / step | host syncs / step | copies / step | top ops by self CPU (ms / step) |",
+             "|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    for name, p in (res.get("policies") or {}).items():
+        if not isinstance(p, dict):
+            lines.append(f"| {name} | {p} | | | | |")
+            continue
+        top = "; ".join(f"{o['op']} {o['self_cpu_ms_per_step']:.1f}" for o in p["top_self_cpu"][:5])
+        lines.append(
+            f"| {name} | {p['step_ms_profiled']:.1f} | {p['ops_per_step']:.0f} | {p['syncs_per_step']:.0f} "
+            f"| {p['copies_per_step']:.0f} | {top} |"
+        )
+    return lines
+
+
+SECTIONS = {
+    "env": _env,
+    "kernels": _kernels,
+    "decode": _decode,
+    "prefill": _prefill,
+    "pytest": _pytest,
+    "profile": _profile,
+}
 
 
 def to_markdown(report: dict) -> str:

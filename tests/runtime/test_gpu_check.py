@@ -1,0 +1,107 @@
+"""The prepared GPU check's CPU dry run: every part at toy sizes, the report's schema, part isolation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+from gpu_check import BUDGETS, check_report  # noqa: E402
+from gpu_parts import DECODE_POLICIES, PROFILE_POLICIES  # noqa: E402
+
+
+def _run(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(tmp), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    report = json.loads((tmp / "report.json").read_text()) if (tmp / "report.json").exists() else {}
+    return proc, report
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-dry-run")
+    return (*_run(out), out)
+
+
+def test_dry_run_runs_every_part(dry_run):
+    proc, report, out = dry_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert check_report(report) == []
+    assert list(report["parts"]) == list(BUDGETS)
+    for name, part in report["parts"].items():
+        want = "skipped" if name in ("compile", "tensorrt") else "ok"
+        assert part["status"] == want, (name, part)
+    md = (
+        Path(report["parts"]["env"]["result"] and proc.args[proc.args.index("--out") + 1]) / "report.md"
+    ).read_text()
+    assert "# vlkv GPU check" in md and "| decode | ok |" in md
+
+
+def test_dry_run_measures_what_it_reports(dry_run):
+    parts = dry_run[1]["parts"]
+    env = parts["env"]["result"]
+    assert env["bandwidth"]["copy_gbps"] > 0 and env["versions"]["transformers"]
+    kernels = parts["kernels"]["result"]
+    for name in ("stats", "selected", "lowrank", "merge"):
+        assert not isinstance(kernels[name], str), (name, kernels[name])
+    assert all(r["colsum_max_err"] < 1e-5 for r in kernels["stats"])
+    assert kernels["selected"]["max_err"] < 1e-5 and kernels["merge"]["max_err"] < 1e-5
+    cells = parts["decode"]["result"]["cells"]
+    first = cells[0]
+    assert not first["errors"], first["errors"]
+    assert {r["policy"] for r in first["rows"]} == set(DECODE_POLICIES)
+    assert all(r["bound_ms"] > 0 and r["of_bound"] > 0 for r in first["rows"])
+    assert any(c["model"] == "shape:toy-qwen2-vl" and c.get("rows") for c in cells)  # M-RoPE shape ran
+    assert {r["config"] for r in parts["prefill"]["result"]["rows"]} >= {"plain", "snapkv", "every row"}
+    profile = parts["profile"]["result"]["policies"]
+    assert set(profile) == set(PROFILE_POLICIES) and all(isinstance(p, dict) for p in profile.values())
+    # without CUDA every gpu-marked test is collected and skipped, none errors
+    counts = parts["pytest"]["result"]["counts"]
+    assert counts.get("skipped", 0) > 0 and not counts.get("failed") and not counts.get("error")
+
+
+def test_a_part_past_its_limit_is_stopped_and_the_rest_still_run(tmp_path):
+    proc, report = _run(tmp_path, "--parts", "decode", "tensorrt", "--limit", "decode=4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert check_report(report) == []
+    decode = report["parts"]["decode"]
+    assert decode["status"] == "timeout" and "limit" in decode["reason"] and decode["wall_s"] < 30
+    assert report["parts"]["tensorrt"]["status"] == "skipped"
+
+
+def test_check_report_names_what_is_wrong():
+    good = {"schema": "vlkv.gpu_check/1", "device": "cpu", "started": "now", "wall_s": 1.0, "tiny": True,
+            "targets": [], "parts": {"env": {"status": "ok", "reason": None, "wall_s": 1.0, "budget_s": 5, "result": {}}}}  # fmt: skip
+    assert check_report(good) == []
+    bad = json.loads(json.dumps(good))
+    bad["schema"] = "other/1"
+    bad["parts"]["env"]["status"] = "failed"
+    bad["parts"]["nope"] = {}
+    problems = "\n".join(check_report(bad))
+    assert "schema" in problems and "must say why" in problems and "parts.nope" in problems
+
+
+def test_bad_arguments_are_one_line(tmp_path):
+    for extra in (["--parts", "nope"], ["--limit", "decode=abc"], ["--scale", "0"]):
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path), *extra],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            timeout=120,
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
