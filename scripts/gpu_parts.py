@@ -480,8 +480,16 @@ def run_profile(args, sink: Sink) -> None:
             top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
             syncs = sum(e.count for e in events if e.key in ("aten::_local_scalar_dense", "aten::item"))
             copies = sum(e.count for e in events if e.key in ("aten::copy_", "aten::to", "aten::_to_copy"))
+            on_device = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[
+                :8
+            ]
             cache.release()
             result["policies"][name] = {
+                "top_device": [
+                    {"op": e.key, "calls_per_step": e.count / steps,
+                     "device_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps}
+                    for e in on_device
+                ],
                 "step_ms_profiled": wall,
                 "syncs_per_step": syncs / steps,
                 "copies_per_step": copies / steps,

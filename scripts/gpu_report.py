@@ -117,6 +117,8 @@ def _profile(res: dict) -> list[str]:
             lines.append(f"| {name} | {p} | | | | |")
             continue
         top = "; ".join(f"{o['op']} {o['self_cpu_ms_per_step']:.1f}" for o in p["top_self_cpu"][:5])
+        dev = "; ".join(f"{o['op'][:40]} {o['device_ms_per_step']:.2f}" for o in p.get("top_device", [])[:4])
+        top += f" — device: {dev}" if dev else ""
         lines.append(
             f"| {name} | {p['step_ms_profiled']:.1f} | {p['ops_per_step']:.0f} | {p['syncs_per_step']:.0f} "
             f"| {p['copies_per_step']:.0f} | {top} |"
