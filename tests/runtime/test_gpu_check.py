@@ -75,11 +75,12 @@ def test_dry_run_measures_what_it_reports(dry_run):
 
 
 def test_a_part_past_its_limit_is_stopped_and_the_rest_still_run(tmp_path):
-    proc, report = _run(tmp_path, "--parts", "decode", "tensorrt", "--limit", "decode=4")
+    # pytest -m gpu cannot even import torch and collect in 2 s: the part is killed with its child
+    proc, report = _run(tmp_path, "--parts", "pytest", "tensorrt", "--limit", "pytest=2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert check_report(report) == []
-    decode = report["parts"]["decode"]
-    assert decode["status"] == "timeout" and "limit" in decode["reason"] and decode["wall_s"] < 30
+    part = report["parts"]["pytest"]
+    assert part["status"] == "timeout" and "limit" in part["reason"] and part["wall_s"] < 30
     assert report["parts"]["tensorrt"]["status"] == "skipped"
 
 
