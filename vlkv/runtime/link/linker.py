@@ -129,6 +129,9 @@ class SegmentStore:
     """In-pool records by key: image K/V (per image content) and prompt prefixes, all in ``pool``.
 
     The persistent, tiered, tenant-scoped store (``vlkv.runtime.store``) feeds records into this.
+    Both tables are tenant-scoped: an image key is the store's record key (the tenant folded in) and
+    a prefix key starts with the tenant (:func:`identity`), so one pool serves every tenant and no
+    tenant ever links another's entries (a hit would be a timing side channel, vLLM's ``cache_salt``).
     """
 
     pool: KVPool
@@ -142,13 +145,15 @@ class SegmentStore:
         self.prefixes.clear()
 
 
-def identity(batch: PromptBatch, keys: list[str]) -> tuple:
-    """The prompt as a sequence where each image's tokens carry its key (prefix matching)."""
+def identity(batch: PromptBatch, keys: list[str], tenant: str) -> tuple:
+    """The prompt as a sequence where each image's tokens carry its key (prefix matching), after a
+    first element naming ``tenant``: a text-only prompt carries no record key, so without it two
+    tenants' prompts would share prefixes. ``key[1 + i]`` stands for prompt token ``i``."""
     ids = batch.input_ids[0, : int(batch.lengths[0])].tolist()
-    out: list = list(ids)
+    out: list = [("tenant", tenant), *ids]
     for (a, b), key in zip(batch.spans[0].image_spans, keys):
         for i in range(a, b):
-            out[i] = (key, i - a)
+            out[1 + i] = (key, i - a)
     return tuple(out)
 
 
@@ -215,10 +220,10 @@ def link_prefill(
     known: dict[int, Tensor | None] = {}  # image index -> embeddings from its record (None: none kept)
     hits: dict[int, SharedSegment] = {}  # image index -> its record (image-wise methods)
     if spec.method == "prefix" and keys is not None:
-        ident = identity(batch, keys)
+        ident = identity(batch, keys, source.tenant)
         best = max((p for p in store.prefixes if ident[: len(p)] == p), key=len, default=None)
         if best is not None:
-            m = min(len(best), n - 1)  # the last token is recomputed: it gives the logits
+            m = min(len(best) - 1, n - 1)  # the last token is recomputed: it gives the logits
             _link_part(store.prefixes[best], cache, batch, m)
             linked[:m] = True
             stats.hits += 1
@@ -415,10 +420,9 @@ def _remember(engine, batch, emb, cache, spec, source: RecordSource, keys, ident
         return
     store = source.segments
     if spec.method == "prefix":
-        ident = identity(batch, keys)
+        ident = identity(batch, keys, source.tenant)
         if ident not in store.prefixes:
-            n = len(ident)
-            store.prefixes[ident] = SharedSegment.from_cache(cache, 0, n)
+            store.prefixes[ident] = SharedSegment.from_cache(cache, 0, len(ident) - 1)
         return
     _records(engine, batch, emb, cache.pool, spec, source, range(len(keys)), keys, idents)
 
