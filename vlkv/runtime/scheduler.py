@@ -269,7 +269,6 @@ class Scheduler:
             req.link,
             self._sources[req.tenant],
             request,
-            req.extras.get("image_uuids"),
         )
         out.peak_kv_bytes = cache.kv_bytes()
         out.stats.replay = eng.replay(req.policy, ctx, req.batch, cache)

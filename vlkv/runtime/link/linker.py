@@ -193,7 +193,6 @@ def link_prefill(
     spec: LinkSpec,
     source: RecordSource,
     request: StatsRequest | None = None,
-    uuids: list[str | None] | None = None,
 ) -> tuple[StepOutput, LinkStats]:
     """Prefill a one-prompt ``batch`` (whose images are ``images``) into ``cache`` reusing ``store``'s
     records; returns the step's output (logits of the last prompt token) and what was reused.
@@ -201,15 +200,14 @@ def link_prefill(
     Images whose token runs cannot be told apart (two images with no token between them) are
     recomputed, never guessed. ``request`` (over the whole prompt's rows, as a policy asks for a
     prefill) gets its statistics from the recomputed rows only — linked rows run no query — and the
-    returned statistics follow the cache's slots in sequence order. ``uuids[i]``, when given, is the
-    client's identity for image ``i`` (its record key instead of the pixels)."""
+    returned statistics follow the cache's slots in sequence order. Images are keyed by their pixels
+    (:meth:`RecordSource.identity`), never by a client's uuid."""
     stats = LinkStats()
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
-    uuids = list(uuids) if uuids is not None and len(uuids) == len(images) else [None] * len(images)
     variant = spec.record_variant()
     idents = (
-        [source.identity(img, u, variant) for img, u in zip(images, uuids)]
+        [source.identity(img, variant) for img in images]
         if len(images) == len(spans)
         else None
     )

@@ -1,7 +1,7 @@
 """Where the linker finds image records: in the pool first, then the persistent context store.
 
-Keys are the store's record keys (model fingerprint, processor settings, image content or client
-uuid, layout version, tenant), so the in-pool cache is tenant-scoped exactly like the store: a
+Keys are the store's record keys (model fingerprint, processor settings, image content, layout
+version, tenant), so the in-pool cache is tenant-scoped exactly like the store: a
 tenant never links another tenant's record from either place. A record found in the store is
 verified there (checksum, model, layout, tenant, expiry) and loaded into the pool once; an image
 computed alone is kept in the pool and written back to the store.
@@ -53,16 +53,16 @@ class RecordSource:
             segments, store, validate_tenant(tenant), model_fingerprint(loaded), processor_settings(loaded)
         )
 
-    def identity(self, image, uuid: str | None = None, variant: dict | None = None):
-        """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec), or of
-        the client's ``uuid`` for it when given (then the pixels are not read). ``variant`` (a
-        compressed record's budget and scorer, :meth:`LinkSpec.record_variant`) joins the settings."""
+    def identity(self, image, variant: dict | None = None):
+        """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec): always
+        its pixels. A client's image ``uuid`` never names a record — it would let one client's uuid
+        link another image's K/V (the server decodes the pixels anyway, so a uuid saves only a hash).
+        ``variant`` (a compressed record's budget and scorer, :meth:`LinkSpec.record_variant`) joins
+        the settings."""
         from vlkv.runtime.models.images import load_image
         from vlkv.runtime.store.identity import Identity, image_content
 
         settings = self.settings if variant is None else {**self.settings, "record": variant}
-        if uuid is not None:
-            return Identity.of(self.fingerprint, settings, uuid=uuid)
         return Identity.of(self.fingerprint, settings, content=image_content(load_image(image)))
 
     def key(self, identity) -> str:
