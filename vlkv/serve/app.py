@@ -257,7 +257,12 @@ def _usage(request: Request) -> dict:
     p, c = request.prompt_tokens, len(request.tokens)
     # OpenAI's and vLLM's field: prompt tokens reused from a stored prefix or record (0: none)
     cached = {"cached_tokens": request.cached_tokens}
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": cached}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": cached,
+    }
 
 
 def _failure(state: ServerState, ticket: Ticket) -> ApiError | None:

@@ -16,7 +16,13 @@ SPEC = LinkSpec("mpic", 2)
 def _run(engine, store_dir, prompt, tenant="default"):
     store = ContextStore.open(store_dir)  # a fresh store object: what a new process sees
     res = engine.generate(
-        [prompt], make_policy("full"), 4, stop_at_eos=False, link=SPEC, store=store, tenant=tenant,
+        [prompt],
+        make_policy("full"),
+        4,
+        stop_at_eos=False,
+        link=SPEC,
+        store=store,
+        tenant=tenant,
         link_threshold=0.0,
     )
     return res.extras["store"], res.samples[0].token_ids

@@ -206,11 +206,7 @@ def link_prefill(
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
     variant = spec.record_variant()
-    idents = (
-        [source.identity(img, variant) for img in images]
-        if len(images) == len(spans)
-        else None
-    )
+    idents = [source.identity(img, variant) for img in images] if len(images) == len(spans) else None
     keys = None if idents is None else [source.key(i) for i in idents]
     store = source.segments
     loaded_before = source.loaded_bytes
