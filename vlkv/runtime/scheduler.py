@@ -200,12 +200,18 @@ class Scheduler:
             req = self.waiting[0]
             if not self.pool.grow:
                 room = self.overcommit * self.pool.capacity(0) - self._reserved()
-                # the prompt is written whole before its policy compresses it, and every running
-                # request still needs a slot for this iteration's decode step
-                short = req.reserve > room or req.prompt_tokens + len(self.running) > self.pool.min_free()
+                # the prompt is written whole before its policy compresses it (a linking prefill
+                # also makes the records its missing images lack), and every running request still
+                # needs a slot for this iteration's decode step
+                short = (
+                    req.reserve > room or self._prefill_need(req) + len(self.running) > self.pool.min_free()
+                )
                 if short and (self.segments.images or self.segments.prefixes):
                     self.segments.release()
-                    short = req.reserve > room or req.prompt_tokens + len(self.running) > self.pool.min_free()
+                    short = (
+                        req.reserve > room
+                        or self._prefill_need(req) + len(self.running) > self.pool.min_free()
+                    )
                 if short and self.running:
                     return
             self.waiting.popleft()
@@ -222,9 +228,10 @@ class Scheduler:
             req.cache, req.status = cache, Status.RUNNING
             t0 = time.perf_counter()
             if req.link is not None and req.link.method != "none":
-                out = self._link(req, cache)
+                out = self._link_or_prefill(req)
             else:
                 out = eng.prefill(req.batch, req.policy, cache)
+            cache = req.cache
             req.prefill_s = time.perf_counter() - t0
             self.prefill_s += req.prefill_s
             req.peak_kv_bytes = out.peak_kv_bytes or cache.kv_bytes()
@@ -249,16 +256,67 @@ class Scheduler:
             self._checks[spec] = load_check(model_fingerprint(self.engine.loaded), spec)
         return refusal(self._checks[spec], self.link_threshold)
 
-    def _link(self, req: Request, cache: KVCache):
-        """Prefill by linking stored records (the linker), then the request's policy edits."""
+    def _source(self, tenant: str):
+        """The tenant's :class:`~vlkv.runtime.link.records.RecordSource` (made on first use)."""
         from vlkv.runtime.link.records import RecordSource
 
-        eng = self.engine
-        if req.tenant not in self._sources:
-            src = RecordSource.for_engine(eng, self.segments, self.store, req.tenant)
+        if tenant not in self._sources:
+            src = RecordSource.for_engine(self.engine, self.segments, self.store, tenant)
             src.writer = self._writer()
             src.loader = self._loader()
-            self._sources[req.tenant] = src
+            self._sources[tenant] = src
+        return self._sources[tenant]
+
+    def _idents(self, req: Request) -> list | None:
+        """The store identities of a linking request's images (hashed once, kept on the request)."""
+        if "link_idents" not in req.extras:
+            images, spans = req.prompt.images, req.batch.spans[0].image_spans
+            variant = req.link.record_variant()
+            src = self._source(req.tenant)
+            ok = len(images) == len(spans)
+            req.extras["link_idents"] = [src.identity(img, variant) for img in images] if ok else None
+        return req.extras["link_idents"]
+
+    def _prefill_need(self, req: Request) -> int:
+        """Slots per layer a request's prefill takes at its peak: the prompt, and for a linking
+        request the records it makes — a prefix copy of the prompt, or each image missing from the
+        pool (loaded or computed), plus one image's scratch cache while a record is computed."""
+        n, spec = req.prompt_tokens, req.link
+        if spec is None or spec.method == "none":
+            return n
+        if spec.method == "prefix":
+            return 2 * n
+        idents = self._idents(req)
+        if idents is None:
+            return n
+        src = self._source(req.tenant)
+        missing: dict[str, int] = {}
+        for ident, (a, b) in zip(idents, req.batch.spans[0].image_spans):
+            key = src.key(ident)
+            if key not in self.segments.images:
+                missing[key] = b - a
+        return n + sum(missing.values()) + max(missing.values(), default=0)
+
+    def _link_or_prefill(self, req: Request):
+        """:meth:`_link`; when the pool cannot hold what linking needs (:class:`PoolFull` anywhere in
+        it), the partial cache and the in-pool records go back and the request is prefilled plainly
+        (linking is an optimisation: it never fails a request that fits without it)."""
+        from vlkv.runtime.kv.pool import PoolFull
+
+        try:
+            return self._link(req, req.cache)
+        except PoolFull as err:
+            req.cache.release()
+            self.segments.release()  # records are a cache: requests that link them keep their refs
+            req.link_stats = None
+            req.extras["link_fallback"] = f"linking needed more KV slots than the pool had ({err}); prefilled"
+            req.cache = self.engine.new_cache(req.batch, pool=self.pool)
+            return self.engine.prefill(req.batch, req.policy, req.cache)
+
+    def _link(self, req: Request, cache: KVCache):
+        """Prefill by linking stored records (the linker), then the request's policy edits."""
+        eng = self.engine
+        self._source(req.tenant)
         ctx = eng.context(req.batch)
         request = req.policy.prefill_request(ctx, req.prompt_tokens)
         out, req.link_stats = link_prefill(
@@ -269,6 +327,7 @@ class Scheduler:
             req.link,
             self._sources[req.tenant],
             request,
+            self._idents(req),
         )
         out.peak_kv_bytes = cache.kv_bytes()
         out.stats.replay = eng.replay(req.policy, ctx, req.batch, cache)

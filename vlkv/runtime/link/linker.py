@@ -168,20 +168,29 @@ def standalone_segment(
     pos = batch.positions[:, a:b]
     pos = pos - pos.amin(dim=1, keepdim=True)  # 1-D: 0..n-1; M-RoPE: the image's own grid ids
     cache = engine.new_cache(batch, pool=pool)
+    seg = None
     n = b - a
-    inputs = StepInputs(batch.input_ids[:, a:b], pos, batch.modality[:, a:b], torch.tensor([n]), emb[:, a:b])
-    engine.backend.step(inputs, cache)
-    seg = SharedSegment.from_cache(cache, 0, n)
-    if replay:
-        from vlkv.runtime.replay import ReplayRequest
-
-        request = ReplayRequest()
-        ids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
-        scores = engine.backend.replay(
-            request, cache, emb[:, a:b], torch.tensor([n]), torch.tensor(ids, dtype=torch.long)
+    try:  # the scratch cache (and a half-made record) go back to the pool whatever fails
+        inputs = StepInputs(
+            batch.input_ids[:, a:b], pos, batch.modality[:, a:b], torch.tensor([n]), emb[:, a:b]
         )
-        seg.replay_scores = [sc[0, :, :n] for sc in scores]
-    cache.release()
+        engine.backend.step(inputs, cache)
+        seg = SharedSegment.from_cache(cache, 0, n)
+        if replay:
+            from vlkv.runtime.replay import ReplayRequest
+
+            request = ReplayRequest()
+            ids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
+            scores = engine.backend.replay(
+                request, cache, emb[:, a:b], torch.tensor([n]), torch.tensor(ids, dtype=torch.long)
+            )
+            seg.replay_scores = [sc[0, :, :n] for sc in scores]
+    except BaseException:
+        if seg is not None:
+            seg.release()
+        raise
+    finally:
+        cache.release()
     return seg
 
 
@@ -193,6 +202,7 @@ def link_prefill(
     spec: LinkSpec,
     source: RecordSource,
     request: StatsRequest | None = None,
+    idents: list | None = None,
 ) -> tuple[StepOutput, LinkStats]:
     """Prefill a one-prompt ``batch`` (whose images are ``images``) into ``cache`` reusing ``store``'s
     records; returns the step's output (logits of the last prompt token) and what was reused.
@@ -201,12 +211,15 @@ def link_prefill(
     recomputed, never guessed. ``request`` (over the whole prompt's rows, as a policy asks for a
     prefill) gets its statistics from the recomputed rows only — linked rows run no query — and the
     returned statistics follow the cache's slots in sequence order. Images are keyed by their pixels
-    (:meth:`RecordSource.identity`), never by a client's uuid."""
+    (:meth:`RecordSource.identity`), never by a client's uuid; ``idents`` (one per image, for this
+    ``spec``) are those identities when the caller computed them already (hashing reads every pixel)."""
     stats = LinkStats()
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
     variant = spec.record_variant()
-    idents = [source.identity(img, variant) for img in images] if len(images) == len(spans) else None
+    if idents is None or len(idents) != len(images):
+        idents = [source.identity(img, variant) for img in images]
+    idents = idents if len(images) == len(spans) else None
     keys = None if idents is None else [source.key(i) for i in idents]
     store = source.segments
     loaded_before = source.loaded_bytes
@@ -429,13 +442,17 @@ def _records(engine, batch, emb, pool, spec: LinkSpec, source: RecordSource, ima
         if keys[i] not in source.segments.images:
             replay = spec.store_budget < 1.0 and spec.store_scorer == "kvzip"
             seg = standalone_segment(engine, batch, emb, spans[i], pool, replay)
-            seg.embeds = emb[0, spans[i][0] : spans[i][1]].detach()
-            if spec.store_budget < 1.0:
-                from vlkv.runtime.link.compress import compress_segment
+            try:  # until the segment table owns it, a record that fails half-way is freed here
+                seg.embeds = emb[0, spans[i][0] : spans[i][1]].detach()
+                if spec.store_budget < 1.0:
+                    from vlkv.runtime.link.compress import compress_segment
 
-                seg = compress_segment(seg, spec.store_budget, spec.store_scorer)
-            if spec.store_rank:
-                from vlkv.runtime.link.compress import factor_segment
+                    seg = compress_segment(seg, spec.store_budget, spec.store_scorer)
+                if spec.store_rank:
+                    from vlkv.runtime.link.compress import factor_segment
 
-                seg = factor_segment(seg, spec.store_rank)
+                    seg = factor_segment(seg, spec.store_rank)
+            except BaseException:
+                seg.release()  # compress/factor release their input only on success
+                raise
             source.remember(idents[i], seg, seg.embeds)
