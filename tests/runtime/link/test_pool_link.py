@@ -5,7 +5,6 @@ was (no slot without an owner)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from vlkv.runtime.kv.pool import PoolFull
 from vlkv.runtime.link.linker import LinkSpec
