@@ -51,7 +51,8 @@ class Scheduler:
         store: optional :class:`~vlkv.runtime.store.ContextStore` linking requests read records from
             and write new ones to (tenant-scoped).
         link_threshold: refuse linking (and recompute) for a method whose saved ``vlkv link-check``
-            agreement on this model is below it; None = the gate's default.
+            agreement on this model is below it, or that has no saved check (default-deny); 0 links
+            without a check too (as ``VLKV_LINK_UNCHECKED=1`` does); None = the gate's default.
         overcommit: reservations may add up to ``overcommit ×`` the pool (> 1 admits more and relies
             on preemption when requests really grow that large; 1 = never over-admit).
     """
@@ -254,7 +255,8 @@ class Scheduler:
 
         if spec not in self._checks:
             self._checks[spec] = load_check(model_fingerprint(self.engine.loaded), spec)
-        return refusal(self._checks[spec], self.link_threshold)
+        model = getattr(self.engine.loaded, "name", "this model")
+        return refusal(self._checks[spec], self.link_threshold, spec, model)
 
     def _source(self, tenant: str):
         """The tenant's :class:`~vlkv.runtime.link.records.RecordSource` (made on first use)."""
