@@ -539,4 +539,11 @@ def header_size(prefix: bytes) -> int:
     return _PREFIX.size + min(hlen, MAX_HEADER)
 
 
+def record_size(head: bytes) -> int:
+    """The whole record's size in bytes, from its prefix and header (``head``: the first
+    :func:`header_size` bytes); raises :class:`CorruptRecord` / :class:`StaleRecord` like a read."""
+    header, hlen = _read_header(head)
+    return _PREFIX.size + hlen + header["payload_bytes"] + _DIGEST * (2 if header["signed"] else 1)
+
+
 PREFIX_SIZE = _PREFIX.size
