@@ -112,3 +112,21 @@ def test_server_link_defaults_are_checked_at_start():
     spec = cfg.link_spec(k=4)
     assert (spec.method, spec.k, spec.store_budget, spec.store_scorer) == ("mpic", 4, 0.5, "stride")
     assert spec.store_rank == 8 and cfg.link_spec(store_rank=0).store_rank == 0
+
+
+def test_a_text_only_prefix_is_reused_per_cache_salt_only(linked_server):
+    def ask(salt: str | None) -> int:
+        body = {
+            "model": MODEL,
+            "prompt": "A long system prompt every client sends, word for word, before its question. Hi?",
+            "max_tokens": 2,
+            "temperature": 0,
+            "vlkv": {"link": "prefix"},
+            **({} if salt is None else {"cache_salt": salt}),
+        }
+        return _cached(httpx.post(f"{linked_server.url}/v1/completions", json=body, timeout=60))
+
+    assert ask("alice") == 0
+    assert ask("bob") == 0  # the same text under another salt: nothing reused
+    assert ask(None) == 0  # nor under the shared default tenant
+    assert ask("alice") > 0 and ask("bob") > 0 and ask(None) > 0  # each tenant reuses its own
