@@ -20,6 +20,7 @@ message; the others keep running.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 from collections import deque
@@ -199,6 +200,12 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and not self.swapped and len(self.running) < self.max_running:
             req = self.waiting[0]
+            reads = self._store_reads(req)
+            if self.running and not all(r.done() for r in reads):
+                return  # its store reads run on the loader threads while the running requests decode
+            if reads:  # nothing else runs: wait for the look-ups only; the reads overlap its vision tower
+                concurrent.futures.wait([r.present for r in reads])
+                self._store_reads(req)
             if not self.pool.grow:
                 room = self.overcommit * self.pool.capacity(0) - self._reserved()
                 # the prompt is written whole before its policy compresses it (a linking prefill
@@ -279,6 +286,29 @@ class Scheduler:
             req.extras["link_idents"] = [src.identity(img, variant) for img in images] if ok else None
         return req.extras["link_idents"]
 
+    def _store_reads(self, req: Request) -> list:
+        """The store look-ups of a waiting linking request's images (:class:`StoreRead`: ``contains``,
+        then ``find`` for the records present), run on the loader threads from the first time it is
+        looked at: a slow or remote store never stalls the engine thread (the linker takes the
+        answers, :attr:`RecordSource.ready`). Empty when there is nothing to look up."""
+        spec = req.link
+        if self.store is None or spec is None or spec.method not in ("mpic", "full-reuse", "cacheblend"):
+            return []
+        src = self._source(req.tenant)
+        if "store_reads" not in req.extras:
+            from vlkv.runtime.link.records import StoreRead
+
+            reads = {}
+            for ident in self._idents(req) or []:
+                key = src.key(ident)
+                if key not in self.segments.images and key not in reads:
+                    reads[key] = StoreRead(ident, src.loader.submit(self.store.contains, ident, req.tenant))
+            req.extras["store_reads"] = reads
+        reads = list(req.extras["store_reads"].values())
+        for r in reads:
+            r.start_find(src.loader, self.store, req.tenant)
+        return reads
+
     def _prefill_need(self, req: Request) -> int:
         """Slots per layer a request's prefill takes at its peak: the prompt, and for a linking
         request the records it makes — a prefix copy of the prompt, or each image missing from the
@@ -318,19 +348,16 @@ class Scheduler:
     def _link(self, req: Request, cache: KVCache):
         """Prefill by linking stored records (the linker), then the request's policy edits."""
         eng = self.engine
-        self._source(req.tenant)
+        src = self._source(req.tenant)
+        src.ready = req.extras.pop("store_reads", {})
         ctx = eng.context(req.batch)
         request = req.policy.prefill_request(ctx, req.prompt_tokens)
-        out, req.link_stats = link_prefill(
-            eng,
-            req.batch,
-            req.prompt.images,
-            cache,
-            req.link,
-            self._sources[req.tenant],
-            request,
-            self._idents(req),
-        )
+        try:
+            out, req.link_stats = link_prefill(
+                eng, req.batch, req.prompt.images, cache, req.link, src, request, self._idents(req)
+            )
+        finally:
+            src.ready = {}
         out.peak_kv_bytes = cache.kv_bytes()
         out.stats.replay = eng.replay(req.policy, ctx, req.batch, cache)
         self.link_totals.add(req.link_stats)

@@ -32,6 +32,9 @@ class RecordSource:
             delaying the answer (the record's tensors are copied out of the pool first).
         loader: optional executor store reads go to (:meth:`prefetch`), so hits load (read, verify,
             deserialise) while the misses compute; without it they load one by one, in order.
+        ready: store look-ups the caller started ahead on the loader threads (record key →
+            :class:`StoreRead`), e.g. the scheduler while the request waited for admission:
+            :meth:`prefetch` takes their answers instead of asking the store on this thread.
     """
 
     segments: SegmentStore
@@ -43,6 +46,7 @@ class RecordSource:
     writer: object | None = None
     pending: list = field(default_factory=list)
     loader: object | None = None
+    ready: dict = field(default_factory=dict)  # record key -> StoreRead started ahead
 
     @classmethod
     def for_engine(cls, engine, segments: SegmentStore, store=None, tenant: str = "default") -> RecordSource:
@@ -85,6 +89,13 @@ class RecordSource:
                 out.append(seg)
             elif key in reads:
                 out.append(reads[key])
+            elif key in self.ready:
+                ahead = self.ready.pop(key)
+                if ahead.known_absent():
+                    out.append(None)
+                else:
+                    found = ahead.find or self.loader.submit(self.store.find, ident, self.tenant)
+                    out.append(reads.setdefault(key, _Read(ident, found)))
             elif self.loader is None:
                 out.append(self.lookup(ident))
             elif not self.store.contains(ident, self.tenant):
@@ -146,6 +157,30 @@ class RecordSource:
         for f in self.pending:
             f.result()
         self.pending = []
+
+
+@dataclass
+class StoreRead:
+    """One record's store look-up started ahead on a loader thread: ``present`` (a future of
+    :meth:`ContextStore.contains`), then ``find`` (a future of :meth:`ContextStore.find`, started once
+    ``present`` said yes)."""
+
+    identity: object
+    present: object
+    find: object | None = None
+
+    def known_absent(self) -> bool:
+        p = self.present
+        return p.done() and p.exception() is None and not p.result()
+
+    def start_find(self, loader, store, tenant: str) -> None:
+        """Start the read once the look-up found the record (idempotent)."""
+        p = self.present
+        if self.find is None and p.done() and (p.exception() is not None or p.result()):
+            self.find = loader.submit(store.find, self.identity, tenant)
+
+    def done(self) -> bool:
+        return self.present.done() and (self.known_absent() or (self.find is not None and self.find.done()))
 
 
 @dataclass
