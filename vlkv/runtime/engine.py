@@ -23,12 +23,14 @@ DECODE_SPARE = 8
 
 @dataclass
 class SampleResult:
-    """One prompt's generation. ``kept_per_layer[l]`` = entries layer ``l`` holds at the end."""
+    """One prompt's generation. ``kept_per_layer[l]`` = entries layer ``l`` holds at the end;
+    ``cached_tokens``: prompt tokens reused from a stored prefix or linked record (not recomputed)."""
 
     text: str
     token_ids: list[int]
     prompt_tokens: int
     kept_per_layer: list[int]
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -321,6 +323,7 @@ class Engine:
                 token_ids=list(r.tokens),
                 prompt_tokens=r.prompt_tokens,
                 kept_per_layer=r.final["kept_per_layer"],
+                cached_tokens=r.cached_tokens,
             )
             for r in requests
         ]

@@ -85,5 +85,11 @@ class Request:
         return int(self.batch.lengths[0]) if self.batch is not None else 0
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens reused from a stored prefix or a linked record (not recomputed); 0 without
+        linking. The server reports it as ``usage.prompt_tokens_details.cached_tokens``."""
+        return 0 if self.link_stats is None else self.link_stats.reused_tokens
+
+    @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s

@@ -20,6 +20,7 @@ message; the others keep running.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
 from collections import deque
@@ -51,7 +52,8 @@ class Scheduler:
         store: optional :class:`~vlkv.runtime.store.ContextStore` linking requests read records from
             and write new ones to (tenant-scoped).
         link_threshold: refuse linking (and recompute) for a method whose saved ``vlkv link-check``
-            agreement on this model is below it; None = the gate's default.
+            agreement on this model is below it, or that has no saved check (default-deny); 0 links
+            without a check too (as ``VLKV_LINK_UNCHECKED=1`` does); None = the gate's default.
         overcommit: reservations may add up to ``overcommit ×`` the pool (> 1 admits more and relies
             on preemption when requests really grow that large; 1 = never over-admit).
     """
@@ -198,14 +200,26 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and not self.swapped and len(self.running) < self.max_running:
             req = self.waiting[0]
+            reads = self._store_reads(req)
+            if self.running and not all(r.done() for r in reads):
+                return  # its store reads run on the loader threads while the running requests decode
+            if reads:  # nothing else runs: wait for the look-ups only; the reads overlap its vision tower
+                concurrent.futures.wait([r.present for r in reads])
+                self._store_reads(req)
             if not self.pool.grow:
                 room = self.overcommit * self.pool.capacity(0) - self._reserved()
-                # the prompt is written whole before its policy compresses it, and every running
-                # request still needs a slot for this iteration's decode step
-                short = req.reserve > room or req.prompt_tokens + len(self.running) > self.pool.min_free()
+                # the prompt is written whole before its policy compresses it (a linking prefill
+                # also makes the records its missing images lack), and every running request still
+                # needs a slot for this iteration's decode step
+                short = (
+                    req.reserve > room or self._prefill_need(req) + len(self.running) > self.pool.min_free()
+                )
                 if short and (self.segments.images or self.segments.prefixes):
                     self.segments.release()
-                    short = req.reserve > room or req.prompt_tokens + len(self.running) > self.pool.min_free()
+                    short = (
+                        req.reserve > room
+                        or self._prefill_need(req) + len(self.running) > self.pool.min_free()
+                    )
                 if short and self.running:
                     return
             self.waiting.popleft()
@@ -222,9 +236,10 @@ class Scheduler:
             req.cache, req.status = cache, Status.RUNNING
             t0 = time.perf_counter()
             if req.link is not None and req.link.method != "none":
-                out = self._link(req, cache)
+                out = self._link_or_prefill(req)
             else:
                 out = eng.prefill(req.batch, req.policy, cache)
+            cache = req.cache
             req.prefill_s = time.perf_counter() - t0
             self.prefill_s += req.prefill_s
             req.peak_kv_bytes = out.peak_kv_bytes or cache.kv_bytes()
@@ -247,30 +262,102 @@ class Scheduler:
 
         if spec not in self._checks:
             self._checks[spec] = load_check(model_fingerprint(self.engine.loaded), spec)
-        return refusal(self._checks[spec], self.link_threshold)
+        model = getattr(self.engine.loaded, "name", "this model")
+        return refusal(self._checks[spec], self.link_threshold, spec, model)
+
+    def _source(self, tenant: str):
+        """The tenant's :class:`~vlkv.runtime.link.records.RecordSource` (made on first use)."""
+        from vlkv.runtime.link.records import RecordSource
+
+        if tenant not in self._sources:
+            src = RecordSource.for_engine(self.engine, self.segments, self.store, tenant)
+            src.writer = self._writer()
+            src.loader = self._loader()
+            self._sources[tenant] = src
+        return self._sources[tenant]
+
+    def _idents(self, req: Request) -> list | None:
+        """The store identities of a linking request's images (hashed once, kept on the request)."""
+        if "link_idents" not in req.extras:
+            images, spans = req.prompt.images, req.batch.spans[0].image_spans
+            variant = req.link.record_variant()
+            src = self._source(req.tenant)
+            ok = len(images) == len(spans)
+            req.extras["link_idents"] = [src.identity(img, variant) for img in images] if ok else None
+        return req.extras["link_idents"]
+
+    def _store_reads(self, req: Request) -> list:
+        """The store look-ups of a waiting linking request's images (:class:`StoreRead`: ``contains``,
+        then ``find`` for the records present), run on the loader threads from the first time it is
+        looked at: a slow or remote store never stalls the engine thread (the linker takes the
+        answers, :attr:`RecordSource.ready`). Empty when there is nothing to look up."""
+        spec = req.link
+        if self.store is None or spec is None or spec.method not in ("mpic", "full-reuse", "cacheblend"):
+            return []
+        src = self._source(req.tenant)
+        if "store_reads" not in req.extras:
+            from vlkv.runtime.link.records import StoreRead
+
+            reads = {}
+            for ident in self._idents(req) or []:
+                key = src.key(ident)
+                if key not in self.segments.images and key not in reads:
+                    reads[key] = StoreRead(ident, src.loader.submit(self.store.contains, ident, req.tenant))
+            req.extras["store_reads"] = reads
+        reads = list(req.extras["store_reads"].values())
+        for r in reads:
+            r.start_find(src.loader, self.store, req.tenant)
+        return reads
+
+    def _prefill_need(self, req: Request) -> int:
+        """Slots per layer a request's prefill takes at its peak: the prompt, and for a linking
+        request the records it makes — a prefix copy of the prompt, or each image missing from the
+        pool (loaded or computed), plus one image's scratch cache while a record is computed."""
+        n, spec = req.prompt_tokens, req.link
+        if spec is None or spec.method == "none":
+            return n
+        if spec.method == "prefix":
+            return 2 * n
+        idents = self._idents(req)
+        if idents is None:
+            return n
+        src = self._source(req.tenant)
+        missing: dict[str, int] = {}
+        for ident, (a, b) in zip(idents, req.batch.spans[0].image_spans):
+            key = src.key(ident)
+            if key not in self.segments.images:
+                missing[key] = b - a
+        return n + sum(missing.values()) + max(missing.values(), default=0)
+
+    def _link_or_prefill(self, req: Request):
+        """:meth:`_link`; when the pool cannot hold what linking needs (:class:`PoolFull` anywhere in
+        it), the partial cache and the in-pool records go back and the request is prefilled plainly
+        (linking is an optimisation: it never fails a request that fits without it)."""
+        from vlkv.runtime.kv.pool import PoolFull
+
+        try:
+            return self._link(req, req.cache)
+        except PoolFull as err:
+            req.cache.release()
+            self.segments.release()  # records are a cache: requests that link them keep their refs
+            req.link_stats = None
+            req.extras["link_fallback"] = f"linking needed more KV slots than the pool had ({err}); prefilled"
+            req.cache = self.engine.new_cache(req.batch, pool=self.pool)
+            return self.engine.prefill(req.batch, req.policy, req.cache)
 
     def _link(self, req: Request, cache: KVCache):
         """Prefill by linking stored records (the linker), then the request's policy edits."""
-        from vlkv.runtime.link.records import RecordSource
-
         eng = self.engine
-        if req.tenant not in self._sources:
-            src = RecordSource.for_engine(eng, self.segments, self.store, req.tenant)
-            src.writer = self._writer()
-            src.loader = self._loader()
-            self._sources[req.tenant] = src
+        src = self._source(req.tenant)
+        src.ready = req.extras.pop("store_reads", {})
         ctx = eng.context(req.batch)
         request = req.policy.prefill_request(ctx, req.prompt_tokens)
-        out, req.link_stats = link_prefill(
-            eng,
-            req.batch,
-            req.prompt.images,
-            cache,
-            req.link,
-            self._sources[req.tenant],
-            request,
-            req.extras.get("image_uuids"),
-        )
+        try:
+            out, req.link_stats = link_prefill(
+                eng, req.batch, req.prompt.images, cache, req.link, src, request, self._idents(req)
+            )
+        finally:
+            src.ready = {}
         out.peak_kv_bytes = cache.kv_bytes()
         out.stats.replay = eng.replay(req.policy, ctx, req.batch, cache)
         self.link_totals.add(req.link_stats)

@@ -214,7 +214,7 @@ async def _answer(http, state: ServerState, req, prompt, uuids, kind: str, defau
         link=_link_spec(req, cfg),
         tenant=req.cache_salt or "default",  # vLLM's cache_salt scopes stored records to a tenant
     )
-    request.extras["image_uuids"] = uuids  # the client's record identity per image (None: its pixels)
+    request.extras["image_uuids"] = uuids  # aliases only: records are keyed by the pixels (docs/serving.md)
     request.extras["cache_salt"] = req.cache_salt
     loop = asyncio.get_running_loop()
     ticket = Ticket(request, loop, time.monotonic() + cfg.request_timeout_s)
@@ -255,7 +255,14 @@ def _finish_reason(state: ServerState, request: Request) -> str:
 
 def _usage(request: Request) -> dict:
     p, c = request.prompt_tokens, len(request.tokens)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    # OpenAI's and vLLM's field: prompt tokens reused from a stored prefix or record (0: none)
+    cached = {"cached_tokens": request.cached_tokens}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": cached,
+    }
 
 
 def _failure(state: ServerState, ticket: Ticket) -> ApiError | None:

@@ -66,6 +66,25 @@ def test_eviction_writes_no_kv_and_release_frees_everything():
     assert pool.used_bytes() == 0 and cache.kv_bytes() == 0
 
 
+def test_a_double_release_raises_and_leaves_every_refcount_intact():
+    pool = KVPool(SPEC, 8, grow=False)
+    ids = pool.alloc(0, 3)  # (H_kv, 3): one reference each
+    pool.retain(0, torch.arange(2)[:, None].expand(2, 1).reshape(-1), ids[:, :1].reshape(-1))  # slot 0: two
+    refs, free = pool._refs[0].clone(), pool.free_slots(0)
+    pool.release(0, ids[:, 1:2])  # slot 1 back to the pool
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.release(0, ids[:, 1:2])  # already free
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.release(0, torch.cat([ids[:, 2:3]] * 2, dim=1))  # held once, named twice in one call
+    want = refs.clone()
+    want[torch.arange(2), ids[:, 1]] = 0
+    assert torch.equal(pool._refs[0], want) and pool.free_slots(0) == free + 1
+    pool.release(0, ids[:, :1])
+    pool.release(0, ids[:, :1])  # slot 0 held twice: two releases are fine
+    pool.release(0, ids[:, 2:3])
+    assert pool.free_slots(0) == 8 and int(pool._refs[0].sum()) == 0
+
+
 def test_compaction_remaps_tables_keeps_contents_and_shrinks_the_pool():
     pool = KVPool(SPEC, 0, grow=True)
     cache = KVCache.empty(2, 1, 2, 4, 1, torch.float32, pool=pool)

@@ -1,11 +1,12 @@
 """The correctness gate: a saved link-check below the threshold refuses linking (one line), and the
-request recomputes; a method that passes links."""
+request recomputes; a method that passes links; a method never checked is refused unless the
+operator opts in (threshold 0 or ``VLKV_LINK_UNCHECKED=1``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from vlkv.runtime.link.gate import load_check, run_link_check
+from vlkv.runtime.link.gate import UNCHECKED_ENV, load_check, run_link_check
 from vlkv.runtime.link.linker import LinkSpec
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
@@ -51,3 +52,20 @@ def test_cacheblend_checks_are_saved_per_fraction(checks):
     assert load_check(fp, LinkSpec("cacheblend", r=0.25)) == part
     assert load_check(fp, LinkSpec("cacheblend", r=1.0)) == full
     assert load_check(fp, LinkSpec("cacheblend", r=0.5)) is None  # never measured
+
+
+def test_a_method_never_checked_is_refused_unless_the_operator_opts_in(engines, images, monkeypatch):
+    engine = engines["tiny-llava"]
+    monkeypatch.delenv(UNCHECKED_ENV)
+    prompts = [Prompt("What is it?", [images[2]]), Prompt("And this time?", [images[2]])]
+    spec = LinkSpec("mpic", 3, store_budget=0.5)  # never measured on this model
+    res = engine.generate(prompts, make_policy("full"), 2, stop_at_eos=False, link=spec)
+    (why,) = res.extras["link_refused"]
+    assert "\n" not in why and "never link-checked" in why and "recomputing" in why, why
+    assert res.extras["store"]["hits"] == 0 and all(s.cached_tokens == 0 for s in res.samples)
+    for opt_in in ("threshold", "env"):
+        kw = {"link_threshold": 0.0} if opt_in == "threshold" else {}
+        if opt_in == "env":
+            monkeypatch.setenv(UNCHECKED_ENV, "1")
+        res = engine.generate(prompts, make_policy("full"), 2, stop_at_eos=False, link=spec, **kw)
+        assert "link_refused" not in res.extras and res.samples[1].cached_tokens > 0, opt_in

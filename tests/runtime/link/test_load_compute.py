@@ -119,3 +119,41 @@ def test_the_scheduler_loads_on_its_own_threads(engines, images, tmp_path, monke
     assert (res.extras["store"]["hits"], res.extras["store"]["misses"]) == (1, 1)
     loads = [(k, t) for k, t in events if k != "vision"]
     assert [k for k, _ in loads] == ["load-start", "load-end"] and loads[0][1].startswith("vlkv-load")
+
+
+def test_store_lookups_never_run_on_the_engine_thread(engines, images, tmp_path):
+    """A linking request's store reads (remote tiers: a network round trip each) run on the loader
+    threads while it waits for admission; the engine thread only takes their answers."""
+    import threading
+
+    from vlkv.runtime.request import Request, Status
+    from vlkv.runtime.scheduler import Scheduler
+    from vlkv.runtime.store import DiskTier
+
+    engine_thread = threading.get_ident()
+    calls: list[tuple[str, bool]] = []
+
+    class WatchedDisk(DiskTier):  # a real disk tier that notes which thread asks it
+        def get(self, key, touch=True):
+            calls.append(("get", threading.get_ident() == engine_thread))
+            return super().get(key, touch)
+
+        def __contains__(self, key):
+            calls.append(("contains", threading.get_ident() == engine_thread))
+            return super().__contains__(key)
+
+    engine = engines["tiny-llava"]
+    prompts = [Prompt("Look.", [images[0]]), Prompt("Again, closer.", [images[0], images[1]])]
+    engine.generate(prompts[:1], make_policy("full"), 1, link=SPEC, store=ContextStore.open(tmp_path))
+    sched = Scheduler(engine, store=ContextStore([WatchedDisk(tmp_path, 1 << 30)]), link_threshold=0.0)
+    busy = sched.submit(
+        Request(Prompt("A stream already running."), make_policy("full"), 6, stop_at_eos=False)
+    )
+    sched.step()
+    reqs = [sched.submit(Request(p, make_policy("full"), 2, stop_at_eos=False, link=SPEC)) for p in prompts]
+    calls.clear()
+    sched.run()
+    assert busy.status is Status.FINISHED and all(r.status is Status.FINISHED for r in reqs)
+    assert reqs[0].link_stats.hits == 1 and (reqs[1].link_stats.hits, reqs[1].link_stats.misses) == (1, 1)
+    reads = [c for c in calls if c[0] == "get"]
+    assert reads and not any(on_engine for _, on_engine in calls), calls

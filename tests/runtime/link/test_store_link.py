@@ -16,7 +16,14 @@ SPEC = LinkSpec("mpic", 2)
 def _run(engine, store_dir, prompt, tenant="default"):
     store = ContextStore.open(store_dir)  # a fresh store object: what a new process sees
     res = engine.generate(
-        [prompt], make_policy("full"), 4, stop_at_eos=False, link=SPEC, store=store, tenant=tenant
+        [prompt],
+        make_policy("full"),
+        4,
+        stop_at_eos=False,
+        link=SPEC,
+        store=store,
+        tenant=tenant,
+        link_threshold=0.0,
     )
     return res.extras["store"], res.samples[0].token_ids
 
@@ -60,22 +67,28 @@ def test_two_tenants_with_the_same_image_never_share(engines, images, tmp_path):
         _run(engine, tmp_path, prompt, tenant="../bob")
 
 
-def test_a_client_uuid_identifies_the_stored_record_across_processes(engines, images, tmp_path):
+def test_a_client_uuid_is_an_alias_the_pixels_decide(engines, images, tmp_path):
+    """Two different images sent with one uuid never share K/V (the record key is the pixels'); the
+    same pixels under any uuid still hit, across processes."""
     from vlkv.runtime.request import Request
     from vlkv.runtime.scheduler import Scheduler
 
     engine = engines["tiny-llava"]
 
-    def run(image) -> dict:
-        sched = Scheduler(engine, store=ContextStore.open(tmp_path))  # a fresh store: a new process
-        req = Request(Prompt("What is it?", [image]), make_policy("full"), 2, stop_at_eos=False, link=SPEC)
-        req.extras["image_uuids"] = ["client-photo-1"]
+    def run(image, uuid: str) -> Request:
+        sched = Scheduler(engine, store=ContextStore.open(tmp_path), link_threshold=0.0)  # a new process
+        req = Request(Prompt("What is it?", [image]), make_policy("full"), 4, stop_at_eos=False, link=SPEC)
+        req.extras["image_uuids"] = [uuid]
         sched.submit(req)
         sched.run()
         sched.flush()  # the record was written back in the background
-        return vars(req.link_stats)
+        return req
 
-    first = run(images[0])
-    assert (first["hits"], first["misses"]) == (0, 1)
-    second = run(images[1])  # other pixels, same uuid: the client says it is the same image
-    assert second["hits"] == 1 and second["bytes_loaded"] > 0
+    first = run(images[0], "client-photo-1")
+    assert (first.link_stats.hits, first.link_stats.misses) == (0, 1)
+    other = run(images[1], "client-photo-1")  # other pixels, same uuid: never the first image's record
+    assert (other.link_stats.hits, other.link_stats.reused_tokens) == (0, 0)
+    alone = engine.generate([Prompt("What is it?", [images[1]])], make_policy("full"), 4, stop_at_eos=False)
+    assert other.tokens == alone.samples[0].token_ids
+    same = run(images[0], "another-name")  # the same pixels under another uuid: a hit
+    assert same.link_stats.hits == 1 and same.link_stats.bytes_loaded > 0

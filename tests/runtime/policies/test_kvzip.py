@@ -168,7 +168,7 @@ def test_a_linked_prefill_is_replayed_too(engines, images, heads):
     engine = engines["tiny-llava"]
     prompts = [Prompt("First look.", [images[0]]), Prompt("Second look at it.", [images[0]])]
     policy = make_policy("kvzip", budget=0.3, heads=heads)
-    out = engine.generate(prompts, policy, max_new_tokens=2, link=LinkSpec("mpic", 2))
+    out = engine.generate(prompts, policy, max_new_tokens=2, link=LinkSpec("mpic", 2), link_threshold=0.0)
     assert out.extras["store"]["hits"] >= 1, out.extras["store"]
     for s in out.samples:
         k = max(round(0.3 * s.prompt_tokens), 5)

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from tests.runtime.store.helpers import make_record
-from vlkv.runtime.store import DeviceTier, DiskTier, HostTier, Record
+from tests.runtime.store.helpers import FP, make_record
+from vlkv.runtime.store import ContextStore, DeviceTier, DiskTier, HostTier, Record
 
 
 def _key(i: int) -> str:
@@ -112,3 +112,45 @@ def test_an_unwritable_store_directory_is_refused(tmp_path):
         assert str(path) in str(info.value)
     finally:
         ro.chmod(0o700)
+
+
+def _disk_store(tmp_path):
+    return ContextStore([DiskTier(tmp_path / "store", 1 << 30)], model_fingerprint=FP)
+
+
+def test_a_record_replaced_by_a_symlink_is_never_followed(tmp_path):
+    store = _disk_store(tmp_path)
+    (tier,) = store.tiers
+    rec = make_record()
+    store.put(rec)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(rec.to_bytes())  # even a valid record: a link is never a record file
+    os.utime(outside, (1000, 1000))
+    path = tier.file(rec.key)
+    path.unlink()
+    path.symlink_to(outside)
+    assert rec.key not in tier and tier.head(rec.key) == (b"", 0)
+    assert store.get(rec.key, "alice") is None and store.stats.corrupt == 1
+    assert not path.is_symlink() and not path.exists()  # the link is gone ...
+    assert (
+        outside.read_bytes() == rec.to_bytes() and outside.stat().st_mtime == 1000
+    )  # ... its target untouched
+    fifo = tier.file(make_record(content=b"other").key)
+    os.mkfifo(fifo)  # a FIFO would block a plain open: refused without waiting
+    assert tier.get(fifo.name.removesuffix(".vkr")) == b""
+
+
+def test_an_oversized_record_file_is_refused_from_its_header(tmp_path):
+    store = _disk_store(tmp_path)
+    (tier,) = store.tiers
+    rec = make_record()
+    store.put(rec)
+    path = tier.file(rec.key)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(4 << 30)  # 4 GiB (sparse): the header still says the record's own size
+    data = tier.get(rec.key)
+    assert len(data) < size  # the header only, never the 4 GiB
+    assert store.get(rec.key, "alice") is None and store.stats.corrupt == 1 and not path.exists()
+    store.put(rec)  # recomputed and written again
+    assert store.get(rec.key, "alice").key == rec.key

@@ -242,8 +242,15 @@ class KVPool:
         if ids.numel() == 0:
             return
         refs = self._refs[layer]
-        refs.index_put_((heads, ids), torch.full_like(ids, -1, dtype=torch.int32), accumulate=True)
+        # a double free raises with every refcount intact: a slot already unreferenced is caught
+        # before anything changes; a slot named more often in this call than it is referenced is
+        # caught after the drop and the drop undone (no O(pool) count per call on the hot path)
+        if bool((refs[heads, ids] < 1).any()):
+            raise RuntimeError(f"layer {layer}: a slot was released more often than referenced (double free)")
+        one = torch.ones_like(ids, dtype=torch.int32)
+        refs.index_put_((heads, ids), -one, accumulate=True)
         if bool((refs[heads, ids] < 0).any()):
+            refs.index_put_((heads, ids), one, accumulate=True)
             raise RuntimeError(f"layer {layer}: a slot was released more often than referenced (double free)")
         gone = refs[heads, ids] == 0
         heads, ids = heads[gone], ids[gone]

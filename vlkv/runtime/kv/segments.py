@@ -53,12 +53,20 @@ class SharedSegment:
     def from_tensors(
         cls, pool: KVPool, keys: list[Tensor], values: list[Tensor], modality: Tensor
     ) -> SharedSegment:
-        """Store per-layer pre-RoPE ``keys``/``values`` ``(H_kv, n, D)`` in fresh slots."""
-        ids = []
-        for layer, (k, v) in enumerate(zip(keys, values)):
-            slot = pool.alloc(layer, k.shape[1])
-            pool.write(layer, slot, k, v, prerope=True)
-            ids.append(slot)
+        """Store per-layer pre-RoPE ``keys``/``values`` ``(H_kv, n, D)`` in fresh slots.
+
+        All or nothing: a layer that cannot allocate (:class:`PoolFull`) frees the earlier layers'
+        slots before the error leaves, so a failed record leaves the pool as it was."""
+        ids: list[Tensor] = []
+        try:
+            for layer, (k, v) in enumerate(zip(keys, values)):
+                slot = pool.alloc(layer, k.shape[1])
+                ids.append(slot)
+                pool.write(layer, slot, k, v, prerope=True)
+        except BaseException:
+            for layer, slot in enumerate(ids):
+                pool.release(layer, slot)
+            raise
         return cls(pool, ids, modality.to(torch.int8))
 
     @classmethod

@@ -7,6 +7,11 @@ text, other order — once with full recompute and once linked. Over ``tokens`` 
 linked) of the next-token distributions. The result is saved beside the model (keyed by the model
 fingerprint, method and k); a linking request whose measured agreement is below the threshold is
 refused with one line saying why, and recomputes instead.
+
+Linking is *default-deny*: a model and method with no saved check are refused the same way (a model
+never measured could answer wrongly from linked K/V, and nothing would say so). An operator who
+accepts that opts in explicitly: a threshold of 0 (``--link-threshold 0``: any agreement, measured
+or not) or ``VLKV_LINK_UNCHECKED=1`` in the environment (``vlkv serve``, which has no threshold flag).
 """
 
 from __future__ import annotations
@@ -92,9 +97,36 @@ def load_check(fingerprint: str, spec: LinkSpec, root: Path | None = None) -> Li
     return check if check.fingerprint == fingerprint else None
 
 
-def refusal(check: LinkCheck | None, threshold: float) -> str | None:
-    """One line saying why linking is refused, or None when it may go ahead."""
-    if check is None or check.passes(threshold):
+UNCHECKED_ENV = "VLKV_LINK_UNCHECKED"
+
+
+def unchecked_allowed(threshold: float) -> bool:
+    """Whether linking may go ahead without a saved check: threshold 0, or the environment opt-in."""
+    return threshold <= 0.0 or os.environ.get(UNCHECKED_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def spec_name(spec: LinkSpec) -> str:
+    """How a check of ``spec`` is named (``mpic-32``, ``cacheblend-r0.15``, with its records)."""
+    r = spec.r if spec.method == "cacheblend" else None
+    return LinkCheck(
+        "", "", spec.method, spec.k, 0, 0.0, 0.0, 0, 0.0, r, spec.store_budget, spec.store_rank
+    ).name
+
+
+def refusal(
+    check: LinkCheck | None, threshold: float, spec: LinkSpec | None = None, model: str = "this model"
+) -> str | None:
+    """One line saying why linking is refused, or None when it may go ahead. No saved check refuses
+    (default-deny) unless :func:`unchecked_allowed`."""
+    if check is None:
+        if unchecked_allowed(threshold):
+            return None
+        what = spec_name(spec) if spec is not None else "this method"
+        return (
+            f"linking refused: {what} was never link-checked on {model} (run vlkv link-check, or opt in "
+            f"with --link-threshold 0 or {UNCHECKED_ENV}=1); recomputing instead"
+        )
+    if check.passes(threshold):
         return None
     return (
         f"linking refused: {check.name} agreed {check.agreement:.2f} < {threshold:.2f} with full "

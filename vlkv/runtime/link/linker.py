@@ -129,6 +129,9 @@ class SegmentStore:
     """In-pool records by key: image K/V (per image content) and prompt prefixes, all in ``pool``.
 
     The persistent, tiered, tenant-scoped store (``vlkv.runtime.store``) feeds records into this.
+    Both tables are tenant-scoped: an image key is the store's record key (the tenant folded in) and
+    a prefix key starts with the tenant (:func:`identity`), so one pool serves every tenant and no
+    tenant ever links another's entries (a hit would be a timing side channel, vLLM's ``cache_salt``).
     """
 
     pool: KVPool
@@ -142,13 +145,15 @@ class SegmentStore:
         self.prefixes.clear()
 
 
-def identity(batch: PromptBatch, keys: list[str]) -> tuple:
-    """The prompt as a sequence where each image's tokens carry its key (prefix matching)."""
+def identity(batch: PromptBatch, keys: list[str], tenant: str) -> tuple:
+    """The prompt as a sequence where each image's tokens carry its key (prefix matching), after a
+    first element naming ``tenant``: a text-only prompt carries no record key, so without it two
+    tenants' prompts would share prefixes. ``key[1 + i]`` stands for prompt token ``i``."""
     ids = batch.input_ids[0, : int(batch.lengths[0])].tolist()
-    out: list = list(ids)
+    out: list = [("tenant", tenant), *ids]
     for (a, b), key in zip(batch.spans[0].image_spans, keys):
         for i in range(a, b):
-            out[i] = (key, i - a)
+            out[1 + i] = (key, i - a)
     return tuple(out)
 
 
@@ -163,20 +168,29 @@ def standalone_segment(
     pos = batch.positions[:, a:b]
     pos = pos - pos.amin(dim=1, keepdim=True)  # 1-D: 0..n-1; M-RoPE: the image's own grid ids
     cache = engine.new_cache(batch, pool=pool)
+    seg = None
     n = b - a
-    inputs = StepInputs(batch.input_ids[:, a:b], pos, batch.modality[:, a:b], torch.tensor([n]), emb[:, a:b])
-    engine.backend.step(inputs, cache)
-    seg = SharedSegment.from_cache(cache, 0, n)
-    if replay:
-        from vlkv.runtime.replay import ReplayRequest
-
-        request = ReplayRequest()
-        ids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
-        scores = engine.backend.replay(
-            request, cache, emb[:, a:b], torch.tensor([n]), torch.tensor(ids, dtype=torch.long)
+    try:  # the scratch cache (and a half-made record) go back to the pool whatever fails
+        inputs = StepInputs(
+            batch.input_ids[:, a:b], pos, batch.modality[:, a:b], torch.tensor([n]), emb[:, a:b]
         )
-        seg.replay_scores = [sc[0, :, :n] for sc in scores]
-    cache.release()
+        engine.backend.step(inputs, cache)
+        seg = SharedSegment.from_cache(cache, 0, n)
+        if replay:
+            from vlkv.runtime.replay import ReplayRequest
+
+            request = ReplayRequest()
+            ids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
+            scores = engine.backend.replay(
+                request, cache, emb[:, a:b], torch.tensor([n]), torch.tensor(ids, dtype=torch.long)
+            )
+            seg.replay_scores = [sc[0, :, :n] for sc in scores]
+    except BaseException:
+        if seg is not None:
+            seg.release()
+        raise
+    finally:
+        cache.release()
     return seg
 
 
@@ -188,7 +202,7 @@ def link_prefill(
     spec: LinkSpec,
     source: RecordSource,
     request: StatsRequest | None = None,
-    uuids: list[str | None] | None = None,
+    idents: list | None = None,
 ) -> tuple[StepOutput, LinkStats]:
     """Prefill a one-prompt ``batch`` (whose images are ``images``) into ``cache`` reusing ``store``'s
     records; returns the step's output (logits of the last prompt token) and what was reused.
@@ -196,18 +210,16 @@ def link_prefill(
     Images whose token runs cannot be told apart (two images with no token between them) are
     recomputed, never guessed. ``request`` (over the whole prompt's rows, as a policy asks for a
     prefill) gets its statistics from the recomputed rows only — linked rows run no query — and the
-    returned statistics follow the cache's slots in sequence order. ``uuids[i]``, when given, is the
-    client's identity for image ``i`` (its record key instead of the pixels)."""
+    returned statistics follow the cache's slots in sequence order. Images are keyed by their pixels
+    (:meth:`RecordSource.identity`), never by a client's uuid; ``idents`` (one per image, for this
+    ``spec``) are those identities when the caller computed them already (hashing reads every pixel)."""
     stats = LinkStats()
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
-    uuids = list(uuids) if uuids is not None and len(uuids) == len(images) else [None] * len(images)
     variant = spec.record_variant()
-    idents = (
-        [source.identity(img, u, variant) for img, u in zip(images, uuids)]
-        if len(images) == len(spans)
-        else None
-    )
+    if idents is None or len(idents) != len(images):
+        idents = [source.identity(img, variant) for img in images]
+    idents = idents if len(images) == len(spans) else None
     keys = None if idents is None else [source.key(i) for i in idents]
     store = source.segments
     loaded_before = source.loaded_bytes
@@ -215,10 +227,10 @@ def link_prefill(
     known: dict[int, Tensor | None] = {}  # image index -> embeddings from its record (None: none kept)
     hits: dict[int, SharedSegment] = {}  # image index -> its record (image-wise methods)
     if spec.method == "prefix" and keys is not None:
-        ident = identity(batch, keys)
+        ident = identity(batch, keys, source.tenant)
         best = max((p for p in store.prefixes if ident[: len(p)] == p), key=len, default=None)
         if best is not None:
-            m = min(len(best), n - 1)  # the last token is recomputed: it gives the logits
+            m = min(len(best) - 1, n - 1)  # the last token is recomputed: it gives the logits
             _link_part(store.prefixes[best], cache, batch, m)
             linked[:m] = True
             stats.hits += 1
@@ -415,10 +427,9 @@ def _remember(engine, batch, emb, cache, spec, source: RecordSource, keys, ident
         return
     store = source.segments
     if spec.method == "prefix":
-        ident = identity(batch, keys)
+        ident = identity(batch, keys, source.tenant)
         if ident not in store.prefixes:
-            n = len(ident)
-            store.prefixes[ident] = SharedSegment.from_cache(cache, 0, n)
+            store.prefixes[ident] = SharedSegment.from_cache(cache, 0, len(ident) - 1)
         return
     _records(engine, batch, emb, cache.pool, spec, source, range(len(keys)), keys, idents)
 
@@ -431,13 +442,17 @@ def _records(engine, batch, emb, pool, spec: LinkSpec, source: RecordSource, ima
         if keys[i] not in source.segments.images:
             replay = spec.store_budget < 1.0 and spec.store_scorer == "kvzip"
             seg = standalone_segment(engine, batch, emb, spans[i], pool, replay)
-            seg.embeds = emb[0, spans[i][0] : spans[i][1]].detach()
-            if spec.store_budget < 1.0:
-                from vlkv.runtime.link.compress import compress_segment
+            try:  # until the segment table owns it, a record that fails half-way is freed here
+                seg.embeds = emb[0, spans[i][0] : spans[i][1]].detach()
+                if spec.store_budget < 1.0:
+                    from vlkv.runtime.link.compress import compress_segment
 
-                seg = compress_segment(seg, spec.store_budget, spec.store_scorer)
-            if spec.store_rank:
-                from vlkv.runtime.link.compress import factor_segment
+                    seg = compress_segment(seg, spec.store_budget, spec.store_scorer)
+                if spec.store_rank:
+                    from vlkv.runtime.link.compress import factor_segment
 
-                seg = factor_segment(seg, spec.store_rank)
+                    seg = factor_segment(seg, spec.store_rank)
+            except BaseException:
+                seg.release()  # compress/factor release their input only on success
+                raise
             source.remember(idents[i], seg, seg.embeds)

@@ -1,7 +1,7 @@
 """Where the linker finds image records: in the pool first, then the persistent context store.
 
-Keys are the store's record keys (model fingerprint, processor settings, image content or client
-uuid, layout version, tenant), so the in-pool cache is tenant-scoped exactly like the store: a
+Keys are the store's record keys (model fingerprint, processor settings, image content, layout
+version, tenant), so the in-pool cache is tenant-scoped exactly like the store: a
 tenant never links another tenant's record from either place. A record found in the store is
 verified there (checksum, model, layout, tenant, expiry) and loaded into the pool once; an image
 computed alone is kept in the pool and written back to the store.
@@ -32,6 +32,9 @@ class RecordSource:
             delaying the answer (the record's tensors are copied out of the pool first).
         loader: optional executor store reads go to (:meth:`prefetch`), so hits load (read, verify,
             deserialise) while the misses compute; without it they load one by one, in order.
+        ready: store look-ups the caller started ahead on the loader threads (record key →
+            :class:`StoreRead`), e.g. the scheduler while the request waited for admission:
+            :meth:`prefetch` takes their answers instead of asking the store on this thread.
     """
 
     segments: SegmentStore
@@ -43,6 +46,7 @@ class RecordSource:
     writer: object | None = None
     pending: list = field(default_factory=list)
     loader: object | None = None
+    ready: dict = field(default_factory=dict)  # record key -> StoreRead started ahead
 
     @classmethod
     def for_engine(cls, engine, segments: SegmentStore, store=None, tenant: str = "default") -> RecordSource:
@@ -53,16 +57,16 @@ class RecordSource:
             segments, store, validate_tenant(tenant), model_fingerprint(loaded), processor_settings(loaded)
         )
 
-    def identity(self, image, uuid: str | None = None, variant: dict | None = None):
-        """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec), or of
-        the client's ``uuid`` for it when given (then the pixels are not read). ``variant`` (a
-        compressed record's budget and scorer, :meth:`LinkSpec.record_variant`) joins the settings."""
+    def identity(self, image, variant: dict | None = None):
+        """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec): always
+        its pixels. A client's image ``uuid`` never names a record — it would let one client's uuid
+        link another image's K/V (the server decodes the pixels anyway, so a uuid saves only a hash).
+        ``variant`` (a compressed record's budget and scorer, :meth:`LinkSpec.record_variant`) joins
+        the settings."""
         from vlkv.runtime.models.images import load_image
         from vlkv.runtime.store.identity import Identity, image_content
 
         settings = self.settings if variant is None else {**self.settings, "record": variant}
-        if uuid is not None:
-            return Identity.of(self.fingerprint, settings, uuid=uuid)
         return Identity.of(self.fingerprint, settings, content=image_content(load_image(image)))
 
     def key(self, identity) -> str:
@@ -85,6 +89,13 @@ class RecordSource:
                 out.append(seg)
             elif key in reads:
                 out.append(reads[key])
+            elif key in self.ready:
+                ahead = self.ready.pop(key)
+                if ahead.known_absent():
+                    out.append(None)
+                else:
+                    found = ahead.find or self.loader.submit(self.store.find, ident, self.tenant)
+                    out.append(reads.setdefault(key, _Read(ident, found)))
             elif self.loader is None:
                 out.append(self.lookup(ident))
             elif not self.store.contains(ident, self.tenant):
@@ -146,6 +157,30 @@ class RecordSource:
         for f in self.pending:
             f.result()
         self.pending = []
+
+
+@dataclass
+class StoreRead:
+    """One record's store look-up started ahead on a loader thread: ``present`` (a future of
+    :meth:`ContextStore.contains`), then ``find`` (a future of :meth:`ContextStore.find`, started once
+    ``present`` said yes)."""
+
+    identity: object
+    present: object
+    find: object | None = None
+
+    def known_absent(self) -> bool:
+        p = self.present
+        return p.done() and p.exception() is None and not p.result()
+
+    def start_find(self, loader, store, tenant: str) -> None:
+        """Start the read once the look-up found the record (idempotent)."""
+        p = self.present
+        if self.find is None and p.done() and (p.exception() is not None or p.result()):
+            self.find = loader.submit(store.find, self.identity, tenant)
+
+    def done(self) -> bool:
+        return self.present.done() and (self.known_absent() or (self.find is not None and self.find.done()))
 
 
 @dataclass

@@ -8,6 +8,13 @@ Byte layout (little endian)::
     16     H  header: UTF-8 JSON (identity, tenant, times, dtype, shapes, payload length)
     16+H   P  payload: safetensors ("k.<l>", "v.<l>", "embeds", "modality"[, "offsets"]); no pickle
     16+H+P 32 SHA-256 over every byte before it (magic, version, header and payload)
+    [+32   32 HMAC-SHA256 of the same bytes under the deployment's store key — signed records only]
+
+A *signed* record (layout bit :data:`SIGNED`, written when the store has a key, ``VLKV_STORE_KEY``)
+also carries an HMAC-SHA256 tag: the SHA-256 catches damage, the tag catches forgery (anyone who can
+write to a shared Redis or Mooncake can compute a valid SHA-256, not a tag without the key). A reader
+with a key refuses an unsigned record and a wrong tag (:class:`ForgedRecord`); a reader without one
+checks the SHA-256 only.
 
 A *compressed* record keeps only some of the span's entries (the same ones in every layer and KV
 head): its K/V and modality hold ``kept`` entries, ``offsets`` says where each sits inside the span,
@@ -30,6 +37,7 @@ caller expects (:class:`StaleRecord`). A record that fails any check is never re
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 import time
@@ -46,6 +54,8 @@ _DIGEST = 32
 MAX_HEADER = 1 << 20
 COMPRESSED = 0x100  # layout-version bit of a compressed record (entries kept at ``offsets``)
 FACTORED = 0x200  # layout-version bit of a record whose K/V are stored as low-rank factors
+SIGNED = 0x400  # layout-version bit of a record followed by an HMAC-SHA256 tag (a keyed store)
+MIN_KEY_BYTES = 16
 _DTYPES = {"float32", "float16", "bfloat16", "float64"}
 
 
@@ -55,6 +65,21 @@ class CorruptRecord(ValueError):
     def __init__(self, reason: str):
         super().__init__(f"corrupt record: {reason}")
         self.reason = reason
+
+
+class ForgedRecord(CorruptRecord):
+    """An intact record (valid SHA-256) whose HMAC tag is missing or wrong under this store's key:
+    written by someone without the deployment's secret."""
+
+
+def check_store_key(key: bytes | str | None) -> bytes | None:
+    """The store key as bytes (None: unkeyed); one-line ``ValueError`` for a key too short to matter."""
+    if key is None:
+        return None
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    if len(raw) < MIN_KEY_BYTES:
+        raise ValueError(f"store key must be at least {MIN_KEY_BYTES} bytes, got {len(raw)}")
+    return raw
 
 
 class StaleRecord(ValueError):
@@ -298,8 +323,9 @@ class Record:
         h, m, d = self.keys[0].shape
         return min(self.rank, m, h * d)
 
-    def to_bytes(self) -> bytes:
-        """The record as one self-describing bytes object (see the module docstring)."""
+    def to_bytes(self, key: bytes | None = None) -> bytes:
+        """The record as one self-describing bytes object (see the module docstring); signed with
+        HMAC-SHA256 under ``key`` when given."""
         from safetensors.torch import save
 
         tensors = {"embeds": self.embeds, "modality": self.modality}
@@ -314,30 +340,46 @@ class Record:
                 tensors[f"{name}bar.{layer}"], tensors[f"d{name}.{layer}"] = bar, basis
         payload = save({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()})
         header = json.dumps(self._header(len(payload)), sort_keys=True, allow_nan=False).encode()
-        body = b"".join((_PREFIX.pack(MAGIC, self.version, len(header)), header, payload))
-        return body + hashlib.sha256(body).digest()
+        version = self.version | (SIGNED if key is not None else 0)
+        body = b"".join((_PREFIX.pack(MAGIC, version, len(header)), header, payload))
+        tag = b"" if key is None else hmac.new(key, body, hashlib.sha256).digest()
+        return body + hashlib.sha256(body).digest() + tag
 
     @classmethod
     def from_bytes(
-        cls, data: bytes, *, model_fingerprint: str | None = None, layout_version: int = LAYOUT_VERSION
+        cls,
+        data: bytes,
+        *,
+        model_fingerprint: str | None = None,
+        layout_version: int = LAYOUT_VERSION,
+        key: bytes | None = None,
     ) -> Record:
-        """Parse and verify; raises :class:`CorruptRecord` or :class:`StaleRecord`, never returns a bad record.
+        """Parse and verify; raises :class:`CorruptRecord` (:class:`ForgedRecord`) or
+        :class:`StaleRecord`, never returns a bad record.
 
-        ``model_fingerprint`` None skips the model check (tools that only list or verify).
+        ``model_fingerprint`` None skips the model check (tools that only list or verify); ``key``
+        (the store's HMAC key) requires a signed record with a valid tag.
         """
         header, hlen = _read_header(data, layout_version)
         start = _PREFIX.size + hlen
-        if len(data) != start + header["payload_bytes"] + _DIGEST:
-            raise CorruptRecord(
-                f"truncated: {len(data)} bytes, the header says {start + header['payload_bytes'] + _DIGEST}"
-            )
-        if hashlib.sha256(memoryview(data)[:-_DIGEST]).digest() != bytes(data[-_DIGEST:]):
+        body = start + header["payload_bytes"]
+        tail = _DIGEST * (2 if header["signed"] else 1)
+        if len(data) != body + tail:
+            raise CorruptRecord(f"truncated: {len(data)} bytes, the header says {body + tail}")
+        view = memoryview(data)
+        if hashlib.sha256(view[:body]).digest() != bytes(view[body : body + _DIGEST]):
             raise CorruptRecord("checksum mismatch (sha256)")
+        if key is not None:
+            if not header["signed"]:
+                raise ForgedRecord("unsigned record in a store that has a key")
+            tag = hmac.new(key, view[:body], hashlib.sha256).digest()
+            if not hmac.compare_digest(tag, bytes(view[body + _DIGEST :])):
+                raise ForgedRecord("HMAC mismatch: not written with this store's key")
         if model_fingerprint is not None and header["model_fingerprint"] != model_fingerprint:
             raise StaleRecord(
                 f"computed by model {header['model_fingerprint'][:12]}, this is {model_fingerprint[:12]}"
             )
-        return cls._from_payload(header, bytes(data[start:-_DIGEST]))
+        return cls._from_payload(header, bytes(view[start:body]))
 
     @classmethod
     def _from_payload(cls, header: dict, payload: bytes) -> Record:
@@ -430,7 +472,7 @@ def _read_header(data: bytes, layout_version: int = LAYOUT_VERSION) -> tuple[dic
     magic, version, hlen = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise CorruptRecord(f"wrong magic {magic!r}")
-    if version & ~(COMPRESSED | FACTORED) != layout_version:
+    if version & ~(COMPRESSED | FACTORED | SIGNED) != layout_version:
         raise StaleRecord(f"layout version {version}, this reader uses {layout_version}")
     if hlen > MAX_HEADER or len(data) < _PREFIX.size + hlen:
         raise CorruptRecord(f"truncated or bad header length {hlen} ({len(data)} bytes)")
@@ -446,6 +488,7 @@ def _read_header(data: bytes, layout_version: int = LAYOUT_VERSION) -> tuple[dic
     if header.get("expires") is not None and not isinstance(header["expires"], (int, float)):
         raise CorruptRecord("header field 'expires' is not a number")
     header["compressed"] = bool(version & COMPRESSED)
+    header["signed"] = bool(version & SIGNED)
     factored = bool(version & FACTORED)
     rank = header.get("rank")
     if factored != (rank is not None) or (
@@ -494,6 +537,13 @@ def header_size(prefix: bytes) -> int:
     if magic != MAGIC:
         raise CorruptRecord(f"wrong magic {magic!r}")
     return _PREFIX.size + min(hlen, MAX_HEADER)
+
+
+def record_size(head: bytes) -> int:
+    """The whole record's size in bytes, from its prefix and header (``head``: the first
+    :func:`header_size` bytes); raises :class:`CorruptRecord` / :class:`StaleRecord` like a read."""
+    header, hlen = _read_header(head)
+    return _PREFIX.size + hlen + header["payload_bytes"] + _DIGEST * (2 if header["signed"] else 1)
 
 
 PREFIX_SIZE = _PREFIX.size

@@ -29,11 +29,20 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from vlkv.runtime.store.identity import SHARED_TENANT, Identity, validate_key, validate_tenant
-from vlkv.runtime.store.record import CorruptRecord, Record, RecordInfo, StaleRecord, peek
+from vlkv.runtime.store.record import (
+    CorruptRecord,
+    ForgedRecord,
+    Record,
+    RecordInfo,
+    StaleRecord,
+    check_store_key,
+    peek,
+)
 from vlkv.runtime.store.tiers import DeviceTier, DiskTier, HostTier, Tier
 
 DEFAULT_DISK_BYTES = 16 << 30
 DEFAULT_HOST_BYTES = 2 << 30
+STORE_KEY_ENV = "VLKV_STORE_KEY"  # the deployment's record-signing secret
 
 
 @dataclass
@@ -43,6 +52,7 @@ class TierStats:
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
+    forged: int = 0  # intact records refused for a missing or wrong HMAC tag (a keyed store)
     stale: int = 0
     foreign: int = 0
     expired: int = 0
@@ -51,7 +61,7 @@ class TierStats:
     bytes_written: int = 0
 
 
-_SUMMED = ("corrupt", "stale", "foreign", "expired", "evictions", "bytes_loaded", "bytes_written")
+_SUMMED = ("corrupt", "forged", "stale", "foreign", "expired", "evictions", "bytes_loaded", "bytes_written")
 
 
 def _total(name: str) -> property:
@@ -69,6 +79,7 @@ class StoreStats:
     misses: int = 0
 
     corrupt = _total("corrupt")
+    forged = _total("forged")
     stale = _total("stale")
     foreign = _total("foreign")
     expired = _total("expired")
@@ -100,6 +111,9 @@ class ContextStore:
         model_fingerprint: when given, records of any other model are stale (a miss, deleted).
         static_ttl_s: lifetime given to a tenant's record put without an expiry (None: never expires).
         clock: the time source for expiry (Unix seconds).
+        store_key: HMAC-SHA256 key (>= 16 bytes) every byte tier's record is signed with and checked
+            against: a record without a valid tag is refused (``forged``), deleted and recomputed.
+            None reads ``VLKV_STORE_KEY`` from the environment; unset = unkeyed (SHA-256 only).
     """
 
     def __init__(
@@ -108,7 +122,11 @@ class ContextStore:
         model_fingerprint: str | None = None,
         static_ttl_s: float | None = None,
         clock: Callable[[], float] = time.time,
+        store_key: bytes | str | None = None,
     ):
+        if store_key is None:
+            store_key = os.environ.get(STORE_KEY_ENV) or None
+        self._key = check_store_key(store_key)
         if not tiers:
             raise ValueError("a context store needs at least one tier")
         names = [t.name for t in tiers]
@@ -194,6 +212,11 @@ class ContextStore:
                 continue
             try:
                 record = self._verify(value, key)
+            except ForgedRecord:
+                tier.delete(key)  # never used; the recompute writes a signed record in its place
+                st.forged += 1
+                st.misses += 1
+                continue
             except CorruptRecord:
                 tier.delete(key)
                 st.corrupt += 1
@@ -225,7 +248,7 @@ class ContextStore:
             if self.model_fingerprint and record.identity.model_fingerprint != self.model_fingerprint:
                 raise StaleRecord("computed by another model")
         else:
-            record = Record.from_bytes(value, model_fingerprint=self.model_fingerprint)
+            record = Record.from_bytes(value, model_fingerprint=self.model_fingerprint, key=self._key)
         if record.key != key:
             raise CorruptRecord(f"file of record {key[:12]} holds record {record.key[:12]}")
         return record
@@ -256,7 +279,7 @@ class ContextStore:
             )
         with self._lock:
             self._delete(record.key)
-            data = None if all(t.holds == "record" for t in self.tiers) else record.to_bytes()
+            data = None if all(t.holds == "record" for t in self.tiers) else record.to_bytes(self._key)
             last = len(self.tiers) - 1
             placed = next((i for i in range(last + 1) if self._place(i, record.key, record, data)), None)
             if placed is None:
@@ -272,10 +295,10 @@ class ContextStore:
         tier = self.tiers[i]
         if tier.holds == "record":
             if record is None:
-                record = Record.from_bytes(data, model_fingerprint=self.model_fingerprint)
+                record = Record.from_bytes(data, model_fingerprint=self.model_fingerprint, key=self._key)
             value, size = record, record.nbytes
         else:
-            value = data if data is not None else record.to_bytes()
+            value = data if data is not None else record.to_bytes(self._key)
             size = len(value)
         if size > tier.max_bytes:
             return False

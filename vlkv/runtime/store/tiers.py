@@ -11,12 +11,20 @@ a path). A write goes to a temp file ``.<key>.<random>.tmp`` in the same directo
 renamed over the final name and the directory fsynced: a reader sees the old file or the new one,
 never half of one, and a crash leaves only a temp file that no read ever opens (:meth:`DiskTier.gc_temp`
 removes it). LRU order on disk is the files' mtimes (touched on every read), so it survives restarts.
+
+Reads trust nothing about the directory's contents: a record file is opened without following
+symlinks (``O_NOFOLLOW``) and without blocking (a FIFO), must be a regular file, and is read only when
+its size is the one its header states (a 5 GB file behind a 2 MB header is never read whole); its
+mtime is touched through the open descriptor, never through a path. A file failing these checks
+comes back as its header bytes only (or none), which the store rejects as corrupt and deletes —
+deleting a symlink removes the link, never its target.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -25,7 +33,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from vlkv.runtime.store.identity import validate_key
-from vlkv.runtime.store.record import PREFIX_SIZE, Record, header_size
+from vlkv.runtime.store.record import (
+    PREFIX_SIZE,
+    CorruptRecord,
+    Record,
+    StaleRecord,
+    header_size,
+    record_size,
+)
 
 SUFFIX = ".vkr"
 TEMP_SUFFIX = ".tmp"
@@ -201,15 +216,17 @@ class DiskTier:
         self._index = OrderedDict((key, size) for _, key, size in sorted(found))
 
     def get(self, key: str, touch: bool = True) -> bytes | None:
-        path = self.file(key)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-            if touch:
-                os.utime(path)  # LRU across processes: the file's mtime is its last use
+            fd = _open_record(self.file(key))
         except FileNotFoundError:
             self._index.pop(key, None)
             return None
+        except OSError:  # a symlink (ELOOP) or something else no record is: rejected as corrupt
+            return b""
+        with os.fdopen(fd, "rb") as f:
+            data = _read_record(f)
+            if touch and os.utime in os.supports_fd:
+                os.utime(f.fileno())  # LRU across processes: the file's mtime is its last use
         known = key in self._index
         self._index[key] = len(data)
         if touch or not known:
@@ -217,21 +234,24 @@ class DiskTier:
         return data
 
     def __contains__(self, key: str) -> bool:
-        return self.file(key).is_file()
+        try:
+            return stat.S_ISREG(os.lstat(self.file(key)).st_mode)
+        except FileNotFoundError:
+            return False
 
     def head(self, key: str) -> tuple[bytes, int] | None:
         """The first bytes of a record file up to the end of its header, and the file's size."""
         try:
-            with open(self.file(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                prefix = f.read(PREFIX_SIZE)
-                try:
-                    rest = header_size(prefix) - len(prefix)
-                except ValueError:
-                    return prefix, size
-                return prefix + f.read(rest), size
+            fd = _open_record(self.file(key))
         except FileNotFoundError:
             return None
+        except OSError:
+            return b"", 0
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return b"", 0
+            return _read_head(f), size
 
     def put(self, key: str, value: bytes) -> None:
         if not isinstance(value, (bytes, bytearray)):
@@ -291,6 +311,37 @@ class DiskTier:
             except FileNotFoundError:
                 pass
         return removed
+
+
+def _open_record(path: Path) -> int:
+    """A read-only descriptor of ``path`` that never follows a symlink and never blocks (FIFOs)."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+
+
+def _read_head(f) -> bytes:
+    """A record file's prefix and header (at most 16 bytes + 1 MiB)."""
+    prefix = f.read(PREFIX_SIZE)
+    try:
+        rest = header_size(prefix) - len(prefix)
+    except ValueError:
+        return prefix
+    return prefix + f.read(rest)
+
+
+def _read_record(f) -> bytes:
+    """The file's bytes if it is a regular file of the size its header states; otherwise only its
+    header (or nothing), which the store rejects: a huge or mislabelled file is never read whole."""
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        return b""
+    head = _read_head(f)
+    try:
+        want = record_size(head)
+    except (CorruptRecord, StaleRecord):
+        return head
+    if st.st_size != want:
+        return head
+    return head + f.read(want - len(head))
 
 
 def _is_key(name: str) -> bool:
