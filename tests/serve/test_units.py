@@ -62,6 +62,31 @@ def test_media_sandbox(tmp_path):
         load_part(data_url(png_bytes()), "p", root, 100)
 
 
+def test_media_sizes_are_checked_on_the_header_before_decoding(monkeypatch):
+    import io
+
+    from PIL import Image, ImageFile
+
+    from vlkv.runtime.models.images import ImageLimits
+
+    def decoded(self, *args, **kwargs):
+        raise AssertionError("pixels decoded although the size is refused")
+
+    thin = io.BytesIO()
+    Image.new("RGB", (200_000, 1)).save(thin, format="PNG", optimize=True)
+    assert len(thin.getvalue()) < 1000  # one request under 1 KB
+    monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
+    limits = ImageLimits(16_000_000, 200, 56)
+    with pytest.raises(
+        MediaError, match=r"^p: image is 200000x1, aspect ratio 200000:1; this model takes at most 200:1"
+    ):
+        load_part(data_url(thin.getvalue()), "p", None, 1 << 20, limits)
+    big = io.BytesIO()
+    Image.new("1", (7300, 5500)).save(big, format="PNG")  # 40 Mpx, a few KB
+    with pytest.raises(MediaError, match=r"is 7300x5500 \(40.1 Mpx\); this model decodes at most 16.0 Mpx"):
+        load_part(data_url(big.getvalue()), "p", None, 1 << 20, limits)
+
+
 def test_serve_parser_wires_into_vlkv_subcommands():
     import argparse
 

@@ -13,6 +13,7 @@ import asyncio
 import json
 import secrets
 
+from vlkv.runtime.models.images import ImageLimits, image_limits
 from vlkv.runtime.prompt import Prompt
 from vlkv.serve.config import ServeConfig
 from vlkv.serve.errors import ApiError
@@ -38,7 +39,7 @@ async def chat_prompt(req: ChatRequest, loaded, cfg: ServeConfig) -> tuple[Promp
             f"{len(images)} images in one request; this server takes at most {cfg.max_images}",
             param="messages",
         )
-    pictures = await asyncio.to_thread(_load_images, images, cfg)
+    pictures = await asyncio.to_thread(_load_images, images, cfg, image_limits(loaded.processor))
     uuids = [part.uuid for _, part in images]
     single = len(req.messages) == 1 and req.messages[0].role == "user"
     if single:
@@ -54,10 +55,10 @@ async def chat_prompt(req: ChatRequest, loaded, cfg: ServeConfig) -> tuple[Promp
     return Prompt(_apply_template(req, loaded), pictures, raw=True), uuids
 
 
-def _load_images(images: list[tuple[str, ImagePart]], cfg: ServeConfig) -> list:
+def _load_images(images: list[tuple[str, ImagePart]], cfg: ServeConfig, limits: ImageLimits) -> list:
     try:
         return [
-            load_part(p.image_url.url, where, cfg.allowed_media_dir, cfg.max_image_bytes)
+            load_part(p.image_url.url, where, cfg.allowed_media_dir, cfg.max_image_bytes, limits)
             for where, p in images
         ]
     except MediaError as err:
