@@ -68,6 +68,32 @@ def test_bad_setting(capsys, no_model_compute, setting, needle):
     assert needle in _refused(capsys, "--set", setting)
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--policy", "local", "--set", "sinks=1000"], "--set sinks=1000 keeps all "),
+        (["--policy", "kvzip", "--set", "sinks=1000"], "--set sinks=1000 keeps all "),
+        (["--policy", "elastic", "--set", "start=1000"], "--set start=1000 keeps all "),
+        (
+            ["--policy", "elastic", "--set", "start=20", "--set", "recent=40"],
+            "--set start=20, --set recent=40",
+        ),
+        (
+            ["--policy", "local", "--set", "sinks=1000", "--set", "evict_every=2"],
+            "--set sinks=1000 keeps all ",
+        ),
+    ],
+)
+def test_settings_that_turn_compression_off_are_refused(capsys, no_model_compute, argv, needle):
+    line = _refused(capsys, *argv)
+    assert needle in line and "so budget 0.5 compresses nothing" in line
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "nan"])
+def test_link_threshold_outside_zero_one(capsys, no_model_compute, value):
+    assert "--link-threshold must be in [0, 1]" in _refused(capsys, "--link-threshold", value)
+
+
 def test_setting_types_follow_the_policy_fields(capsys, no_model_compute):
     # avl's "core" is float | None: null is allowed there, a string is not.
     assert "core must be null or a finite number for policy 'avl', got \"x\"" in _refused(

@@ -32,7 +32,9 @@ from vlkv.serve.metrics import ServeMetrics
 from vlkv.serve.schemas import ChatRequest, CompletionRequest
 from vlkv.serve.translate import (
     chat_prompt,
+    check_request_compresses,
     completion_prompt,
+    encode,
     make_request_policy,
     make_sampler,
     max_new_tokens,
@@ -214,6 +216,10 @@ async def _answer(http, state: ServerState, req, prompt, uuids, kind: str, defau
         link=_link_spec(req, cfg),
         tenant=req.cache_salt or "default",  # vLLM's cache_salt scopes stored records to a tenant
     )
+    # Encoding runs in a worker thread: the engine thread only queues an already encoded prompt.
+    param = "messages" if kind == "chat" else "prompt"
+    request.batch = await asyncio.to_thread(encode, state.engine, prompt, param)
+    check_request_compresses(req, request.policy, request.batch)
     request.extras["image_uuids"] = uuids  # the client's record identity per image (None: its pixels)
     request.extras["cache_salt"] = req.cache_salt
     loop = asyncio.get_running_loop()

@@ -62,6 +62,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store-rank", type=int, help="store new records' K/V as rank-R factors (default 0: dense)"
     )
+    p.add_argument(
+        "--link-threshold",
+        type=float,
+        default=None,
+        help="refuse linking when the model's saved link-check agreement is below this, in [0, 1] (default 0.9)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -85,12 +91,12 @@ def cmd_serve(args) -> int:
     _check_extra()
     import uvicorn
 
-    from vlkv.cli import DEFAULT_BUDGET, NO_BUDGET
     from vlkv.runtime.device import resolve_device
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.limits import position_limit
     from vlkv.runtime.models.registry import load_model
     from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.policies.settings import default_budget
     from vlkv.runtime.scheduler import Scheduler
     from vlkv.serve.app import ServerState, create_app
     from vlkv.serve.config import ServeConfig
@@ -118,9 +124,10 @@ def cmd_serve(args) -> int:
         store_budget=args.store_budget,
         store_scorer=args.store_scorer,
         store_rank=args.store_rank,
+        link_threshold=args.link_threshold,
     )
-    budget = cfg.budget if cfg.budget is not None else None if cfg.policy in NO_BUDGET else DEFAULT_BUDGET
-    make_policy(cfg.policy, **({} if budget is None else {"budget": budget}))  # refuse a bad default now
+    budget = {"budget": cfg.budget} if cfg.budget is not None else default_budget(cfg.policy)
+    make_policy(cfg.policy, **budget)  # refuse a bad default now
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     device = resolve_device(args.device)
@@ -131,7 +138,9 @@ def cmd_serve(args) -> int:
         from vlkv.runtime.store.url import open_store
 
         store = open_store(cfg.store)
-    scheduler = Scheduler(engine, cfg.pool_bytes, max_running=cfg.max_running, store=store)
+    scheduler = Scheduler(
+        engine, cfg.pool_bytes, max_running=cfg.max_running, store=store, link_threshold=cfg.link_threshold
+    )
     metrics = ServeMetrics(args.model)
     state = ServerState(
         cfg, engine, EngineLoop(scheduler, metrics), metrics, args.model, position_limit(loaded)

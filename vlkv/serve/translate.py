@@ -20,6 +20,8 @@ from vlkv.serve.errors import ApiError
 from vlkv.serve.media import MediaError, load_part
 from vlkv.serve.schemas import ChatRequest, CompletionRequest, ImagePart, TextPart
 
+SETTINGS = "vlkv.settings."  # how a request names a policy setting in messages
+
 
 def _parts(content) -> list:
     return [TextPart(type="text", text=content)] if isinstance(content, str) else content
@@ -53,6 +55,15 @@ async def chat_prompt(req: ChatRequest, loaded, cfg: ServeConfig) -> tuple[Promp
             param="messages",
         )
     return Prompt(_apply_template(req, loaded), pictures, raw=True), uuids
+
+
+def encode(engine, prompt: Prompt, param: str):
+    """Tokenize ``prompt`` and preprocess its images in the calling thread (a handler's worker thread,
+    never the engine thread, whose running streams would wait on it); a refusal is a 400."""
+    try:
+        return engine.encode([prompt])
+    except Exception as err:  # a prompt the processor refuses (placeholders, image sizes, text)
+        raise ApiError(400, str(err) or type(err).__name__, param=param) from None
 
 
 def _load_images(images: list[tuple[str, ImagePart]], cfg: ServeConfig, limits: ImageLimits) -> list:
@@ -119,8 +130,13 @@ def make_request_policy(
 ):
     """The ``vlkv`` field's policy, budget and settings (the server's ``--policy`` when it names none),
     validated as ``vlkv generate`` validates ``--policy/--budget/--set``."""
-    from vlkv.cli import DEFAULT_BUDGET, NO_BUDGET, CliError, _check_setting_sizes, _check_setting_types
     from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.policies.settings import (
+        SettingError,
+        check_setting_sizes,
+        check_setting_types,
+        default_budget,
+    )
 
     opts = req.vlkv
     name = opts.policy if opts is not None and opts.policy is not None else cfg.policy
@@ -134,16 +150,27 @@ def make_request_policy(
     elif name == cfg.policy and cfg.budget is not None:
         budget = {"budget": cfg.budget}
     else:
-        budget = {} if name in NO_BUDGET else {"budget": DEFAULT_BUDGET}
+        budget = default_budget(name, settings)
     try:
-        _check_setting_types(name, settings)
-        _check_setting_sizes(settings, limit, model)
+        check_setting_types(name, settings, SETTINGS)
+        check_setting_sizes(settings, limit, model, SETTINGS)
         return make_policy(name, **budget, **settings)
-    except CliError as err:
-        raise ApiError(400, str(err).replace("--set ", "vlkv.settings."), param="vlkv.settings") from None
+    except SettingError as err:
+        raise ApiError(400, str(err), param="vlkv.settings") from None
     except (ValueError, TypeError) as err:
         param = "vlkv.budget" if "budget" in str(err) else "vlkv.policy" if "policy" in str(err) else "vlkv"
         raise ApiError(400, f"{err}", param=param) from None
+
+
+def check_request_compresses(req: ChatRequest | CompletionRequest, policy, batch) -> None:
+    """Refuse ``vlkv.settings`` that would keep this prompt's whole cache at budget < 1 (a 400)."""
+    from vlkv.runtime.policies.settings import SettingError, check_compresses
+
+    settings = dict(req.vlkv.settings) if req.vlkv is not None else {}
+    try:
+        check_compresses(policy, settings, int(batch.lengths[0]), SETTINGS)
+    except SettingError as err:
+        raise ApiError(400, str(err), param="vlkv.settings") from None
 
 
 def parse_json(body: bytes):
