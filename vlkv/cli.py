@@ -18,6 +18,7 @@ import yaml
 DEFAULT_PROMPT = "Describe the image."
 DEFAULT_IMAGE = "builtin:checkerboard"
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 NOTICES = {
     "tiny-": "built-in tiny model with random weights: the text is noise, the cache numbers are real",
     "smollm2-llava": "real SmolLM2 + DINOv2 weights joined by a random projector: answers about images "
@@ -88,6 +89,15 @@ def _prompts(args) -> list:
     from vlkv.runtime.prompt import Prompt, read_batch_file
 
     if args.batch_file:
+        given = [
+            flag
+            for flag, value in (("--prompt", args.prompt), ("--image", args.image), ("--raw", args.raw))
+            if value
+        ]
+        if given:
+            raise CliError(
+                f"--batch-file holds the prompts and images; {' and '.join(given)} would be ignored: drop {'them' if len(given) > 1 else 'it'}"
+            )
         return read_batch_file(args.batch_file)
     images = args.image
     if args.prompt is None and not images:
@@ -298,6 +308,10 @@ def cmd_link_check(args) -> int:
     threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
     if not 0.0 <= threshold <= 1.0:
         raise CliError(f"--threshold must be in [0, 1], got {threshold}")
+    _info(
+        f"-- link-check: {args.model} {_method_name(spec)}, linked vs full prefill on the built-in probes "
+        f"({args.tokens} tokens each); about a minute on 2 CPU cores"
+    )
     check = run_link_check(Engine(load_model(args.model)), spec, args.tokens)
     verdict = "passes" if check.passes(threshold) else "is refused"
     if args.json:
@@ -423,14 +437,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def os_error_line(err: OSError) -> str:
+    """``Permission denied: /path`` rather than ``[Errno 13] Permission denied: '/path'``."""
+    where = err.filename if err.filename2 is None else f"{err.filename} -> {err.filename2}"
+    return f"{err.strerror}: {where}" if err.strerror and where else str(err) or type(err).__name__
+
+
+def run_command(func, args, prog: str = "vlkv") -> int:
+    """Run a subcommand: a user error is one line and exit 2, Ctrl-C one line and exit 130."""
     try:
-        return args.func(args)
+        return func(args)
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, FileNotFoundError, KeyError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"vlkv: error: {msg}", file=sys.stderr)
+        print(f"{prog}: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # an unwritable or file-shaped cache or output path
+        print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -379,3 +379,109 @@ def test_device_and_pool_errors_are_one_line(argv, needle, capsys):
     code = main(["generate", "--model", "tiny-llava", *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and needle in err, err
+
+
+# ---------------------------------------------------------------- interrupts, paths, flag clashes
+def test_batch_file_with_prompt_or_image_is_refused(capsys, no_model_compute, tmp_path):
+    path = tmp_path / "batch.jsonl"
+    path.write_text('{"prompt": "a"}\n')
+    line = _refused(capsys, "--batch-file", str(path), "--prompt", "hi", "--image", "builtin:noise")
+    assert "--batch-file holds the prompts and images; --prompt and --image would be ignored" in line
+
+
+def test_ctrl_c_in_generate_is_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    assert main(["generate", "--max-new-tokens", "2"]) == 130
+    out, err = capsys.readouterr()
+    assert err.strip() == "vlkv: interrupted"
+
+
+def test_ctrl_c_in_build_engine_is_one_line_and_exit_130(capsys, monkeypatch):
+    from vlkv.exporter import cli as exporter_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exporter_cli, "_build", interrupted)
+    assert exporter_cli.main(["recipes/demo.yaml"]) == 130
+    assert capsys.readouterr().err.strip() == "build-engine: interrupted"
+
+
+@pytest.mark.parametrize("shape", ["file", "under-a-file"])
+def test_file_shaped_onnx_cache_root_is_one_line(capsys, monkeypatch, tmp_path, shape):
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")
+    root = blocker if shape == "file" else blocker / "onnx"
+    monkeypatch.setenv("VLKV_ONNX_CACHE", str(root))
+    line = _refused(capsys, "--backend", "onnxruntime")
+    assert f"ONNX export cache {root} is not a directory (a file is in the way): set VLKV_ONNX_CACHE" in line
+
+
+def test_unwritable_onnx_cache_root(tmp_path, monkeypatch):
+    from vlkv.runtime.onnx.export_cache import CacheRootError, usable_root
+
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # root ignores permission bits
+    with pytest.raises(CacheRootError, match=f"ONNX export cache {tmp_path} is not writable"):
+        usable_root(tmp_path)
+
+
+def test_other_os_errors_are_one_line(capsys, monkeypatch):
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/some/where")
+
+    monkeypatch.setattr(Engine, "generate", denied)
+    assert main(["generate", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "vlkv: error: Permission denied: /some/where"
+
+
+def test_build_engine_refuses_a_checkpoint_missing_layers(loaded_models, tmp_path):
+    import torch
+
+    from vlkv.exporter.errors import StageError
+    from vlkv.exporter.source import _load_checkpoint
+
+    loaded = loaded_models["tiny-llava"]
+    loaded.model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    layers = config["text_config"]["num_hidden_layers"]
+    config["text_config"]["num_hidden_layers"] = layers + 2
+    if "layer_types" in config["text_config"]:
+        config["text_config"]["layer_types"] += config["text_config"]["layer_types"][:2]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        StageError, match=f"checkpoint {tmp_path} lacks weights its config.json asks for"
+    ) as err:
+        _load_checkpoint(tmp_path, "llava", torch.float32)
+    assert f"model.language_model.layers.{{{layers}, {layers + 1}}}.*" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--smoke", "--out", "FILE"], "--out FILE is a file: it must be a folder"),
+        (["--smoke", "--out", "FILE/sub"], "--out FILE/sub: cannot create the folder (Not a directory)"),
+        (
+            ["--smoke", "--model", "tiny-qwen2-vl"],
+            "--smoke runs tiny-llava on 2 prompts; --model would be ignored",
+        ),
+        (["--smoke", "--model", "x", "--prompts", "3"], "--model and --prompts would be ignored: drop them"),
+        (["--model", "tiny-llava", "--prompts", "0"], "--prompts must be >= 1, got 0"),
+    ],
+)
+def test_evaluate_refuses_bad_out_and_smoke_clashes(capsys, monkeypatch, tmp_path, argv, needle):
+    from vlkv.eval.run import main as evaluate
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured although the arguments should have been refused")
+
+    monkeypatch.setattr("vlkv.eval.run.quality_records", measured)
+    blocker = tmp_path / "report.md"
+    blocker.write_text("x")
+    argv = [a.replace("FILE", str(blocker)) for a in argv]
+    assert evaluate(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and needle.replace("FILE", str(blocker)) in err, err

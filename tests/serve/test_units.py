@@ -116,6 +116,46 @@ def test_bad_options_are_one_line_before_listening(argv, words, capsys):
     assert words in err and "\n" not in err
 
 
+def test_port_in_use_or_bad_host_is_one_line_before_the_banner(capsys):
+    import socket
+
+    from vlkv.serve.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == f"vlkv: error: --port {port} is already in use on 127.0.0.1: pick another port"
+    for host, words in [
+        ("no-such-host.invalid", "--host 'no-such-host.invalid' is not an address to listen on"),
+        ("192.0.2.1", "--host '192.0.2.1' is not an address of this machine"),  # TEST-NET-1
+    ]:
+        assert main(["--host", host, "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "\n" not in err.strip() and "http://" not in err
+
+
+def test_link_threshold_outside_zero_one_is_refused_by_serve(capsys):
+    from vlkv.serve.cli import main
+
+    for value in ("2", "-1", "nan"):
+        assert main(["--link-threshold", value, "--port", "0"]) == 2
+        assert "--link-threshold must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_deeply_nested_json_is_a_400():
+    from vlkv.serve.errors import ApiError
+    from vlkv.serve.translate import MAX_JSON_DEPTH, parse_json
+
+    for depth in (MAX_JSON_DEPTH + 1, 5000, 200_000):
+        with pytest.raises(ApiError, match="request body nests too deeply") as err:
+            parse_json(b"[" * depth + b"]" * depth)
+        assert err.value.status == 400
+    assert parse_json(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH) is not None
+
+
 def test_multi_turn_chat_uses_the_checkpoint_chat_template():
     """A conversation is formatted by the processor's chat template; a model without one refuses it."""
     import asyncio

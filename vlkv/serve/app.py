@@ -74,12 +74,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, err: ApiError):
-        if err.status in (429, 503):
+        if (400 <= err.status < 500 and err.status != 499) or err.status == 503:  # 499: cancelled, counted
             state.metrics.rejected.labels(str(err.status)).inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
+        if 400 <= err.status_code < 500:
+            state.metrics.rejected.labels(str(err.status_code)).inc()
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return JSONResponse(
             ApiError(err.status_code, str(err.detail), kind).body(), status_code=err.status_code

@@ -173,17 +173,39 @@ def check_request_compresses(req: ChatRequest | CompletionRequest, policy, batch
         raise ApiError(400, str(err), param="vlkv.settings") from None
 
 
+MAX_JSON_DEPTH = 32  # an OpenAI body nests about 6 deep; Python's JSON decoder recurses per level
+
+
 def parse_json(body: bytes):
-    """Bytes → JSON value; NaN and Infinity are refused (they are not JSON)."""
+    """Bytes → JSON value; NaN and Infinity are refused (they are not JSON), and so is a body that nests
+    deeper than :data:`MAX_JSON_DEPTH` (thousands of ``[`` would exhaust the decoder's recursion)."""
 
     def constant(name: str):
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(body, parse_constant=constant)
+        value = json.loads(body, parse_constant=constant)
     except json.JSONDecodeError as err:
         raise ApiError(
             400, f"request body is not valid JSON: {err.msg} (line {err.lineno} column {err.colno})"
         ) from None
+    except RecursionError:
+        raise ApiError(400, f"request body nests too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     except (UnicodeDecodeError, ValueError) as err:
         raise ApiError(400, f"request body is not valid JSON: {err}") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"request body nests too deeply (at most {MAX_JSON_DEPTH} levels)")
+    return value
+
+
+def _depth(value) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
