@@ -448,7 +448,7 @@ def run_command(func, args, prog: str = "vlkv") -> int:
     try:
         return func(args)
     except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (ValueError, FileNotFoundError, KeyError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -396,7 +396,7 @@ def test_ctrl_c_in_generate_is_one_line_and_exit_130(capsys, monkeypatch):
     monkeypatch.setattr(Engine, "generate", interrupted)
     assert main(["generate", "--max-new-tokens", "2"]) == 130
     out, err = capsys.readouterr()
-    assert err.strip() == "vlkv: interrupted"
+    assert err == "vlkv: interrupted\n"
 
 
 def test_ctrl_c_in_build_engine_is_one_line_and_exit_130(capsys, monkeypatch):
@@ -485,3 +485,32 @@ def test_evaluate_refuses_bad_out_and_smoke_clashes(capsys, monkeypatch, tmp_pat
     assert evaluate(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and needle.replace("FILE", str(blocker)) in err, err
+
+
+def test_a_real_sigint_during_generation_is_one_line_and_exit_130():
+    """SIGINT delivered by the OS (not a raised KeyboardInterrupt) while the model runs."""
+    import signal
+
+    code = (
+        "import sys, time\n"
+        "from vlkv.runtime.engine import Engine\n"
+        "def slow(*a, **k):\n"
+        "    print('running', flush=True)\n"
+        "    time.sleep(60)\n"
+        "Engine.generate = slow\n"
+        "from vlkv.cli import main\n"
+        "sys.exit(main(['generate', '--max-new-tokens', '2']))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130
+    assert err.strip() == "vlkv: interrupted"

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     records, root=args.out, machine=machine, title=f"vlkv on {model}", into=report.out_dir
                 )
     except KeyboardInterrupt:
-        print("\nevaluate: interrupted", file=sys.stderr)
+        print("evaluate: interrupted", file=sys.stderr)
         return 130
     except ValueError as e:
         print(f"evaluate: error: {str(e).splitlines()[0]}", file=sys.stderr)

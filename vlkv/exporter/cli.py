@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _notes_to_stderr():
             return _build(args)
     except KeyboardInterrupt:
-        print("\nbuild-engine: interrupted", file=sys.stderr)
+        print("build-engine: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (ValueError, BuildLocked) as exc:  # RecipeError, a held --out and friends: already one line
         print(f"build-engine: error: {exc}", file=sys.stderr)
