@@ -279,6 +279,8 @@ def test_image_limits_follow_the_processor(loaded_models):
     for name, model in loaded_models.items():
         limits = image_limits(model.processor)
         assert PIXEL_FLOOR <= limits.max_pixels <= PIXEL_CEILING, name
+        # load_image without a model (the linker's identity hash) never refuses what encoding took
+        assert ImageLimits().max_pixels >= limits.max_pixels and ImageLimits().max_aspect >= limits.max_aspect
     assert image_limits(loaded_models["tiny-llava"].processor).shortest_edge == 56
     assert image_limits(loaded_models["tiny-qwen2-vl"].processor).shortest_edge == 0  # bounded by max_pixels
     # A shortest-edge resize of a thin image is what costs memory: 2000 px short side at 150:1 is 600 Mpx.

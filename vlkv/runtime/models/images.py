@@ -91,7 +91,8 @@ class ImageLimits:
             intermediate image (``shortest_edge**2 * aspect`` pixels) must fit ``max_pixels`` too.
     """
 
-    max_pixels: int = PIXEL_FLOOR
+    # The defaults (no model named) are the loosest any model gets: never stricter than image_limits().
+    max_pixels: int = PIXEL_CEILING
     max_aspect: float = MAX_ASPECT
     shortest_edge: int = 0
 
