@@ -229,9 +229,17 @@ def cmd_generate(args) -> int:
     check_setting_sizes(settings, limit, loaded.name, "--set ")
     engine = Engine(loaded, backend=args.backend)
     # Tokenizing is cheap; refuse prompts past the position limit before the first layer runs.
-    lengths = engine.encode(prompts).lengths.tolist()
+    batch = engine.encode(prompts)
+    lengths = batch.lengths.tolist()
     check_fits(lengths, args.max_new_tokens, limit, loaded.name)
     check_compresses(policy, settings, min(lengths), "--set ")
+    if link is not None and link.method == "mpic":
+        sizes = [e - s for p in batch.prompts for s, e in p.spans.image_spans]
+        if sizes and link.k >= min(sizes):
+            _info(
+                f"-- note: --link-k {link.k} is not below an image's {min(sizes)} tokens: MPIC recomputes "
+                f"every token of such an image and reuses none; use --link-k below {min(sizes)}"
+            )
     result = engine.generate(
         prompts,
         policy,

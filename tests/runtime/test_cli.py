@@ -189,3 +189,21 @@ def test_cache_hit_rate_in_json(capsys):
     assert code == 0, err
     report = json.loads(out)["extras"]["cache_hit_rate"]
     assert len(report["per_layer"]) == 4 and all(0 <= r <= 1 for r in report["per_layer"])
+
+
+def test_link_k_not_below_the_image_tokens_is_named(capsys, tmp_path):
+    """The README's old example: --link-k 32 on tiny-llava, whose images are 16 tokens, hits and
+    reuses nothing; the CLI says so, and a k below 16 reuses the rest of each image."""
+    batch = tmp_path / "p.jsonl"
+    batch.write_text(
+        '{"prompt": "What is it?", "images": ["builtin:noise"]}\n'
+        '{"prompt": "And the colours?", "images": ["builtin:noise"]}\n'
+    )
+    common = ["--batch-file", str(batch), "--policy", "full", "--link", "mpic", "--max-new-tokens", "2"]
+    code, _, err = _run(capsys, *common, "--link-k", "32", "--store", str(tmp_path / "a"))
+    assert code == 0, err
+    assert "-- note: --link-k 32 is not below an image's 16 tokens" in err
+    assert "0 tokens reused" in err
+    code, _, err = _run(capsys, *common, "--link-k", "4", "--store", str(tmp_path / "b"))
+    assert code == 0, err
+    assert "-- note" not in err and "12 tokens reused" in err
