@@ -2,9 +2,9 @@
 
 A handler parses and validates the body (size, JSON, pydantic, model, limits, images, policy), builds
 a runtime :class:`Request`, tokenizes and preprocesses its prompt in a worker thread (never on the
-engine thread, whose running streams would wait) and hands it to the engine thread; the engine thread's ``submit`` decides
-whether the model can take it (position limit, pool size) before any answer starts, so every refusal
-is a 4xx with one line. Then it streams (SSE) or collects the tokens. A client that goes away
+engine thread, whose running streams would wait) and hands it to the engine thread; the engine
+thread's ``submit`` decides whether the model can take it (position limit, pool size) before any
+answer starts, so every refusal is a 4xx with one line. Then it streams (SSE) or collects the tokens. A client that goes away
 cancels its request, which frees its KV slots at once.
 """
 
