@@ -72,11 +72,78 @@ def user_cache_changes(before: dict, after: dict) -> list[str]:
     return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
 
 
+# What the suite itself writes under ~/.cache/vlkv, seen by an audit hook in this process (other
+# processes on the machine may write there too: a snapshot diff cannot tell them apart).
+_WRITES = pytest.StashKey[list]()
+_WRITE_EVENTS = {
+    "open",
+    "os.mkdir",
+    "os.rename",
+    "os.remove",
+    "os.rmdir",
+    "os.truncate",
+    "os.utime",
+    "os.symlink",
+    "os.link",
+    "os.chmod",
+    "shutil.rmtree",
+    "shutil.copyfile",
+    "shutil.move",
+}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def _is_write(event: str, args: tuple) -> bool:
+    if event != "open":
+        return True
+    mode, flags = (args[1], args[2]) if len(args) >= 3 else (None, 0)
+    return bool(isinstance(mode, str) and set(mode) & set("wax+")) or bool((flags or 0) & _WRITE_FLAGS)
+
+
+def _audit_user_cache(writes: list, root: str):
+    """An audit hook that records every path under ``root`` this process writes, renames or removes."""
+
+    def hook(event: str, args: tuple) -> None:
+        if event not in _WRITE_EVENTS or not args or not _is_write(event, args):
+            return
+        paths = (
+            args[:2]
+            if event in ("os.rename", "os.symlink", "os.link", "shutil.copyfile", "shutil.move")
+            else args[:1]
+        )
+        for path in paths:
+            if isinstance(path, (str, bytes, os.PathLike)):
+                full = os.path.abspath(os.fsdecode(path))
+                if full == root or full.startswith(root + os.sep):
+                    writes.append(f"{event} {os.path.relpath(full, root)}")
+
+    return hook
+
+
+def _give_subprocesses_the_cache(cache_env: dict[str, str]) -> None:
+    """A subprocess started with its own ``env`` (no inherited os.environ) still gets the suite's
+    cache variables, unless it names them itself: it can never fall back to ``~/.cache/vlkv``."""
+    import subprocess
+
+    popen_init = subprocess.Popen.__init__
+    if getattr(popen_init, "_vlkv_cache", False):
+        return
+
+    def init(self, *args, env=None, **kwargs):
+        if env is not None:
+            env = {**cache_env, **env}
+        popen_init(self, *args, env=env, **kwargs)
+
+    init._vlkv_cache = True
+    subprocess.Popen.__init__ = init
+
+
 def pytest_configure(config):
     """Point every vlkv cache at a session temp dir before any test module is imported.
 
-    Set here, not in a fixture, so module-level code and subprocesses see it too. ``VLKV_TEST_CACHE``
-    (optional) keeps the real-weight model cache between runs; it must not be ``~/.cache/vlkv``.
+    Set here, not in a fixture, so module-level code and subprocesses see it too (those started with
+    an explicit ``env`` get it added). ``VLKV_TEST_CACHE`` (optional) keeps the real-weight model
+    cache between runs; it must not be ``~/.cache/vlkv``.
     """
     root = Path(tempfile.mkdtemp(prefix="vlkv-test-cache-"))
     config.stash[_CACHE_ROOT] = root
@@ -85,19 +152,26 @@ def pytest_configure(config):
         os.environ[env] = str(root / sub)
     if os.environ.get("VLKV_TEST_CACHE"):
         os.environ["VLKV_CACHE"] = os.environ["VLKV_TEST_CACHE"]
+    _give_subprocesses_the_cache({env: os.environ[env] for env in CACHE_ENVS})
+    config.stash[_WRITES] = writes = []
+    sys.addaudithook(_audit_user_cache(writes, os.path.abspath(USER_CACHE)))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run when anything under ``~/.cache/vlkv`` appeared, changed or vanished."""
+    """Fail the run when the suite wrote under ``~/.cache/vlkv``; only note what other processes did."""
     config = session.config
     if _USER_SNAPSHOT not in config.stash:
         return
     changes = user_cache_changes(config.stash[_USER_SNAPSHOT], user_cache_snapshot())
     shutil.rmtree(config.stash[_CACHE_ROOT], ignore_errors=True)
-    if changes:
-        shown = ", ".join(changes[:5]) + (f" (+{len(changes) - 5} more)" if len(changes) > 5 else "")
+    writes = sorted(set(config.stash[_WRITES]))
+    if writes:
+        shown = ", ".join(writes[:5]) + (f" (+{len(writes) - 5} more)" if len(writes) > 5 else "")
         print(f"\nthe tests wrote into the user's cache {USER_CACHE}: {shown}", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif changes:  # subprocesses get the suite's cache, so these came from another process
+        shown = ", ".join(changes[:5]) + (f" (+{len(changes) - 5} more)" if len(changes) > 5 else "")
+        print(f"\nnote: {USER_CACHE} changed during the run, not by the tests: {shown}", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,8 @@ import yaml
 
 DEFAULT_PROMPT = "Describe the image."
 DEFAULT_IMAGE = "builtin:checkerboard"
-# The kept fraction for compressing policies when --budget is not given; "full" needs none.
-DEFAULT_BUDGET = 0.5
-NO_BUDGET = ("full",)
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 NOTICES = {
     "tiny-": "built-in tiny model with random weights: the text is noise, the cache numbers are real",
     "smollm2-llava": "real SmolLM2 + DINOv2 weights joined by a random projector: answers about images "
@@ -77,85 +75,13 @@ def _parse_sets(pairs: list[str]) -> dict:
     return out
 
 
-def _setting_types(policy: str) -> dict[str, set]:
-    """Setting name → allowed Python types, from the policy's (and allocators') dataclass fields."""
-    import dataclasses
-    import types
-    import typing
+def _budget(args, settings: dict) -> dict:
+    """``{"budget": b}`` for make_policy: the default applies only to policies compressing by budget."""
+    from vlkv.runtime.policies.settings import default_budget
 
-    from vlkv.runtime.policies import POLICIES, policy_fields
-    from vlkv.runtime.policies.allocators import ALLOCATORS
-    from vlkv.runtime.policies.registry import ALLOCATOR_PREFIX
-
-    def allowed(cls, name: str) -> set:
-        hint = typing.get_type_hints(cls)[name]
-        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-        return set(typing.get_args(hint)) if union else {hint}
-
-    out: dict[str, set] = {}
-    cls = POLICIES.get(policy)
-    if cls is None:
-        return out  # make_policy names the unknown policy
-    for f in dataclasses.fields(cls):
-        if f.init:
-            out[f.name] = allowed(cls, f.name)
-    for name in policy_fields(policy):
-        if name == "allocator" and name not in out:
-            out[name] = {str}
-        elif name.startswith(ALLOCATOR_PREFIX) and name not in out:
-            bare = name[len(ALLOCATOR_PREFIX) :]
-            out[name] = set().union(
-                *(
-                    allowed(a, bare)
-                    for a in ALLOCATORS.values()
-                    if bare in {f.name for f in dataclasses.fields(a)}
-                )
-            )
-    return out
-
-
-def _type_ok(value, kinds: set) -> bool:
-    if value is None:
-        return type(None) in kinds
-    if isinstance(value, bool):
-        return bool in kinds
-    if isinstance(value, int):
-        return int in kinds or float in kinds
-    if isinstance(value, float):
-        return float in kinds and math.isfinite(value)
-    return isinstance(value, str) and str in kinds
-
-
-def _check_setting_types(policy: str, settings: dict) -> None:
-    """Refuse a ``--set`` value of the wrong type (a string for a number, null, a list, NaN)."""
-    names = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
-    types_ = _setting_types(policy)
-    for key, value in settings.items():
-        kinds = types_.get(key)
-        if kinds is None or _type_ok(value, kinds):
-            continue  # unknown keys are named by make_policy
-        want = " or ".join(names.get(k, "null") for k in sorted(kinds, key=str))
-        raise CliError(
-            f"--set {key} must be {want} for policy {policy!r}, got {json.dumps(value, default=str)}"
-        )
-
-
-def _check_setting_sizes(settings: dict, limit: int | None, model: str) -> None:
-    """An integer setting (a count of slots, tokens or layers) past the position limit fits no prompt."""
-    if limit is None:
-        return
-    for key, value in settings.items():
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > limit:
-            raise CliError(
-                f"--set {key}={value} is past {model}'s position limit of {limit}: no prompt is that long"
-            )
-
-
-def _budget(args) -> dict:
-    """``{"budget": b}`` for make_policy: the default applies only to compressing policies."""
     if args.budget is not None:
         return {"budget": args.budget}
-    return {} if args.policy in NO_BUDGET else {"budget": DEFAULT_BUDGET}
+    return default_budget(args.policy, settings)
 
 
 # ---------------------------------------------------------------- prompts
@@ -163,6 +89,15 @@ def _prompts(args) -> list:
     from vlkv.runtime.prompt import Prompt, read_batch_file
 
     if args.batch_file:
+        given = [
+            flag
+            for flag, value in (("--prompt", args.prompt), ("--image", args.image), ("--raw", args.raw))
+            if value
+        ]
+        if given:
+            raise CliError(
+                f"--batch-file holds the prompts and images; {' and '.join(given)} would be ignored: drop {'them' if len(given) > 1 else 'it'}"
+            )
         return read_batch_file(args.batch_file)
     images = args.image
     if args.prompt is None and not images:
@@ -208,6 +143,8 @@ def _info(line: str) -> None:
 
 def _print_report(args, prompts, lengths, result, eos) -> None:
     """Answers on stdout; what ran and what the cache cost on stderr (``-- `` lines)."""
+    from vlkv.runtime.policies.settings import NO_BUDGET
+
     model = Path(args.model).name if Path(args.model).is_dir() else args.model
     notice = _notice(args.model)
     _info(f"-- model: {model}" + (f" ({notice})" if notice else ""))
@@ -239,13 +176,14 @@ def cmd_generate(args) -> int:
     from vlkv.runtime.limits import check_fits, position_limit
     from vlkv.runtime.models.registry import load_model
     from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.policies.settings import check_compresses, check_setting_sizes, check_setting_types
     from vlkv.runtime.sampling import Sampler
 
     settings = _parse_sets(args.set)
     if "budget" in settings:
         raise CliError("set the budget with --budget, not --set budget=...")
-    _check_setting_types(args.policy, settings)
-    policy = make_policy(args.policy, **_budget(args), **settings)
+    check_setting_types(args.policy, settings, "--set ")
+    policy = make_policy(args.policy, **_budget(args, settings), **settings)
     if args.backend != "torch" and hasattr(policy, "replay_request"):
         from vlkv.runtime.replay import replay_refusal
 
@@ -281,16 +219,27 @@ def cmd_generate(args) -> int:
             args.store_rank,
         )
     )
+    if args.link_threshold is not None and not 0.0 <= args.link_threshold <= 1.0:  # NaN too
+        raise CliError(f"--link-threshold must be in [0, 1], got {args.link_threshold}")
     if args.pool_bytes is not None and args.pool_bytes < 1:
         raise CliError(f"--pool-bytes must be >= 1, got {args.pool_bytes}")
     prompts = _prompts(args)
     loaded = load_model(args.model, device=str(device))
     limit = position_limit(loaded)
-    _check_setting_sizes(settings, limit, loaded.name)
+    check_setting_sizes(settings, limit, loaded.name, "--set ")
     engine = Engine(loaded, backend=args.backend)
     # Tokenizing is cheap; refuse prompts past the position limit before the first layer runs.
-    lengths = engine.encode(prompts).lengths.tolist()
+    batch = engine.encode(prompts)
+    lengths = batch.lengths.tolist()
     check_fits(lengths, args.max_new_tokens, limit, loaded.name)
+    check_compresses(policy, settings, min(lengths), "--set ")
+    if link is not None and link.method == "mpic":
+        sizes = [e - s for p in batch.prompts for s, e in p.spans.image_spans]
+        if sizes and link.k >= min(sizes):
+            _info(
+                f"-- note: --link-k {link.k} is not below an image's {min(sizes)} tokens: MPIC recomputes "
+                f"every token of such an image and reuses none; use --link-k below {min(sizes)}"
+            )
     result = engine.generate(
         prompts,
         policy,
@@ -367,6 +316,10 @@ def cmd_link_check(args) -> int:
     threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
     if not 0.0 <= threshold <= 1.0:
         raise CliError(f"--threshold must be in [0, 1], got {threshold}")
+    _info(
+        f"-- link-check: {args.model} {_method_name(spec)}, linked vs full prefill on the built-in probes "
+        f"({args.tokens} tokens each); about a minute on 2 CPU cores"
+    )
     check = run_link_check(Engine(load_model(args.model)), spec, args.tokens)
     verdict = "passes" if check.passes(threshold) else "is refused"
     if args.json:
@@ -397,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         default=None,
-        help=f"kept fraction of the cache, in (0, 1] (default: {DEFAULT_BUDGET}; policy 'full' takes none)",
+        help="kept fraction of the cache, in (0, 1] (default: 0.5; policy 'full' takes none, attnpack "
+        "compresses by rank and keeps its own)",
     )
     g.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="policy setting, repeatable"
@@ -491,14 +445,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def os_error_line(err: OSError) -> str:
+    """``Permission denied: /path`` rather than ``[Errno 13] Permission denied: '/path'``."""
+    where = err.filename if err.filename2 is None else f"{err.filename} -> {err.filename2}"
+    return f"{err.strerror}: {where}" if err.strerror and where else str(err) or type(err).__name__
+
+
+def run_command(func, args, prog: str = "vlkv") -> int:
+    """Run a subcommand: a user error is one line and exit 2, Ctrl-C one line and exit 130."""
     try:
-        return args.func(args)
+        return func(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, FileNotFoundError, KeyError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"vlkv: error: {msg}", file=sys.stderr)
+        print(f"{prog}: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # an unwritable or file-shaped cache or output path
+        print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

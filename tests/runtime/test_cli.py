@@ -70,6 +70,27 @@ def test_policy_full_runs_without_a_budget(capsys):
     assert report["budget"] == 1.0 and report["kv_bytes_used"] == report["full_kv_bytes"]
 
 
+def test_attnpack_runs_with_its_defaults(capsys):
+    """attnpack compresses by rank: the CLI's default budget (0.5) must not reach it, whose budget
+    without evict=NAME can only be 1; with evict=NAME the default budget applies to the eviction."""
+    code, out, err = _run(capsys, "--policy", "attnpack", "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["budget"] == 1.0
+    code, out, err = _run(
+        capsys, "--policy", "attnpack", "--set", "evict=h2o", "--max-new-tokens", "2", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out)["budget"] == 0.5
+
+
+def test_default_budget_in_help_is_the_runtime_one(capsys):
+    from vlkv.cli import build_parser
+    from vlkv.runtime.policies.settings import DEFAULT_BUDGET
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    assert f"(default: {DEFAULT_BUDGET};" in " ".join(help_text.split())
+
+
 def test_policy_full_with_a_budget_below_one_is_one_line(capsys):
     code, out, err = _run(capsys, "--policy", "full", "--budget", "0.5", "--max-new-tokens", "2")
     assert code == 2 and out == ""
@@ -168,3 +189,21 @@ def test_cache_hit_rate_in_json(capsys):
     assert code == 0, err
     report = json.loads(out)["extras"]["cache_hit_rate"]
     assert len(report["per_layer"]) == 4 and all(0 <= r <= 1 for r in report["per_layer"])
+
+
+def test_link_k_not_below_the_image_tokens_is_named(capsys, tmp_path):
+    """The README's old example: --link-k 32 on tiny-llava, whose images are 16 tokens, hits and
+    reuses nothing; the CLI says so, and a k below 16 reuses the rest of each image."""
+    batch = tmp_path / "p.jsonl"
+    batch.write_text(
+        '{"prompt": "What is it?", "images": ["builtin:noise"]}\n'
+        '{"prompt": "And the colours?", "images": ["builtin:noise"]}\n'
+    )
+    common = ["--batch-file", str(batch), "--policy", "full", "--link", "mpic", "--max-new-tokens", "2"]
+    code, _, err = _run(capsys, *common, "--link-k", "32", "--store", str(tmp_path / "a"))
+    assert code == 0, err
+    assert "-- note: --link-k 32 is not below an image's 16 tokens" in err
+    assert "0 tokens reused" in err
+    code, _, err = _run(capsys, *common, "--link-k", "4", "--store", str(tmp_path / "b"))
+    assert code == 0, err
+    assert "-- note" not in err and "12 tokens reused" in err

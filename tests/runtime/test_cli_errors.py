@@ -68,6 +68,32 @@ def test_bad_setting(capsys, no_model_compute, setting, needle):
     assert needle in _refused(capsys, "--set", setting)
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--policy", "local", "--set", "sinks=1000"], "--set sinks=1000 keeps all "),
+        (["--policy", "kvzip", "--set", "sinks=1000"], "--set sinks=1000 keeps all "),
+        (["--policy", "elastic", "--set", "start=1000"], "--set start=1000 keeps all "),
+        (
+            ["--policy", "elastic", "--set", "start=20", "--set", "recent=40"],
+            "--set start=20, --set recent=40",
+        ),
+        (
+            ["--policy", "local", "--set", "sinks=1000", "--set", "evict_every=2"],
+            "--set sinks=1000 keeps all ",
+        ),
+    ],
+)
+def test_settings_that_turn_compression_off_are_refused(capsys, no_model_compute, argv, needle):
+    line = _refused(capsys, *argv)
+    assert needle in line and "so budget 0.5 compresses nothing" in line
+
+
+@pytest.mark.parametrize("value", ["2", "-1", "nan"])
+def test_link_threshold_outside_zero_one(capsys, no_model_compute, value):
+    assert "--link-threshold must be in [0, 1]" in _refused(capsys, "--link-threshold", value)
+
+
 def test_setting_types_follow_the_policy_fields(capsys, no_model_compute):
     # avl's "core" is float | None: null is allowed there, a string is not.
     assert "core must be null or a finite number for policy 'avl', got \"x\"" in _refused(
@@ -202,6 +228,82 @@ def test_huge_image(capsys, no_model_compute, tmp_path, side, needle):
     assert needle in line and "downscale it" in line
 
 
+@pytest.fixture
+def no_decode(monkeypatch):
+    """Decoding any image file's pixels fails the test: a refusal must come from the header alone."""
+    from PIL import ImageFile
+
+    def decoded(self, *args, **kwargs):
+        raise AssertionError(f"pixels of a {self.size} image were decoded although its size is refused")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
+
+
+def _thin_png(path, width: int, height: int):
+    """A real (decodable) black PNG: 200000x1 compresses to ~660 bytes and would decode to GBs resized."""
+    from PIL import Image
+
+    Image.new("RGB", (width, height)).save(path, optimize=True)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("size", "needle"),
+    [
+        ((200_000, 1), "is 200000x1, aspect ratio 200000:1; this model takes at most 200:1: crop it"),
+        ((60_000, 1), "is 60000x1, aspect ratio 60000:1"),
+        ((1, 60_000), "is 1x60000, aspect ratio 60000:1"),
+    ],
+)
+@pytest.mark.parametrize("model", ["tiny-llava", "tiny-qwen2-vl"])
+def test_thin_image_is_refused_from_its_header(
+    capsys, no_model_compute, no_decode, tmp_path, size, needle, model
+):
+    path = _thin_png(tmp_path / "thin.png", *size)
+    if size == (200_000, 1):
+        assert path.stat().st_size < 1000  # the issue's case: one request under 1 KB
+    assert needle in _refused(capsys, "--model", model, "--prompt", "hi", "--image", str(path))
+
+
+@pytest.mark.parametrize("count", [1, 8])
+def test_forty_megapixel_images_are_refused(capsys, no_model_compute, no_decode, tmp_path, count):
+    path = tmp_path / "big.png"
+    path.write_bytes(_png_header(7300, 5500))  # 40.2 Mpx: under PIL's 89 Mpx bomb limit
+    line = _refused(capsys, "--prompt", "hi", *["--image", str(path)] * count)
+    assert "is 7300x5500 (40.1 Mpx); this model decodes at most 16.0 Mpx per image: downscale it" in line
+
+
+def test_image_limits_follow_the_processor(loaded_models):
+    from vlkv.runtime.models.images import PIXEL_CEILING, PIXEL_FLOOR, ImageLimits, image_limits
+
+    for name, model in loaded_models.items():
+        limits = image_limits(model.processor)
+        assert PIXEL_FLOOR <= limits.max_pixels <= PIXEL_CEILING, name
+        # load_image without a model (the linker's identity hash) never refuses what encoding took
+        assert ImageLimits().max_pixels >= limits.max_pixels and ImageLimits().max_aspect >= limits.max_aspect
+    assert image_limits(loaded_models["tiny-llava"].processor).shortest_edge == 56
+    assert image_limits(loaded_models["tiny-qwen2-vl"].processor).shortest_edge == 0  # bounded by max_pixels
+    # A shortest-edge resize of a thin image is what costs memory: 2000 px short side at 150:1 is 600 Mpx.
+    with pytest.raises(ValueError, match="resized to a 2000 px short side it would be 600.0 Mpx"):
+        ImageLimits(32_000_000, 200, 2000).check(150, 1, "image")
+    with pytest.raises(ValueError, match="max_aspect must be >= 1"):
+        ImageLimits(max_aspect=0.5)
+
+
+def test_python_api_images_zero_size_and_paths(engines, tmp_path):
+    from PIL import Image
+
+    engine = engines["tiny-llava"]
+    with pytest.raises(ValueError, match=r"^image 1 is 0x0: an image needs at least one pixel on each side$"):
+        engine.encode([Prompt("hi", [Image.new("RGB", (0, 0))])])
+    path = tmp_path / "pic.png"
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(path)
+    by_path = engine.encode([Prompt("hi", [path])])  # a pathlib.Path simply works
+    by_str = engine.encode([Prompt("hi", [str(path)])])
+    assert by_path.input_ids.equal(by_str.input_ids)
+    assert by_path.prompts[0].vision["pixel_values"].equal(by_str.prompts[0].vision["pixel_values"])
+
+
 def test_not_an_image(capsys, no_model_compute, tmp_path):
     path = tmp_path / "notes.png"
     path.write_text("not a picture")
@@ -279,3 +381,138 @@ def test_device_and_pool_errors_are_one_line(argv, needle, capsys):
     code = main(["generate", "--model", "tiny-llava", *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and needle in err, err
+
+
+# ---------------------------------------------------------------- interrupts, paths, flag clashes
+def test_batch_file_with_prompt_or_image_is_refused(capsys, no_model_compute, tmp_path):
+    path = tmp_path / "batch.jsonl"
+    path.write_text('{"prompt": "a"}\n')
+    line = _refused(capsys, "--batch-file", str(path), "--prompt", "hi", "--image", "builtin:noise")
+    assert "--batch-file holds the prompts and images; --prompt and --image would be ignored" in line
+
+
+def test_ctrl_c_in_generate_is_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    assert main(["generate", "--max-new-tokens", "2"]) == 130
+    out, err = capsys.readouterr()
+    assert err == "vlkv: interrupted\n"
+
+
+def test_ctrl_c_in_build_engine_is_one_line_and_exit_130(capsys, monkeypatch):
+    from vlkv.exporter import cli as exporter_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(exporter_cli, "_build", interrupted)
+    assert exporter_cli.main(["recipes/demo.yaml"]) == 130
+    assert capsys.readouterr().err.strip() == "build-engine: interrupted"
+
+
+@pytest.mark.parametrize("shape", ["file", "under-a-file"])
+def test_file_shaped_onnx_cache_root_is_one_line(capsys, monkeypatch, tmp_path, shape):
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")
+    root = blocker if shape == "file" else blocker / "onnx"
+    monkeypatch.setenv("VLKV_ONNX_CACHE", str(root))
+    line = _refused(capsys, "--backend", "onnxruntime")
+    assert f"ONNX export cache {root} is not a directory (a file is in the way): set VLKV_ONNX_CACHE" in line
+
+
+def test_unwritable_onnx_cache_root(tmp_path, monkeypatch):
+    from vlkv.runtime.onnx.export_cache import CacheRootError, usable_root
+
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # root ignores permission bits
+    with pytest.raises(CacheRootError, match=f"ONNX export cache {tmp_path} is not writable"):
+        usable_root(tmp_path)
+
+
+def test_other_os_errors_are_one_line(capsys, monkeypatch):
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/some/where")
+
+    monkeypatch.setattr(Engine, "generate", denied)
+    assert main(["generate", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "vlkv: error: Permission denied: /some/where"
+
+
+def test_build_engine_refuses_a_checkpoint_missing_layers(loaded_models, tmp_path):
+    import torch
+
+    from vlkv.exporter.errors import StageError
+    from vlkv.exporter.source import _load_checkpoint
+
+    loaded = loaded_models["tiny-llava"]
+    loaded.model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    layers = config["text_config"]["num_hidden_layers"]
+    config["text_config"]["num_hidden_layers"] = layers + 2
+    if "layer_types" in config["text_config"]:
+        config["text_config"]["layer_types"] += config["text_config"]["layer_types"][:2]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        StageError, match=f"checkpoint {tmp_path} lacks weights its config.json asks for"
+    ) as err:
+        _load_checkpoint(tmp_path, "llava", torch.float32)
+    assert f"model.language_model.layers.{{{layers}, {layers + 1}}}.*" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--smoke", "--out", "FILE"], "--out FILE is a file: it must be a folder"),
+        (["--smoke", "--out", "FILE/sub"], "--out FILE/sub: cannot create the folder (Not a directory)"),
+        (
+            ["--smoke", "--model", "tiny-qwen2-vl"],
+            "--smoke runs tiny-llava on 2 prompts; --model would be ignored",
+        ),
+        (["--smoke", "--model", "x", "--prompts", "3"], "--model and --prompts would be ignored: drop them"),
+        (["--model", "tiny-llava", "--prompts", "0"], "--prompts must be >= 1, got 0"),
+    ],
+)
+def test_evaluate_refuses_bad_out_and_smoke_clashes(capsys, monkeypatch, tmp_path, argv, needle):
+    from vlkv.eval.run import main as evaluate
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured although the arguments should have been refused")
+
+    monkeypatch.setattr("vlkv.eval.run.quality_records", measured)
+    blocker = tmp_path / "report.md"
+    blocker.write_text("x")
+    argv = [a.replace("FILE", str(blocker)) for a in argv]
+    assert evaluate(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and needle.replace("FILE", str(blocker)) in err, err
+
+
+def test_a_real_sigint_during_generation_is_one_line_and_exit_130():
+    """SIGINT delivered by the OS (not a raised KeyboardInterrupt) while the model runs."""
+    import signal
+
+    code = (
+        "import sys, time\n"
+        "from vlkv.runtime.engine import Engine\n"
+        "def slow(*a, **k):\n"
+        "    print('running', flush=True)\n"
+        "    time.sleep(60)\n"
+        "Engine.generate = slow\n"
+        "from vlkv.cli import main\n"
+        "sys.exit(main(['generate', '--max-new-tokens', '2']))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130
+    assert err.strip() == "vlkv: interrupted"

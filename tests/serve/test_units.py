@@ -62,6 +62,31 @@ def test_media_sandbox(tmp_path):
         load_part(data_url(png_bytes()), "p", root, 100)
 
 
+def test_media_sizes_are_checked_on_the_header_before_decoding(monkeypatch):
+    import io
+
+    from PIL import Image, ImageFile
+
+    from vlkv.runtime.models.images import ImageLimits
+
+    def decoded(self, *args, **kwargs):
+        raise AssertionError("pixels decoded although the size is refused")
+
+    thin = io.BytesIO()
+    Image.new("RGB", (200_000, 1)).save(thin, format="PNG", optimize=True)
+    assert len(thin.getvalue()) < 1000  # one request under 1 KB
+    monkeypatch.setattr(ImageFile.ImageFile, "load", decoded)
+    limits = ImageLimits(16_000_000, 200, 56)
+    with pytest.raises(
+        MediaError, match=r"^p: image is 200000x1, aspect ratio 200000:1; this model takes at most 200:1"
+    ):
+        load_part(data_url(thin.getvalue()), "p", None, 1 << 20, limits)
+    big = io.BytesIO()
+    Image.new("1", (7300, 5500)).save(big, format="PNG")  # 40 Mpx, a few KB
+    with pytest.raises(MediaError, match=r"is 7300x5500 \(40.1 Mpx\); this model decodes at most 16.0 Mpx"):
+        load_part(data_url(big.getvalue()), "p", None, 1 << 20, limits)
+
+
 def test_serve_parser_wires_into_vlkv_subcommands():
     import argparse
 
@@ -89,6 +114,46 @@ def test_bad_options_are_one_line_before_listening(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err
+
+
+def test_port_in_use_or_bad_host_is_one_line_before_the_banner(capsys):
+    import socket
+
+    from vlkv.serve.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == f"vlkv: error: --port {port} is already in use on 127.0.0.1: pick another port"
+    for host, words in [
+        ("no-such-host.invalid", "--host 'no-such-host.invalid' is not an address to listen on"),
+        ("192.0.2.1", "--host '192.0.2.1' is not an address of this machine"),  # TEST-NET-1
+    ]:
+        assert main(["--host", host, "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "\n" not in err.strip() and "http://" not in err
+
+
+def test_link_threshold_outside_zero_one_is_refused_by_serve(capsys):
+    from vlkv.serve.cli import main
+
+    for value in ("2", "-1", "nan"):
+        assert main(["--link-threshold", value, "--port", "0"]) == 2
+        assert "--link-threshold must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_deeply_nested_json_is_a_400():
+    from vlkv.serve.errors import ApiError
+    from vlkv.serve.translate import MAX_JSON_DEPTH, parse_json
+
+    for depth in (MAX_JSON_DEPTH + 1, 5000, 200_000):
+        with pytest.raises(ApiError, match="request body nests too deeply") as err:
+            parse_json(b"[" * depth + b"]" * depth)
+        assert err.value.status == 400
+    assert parse_json(b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH) is not None
 
 
 def test_multi_turn_chat_uses_the_checkpoint_chat_template():
@@ -121,3 +186,90 @@ def test_multi_turn_chat_uses_the_checkpoint_chat_template():
     prompt, uuids = asyncio.run(chat_prompt(req, templated, ServeConfig()))
     assert prompt.raw and len(prompt.images) == 1 and uuids == [None]
     assert prompt.text == "system:Be brief.|user:<image>|assistant:A picture.|user:Of what?|assistant:"
+
+
+# A gap may also wait on the OS (other processes on a shared 2-core box, the encoding thread's own
+# core) or the GIL (the encoding thread holds it between C calls): this much slack over one decode
+# step is allowed (measured worst on a loaded 2-core VM: 15-45 ms), never the whole encode.
+GAP_SLACK_S = 0.05
+
+
+def test_encoding_a_large_prompt_does_not_stall_a_running_stream(engines):
+    """While a handler encodes a ~2,000-token prompt with eight 1024x1024 images (~100-600 ms of
+    tokenizing and preprocessing), the engine thread keeps stepping a running stream: no inter-token
+    gap in that window exceeds the median gap by more than one decode step (tiny-llava's is ~1 ms, so
+    :data:`GAP_SLACK_S` stands in for it). Encoding on the engine thread, as before, made one gap the
+    whole encode: the test checks the encode took over twice the bound, so that would fail."""
+    import asyncio
+    import statistics
+    import time
+
+    import numpy as np
+    from PIL import Image
+
+    from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.prompt import Prompt
+    from vlkv.runtime.request import Request
+    from vlkv.runtime.scheduler import Scheduler
+    from vlkv.serve.engine_loop import EngineLoop, Ticket
+    from vlkv.serve.translate import encode
+
+    engine = engines["tiny-llava"]
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8)) for _ in range(8)]
+    big = Prompt("word " * 400, pictures)  # decoded pictures, as the handler's media step leaves them
+    stamps: list[float] = []
+
+    class Timed(Ticket):
+        def push(self, item) -> None:  # called on the engine thread, as each token is produced
+            stamps.append(time.perf_counter())
+            super().push(item)
+
+    async def run() -> tuple[float, float, float, int]:
+        loop = EngineLoop(Scheduler(engine), idle_wait_s=0.01)
+        loop.start()
+        try:
+            aio = asyncio.get_running_loop()
+            stream = Request(Prompt("Go on."), make_policy("full"), 4000, stop_at_eos=False)
+            stream.batch = encode(engine, stream.prompt, "prompt")
+            ticket = Timed(stream, aio, time.monotonic() + 120)
+            assert loop.submit(ticket)
+            await ticket.accepted
+            while len(stamps) < 200:  # a settled stream: its median gap is one decode step
+                await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+            batch = await asyncio.to_thread(encode, engine, big, "messages")  # what the handler does
+            t1 = time.perf_counter()
+            loop.cancel(ticket)
+        finally:
+            loop.stop()
+        assert batch.lengths.item() >= 2000
+        times = list(stamps)
+        median = statistics.median(b - a for a, b in zip(times[:150], times[1:150]))
+        inside = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
+        return median, max(inside) if inside else t1 - t0, t1 - t0, len(inside)
+
+    # Up to three tries: a loaded box may stall any thread once; an encode on the engine thread
+    # stalls the stream for the whole encode every time, so it fails all three.
+    tries = []
+    for _ in range(3):
+        stamps.clear()
+        median, worst, took, n = asyncio.run(run())
+        bound = median + max(median, GAP_SLACK_S)
+        tries.append(
+            f"encode {took * 1e3:.1f} ms, median gap {median * 1e3:.2f} ms, worst {worst * 1e3:.1f} ms"
+        )
+        assert took > 2 * bound, f"the encode is too short to tell where it ran: {tries[-1]}"
+        assert n >= 3, f"only {n} token(s) while encoding: {tries[-1]}"
+        if worst <= bound:
+            return
+    raise AssertionError("a running stream stalled while a prompt was encoded: " + "; ".join(tries))
+
+
+def test_a_requests_unset_link_fields_keep_the_servers_settings():
+    from vlkv.serve.config import ServeConfig
+
+    cfg = ServeConfig(store="/tmp/unused", link="mpic", link_k=4, store_budget=0.5)
+    spec = cfg.link_spec(method="mpic", k=None, r=None, store_budget=None)
+    assert spec.k == 4 and spec.store_budget == 0.5  # was LinkSpec's own k=32: 0 tokens reused
+    assert cfg.link_spec(method="mpic", k=8).k == 8

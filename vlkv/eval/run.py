@@ -44,12 +44,55 @@ def machine_name(device: str) -> str:
     return f"cpu-{platform.machine()}-{os.cpu_count()}t"
 
 
+DEFAULT_MODEL = "smollm2-llava"
+DEFAULT_PROMPTS = 4
+SMOKE_MODEL, SMOKE_PROMPTS = "tiny-llava", 2
+
+
+def check_out(out: str) -> None:
+    """Refuse an ``--out`` that is a file or cannot be created before minutes of measuring."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out} is a file: it must be a folder (each report goes in a new subfolder)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot create the folder ({err.strerror or err})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} is not writable")
+
+
+def model_and_prompts(args) -> tuple[str, int]:
+    """``--smoke`` fixes the model and the prompt count: naming them too is refused, not ignored."""
+    if args.smoke:
+        given = [
+            flag
+            for flag, value in (("--model", args.model), ("--prompts", args.prompts))
+            if value is not None
+        ]
+        if given:
+            raise ValueError(
+                f"--smoke runs {SMOKE_MODEL} on {SMOKE_PROMPTS} prompts; {' and '.join(given)} would be ignored: "
+                f"drop {'them' if len(given) > 1 else 'it'} or drop --smoke"
+            )
+        return SMOKE_MODEL, SMOKE_PROMPTS
+    prompts = DEFAULT_PROMPTS if args.prompts is None else args.prompts
+    if prompts < 1:
+        raise ValueError(f"--prompts must be >= 1, got {prompts}")
+    return args.model or DEFAULT_MODEL, prompts
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="evaluate", description="vlkv quality/speed report")
-    ap.add_argument("--model", default="smollm2-llava")
+    ap.add_argument("--model", default=None, help=f"model to measure (default: {DEFAULT_MODEL})")
     ap.add_argument("--policies", nargs="+", default=None)
     ap.add_argument("--budgets", nargs="+", type=float, default=None)
-    ap.add_argument("--prompts", type=int, default=4, help="image prompts in the quality batch")
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help=f"image prompts in the quality batch (default: {DEFAULT_PROMPTS})",
+    )
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=None)
     ap.add_argument("--context-words", nargs="+", type=int, default=None)
@@ -100,14 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda asked for, but CUDA is not available")
-        model = "tiny-llava" if args.smoke else args.model
+        model, n_prompts = model_and_prompts(args)
+        check_out(args.out)
         from vlkv.eval.report import write_report
         from vlkv.runtime.engine import Engine
         from vlkv.runtime.models.registry import load_model
 
         engine = Engine(load_model(model, device=args.device))
         images = _images(model)
-        prompts = quality_prompts(images, 2 if args.smoke else args.prompts)
+        prompts = quality_prompts(images, n_prompts)
         total = len(cfg.policies) * len(cfg.budgets)
         if not args.no_speed:
             speed_cfgs = 1 + len(cfg.speed_policies) * len(cfg.speed_budgets)
@@ -144,8 +188,14 @@ def main(argv: list[str] | None = None) -> int:
                 report = write_report(
                     records, root=args.out, machine=machine, title=f"vlkv on {model}", into=report.out_dir
                 )
+    except KeyboardInterrupt:
+        print("evaluate: interrupted", file=sys.stderr)
+        return 130
     except ValueError as e:
         print(f"evaluate: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the report folder went away or filled up while measuring
+        print(f"evaluate: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
     print(f"report: {report.out_dir}")
     return 0

@@ -6,6 +6,7 @@ Exit codes:
        is building the same --out (one line each on stderr)
     3  every stage that can run here succeeded, but TensorRT / TensorRT-LLM is not installed, so
        trt_engine / trtllm_engine were skipped (their inputs are on disk; see the summary)
+    130  interrupted (Ctrl-C), one line
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from vlkv.exporter.errors import BuildLocked
 EXIT_OK = 0
 EXIT_ERROR = 2
 EXIT_TRT_MISSING = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _notes_to_stderr():
             return _build(args)
+    except KeyboardInterrupt:
+        print("build-engine: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, BuildLocked) as exc:  # RecipeError, a held --out and friends: already one line
         print(f"build-engine: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -62,13 +62,31 @@ def _load_builtin(name: str, dtype: torch.dtype) -> PreTrainedModel:
 def _load_checkpoint(path: Path, family: str, dtype: torch.dtype) -> PreTrainedModel:
     import transformers
 
+    from vlkv.runtime.models.registry import _quiet_transformers, summarize_keys
+
     cls = getattr(transformers, FAMILY_CLASSES[family])
     try:
         # Eager attention exports to plain MatMul/Softmax, which every ONNX/TensorRT path accepts.
-        return cls.from_pretrained(path, dtype=dtype, attn_implementation="eager", local_files_only=True)
+        with _quiet_transformers():
+            model, info = cls.from_pretrained(
+                path,
+                dtype=dtype,
+                attn_implementation="eager",
+                local_files_only=True,
+                output_loading_info=True,
+            )
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StageError(f"cannot load {family} checkpoint '{path}': {first}") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if (
+        missing
+    ):  # transformers fills them with random values: an export of random layers (as vlkv generate refuses)
+        raise StageError(
+            f"checkpoint {path} lacks weights its config.json asks for ({len(missing)} tensors: "
+            f"{summarize_keys(missing)}); the config and the weight files do not match"
+        )
+    return model
 
 
 def load_source_config(section: ModelSection):

@@ -226,11 +226,17 @@ def encode_prompt(
     prompt: Prompt, processor, adapter: FamilyAdapter, template, placeholder: str
 ) -> EncodedPrompt:
     """Tokenize one prompt with the model's HF processor and derive positions, modality and spans."""
-    images = list(prompt.images)
-    if any(isinstance(im, str) for im in images):
-        from vlkv.runtime.models.images import load_image
+    from vlkv.runtime.models.images import image_limits, load_image
 
-        images = [load_image(im) if isinstance(im, str) else im for im in images]
+    # Sizes are checked on the header (files) or the size (PIL images) before the processor resizes.
+    limits = image_limits(processor)
+    images = []
+    for i, im in enumerate(prompt.images):
+        if isinstance(im, Image.Image):
+            limits.check(*im.size, f"image {i + 1}")
+            images.append(im)  # as given: the processor converts it as it always has
+        else:
+            images.append(load_image(im, limits))
     text = prompt.text if prompt.raw else template(prompt.text, len(images))
     n_slots = text.count(placeholder)
     if n_slots != len(images):

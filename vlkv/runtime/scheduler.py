@@ -106,10 +106,20 @@ class Scheduler:
 
     def submit(self, request: Request) -> Request:
         """Queue a request; raises :class:`RequestTooLarge` (one line, sizes named) if it can never fit
-        in the pool, and :class:`~vlkv.runtime.limits.LimitError` if the model cannot take it."""
+        in the pool, and :class:`~vlkv.runtime.limits.LimitError` if the model cannot take it.
+
+        A request whose ``batch`` is already set (``request.batch = engine.encode([prompt])``) is taken
+        as encoded: a server tokenizes and preprocesses images in its handler threads, so the thread
+        that steps the scheduler never stalls running streams on one large prompt.
+        """
         from vlkv.runtime.limits import check_fits, position_limit
 
-        request.batch = self.engine.encode([request.prompt])
+        if request.batch is None:
+            request.batch = self.engine.encode([request.prompt])
+        elif len(request.batch.prompts) != 1:
+            raise ValueError(
+                f"request {request.id} carries {len(request.batch.prompts)} encoded prompts; one"
+            )
         n = request.prompt_tokens
         loaded = self.engine.loaded
         check_fits([n], request.max_new_tokens, position_limit(loaded), getattr(loaded, "name", "the model"))

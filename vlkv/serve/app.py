@@ -1,9 +1,10 @@
 """FastAPI routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/metrics``.
 
 A handler parses and validates the body (size, JSON, pydantic, model, limits, images, policy), builds
-a runtime :class:`Request` and hands it to the engine thread; the engine thread's ``submit`` decides
-whether the model can take it (position limit, pool size) before any answer starts, so every refusal
-is a 4xx with one line. Then it streams (SSE) or collects the tokens. A client that goes away
+a runtime :class:`Request`, tokenizes and preprocesses its prompt in a worker thread (never on the
+engine thread, whose running streams would wait) and hands it to the engine thread; the engine
+thread's ``submit`` decides whether the model can take it (position limit, pool size) before any
+answer starts, so every refusal is a 4xx with one line. Then it streams (SSE) or collects the tokens. A client that goes away
 cancels its request, which frees its KV slots at once.
 """
 
@@ -32,7 +33,9 @@ from vlkv.serve.metrics import ServeMetrics
 from vlkv.serve.schemas import ChatRequest, CompletionRequest
 from vlkv.serve.translate import (
     chat_prompt,
+    check_request_compresses,
     completion_prompt,
+    encode,
     make_request_policy,
     make_sampler,
     max_new_tokens,
@@ -72,12 +75,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, err: ApiError):
-        if err.status in (429, 503):
+        if (400 <= err.status < 500 and err.status != 499) or err.status == 503:  # 499: cancelled, counted
             state.metrics.rejected.labels(str(err.status)).inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, err: HTTPException):
+        if 400 <= err.status_code < 500:
+            state.metrics.rejected.labels(str(err.status_code)).inc()
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return JSONResponse(
             ApiError(err.status_code, str(err.detail), kind).body(), status_code=err.status_code
@@ -214,6 +219,10 @@ async def _answer(http, state: ServerState, req, prompt, uuids, kind: str, defau
         link=_link_spec(req, cfg),
         tenant=req.cache_salt or "default",  # vLLM's cache_salt scopes stored records to a tenant
     )
+    # Encoding runs in a worker thread: the engine thread only queues an already encoded prompt.
+    param = "messages" if kind == "chat" else "prompt"
+    request.batch = await asyncio.to_thread(encode, state.engine, prompt, param)
+    check_request_compresses(req, request.policy, request.batch)
     request.extras["image_uuids"] = uuids  # aliases only: records are keyed by the pixels (docs/serving.md)
     request.extras["cache_salt"] = req.cache_salt
     loop = asyncio.get_running_loop()

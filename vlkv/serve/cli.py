@@ -62,6 +62,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--store-rank", type=int, help="store new records' K/V as rank-R factors (default 0: dense)"
     )
+    p.add_argument(
+        "--link-threshold",
+        type=float,
+        default=None,
+        help="refuse linking when the model's saved link-check agreement is below this, in [0, 1] (default 0.9)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -81,21 +87,40 @@ def _check_extra() -> None:
         raise ValueError(f"vlkv serve needs {', '.join(missing)}: pip install 'vlkv[serve]'")
 
 
+def listen_socket(host: str, port: int):
+    """A TCP socket bound to ``host:port`` (uvicorn listens on it); one-line ``ValueError`` when the
+    host does not resolve to an address of this machine or the port is taken."""
+    import errno
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as err:
+        why = getattr(err, "strerror", None) or str(err)
+        raise ValueError(f"--host {host!r} is not an address to listen on ({why})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no conflict
+    try:
+        sock.bind(addr)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port} is already in use on {host}: pick another port") from None
+        if err.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {host!r} is not an address of this machine") from None
+        if err.errno == errno.EACCES:
+            raise ValueError(f"--port {port} needs privileges on {host}: use a port above 1023") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def cmd_serve(args) -> int:
     _check_extra()
-    import uvicorn
-
-    from vlkv.cli import DEFAULT_BUDGET, NO_BUDGET
     from vlkv.runtime.device import resolve_device
-    from vlkv.runtime.engine import Engine
-    from vlkv.runtime.limits import position_limit
-    from vlkv.runtime.models.registry import load_model
     from vlkv.runtime.policies import make_policy
-    from vlkv.runtime.scheduler import Scheduler
-    from vlkv.serve.app import ServerState, create_app
+    from vlkv.runtime.policies.settings import default_budget
     from vlkv.serve.config import ServeConfig
-    from vlkv.serve.engine_loop import EngineLoop
-    from vlkv.serve.metrics import ServeMetrics
 
     cfg = ServeConfig(
         model=args.model,
@@ -118,12 +143,32 @@ def cmd_serve(args) -> int:
         store_budget=args.store_budget,
         store_scorer=args.store_scorer,
         store_rank=args.store_rank,
+        link_threshold=args.link_threshold,
     )
-    budget = cfg.budget if cfg.budget is not None else None if cfg.policy in NO_BUDGET else DEFAULT_BUDGET
-    make_policy(cfg.policy, **({} if budget is None else {"budget": budget}))  # refuse a bad default now
+    budget = {"budget": cfg.budget} if cfg.budget is not None else default_budget(cfg.policy)
+    make_policy(cfg.policy, **budget)  # refuse a bad default now
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     device = resolve_device(args.device)
+    sock = listen_socket(args.host, args.port)  # a taken port or a bad host fails here, not after the banner
+    try:
+        return _serve(args, cfg, device, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args, cfg, device, sock) -> int:
+    """Load the model, start the engine thread and uvicorn on ``sock`` (bound by :func:`listen_socket`)."""
+    import uvicorn
+
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.limits import position_limit
+    from vlkv.runtime.models.registry import load_model
+    from vlkv.runtime.scheduler import Scheduler
+    from vlkv.serve.app import ServerState, create_app
+    from vlkv.serve.engine_loop import EngineLoop
+    from vlkv.serve.metrics import ServeMetrics
+
     loaded = load_model(args.model, device=str(device))
     engine = Engine(loaded, backend=args.backend)
     store = None
@@ -131,7 +176,9 @@ def cmd_serve(args) -> int:
         from vlkv.runtime.store.url import open_store
 
         store = open_store(cfg.store)
-    scheduler = Scheduler(engine, cfg.pool_bytes, max_running=cfg.max_running, store=store)
+    scheduler = Scheduler(
+        engine, cfg.pool_bytes, max_running=cfg.max_running, store=store, link_threshold=cfg.link_threshold
+    )
     metrics = ServeMetrics(args.model)
     state = ServerState(
         cfg, engine, EngineLoop(scheduler, metrics), metrics, args.model, position_limit(loaded)
@@ -156,8 +203,10 @@ def cmd_serve(args) -> int:
             timeout_graceful_shutdown=int(cfg.request_timeout_s) + 5,
         )
     )
-    print(f"vlkv serve: {args.model} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    server.run()
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"vlkv serve: {args.model} on http://{shown}:{port}", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
     if state.loop.fatal:
         print(f"vlkv serve: the engine thread died: {state.loop.fatal}", file=sys.stderr)
         return 1
@@ -166,14 +215,9 @@ def cmd_serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vlkv.cli import EXIT_USAGE, _Parser
+    from vlkv.cli import _Parser, run_command
 
     parser = _Parser(prog="vlkv serve", description="OpenAI-compatible server over the vlkv scheduler")
     _add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return cmd_serve(args)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"vlkv: error: {msg}", file=sys.stderr)
-        return EXIT_USAGE
+    return run_command(cmd_serve, args)

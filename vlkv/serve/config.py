@@ -27,6 +27,7 @@ class ServeConfig:
         link, link_k, link_r, link_deviation, store_budget, store_scorer, store_rank: how requests link stored
             images and write new records unless their ``vlkv`` field says otherwise
             (:class:`~vlkv.runtime.link.linker.LinkSpec`).
+        link_threshold: link-check agreement in [0, 1] a method needs to link (None: the default).
     """
 
     model: str = "tiny-llava"
@@ -50,6 +51,7 @@ class ServeConfig:
     store_budget: float | None = None
     store_scorer: str | None = None
     store_rank: int | None = None
+    link_threshold: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -67,6 +69,8 @@ class ServeConfig:
             raise ValueError(f"pool_bytes must be >= 1, got {self.pool_bytes}")
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
             raise ValueError(f"request_timeout_s must be a finite number > 0, got {self.request_timeout_s}")
+        if self.link_threshold is not None and not 0.0 <= self.link_threshold <= 1.0:  # NaN too
+            raise ValueError(f"--link-threshold must be in [0, 1], got {self.link_threshold}")
         self.link_spec()  # one line naming a bad method, k, r, deviation or record budget
         if self.link != "none" and self.store is None:
             raise ValueError("--link needs --store (where the records live)")
@@ -88,5 +92,6 @@ class ServeConfig:
             "store_scorer": self.store_scorer,
             "store_rank": self.store_rank,
         }
-        fields.update(overrides)
+        # a request's unset (None) fields keep the server's settings, not LinkSpec's defaults
+        fields.update({k: v for k, v in overrides.items() if v is not None})
         return LinkSpec(**{k: v for k, v in fields.items() if v is not None})

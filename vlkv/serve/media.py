@@ -16,12 +16,14 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image
 
+from vlkv.runtime.models.images import ImageLimits
+
 
 class MediaError(ValueError):
     """An image part that cannot be used (one-line message)."""
 
 
-def load_part(url: str, where: str, media_dir: str | None, max_bytes: int):
+def load_part(url: str, where: str, media_dir: str | None, max_bytes: int, limits: ImageLimits | None = None):
     """One ``image_url.url`` → an RGB ``PIL.Image``.
 
     Args:
@@ -29,9 +31,12 @@ def load_part(url: str, where: str, media_dir: str | None, max_bytes: int):
         where: the part's position for messages (``messages[0].content[1]``).
         media_dir: the resolved ``--allowed-media-dir`` (None: local files are refused).
         max_bytes: largest encoded image accepted.
+        limits: the model's :class:`ImageLimits` (sides, aspect ratio, pixels), checked on the header
+            before anything is decoded (default: the model-independent ones).
     """
+    limits = limits or ImageLimits()
     if url.startswith("data:"):
-        return _decode(_data_url(url, where, max_bytes), where)
+        return _decode(_data_url(url, where, max_bytes), where, limits)
     scheme = urlparse(url).scheme
     if scheme in ("http", "https"):
         raise MediaError(f"{where}: http(s) image URLs are not fetched by this server; send a data: URL")
@@ -41,7 +46,7 @@ def load_part(url: str, where: str, media_dir: str | None, max_bytes: int):
         raise MediaError(f"{where}: unsupported image URL scheme {scheme!r} (data:, file:// or a path)")
     else:
         path = url
-    return _decode(_local(path, where, media_dir, max_bytes), where)
+    return _decode(_local(path, where, media_dir, max_bytes), where, limits)
 
 
 def _data_url(url: str, where: str, max_bytes: int) -> bytes:
@@ -75,16 +80,23 @@ def _local(path: str, where: str, media_dir: str | None, max_bytes: int) -> byte
         return f.read(max_bytes + 1)
 
 
-def _decode(data: bytes, where: str):
-    """Bytes → RGB image, refusing anything that is not an image or is a decompression bomb."""
+def _decode(data: bytes, where: str, limits: ImageLimits):
+    """Bytes → RGB image, refusing anything that is not an image, is a decompression bomb or has a
+    size past ``limits`` (read from the header: ``Image.open`` is lazy, ``load`` decodes)."""
     if not data:
         raise MediaError(f"{where}: image payload is empty")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as img:
+                try:
+                    limits.check(*img.size, f"{where}: image")
+                except ValueError as err:
+                    raise MediaError(str(err)) from None
                 img.load()
                 return img.convert("RGB")
+    except MediaError:
+        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise MediaError(f"{where}: image is too large to decode safely: downscale it") from None
     except (OSError, ValueError, SyntaxError) as err:  # PIL raises all three for bad files

@@ -13,11 +13,14 @@ import asyncio
 import json
 import secrets
 
+from vlkv.runtime.models.images import ImageLimits, image_limits
 from vlkv.runtime.prompt import Prompt
 from vlkv.serve.config import ServeConfig
 from vlkv.serve.errors import ApiError
 from vlkv.serve.media import MediaError, load_part
 from vlkv.serve.schemas import ChatRequest, CompletionRequest, ImagePart, TextPart
+
+SETTINGS = "vlkv.settings."  # how a request names a policy setting in messages
 
 
 def _parts(content) -> list:
@@ -38,7 +41,7 @@ async def chat_prompt(req: ChatRequest, loaded, cfg: ServeConfig) -> tuple[Promp
             f"{len(images)} images in one request; this server takes at most {cfg.max_images}",
             param="messages",
         )
-    pictures = await asyncio.to_thread(_load_images, images, cfg)
+    pictures = await asyncio.to_thread(_load_images, images, cfg, image_limits(loaded.processor))
     uuids = [part.uuid for _, part in images]
     single = len(req.messages) == 1 and req.messages[0].role == "user"
     if single:
@@ -54,10 +57,19 @@ async def chat_prompt(req: ChatRequest, loaded, cfg: ServeConfig) -> tuple[Promp
     return Prompt(_apply_template(req, loaded), pictures, raw=True), uuids
 
 
-def _load_images(images: list[tuple[str, ImagePart]], cfg: ServeConfig) -> list:
+def encode(engine, prompt: Prompt, param: str):
+    """Tokenize ``prompt`` and preprocess its images in the calling thread (a handler's worker thread,
+    never the engine thread, whose running streams would wait on it); a refusal is a 400."""
+    try:
+        return engine.encode([prompt])
+    except Exception as err:  # a prompt the processor refuses (placeholders, image sizes, text)
+        raise ApiError(400, str(err) or type(err).__name__, param=param) from None
+
+
+def _load_images(images: list[tuple[str, ImagePart]], cfg: ServeConfig, limits: ImageLimits) -> list:
     try:
         return [
-            load_part(p.image_url.url, where, cfg.allowed_media_dir, cfg.max_image_bytes)
+            load_part(p.image_url.url, where, cfg.allowed_media_dir, cfg.max_image_bytes, limits)
             for where, p in images
         ]
     except MediaError as err:
@@ -118,8 +130,13 @@ def make_request_policy(
 ):
     """The ``vlkv`` field's policy, budget and settings (the server's ``--policy`` when it names none),
     validated as ``vlkv generate`` validates ``--policy/--budget/--set``."""
-    from vlkv.cli import DEFAULT_BUDGET, NO_BUDGET, CliError, _check_setting_sizes, _check_setting_types
     from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.policies.settings import (
+        SettingError,
+        check_setting_sizes,
+        check_setting_types,
+        default_budget,
+    )
 
     opts = req.vlkv
     name = opts.policy if opts is not None and opts.policy is not None else cfg.policy
@@ -133,29 +150,62 @@ def make_request_policy(
     elif name == cfg.policy and cfg.budget is not None:
         budget = {"budget": cfg.budget}
     else:
-        budget = {} if name in NO_BUDGET else {"budget": DEFAULT_BUDGET}
+        budget = default_budget(name, settings)
     try:
-        _check_setting_types(name, settings)
-        _check_setting_sizes(settings, limit, model)
+        check_setting_types(name, settings, SETTINGS)
+        check_setting_sizes(settings, limit, model, SETTINGS)
         return make_policy(name, **budget, **settings)
-    except CliError as err:
-        raise ApiError(400, str(err).replace("--set ", "vlkv.settings."), param="vlkv.settings") from None
+    except SettingError as err:
+        raise ApiError(400, str(err), param="vlkv.settings") from None
     except (ValueError, TypeError) as err:
         param = "vlkv.budget" if "budget" in str(err) else "vlkv.policy" if "policy" in str(err) else "vlkv"
         raise ApiError(400, f"{err}", param=param) from None
 
 
+def check_request_compresses(req: ChatRequest | CompletionRequest, policy, batch) -> None:
+    """Refuse ``vlkv.settings`` that would keep this prompt's whole cache at budget < 1 (a 400)."""
+    from vlkv.runtime.policies.settings import SettingError, check_compresses
+
+    settings = dict(req.vlkv.settings) if req.vlkv is not None else {}
+    try:
+        check_compresses(policy, settings, int(batch.lengths[0]), SETTINGS)
+    except SettingError as err:
+        raise ApiError(400, str(err), param="vlkv.settings") from None
+
+
+MAX_JSON_DEPTH = 32  # an OpenAI body nests about 6 deep; Python's JSON decoder recurses per level
+
+
 def parse_json(body: bytes):
-    """Bytes → JSON value; NaN and Infinity are refused (they are not JSON)."""
+    """Bytes → JSON value; NaN and Infinity are refused (they are not JSON), and so is a body that nests
+    deeper than :data:`MAX_JSON_DEPTH` (thousands of ``[`` would exhaust the decoder's recursion)."""
 
     def constant(name: str):
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(body, parse_constant=constant)
+        value = json.loads(body, parse_constant=constant)
     except json.JSONDecodeError as err:
         raise ApiError(
             400, f"request body is not valid JSON: {err.msg} (line {err.lineno} column {err.colno})"
         ) from None
+    except RecursionError:
+        raise ApiError(400, f"request body nests too deeply (at most {MAX_JSON_DEPTH} levels)") from None
     except (UnicodeDecodeError, ValueError) as err:
         raise ApiError(400, f"request body is not valid JSON: {err}") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"request body nests too deeply (at most {MAX_JSON_DEPTH} levels)")
+    return value
+
+
+def _depth(value) -> int:
+    """Nesting depth of a JSON value (a scalar is 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest

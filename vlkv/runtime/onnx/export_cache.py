@@ -54,6 +54,29 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vlkv" / "onnx")
 
 
+class CacheRootError(ValueError):
+    """An export cache root that is a file or cannot be written (one line naming it and the variable)."""
+
+
+def usable_root(root: Path) -> Path:
+    """``root``, created if missing; :class:`CacheRootError` when it is a file or not writable."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CacheRootError(
+            f"ONNX export cache {root} is not a directory (a file is in the way): set {CACHE_ENV} to a directory"
+        ) from None
+    except OSError as err:
+        raise CacheRootError(
+            f"cannot create the ONNX export cache {root} ({err.strerror or err}): set {CACHE_ENV} to a writable directory"
+        ) from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise CacheRootError(
+            f"ONNX export cache {root} is not writable: set {CACHE_ENV} to a writable directory"
+        )
+    return root
+
+
 def export_key(head: dict, modules: Iterable[torch.nn.Module], code: Iterable[str | Path]) -> str:
     """Hex sha256 naming an export: ``head`` (format, family, opset, config...), the package versions,
     the source of the ``code`` files that define the graph (a changed graph must never be served from
@@ -92,7 +115,7 @@ def cached_export(
     cache file, discarded and rebuilt; so are stale temporary folders, which are removed first. A
     concurrent builder that publishes the same key first wins, and its entry is verified like any other.
     """
-    root = cache_root() if root is None else Path(root)
+    root = usable_root(cache_root() if root is None else Path(root))
     logger = log if logger is None else logger
     entry = root / key[:KEY_CHARS]
     for path in clean_stale_temps(root):

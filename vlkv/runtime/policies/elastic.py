@@ -65,6 +65,8 @@ class ElasticPolicy(Policy):
     positions: str = "original"
 
     name: ClassVar[str] = "elastic"
+    # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
+    always_kept: ClassVar[tuple[str, ...]] = ("start", "recent")
     evicts_during_decode: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

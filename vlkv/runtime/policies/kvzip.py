@@ -63,6 +63,8 @@ class KVzipPolicy(Policy):
     mode: str = "context"
 
     name: ClassVar[str] = "kvzip"
+    # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
+    always_kept: ClassVar[tuple[str, ...]] = ("sinks",)
     gradient: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

@@ -23,6 +23,8 @@ class LocalPolicy(Policy):
     sinks: int = 4
 
     name: ClassVar[str] = "local"
+    # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
+    always_kept: ClassVar[tuple[str, ...]] = ("sinks",)
     evicts_during_decode: ClassVar[bool] = True
     can_defer_edits: ClassVar[bool] = True
 
