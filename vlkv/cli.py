@@ -233,10 +233,11 @@ def cmd_generate(args) -> int:
     lengths = batch.lengths.tolist()
     check_fits(lengths, args.max_new_tokens, limit, loaded.name)
     check_compresses(policy, settings, min(lengths), "--set ")
+    note = None
     if link is not None and link.method == "mpic":
         sizes = [e - s for p in batch.prompts for s, e in p.spans.image_spans]
         if sizes and link.k >= min(sizes):
-            _info(
+            note = (
                 f"-- note: --link-k {link.k} is not below an image's {min(sizes)} tokens: MPIC recomputes "
                 f"every token of such an image and reuses none; use --link-k below {min(sizes)}"
             )
@@ -255,6 +256,8 @@ def cmd_generate(args) -> int:
     )
     for why in result.extras.get("link_refused", []):
         _info(f"-- {why}")
+    if note:  # after the run, so a refused configuration stays one line
+        _info(note)
     if args.json:
         described = [
             {"text": p.text, "images": [im if isinstance(im, str) else "<image>" for im in p.images]}

@@ -199,7 +199,9 @@ def test_link_k_not_below_the_image_tokens_is_named(capsys, tmp_path):
         '{"prompt": "What is it?", "images": ["builtin:noise"]}\n'
         '{"prompt": "And the colours?", "images": ["builtin:noise"]}\n'
     )
+    # --link-threshold 0: the operator's opt-in to linking a model with no saved link-check
     common = ["--batch-file", str(batch), "--policy", "full", "--link", "mpic", "--max-new-tokens", "2"]
+    common += ["--link-threshold", "0"]
     code, _, err = _run(capsys, *common, "--link-k", "32", "--store", str(tmp_path / "a"))
     assert code == 0, err
     assert "-- note: --link-k 32 is not below an image's 16 tokens" in err
