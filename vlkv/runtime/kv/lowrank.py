@@ -149,6 +149,19 @@ class LowRank:
         held = [f for f in self.samples if f is not None]
         return bool(held) and all(f.post_rope for f in held)
 
+    def to(self, device: torch.device | str) -> LowRank:
+        """A copy with every factor on ``device`` (a preempted request's factors swap with its K/V)."""
+        out = LowRank(len(self.samples))
+        out.samples = [
+            None
+            if f is None
+            else Factors(
+                *(t.to(device) for t in (f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v)), f.post_rope
+            )
+            for f in self.samples
+        ]
+        return out
+
     def fill(self, layer, k: Tensor, v: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Put the reconstructed, rotated rows into ``k, v (B, H_kv, n, D)`` where ``ids (B, H_kv, n)`` < 0."""
         b, h, n, d = k.shape
