@@ -8,8 +8,10 @@ Each iteration of :meth:`Scheduler.step`:
    ``budget × (prompt + max_new)`` for policies that evict while decoding), so a request
    compressed to 20 % admits about 5× more beside it; each admitted request is prefilled alone
    and its policy compresses it before the next one is admitted;
-3. runs one decode step for every running request at once (a :class:`CacheBatch` view over their
-   caches), then lets each request's own policy edit its own cache.
+3. runs one decode step for every running request (a :class:`CacheBatch` view over their caches;
+   requests whose read paths exclude each other — see :mod:`vlkv.runtime.step_groups` — in separate
+   backend calls), then lets each request's own policy edit its own cache. A batched call that
+   raises is undone and its requests retried one at a time: only a request that fails alone fails.
 
 When a step would not fit (estimates are estimates: per-layer allocators, merges), the most
 recently admitted request is *preempted*: its K/V are swapped to host memory and its slots freed;
