@@ -319,7 +319,7 @@ def run_policy(policy: str, args) -> dict:
 def _pool(r: dict, args) -> str:
     if r["peak_pool_bytes"] is None:
         return "n/a"
-    total = f"{args.pool_bytes / 2**10:.0f} KiB" if args.pool_bytes else "a growing pool"
+    total = f"{args.pool_bytes / 2**10:.0f} KiB" if args.pool_bytes else "the default fixed pool"
     return f"{r['peak_pool_bytes'] / 2**10:.0f} KiB of {total}"
 
 

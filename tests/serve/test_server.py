@@ -161,6 +161,38 @@ def test_concurrent_requests_are_batched_and_each_equals_its_solo_answer(server,
     assert m["vlkv_decode_steps"] - before < 4 * 11
 
 
+def test_clients_with_any_mix_of_policies_share_the_batch(server, engine, media_dir):
+    # A-VL's selected attention, kvzip's per-head holes, attnpack's factors and the full cache, each
+    # picked by its own client: one client's policy used to fail every request batched with it
+    picks = [
+        ("avl", {"budget": 0.5, "settings": {"core": 0.3}}),
+        ("kvzip", {"budget": 0.5}),
+        ("full", {}),
+        ("attnpack", {"settings": {"rank": 4, "path": "b"}}),
+    ]
+    texts = [f"Tell me about item {i}." for i in range(len(picks))]
+    imgs = ["a.png", "b.png"] * 2
+    want = [
+        reference(
+            engine,
+            t,
+            [str(media_dir / img)],
+            policy=p,
+            max_new=10,
+            **{**kw.get("settings", {}), **{k: v for k, v in kw.items() if k != "settings"}},
+        )
+        for t, (p, kw), img in zip(texts, picks, imgs)
+    ]
+    bodies = [
+        chat_body(t, [img], max_tokens=10, vlkv={"policy": p, **kw})
+        for t, (p, kw), img in zip(texts, picks, imgs)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        got = list(pool.map(lambda b: post(server, b), bodies))
+    assert [r.status_code for r in got] == [200] * len(picks), [r.text for r in got]
+    assert [r.json()["choices"][0]["token_ids"] for r in got] == want
+
+
 # ---------------------------------------------------------------------- malformed requests
 def _bad_requests(media_dir) -> list[tuple[str, object, int]]:
     outside = media_dir.parent / "outside.png"

@@ -54,6 +54,9 @@ def test_a_later_request_links_the_stored_image_and_tenants_never_share(linked_s
     assert _cached(plain) == 0
     bad = _chat(linked_server, image, "x", vlkv={"link": "blend"})
     assert bad.status_code == 400 and "unknown link method 'blend'" in bad.json()["error"]["message"]
+    # started without --pool-bytes: the server's pool is fixed (sized from --kv-memory-fraction)
+    assert "fixed KV pool of" in linked_server.log.read_text()
+    assert linked_server.metrics()["vlkv_pool_total_bytes"] > 0
 
 
 def test_a_client_uuid_is_only_an_alias_of_the_pixels(linked_server):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -273,3 +274,74 @@ def test_a_requests_unset_link_fields_keep_the_servers_settings():
     spec = cfg.link_spec(method="mpic", k=None, r=None, store_budget=None)
     assert spec.k == 4 and spec.store_budget == 0.5  # was LinkSpec's own k=32: 0 tokens reused
     assert cfg.link_spec(method="mpic", k=8).k == 8
+
+
+# ---------------------------------------------------------------------- the server's fixed pool
+MIB = 2**20
+
+
+@pytest.fixture()
+def tiny_engine(engines):
+    return engines["tiny-llava"]
+
+
+def _scheduler(engine, monkeypatch, free: int, **cfg):
+    from vlkv.runtime.kv import sizing
+    from vlkv.serve.cli import build_scheduler
+    from vlkv.serve.config import ServeConfig
+
+    monkeypatch.setattr(sizing, "free_memory_bytes", lambda device: free)
+    return build_scheduler(ServeConfig(**cfg), engine)
+
+
+def test_the_servers_pool_is_fixed_by_default_at_half_the_free_memory(tiny_engine, monkeypatch):
+    sched, size = _scheduler(tiny_engine, monkeypatch, 8 * MIB)
+    assert not sched.pool.grow and size.nbytes == 4 * MIB == sched.pool.held_bytes()
+    assert size.describe() == "fixed KV pool of 4.0 MiB (0.5 of 8 MiB free)"
+    sched, size = _scheduler(tiny_engine, monkeypatch, 8 * MIB, kv_memory_fraction=0.25)
+    assert size.nbytes == 2 * MIB == sched.pool.held_bytes()
+    sched, size = _scheduler(tiny_engine, monkeypatch, 8 * MIB, pool_bytes=MIB)  # --pool-bytes wins
+    assert not sched.pool.grow and sched.pool.held_bytes() == MIB
+
+
+def test_the_default_pool_is_capped_at_what_the_running_requests_can_use(tiny_engine, monkeypatch):
+    from vlkv.runtime.limits import position_limit
+
+    sched, size = _scheduler(tiny_engine, monkeypatch, 2**40, max_running=2)
+    token = sched.pool.spec.entry_bytes * sched.pool.spec.num_layers
+    assert size.nbytes == size.cap == 2 * position_limit(tiny_engine.loaded) * token
+    assert "capped at what it can use" in size.describe()
+
+
+def test_a_fraction_that_leaves_no_token_is_one_line(tiny_engine, monkeypatch):
+    with pytest.raises(ValueError, match=r"^--kv-memory-fraction 0.5 of the 1000 bytes free leaves no room"):
+        _scheduler(tiny_engine, monkeypatch, 1000)
+
+
+def test_free_memory_is_read_from_the_os():
+    from vlkv.runtime.kv.sizing import free_memory_bytes
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < free_memory_bytes("cpu") <= total
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--kv-memory-fraction", "0"], "--kv-memory-fraction must be in (0, 1]"),
+        (["--kv-memory-fraction", "1.5"], "--kv-memory-fraction must be in (0, 1]"),
+        (["--kv-memory-fraction", "-0.2"], "--kv-memory-fraction must be in (0, 1]"),
+        (["--kv-memory-fraction", "nan"], "--kv-memory-fraction must be in (0, 1]"),
+        (["--kv-memory-fraction", "inf"], "--kv-memory-fraction must be in (0, 1]"),
+        (
+            ["--kv-memory-fraction", "0.3", "--pool-bytes", "4096"],
+            "give --pool-bytes or --kv-memory-fraction",
+        ),
+    ],
+)
+def test_bad_kv_memory_fractions_are_one_line_before_loading(argv, words, capsys):
+    from vlkv.serve.cli import main
+
+    assert main([*argv, "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err

@@ -112,6 +112,7 @@ class LayerKV:
         self.scores: dict[str, Tensor] = {}
         self.holes: Tensor | None = None
         self.offloaded: tuple[Tensor, Tensor] | None = None  # host K/V while swapped out
+        self.offloaded_factors = None  # host low-rank factors (LowRank) while swapped out
         self.linked = False  # holds shared entries (pre-RoPE keys, rotated on read)
         # low-rank factored entries (slot = -(1 + factor row)), see vlkv/runtime/kv/lowrank.py
         self.lowrank = None
@@ -906,9 +907,12 @@ class LayerKV:
     def offload(self, device: torch.device | str = "cpu") -> None:
         """Swap out: copy the valid K/V to ``device`` (host memory) and free the pool slots."""
         n = self.max_length
-        k, v = self.attention_kv(n)
+        # factored columns stay factors (swapped with them): a reload rebuilds nothing, so the
+        # request resumes with exactly the cache it had
+        k, v = self.attention_kv(n, fill=self.lowrank is None)
         self.offloaded = (k.to(device), v.to(device))
-        self.lowrank = None  # swapped back in dense (reconstructed)
+        self.offloaded_factors = None if self.lowrank is None else self.lowrank.to(device)
+        self.lowrank = None
         self.charge_factors()
         self.release_spare()
         lengths = self.lengths.clone()
@@ -921,12 +925,18 @@ class LayerKV:
             return
         k, v = (t.to(self.device) for t in self.offloaded)
         valid = self.valid_mask()[:, : k.shape[2]]
+        factors, self.offloaded_factors = self.offloaded_factors, None
+        if factors is not None:  # factored columns (joint-head rows) keep their factor ids
+            valid = valid & (self.slots[:, :, : k.shape[2]] >= 0).all(1)
         bt, it = torch.nonzero(valid, as_tuple=True)
         ids = self.pool.alloc(self.layer, bt.numel())
         self.pool.write(self.layer, ids, k.permute(1, 0, 2, 3)[:, bt, it], v.permute(1, 0, 2, 3)[:, bt, it])
         heads = torch.arange(self.kv_heads, device=self.device)
         self.slots[bt[None, :], heads[:, None], it[None, :]] = ids
         self.offloaded = None
+        if factors is not None:
+            self.lowrank = factors.to(self.device)
+            self.charge_factors()
         if self.holes is not None:  # every column got a slot per head: holes give theirs back
             hb, hh, hc = torch.nonzero(self.holes & self.valid_mask()[:, None, :], as_tuple=True)
             self.pool.release(self.layer, self.slots[hb, hh, hc], heads=hh)

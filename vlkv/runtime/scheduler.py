@@ -8,8 +8,10 @@ Each iteration of :meth:`Scheduler.step`:
    ``budget × (prompt + max_new)`` for policies that evict while decoding), so a request
    compressed to 20 % admits about 5× more beside it; each admitted request is prefilled alone
    and its policy compresses it before the next one is admitted;
-3. runs one decode step for every running request at once (a :class:`CacheBatch` view over their
-   caches), then lets each request's own policy edit its own cache.
+3. runs one decode step for every running request (a :class:`CacheBatch` view over their caches;
+   requests whose read paths exclude each other — see :mod:`vlkv.runtime.step_groups` — in separate
+   backend calls), then lets each request's own policy edit its own cache. A batched call that
+   raises is undone and its requests retried one at a time: only a request that fails alone fails.
 
 When a step would not fit (estimates are estimates: per-layer allocators, merges), the most
 recently admitted request is *preempted*: its K/V are swapped to host memory and its slots freed;
@@ -34,6 +36,7 @@ from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
 from vlkv.runtime.link.linker import SegmentStore, link_prefill
 from vlkv.runtime.request import Request, Status
+from vlkv.runtime.step_groups import Entry, group_entries, read_path
 
 
 class RequestTooLarge(ValueError):
@@ -96,6 +99,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.prefill_s = self.decode_s = 0.0
         self.decode_steps = 0
+        self.retried_steps = 0  # batched decode steps that raised and were rerun one request at a time
         self.peak_used_bytes = 0
         self.max_concurrent = 0
 
@@ -413,34 +417,62 @@ class Scheduler:
         if not self.running:
             return
         t0 = time.perf_counter()
-        for group in _groups(self.running, self.engine):
+        for group in group_entries(self._entries()):
             self._decode_group(group)
         self.decode_s += time.perf_counter() - t0
         self.decode_steps += 1
 
-    def _decode_group(self, group: list[tuple[Request, object, StatsRequest | None]]) -> None:
+    def _entries(self) -> list[Entry]:
+        """Each running request's part of this step (its policy asked once); a policy that raises
+        here fails its own request only."""
+        out = []
+        for r in list(self.running):
+            try:
+                ctx = self.engine.context(r.batch, r.decode_steps + 1)
+                stats = r.policy.decode_request(r.cache, ctx)
+                attend = r.policy.decode_attend(r.cache, ctx)
+                out.append(Entry(r, ctx, stats, attend, read_path(r.cache, attend)))
+            except Exception as err:
+                self._fail(r, err)
+        return out
+
+    def _decode_group(self, group: list[Entry]) -> None:
+        """One backend step over ``group``; if it raises, each request is retried alone (its appends
+        undone first), so a request that cannot step fails without failing the others."""
         eng = self.engine
-        reqs = [r for r, _, _ in group]
+        reqs = [e.request for e in group]
         dev = reqs[0].cache.device
         b = len(reqs)
         tokens = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.long, device=dev)
-        attends = [r.policy.decode_attend(r.cache, ctx) for r, ctx, _ in group]
         inputs = StepInputs(
             tokens[:, None],
             torch.cat([eng.decode_positions(r.policy, r.cache) for r in reqs]),
             torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8, device=dev),
             torch.ones(b, dtype=torch.long, device=dev),
-            attend=_merge_attend(attends, reqs),
+            attend=_merge_attend([e.attend for e in group], reqs),
         )
-        view = CacheBatch([r.cache for r in reqs])
+        before = [_step_mark(r.cache) for r in reqs]
         try:
-            out = eng.backend.step(inputs, view, _merge_stats([s for _, _, s in group], b, dev))
+            out = eng.backend.step(
+                inputs, CacheBatch([r.cache for r in reqs]), _merge_stats([e.stats for e in group], b, dev)
+            )
         except Exception as err:
-            for r in reqs:
-                self._fail(r, err)
+            for r, mark in zip(reqs, before):
+                try:
+                    _undo_step(r.cache, mark)
+                except Exception as undo_err:  # a cache the failed step left unreadable fails alone
+                    self._fail(r, undo_err)
+            if b == 1:
+                self._fail(reqs[0], err)
+                return
+            self.retried_steps += 1
+            for e in group:
+                if not e.request.done:
+                    self._decode_group([e])
             return
         self._track()
-        for i, (r, ctx, _) in enumerate(group):
+        for i, e in enumerate(group):
+            r = e.request
             try:
                 cache = r.cache
                 _count_usage(r, cache, None if out.attended is None else out.attended[:, i])
@@ -448,7 +480,7 @@ class Scheduler:
                 cache.next_position += 1
                 stats = _slice_stats(out.stats, i, cache)
                 _engine.apply_edits(
-                    cache, r.policy.after_decode(cache, stats, ctx), spare=_engine.DECODE_SPARE
+                    cache, r.policy.after_decode(cache, stats, e.ctx), spare=_engine.DECODE_SPARE
                 )
                 r.decode_steps += 1
                 self._emit(r, int(r.sampler(out.logits[i : i + 1])[0]))
@@ -518,26 +550,27 @@ def _reserve(req: Request, n: int) -> int:
     return min(n + m, math.ceil(budget * n) + m)
 
 
-def _signature(stats: StatsRequest | None):
-    if stats is None:
-        return None
-    return (stats.threshold, tuple(sorted((k, v.threshold) for k, v in stats.extra.items())))
+def _step_mark(cache: KVCache) -> tuple[list[int], list, object]:
+    """What a decode step changes in ``cache`` before it returns: per layer its length and next
+    sequence index, and the processed count (see :func:`_undo_step`)."""
+    return (
+        [int(layer.lengths[0]) for layer in cache.layers],
+        [layer.next_order.clone() for layer in cache.layers],
+        cache.processed.clone(),
+    )
 
 
-def _groups(running: list[Request], engine) -> list[list]:
-    """Running requests grouped so that each group's statistics requests can be merged into one step."""
-    groups: dict = {}
-    plain = []
-    for r in running:
-        ctx = engine.context(r.batch, r.decode_steps + 1)
-        stats = r.policy.decode_request(r.cache, ctx)
-        (plain if stats is None else groups.setdefault(_signature(stats), [])).append((r, ctx, stats))
-    out = list(groups.values())
-    if out:
-        out[0].extend(plain)  # requests that want no statistics ride along with any group
-    elif plain:
-        out.append(plain)
-    return out
+def _undo_step(cache: KVCache, mark) -> None:
+    """Take back what a decode step that raised had written: the entry it appended to each layer
+    it reached (its slot goes back to the pool) and the sequence index that entry took."""
+    lengths, orders, processed = mark
+    for layer, n, order in zip(cache.layers, lengths, orders):
+        grew = int(layer.lengths[0]) - n
+        if grew > 0:
+            dev = layer.lengths.device
+            layer.cut(torch.tensor([n], device=dev), torch.tensor([grew], device=dev))
+            layer.next_order = order
+    cache.processed = processed
 
 
 def _merge_stats(requests: list[StatsRequest | None], b: int, device) -> StatsRequest | None:

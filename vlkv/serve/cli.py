@@ -19,7 +19,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--pool-bytes", type=int, default=None, help="fixed KV pool in bytes (default: grows)")
+    p.add_argument(
+        "--pool-bytes", type=int, default=None, help="fixed KV pool in bytes (default: --kv-memory-fraction)"
+    )
+    p.add_argument(
+        "--kv-memory-fraction",
+        type=float,
+        default=None,
+        help="share in (0, 1] of the memory free once the model is loaded that the fixed KV pool takes "
+        "(default 0.5, capped at --max-running requests of the model's position limit)",
+    )
     p.add_argument(
         "--allowed-media-dir", default=None, help="local image files are read only under this directory"
     )
@@ -125,6 +134,7 @@ def cmd_serve(args) -> int:
     cfg = ServeConfig(
         model=args.model,
         pool_bytes=args.pool_bytes,
+        kv_memory_fraction=args.kv_memory_fraction,
         allowed_media_dir=args.allowed_media_dir,
         max_body_bytes=args.max_body_bytes,
         max_images=args.max_images,
@@ -157,6 +167,23 @@ def cmd_serve(args) -> int:
         sock.close()
 
 
+def build_scheduler(cfg, engine, store=None):
+    """The server's :class:`~vlkv.runtime.scheduler.Scheduler` over a fixed pool (``--pool-bytes``, or
+    ``--kv-memory-fraction`` of the memory free now, after the model is loaded), and its
+    :class:`~vlkv.runtime.kv.sizing.PoolSize`."""
+    from vlkv.runtime.kv.pool import PoolSpec
+    from vlkv.runtime.kv.sizing import free_memory_bytes
+    from vlkv.runtime.limits import position_limit
+    from vlkv.runtime.scheduler import Scheduler
+
+    spec = PoolSpec.for_backend(engine.backend)
+    size = cfg.fixed_pool(spec, free_memory_bytes(spec.device), position_limit(engine.loaded))
+    sched = Scheduler(
+        engine, size.nbytes, max_running=cfg.max_running, store=store, link_threshold=cfg.link_threshold
+    )
+    return sched, size
+
+
 def _serve(args, cfg, device, sock) -> int:
     """Load the model, start the engine thread and uvicorn on ``sock`` (bound by :func:`listen_socket`)."""
     import uvicorn
@@ -164,7 +191,6 @@ def _serve(args, cfg, device, sock) -> int:
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.limits import position_limit
     from vlkv.runtime.models.registry import load_model
-    from vlkv.runtime.scheduler import Scheduler
     from vlkv.serve.app import ServerState, create_app
     from vlkv.serve.engine_loop import EngineLoop
     from vlkv.serve.metrics import ServeMetrics
@@ -176,9 +202,7 @@ def _serve(args, cfg, device, sock) -> int:
         from vlkv.runtime.store.url import open_store
 
         store = open_store(cfg.store)
-    scheduler = Scheduler(
-        engine, cfg.pool_bytes, max_running=cfg.max_running, store=store, link_threshold=cfg.link_threshold
-    )
+    scheduler, size = build_scheduler(cfg, engine, store)
     metrics = ServeMetrics(args.model)
     state = ServerState(
         cfg, engine, EngineLoop(scheduler, metrics), metrics, args.model, position_limit(loaded)
@@ -205,7 +229,9 @@ def _serve(args, cfg, device, sock) -> int:
     )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"vlkv serve: {args.model} on http://{shown}:{port}", file=sys.stderr, flush=True)
+    print(
+        f"vlkv serve: {args.model} on http://{shown}:{port}; {size.describe()}", file=sys.stderr, flush=True
+    )
     server.run(sockets=[sock])
     if state.loop.fatal:
         print(f"vlkv serve: the engine thread died: {state.loop.fatal}", file=sys.stderr)

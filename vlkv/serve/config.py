@@ -13,7 +13,10 @@ class ServeConfig:
 
     Attributes:
         model: built-in model name or checkpoint directory (the served model's id).
-        pool_bytes: fixed KV pool in bytes (admission, preemption); None = a pool that grows.
+        pool_bytes: fixed KV pool in bytes (admission, preemption); None = sized from
+            ``kv_memory_fraction`` once the model is loaded (a server's pool is always fixed).
+        kv_memory_fraction: share in (0, 1] of the memory free after the model is loaded that the
+            pool takes (None: :data:`~vlkv.runtime.kv.sizing.DEFAULT_KV_FRACTION`); not with ``pool_bytes``.
         allowed_media_dir: local image files are read only under this directory (resolved); None = refused.
         max_body_bytes: largest request body (HTTP 413 above).
         max_images: most images per request.
@@ -32,6 +35,7 @@ class ServeConfig:
 
     model: str = "tiny-llava"
     pool_bytes: int | None = None
+    kv_memory_fraction: float | None = None
     allowed_media_dir: str | None = None
     max_body_bytes: int = 32 * 2**20
     max_images: int = 8
@@ -67,6 +71,12 @@ class ServeConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.pool_bytes is not None and self.pool_bytes < 1:
             raise ValueError(f"pool_bytes must be >= 1, got {self.pool_bytes}")
+        if self.kv_memory_fraction is not None:
+            from vlkv.runtime.kv.sizing import check_fraction
+
+            if self.pool_bytes is not None:
+                raise ValueError("give --pool-bytes or --kv-memory-fraction, not both")
+            check_fraction(self.kv_memory_fraction)
         if not (math.isfinite(self.request_timeout_s) and self.request_timeout_s > 0):
             raise ValueError(f"request_timeout_s must be a finite number > 0, got {self.request_timeout_s}")
         if self.link_threshold is not None and not 0.0 <= self.link_threshold <= 1.0:  # NaN too
@@ -78,6 +88,16 @@ class ServeConfig:
             if not os.path.isdir(self.allowed_media_dir):
                 raise ValueError(f"allowed media dir not found: {self.allowed_media_dir}")
             self.allowed_media_dir = os.path.realpath(self.allowed_media_dir)
+
+    def fixed_pool(self, spec, free: int, position_limit: int | None):
+        """The server's fixed pool size (:class:`~vlkv.runtime.kv.sizing.PoolSize`) for a model whose
+        pool layout is ``spec``, with ``free`` bytes free after loading it; ``pool_bytes`` when given."""
+        from vlkv.runtime.kv.sizing import DEFAULT_KV_FRACTION, PoolSize, pool_size
+
+        if self.pool_bytes is not None:
+            return PoolSize(self.pool_bytes, free, self.pool_bytes / max(free, 1), None)
+        fraction = DEFAULT_KV_FRACTION if self.kv_memory_fraction is None else self.kv_memory_fraction
+        return pool_size(spec, fraction, free, self.max_running, position_limit)
 
     def link_spec(self, **overrides):
         """The server's :class:`LinkSpec`, with a request's ``overrides`` (None values ignored)."""

@@ -63,21 +63,28 @@ def test_growable_pool_charges_nothing(engines):
     assert all(layer.ballast is None for layer in cache.layers)
 
 
-def test_offload_gives_the_factor_slots_back_and_reload_is_dense(engines):
+@pytest.mark.parametrize("path", ["a", "b"])
+def test_offload_gives_the_factor_slots_back_and_reload_restores_the_factors(engines, path):
+    # a preempted attnpack request resumes with exactly the cache it had: its factors swap with its
+    # dense K/V (a reload that rebuilt them dense changed later tokens, and held more slots)
     engine = engines["tiny-llava"]
     batch = engine.encode(PROMPTS[:1])
     pool = KVPool.with_bytes(PoolSpec.for_backend(engine.backend), sched_entry_bytes(engine) * 400)
     cache = engine.new_cache(batch, pool=pool)
-    engine.prefill(batch, make_policy("attnpack", rank=3), cache)
+    engine.prefill(batch, make_policy("attnpack", rank=3, path=path), cache)
     layer = cache.layers[1]
     k_before, v_before = layer.attention_kv(layer.max_length)
+    slots_before, charged = layer.slots.clone(), _charged(layer)
     layer.offload()
     assert layer.ballast is None and pool.used_slots(1) == 0
+    assert layer.offloaded_factors.samples[0].kbar.device.type == "cpu"
     layer.reload()
+    assert layer.lowrank is not None and layer.lowrank.post_rope == (path == "b")
+    assert torch.equal(layer.slots < 0, slots_before < 0)  # the same columns are factors
     k_after, v_after = layer.attention_kv(layer.max_length)
-    assert pool.used_slots(1) == _dense_slots(layer)
-    torch.testing.assert_close(k_after, k_before)
-    torch.testing.assert_close(v_after, v_before)
+    assert _charged(layer) == charged and pool.used_slots(1) == _dense_slots(layer) + charged
+    torch.testing.assert_close(k_after, k_before, rtol=0, atol=0)
+    torch.testing.assert_close(v_after, v_before, rtol=0, atol=0)
 
 
 def test_scheduler_accounting_counts_factor_slots(engines):

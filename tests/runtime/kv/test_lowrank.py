@@ -47,6 +47,21 @@ def test_randomized_svd_is_near_the_bound_and_error_falls_with_rank():
     assert all(a > b for a, b in zip(errs, errs[1:]))
 
 
+@pytest.mark.parametrize("shape", [(96, 64), (40, 120)])
+def test_randomized_svd_ignores_the_global_rng(shape):
+    # a request's factors (hence its tokens) must not depend on what consumed random numbers before it
+    m = _spectrum_matrix(*shape) if shape[0] >= shape[1] else _spectrum_matrix(*shape[::-1]).T
+    torch.manual_seed(1)
+    first = truncated_svd(m, 4)
+    torch.randn(1000)
+    torch.manual_seed(2)
+    again = truncated_svd(m, 4)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    err2 = float(((first[0] @ first[1] - m) ** 2).sum())
+    s = torch.linalg.svdvals(m.double())
+    assert err2 <= 1.05 * float((s[4:] ** 2).sum()) + 1e-9  # a wide matrix factors as well as a tall one
+
+
 def _prefill(engine, prompts):
     batch = engine.encode(prompts)
     cache = engine.new_cache(batch)

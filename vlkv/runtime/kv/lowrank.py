@@ -29,6 +29,7 @@ from torch import Tensor
 # leaves fewer than OVERSAMPLE spare directions uses the exact SVD instead (full rank is exact)
 OVERSAMPLE = 8
 NITER = 2
+SVD_SEED = 0  # the randomized SVD's fixed seed (see _randomized_svd)
 
 
 def truncated_svd(m: Tensor, rank: int, exact: bool = False) -> tuple[Tensor, Tensor]:
@@ -44,8 +45,28 @@ def truncated_svd(m: Tensor, rank: int, exact: bool = False) -> tuple[Tensor, Te
     if exact or r + OVERSAMPLE >= min(m.shape):
         u, s, vh = torch.linalg.svd(m, full_matrices=False)
         return u[:, :r] * s[:r], vh[:r]
-    u, s, v = torch.svd_lowrank(m, q=r + OVERSAMPLE, niter=NITER)
+    u, s, v = _randomized_svd(m, r + OVERSAMPLE, NITER)
     return u[:, :r] * s[:r], v[:, :r].T
+
+
+def _randomized_svd(m: Tensor, q: int, niter: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.svd_lowrank(m, q, niter)`` (Halko et al. 2009, Alg. 5.1) with its random directions drawn
+    from a generator seeded with ``SVD_SEED``, not the global RNG: a request's factors, hence its
+    tokens, never depend on what else ran before it (a request in a stream equals its solo run).
+
+    ``m (T, N)`` float32 → ``u (T, q)``, ``s (q,)``, ``v (N, q)``.
+    """
+    tall = m.shape[0] >= m.shape[1]
+    a = m if tall else m.T
+    gen = torch.Generator(device=a.device).manual_seed(SVD_SEED)
+    omega = torch.randn(a.shape[1], q, dtype=a.dtype, device=a.device, generator=gen)
+    basis = torch.linalg.qr(a @ omega).Q
+    for _ in range(niter):  # power iterations sharpen the basis towards the top singular vectors
+        basis = torch.linalg.qr(a.T @ basis).Q
+        basis = torch.linalg.qr(a @ basis).Q
+    u, s, vh = torch.linalg.svd(basis.T @ a, full_matrices=False)
+    u, v = basis @ u, vh.T
+    return (u, s, v) if tall else (v, s, u)
 
 
 def _masked(bar: Tensor, ranks: Tensor) -> Tensor:
@@ -127,6 +148,19 @@ class LowRank:
         """Every sample's factors hold post-RoPE keys (the rank-space attention path applies)."""
         held = [f for f in self.samples if f is not None]
         return bool(held) and all(f.post_rope for f in held)
+
+    def to(self, device: torch.device | str) -> LowRank:
+        """A copy with every factor on ``device`` (a preempted request's factors swap with its K/V)."""
+        out = LowRank(len(self.samples))
+        out.samples = [
+            None
+            if f is None
+            else Factors(
+                *(t.to(device) for t in (f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v)), f.post_rope
+            )
+            for f in self.samples
+        ]
+        return out
 
     def fill(self, layer, k: Tensor, v: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         """Put the reconstructed, rotated rows into ``k, v (B, H_kv, n, D)`` where ``ids (B, H_kv, n)`` < 0."""
