@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "selected_attention": "vlkv.plugins.ops",
     "merge_kv": "vlkv.plugins.ops",
     "lowrank_attention": "vlkv.plugins.ops",
+    "paged_attention": "vlkv.plugins.ops",
+    "paged_attention_reference": "vlkv.plugins.paged_reference",
     "lowrank_decode_attention": "vlkv.plugins.lowrank_reference",
     "compile_ptx": "vlkv.plugins.ptx",
     "PtxArtifact": "vlkv.plugins.ptx",

@@ -1,0 +1,191 @@
+"""Paged attention: the reference against a per-row float64 loop; the CPU form, the Triton kernel (under
+the interpreter) and the ``ops`` dispatch against the reference, over ragged rows, holes, GQA 1/3/7,
+decode and prefill chunks, per-head and shared tables, and column counts on block edges (1, 9, 81, 729)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
+from vlkv.plugins import ops
+from vlkv.plugins.paged_cpu import paged_attention_cpu, shared_runs
+from vlkv.plugins.paged_reference import paged_attention_reference
+
+tpa = pytest.importorskip("vlkv.plugins.triton_paged_attention", reason="triton is not installed")
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    """q (B, G·H_kv, Q, D) over a pool (H_kv, S, D); each request's row of ``cols`` table columns.
+
+    layout: "perhead" (every head its own random slots), "runs" (the same ascending runs in every
+    head: what the pool hands out), "holes" (runs with holes, ragged head lengths).
+    """
+
+    batch: int
+    kv_heads: int
+    group: int
+    queries: int
+    cols: int
+    dim: int
+    layout: str = "perhead"
+    runs: int = 1
+
+    def make(self, dtype: torch.dtype, seed: int = 0) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        b, h, c = self.batch, self.kv_heads, self.cols
+        slots = b * c + 11  # spare slots: the requests do not tile the pool
+        q = torch.randn(b, h * self.group, self.queries, self.dim, generator=g).to(dtype)
+        k_pool = torch.randn(h, slots, self.dim, generator=g).to(dtype)
+        v_pool = torch.randn(h, slots, self.dim, generator=g).to(dtype)
+        if self.layout == "perhead":
+            table = torch.stack([torch.randperm(slots, generator=g)[:c] for _ in range(b * h)]).view(b, h, c)
+            lengths = torch.randint(0, c + 1, (b, h), generator=g)
+        else:
+            # request r's columns as `runs` ascending runs, shuffled across the pool, the same per head
+            perm = torch.randperm(b, generator=g)
+            rows = []
+            for r in range(b):
+                base = torch.arange(int(perm[r]) * c, int(perm[r]) * c + c)
+                pieces = list(base.tensor_split(self.runs))
+                order = torch.randperm(len(pieces), generator=g).tolist()
+                rows.append(torch.cat([pieces[i] for i in order]))
+            table = torch.stack(rows)[:, None].expand(b, h, c).contiguous()
+            lengths = torch.randint(0, c + 1, (b, 1), generator=g).expand(b, h).contiguous()
+        lengths[-1] = c
+        lengths[0, 0] = 0  # an empty row: its query heads must be zeros
+        if self.layout == "holes":
+            hole = (torch.rand(b, h, c, generator=g) < 0.2) & (torch.arange(c) > 0)
+            table = torch.where(hole, torch.full_like(table, -1), table)
+            lengths = (lengths - torch.randint(0, 2, (b, h), generator=g)).clamp_min(0)
+        # padding past a row's length may hold anything, including slots out of range
+        pad = torch.arange(c)[None, None, :] >= lengths[..., None]
+        table = torch.where(pad, torch.full_like(table, 10**6), table)
+        return {
+            "q": q,
+            "k_pool": k_pool,
+            "v_pool": v_pool,
+            "table": table,
+            "lengths": lengths,
+            "scale": self.dim**-0.5,
+        }
+
+
+CASES = (
+    PagedCase(1, 1, 1, 1, 1, 16),
+    PagedCase(2, 2, 3, 1, 9, 8),
+    PagedCase(3, 1, 7, 3, 9, 40),
+    PagedCase(2, 3, 3, 1, 81, 64, layout="runs", runs=3),
+    PagedCase(2, 2, 1, 5, 81, 16, layout="holes", runs=2),
+    PagedCase(2, 3, 3, 4, 81, 32, layout="runs", runs=1),
+)
+BIG = PagedCase(2, 2, 3, 1, 729, 64, layout="runs", runs=2)
+
+
+def loop_reference(q, k_pool, v_pool, table, lengths, scale) -> torch.Tensor:
+    """One float64 softmax per (request, query head, query row) over the slots it sees: the spec."""
+    batch, heads, num_q, _ = q.shape
+    group = heads // k_pool.shape[0]
+    out = torch.zeros(batch, heads, num_q, v_pool.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for j in range(heads):
+            h = j // group
+            n = int(lengths[b, h])
+            for i in range(num_q):
+                ids = [int(s) for s in table[b, h, : max(0, n - num_q + i + 1)] if s >= 0]
+                if not ids:
+                    continue
+                k, v = k_pool[h, ids].double(), v_pool[h, ids].double()
+                p = torch.softmax(k @ q[b, j, i].double() * scale, dim=0)
+                out[b, j, i] = p @ v
+    return out
+
+
+@pytest.mark.parametrize("case", (*CASES, BIG), ids=repr)
+def test_reference_matches_loop(case):
+    args = case.make(torch.float32)
+    got = paged_attention_reference(**args)
+    torch.testing.assert_close(got.double(), loop_reference(**args), rtol=1e-5, atol=1e-5)
+    assert torch.all(got[0, : case.group] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", (*CASES, BIG), ids=repr)
+def test_cpu_form_matches_reference(case, dtype):
+    args = case.make(dtype)
+    want = paged_attention_reference(**args)
+    for run_min in (1, 10**9):  # in-place runs where the layout allows, and the gather path always
+        got = paged_attention_cpu(**args, run_min=run_min)
+        assert got.dtype == dtype
+        assert_close_tol(got, want, OUT_TOL, dtype)
+        assert torch.all(got[0, : case.group] == 0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_triton_kernel_matches_reference(case, dtype, num_splits):
+    args = case.make(dtype)
+    got = tpa.paged_attention_triton(**args, num_splits=num_splits)
+    assert got.dtype == dtype
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+    assert torch.all(got[0, : case.group] == 0)
+
+
+def test_triton_kernel_729_columns_auto_splits():
+    args = BIG.make(torch.float16)
+    got = tpa.paged_attention_triton(**args)
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float16)
+
+
+def test_triton_kernel_reads_strided_pool_and_query():
+    """A pool slice (another layer's rows around it) and a transposed q are read through their strides."""
+    args = CASES[2].make(torch.float32)
+    h, s, d = args["k_pool"].shape
+    big = torch.randn(h, s + 7, d + 4)
+    big[:, 3 : 3 + s, :d] = args["k_pool"]
+    args["k_pool"] = big[:, 3 : 3 + s, :d]
+    args["q"] = args["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    want = paged_attention_reference(**args)
+    assert_close_tol(tpa.paged_attention_triton(**args, num_splits=1), want, OUT_TOL, torch.float32)
+    assert_close_tol(paged_attention_cpu(**args), want, OUT_TOL, torch.float32)
+
+
+def test_ops_dispatch_cpu_and_forced_triton(monkeypatch):
+    args = CASES[3].make(torch.float32)
+    want = paged_attention_reference(**args)
+    assert_close_tol(ops.paged_attention(**args), want, OUT_TOL, torch.float32)
+    monkeypatch.setenv(ops.FORCE_TRITON_ENV, "1")
+    assert_close_tol(ops.paged_attention(**args), want, OUT_TOL, torch.float32)
+
+
+def test_shared_runs_finds_runs_or_declines():
+    row = torch.tensor([[5, 6, 7, 20, 21, 2], [5, 6, 7, 20, 21, 2]])
+    assert shared_runs(row) == [(0, 3, 5), (3, 5, 20), (5, 6, 2)]
+    assert shared_runs(torch.tensor([[5, 6], [5, 7]])) is None  # heads differ
+    assert shared_runs(torch.tensor([[5, -1, 7]])) is None  # a hole
+
+
+def test_bad_shapes_name_the_argument():
+    args = CASES[1].make(torch.float32)
+    with pytest.raises(ValueError, match="lengths"):
+        paged_attention_reference(**{**args, "lengths": args["lengths"][:, :1]})
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_attention_reference(**{**args, "q": args["q"][:, :1]})
+
+
+def test_cpu_form_reads_runs_in_place(monkeypatch):
+    """Requests whose slots are long shared runs are read as pool views: the gather is never called."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    def no_gather(*_):
+        raise AssertionError("gathered a request whose slots are runs")
+
+    args = BIG.make(torch.float32)
+    args["lengths"] = args["lengths"][:, 1:].expand(2, 2).contiguous()  # every head of a request equally long
+    want = paged_attention_reference(**args)
+    monkeypatch.setattr(paged_cpu, "_gather", no_gather)
+    assert_close_tol(paged_cpu.paged_attention_cpu(**args, run_min=16), want, OUT_TOL, torch.float32)
