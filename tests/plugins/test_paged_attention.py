@@ -33,6 +33,7 @@ class PagedCase:
     dim: int
     layout: str = "perhead"
     runs: int = 1
+    empty_row: bool = True  # request 0's head 0 holds nothing
 
     def make(self, dtype: torch.dtype, seed: int = 0) -> dict:
         g = torch.Generator().manual_seed(seed)
@@ -56,7 +57,8 @@ class PagedCase:
             table = torch.stack(rows)[:, None].expand(b, h, c).contiguous()
             lengths = torch.randint(0, c + 1, (b, 1), generator=g).expand(b, h).contiguous()
         lengths[-1] = c
-        lengths[0, 0] = 0  # an empty row: its query heads must be zeros
+        if self.empty_row:
+            lengths[0, 0] = 0  # an empty row: its query heads must be zeros
         if self.layout == "holes":
             hole = (torch.rand(b, h, c, generator=g) < 0.2) & (torch.arange(c) > 0)
             table = torch.where(hole, torch.full_like(table, -1), table)
@@ -184,8 +186,7 @@ def test_cpu_form_reads_runs_in_place(monkeypatch):
     def no_gather(*_):
         raise AssertionError("gathered a request whose slots are runs")
 
-    args = BIG.make(torch.float32)
-    args["lengths"] = args["lengths"][:, 1:].expand(2, 2).contiguous()  # every head of a request equally long
+    args = PagedCase(2, 2, 3, 1, 729, 64, layout="runs", runs=2, empty_row=False).make(torch.float32)
     want = paged_attention_reference(**args)
     monkeypatch.setattr(paged_cpu, "_gather", no_gather)
     assert_close_tol(paged_cpu.paged_attention_cpu(**args, run_min=16), want, OUT_TOL, torch.float32)
