@@ -17,6 +17,8 @@ Scores, softmax and the weighted sum are float32 whatever the pool's dtype.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
 
@@ -78,14 +80,29 @@ def _attend(
     return out
 
 
-def _gather(pool: Tensor, flat: Tensor, n: int) -> Tensor:
-    """``(H_kv, n, D)`` rows ``flat`` (ids + head · S) of ``pool (H_kv, S, D)``; ``index_select`` copies
-    whole rows, ~5x faster on CPU than 2-D advanced indexing (a strided pool would be copied whole by a
-    reshape, so it takes the indexing)."""
+_LOCAL = threading.local()
+
+
+def _scratch(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat buffer of at least ``n`` elements, reused by this thread's gathers: a fresh multi-MB tensor
+    per request and layer costs more in page faults than the copy (the pool's scratch read says so too)."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+        buf = _LOCAL.buf = torch.empty(n, dtype=dtype, device=device)
+    return buf
+
+
+def _gather(pool: Tensor, flat: Tensor, n: int, out: Tensor | None = None) -> Tensor:
+    """``(H_kv, n, D)`` rows ``flat`` (ids + head · S) of ``pool (H_kv, S, D)``, into ``out`` (a flat
+    buffer) when given. ``index_select`` copies whole rows, ~5x faster on CPU than 2-D advanced indexing;
+    a strided pool would be copied whole by a reshape, so it takes the indexing."""
     kv_heads, cap, dim = pool.shape
-    if pool.is_contiguous():
+    if not pool.is_contiguous():
+        return pool[flat.view(kv_heads, n) // cap, flat.view(kv_heads, n) % cap]
+    if out is None:
         return pool.view(-1, dim).index_select(0, flat).view(kv_heads, n, dim)
-    return pool[flat.view(kv_heads, n) // cap, flat.view(kv_heads, n) % cap]
+    rows = out[: flat.numel() * dim].view(-1, dim)
+    return torch.index_select(pool.view(-1, dim), 0, flat, out=rows).view(kv_heads, n, dim)
 
 
 def paged_attention_cpu(
@@ -123,7 +140,9 @@ def paged_attention_cpu(
         else:
             held = (row >= 0) & (torch.arange(n, device=row.device) < lengths[b][:, None])
             flat = (torch.where(held, row, 0) + heads_off).reshape(-1)
-            k, v = _gather(k_pool, flat, n), _gather(v_pool, flat, n)
+            buf = _scratch(flat.numel() * (dim + dim_v), k_pool.dtype, k_pool.device)
+            k = _gather(k_pool, flat, n, buf)
+            v = _gather(v_pool, flat, n, buf[flat.numel() * dim :])
             segs = [(0, n, k, v)]
             vis = _causal_mask(n, num_q, group, lengths[b], None if bool(held.all()) else held)
         o = _attend(qg, segs, n, vis, dim_v)
