@@ -4,6 +4,7 @@ decode and prefill chunks, per-head and shared tables, and column counts on bloc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -22,7 +23,8 @@ class PagedCase:
     """q (B, G·H_kv, Q, D) over a pool (H_kv, S, D); each request's row of ``cols`` table columns.
 
     layout: "perhead" (every head its own random slots), "runs" (the same ascending runs in every
-    head: what the pool hands out), "holes" (runs with holes, ragged head lengths).
+    head: what the pool hands out), "appends" (one run, then 5 single slots: decode appends in a fixed
+    pool), "holes" (runs with holes, ragged head lengths).
     """
 
     batch: int
@@ -33,7 +35,7 @@ class PagedCase:
     dim: int
     layout: str = "perhead"
     runs: int = 1
-    empty_row: bool = True  # request 0's head 0 holds nothing
+    full: bool = False  # every row holds all `cols` entries (no padding, no empty row)
 
     def make(self, dtype: torch.dtype, seed: int = 0) -> dict:
         g = torch.Generator().manual_seed(seed)
@@ -51,13 +53,18 @@ class PagedCase:
             rows = []
             for r in range(b):
                 base = torch.arange(int(perm[r]) * c, int(perm[r]) * c + c)
+                if self.layout == "appends":  # a prompt's run, then appends one slot each (descending)
+                    rows.append(torch.cat([base[: c - 5], base[c - 5 :].flip(0)]))
+                    continue
                 pieces = list(base.tensor_split(self.runs))
                 order = torch.randperm(len(pieces), generator=g).tolist()
                 rows.append(torch.cat([pieces[i] for i in order]))
             table = torch.stack(rows)[:, None].expand(b, h, c).contiguous()
             lengths = torch.randint(0, c + 1, (b, 1), generator=g).expand(b, h).contiguous()
         lengths[-1] = c
-        if self.empty_row:
+        if self.full:
+            lengths.fill_(c)
+        if not self.full:
             lengths[0, 0] = 0  # an empty row: its query heads must be zeros
         if self.layout == "holes":
             hole = (torch.rand(b, h, c, generator=g) < 0.2) & (torch.arange(c) > 0)
@@ -85,6 +92,7 @@ CASES = (
     PagedCase(2, 3, 3, 4, 81, 32, layout="runs", runs=1),
 )
 BIG = PagedCase(2, 2, 3, 1, 729, 64, layout="runs", runs=2)
+APPENDS = (PagedCase(3, 2, 3, 1, 81, 16, layout="appends"), PagedCase(2, 3, 1, 6, 81, 8, layout="appends"))
 
 
 def loop_reference(q, k_pool, v_pool, table, lengths, scale) -> torch.Tensor:
@@ -115,11 +123,15 @@ def test_reference_matches_loop(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", (*CASES, BIG), ids=repr)
+@pytest.mark.parametrize("case", (*CASES, BIG, *APPENDS), ids=repr)
 def test_cpu_form_matches_reference(case, dtype):
     args = case.make(dtype)
     want = paged_attention_reference(**args)
-    for run_min in (1, 10**9):  # in-place runs where the layout allows, and the gather path always
+    for run_min in (
+        1,
+        16,
+        10**9,
+    ):  # every run in place; long runs in place, short ones gathered; one gather  # in-place runs where the layout allows, and the gather path always
         got = paged_attention_cpu(**args, run_min=run_min)
         assert got.dtype == dtype
         assert_close_tol(got, want, OUT_TOL, dtype)
@@ -128,7 +140,7 @@ def test_cpu_form_matches_reference(case, dtype):
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("case", (*CASES, *APPENDS), ids=repr)
 def test_triton_kernel_matches_reference(case, dtype, num_splits):
     args = case.make(dtype)
     got = tpa.paged_attention_triton(**args, num_splits=num_splits)
@@ -186,7 +198,23 @@ def test_cpu_form_reads_runs_in_place(monkeypatch):
     def no_gather(*_):
         raise AssertionError("gathered a request whose slots are runs")
 
-    args = PagedCase(2, 2, 3, 1, 729, 64, layout="runs", runs=2, empty_row=False).make(torch.float32)
+    args = dataclasses.replace(BIG, full=True).make(torch.float32)
     want = paged_attention_reference(**args)
     monkeypatch.setattr(paged_cpu, "_gather", no_gather)
     assert_close_tol(paged_cpu.paged_attention_cpu(**args, run_min=16), want, OUT_TOL, torch.float32)
+
+
+@pytest.mark.parametrize("case", APPENDS, ids=repr)
+def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
+    """A prompt's run is read in place; only the appended single slots are gathered (5 per request)."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    args = dataclasses.replace(case, full=True).make(torch.float32)
+    gathered = []
+    real = paged_cpu._gather
+    monkeypatch.setattr(
+        paged_cpu, "_gather", lambda pool, flat, n, out=None: gathered.append(n) or real(pool, flat, n, out)
+    )
+    got = paged_cpu.paged_attention_cpu(**args, run_min=16)
+    assert gathered == [5, 5] * case.batch  # K and V of each request's appends
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)

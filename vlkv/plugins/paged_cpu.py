@@ -4,10 +4,12 @@ The pool hands a request's entries out as ascending runs of slots (a prompt take
 appends continue it), the same run in every KV head until a per-head edit. A run is a strided view
 of the pool, so attention reads it in place: no gather, no scratch copy. Per request:
 
-- *shared runs* (every head's row the same ascending runs, no holes, one length): per run one batched
-  ``(H_kv, n, D) @ (H_kv, D, G·Q)`` for the scores and ``(H_kv, G·Q, n) @ (H_kv, n, D_v)`` for the output;
-- otherwise (holes, per-head tables, ragged head lengths, short runs): one gather of the request's
-  ``(H_kv, n)`` slots (``index_select`` on the flattened pool) and the same two matmuls, masked.
+- *shared runs* (every head's row the same ascending runs, no holes, one length): each run of at least
+  ``run_min`` slots is a view, read by one batched ``(H_kv, n, D) @ (H_kv, D, G·Q)`` for the scores and
+  ``(H_kv, G·Q, n) @ (H_kv, n, D_v)`` for the output; the columns of shorter runs (decode appends that
+  interleave with other requests' in a fixed pool) are gathered into one more segment;
+- otherwise (holes, per-head tables, ragged head lengths, no long run): one gather of the request's
+  ``(H_kv, n)`` slots (``index_select`` on the flattened pool into a reused buffer), the same matmuls, masked.
 
 The score matmul is ``K @ q^T`` on purpose: on this CPU (MKL, 2 threads) ``q @ K^T`` over a strided
 pool view was 6x slower (it copies the view), ``K @ q^T`` reads it as it lies (docs/benchmarks).
@@ -24,8 +26,8 @@ from torch import Tensor
 
 from vlkv.plugins.paged_reference import check_paged
 
-# a request's runs are read in place when they average at least this many entries: each run costs two
-# small matmul calls (~10 µs), a gathered entry ~0.1 µs (measured: scripts/bench_kernels.py --part paged)
+# a run of at least this many slots is read in place: each run costs two small matmul calls (~10 µs),
+# a gathered entry ~0.1 µs
 RUN_MIN = 128
 
 
@@ -105,6 +107,31 @@ def _gather(pool: Tensor, flat: Tensor, n: int, out: Tensor | None = None) -> Te
     return torch.index_select(pool.view(-1, dim), 0, flat, out=rows).view(kv_heads, n, dim)
 
 
+def _with_gathered_rest(
+    views: list[tuple[int, int, Tensor, Tensor]],
+    runs: list[tuple[int, int, int]],
+    row: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    n: int,
+    run_min: int,
+    heads_off: Tensor,
+) -> tuple[list[tuple[int, int, Tensor, Tensor]], Tensor]:
+    """Segments laid out as the long runs' views, then one gathered segment of every short run's columns;
+    returns them (column ranges in that order) and ``perm (n,)``: the table column at each position
+    (softmax ignores column order; causal masks are permuted alike)."""
+    cols, segs, at = [], [], 0
+    for c0, c1, k, v in views:
+        segs.append((at, at + c1 - c0, k, v))
+        cols.append(torch.arange(c0, c1, device=row.device))
+        at += c1 - c0
+    rest = torch.cat([torch.arange(c0, c1, device=row.device) for c0, c1, _ in runs if c1 - c0 < run_min])
+    flat = (row[:, rest] + heads_off).reshape(-1)
+    m = rest.numel()
+    segs.append((at, n, _gather(k_pool, flat, m), _gather(v_pool, flat, m)))
+    return segs, torch.cat([*cols, rest])
+
+
 def paged_attention_cpu(
     q: Tensor,
     k_pool: Tensor,
@@ -117,7 +144,7 @@ def paged_attention_cpu(
     """The CPU form of ``paged_reference.paged_attention_reference`` (same arguments and result).
 
     q: (B, H_q, Q, D). k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v). table: (B, H_kv, C) int64.
-    lengths: (B, H_kv) int64. run_min: shortest average run read in place (else one gather).
+    lengths: (B, H_kv) int64. run_min: shortest run of slots read in place (shorter ones are gathered).
     Returns (B, H_q, Q, D_v) in q's dtype.
     """
     group = check_paged(q, k_pool, v_pool, table, lengths)
@@ -134,9 +161,15 @@ def paged_attention_cpu(
         qg = q[b].reshape(kv_heads, group * num_q, dim).float() * scale
         row = table[b, :, :n]
         runs = shared_runs(row) if min(host[b]) == n else None
-        if runs is not None and n >= run_min * len(runs):
-            segs = [(c0, c1, k_pool[:, s : s + c1 - c0], v_pool[:, s : s + c1 - c0]) for c0, c1, s in runs]
+        long = [] if runs is None else [r for r in runs if r[1] - r[0] >= run_min]
+        if long:
+            # long runs are pool views; the short ones' columns (decode appends interleaved with other
+            # requests' in a fixed pool, a linked record's pieces) are gathered into one more segment
+            segs = [(c0, c1, k_pool[:, s : s + c1 - c0], v_pool[:, s : s + c1 - c0]) for c0, c1, s in long]
             vis = _causal_mask(n, num_q, group, lengths[b], None)
+            if len(long) < len(runs):
+                segs, perm = _with_gathered_rest(segs, runs, row, k_pool, v_pool, n, run_min, heads_off)
+                vis = None if vis is None else vis[:, :, perm]
         else:
             held = (row >= 0) & (torch.arange(n, device=row.device) < lengths[b][:, None])
             flat = (torch.where(held, row, 0) + heads_off).reshape(-1)
