@@ -139,15 +139,17 @@ def paged_attention_cpu(
     table: Tensor,
     lengths: Tensor,
     scale: float,
-    run_min: int = RUN_MIN,
+    run_min: int | None = None,
 ) -> Tensor:
     """The CPU form of ``paged_reference.paged_attention_reference`` (same arguments and result).
 
     q: (B, H_q, Q, D). k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v). table: (B, H_kv, C) int64.
-    lengths: (B, H_kv) int64. run_min: shortest run of slots read in place (shorter ones are gathered).
+    lengths: (B, H_kv) int64. run_min: shortest run of slots read in place (shorter ones are gathered;
+    None = ``RUN_MIN``); a row that is one run is read in place whatever its length.
     Returns (B, H_q, Q, D_v) in q's dtype.
     """
     group = check_paged(q, k_pool, v_pool, table, lengths)
+    run_min = RUN_MIN if run_min is None else run_min
     batch, heads, num_q, dim = q.shape
     kv_heads, cap, dim_v = k_pool.shape[0], k_pool.shape[1], v_pool.shape[-1]
     out = torch.zeros(batch, heads, num_q, dim_v, dtype=q.dtype, device=q.device)
@@ -161,7 +163,7 @@ def paged_attention_cpu(
         qg = q[b].reshape(kv_heads, group * num_q, dim).float() * scale
         row = table[b, :, :n]
         runs = shared_runs(row) if min(host[b]) == n else None
-        long = [] if runs is None else [r for r in runs if r[1] - r[0] >= run_min]
+        long = [] if runs is None else runs if len(runs) == 1 else [r for r in runs if r[1] - r[0] >= run_min]
         if long:
             # long runs are pool views; the short ones' columns (decode appends interleaved with other
             # requests' in a fixed pool, a linked record's pieces) are gathered into one more segment
