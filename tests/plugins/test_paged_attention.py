@@ -218,3 +218,16 @@ def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
     got = paged_cpu.paged_attention_cpu(**args, run_min=16)
     assert gathered == [5, 5] * case.batch  # K and V of each request's appends
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_dispatch_matches_reference(dtype, monkeypatch):
+    """On a GPU (run with TRITON_INTERPRET=0 to compile the kernel): ops.paged_attention takes the kernel."""
+    monkeypatch.delenv(ops.FORCE_TRITON_ENV, raising=False)
+    for case in (*CASES, *APPENDS, BIG):
+        args = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.make(dtype).items()}
+        assert ops.use_triton(args["q"])
+        for splits in (None, 1):
+            got = ops.paged_attention(**args, num_splits=splits)
+            assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
