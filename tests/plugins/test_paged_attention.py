@@ -36,6 +36,7 @@ class PagedCase:
     layout: str = "perhead"
     runs: int = 1
     full: bool = False  # every row holds all `cols` entries (no padding, no empty row)
+    rope: int = 0  # > 0: about half the entries pre-RoPE, rotated on read over this many dims
 
     def make(self, dtype: torch.dtype, seed: int = 0) -> dict:
         g = torch.Generator().manual_seed(seed)
@@ -73,14 +74,22 @@ class PagedCase:
         # padding past a row's length may hold anything, including slots out of range
         pad = torch.arange(c)[None, None, :] >= lengths[..., None]
         table = torch.where(pad, torch.full_like(table, 10**6), table)
-        return {
-            "q": q,
-            "k_pool": k_pool,
-            "v_pool": v_pool,
-            "table": table,
-            "lengths": lengths,
-            "scale": self.dim**-0.5,
-        }
+        args = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "table": table, "lengths": lengths}
+        args["scale"] = self.dim**-0.5
+        if self.rope:
+            args.update(rope_rows(self.rope, b, h, c, g))
+            # padding and holes may name any row, out of range included: they are never read
+            args["rot"] = torch.where(pad | (table < 0), 10**6, args["rot"])
+        return args
+
+
+def rope_rows(rot_dims: int, b: int, h: int, c: int, g: torch.Generator, rows: int = 20) -> dict:
+    """``rot (B, H_kv, C)``: a random row of 20 for about half the entries, -1 (post-RoPE) for the rest;
+    ``cos, sin (20, rot_dims)`` in HF's layout."""
+    theta = torch.rand(rows, rot_dims // 2, generator=g) * 100
+    rot = torch.randint(0, rows, (b, h, c), generator=g)
+    rot = torch.where(torch.rand(b, h, c, generator=g) < 0.5, rot, -1)
+    return {"rot": rot, "cos": theta.cos().repeat(1, 2), "sin": theta.sin().repeat(1, 2)}
 
 
 CASES = (
@@ -93,6 +102,12 @@ CASES = (
 )
 BIG = PagedCase(2, 2, 3, 1, 729, 64, layout="runs", runs=2)
 APPENDS = (PagedCase(3, 2, 3, 1, 81, 16, layout="appends"), PagedCase(2, 3, 1, 6, 81, 8, layout="appends"))
+# pre-RoPE entries: every dim rotated, and partial rotary (the first 8 of 16/40 dims)
+ROPE = (
+    PagedCase(2, 2, 3, 1, 81, 16, layout="runs", rope=16),
+    PagedCase(3, 1, 7, 3, 9, 40, layout="holes", runs=2, rope=8),
+    PagedCase(2, 3, 1, 2, 81, 16, rope=8),
+)
 
 
 def loop_reference(q, k_pool, v_pool, table, lengths, scale) -> torch.Tensor:
@@ -123,7 +138,7 @@ def test_reference_matches_loop(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", (*CASES, BIG, *APPENDS), ids=repr)
+@pytest.mark.parametrize("case", (*CASES, BIG, *APPENDS, *ROPE), ids=repr)
 def test_cpu_form_matches_reference(case, dtype):
     args = case.make(dtype)
     want = paged_attention_reference(**args)
@@ -140,7 +155,7 @@ def test_cpu_form_matches_reference(case, dtype):
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", (*CASES, *APPENDS), ids=repr)
+@pytest.mark.parametrize("case", (*CASES, *APPENDS, *ROPE), ids=repr)
 def test_triton_kernel_matches_reference(case, dtype, num_splits):
     args = case.make(dtype)
     got = tpa.paged_attention_triton(**args, num_splits=num_splits)
@@ -225,9 +240,32 @@ def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
 def test_cuda_dispatch_matches_reference(dtype, monkeypatch):
     """On a GPU (run with TRITON_INTERPRET=0 to compile the kernel): ops.paged_attention takes the kernel."""
     monkeypatch.delenv(ops.FORCE_TRITON_ENV, raising=False)
-    for case in (*CASES, *APPENDS, BIG):
+    for case in (*CASES, *APPENDS, *ROPE, BIG):
         args = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.make(dtype).items()}
         assert ops.use_triton(args["q"])
         for splits in (None, 1):
             got = ops.paged_attention(**args, num_splits=splits)
             assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+
+
+# (layouts where no two requests hold one slot: a slot stored rotated has one position)
+@pytest.mark.parametrize("case", [c for c in ROPE if c.layout != "perhead"], ids=repr)
+def test_rotated_on_read_equals_keys_stored_rotated(case):
+    """Reading pre-RoPE keys through ``rot`` equals reading a pool where they were stored rotated, by
+    the HF formula written out here (``k·cos + rotate_half(k)·sin`` on the first D_r dims)."""
+    args = case.make(torch.float64)
+    rot, cos, sin = args.pop("rot"), args.pop("cos"), args.pop("sin")
+    dr = cos.shape[-1]
+    k = args["k_pool"].clone()
+    heads = torch.arange(case.kv_heads)[None, :, None].expand_as(rot)
+    held = (args["table"] >= 0) & (torch.arange(case.cols) < args["lengths"][..., None]) & (rot >= 0)
+    for hd, slot, row in zip(
+        heads[held].tolist(), args["table"][held].tolist(), rot[held].tolist(), strict=True
+    ):
+        x = args["k_pool"][hd, slot, :dr]
+        half = torch.cat([-x[dr // 2 :], x[: dr // 2]])
+        k[hd, slot, :dr] = x * cos[row] + half * sin[row]
+    want = paged_attention_reference(**{**args, "k_pool": k})
+    got = paged_attention_reference(**args, rot=rot, cos=cos, sin=sin)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, paged_attention_reference(**args))  # the rotation mattered

@@ -4,7 +4,8 @@ Grid ``(B · H_kv, cdiv(G · Q, BLOCK_M), NUM_SPLITS)``: one program serves the 
 head (and its ``Q`` query rows) together, so each entry's K/V row is loaded once per group, not once
 per query head. The program walks its row of the table ``BLOCK_N`` columns at a time with an online
 softmax (running max ``m``, sum ``l``, fp32 accumulator). Causality is by column: query ``i`` sees
-columns ``< length - Q + i + 1``; a negative slot inside the length is a hole (masked). With
+columns ``< length - Q + i + 1``; a negative slot inside the length is a hole (masked). With ``HAS_ROPE``
+a key stored pre-RoPE (its ``rot`` row >= 0) is rotated as it is loaded. With
 ``NUM_SPLITS > 1`` the columns are split across programs (flash-decoding) and
 ``selected_attention_kernels.combine_splits_kernel`` merges the partial (m, l, acc) triples — the same
 partial layout as selected attention.
@@ -19,10 +20,11 @@ import triton.language as tl
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    rot_ptr, cos_ptr, sin_ptr,
     sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
-    stb, sth, stc, slb, slh, sob, soh, som, sod,
-    HKV, GROUP, Q, D, DV, COLS,
-    SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, scr, scd,
+    HKV, GROUP, Q, D, DV, COLS, DR,
+    SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     GQ = GROUP * Q
@@ -62,6 +64,21 @@ def paged_attention_kernel(
             mask=ok[:, None] & (dims[None, :] < D),
             other=0.0,
         )
+        if HAS_ROPE:
+            # a pre-RoPE key rotates to its row of cos/sin: k·cos + rotate_half(k)·sin on the first DR
+            # dims, in fp32, rounded to the pool's dtype (the key the model would have stored)
+            rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=ok, other=-1).to(tl.int64)
+            spin = ok[:, None] & (rr[:, None] >= 0) & (dims[None, :] < DR)
+            half = DR // 2
+            partner = tl.where(dims < half, dims + half, dims - half)
+            k2 = tl.load(
+                k_ptr + kvh * skh + slot[:, None] * skn + partner[None, :] * skd, mask=spin, other=0.0
+            )
+            c = tl.load(cos_ptr + rr[:, None] * scr + dims[None, :] * scd, mask=spin, other=1.0)
+            sn = tl.load(sin_ptr + rr[:, None] * scr + dims[None, :] * scd, mask=spin, other=0.0)
+            sign = tl.where(dims < half, -1.0, 1.0)
+            kr = k.to(tl.float32) * c.to(tl.float32) + sign[None, :] * k2.to(tl.float32) * sn.to(tl.float32)
+            k = tl.where(spin, kr.to(k.dtype), k)
         v = tl.load(
             v_ptr + kvh * svh + slot[:, None] * svn + dv[None, :] * svd,
             mask=ok[:, None] & (dv[None, :] < DV),

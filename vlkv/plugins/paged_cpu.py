@@ -24,7 +24,7 @@ import threading
 import torch
 from torch import Tensor
 
-from vlkv.plugins.paged_reference import check_paged
+from vlkv.plugins.paged_reference import check_paged, check_rope, rotate_keys
 
 # a run of at least this many slots is read in place: each run costs two small matmul calls (~10 µs),
 # a gathered entry ~0.1 µs
@@ -140,15 +140,21 @@ def paged_attention_cpu(
     lengths: Tensor,
     scale: float,
     run_min: int | None = None,
+    rot: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
 ) -> Tensor:
     """The CPU form of ``paged_reference.paged_attention_reference`` (same arguments and result).
 
     q: (B, H_q, Q, D). k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v). table: (B, H_kv, C) int64.
     lengths: (B, H_kv) int64. run_min: shortest run of slots read in place (shorter ones are gathered;
     None = ``RUN_MIN``); a row that is one run is read in place whatever its length.
+    rot (B, H_kv, C) int64, cos/sin (R, D_r): pre-RoPE keys rotated on read (a request holding any is
+    gathered, and its rotated keys computed into the copy), as in the reference.
     Returns (B, H_q, Q, D_v) in q's dtype.
     """
     group = check_paged(q, k_pool, v_pool, table, lengths)
+    rope = check_rope(table, rot, cos, sin)
     run_min = RUN_MIN if run_min is None else run_min
     batch, heads, num_q, dim = q.shape
     kv_heads, cap, dim_v = k_pool.shape[0], k_pool.shape[1], v_pool.shape[-1]
@@ -162,7 +168,12 @@ def paged_attention_cpu(
             continue
         qg = q[b].reshape(kv_heads, group * num_q, dim).float() * scale
         row = table[b, :, :n]
-        runs = shared_runs(row) if min(host[b]) == n else None
+        spin = None
+        if rope:
+            held = (row >= 0) & (torch.arange(n, device=row.device) < lengths[b][:, None])
+            spin = torch.where(held, rot[b, :, :n], -1)
+            spin = spin if bool((spin >= 0).any()) else None
+        runs = shared_runs(row) if min(host[b]) == n and spin is None else None
         long = [] if runs is None else runs if len(runs) == 1 else [r for r in runs if r[1] - r[0] >= run_min]
         if long:
             # long runs are pool views; the short ones' columns (decode appends interleaved with other
@@ -178,6 +189,8 @@ def paged_attention_cpu(
             buf = _scratch(flat.numel() * (dim + dim_v), k_pool.dtype, k_pool.device)
             k = _gather(k_pool, flat, n, buf)
             v = _gather(v_pool, flat, n, buf[flat.numel() * dim :])
+            if spin is not None:
+                k = rotate_keys(k, spin, cos, sin)
             segs = [(0, n, k, v)]
             vis = _causal_mask(n, num_q, group, lengths[b], None if bool(held.all()) else held)
         o = _attend(qg, segs, n, vis, dim_v)

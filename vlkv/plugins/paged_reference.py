@@ -11,6 +11,12 @@ Layout (the runtime's :class:`~vlkv.runtime.kv.KVPool` and slot tables):
   row (a decode row attends every column; a prefill chunk's own tokens are the last ``Q`` columns).
 
 GQA: query head ``j`` reads KV head ``j // (H_q // H_kv)``.
+
+Pre-RoPE entries (a shared record linked at the reader's positions) are rotated on read: ``rot (B, H_kv, C)``
+int64 names the row of ``cos, sin (R, D_r)`` that rotates an entry's key, ``-1`` for a key stored
+post-RoPE (read as is). The rotation is HF's ``apply_rotary_pos_emb`` on the first ``D_r`` dims,
+``k·cos + rotate_half(k)·sin`` with ``rotate_half(x) = cat(-x[D_r/2:], x[:D_r/2])``, in float32 and
+rounded to the pool's dtype: the key the model would have stored at that position.
 """
 
 from __future__ import annotations
@@ -58,22 +64,66 @@ def visible_columns(table: Tensor, lengths: Tensor, num_q: int) -> tuple[Tensor,
     return vis, slots
 
 
+def rotate_keys(k: Tensor, rot: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the keys ``k (..., n, D)`` whose ``rot (..., n)`` row is >= 0 by ``cos, sin (R, D_r)``;
+    returns ``k`` in its dtype (rotated rows computed in at least float32, then rounded)."""
+    dr = cos.shape[-1]
+    if dr % 2 or dr > k.shape[-1]:
+        raise ValueError(f"cos/sin width {dr} must be even and at most the head dim {k.shape[-1]}")
+    on = rot >= 0
+    idx = rot.clamp_min(0)
+    wide = torch.promote_types(k.dtype, torch.float32)  # at least float32
+    c, s = cos.to(wide)[idx], sin.to(wide)[idx]  # (..., n, D_r)
+    x = k[..., :dr].to(wide)
+    half = torch.cat([-x[..., dr // 2 :], x[..., : dr // 2]], dim=-1)
+    rotated = torch.cat([(x * c + half * s).to(k.dtype), k[..., dr:]], dim=-1)
+    return torch.where(on[..., None], rotated, k)
+
+
+def check_rope(table: Tensor, rot: Tensor | None, cos: Tensor | None, sin: Tensor | None) -> bool:
+    """Validate the pre-RoPE arguments; True when there are any."""
+    if rot is None:
+        return False
+    if rot.shape != table.shape:
+        raise ValueError(f"rot must be (B, H_kv, C) = {tuple(table.shape)}, got {tuple(rot.shape)}")
+    if cos is None or sin is None or cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError("rot needs cos and sin, both (R, D_r)")
+    return True
+
+
 def paged_attention_reference(
-    q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, scale: float
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    rot: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of every query row over its request's entries, read through the slot table.
 
     q: (B, H_q, Q, D). k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v). table: (B, H_kv, C) int64.
-    lengths: (B, H_kv) int64. Returns (B, H_q, Q, D_v) in q's dtype; scores, softmax and the weighted
-    sum in float32. A query row that sees no entry (length 0, all holes) yields zeros.
+    lengths: (B, H_kv) int64. rot: None or (B, H_kv, C) int64 rows of cos, sin (R, D_r) rotating
+    pre-RoPE keys on read (see the module docstring). Returns (B, H_q, Q, D_v) in q's dtype; scores,
+    softmax and the weighted sum in float32. A query row that sees no entry (length 0, all holes) yields zeros.
     """
     group = check_paged(q, k_pool, v_pool, table, lengths)
+    rope = check_rope(table, rot, cos, sin)
     batch, heads, num_q, dim = q.shape
     kv_heads = k_pool.shape[0]
     table = table.to(q.device)
     vis, slots = visible_columns(table, lengths.to(q.device), num_q)
     rows = torch.arange(kv_heads, device=q.device)[None, :, None]
-    k = k_pool[rows, slots].float()  # (B, H_kv, C, D): the gather this op exists to avoid
+    k = k_pool[rows, slots]  # (B, H_kv, C, D): the gather this op exists to avoid
+    if rope:  # padding and holes may name any row: only held entries rotate
+        held = (table >= 0) & (
+            torch.arange(table.shape[-1], device=q.device) < lengths.to(q.device)[..., None]
+        )
+        rot = torch.where(held, rot.to(q.device), -1)
+        k = rotate_keys(k, rot, cos.to(q.device), sin.to(q.device))
+    k = k.float()
     v = v_pool[rows, slots].float()
     qg = q.float().reshape(batch, kv_heads, group * num_q, dim)  # row r: head r // Q, query r % Q
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, G·Q, C)
