@@ -30,7 +30,7 @@ TEXTS = ["Describe the picture.", "What is in the corner of this image?", "Hi.",
 @pytest.fixture
 def counts(monkeypatch):
     """Bytes gathered by ``KVPool.read`` and by the CPU form's gathers; the tables of every paged call."""
-    seen = SimpleNamespace(pool_read=0, cpu_gather=0, calls=[])
+    seen = SimpleNamespace(pool_read=0, cpu_gather=0, calls=[], rotated=0)
     real_read, real_paged, real_gather = KVPool.read, ops.paged_attention, paged_cpu._gather
 
     def read(self, layer, ids, scratch=False):
@@ -39,6 +39,7 @@ def counts(monkeypatch):
 
     def paged(q, k_pool, v_pool, table, lengths, scale, **kw):
         seen.calls.append((k_pool.shape[0], table.clone(), lengths.clone(), k_pool.element_size()))
+        seen.rotated += 0 if kw.get("rot") is None else int((kw["rot"] >= 0).sum())
         return real_paged(q, k_pool, v_pool, table, lengths, scale, **kw)
 
     def gather(pool, flat, n, out=None):
@@ -120,3 +121,27 @@ def test_paged_read_skips_each_heads_holes(engines, images, monkeypatch, counts)
     monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
     batch, cache, out = _holey(engine, prompts, seed=5)
     torch.testing.assert_close(got, _next_logits(engine, batch, cache, tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])  # 1-D RoPE and M-RoPE
+def test_linked_pre_rope_entries_are_rotated_by_the_paged_read(name, engines, images, monkeypatch, counts):
+    from tests.runtime.link.test_linker import _decode, _linked, _pool
+    from vlkv.runtime.link.linker import LinkSpec, SegmentStore
+
+    engine = engines[name]
+    first = Prompt("Compare these.", [images[0], images[1]])
+    again = Prompt("You are terse. Compare these two.", [images[1], images[0]])
+    store = SegmentStore(_pool(engine))
+    _linked(engine, first, LinkSpec("mpic", 2), store)
+    batch, cache, out, stats = _linked(engine, again, LinkSpec("mpic", 2), store)
+    assert stats.hits == 2 and any(layer.linked for layer in cache.layers)
+    counts.calls, counts.rotated = [], 0
+    token = out.logits.argmax(-1)
+    logits = engine.decode(token, batch, make_policy("full"), cache, 1).logits
+    assert counts.calls and counts.rotated > 0  # a linked decode step reads paged, rotating on read
+    got = _decode(engine, batch, cache, out, 4)[1:]  # more steps, the same on both sides
+    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    batch, cache, out, _ = _linked(engine, again, LinkSpec("mpic", 2), store)
+    want = engine.decode(token, batch, make_policy("full"), cache, 1).logits
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert _decode(engine, batch, cache, out, 4)[1:] == got
