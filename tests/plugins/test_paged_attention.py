@@ -269,3 +269,22 @@ def test_rotated_on_read_equals_keys_stored_rotated(case):
     got = paged_attention_reference(**args, rot=rot, cos=cos, sin=sin)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(got, paged_attention_reference(**args))  # the rotation mattered
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_aot_entry_matches_reference(dtype):
+    """The TensorRT AOT entry (contiguous tensors, int32 shape scalars, one split) under the interpreter."""
+    from vlkv.plugins.paged_attention_kernels import paged_attention_aot_kernel
+    from vlkv.plugins.triton_launch import dot_in_fp32
+
+    case = CASES[4]
+    args = case.make(dtype)
+    q = args["q"]
+    out = torch.empty_like(q)
+    heads, slots = q.shape[1], args["k_pool"].shape[1]
+    paged_attention_aot_kernel[(case.batch * case.kv_heads, -(-case.group * case.queries // 16))](
+        q, args["k_pool"], args["v_pool"], args["table"], args["lengths"],
+        heads, case.kv_heads, case.queries, slots, case.dim, case.cols, out,
+        SCALE=args["scale"], IEEE=dot_in_fp32(dtype), BLOCK_M=16, BLOCK_N=64, BLOCK_D=16,
+    )  # fmt: skip
+    assert_close_tol(out, paged_attention_reference(**args), OUT_TOL, dtype)

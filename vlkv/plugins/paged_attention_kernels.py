@@ -116,3 +116,27 @@ def paged_attention_kernel(
         tl.store(
             part_acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=(r[:, None] < GQ) & (dv[None, :] < DV)
         )
+
+
+@triton.jit
+def paged_attention_aot_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr,
+    H, HKV, Q, S, D, C,
+    out_ptr,
+    SCALE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """TensorRT AOT entry: inputs, int32 shape scalars, output (the QDP argument order).
+
+    Tensors are contiguous: q (B, H, Q, D), k/v pools (HKV, S, D), table (B, HKV, C) int64, lengths
+    (B, HKV) int64; out (B, H, Q, D). Grid: (B * HKV, cdiv((H // HKV) * Q, BLOCK_M)), one split, no
+    pre-RoPE rotation.
+    """
+    paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
+        len_ptr, q_ptr, q_ptr,
+        H * Q * D, Q * D, D, 1, S * D, D, 1, S * D, D, 1,
+        HKV * C, C, 1, HKV, 1, H * Q * D, Q * D, D, 1, 0, 0, 0, 0, 0,
+        HKV, H // HKV, Q, D, D, C, 0,
+        SCALE, 1, IEEE, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D,
+    )  # fmt: skip
