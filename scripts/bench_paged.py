@@ -6,6 +6,8 @@ Shapes default to ``smollm2-llava`` at 8k tokens × batch 4 (30 layers, 9 query 
 
 - ``paged``: ``vlkv.plugins.ops.paged_attention`` on the tables the pool hands out (each request one run
   of slots, the same in every head, requests scattered over the pool): read in place;
+- ``paged-fixed-pool``: the same with each request's last 16 entries single slots interleaved with the
+  other requests' (a fixed pool's decode appends): the prompt's run in place, the 16 gathered;
 - ``paged-gather``: the same op forced to its gather form (``run_min`` = ∞): what holes or per-head tables cost;
 - ``padded-gather+sdpa``: today's path — every request's slots gathered into one padded ``(B, H_kv, T, D)``
   scratch buffer (``KVPool.read``), then SDPA with ``enable_gqa``;
@@ -54,7 +56,8 @@ def make_problem(args) -> dict:
     """Pools, tables and a contiguous copy of the same K/V (see the module docstring)."""
     g = torch.Generator().manual_seed(0)
     b, hk, t, d, layers = args.batch, args.kv_heads, args.tokens, args.dim, args.layers
-    slots = b * (t + 64)
+    appends = 16  # the fixed-pool layout's decode appends per request
+    slots = b * (t + 64) + appends * b
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     kp = [torch.randn(hk, slots, d, generator=g).to(dtype) for _ in range(layers)]
     vp = [torch.randn(hk, slots, d, generator=g).to(dtype) for _ in range(layers)]
@@ -62,6 +65,10 @@ def make_problem(args) -> dict:
     starts = torch.randperm(b, generator=g) * (t + 64) + 32
     runs = (starts[:, None] + torch.arange(t))[:, None].expand(b, hk, t).contiguous()
     lengths = torch.full((b, hk), t, dtype=torch.long)
+    # a fixed pool's layout after 16 decode steps: the prompt's run, then one slot per step, the requests'
+    # appends interleaved past every run
+    tail = b * (t + 64) + torch.arange(appends)[None, :] * b + torch.arange(b)[:, None]
+    fixed = torch.cat([runs[:, 0, : t - appends], tail], dim=1)[:, None].expand(b, hk, t).contiguous()
     keep = max(1, round(args.keep * t))
     picked = torch.stack([torch.randperm(t, generator=g)[:keep].sort().values for _ in range(b * hk)])
     evicted = runs.gather(2, picked.view(b, hk, keep))
@@ -69,7 +76,15 @@ def make_problem(args) -> dict:
     contiguous = [(k[heads, runs], v[heads, runs]) for k, v in zip(kp, vp, strict=True)]
     q = torch.randn(b, args.heads, 1, d, generator=g).to(dtype)
     return dict(
-        q=q, kp=kp, vp=vp, runs=runs, lengths=lengths, evicted=evicted, keep=keep, contiguous=contiguous
+        q=q,
+        kp=kp,
+        vp=vp,
+        runs=runs,
+        fixed=fixed,
+        lengths=lengths,
+        evicted=evicted,
+        keep=keep,
+        contiguous=contiguous,
     )
 
 
@@ -87,6 +102,10 @@ def configurations(args, p: dict) -> dict:
     def paged():
         for k, v in zip(kp, vp, strict=True):
             ops.paged_attention(q, k, v, runs, lengths, scale)
+
+    def paged_fixed():
+        for k, v in zip(kp, vp, strict=True):
+            ops.paged_attention(q, k, v, p["fixed"], lengths, scale)
 
     def paged_gather():
         for k, v in zip(kp, vp, strict=True):
@@ -114,6 +133,7 @@ def configurations(args, p: dict) -> dict:
 
     configs = {
         "paged": (paged, full),
+        "paged-fixed-pool": (paged_fixed, full),
         "paged-gather": (paged_gather, full),
         "padded-gather+sdpa": (padded_gather_sdpa, full),
         "contiguous-sdpa": (contiguous_sdpa, full),
