@@ -142,12 +142,10 @@ def test_reference_matches_loop(case):
 def test_cpu_form_matches_reference(case, dtype):
     args = case.make(dtype)
     want = paged_attention_reference(**args)
-    for run_min in (
-        1,
-        16,
-        10**9,
-    ):  # every run in place; long runs in place, short ones gathered; one gather  # in-place runs where the layout allows, and the gather path always
-        got = paged_attention_cpu(**args, run_min=run_min)
+    # every request in place with every run a view; long runs in place, short ones gathered; every
+    # request gathered and attended together (the default for requests this short)
+    for inplace_min, run_min in ((1, 1), (1, 16), (None, None)):
+        got = paged_attention_cpu(**args, run_min=run_min, inplace_min=inplace_min)
         assert got.dtype == dtype
         assert_close_tol(got, want, OUT_TOL, dtype)
         assert torch.all(got[0, : case.group] == 0)
@@ -216,7 +214,8 @@ def test_cpu_form_reads_runs_in_place(monkeypatch):
     args = dataclasses.replace(BIG, full=True).make(torch.float32)
     want = paged_attention_reference(**args)
     monkeypatch.setattr(paged_cpu, "_gather", no_gather)
-    assert_close_tol(paged_cpu.paged_attention_cpu(**args, run_min=16), want, OUT_TOL, torch.float32)
+    got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
+    assert_close_tol(got, want, OUT_TOL, torch.float32)
 
 
 @pytest.mark.parametrize("case", APPENDS, ids=repr)
@@ -228,10 +227,12 @@ def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
     gathered = []
     real = paged_cpu._gather
     monkeypatch.setattr(
-        paged_cpu, "_gather", lambda pool, flat, n, out=None: gathered.append(n) or real(pool, flat, n, out)
+        paged_cpu,
+        "_gather",
+        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
     )
-    got = paged_cpu.paged_attention_cpu(**args, run_min=16)
-    assert gathered == [5, 5] * case.batch  # K and V of each request's appends
+    got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
+    assert gathered == [5 * case.kv_heads] * 2 * case.batch  # K and V of each request's appends
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
 
 
@@ -288,3 +289,21 @@ def test_aot_entry_matches_reference(dtype):
         SCALE=args["scale"], IEEE=dot_in_fp32(dtype), BLOCK_M=16, BLOCK_N=64, BLOCK_D=16,
     )  # fmt: skip
     assert_close_tol(out, paged_attention_reference(**args), OUT_TOL, dtype)
+
+
+def test_cpu_form_attends_short_requests_together(monkeypatch):
+    """Requests below ``inplace_min`` (or with holes) are gathered by one call per K and V, whatever
+    their number, and the result equals the reference."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    args = PagedCase(9, 2, 3, 1, 81, 16, layout="holes", runs=2).make(torch.float32)
+    gathered = []
+    real = paged_cpu._gather
+    monkeypatch.setattr(
+        paged_cpu,
+        "_gather",
+        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
+    )
+    got = paged_cpu.paged_attention_cpu(**args)
+    assert len(gathered) == 2  # one gather of K, one of V, for all nine requests
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)

@@ -42,9 +42,9 @@ def counts(monkeypatch):
         seen.rotated += 0 if kw.get("rot") is None else int((kw["rot"] >= 0).sum())
         return real_paged(q, k_pool, v_pool, table, lengths, scale, **kw)
 
-    def gather(pool, flat, n, out=None):
+    def gather(pool, flat, out=None):
         seen.cpu_gather += flat.numel() * pool.shape[-1] * pool.element_size()
-        return real_gather(pool, flat, n, out)
+        return real_gather(pool, flat, out)
 
     monkeypatch.setattr(KVPool, "read", read)
     monkeypatch.setattr(ops, "paged_attention", paged)
@@ -69,8 +69,10 @@ def _held_bytes(calls, head_dim: int) -> int:
 def test_a_decode_step_reads_each_live_entry_once_and_copies_no_cache(
     fixed, engines, images, counts, monkeypatch
 ):
-    # tiny prompts are ~50 entries: a run that short counts as long here, as a prompt's run does at scale
+    # tiny prompts are ~50 entries: a request and a run that short count as long here, as a prompt's
+    # run does at scale (shorter requests are gathered together, tested in tests/plugins)
     monkeypatch.setattr(paged_cpu, "RUN_MIN", 16)
+    monkeypatch.setattr(paged_cpu, "INPLACE_MIN", 16)
     engine = engines["tiny-llava"]
     per_token = sched_entry_bytes(engine)
     sched = Scheduler(engine, per_token * 4000 if fixed else None)
