@@ -70,6 +70,17 @@ def test_merge_kv_ort_matches_reference():
     torch.testing.assert_close(torch.from_numpy(v_out), v_ref, rtol=1e-6, atol=1e-6)
 
 
+def test_paged_attention_ort_matches_reference():
+    from tests.plugins.test_paged_attention import CASES
+    from vlkv.plugins.paged_reference import paged_attention_reference
+
+    args = CASES[4].make(torch.float32)  # holes, ragged rows, four query rows
+    feeds = {name: _np(args[name]) for name in ("q", "k_pool", "v_pool", "table", "lengths")}
+    (out,) = onnx_ort.run_single_op("PagedAttention", feeds, scale=args["scale"])
+    ref = paged_attention_reference(**args)
+    torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("op", sorted(onnx_ops.OPS))
 def test_forms_round_trip(op):
     model = onnx_ort.make_single_op_model(op, "canonical", **({"scale": 0.25} if op != "MergeKV" else {}))

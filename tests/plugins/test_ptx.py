@@ -16,14 +16,16 @@ CONSTEXPRS = {
     "selected_attention": {"SCALE": 0.125},
     "merge_kv": {},
     "lowrank_attention": {"SCALE": 0.125, "BLOCK_RK": 64, "BLOCK_RV": 32},
+    "paged_attention": {"SCALE": 0.125},
 }
 DIMS = {"B": 2, "H": 12, "HKV": 4, "Q": 1, "S": 100, "D": 64, "K_SEL": 30, "S_OUT": 50, "T": 576}
-DIMS |= {"RK": 64, "RV": 32}
+DIMS |= {"RK": 64, "RV": 32, "C": 40}
 GRIDS = {
     "attn_stats": (24, 1, 1),
     "selected_attention": (8, 1, 1),
     "merge_kv": (8, 2, 1),
     "lowrank_attention": (8, 1, 1),
+    "paged_attention": (8, 1, 1),
 }
 
 

@@ -55,6 +55,7 @@ def test_plugins_register_and_aot_compile_on_the_qdp_double(qdp):
         "vlkv::attn_stats",
         "vlkv::lowrank_attention",
         "vlkv::merge_kv",
+        "vlkv::paged_attention",
         "vlkv::selected_attention",
     ]
     assert all(qdp.registry[i].autotune and qdp.registry[i].aot_impl for i in ids)
@@ -106,6 +107,17 @@ def test_plugins_register_and_aot_compile_on_the_qdp_double(qdp):
     assert name == b"lowrank_attention_aot_kernel" and b".entry lowrank_attention_aot_kernel" in ptx
     assert (launch.grid_x, launch.grid_y, launch.block_x) == (8, 1, 128)
     assert [e.value for e in extra.values] == [12, 4, t, 100, 64, 64, 20]  # H, HKV, T, S, D, RK, RV
+
+    pool, table, lens = TensorDesc((4, 100, 64), half), TensorDesc((2, 4, 40), i64), TensorDesc((2, 4), i64)
+    inputs, attrs = [q, pool, pool, table, lens], {"scale": 0.125}
+    outs = qdp.run_register("vlkv::paged_attention", inputs, attrs)
+    assert outs[0].shape_expr == (2, 12, 1, 64) and outs[0].dtype == half
+    (combo,) = qdp.run_autotune("vlkv::paged_attention", inputs, outs, attrs)
+    assert combo.layouts == ["LINEAR"]
+    name, ptx, launch, extra = qdp.run_aot("vlkv::paged_attention", inputs, outs, attrs)
+    assert name == b"paged_attention_aot_kernel" and b".entry paged_attention_aot_kernel" in ptx
+    assert (launch.grid_x, launch.grid_y, launch.block_x) == (8, 1, 128)
+    assert [e.value for e in extra.values] == [12, 4, 1, 100, 64, 40]  # H, HKV, Q, S, D, C
 
 
 def test_plugins_compile_for_the_architecture_asked_for(qdp):

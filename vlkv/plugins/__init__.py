@@ -4,6 +4,8 @@ Module map (names are resolved lazily: ``import vlkv.plugins`` imports neither t
 - ``reference``: plain-PyTorch ops, the ground truth (``AttnStats``, ``*_reference``);
 - ``ops``: dispatch to the Triton kernels on CUDA (or ``VLKV_FORCE_TRITON=1``), else the references;
 - ``*_kernels``: the Triton kernels (pure triton); ``triton_*``: their PyTorch launchers;
+- ``paged_reference`` / ``paged_cpu``: paged attention (K/V read through slot tables), its ground truth and
+  its CPU form;
 - ``onnx_ops``: the ``vlkv`` ONNX domain (specs, node forms); ``onnx_ort``: ONNX Runtime CPU doubles;
 - ``ptx``: AOT PTX for the plugin kernels; ``trt_plugins``: TensorRT quickly-deployable plugins.
 """
@@ -22,6 +24,8 @@ _EXPORTS: dict[str, str] = {
     "selected_attention": "vlkv.plugins.ops",
     "merge_kv": "vlkv.plugins.ops",
     "lowrank_attention": "vlkv.plugins.ops",
+    "paged_attention": "vlkv.plugins.ops",
+    "paged_attention_reference": "vlkv.plugins.paged_reference",
     "lowrank_decode_attention": "vlkv.plugins.lowrank_reference",
     "compile_ptx": "vlkv.plugins.ptx",
     "PtxArtifact": "vlkv.plugins.ptx",

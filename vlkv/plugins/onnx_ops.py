@@ -2,7 +2,7 @@
 
 One op, three spellings (a graph-surgeon pass writes the canonical one, then converts):
 - canonical: ``domain="vlkv"``, op type ``AttnStats`` / ``SelectedAttention`` / ``MergeKV`` /
-  ``LowRankAttention``;
+  ``LowRankAttention`` / ``PagedAttention``;
 - ONNX Runtime test double: same op type in ``ai.onnx.contrib``, executed by the onnxruntime-extensions
   Python ops in ``onnx_ort.py`` (CPU, float32 only);
 - TensorRT parser: default domain, op type = plugin name (``attn_stats`` ...), string attribute
@@ -27,6 +27,7 @@ OP_ATTN_STATS = "AttnStats"
 OP_SELECTED_ATTENTION = "SelectedAttention"
 OP_MERGE_KV = "MergeKV"
 OP_LOWRANK_ATTENTION = "LowRankAttention"
+OP_PAGED_ATTENTION = "PagedAttention"
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,28 @@ OPS: dict[str, OpSpec] = {
             Port("out", "float", ("B", "H", "D"), "attention output, q's dtype; zeros if nothing is visible"),
         ),
         attrs={"scale": Attr("float", 1.0, "softmax scale, usually head_dim ** -0.5")},
+    ),
+    OP_PAGED_ATTENTION: OpSpec(
+        name=OP_PAGED_ATTENTION,
+        plugin="paged_attention",
+        doc="Causal attention reading K/V from one layer's pool through per-request, per-KV-head slot "
+        "tables; see paged_reference.paged_attention_reference (no pre-RoPE rotation in this op).",
+        inputs=(
+            Port(
+                "q",
+                "float",
+                ("B", "H", "Q", "D"),
+                "queries; query i sees its row's first lengths - Q + i + 1 columns",
+            ),
+            Port("k_pool", "float", ("Hkv", "S", "D"), "one layer's key pool"),
+            Port("v_pool", "float", ("Hkv", "S", "D"), "one layer's value pool"),
+            Port(
+                "table", "int64", ("B", "Hkv", "C"), "slot of each column; past lengths: padding; < 0: a hole"
+            ),
+            Port("lengths", "int64", ("B", "Hkv"), "valid columns per request and KV head (0 gives zeros)"),
+        ),
+        outputs=(Port("out", "float", ("B", "H", "Q", "D"), "attention output, q's dtype"),),
+        attrs={"scale": Attr("float", 1.0, "softmax scale")},
     ),
 }
 

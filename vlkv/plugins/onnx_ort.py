@@ -11,6 +11,7 @@ from vlkv.plugins.onnx_ops import (
     OP_ATTN_STATS,
     OP_LOWRANK_ATTENTION,
     OP_MERGE_KV,
+    OP_PAGED_ATTENTION,
     OP_SELECTED_ATTENTION,
     ORT_DOMAIN,
     get_spec,
@@ -87,6 +88,15 @@ def register_ort_ops() -> None:
 
         args = (torch.from_numpy(x) for x in (q, kbar, dk, vbar, dv, rows, k, v, dense_len))
         return lowrank_decode_attention(*args, scale=attrs["scale"]).numpy()
+
+    @onnx_op(
+        op_type=OP_PAGED_ATTENTION, inputs=[f32, f32, f32, i64, i64], outputs=[f32], attrs={"scale": f32}
+    )
+    def _paged_attention(q, k_pool, v_pool, table, lengths, **attrs):
+        from vlkv.plugins.paged_reference import paged_attention_reference
+
+        args = (torch.from_numpy(x) for x in (q, k_pool, v_pool, table, lengths))
+        return paged_attention_reference(*args, attrs["scale"]).numpy()
 
     _REGISTERED = True
 

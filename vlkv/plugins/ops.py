@@ -130,3 +130,38 @@ def lowrank_attention(
     from vlkv.plugins.lowrank_reference import lowrank_decode_attention
 
     return lowrank_decode_attention(q, kbar, dk, vbar, dv, rows, k, v, dense_len, scale)
+
+
+def paged_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    rot: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+) -> Tensor:
+    """Causal attention reading K/V from one layer's pool through per-request, per-KV-head slot tables;
+    see ``paged_reference.paged_attention_reference`` for the exact semantics.
+
+    q: (B, H_q, Q, D). k_pool, v_pool: (H_kv, S, D). table: (B, H_kv, C) int64 slots (padding past a
+    row's length; a negative slot inside it is a hole). lengths: (B, H_kv) int64. scale: float.
+    Query i attends its row's first ``lengths - Q + i + 1`` columns. Returns (B, H_q, Q, D) in q's dtype,
+    fp32 accumulation. CUDA (or ``VLKV_FORCE_TRITON=1``): the Triton kernel (``num_splits`` column
+    splits, None = from the launch size); CPU: ``paged_cpu`` (in-place runs, else one gather).
+    rot (B, H_kv, C) int64 / cos, sin (R, D_r): keys stored pre-RoPE rotated on read (rot row >= 0).
+    """
+    if use_triton(q, k_pool, v_pool):
+        from vlkv.plugins.triton_paged_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_pool, v_pool, table, lengths, scale, num_splits, rot, cos, sin)
+    if q.device.type == "cpu":
+        from vlkv.plugins.paged_cpu import paged_attention_cpu
+
+        return paged_attention_cpu(q, k_pool, v_pool, table, lengths, scale, rot=rot, cos=cos, sin=sin)
+    from vlkv.plugins.paged_reference import paged_attention_reference
+
+    return paged_attention_reference(q, k_pool, v_pool, table, lengths, scale, rot, cos, sin)

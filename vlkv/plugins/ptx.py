@@ -109,6 +109,17 @@ AOT_KERNELS: dict[str, AotKernelSpec] = {
         required=("SCALE",),
         defaults={"BLOCK_M": 16, "BLOCK_N": 64},
     ),
+    "paged_attention": AotKernelSpec(
+        module="vlkv.plugins.paged_attention_kernels",
+        kernel="paged_attention_aot_kernel",
+        float_inputs=("q_ptr", "k_ptr", "v_ptr"),
+        int_inputs=("tab_ptr", "len_ptr"),
+        scalars=("H", "HKV", "Q", "S", "D", "C"),
+        outputs=(("out_ptr", "float"),),
+        grid=lambda d, c, cdiv: (d["B"] * d["HKV"], cdiv(d["H"] // d["HKV"] * d["Q"], c["BLOCK_M"]), 1),
+        required=("SCALE",),
+        defaults={"BLOCK_M": 16, "BLOCK_N": 64},
+    ),
     "merge_kv": AotKernelSpec(
         module="vlkv.plugins.merge_kv_kernels",
         kernel="merge_kv_aot_kernel",
@@ -231,7 +242,7 @@ def compile_ptx(
 
     arch: one of :data:`SM_ARCHES` (``"sm_90"`` or ``90``); None = the visible GPU, else :data:`CI_ARCH`
     (TensorRT builds always pass it: see ``trt_plugins.register_plugins``). head_dim: D, which fixes
-    BLOCK_D. constexprs: SCALE (attn_stats, selected_attention, lowrank_attention), THRESHOLD, CAUSAL,
+    BLOCK_D. constexprs: SCALE (attn_stats, selected_attention, lowrank_attention, paged_attention), THRESHOLD, CAUSAL,
     HAS_THRESHOLD, BLOCK_RK / BLOCK_RV (lowrank_attention: the ranks, padded to a power of two >= 16),
     BLOCK_* overrides. Results are cached per argument set.
     """

@@ -1,7 +1,7 @@
 """TensorRT quickly-deployable plugins (``tensorrt.plugin``) for the vlkv ops, AOT-compiled Triton kernels.
 
-``register_plugins()`` defines ``vlkv::attn_stats``, ``vlkv::selected_attention``, ``vlkv::merge_kv`` and
-``vlkv::lowrank_attention``:
+``register_plugins()`` defines ``vlkv::attn_stats``, ``vlkv::selected_attention``, ``vlkv::merge_kv``,
+``vlkv::lowrank_attention`` and ``vlkv::paged_attention``:
 ``@trtp.register`` (output shapes and types), ``@trtp.autotune`` (type/format combinations) and
 ``@trtp.aot_impl`` (PTX from ``ptx.compile_ptx``, baked into the engine, so no Python runs at inference).
 Inputs, outputs and attributes follow ``onnx_ops.OPS``; an ONNX node in TensorRT form (see
@@ -124,6 +124,28 @@ def _define(trt, trtp) -> None:
         )  # fmt: skip
         dims = {"B": q.shape_expr[0], "H": q.shape_expr[1], "HKV": k.shape_expr[1], "Q": q.shape_expr[2]}
         dims |= {"S": k.shape_expr[2], "D": q.shape_expr[3], "K_SEL": indices.shape_expr[2]}
+        return _aot_result(trtp, artifact, dims)
+
+    @trtp.register(PLUGIN_IDS["PagedAttention"])
+    def _paged_desc(
+        q: trtp.TensorDesc, k_pool: trtp.TensorDesc, v_pool: trtp.TensorDesc, table: trtp.TensorDesc,
+        lengths: trtp.TensorDesc, scale: float,
+    ) -> trtp.TensorDesc:  # fmt: skip
+        return q.like()
+
+    @trtp.autotune(PLUGIN_IDS["PagedAttention"])
+    def _paged_tune(q, k_pool, v_pool, table, lengths, outputs) -> combinations:
+        f = _FLOAT_TYPES
+        return [trtp.AutoTuneCombination(f"{f}, {f}, {f}, {ints}, {ints}, {f}", "LINEAR")]
+
+    @trtp.aot_impl(PLUGIN_IDS["PagedAttention"])
+    def _paged_aot(q, k_pool, v_pool, table, lengths, scale: float, outputs, tactic: int) -> aot_result:
+        artifact = compile_ptx(
+            "paged_attention", q.dtype, head_dim=_const(q.shape_expr[3], "head_dim"), arch=_target["arch"],
+            SCALE=float(scale),
+        )  # fmt: skip
+        dims = {"B": q.shape_expr[0], "H": q.shape_expr[1], "HKV": k_pool.shape_expr[0], "Q": q.shape_expr[2]}
+        dims |= {"S": k_pool.shape_expr[1], "D": q.shape_expr[3], "C": table.shape_expr[2]}
         return _aot_result(trtp, artifact, dims)
 
     @trtp.register(PLUGIN_IDS["MergeKV"])

@@ -50,6 +50,9 @@ class _StepContext:
             )
         self.order = order
         self.attended: list[Tensor | None] = [None] * n_layers  # (B,) per layer, on the compute device
+        # layer → (table (B, H_kv, n), lengths (B, H_kv), attended (B,), pre-RoPE keywords) of the
+        # layers a decode step reads paged (see ``paged_tables``)
+        self.paged: dict[int, tuple[Tensor, Tensor, Tensor, dict]] = {}
         # a prefill into an empty cache with no padded rows can take SDPA's is_causal path
         self.plain = (
             q > 1
@@ -82,8 +85,23 @@ class _StepContext:
         self.past[layer_idx] = layer.append(
             k, v, self.inputs.positions, self.inputs.modality, self.inputs.new_len, self.order
         )
+        if self._paged(layer, layer_idx):
+            # a plain decode step reads K/V where they lie, through the slot tables: no gathered copy
+            self.paged[layer_idx] = paged_tables(layer)
+            return layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
         # post-RoPE factors: a decode step attends to them in the rank space (attend), unrebuilt
         return layer.attention_kv(view=True, fill=not self._rank_space(layer))
+
+    def _paged(self, layer, layer_idx: int) -> bool:
+        """This layer's decode attention reads the pool through the tables (``ops.paged_attention``):
+        one new row per sample, dense entries (shared pre-RoPE keys are rotated by the op; no low-rank
+        factors), no selected attention or link step, no statistics wanted from it."""
+        if not getattr(self, "one_row", False) or self.inputs.attend is not None or self.inputs.selective:
+            return False
+        if any(req.wants(layer_idx) for req in self.requests.values()):
+            return False
+        rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
+        return all(r.lowrank is None and r.offloaded is None for r in rows)
 
     def _rank_space(self, layer) -> bool:
         """This step attends to ``layer``'s factored rows in the rank space (AttentionPack path (b))."""
@@ -99,6 +117,14 @@ class _StepContext:
         """``q (B, H, q, D)``, ``k/v (B, H_kv, S, D)`` → ``(B, q, H, D)``."""
         past = self.past[layer_idx]
         new_len = self.inputs.new_len.to(past)
+        paged = getattr(self, "paged", {}).get(layer_idx)
+        if paged is not None:  # k, v are the layer's pool tensors (H_kv, S, D)
+            from vlkv.plugins import paged_attention
+
+            table, lengths, attended, rope = paged
+            self.attended[layer_idx] = attended.to(q.device)
+            out = paged_attention(q, k, v, table.to(q.device), lengths.to(q.device), scale, **rope)
+            return out.transpose(1, 2).contiguous()
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
         # per-head holes (heads with their own budgets): False where a head must not attend
         open_ = self.cache.layers[layer_idx].open_mask(k.shape[2])
@@ -297,6 +323,50 @@ def _with_new_slot(index: AttendIndex, past: Tensor) -> tuple[Tensor, Tensor]:
     idx = torch.cat([idx, idx.new_zeros(b, h, 1)], dim=2)
     idx.scatter_(2, lens[..., None], past[:, None, None].expand(b, h, 1))
     return idx, lens + 1
+
+
+def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict]:
+    """What ``ops.paged_attention`` reads for a layer (or a batch view) in a decode step:
+    ``table (B, H_kv, n)``, its slot table with ``-1`` at holes (``n`` its longest row),
+    ``lengths (B, H_kv)``, ``attended (B,)`` float64, the entries a row attends (mean over heads), and
+    the op's pre-RoPE keywords (``rot``, ``cos``, ``sin``; empty when no entry is stored pre-RoPE)."""
+    n = layer.max_length
+    table = layer.table(n)
+    lengths = layer.lengths
+    open_ = layer.open_mask(n)
+    if open_ is not None:
+        table = table.masked_fill(~open_, -1)
+    wide = lengths[:, None].expand(-1, table.shape[1])
+    return table, wide, _attended(lengths, open_), _rope_rows(layer, table, wide)
+
+
+def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
+    """``rot (B, H_kv, n)`` / ``cos, sin (R, D)`` for the held pre-RoPE (linked) entries of a layer:
+    one row per such entry, at the position this cache gives it (the model's rotary, 1-D or M-RoPE)."""
+    rows = getattr(layer, "rows", [layer])
+    if not any(r.linked for r in rows):
+        return {}
+    n = table.shape[2]
+    pool = layer.pool
+    held = (table >= 0) & (torch.arange(n, device=table.device) < lengths[..., None])
+    pre = pool.is_prerope(layer.layer, table.clamp_min(0)) & held
+    if not bool(pre.any()):
+        return {}
+    positions = torch.cat([_columns(r.positions, n) for r in rows])  # (B, H_kv, n, P)
+    like = pool.keys[layer.layer]
+    # Rope's cos/sin rows (its 1-D table gather, or the model's M-RoPE) for the R entries to rotate
+    cos, sin = pool.rope._cos_sin(like, positions[pre][None])  # (1, R, D)
+    rot = torch.full_like(table, -1)
+    rot[pre] = torch.arange(cos.shape[1], device=table.device)
+    return {"rot": rot, "cos": cos[0], "sin": sin[0]}
+
+
+def _columns(t: Tensor, n: int) -> Tensor:
+    """The first ``n`` columns (dim 2) of a per-entry table, zero-padded past its capacity."""
+    t = t[:, :, :n]
+    if t.shape[2] < n:
+        t = torch.cat([t, t.new_zeros(*t.shape[:2], n - t.shape[2], *t.shape[3:])], dim=2)
+    return t
 
 
 def _attended(lengths: Tensor, open_: Tensor | None) -> Tensor:

@@ -1,0 +1,309 @@
+"""Paged attention: the reference against a per-row float64 loop; the CPU form, the Triton kernel (under
+the interpreter) and the ``ops`` dispatch against the reference, over ragged rows, holes, GQA 1/3/7,
+decode and prefill chunks, per-head and shared tables, and column counts on block edges (1, 9, 81, 729)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
+from vlkv.plugins import ops
+from vlkv.plugins.paged_cpu import paged_attention_cpu, shared_runs
+from vlkv.plugins.paged_reference import paged_attention_reference
+
+tpa = pytest.importorskip("vlkv.plugins.triton_paged_attention", reason="triton is not installed")
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    """q (B, G·H_kv, Q, D) over a pool (H_kv, S, D); each request's row of ``cols`` table columns.
+
+    layout: "perhead" (every head its own random slots), "runs" (the same ascending runs in every
+    head: what the pool hands out), "appends" (one run, then 5 single slots: decode appends in a fixed
+    pool), "holes" (runs with holes, ragged head lengths).
+    """
+
+    batch: int
+    kv_heads: int
+    group: int
+    queries: int
+    cols: int
+    dim: int
+    layout: str = "perhead"
+    runs: int = 1
+    full: bool = False  # every row holds all `cols` entries (no padding, no empty row)
+    rope: int = 0  # > 0: about half the entries pre-RoPE, rotated on read over this many dims
+
+    def make(self, dtype: torch.dtype, seed: int = 0) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        b, h, c = self.batch, self.kv_heads, self.cols
+        slots = b * c + 11  # spare slots: the requests do not tile the pool
+        q = torch.randn(b, h * self.group, self.queries, self.dim, generator=g).to(dtype)
+        k_pool = torch.randn(h, slots, self.dim, generator=g).to(dtype)
+        v_pool = torch.randn(h, slots, self.dim, generator=g).to(dtype)
+        if self.layout == "perhead":
+            table = torch.stack([torch.randperm(slots, generator=g)[:c] for _ in range(b * h)]).view(b, h, c)
+            lengths = torch.randint(0, c + 1, (b, h), generator=g)
+        else:
+            # request r's columns as `runs` ascending runs, shuffled across the pool, the same per head
+            perm = torch.randperm(b, generator=g)
+            rows = []
+            for r in range(b):
+                base = torch.arange(int(perm[r]) * c, int(perm[r]) * c + c)
+                if self.layout == "appends":  # a prompt's run, then appends one slot each (descending)
+                    rows.append(torch.cat([base[: c - 5], base[c - 5 :].flip(0)]))
+                    continue
+                pieces = list(base.tensor_split(self.runs))
+                order = torch.randperm(len(pieces), generator=g).tolist()
+                rows.append(torch.cat([pieces[i] for i in order]))
+            table = torch.stack(rows)[:, None].expand(b, h, c).contiguous()
+            lengths = torch.randint(0, c + 1, (b, 1), generator=g).expand(b, h).contiguous()
+        lengths[-1] = c
+        if self.full:
+            lengths.fill_(c)
+        if not self.full:
+            lengths[0, 0] = 0  # an empty row: its query heads must be zeros
+        if self.layout == "holes":
+            hole = (torch.rand(b, h, c, generator=g) < 0.2) & (torch.arange(c) > 0)
+            table = torch.where(hole, torch.full_like(table, -1), table)
+            lengths = (lengths - torch.randint(0, 2, (b, h), generator=g)).clamp_min(0)
+        # padding past a row's length may hold anything, including slots out of range
+        pad = torch.arange(c)[None, None, :] >= lengths[..., None]
+        table = torch.where(pad, torch.full_like(table, 10**6), table)
+        args = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "table": table, "lengths": lengths}
+        args["scale"] = self.dim**-0.5
+        if self.rope:
+            args.update(rope_rows(self.rope, b, h, c, g))
+            # padding and holes may name any row, out of range included: they are never read
+            args["rot"] = torch.where(pad | (table < 0), 10**6, args["rot"])
+        return args
+
+
+def rope_rows(rot_dims: int, b: int, h: int, c: int, g: torch.Generator, rows: int = 20) -> dict:
+    """``rot (B, H_kv, C)``: a random row of 20 for about half the entries, -1 (post-RoPE) for the rest;
+    ``cos, sin (20, rot_dims)`` in HF's layout."""
+    theta = torch.rand(rows, rot_dims // 2, generator=g) * 100
+    rot = torch.randint(0, rows, (b, h, c), generator=g)
+    rot = torch.where(torch.rand(b, h, c, generator=g) < 0.5, rot, -1)
+    return {"rot": rot, "cos": theta.cos().repeat(1, 2), "sin": theta.sin().repeat(1, 2)}
+
+
+CASES = (
+    PagedCase(1, 1, 1, 1, 1, 16),
+    PagedCase(2, 2, 3, 1, 9, 8),
+    PagedCase(3, 1, 7, 3, 9, 40),
+    PagedCase(2, 3, 3, 1, 81, 64, layout="runs", runs=3),
+    PagedCase(2, 2, 1, 5, 81, 16, layout="holes", runs=2),
+    PagedCase(2, 3, 3, 4, 81, 32, layout="runs", runs=1),
+)
+BIG = PagedCase(2, 2, 3, 1, 729, 64, layout="runs", runs=2)
+APPENDS = (PagedCase(3, 2, 3, 1, 81, 16, layout="appends"), PagedCase(2, 3, 1, 6, 81, 8, layout="appends"))
+# pre-RoPE entries: every dim rotated, and partial rotary (the first 8 of 16/40 dims)
+ROPE = (
+    PagedCase(2, 2, 3, 1, 81, 16, layout="runs", rope=16),
+    PagedCase(3, 1, 7, 3, 9, 40, layout="holes", runs=2, rope=8),
+    PagedCase(2, 3, 1, 2, 81, 16, rope=8),
+)
+
+
+def loop_reference(q, k_pool, v_pool, table, lengths, scale) -> torch.Tensor:
+    """One float64 softmax per (request, query head, query row) over the slots it sees: the spec."""
+    batch, heads, num_q, _ = q.shape
+    group = heads // k_pool.shape[0]
+    out = torch.zeros(batch, heads, num_q, v_pool.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for j in range(heads):
+            h = j // group
+            n = int(lengths[b, h])
+            for i in range(num_q):
+                ids = [int(s) for s in table[b, h, : max(0, n - num_q + i + 1)] if s >= 0]
+                if not ids:
+                    continue
+                k, v = k_pool[h, ids].double(), v_pool[h, ids].double()
+                p = torch.softmax(k @ q[b, j, i].double() * scale, dim=0)
+                out[b, j, i] = p @ v
+    return out
+
+
+@pytest.mark.parametrize("case", (*CASES, BIG), ids=repr)
+def test_reference_matches_loop(case):
+    args = case.make(torch.float32)
+    got = paged_attention_reference(**args)
+    torch.testing.assert_close(got.double(), loop_reference(**args), rtol=1e-5, atol=1e-5)
+    assert torch.all(got[0, : case.group] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", (*CASES, BIG, *APPENDS, *ROPE), ids=repr)
+def test_cpu_form_matches_reference(case, dtype):
+    args = case.make(dtype)
+    want = paged_attention_reference(**args)
+    # every request in place with every run a view; long runs in place, short ones gathered; every
+    # request gathered and attended together (the default for requests this short)
+    for inplace_min, run_min in ((1, 1), (1, 16), (None, None)):
+        got = paged_attention_cpu(**args, run_min=run_min, inplace_min=inplace_min)
+        assert got.dtype == dtype
+        assert_close_tol(got, want, OUT_TOL, dtype)
+        assert torch.all(got[0, : case.group] == 0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", (*CASES, *APPENDS, *ROPE), ids=repr)
+def test_triton_kernel_matches_reference(case, dtype, num_splits):
+    args = case.make(dtype)
+    got = tpa.paged_attention_triton(**args, num_splits=num_splits)
+    assert got.dtype == dtype
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+    assert torch.all(got[0, : case.group] == 0)
+
+
+def test_triton_kernel_729_columns_auto_splits():
+    args = BIG.make(torch.float16)
+    got = tpa.paged_attention_triton(**args)
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float16)
+
+
+def test_triton_kernel_reads_strided_pool_and_query():
+    """A pool slice (another layer's rows around it) and a transposed q are read through their strides."""
+    args = CASES[2].make(torch.float32)
+    h, s, d = args["k_pool"].shape
+    big = torch.randn(h, s + 7, d + 4)
+    big[:, 3 : 3 + s, :d] = args["k_pool"]
+    args["k_pool"] = big[:, 3 : 3 + s, :d]
+    args["q"] = args["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    want = paged_attention_reference(**args)
+    assert_close_tol(tpa.paged_attention_triton(**args, num_splits=1), want, OUT_TOL, torch.float32)
+    assert_close_tol(paged_attention_cpu(**args), want, OUT_TOL, torch.float32)
+
+
+def test_ops_dispatch_cpu_and_forced_triton(monkeypatch):
+    args = CASES[3].make(torch.float32)
+    want = paged_attention_reference(**args)
+    assert_close_tol(ops.paged_attention(**args), want, OUT_TOL, torch.float32)
+    monkeypatch.setenv(ops.FORCE_TRITON_ENV, "1")
+    assert_close_tol(ops.paged_attention(**args), want, OUT_TOL, torch.float32)
+
+
+def test_shared_runs_finds_runs_or_declines():
+    row = torch.tensor([[5, 6, 7, 20, 21, 2], [5, 6, 7, 20, 21, 2]])
+    assert shared_runs(row) == [(0, 3, 5), (3, 5, 20), (5, 6, 2)]
+    assert shared_runs(torch.tensor([[5, 6], [5, 7]])) is None  # heads differ
+    assert shared_runs(torch.tensor([[5, -1, 7]])) is None  # a hole
+
+
+def test_bad_shapes_name_the_argument():
+    args = CASES[1].make(torch.float32)
+    with pytest.raises(ValueError, match="lengths"):
+        paged_attention_reference(**{**args, "lengths": args["lengths"][:, :1]})
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_attention_reference(**{**args, "q": args["q"][:, :1]})
+
+
+def test_cpu_form_reads_runs_in_place(monkeypatch):
+    """Requests whose slots are long shared runs are read as pool views: the gather is never called."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    def no_gather(*_):
+        raise AssertionError("gathered a request whose slots are runs")
+
+    args = dataclasses.replace(BIG, full=True).make(torch.float32)
+    want = paged_attention_reference(**args)
+    monkeypatch.setattr(paged_cpu, "_gather", no_gather)
+    got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
+    assert_close_tol(got, want, OUT_TOL, torch.float32)
+
+
+@pytest.mark.parametrize("case", APPENDS, ids=repr)
+def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
+    """A prompt's run is read in place; only the appended single slots are gathered (5 per request)."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    args = dataclasses.replace(case, full=True).make(torch.float32)
+    gathered = []
+    real = paged_cpu._gather
+    monkeypatch.setattr(
+        paged_cpu,
+        "_gather",
+        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
+    )
+    got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
+    assert gathered == [5 * case.kv_heads] * 2 * case.batch  # K and V of each request's appends
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_dispatch_matches_reference(dtype, monkeypatch):
+    """On a GPU (run with TRITON_INTERPRET=0 to compile the kernel): ops.paged_attention takes the kernel."""
+    monkeypatch.delenv(ops.FORCE_TRITON_ENV, raising=False)
+    for case in (*CASES, *APPENDS, *ROPE, BIG):
+        args = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.make(dtype).items()}
+        assert ops.use_triton(args["q"])
+        for splits in (None, 1):
+            got = ops.paged_attention(**args, num_splits=splits)
+            assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+
+
+# (layouts where no two requests hold one slot: a slot stored rotated has one position)
+@pytest.mark.parametrize("case", [c for c in ROPE if c.layout != "perhead"], ids=repr)
+def test_rotated_on_read_equals_keys_stored_rotated(case):
+    """Reading pre-RoPE keys through ``rot`` equals reading a pool where they were stored rotated, by
+    the HF formula written out here (``k·cos + rotate_half(k)·sin`` on the first D_r dims)."""
+    args = case.make(torch.float64)
+    rot, cos, sin = args.pop("rot"), args.pop("cos"), args.pop("sin")
+    dr = cos.shape[-1]
+    k = args["k_pool"].clone()
+    heads = torch.arange(case.kv_heads)[None, :, None].expand_as(rot)
+    held = (args["table"] >= 0) & (torch.arange(case.cols) < args["lengths"][..., None]) & (rot >= 0)
+    for hd, slot, row in zip(
+        heads[held].tolist(), args["table"][held].tolist(), rot[held].tolist(), strict=True
+    ):
+        x = args["k_pool"][hd, slot, :dr]
+        half = torch.cat([-x[dr // 2 :], x[: dr // 2]])
+        k[hd, slot, :dr] = x * cos[row] + half * sin[row]
+    want = paged_attention_reference(**{**args, "k_pool": k})
+    got = paged_attention_reference(**args, rot=rot, cos=cos, sin=sin)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, paged_attention_reference(**args))  # the rotation mattered
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_aot_entry_matches_reference(dtype):
+    """The TensorRT AOT entry (contiguous tensors, int32 shape scalars, one split) under the interpreter."""
+    from vlkv.plugins.paged_attention_kernels import paged_attention_aot_kernel
+    from vlkv.plugins.triton_launch import dot_in_fp32
+
+    case = CASES[4]
+    args = case.make(dtype)
+    q = args["q"]
+    out = torch.empty_like(q)
+    heads, slots = q.shape[1], args["k_pool"].shape[1]
+    paged_attention_aot_kernel[(case.batch * case.kv_heads, -(-case.group * case.queries // 16))](
+        q, args["k_pool"], args["v_pool"], args["table"], args["lengths"],
+        heads, case.kv_heads, case.queries, slots, case.dim, case.cols, out,
+        SCALE=args["scale"], IEEE=dot_in_fp32(dtype), BLOCK_M=16, BLOCK_N=64, BLOCK_D=16,
+    )  # fmt: skip
+    assert_close_tol(out, paged_attention_reference(**args), OUT_TOL, dtype)
+
+
+def test_cpu_form_attends_short_requests_together(monkeypatch):
+    """Requests below ``inplace_min`` (or with holes) are gathered by one call per K and V, whatever
+    their number, and the result equals the reference."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    args = PagedCase(9, 2, 3, 1, 81, 16, layout="holes", runs=2).make(torch.float32)
+    gathered = []
+    real = paged_cpu._gather
+    monkeypatch.setattr(
+        paged_cpu,
+        "_gather",
+        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
+    )
+    got = paged_cpu.paged_attention_cpu(**args)
+    assert len(gathered) == 2  # one gather of K, one of V, for all nine requests
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)

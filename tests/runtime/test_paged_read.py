@@ -1,0 +1,149 @@
+"""A plain decode step reads K/V from the pool through the slot tables (``ops.paged_attention``).
+
+What must hold: no decode step gathers a scratch copy of any cache (``KVPool.read`` is not called);
+each live entry's K/V is read once (the tables hand each held slot to the op once, and together they
+cover every entry the requests hold); only the new entries are written; and the logits equal the
+dense read's (the path before it) on ragged batches, on fixed and growable pools, with per-head holes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vlkv.plugins.ops as ops
+import vlkv.plugins.paged_cpu as paged_cpu
+from tests.runtime.test_holes import _holey, _next_logits
+from tests.runtime.test_scheduler import sched_entry_bytes
+from vlkv.runtime.kv.pool import KVPool
+from vlkv.runtime.policies import make_policy
+from vlkv.runtime.prompt import Prompt
+from vlkv.runtime.request import Request
+from vlkv.runtime.scheduler import Scheduler
+from vlkv.runtime.torch_backend import _StepContext
+
+TEXTS = ["Describe the picture.", "What is in the corner of this image?", "Hi.", "Tell me about the colors."]
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """Bytes gathered by ``KVPool.read`` and by the CPU form's gathers; the tables of every paged call."""
+    seen = SimpleNamespace(pool_read=0, cpu_gather=0, calls=[], rotated=0)
+    real_read, real_paged, real_gather = KVPool.read, ops.paged_attention, paged_cpu._gather
+
+    def read(self, layer, ids, scratch=False):
+        seen.pool_read += 2 * ids.numel() * self.spec.head_dim * self.spec.dtype.itemsize
+        return real_read(self, layer, ids, scratch)
+
+    def paged(q, k_pool, v_pool, table, lengths, scale, **kw):
+        seen.calls.append((k_pool.shape[0], table.clone(), lengths.clone(), k_pool.element_size()))
+        seen.rotated += 0 if kw.get("rot") is None else int((kw["rot"] >= 0).sum())
+        return real_paged(q, k_pool, v_pool, table, lengths, scale, **kw)
+
+    def gather(pool, flat, out=None):
+        seen.cpu_gather += flat.numel() * pool.shape[-1] * pool.element_size()
+        return real_gather(pool, flat, out)
+
+    monkeypatch.setattr(KVPool, "read", read)
+    monkeypatch.setattr(ops, "paged_attention", paged)
+    monkeypatch.setattr(paged_cpu, "_gather", gather)
+    return seen
+
+
+def _held_bytes(calls, head_dim: int) -> int:
+    """K + V bytes the paged calls read: each held slot of each table once (asserted unique per head)."""
+    total = 0
+    for kv_heads, table, lengths, itemsize in calls:
+        cols = torch.arange(table.shape[2])
+        held = (cols < lengths[..., None]) & (table >= 0)
+        for h in range(kv_heads):
+            slots = table[:, h][held[:, h]]
+            assert slots.unique().numel() == slots.numel()  # no slot read twice in one call
+        total += int(held.sum()) * 2 * head_dim * itemsize // 1
+    return total
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed-pool", "growable-pool"])
+def test_a_decode_step_reads_each_live_entry_once_and_copies_no_cache(
+    fixed, engines, images, counts, monkeypatch
+):
+    # tiny prompts are ~50 entries: a request and a run that short count as long here, as a prompt's
+    # run does at scale (shorter requests are gathered together, tested in tests/plugins)
+    monkeypatch.setattr(paged_cpu, "RUN_MIN", 16)
+    monkeypatch.setattr(paged_cpu, "INPLACE_MIN", 16)
+    engine = engines["tiny-llava"]
+    per_token = sched_entry_bytes(engine)
+    sched = Scheduler(engine, per_token * 4000 if fixed else None)
+    reqs = [
+        sched.submit(Request(Prompt(t, [images[0]] if i % 2 == 0 else []), make_policy("full"), 8, stop_at_eos=False))
+        for i, t in enumerate(TEXTS)
+    ]  # fmt: skip
+    sched.step()  # prefill every request, first decode step
+    head_dim = engine.backend.head_dim
+    for _ in range(4):
+        counts.pool_read, counts.cpu_gather, counts.calls = 0, 0, []
+        written = sched.pool.bytes_written
+        sched.step()
+        live = [r for r in sched.running if r.cache is not None]
+        assert len(live) == len(reqs) and len(counts.calls) == engine.backend.num_layers
+        assert counts.pool_read == 0  # no padded scratch copy of the caches
+        assert sched.pool.bytes_written - written == len(live) * per_token  # only the new entries
+        # each entry every request holds (the new one included) read once, by the paged op
+        assert _held_bytes(counts.calls, head_dim) == sum(r.cache.kv_bytes() for r in live)
+        if not fixed:  # each request's entries one run of slots: read in place, nothing gathered
+            assert counts.cpu_gather == 0
+        else:  # the prompt's run in place; only the decode appends (interleaved in the pool) gathered
+            assert counts.cpu_gather < sum(r.cache.kv_bytes() for r in live) // 4
+    sched.run()
+    assert all(r.error is None and len(r.tokens) == 8 for r in reqs)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+def test_paged_tokens_equal_the_dense_read(name, engines, images, monkeypatch, counts):
+    engine = engines[name]
+    prompts = [Prompt(t, [images[i % 2]] if i < 2 else []) for i, t in enumerate(TEXTS)]
+    got = engine.generate(prompts, make_policy("full"), 8, stop_at_eos=False)
+    assert counts.calls  # the decode steps read paged
+    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    want = engine.generate(prompts, make_policy("full"), 8, stop_at_eos=False)
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+
+
+def test_paged_read_skips_each_heads_holes(engines, images, monkeypatch, counts):
+    engine = engines["tiny-llava"]
+    prompts = [Prompt("The cat sat on the mat by the fire.", [images[0]]), Prompt("Short one.")]
+    batch, cache, out = _holey(engine, prompts, seed=5)
+    tokens = out.logits.argmax(-1)
+    counts.pool_read, counts.calls = 0, []  # the prefill's reads are not the decode step's
+    got = _next_logits(engine, batch, cache, tokens)
+    assert counts.calls and any(bool((t < 0).any()) for _, t, _, _ in counts.calls)  # holes reached the op
+    assert counts.pool_read == 0
+    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    batch, cache, out = _holey(engine, prompts, seed=5)
+    torch.testing.assert_close(got, _next_logits(engine, batch, cache, tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])  # 1-D RoPE and M-RoPE
+def test_linked_pre_rope_entries_are_rotated_by_the_paged_read(name, engines, images, monkeypatch, counts):
+    from tests.runtime.link.test_linker import _decode, _linked, _pool
+    from vlkv.runtime.link.linker import LinkSpec, SegmentStore
+
+    engine = engines[name]
+    first = Prompt("Compare these.", [images[0], images[1]])
+    again = Prompt("You are terse. Compare these two.", [images[1], images[0]])
+    store = SegmentStore(_pool(engine))
+    _linked(engine, first, LinkSpec("mpic", 2), store)
+    batch, cache, out, stats = _linked(engine, again, LinkSpec("mpic", 2), store)
+    assert stats.hits == 2 and any(layer.linked for layer in cache.layers)
+    counts.calls, counts.rotated = [], 0
+    token = out.logits.argmax(-1)
+    logits = engine.decode(token, batch, make_policy("full"), cache, 1).logits
+    assert counts.calls and counts.rotated > 0  # a linked decode step reads paged, rotating on read
+    got = _decode(engine, batch, cache, out, 4)[1:]  # more steps, the same on both sides
+    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    batch, cache, out, _ = _linked(engine, again, LinkSpec("mpic", 2), store)
+    want = engine.decode(token, batch, make_policy("full"), cache, 1).logits
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert _decode(engine, batch, cache, out, 4)[1:] == got

@@ -1,0 +1,142 @@
+"""Triton paged attention: K/V read in place from one layer's pool through per-request slot tables.
+
+Grid ``(B · H_kv, cdiv(G · Q, BLOCK_M), NUM_SPLITS)``: one program serves the ``G`` query heads of a KV
+head (and its ``Q`` query rows) together, so each entry's K/V row is loaded once per group, not once
+per query head. The program walks its row of the table ``BLOCK_N`` columns at a time with an online
+softmax (running max ``m``, sum ``l``, fp32 accumulator). Causality is by column: query ``i`` sees
+columns ``< length - Q + i + 1``; a negative slot inside the length is a hole (masked). With ``HAS_ROPE``
+a key stored pre-RoPE (its ``rot`` row >= 0) is rotated as it is loaded. With
+``NUM_SPLITS > 1`` the columns are split across programs (flash-decoding) and
+``selected_attention_kernels.combine_splits_kernel`` merges the partial (m, l, acc) triples — the same
+partial layout as selected attention.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    rot_ptr, cos_ptr, sin_ptr,
+    sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
+    stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, scr, scd,
+    HKV, GROUP, Q, D, DV, COLS, DR,
+    SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    GQ = GROUP * Q
+    pid_bk = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (pid_bk // HKV).to(tl.int64)
+    kvh = (pid_bk % HKV).to(tl.int64)
+    # Row r of this tile is query row r % Q of query head kvh * GROUP + r // Q.
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    heads = kvh * GROUP + r // Q
+    qi = r % Q
+    dims = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(
+        q_ptr + b * sqb + heads[:, None] * sqh + qi[:, None] * sqm + dims[None, :] * sqd,
+        mask=(r[:, None] < GQ) & (dims[None, :] < D),
+        other=0.0,
+    )
+    length = tl.minimum(tl.maximum(tl.load(len_ptr + b * slb + kvh * slh).to(tl.int32), 0), COLS)
+    # the last column each row sees (exclusive); rows past G·Q see nothing
+    limit = tl.where(r < GQ, length - Q + 1 + qi, 0)
+    # the tile's furthest column: its last real row sees the most
+    stop_all = tl.minimum(tl.max(limit, 0), length)
+    per_split = tl.cdiv(tl.cdiv(stop_all, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    stop = tl.minimum(start + per_split, stop_all)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for n0 in range(start, stop, BLOCK_N):
+        col = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(tab_ptr + b * stb + kvh * sth + col * stc, mask=col < stop, other=-1).to(tl.int64)
+        ok = (col < stop) & (slot >= 0)  # padding and holes read nothing
+        k = tl.load(
+            k_ptr + kvh * skh + slot[:, None] * skn + dims[None, :] * skd,
+            mask=ok[:, None] & (dims[None, :] < D),
+            other=0.0,
+        )
+        if HAS_ROPE:
+            # a pre-RoPE key rotates to its row of cos/sin: k·cos + rotate_half(k)·sin on the first DR
+            # dims, in fp32, rounded to the pool's dtype (the key the model would have stored)
+            rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=ok, other=-1).to(tl.int64)
+            spin = ok[:, None] & (rr[:, None] >= 0) & (dims[None, :] < DR)
+            half = DR // 2
+            partner = tl.where(dims < half, dims + half, dims - half)
+            k2 = tl.load(
+                k_ptr + kvh * skh + slot[:, None] * skn + partner[None, :] * skd, mask=spin, other=0.0
+            )
+            c = tl.load(cos_ptr + rr[:, None] * scr + dims[None, :] * scd, mask=spin, other=1.0)
+            sn = tl.load(sin_ptr + rr[:, None] * scr + dims[None, :] * scd, mask=spin, other=0.0)
+            sign = tl.where(dims < half, -1.0, 1.0)
+            kr = k.to(tl.float32) * c.to(tl.float32) + sign[None, :] * k2.to(tl.float32) * sn.to(tl.float32)
+            k = tl.where(spin, kr.to(k.dtype), k)
+        v = tl.load(
+            v_ptr + kvh * svh + slot[:, None] * svn + dv[None, :] * svd,
+            mask=ok[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        seen = ok[None, :] & (col[None, :] < limit[:, None])
+        s = tl.where(seen, s * SCALE, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:  # noqa: SIM108 - a constexpr branch reads clearer than a ternary in a kernel
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if NUM_SPLITS == 1:
+        # a row that saw nothing keeps l = 0 and acc = 0: its output is zeros, as the reference defines
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(
+            out_ptr + b * sob + heads[:, None] * soh + qi[:, None] * som + dv[None, :] * sod,
+            out,
+            mask=(r[:, None] < GQ) & (dv[None, :] < DV),
+        )
+    else:
+        part = (pid_bk.to(tl.int64) * NUM_SPLITS + split) * GQ + r
+        tl.store(part_m_ptr + part, m_i, mask=r < GQ)
+        tl.store(part_l_ptr + part, l_i, mask=r < GQ)
+        tl.store(
+            part_acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=(r[:, None] < GQ) & (dv[None, :] < DV)
+        )
+
+
+@triton.jit
+def paged_attention_aot_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr,
+    H, HKV, Q, S, D, C,
+    out_ptr,
+    SCALE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """TensorRT AOT entry: inputs, int32 shape scalars, output (the QDP argument order).
+
+    Tensors are contiguous: q (B, H, Q, D), k/v pools (HKV, S, D), table (B, HKV, C) int64, lengths
+    (B, HKV) int64; out (B, H, Q, D). Grid: (B * HKV, cdiv((H // HKV) * Q, BLOCK_M)), one split, no
+    pre-RoPE rotation.
+    """
+    paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
+        len_ptr, q_ptr, q_ptr,
+        H * Q * D, Q * D, D, 1, S * D, D, 1, S * D, D, 1,
+        HKV * C, C, 1, HKV, 1, H * Q * D, Q * D, D, 1, 0, 0, 0, 0, 0,
+        HKV, H // HKV, Q, D, D, C, 0,
+        SCALE, 1, IEEE, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D,
+    )  # fmt: skip
