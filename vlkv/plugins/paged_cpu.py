@@ -259,4 +259,4 @@ def _attend_gathered(
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=vis, scale=scale)
     if vis is not None:  # a row that sees nothing is NaN from SDPA: the op defines it as zeros
         out = out.masked_fill_(~vis.any(-1, keepdim=True), 0.0)
-    return out.view(reqs, heads, num_q, dim_v).to(q.dtype)
+    return out.reshape(reqs, heads, num_q, dim_v).to(q.dtype)  # SDPA may return a strided layout (CUDA)
