@@ -1,6 +1,6 @@
 """One prepared GPU check: what vlkv claims for NVIDIA GPUs, measured in one command.
 
-    PYTHONPATH=. python scripts/gpu_check.py --device cuda --out gpu-report     # ~7 minutes on an H100/H200
+    PYTHONPATH=. python scripts/gpu_check.py --device cuda --out gpu-report     # ~9 minutes on an H100/H200
     PYTHONPATH=. python scripts/gpu_check.py --device cpu --tiny --out /tmp/dry  # the CI dry run, toy sizes
 
 Parts (each in its own process with its own time limit, so a slow or crashing part cannot starve the
@@ -39,7 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCHEMA = "vlkv.gpu_check/1"
-# seconds per part on a GPU (about 7 minutes in all) and in the toy dry run
+# seconds per part on a GPU (about 9 minutes in all) and in the toy dry run
 BUDGETS = {
     "env": 25,
     "kernels": 70,
