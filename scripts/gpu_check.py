@@ -45,7 +45,7 @@ BUDGETS = {
     "kernels": 70,
     "decode": 180,
     "prefill": 50,
-    "pytest": 90,
+    "pytest": 150,
     "profile": 60,
     "compile": 10,
     "tensorrt": 10,
