@@ -93,12 +93,10 @@ class _StepContext:
         return layer.attention_kv(view=True, fill=not self._rank_space(layer))
 
     def _paged(self, layer, layer_idx: int) -> bool:
-        """This layer's decode attention reads the pool through the tables (``ops.paged_attention``):
-        one new row per sample, dense entries (shared pre-RoPE keys are rotated by the op; no low-rank
-        factors), no selected attention or link step, no statistics wanted from it."""
+        """This layer's decode attention reads the pool through the tables (``ops.paged_attention``, or
+        ``paged_probs`` when statistics are wanted): one new row per sample, dense entries (shared
+        pre-RoPE keys are rotated on read; no low-rank factors), no selected attention or link step."""
         if not getattr(self, "one_row", False) or self.inputs.attend is not None or self.inputs.selective:
-            return False
-        if any(req.wants(layer_idx) for req in self.requests.values()):
             return False
         rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
         return all(r.lowrank is None and r.offloaded is None for r in rows)
@@ -122,8 +120,25 @@ class _StepContext:
             from vlkv.plugins import paged_attention
 
             table, lengths, attended, rope = paged
+            table, lengths = table.to(q.device), lengths.to(q.device)
             self.attended[layer_idx] = attended.to(q.device)
-            out = paged_attention(q, k, v, table.to(q.device), lengths.to(q.device), scale, **rope)
+            wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
+            if not wanted:
+                return paged_attention(q, k, v, table, lengths, scale, **rope).transpose(1, 2).contiguous()
+            # statistics are the step's probabilities: K is read once for both, as in the dense path
+            from vlkv.plugins.paged_probs import paged_decode_out, paged_decode_probs
+
+            probs, vis = paged_decode_probs(q, k, table, lengths, scale, **rope)
+            if any(self.requests[name].exact_output for name in wanted):
+                out = paged_attention(q, k, v, table, lengths, scale, **rope)
+            else:
+                out = paged_decode_out(probs, v, table, lengths).view(q.shape).to(q.dtype)
+            for name in wanted:
+                st = _one_row_stats(probs, vis, self.one_rows[name], self.requests[name].threshold)
+                if name:
+                    self.stats.extra[name][layer_idx] = st
+                else:
+                    self.stats[layer_idx] = st
             return out.transpose(1, 2).contiguous()
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
         # per-head holes (heads with their own budgets): False where a head must not attend
