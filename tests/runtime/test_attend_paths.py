@@ -209,11 +209,25 @@ def test_h2o_decode_statistics_equal_the_reference_path(engines, images, monkeyp
             tok = out.logits.argmax(-1)
         return torch.stack(logits), [lay.scores["h2o"].clone() for lay in cache.layers]
 
+    import vlkv.plugins.paged_probs as paged_probs
+
+    paged_calls = []
+    real_paged = paged_probs.paged_decode_probs
+    monkeypatch.setattr(
+        paged_probs, "paged_decode_probs", lambda *a, **kw: paged_calls.append(1) or real_paged(*a, **kw)
+    )
+    paged_logits, paged_scores = run()
+    assert paged_calls  # the one-row statistics read through the slot tables (the default)
+    # the same one-row statistics over dense K/V (the read before paged reads)
+    monkeypatch.setattr(tb._StepContext, "_paged", lambda self, layer, i: False)
     calls = []
     real = tb._one_row_probs
     monkeypatch.setattr(tb, "_one_row_probs", lambda *a: calls.append(1) or real(*a))
     row_logits, row_scores = run()
     assert calls  # the one-row statistics were taken
+    torch.testing.assert_close(paged_logits, row_logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(paged_scores, row_scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     old_attend = tb._StepContext.attend
 
     def attend(self, *args):

@@ -147,3 +147,22 @@ def test_linked_pre_rope_entries_are_rotated_by_the_paged_read(name, engines, im
     want = engine.decode(token, batch, make_policy("full"), cache, 1).logits
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
     assert _decode(engine, batch, cache, out, 4)[1:] == got
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3])
+def test_statistics_steps_read_paged_and_equal_the_dense_read(budget, engines, images, monkeypatch, counts):
+    """A per-step policy (H2O: statistics every decode step, eviction from them) reads through the
+    tables: its tokens and kept bytes equal the dense read's."""
+    import vlkv.plugins.paged_probs as paged_probs
+
+    seen = []
+    real = paged_probs.paged_decode_probs
+    monkeypatch.setattr(paged_probs, "paged_decode_probs", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    engine = engines["tiny-llava"]
+    prompts = [Prompt(t, [images[i % 2]] if i < 2 else []) for i, t in enumerate(TEXTS)]
+    got = engine.generate(prompts, make_policy("h2o", budget=budget), 8, stop_at_eos=False)
+    assert seen  # the statistics came from the paged probabilities
+    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    want = engine.generate(prompts, make_policy("h2o", budget=budget), 8, stop_at_eos=False)
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+    assert got.kv_bytes_used == want.kv_bytes_used

@@ -22,6 +22,8 @@ from torch import Tensor
 
 from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepOutput, StepStats
 from vlkv.runtime.cache import KVCache
+from vlkv.runtime.kv.paged import attended_entries as _attended
+from vlkv.runtime.kv.paged import paged_tables
 from vlkv.runtime.models.adapter import FamilyAdapter, make_adapter
 from vlkv.runtime.prompt import PromptBatch, PromptError
 from vlkv.runtime.replay import ReplayContext, ReplayRequest, run_replay
@@ -93,12 +95,10 @@ class _StepContext:
         return layer.attention_kv(view=True, fill=not self._rank_space(layer))
 
     def _paged(self, layer, layer_idx: int) -> bool:
-        """This layer's decode attention reads the pool through the tables (``ops.paged_attention``):
-        one new row per sample, dense entries (shared pre-RoPE keys are rotated by the op; no low-rank
-        factors), no selected attention or link step, no statistics wanted from it."""
+        """This layer's decode attention reads the pool through the tables (``ops.paged_attention``, or
+        ``paged_probs`` when statistics are wanted): one new row per sample, dense entries (shared
+        pre-RoPE keys are rotated on read; no low-rank factors), no selected attention or link step."""
         if not getattr(self, "one_row", False) or self.inputs.attend is not None or self.inputs.selective:
-            return False
-        if any(req.wants(layer_idx) for req in self.requests.values()):
             return False
         rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
         return all(r.lowrank is None and r.offloaded is None for r in rows)
@@ -122,8 +122,25 @@ class _StepContext:
             from vlkv.plugins import paged_attention
 
             table, lengths, attended, rope = paged
+            table, lengths = table.to(q.device), lengths.to(q.device)
             self.attended[layer_idx] = attended.to(q.device)
-            out = paged_attention(q, k, v, table.to(q.device), lengths.to(q.device), scale, **rope)
+            wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
+            if not wanted:
+                return paged_attention(q, k, v, table, lengths, scale, **rope).transpose(1, 2).contiguous()
+            # statistics are the step's probabilities: K is read once for both, as in the dense path
+            from vlkv.plugins.paged_probs import paged_decode_out, paged_decode_probs
+
+            probs, vis = paged_decode_probs(q, k, table, lengths, scale, **rope)
+            if any(self.requests[name].exact_output for name in wanted):
+                out = paged_attention(q, k, v, table, lengths, scale, **rope)
+            else:
+                out = paged_decode_out(probs, v, table, lengths).view(q.shape).to(q.dtype)
+            for name in wanted:
+                st = _one_row_stats(probs, vis, self.one_rows[name], self.requests[name].threshold)
+                if name:
+                    self.stats.extra[name][layer_idx] = st
+                else:
+                    self.stats[layer_idx] = st
             return out.transpose(1, 2).contiguous()
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
         # per-head holes (heads with their own budgets): False where a head must not attend
@@ -323,58 +340,6 @@ def _with_new_slot(index: AttendIndex, past: Tensor) -> tuple[Tensor, Tensor]:
     idx = torch.cat([idx, idx.new_zeros(b, h, 1)], dim=2)
     idx.scatter_(2, lens[..., None], past[:, None, None].expand(b, h, 1))
     return idx, lens + 1
-
-
-def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict]:
-    """What ``ops.paged_attention`` reads for a layer (or a batch view) in a decode step:
-    ``table (B, H_kv, n)``, its slot table with ``-1`` at holes (``n`` its longest row),
-    ``lengths (B, H_kv)``, ``attended (B,)`` float64, the entries a row attends (mean over heads), and
-    the op's pre-RoPE keywords (``rot``, ``cos``, ``sin``; empty when no entry is stored pre-RoPE)."""
-    n = layer.max_length
-    table = layer.table(n)
-    lengths = layer.lengths
-    open_ = layer.open_mask(n)
-    if open_ is not None:
-        table = table.masked_fill(~open_, -1)
-    wide = lengths[:, None].expand(-1, table.shape[1])
-    return table, wide, _attended(lengths, open_), _rope_rows(layer, table, wide)
-
-
-def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
-    """``rot (B, H_kv, n)`` / ``cos, sin (R, D)`` for the held pre-RoPE (linked) entries of a layer:
-    one row per such entry, at the position this cache gives it (the model's rotary, 1-D or M-RoPE)."""
-    rows = getattr(layer, "rows", [layer])
-    if not any(r.linked for r in rows):
-        return {}
-    n = table.shape[2]
-    pool = layer.pool
-    held = (table >= 0) & (torch.arange(n, device=table.device) < lengths[..., None])
-    pre = pool.is_prerope(layer.layer, table.clamp_min(0)) & held
-    if not bool(pre.any()):
-        return {}
-    positions = torch.cat([_columns(r.positions, n) for r in rows])  # (B, H_kv, n, P)
-    like = pool.keys[layer.layer]
-    # Rope's cos/sin rows (its 1-D table gather, or the model's M-RoPE) for the R entries to rotate
-    cos, sin = pool.rope._cos_sin(like, positions[pre][None])  # (1, R, D)
-    rot = torch.full_like(table, -1)
-    rot[pre] = torch.arange(cos.shape[1], device=table.device)
-    return {"rot": rot, "cos": cos[0], "sin": sin[0]}
-
-
-def _columns(t: Tensor, n: int) -> Tensor:
-    """The first ``n`` columns (dim 2) of a per-entry table, zero-padded past its capacity."""
-    t = t[:, :, :n]
-    if t.shape[2] < n:
-        t = torch.cat([t, t.new_zeros(*t.shape[:2], n - t.shape[2], *t.shape[3:])], dim=2)
-    return t
-
-
-def _attended(lengths: Tensor, open_: Tensor | None) -> Tensor:
-    """``(B,)`` float64 entries the last row attended (mean over KV heads): ``lengths (B,)`` minus holes."""
-    if open_ is None:
-        return lengths.double()
-    visible = torch.arange(open_.shape[2], device=open_.device)[None, None, :] < lengths[:, None, None]
-    return (open_ & visible).double().sum(2).mean(1)
 
 
 def _one_row_probs(

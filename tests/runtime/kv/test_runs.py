@@ -31,10 +31,10 @@ def prompts(images):
 
 
 def test_batch_decode_reads_a_strided_view_equal_to_the_gather(engines, prompts, monkeypatch):
-    # a decode step that wants attention statistics (h2o) still reads dense K/V; a plain one reads
-    # the pool through its tables instead (tests/runtime/test_paged_read.py)
+    # A-VL's selected attention (core-only decode) still reads dense K/V; plain and statistics decode
+    # steps read the pool through its tables instead (tests/runtime/test_paged_read.py)
     engine = engines["tiny-llava"]
-    policy = make_policy("h2o", budget=1.0)
+    policy = make_policy("avl", budget=1.0, core=0.3)
     hits = []
     real = LayerBatch._strided
 

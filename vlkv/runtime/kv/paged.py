@@ -1,0 +1,65 @@
+"""What a paged decode read takes from a layer's cache: its slot table, lengths and pre-RoPE rows.
+
+``vlkv.plugins.ops.paged_attention`` (and ``paged_probs``) read one layer's pool through per-request,
+per-KV-head slot tables; :func:`paged_tables` builds those arguments from a
+:class:`~vlkv.runtime.cache.LayerKV` or a scheduler's batch view (:class:`~vlkv.runtime.kv.batch.LayerBatch`)
+without reading any K/V: holes become ``-1`` slots, and linked (pre-RoPE) entries get one cos/sin row
+each at the position their cache gives them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict]:
+    """What ``ops.paged_attention`` reads for a layer (or a batch view) in a decode step:
+    ``table (B, H_kv, n)``, its slot table with ``-1`` at holes (``n`` its longest row),
+    ``lengths (B, H_kv)``, ``attended (B,)`` float64, the entries a row attends (mean over heads), and
+    the op's pre-RoPE keywords (``rot``, ``cos``, ``sin``; empty when no entry is stored pre-RoPE)."""
+    n = layer.max_length
+    table = layer.table(n)
+    lengths = layer.lengths
+    open_ = layer.open_mask(n)
+    if open_ is not None:
+        table = table.masked_fill(~open_, -1)
+    wide = lengths[:, None].expand(-1, table.shape[1])
+    return table, wide, attended_entries(lengths, open_), _rope_rows(layer, table, wide)
+
+
+def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
+    """``rot (B, H_kv, n)`` / ``cos, sin (R, D)`` for the held pre-RoPE (linked) entries of a layer:
+    one row per such entry, at the position this cache gives it (the model's rotary, 1-D or M-RoPE)."""
+    rows = getattr(layer, "rows", [layer])
+    if not any(r.linked for r in rows):
+        return {}
+    n = table.shape[2]
+    pool = layer.pool
+    held = (table >= 0) & (torch.arange(n, device=table.device) < lengths[..., None])
+    pre = pool.is_prerope(layer.layer, table.clamp_min(0)) & held
+    if not bool(pre.any()):
+        return {}
+    positions = torch.cat([_columns(r.positions, n) for r in rows])  # (B, H_kv, n, P)
+    like = pool.keys[layer.layer]
+    # Rope's cos/sin rows (its 1-D table gather, or the model's M-RoPE) for the R entries to rotate
+    cos, sin = pool.rope._cos_sin(like, positions[pre][None])  # (1, R, D)
+    rot = torch.full_like(table, -1)
+    rot[pre] = torch.arange(cos.shape[1], device=table.device)
+    return {"rot": rot, "cos": cos[0], "sin": sin[0]}
+
+
+def _columns(t: Tensor, n: int) -> Tensor:
+    """The first ``n`` columns (dim 2) of a per-entry table, zero-padded past its capacity."""
+    t = t[:, :, :n]
+    if t.shape[2] < n:
+        t = torch.cat([t, t.new_zeros(*t.shape[:2], n - t.shape[2], *t.shape[3:])], dim=2)
+    return t
+
+
+def attended_entries(lengths: Tensor, open_: Tensor | None) -> Tensor:
+    """``(B,)`` float64 entries the last row attended (mean over KV heads): ``lengths (B,)`` minus holes."""
+    if open_ is None:
+        return lengths.double()
+    visible = torch.arange(open_.shape[2], device=open_.device)[None, None, :] < lengths[:, None, None]
+    return (open_ & visible).double().sum(2).mean(1)
