@@ -131,7 +131,8 @@ def _give_subprocesses_the_cache(cache_env: dict[str, str]) -> None:
 
     def init(self, *args, env=None, **kwargs):
         if env is not None:
-            env = {**cache_env, **env}
+            # the live values: a session fixture may point a cache at its own temp folder
+            env = {**{k: os.environ.get(k, v) for k, v in cache_env.items()}, **env}
         popen_init(self, *args, env=env, **kwargs)
 
     init._vlkv_cache = True
