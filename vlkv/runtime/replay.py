@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vlkv.runtime.cache import KVCache
+from vlkv.runtime.replay_fast import attention_with_lse, scores_from_lse
 
 DEFAULT_TEMPLATE = "\n\nRepeat the previous context:"
 REPLAY_MODES = ("context", "prompt")
@@ -48,6 +49,9 @@ class ReplayRequest:
             once (a fixed generic prompt such as "Describe the image.", cost independent of the context).
         every: replay only every ``every``-th chunk (1 = all; subsampled replay is cheaper); entries
             never scored by a replay row of their own chunk still get the max from the replayed rows.
+        exact: score with the reference pass (a second, materialised softmax per layer,
+            :func:`replay_attention_max`) instead of the fast one (the scores from the attention
+            kernel's own row statistics, :mod:`vlkv.runtime.replay_fast`); equal up to float rounding.
     """
 
     template: str = DEFAULT_TEMPLATE
@@ -55,6 +59,7 @@ class ReplayRequest:
     gradient: bool = False
     mode: str = "context"
     every: int = 1
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -166,12 +171,14 @@ class ReplayContext:
     ``update`` returns the cached K/V with the chunk's K/V appended but writes nothing to the cache.
     """
 
-    def __init__(self, cache: KVCache, new_len: Tensor, keep_queries: bool = False):
-        self.cache, self.new_len = cache, new_len
+    def __init__(self, cache: KVCache, new_len: Tensor, keep_queries: bool = False, exact: bool = False):
+        self.cache, self.new_len, self.exact = cache, new_len, exact
         self.scores: list[Tensor | None] = [None] * len(cache.layers)
-        # KVgrad scores after the backward pass: the queries and the chunk's keys per layer
+        # KVgrad scores after the backward pass: per layer the queries and the chunk's keys (exact)
+        # or the queries and their rows' log-sum-exp (fast)
         self.keep_queries = keep_queries
         self.saved: dict[int, tuple[Tensor, Tensor, float]] = {}
+        self._masks: dict[tuple, Tensor] = {}
 
     def update(
         self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None, **kwargs
@@ -185,7 +192,17 @@ class ReplayContext:
         s = k.shape[2] - r
         cache_len = self.cache.layers[layer_idx].lengths.to(q.device)
         new_len = self.new_len.to(q.device)
-        mask = _replay_mask(cache_len, new_len, s, r, q.device)[:, None]
+        key = (s, r, q.device, *cache_len.tolist())  # layers share lengths before eviction: one mask
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self._masks[key] = _replay_mask(cache_len, new_len, s, r, q.device)[:, None]
+        if not self.exact:
+            out, lse = attention_with_lse(q, k, v, mask, scale)
+            if self.keep_queries:
+                self.saved[layer_idx] = (q.detach(), lse, scale)
+            else:
+                self.scores[layer_idx] = scores_from_lse(q, k[:, :, :s], scale, lse, cache_len, new_len)
+            return out.transpose(1, 2).contiguous()
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -242,9 +259,13 @@ def run_replay(
     with torch.no_grad():
         template = adapter.embed_tokens(template_ids[None].to(dev))[0]
     total: list[Tensor | None] = [None] * len(cache.layers)
+    cols: dict[int, Tensor] = {}  # KVgrad's ||W_O v|| per layer: the cache is the same for every chunk
     for rows, new_len in replay_chunks(template, context.to(dev), lengths, request):
-        run = _chunk_gradient if request.gradient else _chunk
-        total = merge_max(total, run(backend, cache, rows, new_len))
+        if request.gradient:
+            part = _chunk_gradient(backend, cache, rows, new_len, request.exact, cols)
+        else:
+            part = _chunk(backend, cache, rows, new_len, request.exact)
+        total = merge_max(total, part)
     return total
 
 
@@ -264,14 +285,18 @@ def _run_layers(backend, ctx: ReplayContext, cache: KVCache, rows: Tensor) -> Te
 
 
 @torch.no_grad()
-def _chunk(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> list[Tensor | None]:
-    ctx = ReplayContext(cache, new_len)
+def _chunk(backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool) -> list[Tensor | None]:
+    ctx = ReplayContext(cache, new_len, exact=exact)
     _run_layers(backend, ctx, cache, rows)
     return ctx.scores
 
 
-def _chunk_gradient(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> list[Tensor | None]:
-    """KVgrad: forward, ``d Phi / d (attention output)`` by autograd, then the weighted scores."""
+def _chunk_gradient(
+    backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool, cols: dict[int, Tensor]
+) -> list[Tensor | None]:
+    """KVgrad: forward, ``d Phi / d (attention output)`` by autograd, then the weighted scores.
+
+    ``cols``: ``||W_O v||`` per layer, filled on the first chunk and reused by the others."""
     adapter = backend.adapter
     frozen = [p for p in backend.model.parameters() if p.requires_grad]
     outputs: dict[int, Tensor] = {}
@@ -284,7 +309,7 @@ def _chunk_gradient(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> l
         for p in frozen:  # gradients w.r.t. activations only
             p.requires_grad_(False)
         with torch.enable_grad():
-            ctx = ReplayContext(cache, new_len, keep_queries=True)
+            ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
             hidden = _run_layers(backend, ctx, cache, rows.detach().requires_grad_(True))
             valid = (
                 torch.arange(rows.shape[1], device=rows.device)[None, :] < new_len.to(rows.device)[:, None]
@@ -300,9 +325,16 @@ def _chunk_gradient(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> l
     scores: list[Tensor | None] = [None] * len(cache.layers)
     with torch.no_grad():
         for i, g in zip(layers, grads):
-            q, k_new, scale = ctx.saved[i]
+            q, saved, scale = ctx.saved[i]
             layer = cache.layers[i]
             ck, cv = layer.attention_kv()
+            if not exact:
+                if i not in cols:
+                    cols[i] = value_output_norm(cv, adapter.layers[i].self_attn.o_proj.weight, q.shape[1])
+                row = g.float().norm(dim=-1)
+                scores[i] = scores_from_lse(q, ck, scale, saved, layer.lengths, new_len, row, cols[i])
+                continue
+            k_new = saved
             col = value_output_norm(cv, adapter.layers[i].self_attn.o_proj.weight, q.shape[1])
             scores[i] = replay_attention_max(
                 q,
