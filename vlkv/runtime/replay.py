@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vlkv.runtime.cache import KVCache
-from vlkv.runtime.replay_fast import attention_with_lse, scores_from_lse
+from vlkv.runtime.replay_fast import attend_and_score, attention_with_lse, scores_from_lse
 
 DEFAULT_TEMPLATE = "\n\nRepeat the previous context:"
 REPLAY_MODES = ("context", "prompt")
@@ -196,12 +196,12 @@ class ReplayContext:
         mask = self._masks.get(key)
         if mask is None:
             mask = self._masks[key] = _replay_mask(cache_len, new_len, s, r, q.device)[:, None]
-        if not self.exact:
+        if not self.exact and self.keep_queries:  # KVgrad: the kernel's attention gradient
             out, lse = attention_with_lse(q, k, v, mask, scale)
-            if self.keep_queries:
-                self.saved[layer_idx] = (q.detach(), lse, scale)
-            else:
-                self.scores[layer_idx] = scores_from_lse(q, k[:, :, :s], scale, lse, cache_len, new_len)
+            self.saved[layer_idx] = (q.detach(), lse, scale)
+            return out.transpose(1, 2).contiguous()
+        if not self.exact:
+            out, self.scores[layer_idx] = attend_and_score(q, k, v, scale, cache_len, new_len)
             return out.transpose(1, 2).contiguous()
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]

@@ -10,7 +10,13 @@ from vlkv.runtime.backend import StepInputs, StepStats
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Modality, Prompt
 from vlkv.runtime.replay import replay_attention_max
-from vlkv.runtime.replay_fast import ROW_BLOCK, _blocked_lse, attention_with_lse, scores_from_lse
+from vlkv.runtime.replay_fast import (
+    ROW_BLOCK,
+    _blocked_lse,
+    attend_and_score,
+    attention_with_lse,
+    scores_from_lse,
+)
 
 TEXT = "The cat sat on the mat while the dog slept by the warm fire all night long."
 
@@ -162,3 +168,19 @@ def test_scores_from_lse_equal_the_reference(r):
         got = scores_from_lse(q, k[:, :, :s], scale, lse, cache_len, new_len, **kw)
         want = replay_attention_max(q, k, scale, cache_len, new_len, **kw)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("r", [1, 9, ROW_BLOCK + 1, 729])
+def test_attend_and_score_equal_sdpa_and_the_reference(r):
+    s, scale = 81, 0.125
+    q, k, v, cache_len, new_len = _random_case(2, 4, 2, r, s, 16, seed=r + 1)
+    k[1, :, int(cache_len[1]) : s] = 1e4  # spare slots may hold anything finite
+    mask = _mask(cache_len, new_len, s, r)
+    out, scores = attend_and_score(q, k, v, scale, cache_len, new_len)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        scores, replay_attention_max(q, k, scale, cache_len, new_len), atol=1e-6, rtol=1e-4
+    )
