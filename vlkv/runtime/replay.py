@@ -49,6 +49,8 @@ class ReplayRequest:
             once (a fixed generic prompt such as "Describe the image.", cost independent of the context).
         every: replay only every ``every``-th chunk (1 = all; subsampled replay is cheaper); entries
             never scored by a replay row of their own chunk still get the max from the replayed rows.
+        value_norm: also weight each (query head, entry) by ``||W_O,h v||`` without a backward pass
+            (KVgrad's input factor alone; KVgrad itself always has it).
         exact: score with the reference pass (a second, materialised softmax per layer,
             :func:`replay_attention_max`) instead of the fast one (the scores from the attention
             kernel's own row statistics, :mod:`vlkv.runtime.replay_fast`); equal up to float rounding.
@@ -60,6 +62,7 @@ class ReplayRequest:
     mode: str = "context"
     every: int = 1
     exact: bool = False
+    value_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -171,8 +174,17 @@ class ReplayContext:
     ``update`` returns the cached K/V with the chunk's K/V appended but writes nothing to the cache.
     """
 
-    def __init__(self, cache: KVCache, new_len: Tensor, keep_queries: bool = False, exact: bool = False):
+    def __init__(
+        self,
+        cache: KVCache,
+        new_len: Tensor,
+        keep_queries: bool = False,
+        exact: bool = False,
+        col_weight=None,
+    ):
         self.cache, self.new_len, self.exact = cache, new_len, exact
+        # optional layer -> (B, H, S) float32 factor per query head and entry (``||W_O v||``)
+        self.col_weight = col_weight
         self.scores: list[Tensor | None] = [None] * len(cache.layers)
         # KVgrad scores after the backward pass: per layer the queries and the chunk's keys (exact)
         # or the queries and their rows' log-sum-exp (fast)
@@ -200,8 +212,9 @@ class ReplayContext:
             out, lse = attention_with_lse(q, k, v, mask, scale)
             self.saved[layer_idx] = (q.detach(), lse, scale)
             return out.transpose(1, 2).contiguous()
+        col = self.col_weight(layer_idx) if self.col_weight is not None else None
         if not self.exact:
-            out, self.scores[layer_idx] = attend_and_score(q, k, v, scale, cache_len, new_len)
+            out, self.scores[layer_idx] = attend_and_score(q, k, v, scale, cache_len, new_len, col)
             return out.transpose(1, 2).contiguous()
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
@@ -210,7 +223,7 @@ class ReplayContext:
             self.saved[layer_idx] = (q.detach(), k[:, :, s:].detach(), scale)
         else:
             with torch.no_grad():
-                self.scores[layer_idx] = replay_attention_max(q, k, scale, cache_len, new_len)
+                self.scores[layer_idx] = replay_attention_max(q, k, scale, cache_len, new_len, col_weight=col)
         return out.transpose(1, 2).contiguous()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -264,7 +277,8 @@ def run_replay(
         if request.gradient:
             part = _chunk_gradient(backend, cache, rows, new_len, request.exact, cols)
         else:
-            part = _chunk(backend, cache, rows, new_len, request.exact)
+            col = _col_weight(backend, cache, cols) if request.value_norm else None
+            part = _chunk(backend, cache, rows, new_len, request.exact, col)
         total = merge_max(total, part)
     return total
 
@@ -285,8 +299,23 @@ def _run_layers(backend, ctx: ReplayContext, cache: KVCache, rows: Tensor) -> Te
 
 
 @torch.no_grad()
-def _chunk(backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool) -> list[Tensor | None]:
-    ctx = ReplayContext(cache, new_len, exact=exact)
+def _col_weight(backend, cache: KVCache, cols: dict[int, Tensor]):
+    """layer -> ``(B, H, S)`` ``||W_O,h v||`` of the cached values, computed once per replay."""
+
+    def col(i: int) -> Tensor:
+        if i not in cols:
+            _, cv = cache.layers[i].attention_kv()
+            w = backend.adapter.layers[i].self_attn.o_proj.weight
+            cols[i] = value_output_norm(cv, w, backend.num_heads)
+        return cols[i]
+
+    return col
+
+
+def _chunk(
+    backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool, col_weight=None
+) -> list[Tensor | None]:
+    ctx = ReplayContext(cache, new_len, exact=exact, col_weight=col_weight)
     _run_layers(backend, ctx, cache, rows)
     return ctx.scores
 

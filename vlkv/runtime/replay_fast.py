@@ -71,7 +71,13 @@ def attention_with_lse(
 
 @torch.no_grad()
 def attend_and_score(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, cache_len: Tensor, new_len: Tensor
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    cache_len: Tensor,
+    new_len: Tensor,
+    col_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The replay rows' attention output and the cached entries' scores from one pass.
 
@@ -84,6 +90,7 @@ def attend_and_score(
         q: ``(B, H, r, D)``; k, v: ``(B, H_kv, S + r, D)``: ``S`` cached slots (valid below
             ``cache_len (B,)``), then the rows' own (row ``i`` sees own rows ``<= i``).
         new_len: ``(B,)`` valid replay rows (the others are padding and score nothing).
+        col_weight: optional ``(B, H, S)`` factor per query head and entry (``||W_O v||``).
 
     Returns:
         ``out (B, H, r, D)`` in ``q``'s dtype, as SDPA under :func:`~vlkv.runtime.replay._replay_mask`;
@@ -116,6 +123,8 @@ def attend_and_score(
         out[:, :, :, i:e] = pv.view(b, hkv, g, e - i, d).mul_(inv)
         inv.masked_fill_(pad[:, :, :, i:e], 0.0)
         torch.maximum(best, p[..., :s].mul_(inv).amax(dim=3), out=best)
+    if col_weight is not None:  # constant over rows, so it commutes with the row max
+        best = best * col_weight.to(dev, torch.float32).view(b, hkv, g, s)
     if spare is not None:
         best.masked_fill_(spare[:, :, :, 0], 0.0)
     return out.view(b, h, r, d).to(q.dtype), best.amax(dim=2)

@@ -52,14 +52,20 @@ def _kept_sets(edits):
 
 @pytest.mark.parametrize("model", ["tiny-llava", "tiny-qwen2-vl"])
 @pytest.mark.parametrize(
-    ("name", "chunk_size"), [("kvzip", 5), ("kvzip", 4096), ("kvgrad", 4), ("kvgrad", 512)]
+    ("name", "chunk_size", "value_norm"),
+    [
+        ("kvzip", 5, False),
+        ("kvzip", 4096, False),
+        ("kvzip", 5, True),
+        ("kvgrad", 4, False),
+        ("kvgrad", 512, False),
+    ],
 )
-def test_fast_scores_equal_the_exact_pass(engines, images, model, name, chunk_size):
+def test_fast_scores_equal_the_exact_pass(engines, images, model, name, chunk_size, value_norm):
     engine = engines[model]
-    fast, _ = _scores_and_edits(engine, _prompts(images), name, budget=0.3, chunk_size=chunk_size)
-    exact, _ = _scores_and_edits(
-        engine, _prompts(images), name, budget=0.3, chunk_size=chunk_size, exact=True
-    )
+    kw = dict(budget=0.3, chunk_size=chunk_size, value_norm=value_norm)
+    fast, _ = _scores_and_edits(engine, _prompts(images), name, **kw)
+    exact, _ = _scores_and_edits(engine, _prompts(images), name, exact=True, **kw)
     for layer, (f, e) in enumerate(zip(fast, exact)):
         assert float(e.max()) > 0
         # fp32: the same probabilities, exp(l - lse) against softmax(l)
