@@ -298,7 +298,6 @@ def _run_layers(backend, ctx: ReplayContext, cache: KVCache, rows: Tensor) -> Te
     return hidden
 
 
-@torch.no_grad()
 def _col_weight(backend, cache: KVCache, cols: dict[int, Tensor]):
     """layer -> ``(B, H, S)`` ``||W_O,h v||`` of the cached values, computed once per replay."""
 
@@ -312,6 +311,7 @@ def _col_weight(backend, cache: KVCache, cols: dict[int, Tensor]):
     return col
 
 
+@torch.no_grad()
 def _chunk(
     backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool, col_weight=None
 ) -> list[Tensor | None]:

@@ -190,3 +190,19 @@ def test_attend_and_score_equal_sdpa_and_the_reference(r):
     torch.testing.assert_close(
         scores, replay_attention_max(q, k, scale, cache_len, new_len), atol=1e-6, rtol=1e-4
     )
+
+
+@pytest.mark.parametrize("value_norm", [False, True])
+def test_kvzip_replay_builds_no_autograd_graph(engines, images, value_norm):
+    """Only kvgrad needs gradients: kvzip's replay runs its layers without recording a graph."""
+    engine = engines["tiny-llava"]
+    seen = []
+    hook = engine.backend.adapter.layers[-1].register_forward_hook(
+        lambda m, a, o: seen.append((o[0] if isinstance(o, tuple) else o).requires_grad)
+    )
+    try:
+        with torch.enable_grad():
+            _scores_and_edits(engine, _prompts(images), "kvzip", budget=0.3, value_norm=value_norm)
+    finally:
+        hook.remove()
+    assert seen and not any(seen)
