@@ -46,12 +46,13 @@ def _checksum(cache) -> str:
     return h.hexdigest()
 
 
-def _eager_reference(engine, context, template_ids, chunk_size, gradient=False):
+def _eager_reference(engine, context, template_ids, chunk_size, gradient=False, value_norm=False):
     """One sample's scores from fresh HF forwards over ``[context ; template + chunk]`` with eager
     attention (the full ``T × T`` matrices materialised); ``context (1, n, hidden)``.
 
     KVgrad: ``d Phi / d (attention output)`` by autograd through the whole HF model, ``Phi`` on the
     replay rows' last decoder-layer output; values from the ``v_proj`` outputs of the context rows.
+    ``value_norm``: the ``||W_O v||`` factor alone (no gradient).
     """
     ad = engine.backend.adapter
     lm, n = ad.lm, context.shape[1]
@@ -86,8 +87,8 @@ def _eager_reference(engine, context, template_ids, chunk_size, gradient=False):
             scores = []
             for i, a in enumerate(out.attentions):
                 att = a[0, :, n:, :n].detach().float()  # (H, r, n)
-                if gradient:
-                    gnorm = grads[i][0, n:].float().norm(dim=-1)  # (r,)
+                if gradient or value_norm:
+                    gnorm = grads[i][0, n:].float().norm(dim=-1) if gradient else torch.ones(att.shape[1])
                     v = values[i][0, :n].detach().float().view(n, hkv, d)
                     w = ad.layers[i].self_attn.o_proj.weight.detach().float().view(-1, heads, d)
                     col = torch.stack(
@@ -137,6 +138,20 @@ def test_kvgrad_scores_equal_the_autograd_reference(engines, chunk_size):
             assert float(w.max()) > 0
             torch.testing.assert_close(
                 g[b, :, :n], w, atol=1e-4 * float(w.max()), rtol=1e-3, msg=f"layer {layer}"
+            )
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_value_norm_scores_equal_the_eager_reference(engines, exact):
+    engine = engines["tiny-llava"]
+    batch, cache = _prefilled(engine, [Prompt(PROMPTS[0]), Prompt(PROMPTS[1])])
+    got = _replay(engine, batch, cache, chunk_size=6, value_norm=True, exact=exact)
+    embeds = engine.backend.embed(batch)
+    for b, n in enumerate(batch.lengths.tolist()):
+        want = _eager_reference(engine, embeds[b : b + 1, :n], _template_ids(engine), 6, value_norm=True)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(
+                g[b, :, :n], w, atol=1e-5 * float(w.max()), rtol=1e-4, msg=f"layer {layer}"
             )
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vlkv.runtime.cache import KVCache
+from vlkv.runtime.replay_fast import attend_and_score, attention_with_lse, scores_from_lse
 
 DEFAULT_TEMPLATE = "\n\nRepeat the previous context:"
 REPLAY_MODES = ("context", "prompt")
@@ -48,6 +49,11 @@ class ReplayRequest:
             once (a fixed generic prompt such as "Describe the image.", cost independent of the context).
         every: replay only every ``every``-th chunk (1 = all; subsampled replay is cheaper); entries
             never scored by a replay row of their own chunk still get the max from the replayed rows.
+        value_norm: also weight each (query head, entry) by ``||W_O,h v||`` without a backward pass
+            (KVgrad's input factor alone; KVgrad itself always has it).
+        exact: score with the reference pass (a second, materialised softmax per layer,
+            :func:`replay_attention_max`) instead of the fast one (the scores from the attention
+            kernel's own row statistics, :mod:`vlkv.runtime.replay_fast`); equal up to float rounding.
     """
 
     template: str = DEFAULT_TEMPLATE
@@ -55,6 +61,8 @@ class ReplayRequest:
     gradient: bool = False
     mode: str = "context"
     every: int = 1
+    exact: bool = False
+    value_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_size < 1:
@@ -166,12 +174,23 @@ class ReplayContext:
     ``update`` returns the cached K/V with the chunk's K/V appended but writes nothing to the cache.
     """
 
-    def __init__(self, cache: KVCache, new_len: Tensor, keep_queries: bool = False):
-        self.cache, self.new_len = cache, new_len
+    def __init__(
+        self,
+        cache: KVCache,
+        new_len: Tensor,
+        keep_queries: bool = False,
+        exact: bool = False,
+        col_weight=None,
+    ):
+        self.cache, self.new_len, self.exact = cache, new_len, exact
+        # optional layer -> (B, H, S) float32 factor per query head and entry (``||W_O v||``)
+        self.col_weight = col_weight
         self.scores: list[Tensor | None] = [None] * len(cache.layers)
-        # KVgrad scores after the backward pass: the queries and the chunk's keys per layer
+        # KVgrad scores after the backward pass: per layer the queries and the chunk's keys (exact)
+        # or the queries and their rows' log-sum-exp (fast)
         self.keep_queries = keep_queries
         self.saved: dict[int, tuple[Tensor, Tensor, float]] = {}
+        self._masks: dict[tuple, Tensor] = {}
 
     def update(
         self, k: Tensor, v: Tensor, layer_idx: int, cache_kwargs=None, **kwargs
@@ -185,7 +204,18 @@ class ReplayContext:
         s = k.shape[2] - r
         cache_len = self.cache.layers[layer_idx].lengths.to(q.device)
         new_len = self.new_len.to(q.device)
-        mask = _replay_mask(cache_len, new_len, s, r, q.device)[:, None]
+        key = (s, r, q.device, *cache_len.tolist())  # layers share lengths before eviction: one mask
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self._masks[key] = _replay_mask(cache_len, new_len, s, r, q.device)[:, None]
+        if not self.exact and self.keep_queries:  # KVgrad: the kernel's attention gradient
+            out, lse = attention_with_lse(q, k, v, mask, scale)
+            self.saved[layer_idx] = (q.detach(), lse, scale)
+            return out.transpose(1, 2).contiguous()
+        col = self.col_weight(layer_idx) if self.col_weight is not None else None
+        if not self.exact:
+            out, self.scores[layer_idx] = attend_and_score(q, k, v, scale, cache_len, new_len, col)
+            return out.transpose(1, 2).contiguous()
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
@@ -193,7 +223,7 @@ class ReplayContext:
             self.saved[layer_idx] = (q.detach(), k[:, :, s:].detach(), scale)
         else:
             with torch.no_grad():
-                self.scores[layer_idx] = replay_attention_max(q, k, scale, cache_len, new_len)
+                self.scores[layer_idx] = replay_attention_max(q, k, scale, cache_len, new_len, col_weight=col)
         return out.transpose(1, 2).contiguous()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -242,9 +272,14 @@ def run_replay(
     with torch.no_grad():
         template = adapter.embed_tokens(template_ids[None].to(dev))[0]
     total: list[Tensor | None] = [None] * len(cache.layers)
+    cols: dict[int, Tensor] = {}  # KVgrad's ||W_O v|| per layer: the cache is the same for every chunk
     for rows, new_len in replay_chunks(template, context.to(dev), lengths, request):
-        run = _chunk_gradient if request.gradient else _chunk
-        total = merge_max(total, run(backend, cache, rows, new_len))
+        if request.gradient:
+            part = _chunk_gradient(backend, cache, rows, new_len, request.exact, cols)
+        else:
+            col = _col_weight(backend, cache, cols) if request.value_norm else None
+            part = _chunk(backend, cache, rows, new_len, request.exact, col)
+        total = merge_max(total, part)
     return total
 
 
@@ -263,15 +298,34 @@ def _run_layers(backend, ctx: ReplayContext, cache: KVCache, rows: Tensor) -> Te
     return hidden
 
 
+def _col_weight(backend, cache: KVCache, cols: dict[int, Tensor]):
+    """layer -> ``(B, H, S)`` ``||W_O,h v||`` of the cached values, computed once per replay."""
+
+    def col(i: int) -> Tensor:
+        if i not in cols:
+            _, cv = cache.layers[i].attention_kv()
+            w = backend.adapter.layers[i].self_attn.o_proj.weight
+            cols[i] = value_output_norm(cv, w, backend.num_heads)
+        return cols[i]
+
+    return col
+
+
 @torch.no_grad()
-def _chunk(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> list[Tensor | None]:
-    ctx = ReplayContext(cache, new_len)
+def _chunk(
+    backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool, col_weight=None
+) -> list[Tensor | None]:
+    ctx = ReplayContext(cache, new_len, exact=exact, col_weight=col_weight)
     _run_layers(backend, ctx, cache, rows)
     return ctx.scores
 
 
-def _chunk_gradient(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> list[Tensor | None]:
-    """KVgrad: forward, ``d Phi / d (attention output)`` by autograd, then the weighted scores."""
+def _chunk_gradient(
+    backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool, cols: dict[int, Tensor]
+) -> list[Tensor | None]:
+    """KVgrad: forward, ``d Phi / d (attention output)`` by autograd, then the weighted scores.
+
+    ``cols``: ``||W_O v||`` per layer, filled on the first chunk and reused by the others."""
     adapter = backend.adapter
     frozen = [p for p in backend.model.parameters() if p.requires_grad]
     outputs: dict[int, Tensor] = {}
@@ -284,7 +338,7 @@ def _chunk_gradient(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> l
         for p in frozen:  # gradients w.r.t. activations only
             p.requires_grad_(False)
         with torch.enable_grad():
-            ctx = ReplayContext(cache, new_len, keep_queries=True)
+            ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
             hidden = _run_layers(backend, ctx, cache, rows.detach().requires_grad_(True))
             valid = (
                 torch.arange(rows.shape[1], device=rows.device)[None, :] < new_len.to(rows.device)[:, None]
@@ -300,9 +354,16 @@ def _chunk_gradient(backend, cache: KVCache, rows: Tensor, new_len: Tensor) -> l
     scores: list[Tensor | None] = [None] * len(cache.layers)
     with torch.no_grad():
         for i, g in zip(layers, grads):
-            q, k_new, scale = ctx.saved[i]
+            q, saved, scale = ctx.saved[i]
             layer = cache.layers[i]
             ck, cv = layer.attention_kv()
+            if not exact:
+                if i not in cols:
+                    cols[i] = value_output_norm(cv, adapter.layers[i].self_attn.o_proj.weight, q.shape[1])
+                row = g.float().norm(dim=-1)
+                scores[i] = scores_from_lse(q, ck, scale, saved, layer.lengths, new_len, row, cols[i])
+                continue
+            k_new = saved
             col = value_output_norm(cv, adapter.layers[i].self_attn.o_proj.weight, q.shape[1])
             scores[i] = replay_attention_max(
                 q,

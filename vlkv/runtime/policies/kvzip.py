@@ -52,6 +52,10 @@ class KVzipPolicy(Policy):
     template: the text replayed before each chunk.
     mode: ``"context"`` (template + context) or ``"prompt"`` (the template alone, e.g. a generic
         image description prompt).
+    value_norm: also weight each (query head, entry) score by ``||W_O,h v||`` (KVgrad's input factor,
+        no backward pass; KVgrad always has it).
+    exact: score with the replay's reference pass (a second softmax per layer) instead of the fast
+        one (scores from the attention kernel's own row statistics); same ranking, slower.
     """
 
     chunk_size: int = 2048
@@ -61,6 +65,8 @@ class KVzipPolicy(Policy):
     every: int = 1
     template: str = DEFAULT_TEMPLATE
     mode: str = "context"
+    exact: bool = False
+    value_norm: bool = False
 
     name: ClassVar[str] = "kvzip"
     # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
@@ -87,7 +93,9 @@ class KVzipPolicy(Policy):
     def replay_request(self, ctx) -> ReplayRequest | None:
         if self.budget >= 1.0:
             return None
-        return ReplayRequest(self.template, self.chunk_size, self.gradient, self.mode, self.every)
+        return ReplayRequest(
+            self.template, self.chunk_size, self.gradient, self.mode, self.every, self.exact, self.value_norm
+        )
 
     def after_prefill(self, cache, stats, ctx):
         scores = getattr(stats, "replay", None)
