@@ -13,6 +13,7 @@ import torch
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
 from vlkv.plugins import ops
 from vlkv.plugins.paged_cpu import paged_attention_cpu, shared_runs
+from vlkv.plugins.paged_probs import paged_decode_probs
 from vlkv.plugins.paged_reference import paged_attention_reference
 
 tpa = pytest.importorskip("vlkv.plugins.triton_paged_attention", reason="triton is not installed")
@@ -196,12 +197,33 @@ def test_shared_runs_finds_runs_or_declines():
     assert shared_runs(torch.tensor([[5, -1, 7]])) is None  # a hole
 
 
-def test_bad_shapes_name_the_argument():
+@pytest.mark.parametrize("form", ["reference", "cpu", "triton", "probs"])
+def test_bad_shapes_name_the_argument(form):
+    """Every form validates through ``check_paged_args``: the same one-line error for the same mistake."""
     args = CASES[1].make(torch.float32)
+    if form == "probs":
+        args["q"] = args["q"][:, :, -1:]
+
+    def call(**over):
+        a = {**args, **over}
+        if form == "probs":
+            return paged_decode_probs(a["q"], a["k_pool"], a["table"], a["lengths"], a["scale"], *a["rope"])
+        fn = {"reference": paged_attention_reference, "cpu": paged_attention_cpu}.get(form)
+        fn = fn or tpa.paged_attention_triton
+        rot, cos, sin = a.pop("rope")
+        return fn(**a, rot=rot, cos=cos, sin=sin)
+
+    args["rope"] = (None, None, None)
     with pytest.raises(ValueError, match="lengths"):
-        paged_attention_reference(**{**args, "lengths": args["lengths"][:, :1]})
+        call(lengths=args["lengths"][:, :1])
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        paged_attention_reference(**{**args, "q": args["q"][:, :1]})
+        call(q=args["q"][:, :1])
+    rot = torch.zeros_like(args["table"])
+    cos = torch.ones(4, 3)
+    with pytest.raises(ValueError, match="cos/sin width 3"):
+        call(rope=(rot, cos, cos))
+    with pytest.raises(ValueError, match="rot must be"):
+        call(rope=(rot[:, :1], cos, cos))
 
 
 def test_cpu_form_reads_runs_in_place(monkeypatch):

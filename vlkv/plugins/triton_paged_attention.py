@@ -7,7 +7,7 @@ import triton
 from torch import Tensor
 
 from vlkv.plugins.paged_attention_kernels import paged_attention_kernel
-from vlkv.plugins.paged_reference import check_paged, check_rope
+from vlkv.plugins.paged_reference import check_paged_args
 from vlkv.plugins.selected_attention_kernels import combine_splits_kernel
 from vlkv.plugins.triton_launch import check_float_dtype, dot_in_fp32
 from vlkv.plugins.triton_selected_attention import default_num_splits, tile_sizes
@@ -25,25 +25,18 @@ def paged_attention_triton(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
 ) -> Tensor:
-    """Triton version of ``paged_reference.paged_attention_reference``.
-
-    q: (B, H_q, Q, D). k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v), all one float dtype, any strides.
-    table: (B, H_kv, C) int32/int64 slots (negative inside a length: a hole). lengths: (B, H_kv).
-    num_splits: column splits per (request, KV head); None picks one from the launch size.
-    rot (B, H_kv, C) int64, cos/sin (R, D_r): pre-RoPE keys rotated on read, as in the reference.
-    Returns (B, H_q, Q, D_v) in q's dtype.
+    """Triton version of ``paged_reference.paged_attention_reference``: same arguments and result (q,
+    k_pool and v_pool one float dtype), plus num_splits: column splits per (request, KV head); None picks
+    one from the launch size.
     """
     check_float_dtype("q", q.dtype)
     if not q.dtype == k_pool.dtype == v_pool.dtype:
         raise ValueError(
             f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
         )
-    group = check_paged(q, k_pool, v_pool, table, lengths)
-    rope = check_rope(table, rot, cos, sin)
+    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
     if rope:
         rot, cos, sin = rot.to(q.device), cos.to(q.device), sin.to(q.device)
-        if cos.shape[-1] % 2 or cos.shape[-1] > q.shape[-1]:
-            raise ValueError(f"cos/sin width {cos.shape[-1]} must be even and at most the head dim")
     else:  # unused pointers (HAS_ROPE is off): any tensor on the device
         rot = cos = sin = table
     batch, heads, num_q, dim = q.shape
