@@ -6,9 +6,9 @@ import torch
 import triton
 from torch import Tensor
 
+from vlkv.plugins.flash_tiles import combine_splits_kernel
 from vlkv.plugins.paged_attention_kernels import paged_attention_kernel
 from vlkv.plugins.paged_reference import check_paged_args
-from vlkv.plugins.selected_attention_kernels import combine_splits_kernel
 from vlkv.plugins.triton_launch import check_float_dtype, dot_in_fp32
 from vlkv.plugins.triton_selected_attention import default_num_splits, tile_sizes
 

@@ -6,8 +6,9 @@ import torch
 import triton
 from torch import Tensor
 
+from vlkv.plugins.flash_tiles import combine_splits_kernel
 from vlkv.plugins.reference import check_gqa
-from vlkv.plugins.selected_attention_kernels import combine_splits_kernel, selected_attention_kernel
+from vlkv.plugins.selected_attention_kernels import selected_attention_kernel
 from vlkv.plugins.triton_launch import check_float_dtype, dot_in_fp32
 
 
