@@ -240,19 +240,26 @@ def test_cpu_form_reads_runs_in_place(monkeypatch):
     assert_close_tol(got, want, OUT_TOL, torch.float32)
 
 
+def count_gathers(monkeypatch) -> list[int]:
+    """The rows each ``paged_cpu._gather`` call copies, appended as the CPU form runs."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    gathered, real = [], paged_cpu._gather
+    monkeypatch.setattr(
+        paged_cpu,
+        "_gather",
+        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
+    )
+    return gathered
+
+
 @pytest.mark.parametrize("case", APPENDS, ids=repr)
 def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
     """A prompt's run is read in place; only the appended single slots are gathered (5 per request)."""
     import vlkv.plugins.paged_cpu as paged_cpu
 
     args = dataclasses.replace(case, full=True).make(torch.float32)
-    gathered = []
-    real = paged_cpu._gather
-    monkeypatch.setattr(
-        paged_cpu,
-        "_gather",
-        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
-    )
+    gathered = count_gathers(monkeypatch)
     got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
     assert gathered == [5 * case.kv_heads] * 2 * case.batch  # K and V of each request's appends
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
@@ -319,13 +326,7 @@ def test_cpu_form_attends_short_requests_together(monkeypatch):
     import vlkv.plugins.paged_cpu as paged_cpu
 
     args = PagedCase(9, 2, 3, 1, 81, 16, layout="holes", runs=2).make(torch.float32)
-    gathered = []
-    real = paged_cpu._gather
-    monkeypatch.setattr(
-        paged_cpu,
-        "_gather",
-        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
-    )
+    gathered = count_gathers(monkeypatch)
     got = paged_cpu.paged_attention_cpu(**args)
     assert len(gathered) == 2  # one gather of K, one of V, for all nine requests
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
