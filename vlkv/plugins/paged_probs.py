@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from vlkv.plugins.paged_cpu import INPLACE_MIN, _gather, shared_runs
-from vlkv.plugins.paged_reference import check_paged_args, rotate_keys
+from vlkv.plugins.paged_reference import check_paged_args, held_columns, rotate_keys
 
 
 def _route(table: Tensor, host: list[list[int]], inplace_min: int, rot: Tensor | None):
@@ -65,7 +65,7 @@ def paged_decode_probs(
         raise ValueError(f"paged_decode_probs takes one query row per request, got {num_q}")
     kv_heads, cols = k_pool.shape[0], table.shape[2]
     lengths = lengths.clamp(0, cols)
-    held = (table >= 0) & (torch.arange(cols, device=table.device) < lengths[..., None])  # (B, H_kv, C)
+    held = held_columns(table, lengths)  # (B, H_kv, C)
     vis = None if bool(held.all()) else held[:, :, None, :]
     qg = q.reshape(batch, kv_heads, group, dim).float()
     scores = torch.full((batch, kv_heads, group, cols), float("-inf"), device=q.device)
@@ -101,7 +101,7 @@ def paged_decode_out(
     batch, kv_heads, group, cols = probs.shape
     lengths = lengths.clamp(0, cols)
     out = torch.zeros(batch, kv_heads, group, v_pool.shape[-1], dtype=v_pool.dtype, device=probs.device)
-    held = (table >= 0) & (torch.arange(cols, device=table.device) < lengths[..., None])
+    held = held_columns(table, lengths)
     p = probs.to(v_pool.dtype)
     inplace, together = _route(
         table, lengths.tolist(), INPLACE_MIN if inplace_min is None else inplace_min, None

@@ -70,6 +70,13 @@ def check_paged_args(
     return heads // kv_heads, True
 
 
+def held_columns(table: Tensor, lengths: Tensor) -> Tensor:
+    """``(B, H_kv, C)`` bool, on table's device: the columns of ``table (B, H_kv, C)`` a row holds, inside
+    its ``lengths (B, H_kv)`` and not a hole."""
+    cols = torch.arange(table.shape[-1], device=table.device)
+    return (table >= 0) & (cols < lengths.to(table.device)[..., None])
+
+
 def visible_columns(table: Tensor, lengths: Tensor, num_q: int) -> tuple[Tensor, Tensor]:
     """Which columns each query row sees, and the slot each reads (holes and padding point at 0).
 
@@ -78,7 +85,7 @@ def visible_columns(table: Tensor, lengths: Tensor, num_q: int) -> tuple[Tensor,
     """
     cols = torch.arange(table.shape[-1], device=table.device)
     lengths = lengths.to(device=table.device, dtype=torch.int64).clamp_min(0)
-    held = (cols < lengths[..., None]) & (table >= 0)
+    held = held_columns(table, lengths)
     slots = torch.where(held, table.long(), torch.zeros((), dtype=torch.long, device=table.device))
     limit = lengths[..., None] - num_q + 1 + torch.arange(num_q, device=table.device)  # (B, H_kv, Q)
     vis = held[:, :, None, :] & (cols < limit[..., None])
@@ -137,10 +144,7 @@ def paged_attention_reference(
     rows = torch.arange(kv_heads, device=q.device)[None, :, None]
     k = k_pool[rows, slots]  # (B, H_kv, C, D): the gather this op exists to avoid
     if rope:  # padding and holes may name any row: only held entries rotate
-        held = (table >= 0) & (
-            torch.arange(table.shape[-1], device=q.device) < lengths.to(q.device)[..., None]
-        )
-        rot = torch.where(held, rot.to(q.device), -1)
+        rot = torch.where(held_columns(table, lengths), rot.to(q.device), -1)
         k = rotate_keys(k, rot, cos.to(q.device), sin.to(q.device))
     k = k.float()
     v = v_pool[rows, slots].float()
