@@ -13,6 +13,7 @@ import torch
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
 from vlkv.plugins import ops
 from vlkv.plugins.paged_cpu import paged_attention_cpu, shared_runs
+from vlkv.plugins.paged_probs import paged_decode_probs
 from vlkv.plugins.paged_reference import paged_attention_reference
 
 tpa = pytest.importorskip("vlkv.plugins.triton_paged_attention", reason="triton is not installed")
@@ -196,12 +197,33 @@ def test_shared_runs_finds_runs_or_declines():
     assert shared_runs(torch.tensor([[5, -1, 7]])) is None  # a hole
 
 
-def test_bad_shapes_name_the_argument():
+@pytest.mark.parametrize("form", ["reference", "cpu", "triton", "probs"])
+def test_bad_shapes_name_the_argument(form):
+    """Every form validates through ``check_paged_args``: the same one-line error for the same mistake."""
     args = CASES[1].make(torch.float32)
+    if form == "probs":
+        args["q"] = args["q"][:, :, -1:]
+
+    def call(**over):
+        a = {**args, **over}
+        if form == "probs":
+            return paged_decode_probs(a["q"], a["k_pool"], a["table"], a["lengths"], a["scale"], *a["rope"])
+        fn = {"reference": paged_attention_reference, "cpu": paged_attention_cpu}.get(form)
+        fn = fn or tpa.paged_attention_triton
+        rot, cos, sin = a.pop("rope")
+        return fn(**a, rot=rot, cos=cos, sin=sin)
+
+    args["rope"] = (None, None, None)
     with pytest.raises(ValueError, match="lengths"):
-        paged_attention_reference(**{**args, "lengths": args["lengths"][:, :1]})
+        call(lengths=args["lengths"][:, :1])
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        paged_attention_reference(**{**args, "q": args["q"][:, :1]})
+        call(q=args["q"][:, :1])
+    rot = torch.zeros_like(args["table"])
+    cos = torch.ones(4, 3)
+    with pytest.raises(ValueError, match="cos/sin width 3"):
+        call(rope=(rot, cos, cos))
+    with pytest.raises(ValueError, match="rot must be"):
+        call(rope=(rot[:, :1], cos, cos))
 
 
 def test_cpu_form_reads_runs_in_place(monkeypatch):
@@ -218,19 +240,26 @@ def test_cpu_form_reads_runs_in_place(monkeypatch):
     assert_close_tol(got, want, OUT_TOL, torch.float32)
 
 
+def count_gathers(monkeypatch) -> list[int]:
+    """The rows each ``paged_cpu._gather`` call copies, appended as the CPU form runs."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    gathered, real = [], paged_cpu._gather
+    monkeypatch.setattr(
+        paged_cpu,
+        "_gather",
+        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
+    )
+    return gathered
+
+
 @pytest.mark.parametrize("case", APPENDS, ids=repr)
 def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
     """A prompt's run is read in place; only the appended single slots are gathered (5 per request)."""
     import vlkv.plugins.paged_cpu as paged_cpu
 
     args = dataclasses.replace(case, full=True).make(torch.float32)
-    gathered = []
-    real = paged_cpu._gather
-    monkeypatch.setattr(
-        paged_cpu,
-        "_gather",
-        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
-    )
+    gathered = count_gathers(monkeypatch)
     got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
     assert gathered == [5 * case.kv_heads] * 2 * case.batch  # K and V of each request's appends
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
@@ -297,13 +326,7 @@ def test_cpu_form_attends_short_requests_together(monkeypatch):
     import vlkv.plugins.paged_cpu as paged_cpu
 
     args = PagedCase(9, 2, 3, 1, 81, 16, layout="holes", runs=2).make(torch.float32)
-    gathered = []
-    real = paged_cpu._gather
-    monkeypatch.setattr(
-        paged_cpu,
-        "_gather",
-        lambda pool, flat, out=None: gathered.append(flat.numel()) or real(pool, flat, out),
-    )
+    gathered = count_gathers(monkeypatch)
     got = paged_cpu.paged_attention_cpu(**args)
     assert len(gathered) == 2  # one gather of K, one of V, for all nine requests
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)

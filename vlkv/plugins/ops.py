@@ -144,15 +144,11 @@ def paged_attention(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
 ) -> Tensor:
-    """Causal attention reading K/V from one layer's pool through per-request, per-KV-head slot tables;
-    see ``paged_reference.paged_attention_reference`` for the exact semantics.
+    """Causal attention reading K/V from one layer's pool through per-request, per-KV-head slot tables:
+    same arguments and result as ``paged_reference.paged_attention_reference``, plus ``num_splits``.
 
-    q: (B, H_q, Q, D). k_pool, v_pool: (H_kv, S, D). table: (B, H_kv, C) int64 slots (padding past a
-    row's length; a negative slot inside it is a hole). lengths: (B, H_kv) int64. scale: float.
-    Query i attends its row's first ``lengths - Q + i + 1`` columns. Returns (B, H_q, Q, D) in q's dtype,
-    fp32 accumulation. CUDA (or ``VLKV_FORCE_TRITON=1``): the Triton kernel (``num_splits`` column
-    splits, None = from the launch size); CPU: ``paged_cpu`` (in-place runs, else one gather).
-    rot (B, H_kv, C) int64 / cos, sin (R, D_r): keys stored pre-RoPE rotated on read (rot row >= 0).
+    CUDA (or ``VLKV_FORCE_TRITON=1``): the Triton kernel (``num_splits`` column splits, None = from the
+    launch size); CPU: ``paged_cpu`` (in-place runs, else one gather); elsewhere the reference.
     """
     if use_triton(q, k_pool, v_pool):
         from vlkv.plugins.triton_paged_attention import paged_attention_triton

@@ -7,14 +7,16 @@ softmax (running max ``m``, sum ``l``, fp32 accumulator). Causality is by column
 columns ``< length - Q + i + 1``; a negative slot inside the length is a hole (masked). With ``HAS_ROPE``
 a key stored pre-RoPE (its ``rot`` row >= 0) is rotated as it is loaded. With
 ``NUM_SPLITS > 1`` the columns are split across programs (flash-decoding) and
-``selected_attention_kernels.combine_splits_kernel`` merges the partial (m, l, acc) triples — the same
-partial layout as selected attention.
+``flash_tiles.combine_splits_kernel`` merges the partial (m, l, acc) triples. The query tile, the
+online-softmax block update and the store are ``flash_tiles``' helpers, shared with selected attention.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from vlkv.plugins.flash_tiles import attend_block, query_tile, store_tile
 
 
 @triton.jit
@@ -28,29 +30,16 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     GQ = GROUP * Q
-    pid_bk = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
-    b = (pid_bk // HKV).to(tl.int64)
-    kvh = (pid_bk % HKV).to(tl.int64)
-    # Row r of this tile is query row r % Q of query head kvh * GROUP + r // Q.
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    heads = kvh * GROUP + r // Q
-    qi = r % Q
+    b, kvh, r, heads, qi, q = query_tile(q_ptr, sqb, sqh, sqm, sqd, HKV, GROUP, Q, D, BLOCK_M, BLOCK_D)
     dims = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(
-        q_ptr + b * sqb + heads[:, None] * sqh + qi[:, None] * sqm + dims[None, :] * sqd,
-        mask=(r[:, None] < GQ) & (dims[None, :] < D),
-        other=0.0,
-    )
     length = tl.minimum(tl.maximum(tl.load(len_ptr + b * slb + kvh * slh).to(tl.int32), 0), COLS)
     # the last column each row sees (exclusive); rows past G·Q see nothing
     limit = tl.where(r < GQ, length - Q + 1 + qi, 0)
     # the tile's furthest column: its last real row sees the most
     stop_all = tl.minimum(tl.max(limit, 0), length)
     per_split = tl.cdiv(tl.cdiv(stop_all, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    start = tl.program_id(2) * per_split
     stop = tl.minimum(start + per_split, stop_all)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -84,38 +73,12 @@ def paged_attention_kernel(
             mask=ok[:, None] & (dv[None, :] < DV),
             other=0.0,
         )
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         seen = ok[None, :] & (col[None, :] < limit[:, None])
-        s = tl.where(seen, s * SCALE, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:  # noqa: SIM108 - a constexpr branch reads clearer than a ternary in a kernel
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    if NUM_SPLITS == 1:
-        # a row that saw nothing keeps l = 0 and acc = 0: its output is zeros, as the reference defines
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(
-            out_ptr + b * sob + heads[:, None] * soh + qi[:, None] * som + dv[None, :] * sod,
-            out,
-            mask=(r[:, None] < GQ) & (dv[None, :] < DV),
-        )
-    else:
-        part = (pid_bk.to(tl.int64) * NUM_SPLITS + split) * GQ + r
-        tl.store(part_m_ptr + part, m_i, mask=r < GQ)
-        tl.store(part_l_ptr + part, l_i, mask=r < GQ)
-        tl.store(
-            part_acc_ptr + part[:, None] * DV + dv[None, :], acc, mask=(r[:, None] < GQ) & (dv[None, :] < DV)
-        )
+        m_i, l_i, acc = attend_block(q, k, v, seen, m_i, l_i, acc, SCALE, IEEE)
+    store_tile(
+        acc, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sob, soh, som, sod,
+        b, heads, qi, r, GQ, DV, NUM_SPLITS, BLOCK_DV,
+    )  # fmt: skip
 
 
 @triton.jit

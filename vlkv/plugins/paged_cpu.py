@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlkv.plugins.paged_reference import check_paged, check_rope, rotate_keys
+from vlkv.plugins.paged_reference import check_paged_args, rotate_keys
 
 # a run of at least this many slots is read in place: each run costs two small matmul calls (~10 µs),
 # a gathered entry ~0.1 µs
@@ -148,19 +148,16 @@ def paged_attention_cpu(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
 ) -> Tensor:
-    """The CPU form of ``paged_reference.paged_attention_reference`` (same arguments and result).
+    """The CPU form of ``paged_reference.paged_attention_reference``: same arguments and result, plus
 
-    q: (B, H_q, Q, D). k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v). table: (B, H_kv, C) int64.
-    lengths: (B, H_kv) int64. inplace_min: a request's rows of at least this many entries, the same runs
+    inplace_min: a request's rows of at least this many entries, the same runs
     in every head, are read in place one request at a time (None = ``INPLACE_MIN``); every other request
     is attended together with the rest in one gather. run_min: inside such a request, the shortest run
     of slots read in place (shorter ones gathered; None = ``RUN_MIN``); a request that is one run is read
-    in place whatever its length. rot (B, H_kv, C) int64, cos/sin (R, D_r): pre-RoPE keys rotated on
-    read (a request holding any is gathered, its rotated keys computed into the copy), as in the reference.
-    Returns (B, H_q, Q, D_v) in q's dtype.
+    in place whatever its length. A request holding any pre-RoPE key (``rot`` row >= 0) is gathered, its
+    rotated keys computed into the copy.
     """
-    group = check_paged(q, k_pool, v_pool, table, lengths)
-    rope = check_rope(table, rot, cos, sin)
+    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
     run_min = RUN_MIN if run_min is None else run_min
     inplace_min = INPLACE_MIN if inplace_min is None else inplace_min
     batch, heads, num_q, dim = q.shape

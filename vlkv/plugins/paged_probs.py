@@ -6,8 +6,8 @@ request of at least ``inplace_min`` entries whose heads hold one ascending run o
 view) and gather every other request into one padded copy (only K for the first half, only V for the
 second), as ``paged_cpu`` does. Plain PyTorch: the same code runs on any device.
 
-Shapes: q (B, H_q, 1, D); k_pool, v_pool (H_kv, S, D); table (B, H_kv, C) int64 (negative inside a
-length: a hole); lengths (B, H_kv). GQA: G = H_q // H_kv query heads per KV head.
+Arguments as ``paged_reference.paged_attention_reference`` (one query row: q (B, H_q, 1, D)); GQA:
+G = H_q // H_kv query heads per KV head.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from vlkv.plugins.paged_cpu import INPLACE_MIN, _gather, shared_runs
-from vlkv.plugins.paged_reference import check_rope, rotate_keys
+from vlkv.plugins.paged_reference import check_paged_args, held_columns, rotate_keys
 
 
 def _route(table: Tensor, host: list[list[int]], inplace_min: int, rot: Tensor | None):
@@ -55,18 +55,17 @@ def paged_decode_probs(
     sin: Tensor | None = None,
     inplace_min: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """One decode row per request: ``probs (B, H_kv, G, C)`` float32, the softmax of ``q·k · scale``
-    over the held columns of its row (0 elsewhere; a row holding nothing is all 0), and ``vis
-    (B, H_kv, 1, C)`` bool of the held columns, or None when every column of every row is held.
-    rot / cos / sin: pre-RoPE keys rotated on read (``paged_reference``)."""
-    batch, heads, num_q, dim = q.shape
+    """One decode row per request (same arguments as ``paged_reference.paged_attention_reference``, no
+    v_pool): ``probs (B, H_kv, G, C)`` float32, the softmax of ``q·k · scale`` over the held columns of its
+    row (0 elsewhere; a row holding nothing is all 0), and ``vis (B, H_kv, 1, C)`` bool of the held
+    columns, or None when every column of every row is held."""
+    group, rope = check_paged_args(q, k_pool, None, table, lengths, rot, cos, sin)
+    batch, _, num_q, dim = q.shape
     if num_q != 1:
         raise ValueError(f"paged_decode_probs takes one query row per request, got {num_q}")
     kv_heads, cols = k_pool.shape[0], table.shape[2]
-    group = heads // kv_heads
-    rope = check_rope(table, rot, cos, sin)
     lengths = lengths.clamp(0, cols)
-    held = (table >= 0) & (torch.arange(cols, device=table.device) < lengths[..., None])  # (B, H_kv, C)
+    held = held_columns(table, lengths)  # (B, H_kv, C)
     vis = None if bool(held.all()) else held[:, :, None, :]
     qg = q.reshape(batch, kv_heads, group, dim).float()
     scores = torch.full((batch, kv_heads, group, cols), float("-inf"), device=q.device)
@@ -102,7 +101,7 @@ def paged_decode_out(
     batch, kv_heads, group, cols = probs.shape
     lengths = lengths.clamp(0, cols)
     out = torch.zeros(batch, kv_heads, group, v_pool.shape[-1], dtype=v_pool.dtype, device=probs.device)
-    held = (table >= 0) & (torch.arange(cols, device=table.device) < lengths[..., None])
+    held = held_columns(table, lengths)
     p = probs.to(v_pool.dtype)
     inplace, together = _route(
         table, lengths.tolist(), INPLACE_MIN if inplace_min is None else inplace_min, None

@@ -25,14 +25,27 @@ import torch
 from torch import Tensor
 
 
-def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor) -> int:
-    """Validate the shapes of a paged-attention call; return the GQA group ``H_q // H_kv``."""
+def check_paged_args(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor | None,
+    table: Tensor,
+    lengths: Tensor,
+    rot: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+) -> tuple[int, bool]:
+    """Validate a paged-attention call (the arguments of :func:`paged_attention_reference`; ``v_pool``
+    None for a form that reads no values); return the GQA group ``H_q // H_kv`` and whether any key is
+    rotated on read (``rot`` given)."""
     if q.dim() != 4:
         raise ValueError(f"q must be (B, H_q, Q, D), got {tuple(q.shape)}")
-    if k_pool.dim() != 3 or v_pool.dim() != 3 or k_pool.shape[:2] != v_pool.shape[:2]:
+    if k_pool.dim() != 3 or (
+        v_pool is not None and (v_pool.dim() != 3 or k_pool.shape[:2] != v_pool.shape[:2])
+    ):
         raise ValueError(
             f"k_pool and v_pool must be (H_kv, S, D) with the same (H_kv, S), got "
-            f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+            f"{tuple(k_pool.shape)} and {None if v_pool is None else tuple(v_pool.shape)}"
         )
     batch, heads, _, dim = q.shape
     kv_heads = k_pool.shape[0]
@@ -46,7 +59,22 @@ def check_paged(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, length
         raise ValueError(f"lengths must be (B, H_kv) = ({batch}, {kv_heads}), got {tuple(lengths.shape)}")
     if table.dtype not in (torch.int32, torch.int64) or lengths.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"table and lengths must be int32/int64, got {table.dtype} and {lengths.dtype}")
-    return heads // kv_heads
+    if rot is None:
+        return heads // kv_heads, False
+    if rot.shape != table.shape:
+        raise ValueError(f"rot must be (B, H_kv, C) = {tuple(table.shape)}, got {tuple(rot.shape)}")
+    if cos is None or sin is None or cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError("rot needs cos and sin, both (R, D_r)")
+    if cos.shape[-1] % 2 or cos.shape[-1] > dim:
+        raise ValueError(f"cos/sin width {cos.shape[-1]} must be even and at most the head dim {dim}")
+    return heads // kv_heads, True
+
+
+def held_columns(table: Tensor, lengths: Tensor) -> Tensor:
+    """``(B, H_kv, C)`` bool, on table's device: the columns of ``table (B, H_kv, C)`` a row holds, inside
+    its ``lengths (B, H_kv)`` and not a hole."""
+    cols = torch.arange(table.shape[-1], device=table.device)
+    return (table >= 0) & (cols < lengths.to(table.device)[..., None])
 
 
 def visible_columns(table: Tensor, lengths: Tensor, num_q: int) -> tuple[Tensor, Tensor]:
@@ -57,7 +85,7 @@ def visible_columns(table: Tensor, lengths: Tensor, num_q: int) -> tuple[Tensor,
     """
     cols = torch.arange(table.shape[-1], device=table.device)
     lengths = lengths.to(device=table.device, dtype=torch.int64).clamp_min(0)
-    held = (cols < lengths[..., None]) & (table >= 0)
+    held = held_columns(table, lengths)
     slots = torch.where(held, table.long(), torch.zeros((), dtype=torch.long, device=table.device))
     limit = lengths[..., None] - num_q + 1 + torch.arange(num_q, device=table.device)  # (B, H_kv, Q)
     vis = held[:, :, None, :] & (cols < limit[..., None])
@@ -80,17 +108,6 @@ def rotate_keys(k: Tensor, rot: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.where(on[..., None], rotated, k)
 
 
-def check_rope(table: Tensor, rot: Tensor | None, cos: Tensor | None, sin: Tensor | None) -> bool:
-    """Validate the pre-RoPE arguments; True when there are any."""
-    if rot is None:
-        return False
-    if rot.shape != table.shape:
-        raise ValueError(f"rot must be (B, H_kv, C) = {tuple(table.shape)}, got {tuple(rot.shape)}")
-    if cos is None or sin is None or cos.dim() != 2 or cos.shape != sin.shape:
-        raise ValueError("rot needs cos and sin, both (R, D_r)")
-    return True
-
-
 def paged_attention_reference(
     q: Tensor,
     k_pool: Tensor,
@@ -104,13 +121,22 @@ def paged_attention_reference(
 ) -> Tensor:
     """Causal attention of every query row over its request's entries, read through the slot table.
 
-    q: (B, H_q, Q, D). k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v). table: (B, H_kv, C) int64.
-    lengths: (B, H_kv) int64. rot: None or (B, H_kv, C) int64 rows of cos, sin (R, D_r) rotating
-    pre-RoPE keys on read (see the module docstring). Returns (B, H_q, Q, D_v) in q's dtype; scores,
-    softmax and the weighted sum in float32. A query row that sees no entry (length 0, all holes) yields zeros.
+    The arguments every form of this op takes (``ops.paged_attention``, ``paged_cpu``, the Triton launcher
+    and ``paged_probs`` say "same arguments as paged_attention_reference" and add their own):
+
+    - q: (B, H_q, Q, D), a float dtype; H_q a multiple of H_kv (GQA: query head j reads KV head j // G).
+    - k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v): one layer's pool, any strides.
+    - table: (B, H_kv, C) int32/int64 slots; columns at or past a row's length are padding (never read),
+      a negative slot inside it is a hole (skipped).
+    - lengths: (B, H_kv) int32/int64: query i attends its row's first ``lengths - Q + i + 1`` columns.
+    - scale: float multiplying ``q·k``.
+    - rot: None or (B, H_kv, C) int64 rows of ``cos, sin (R, D_r)`` (D_r even, at most D) rotating
+      pre-RoPE keys on read, -1 for a key stored post-RoPE (see the module docstring).
+
+    Returns (B, H_q, Q, D_v) in q's dtype; scores, softmax and the weighted sum in float32. A query row
+    that sees no entry (length 0, all holes) yields zeros.
     """
-    group = check_paged(q, k_pool, v_pool, table, lengths)
-    rope = check_rope(table, rot, cos, sin)
+    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
     batch, heads, num_q, dim = q.shape
     kv_heads = k_pool.shape[0]
     table = table.to(q.device)
@@ -118,10 +144,7 @@ def paged_attention_reference(
     rows = torch.arange(kv_heads, device=q.device)[None, :, None]
     k = k_pool[rows, slots]  # (B, H_kv, C, D): the gather this op exists to avoid
     if rope:  # padding and holes may name any row: only held entries rotate
-        held = (table >= 0) & (
-            torch.arange(table.shape[-1], device=q.device) < lengths.to(q.device)[..., None]
-        )
-        rot = torch.where(held, rot.to(q.device), -1)
+        rot = torch.where(held_columns(table, lengths), rot.to(q.device), -1)
         k = rotate_keys(k, rot, cos.to(q.device), sin.to(q.device))
     k = k.float()
     v = v_pool[rows, slots].float()

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
 from vlkv.plugins.paged_attention_kernels import paged_attention_kernel
-from vlkv.plugins.paged_reference import check_paged, check_rope
-from vlkv.plugins.selected_attention_kernels import combine_splits_kernel
+from vlkv.plugins.paged_reference import check_paged_args
 from vlkv.plugins.triton_launch import check_float_dtype, dot_in_fp32
-from vlkv.plugins.triton_selected_attention import default_num_splits, tile_sizes
+from vlkv.plugins.triton_selected_attention import combine_splits, plan_splits
 
 
 def paged_attention_triton(
@@ -25,54 +23,33 @@ def paged_attention_triton(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
 ) -> Tensor:
-    """Triton version of ``paged_reference.paged_attention_reference``.
-
-    q: (B, H_q, Q, D). k_pool: (H_kv, S, D), v_pool: (H_kv, S, D_v), all one float dtype, any strides.
-    table: (B, H_kv, C) int32/int64 slots (negative inside a length: a hole). lengths: (B, H_kv).
-    num_splits: column splits per (request, KV head); None picks one from the launch size.
-    rot (B, H_kv, C) int64, cos/sin (R, D_r): pre-RoPE keys rotated on read, as in the reference.
-    Returns (B, H_q, Q, D_v) in q's dtype.
+    """Triton version of ``paged_reference.paged_attention_reference``: same arguments and result (q,
+    k_pool and v_pool one float dtype), plus num_splits: column splits per (request, KV head); None picks
+    one from the launch size.
     """
     check_float_dtype("q", q.dtype)
     if not q.dtype == k_pool.dtype == v_pool.dtype:
         raise ValueError(
             f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
         )
-    group = check_paged(q, k_pool, v_pool, table, lengths)
-    rope = check_rope(table, rot, cos, sin)
+    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
     if rope:
         rot, cos, sin = rot.to(q.device), cos.to(q.device), sin.to(q.device)
-        if cos.shape[-1] % 2 or cos.shape[-1] > q.shape[-1]:
-            raise ValueError(f"cos/sin width {cos.shape[-1]} must be even and at most the head dim")
     else:  # unused pointers (HAS_ROPE is off): any tensor on the device
         rot = cos = sin = table
     batch, heads, num_q, dim = q.shape
     kv_heads, dim_v, cols = k_pool.shape[0], v_pool.shape[-1], table.shape[-1]
     table, lengths = table.to(q.device), lengths.to(q.device)
-    block_m, block_n, block_d, block_dv = tile_sizes(group * num_q, dim, dim_v)
-    grid_m = triton.cdiv(group * num_q, block_m)
-    if num_splits is None:
-        num_splits = default_num_splits(batch * kv_heads * grid_m, cols, block_n)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    plan = plan_splits(batch * kv_heads, group * num_q, dim, dim_v, cols, num_splits, q.device)
     out = torch.empty(batch, heads, num_q, dim_v, dtype=q.dtype, device=q.device)
-    rows = batch * kv_heads * num_splits * group * num_q
-    part_m = torch.empty(rows if num_splits > 1 else 1, dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(rows * dim_v if num_splits > 1 else 1, dtype=torch.float32, device=q.device)
     if batch * kv_heads == 0:
         return out.zero_()
-    paged_attention_kernel[(batch * kv_heads, grid_m, num_splits)](
-        q, k_pool, v_pool, table, lengths, out, part_m, part_l, part_acc, rot, cos, sin,
+    paged_attention_kernel[plan.grid](
+        q, k_pool, v_pool, table, lengths, out, plan.part_m, plan.part_l, plan.part_acc, rot, cos, sin,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *table.stride(), *lengths.stride(), *out.stride(),
         *(rot.stride() if rope else (0, 0, 0)), *(cos.stride() if rope else (0, 0)),
         kv_heads, group, num_q, dim, dim_v, cols, cos.shape[-1] if rope else 0,
-        SCALE=float(scale), NUM_SPLITS=num_splits, IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, **plan.constexprs,
     )  # fmt: skip
-    if num_splits > 1:
-        combine_splits_kernel[(batch * kv_heads, grid_m)](
-            part_m, part_l, part_acc, out, *out.stride(), kv_heads, group, num_q, dim_v,
-            NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_DV=block_dv,
-        )  # fmt: skip
+    combine_splits(plan, out, kv_heads, group)
     return out

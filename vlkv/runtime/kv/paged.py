@@ -43,7 +43,7 @@ def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
     positions = torch.cat([_columns(r.positions, n) for r in rows])  # (B, H_kv, n, P)
     like = pool.keys[layer.layer]
     # Rope's cos/sin rows (its 1-D table gather, or the model's M-RoPE) for the R entries to rotate
-    cos, sin = pool.rope._cos_sin(like, positions[pre][None])  # (1, R, D)
+    cos, sin = pool.rope.cos_sin(like, positions[pre][None])  # (1, R, D)
     rot = torch.full_like(table, -1)
     rot[pre] = torch.arange(cos.shape[1], device=table.device)
     return {"rot": rot, "cos": cos[0], "sin": sin[0]}

@@ -37,8 +37,10 @@ class Rope:
         self._apply = module.apply_rotary_pos_emb
         self._table: tuple[Tensor, Tensor] | None = None  # 1-D RoPE: cos/sin rows by position
 
-    def _cos_sin(self, like: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """``(N, n, D)`` cos/sin for ``positions (N, n, P)``.
+    def cos_sin(self, like: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``(N, n, D)`` cos/sin for ``positions (N, n, P)`` int64 (``P`` 1, or M-RoPE's sections), on
+        ``like``'s device with its head dim ``D`` (last dim): the rows :meth:`__call__` rotates by, and
+        what a paged read's pre-RoPE ``cos/sin`` arguments are built from (``kv/paged.py``).
 
         1-D RoPE reads rows of a table the model's rotary module filled once (grown by doubling),
         so a read costs a gather, not a recomputation; M-RoPE asks the module every time."""
@@ -57,7 +59,7 @@ class Rope:
         """Rotate ``k (B, H_kv, n, D)`` to ``positions (B, H_kv, n, P)`` (per head); ``inverse`` undoes it."""
         b, h, n, d = k.shape
         flat = k.reshape(b * h, 1, n, d)
-        cos, sin = self._cos_sin(flat, positions.reshape(b * h, n, -1))
+        cos, sin = self.cos_sin(flat, positions.reshape(b * h, n, -1))
         if inverse:
             sin = -sin
         _, rotated = self._apply(flat, flat, cos.to(k.dtype), sin.to(k.dtype))
