@@ -103,3 +103,20 @@ def test_pool_settings_are_checked(engines):
     ):
         with pytest.raises(ValueError, match=field):
             EncoderPool(processor, **kwargs)
+
+
+def test_a_dead_encoder_is_a_503_in_the_server(engines):
+    pytest.importorskip("fastapi", reason="vlkv serve needs the serve extra")
+    from vlkv.serve.errors import ApiError
+    from vlkv.serve.translate import encode
+
+    class Dead:
+        def process(self, **kwargs):
+            raise EncoderUnavailable("the encoder process died; the pool was restarted, retry")
+
+    with pytest.raises(ApiError) as err:
+        encode(engines["tiny-llava"], Prompt("hello"), "prompt", Dead())
+    assert err.value.status == 503 and "died" in str(err.value)
+    with pytest.raises(ApiError) as err:  # a prompt the processor refuses stays a 400
+        encode(engines["tiny-llava"], Prompt("<image>", [], raw=True), "prompt", Dead())
+    assert err.value.status == 400
