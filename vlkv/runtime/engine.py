@@ -135,10 +135,17 @@ class Engine:
             self._rope = Rope(self.backend.adapter)
         return self._rope
 
-    def encode(self, prompts: list[Prompt]) -> PromptBatch:
+    def encode(self, prompts: list[Prompt], process=None) -> PromptBatch:
+        """Tokenize and collate ``prompts``; ``process`` replaces the processor call (see
+        :func:`encode_prompt`; an :class:`~vlkv.runtime.encoder_pool.EncoderPool`'s ``process``)."""
         enc = [
             encode_prompt(
-                p, self.loaded.processor, self.backend.adapter, self.loaded.prompt_template, self.placeholder
+                p,
+                self.loaded.processor,
+                self.backend.adapter,
+                self.loaded.prompt_template,
+                self.placeholder,
+                process=process,
             )
             for p in prompts
         ]

@@ -223,9 +223,15 @@ def _image_spans(is_image: Tensor) -> list[tuple[int, int]]:
 
 
 def encode_prompt(
-    prompt: Prompt, processor, adapter: FamilyAdapter, template, placeholder: str
+    prompt: Prompt, processor, adapter: FamilyAdapter, template, placeholder: str, process=None
 ) -> EncodedPrompt:
-    """Tokenize one prompt with the model's HF processor and derive positions, modality and spans."""
+    """Tokenize one prompt with the model's HF processor and derive positions, modality and spans.
+
+    ``process``, when given, replaces the call ``processor(**kwargs)`` (tokenizing and image
+    preprocessing, the heavy half) and returns its outputs as a dict of tensors, e.g.
+    :meth:`vlkv.runtime.encoder_pool.EncoderPool.process` runs it in another process; the size checks
+    before it and the cheap rest after it (modality, spans, positions) stay in the calling thread.
+    """
     from vlkv.runtime.models.images import image_limits, load_image
 
     # Sizes are checked on the header (files) or the size (PIL images) before the processor resizes.
@@ -246,7 +252,7 @@ def encode_prompt(
     kwargs = {"text": [text], "return_tensors": "pt"}
     if images:
         kwargs["images"] = images
-    processed = dict(processor(**kwargs))
+    processed = dict(processor(**kwargs) if process is None else process(**kwargs))
     ids = processed["input_ids"][0].to(torch.long)
     is_image = ids == adapter.image_token_id
     spans = _image_spans(is_image)

@@ -58,6 +58,7 @@ class ServerState:
     metrics: ServeMetrics
     model_id: str
     position_limit: int | None
+    encoder: object = None  # vlkv.runtime.encoder_pool.EncoderPool, or None: encode in the handler's thread
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -69,6 +70,8 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.draining = True
         state.loop.stop()
+        if state.encoder is not None:
+            state.encoder.shutdown()
 
     app = FastAPI(title="vlkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.vlkv = state
@@ -219,9 +222,10 @@ async def _answer(http, state: ServerState, req, prompt, uuids, kind: str, defau
         link=_link_spec(req, cfg),
         tenant=req.cache_salt or "default",  # vLLM's cache_salt scopes stored records to a tenant
     )
-    # Encoding runs in a worker thread: the engine thread only queues an already encoded prompt.
+    # Encoding runs in a worker thread (its processor call in the encoder pool's process, so the
+    # GIL stays free for the engine thread): the engine thread only queues an encoded prompt.
     param = "messages" if kind == "chat" else "prompt"
-    request.batch = await asyncio.to_thread(encode, state.engine, prompt, param)
+    request.batch = await asyncio.to_thread(encode, state.engine, prompt, param, state.encoder)
     check_request_compresses(req, request.policy, request.batch)
     request.extras["image_uuids"] = uuids  # aliases only: records are keyed by the pixels (docs/serving.md)
     request.extras["cache_salt"] = req.cache_salt

@@ -77,6 +77,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="refuse linking when the model's saved link-check agreement is below this, in [0, 1] (default 0.9)",
     )
+    p.add_argument(
+        "--encode-workers",
+        type=int,
+        default=1,
+        help="processes that tokenize and preprocess prompts, so running streams never wait on the GIL "
+        "(default 1; 0: in the request handlers' threads)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -157,6 +164,8 @@ def cmd_serve(args) -> int:
     )
     budget = {"budget": cfg.budget} if cfg.budget is not None else default_budget(cfg.policy)
     make_policy(cfg.policy, **budget)  # refuse a bad default now
+    if not (isinstance(args.encode_workers, int) and args.encode_workers >= 0):
+        raise ValueError(f"--encode-workers must be an integer >= 0, got {args.encode_workers}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     device = resolve_device(args.device)
@@ -204,8 +213,27 @@ def _serve(args, cfg, device, sock) -> int:
         store = open_store(cfg.store)
     scheduler, size = build_scheduler(cfg, engine, store)
     metrics = ServeMetrics(args.model)
+    encoder = None
+    if args.encode_workers:
+        from vlkv.runtime.encoder_pool import EncoderPool
+
+        # started and warmed before the banner (a worker that cannot start fails here, not a request)
+        encoder = EncoderPool(loaded.processor, args.encode_workers, timeout_s=cfg.request_timeout_s)
+        encoder.warm()
+        from PIL import Image
+
+        from vlkv.runtime.prompt import Prompt
+
+        # one image too: the image processor's code paths load on their first image, not a request's
+        engine.encode([Prompt("warm up", [Image.new("RGB", (64, 64))])], process=encoder.process)
     state = ServerState(
-        cfg, engine, EngineLoop(scheduler, metrics), metrics, args.model, position_limit(loaded)
+        cfg,
+        engine,
+        EngineLoop(scheduler, metrics),
+        metrics,
+        args.model,
+        position_limit(loaded),
+        encoder=encoder,
     )
     app = create_app(state)
 
@@ -232,7 +260,11 @@ def _serve(args, cfg, device, sock) -> int:
     print(
         f"vlkv serve: {args.model} on http://{shown}:{port}; {size.describe()}", file=sys.stderr, flush=True
     )
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if encoder is not None:  # idempotent: the app's shutdown stops it too
+            encoder.shutdown()
     if state.loop.fatal:
         print(f"vlkv serve: the engine thread died: {state.loop.fatal}", file=sys.stderr)
         return 1

@@ -57,11 +57,19 @@ async def chat_prompt(req: ChatRequest, loaded, cfg: ServeConfig) -> tuple[Promp
     return Prompt(_apply_template(req, loaded), pictures, raw=True), uuids
 
 
-def encode(engine, prompt: Prompt, param: str):
-    """Tokenize ``prompt`` and preprocess its images in the calling thread (a handler's worker thread,
-    never the engine thread, whose running streams would wait on it); a refusal is a 400."""
+def encode(engine, prompt: Prompt, param: str, encoder=None):
+    """Tokenize ``prompt`` and preprocess its images from the calling thread (a handler's worker
+    thread, never the engine thread, whose running streams would wait on it); a refusal is a 400.
+
+    ``encoder`` (an :class:`~vlkv.runtime.encoder_pool.EncoderPool`) runs the processor call in its
+    worker process, so this thread waits without the GIL; a worker that died or hung is a 503.
+    """
+    from vlkv.runtime.encoder_pool import EncoderUnavailable
+
     try:
-        return engine.encode([prompt])
+        return engine.encode([prompt], process=None if encoder is None else encoder.process)
+    except EncoderUnavailable as err:
+        raise ApiError(503, f"encoding failed: {err}", "server_error", headers={"Retry-After": "1"}) from None
     except Exception as err:  # a prompt the processor refuses (placeholders, image sizes, text)
         raise ApiError(400, str(err) or type(err).__name__, param=param) from None
 
