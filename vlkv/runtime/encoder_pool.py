@@ -18,6 +18,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import multiprocessing
+import contextlib
+import os
 import pickle
 import threading
 from concurrent.futures.process import BrokenProcessPool
@@ -38,10 +40,17 @@ class EncoderUnavailable(RuntimeError):
 _processor = None  # this worker's processor, set once by _init
 
 
+NICENESS = 10
+
+
 def _init(blob: bytes) -> None:
     global _processor
     # One thread each: the engine process keeps the other cores; the work here is PIL / numpy.
     torch.set_num_threads(1)
+    # Below the engine in the OS scheduler: where cores are short, decode steps go first and the
+    # encode takes what is left (a running stream's gaps, not a new prompt's latency, are the promise).
+    with contextlib.suppress(AttributeError, OSError):  # not on this platform: normal priority
+        os.nice(NICENESS)
     _processor = pickle.loads(blob)
 
 
