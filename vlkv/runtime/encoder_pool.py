@@ -16,9 +16,9 @@ flight and the pool is rebuilt for the next call, so nothing waits forever.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import multiprocessing
-import contextlib
 import os
 import pickle
 import threading
