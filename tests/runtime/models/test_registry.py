@@ -23,7 +23,13 @@ def loaded(request):
 
 
 def test_registry_lists_the_built_ins():
-    assert list(MODELS) == ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "smollm2-llava"]
+    assert list(MODELS) == [
+        "tiny-llava",
+        "tiny-llava-next",
+        "tiny-qwen2-vl",
+        "smollm2-llava",
+        "smollm2-llava-random",
+    ]
 
 
 def test_loaded_model_fields(loaded):

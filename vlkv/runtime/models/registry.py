@@ -134,6 +134,7 @@ MODELS: dict[str, Callable[..., LoadedModel]] = {
     "tiny-llava-next": partial(_load_tiny, "tiny-llava-next", "llava_next"),
     "tiny-qwen2-vl": partial(_load_tiny, "tiny-qwen2-vl", "qwen2_vl"),
     "smollm2-llava": _load_smollm2_llava,
+    "smollm2-llava-random": _load_smollm2_llava,
 }
 
 
