@@ -56,6 +56,9 @@ class TrainConfig:
     ridge: float = 1e-2  # ridge penalty relative to the mean feature variance
     eval_every: int = 50
     eval_scenes: int = 16
+    # bfloat16 autocast of the LM-loss steps: 1.8x less CPU time per sample here (avx512_bf16), same
+    # loss to 3 digits; the projector's weights and optimiser stay float32
+    autocast: str = "bf16"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -67,6 +70,8 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.autocast not in ("bf16", "fp32"):
+            raise ValueError(f"autocast must be bf16 or fp32, got {self.autocast!r}")
 
 
 def load(name: str):
@@ -266,7 +271,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for sample in batch_for(step, cfg):
-            loss = sample_loss(loaded, sample) / cfg.batch
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+                loss = sample_loss(loaded, sample) / cfg.batch
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(proj.parameters(), cfg.clip)
