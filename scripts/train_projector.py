@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlkv.eval.scene_tasks import WHAT, Sample, training_sample
+from vlkv.eval.scene_tasks import MIXES, WHAT, Sample, training_sample
 from vlkv.eval.scenes import random_scene
 
 CHECKPOINT = "checkpoint.pt"
@@ -59,6 +59,9 @@ class TrainConfig:
     # bfloat16 autocast of the LM-loss steps: 1.8x less CPU time per sample here (avx512_bf16), same
     # loss to 3 digits; the projector's weights and optimiser stay float32
     autocast: str = "bf16"
+    mix: str = "full"  # a key of vlkv.eval.scene_tasks.MIXES
+    # a checkpoint.pt whose projector replaces the ridge initialisation (a second phase of training)
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -72,6 +75,10 @@ class TrainConfig:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.autocast not in ("bf16", "fp32"):
             raise ValueError(f"autocast must be bf16 or fp32, got {self.autocast!r}")
+        if self.mix not in MIXES:
+            raise ValueError(f"mix must be one of {list(MIXES)}, got {self.mix!r}")
+        if self.init_from and not Path(self.init_from).is_file():
+            raise ValueError(f"init_from {self.init_from} is not a file")
 
 
 def load(name: str):
@@ -146,7 +153,7 @@ def heldout_accuracy(loaded, samples: list[Sample]) -> float:
 
 def batch_for(step: int, cfg: TrainConfig) -> list[Sample]:
     rng = np.random.default_rng([cfg.seed, step])
-    return [training_sample(rng) for _ in range(cfg.batch)]
+    return [training_sample(rng, mix=cfg.mix) for _ in range(cfg.batch)]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -256,6 +263,11 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         proj.load_state_dict(ckpt["projector"])
         opt.load_state_dict(ckpt["optimizer"])
         step, extra = ckpt["step"], {k: ckpt[k] for k in ("init",) if k in ckpt}
+    elif cfg.init_from:
+        proj.load_state_dict(torch.load(cfg.init_from, weights_only=False)["projector"])
+        extra["init"] = {"from": cfg.init_from}
+        _log(out, {"event": "init", **extra["init"]})
+        save_checkpoint(out, 0, proj, opt, cfg, extra)
     else:
         extra["init"] = ridge_init(loaded, cfg)
         _log(out, {"event": "init", **extra["init"]})

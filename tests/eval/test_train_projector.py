@@ -79,3 +79,15 @@ def test_export_writes_safetensors_with_its_checksum(tp, tmp_path):
 def test_bad_settings_are_one_line(tp, tmp_path, capsys):
     assert tp.main(["--out", str(tmp_path), "--steps", "0", "--model", "tiny-llava"]) == 2
     assert capsys.readouterr().err.strip() == "train_projector: steps must be >= 1, got 0"
+
+
+def test_second_phase_starts_from_another_runs_projector(tp, tmp_path):
+    first = tp.train(_cfg(tp, steps=1), tmp_path / "a", quiet=True)
+    cfg = _cfg(tp, steps=1, mix="focused", init_from=str(tmp_path / "a" / tp.CHECKPOINT))
+    tp.train(cfg, tmp_path / "b", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "b" / tp.CHECKPOINT, weights_only=False)
+    assert start["step"] == 0 and start["init"] == {"from": cfg.init_from}
+    for key, value in first.items():
+        torch.testing.assert_close(start["projector"][key], value, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="mix must be one of"):
+        _cfg(tp, mix="other")

@@ -89,3 +89,18 @@ def test_random_projector_keeps_its_name(monkeypatch):
     assert load_model("smollm2-llava-random").name == "smollm2-llava-random"
     assert load_model("smollm2-llava").name == "smollm2-llava"
     assert seen == ["random", "trained"]
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_built_model_carries_the_trained_projector():
+    model, _ = S.build()
+    state = S.load_projector()
+    for key, value in model.model.multi_modal_projector.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
+    random_model, _ = S.build(projector="random")
+    random_weight = random_model.model.multi_modal_projector.linear_2.weight
+    assert not torch.equal(random_weight, state["linear_2.weight"])
+    # both come from the one cache: it holds the seeded projector, the trained one is put in after
+    for key, value in random_model.model.language_model.state_dict().items():
+        torch.testing.assert_close(model.model.language_model.state_dict()[key], value, rtol=0, atol=0)
