@@ -87,3 +87,13 @@ def test_scene_command(tmp_path, capsys):
     assert out.is_file()
     assert S.main(["purple star", "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith("scenes: object 'purple star' must be 'COLOUR SHAPE'")
+
+
+@pytest.mark.parametrize("mix", list(T.MIXES))
+def test_every_mix_draws_only_its_kinds(mix):
+    rng = np.random.default_rng(1)
+    kinds = {T.training_sample(rng, mix=mix).kind.split("-")[0] for _ in range(60)}
+    makers = {k.split("-")[0] for k in T.MIXES[mix]}
+    assert kinds <= makers | {"nth", "which"} and kinds & makers
+    with pytest.raises(ValueError, match="mix must be one of"):
+        T.training_sample(rng, mix="none")

@@ -130,7 +130,14 @@ def _which_few(rng: np.random.Generator, split: str) -> Sample:
     return which(rng, split, int(rng.integers(2, 4)))
 
 
+def single_what(rng: np.random.Generator, split: str) -> Sample:
+    """One object, "What is in the image?" → its colour and shape (the short caption)."""
+    scene = random_scene(rng, split, 1)
+    return Sample((scene,), WHAT, scene.objects[0].name, "single")
+
+
 MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
+    "single-what": single_what,
     "single": single,
     "two": two,
     "count": count,
@@ -138,10 +145,13 @@ MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
     "which": _which_few,
 }
 # mix name -> kind -> weight. Multi-image samples cost 2-3 images' tokens, so they are kept rarer;
-# "focused" leans on the one- and two-object questions the VQA targets are set on.
+# "focused" leans on the one- and two-object questions the VQA targets are set on; "core" is the
+# measured recipe's short caption of one object (shared/spec/projector-training.md) plus two-object
+# questions, and nothing else.
 MIXES: dict[str, dict[str, float]] = {
     "full": {"single": 0.34, "two": 0.30, "count": 0.18, "nth": 0.10, "which": 0.08},
     "focused": {"single": 0.45, "two": 0.35, "count": 0.10, "nth": 0.05, "which": 0.05},
+    "core": {"single-what": 0.5, "single": 0.1, "two": 0.4},
 }
 
 
