@@ -21,8 +21,11 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 NOTICES = {
     "tiny-": "built-in tiny model with random weights: the text is noise, the cache numbers are real",
-    "smollm2-llava": "real SmolLM2 + DINOv2 weights joined by a random projector: answers about images "
-    "are not meaningful, the cache numbers are real",
+    # first match wins: the random name before its prefix
+    "smollm2-llava-random": "real SmolLM2 + DINOv2 weights joined by a random projector: answers about "
+    "images are not meaningful, the cache numbers are real",
+    "smollm2-llava": "real SmolLM2 + DINOv2 weights, projector trained on procedural coloured shapes "
+    "(vlkv.eval.scenes): it answers about such scenes, not about photos",
 }
 
 

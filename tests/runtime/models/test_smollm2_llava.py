@@ -157,7 +157,8 @@ def tiny_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as monkeypatch:
         calls = _install_stand_in(monkeypatch)
         target = tmp_path_factory.mktemp("tiny-cache") / "smollm2-llava"
-        model, processor = S.build(cache_dir=target)
+        # the cache holds the random projector; the trained one only fits the real model's sizes
+        model, processor = S.build(cache_dir=target, projector="random")
         assert len(calls) == 1
         return target, _text_logits(model, processor)
 
@@ -177,10 +178,10 @@ def test_cache_is_written_once_then_reused_without_demo_packages(tiny_cache, mon
         raise ValueError("demo packages were looked up although the cache is valid")
 
     monkeypatch.setattr(S, "require_demo", demo_missing)
-    model, processor = S.build(cache_dir=target)
+    model, processor = S.build(cache_dir=target, projector="random")
     assert calls == [] and not model.training
     torch.testing.assert_close(_text_logits(model, processor), expected, rtol=0, atol=0)
-    half, _ = S.build(cache_dir=target, dtype=torch.bfloat16)
+    half, _ = S.build(cache_dir=target, dtype=torch.bfloat16, projector="random")
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
     # bfloat16 rounding (2**-8 relative) compounds over 4 layers; the stand-in's logits reach ~5.
     torch.testing.assert_close(_text_logits(half, processor).float(), expected, rtol=5e-2, atol=3e-1)
@@ -225,7 +226,7 @@ def test_damaged_cache_is_detected_and_rebuilt_with_one_warning(
     assert S.cache_problem(target).startswith(reason)
     calls = _install_stand_in(monkeypatch)
     with caplog.at_level(logging.WARNING, logger=S.__name__):
-        model, processor = S.build(cache_dir=target)
+        model, processor = S.build(cache_dir=target, projector="random")
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0] and reason in warnings[0]
     assert len(calls) == 1

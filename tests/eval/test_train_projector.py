@@ -1,0 +1,93 @@
+"""scripts/train_projector.py on the tiny LLaVA: the ridge initialisation is exact, and a run that is
+stopped and resumed ends with the same projector as one that was not."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_projector.py"
+
+
+@pytest.fixture(scope="module")
+def tp():
+    spec = importlib.util.spec_from_file_location("train_projector", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cfg(tp, **kw):
+    return tp.TrainConfig(
+        **{"model": "tiny-llava", "steps": 4, "batch": 2, "init_images": 3, "eval_every": 0} | kw
+    )
+
+
+def test_resume_gives_the_same_weights(tp, tmp_path):
+    cfg = _cfg(tp)
+    straight = tp.train(cfg, tmp_path / "a", quiet=True)
+    first = tp.train(cfg, tmp_path / "b", stop_at=2, quiet=True)
+    assert torch.load(tmp_path / "b" / tp.CHECKPOINT, weights_only=False)["step"] == 2
+    resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    assert any(not torch.equal(first[k], straight[k]) for k in straight)  # the last two steps did move it
+    assert (tmp_path / "b" / tp.LOG).read_text().count('"step"') == 4
+
+
+def test_resume_refuses_other_settings(tp, tmp_path):
+    tp.train(_cfg(tp), tmp_path, stop_at=1, quiet=True)
+    with pytest.raises(ValueError, match="other settings"):
+        tp.train(_cfg(tp, lr=1e-3), tmp_path, resume=True, quiet=True)
+
+
+def test_ridge_init_is_written_exactly_into_the_mlp(tp):
+    """The MLP after initialisation is the affine ridge map: gelu(z) - gelu(-z) = z on the ± pairs."""
+    cfg = _cfg(tp)
+    loaded = tp.load(cfg.model)
+    info = tp.ridge_init(loaded, cfg)
+    proj = tp.projector(loaded)
+    rank = info["rank"]
+    x = torch.randn(5, proj.linear_1.in_features, dtype=torch.float64)
+    w1, b1 = proj.linear_1.weight.double(), proj.linear_1.bias.double()
+    w2, b2 = proj.linear_2.weight.double(), proj.linear_2.bias.double()
+    affine = (x @ w1[:rank].T + b1[:rank]) @ w2[:, :rank].T + b2  # the - half cancels gelu(z) - z
+    with torch.no_grad():
+        out = proj.double()(x)
+    torch.testing.assert_close(out, affine, rtol=1e-9, atol=1e-9)
+    assert 0 < info["r2"] <= 1
+
+
+def test_export_writes_safetensors_with_its_checksum(tp, tmp_path):
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    tp.train(_cfg(tp, steps=1), tmp_path, quiet=True)
+    dest = tmp_path / "proj.safetensors"
+    digest = tp.export(tmp_path, dest)
+    assert digest == hashlib.sha256(dest.read_bytes()).hexdigest()
+    assert set(load_file(dest)) == {"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"}
+
+
+def test_bad_settings_are_one_line(tp, tmp_path, capsys):
+    assert tp.main(["--out", str(tmp_path), "--steps", "0", "--model", "tiny-llava"]) == 2
+    assert capsys.readouterr().err.strip() == "train_projector: steps must be >= 1, got 0"
+
+
+def test_second_phase_starts_from_another_runs_projector(tp, tmp_path):
+    first = tp.train(_cfg(tp, steps=1), tmp_path / "a", quiet=True)
+    cfg = _cfg(tp, steps=1, mix="focused", init_from=str(tmp_path / "a" / tp.CHECKPOINT))
+    tp.train(cfg, tmp_path / "b", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "b" / tp.CHECKPOINT, weights_only=False)
+    assert start["step"] == 0 and start["init"] == {"from": cfg.init_from}
+    for key, value in first.items():
+        torch.testing.assert_close(start["projector"][key], value, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="mix must be one of"):
+        _cfg(tp, mix="other")

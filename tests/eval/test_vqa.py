@@ -1,0 +1,91 @@
+"""The synthetic VQA set: held-out pairs only, answers consistent with the scenes, exact scoring, and
+the runner on a tiny model; then (demo weights) the trained smollm2-llava answering held-out scenes."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlkv.eval import vqa
+from vlkv.eval.scenes import HELD_OUT, NUMBERS, ORDINALS, pairs
+
+
+def test_set_is_deterministic_and_held_out_only():
+    items = vqa.build_set(n_single=4, n_two=4, n_multi=2, counts=(1, 2, 5, 10))
+    again = vqa.build_set(n_single=4, n_two=4, n_multi=2, counts=(1, 2, 5, 10))
+    assert [(i.group, i.sample) for i in items] == [(i.group, i.sample) for i in again]
+    groups = [i.group for i in items]
+    assert groups == ["single"] * 4 + ["two"] * 4 + [f"multi-{c}" for c in (1, 2, 5, 10) for _ in range(2)]
+    for item in items:
+        for scene in item.sample.scenes:
+            assert all((o.colour, o.shape) in HELD_OUT for o in scene.objects)
+        if item.group.startswith("multi-"):
+            assert len(item.sample.scenes) == int(item.group.split("-")[1])
+    assert not set(pairs("train")) & HELD_OUT
+
+
+def test_answers_match_the_scenes():
+    for item in vqa.build_set(n_single=6, n_two=6, n_multi=4, counts=(5, 10), seed=3):
+        s = item.sample
+        if s.kind == "single":
+            assert s.answer == s.scenes[0].objects[0].name
+        elif s.kind == "nth-colour":
+            k = next(i for i, o in enumerate(ORDINALS) if f" {o} " in s.question)
+            assert s.answer == s.scenes[k].objects[0].colour
+        elif s.kind == "which":
+            k = ORDINALS.index(s.answer)
+            count, shapes = s.question.split(" has ")[1].rstrip("?").split()
+            matching = [
+                i
+                for i, sc in enumerate(s.scenes)
+                if sum(o.shape + "s" == shapes for o in sc.objects) == NUMBERS.index(count)
+            ]
+            assert matching == [k]
+
+
+def test_exact_scoring():
+    assert vqa.is_correct("Red star.<|im_end|>", "red star")
+    assert vqa.is_correct("  red   STAR ", "red star")
+    assert not vqa.is_correct("red star on the left", "red star")
+    assert not vqa.is_correct("red", "red star")
+
+
+def test_bad_arguments_are_one_line(capsys):
+    with pytest.raises(ValueError, match="n_two must be >= 0"):
+        vqa.build_set(n_two=-1)
+    assert vqa.main(["--model", "tiny-llava", "--counts", "11"]) == 2
+    assert capsys.readouterr().err.strip().startswith("vqa: counts must lie in 1..10")
+
+
+def test_runs_any_policy_on_a_tiny_model(loaded_models):
+    from vlkv.runtime.engine import Engine
+
+    engine = Engine(loaded_models["tiny-llava"])
+    items = vqa.build_set(n_single=2, n_two=1, n_multi=1, counts=(2,))
+    full = vqa.evaluate(engine, items, "full", None)
+    snap = vqa.evaluate(engine, items, "snapkv", 0.5)
+    for result in (full, snap):
+        assert {g: v["n"] for g, v in result["groups"].items()} == {"single": 2, "two": 1, "multi-2": 1}
+        assert len(result["rows"]) == 4
+    table = vqa.format_table([full, snap])
+    assert "| full | full |" in table and "| snapkv | 0.5 |" in table and "single (n=2)" in table
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_trained_model_answers_held_out_scenes():
+    """A regression that blinds smollm2-llava fails here: held-out colour-shape pairs, greedy.
+
+    The shipped projector is weak on held-out pairs (docs/benchmarks/2026-11-26-vqa-cpu-x86_64-1t:
+    0.17-0.38 exact colour+shape): on these 12 scenes it names 2 exactly and the shape in 9; a blind
+    model names none exactly and guesses the shape about 1 time in 4.
+    """
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.models.registry import load_model
+
+    engine = Engine(load_model("smollm2-llava"))
+    items = vqa.build_set(n_single=12, n_two=0, n_multi=0, counts=(), seed=0)
+    result = vqa.evaluate(engine, items, "full", None, batch=6)
+    answers = [(r["expected"], r["answer"]) for r in result["rows"]]
+    exact = sum(r["correct"] for r in result["rows"])
+    shape = sum(expected.split()[1] in got.split() for expected, got in answers)
+    assert exact >= 2 and shape >= 6, f"{exact} exact, {shape} shapes of 12 (expected, got): {answers}"
