@@ -195,12 +195,10 @@ def test_multi_turn_chat_uses_the_checkpoint_chat_template():
 GAP_SLACK_S = 0.05
 
 
-def test_encoding_a_large_prompt_does_not_stall_a_running_stream(engines):
-    """While a handler encodes a ~2,000-token prompt with eight 1024x1024 images (~100-600 ms of
-    tokenizing and preprocessing), the engine thread keeps stepping a running stream: no inter-token
-    gap in that window exceeds the median gap by more than one decode step (tiny-llava's is ~1 ms, so
-    :data:`GAP_SLACK_S` stands in for it). Encoding on the engine thread, as before, made one gap the
-    whole encode: the test checks the encode took over twice the bound, so that would fail."""
+def _gaps_while_encoding(engine, n_images: int, settle: int) -> tuple[float, float, float, int]:
+    """A stream runs on the engine thread while a handler thread encodes a ~2,000-token prompt with
+    ``n_images`` 1024x1024 images. Returns (median gap of the settled stream before the encode, worst
+    gap overlapping the encode, the encode's seconds, gaps overlapping it)."""
     import asyncio
     import statistics
     import time
@@ -215,9 +213,10 @@ def test_encoding_a_large_prompt_does_not_stall_a_running_stream(engines):
     from vlkv.serve.engine_loop import EngineLoop, Ticket
     from vlkv.serve.translate import encode
 
-    engine = engines["tiny-llava"]
     rng = np.random.default_rng(0)
-    pictures = [Image.fromarray(rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8)) for _ in range(8)]
+    pictures = [
+        Image.fromarray(rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8)) for _ in range(n_images)
+    ]
     big = Prompt("word " * 400, pictures)  # decoded pictures, as the handler's media step leaves them
     stamps: list[float] = []
 
@@ -233,38 +232,67 @@ def test_encoding_a_large_prompt_does_not_stall_a_running_stream(engines):
             aio = asyncio.get_running_loop()
             stream = Request(Prompt("Go on."), make_policy("full"), 4000, stop_at_eos=False)
             stream.batch = encode(engine, stream.prompt, "prompt")
-            ticket = Timed(stream, aio, time.monotonic() + 120)
+            ticket = Timed(stream, aio, time.monotonic() + 300)
             assert loop.submit(ticket)
             await ticket.accepted
-            while len(stamps) < 200:  # a settled stream: its median gap is one decode step
+            while len(stamps) < settle:  # a settled stream: its median gap is one decode step
                 await asyncio.sleep(0.01)
             t0 = time.perf_counter()
             batch = await asyncio.to_thread(encode, engine, big, "messages")  # what the handler does
             t1 = time.perf_counter()
+            await asyncio.sleep(0.05)  # the gap that spans the encode's end is stamped too
             loop.cancel(ticket)
         finally:
             loop.stop()
         assert batch.lengths.item() >= 2000
         times = list(stamps)
-        median = statistics.median(b - a for a, b in zip(times[:150], times[1:150]))
+        before = [b - a for a, b in zip(times, times[1:]) if b < t0][-(settle * 3 // 4) :]
         inside = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
-        return median, max(inside) if inside else t1 - t0, t1 - t0, len(inside)
+        return statistics.median(before), max(inside) if inside else t1 - t0, t1 - t0, len(inside)
 
-    # Up to three tries: a loaded box may stall any thread once; an encode on the engine thread
-    # stalls the stream for the whole encode every time, so it fails all three.
+    stamps.clear()
+    return asyncio.run(run())
+
+
+def _check_gaps(engine, n_images: int, settle: int, slack: float) -> None:
+    """No gap overlapping the encode exceeds the median gap by more than ``max(median, slack)`` (one
+    decode step, or the slack where a step is shorter than a loaded machine's scheduling noise). Each
+    try first checks that the encode is longer than that allowance, so an encode on the engine thread
+    (one gap = a step + the whole encode) fails every try. Up to three tries: a busy box may stall any
+    thread once."""
     tries = []
     for _ in range(3):
-        stamps.clear()
-        median, worst, took, n = asyncio.run(run())
-        bound = median + max(median, GAP_SLACK_S)
+        median, worst, took, n = _gaps_while_encoding(engine, n_images, settle)
+        allowed = max(median, slack)
         tries.append(
             f"encode {took * 1e3:.1f} ms, median gap {median * 1e3:.2f} ms, worst {worst * 1e3:.1f} ms"
         )
-        assert took > 2 * bound, f"the encode is too short to tell where it ran: {tries[-1]}"
-        assert n >= 3, f"only {n} token(s) while encoding: {tries[-1]}"
-        if worst <= bound:
+        assert took > allowed, f"the encode is too short to tell where it ran: {tries[-1]}"
+        assert n >= 1, f"no token while encoding: {tries[-1]}"
+        if worst <= median + allowed:
             return
     raise AssertionError("a running stream stalled while a prompt was encoded: " + "; ".join(tries))
+
+
+def test_encoding_a_large_prompt_does_not_stall_a_running_stream(engines):
+    """tiny-llava (~1.5 ms steps): 16 images make a ~130 ms encode; :data:`GAP_SLACK_S` stands in for
+    a step this short."""
+    _check_gaps(engines["tiny-llava"], n_images=16, settle=200, slack=GAP_SLACK_S)
+
+
+@pytest.mark.demo
+def test_a_real_models_stream_gap_grows_by_at_most_one_step_while_encoding():
+    """The issue's bound on a real model: smollm2-llava (~45 ms steps on a quiet 2-core CPU) keeps
+    every gap within median + one step while eight 1024x1024 images and ~2,400 tokens are encoded in
+    a handler thread (measured on a quiet 2-core VM: worst 55-58 ms against a 45-47 ms median)."""
+    import torch
+
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.models.registry import load_model
+
+    torch.manual_seed(0)
+    engine = Engine(load_model("smollm2-llava"))
+    _check_gaps(engine, n_images=8, settle=24, slack=0.0)
 
 
 def test_a_requests_unset_link_fields_keep_the_servers_settings():

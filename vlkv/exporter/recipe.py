@@ -25,6 +25,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "tiny-llava-next": "llava_next",
     "tiny-qwen2-vl": "qwen2_vl",
     "smollm2-llava": "llava",
+    "smollm2-llava-random": "llava",
 }
 # Kept here (not imported from stages.py) so that a recipe can be validated without the stage code;
 # stages.py asserts that its registry has exactly these names, in this order.
