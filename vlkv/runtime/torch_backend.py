@@ -94,6 +94,18 @@ class _StepContext:
         # post-RoPE factors: a decode step attends to them in the rank space (attend), unrebuilt
         return layer.attention_kv(view=True, fill=not self._rank_space(layer))
 
+    def _put_one_row_stats(
+        self, layer_idx: int, wanted: list[str], probs: Tensor, vis: Tensor | None
+    ) -> None:
+        """Each wanted request's statistics of this layer from a decode step's one softmax row per head
+        (``probs (B, H_kv, G, S)`` float32, ``vis`` its visibility mask or None)."""
+        for name in wanted:
+            st = _one_row_stats(probs, vis, self.one_rows[name], self.requests[name].threshold)
+            if name:
+                self.stats.extra[name][layer_idx] = st
+            else:
+                self.stats[layer_idx] = st
+
     def _paged(self, layer, layer_idx: int) -> bool:
         """This layer's decode attention reads the pool through the tables (``ops.paged_attention``, or
         ``paged_probs`` when statistics are wanted): one new row per sample, dense entries (shared
@@ -135,12 +147,7 @@ class _StepContext:
                 out = paged_attention(q, k, v, table, lengths, scale, **rope)
             else:
                 out = paged_decode_out(probs, v, table, lengths).view(q.shape).to(q.dtype)
-            for name in wanted:
-                st = _one_row_stats(probs, vis, self.one_rows[name], self.requests[name].threshold)
-                if name:
-                    self.stats.extra[name][layer_idx] = st
-                else:
-                    self.stats[layer_idx] = st
+            self._put_one_row_stats(layer_idx, wanted, probs, vis)
             return out.transpose(1, 2).contiguous()
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
         # per-head holes (heads with their own budgets): False where a head must not attend
@@ -157,12 +164,7 @@ class _StepContext:
             layer = self.cache.layers[layer_idx]
             if self._rank_space(layer):
                 out, probs, vis = _rank_space_one_row(q, k, v, scale, past, open_, layer)
-                for name in wanted:
-                    st = _one_row_stats(probs, vis, self.one_rows[name], self.requests[name].threshold)
-                    if name:
-                        self.stats.extra[name][layer_idx] = st
-                    else:
-                        self.stats[layer_idx] = st
+                self._put_one_row_stats(layer_idx, wanted, probs, vis)
                 return out.transpose(1, 2).contiguous()
             if wanted and getattr(self, "one_row", False):
                 # a decode step's statistics are one softmax row per head: a few tensor ops, not the
@@ -175,12 +177,7 @@ class _StepContext:
                     out = self._attend_full(q, k, v, scale, past, new_len, open_)
                 else:
                     out = _one_row_out(probs, v, q)
-                for name in wanted:
-                    st = _one_row_stats(probs, vis, self.one_rows[name], self.requests[name].threshold)
-                    if name:
-                        self.stats.extra[name][layer_idx] = st
-                    else:
-                        self.stats[layer_idx] = st
+                self._put_one_row_stats(layer_idx, wanted, probs, vis)
                 return out.transpose(1, 2).contiguous()
             out = self._attend_full(q, k, v, scale, past, new_len, open_)
             selected = None
