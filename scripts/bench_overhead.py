@@ -85,11 +85,16 @@ class _HFStamp:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def hf_generate(model, ids: torch.Tensor, new: int, stamps: _Stamps | None = None) -> torch.Tensor:
-    """transformers' greedy ``generate`` for ``ids (B, T)``, exactly ``new`` tokens → ``(B, new)``."""
+def hf_generate(
+    model, ids: torch.Tensor, new: int, stamps: _Stamps | None = None, cache: str = "dynamic"
+) -> torch.Tensor:
+    """transformers' greedy ``generate`` for ``ids (B, T)``, exactly ``new`` tokens → ``(B, new)``;
+    ``cache``: ``dynamic`` (``DynamicCache``, its default) or ``static`` (pre-allocated)."""
     from transformers import StoppingCriteriaList
 
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
     out = model.generate(
+        **extra,
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new,
@@ -139,14 +144,18 @@ def run(args) -> dict:
         ids = engine.encode(prompts).input_ids.to(args.device)
         # same tokens on both sides, or the comparison times different work
         a = torch.tensor(vlkv_generate(engine, prompts, args.new + 1))
-        same = bool((a == hf_generate(peer, ids, args.new + 1).cpu()).all())
-        pre, step = {"vlkv": [], "hf": []}, {"vlkv": [], "hf": []}
+        peers = {("hf" if c == "dynamic" else f"hf_{c}"): c for c in args.peer_cache}
+        same = all(
+            bool((a == hf_generate(peer, ids, args.new + 1, cache=c).cpu()).all()) for c in peers.values()
+        )
+        pre = {name: [] for name in (*peers, "vlkv")}
+        step = {name: [] for name in (*peers, "vlkv")}
         for _ in range(args.repeats):
-            for name in ("hf", "vlkv"):
+            for name in (*peers, "vlkv"):
                 sync(args.device)
                 stamps = _Stamps()
-                if name == "hf":
-                    hf_generate(peer, ids, args.new + 1, stamps)
+                if name in peers:
+                    hf_generate(peer, ids, args.new + 1, stamps, cache=peers[name])
                 else:
                     vlkv_generate(engine, prompts, args.new + 1, stamps)
                 sync(args.device)
@@ -154,6 +163,12 @@ def run(args) -> dict:
                     raise RuntimeError(f"{name}: {len(stamps.steps)} step stamps, expected {args.new + 1}")
                 pre[name].append(stamps.prefill_s())
                 step[name].append(stamps.step_s())
+
+        def speed(times: dict, name: str) -> float:
+            return statistics.median(h / o for h, o in zip(times[name], times["vlkv"]))
+
+        # the strongest peer configuration: the faster transformers cache for this shape
+        best = min(peers, key=lambda n: statistics.median(step[n]))
         rows.append(
             {
                 "batch": b,
@@ -161,8 +176,10 @@ def run(args) -> dict:
                 "same_tokens": same,
                 "prefill_s": {k: statistics.median(v) for k, v in pre.items()},
                 "decode_step_s": {k: statistics.median(v) for k, v in step.items()},
-                "prefill_speed_ratio": statistics.median(h / o for h, o in zip(pre["hf"], pre["vlkv"])),
-                "decode_speed_ratio": statistics.median(h / o for h, o in zip(step["hf"], step["vlkv"])),
+                "prefill_speed_ratio": speed(pre, best),
+                "decode_speed_ratio": speed(step, best),
+                "fastest_peer": best,
+                "decode_speed_vs": {name: speed(step, name) for name in peers},
             }
         )
         if args.profile:
@@ -192,12 +209,14 @@ def to_markdown(res: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
-        p, d = r["prefill_s"], r["decode_step_s"]
+        p, d, hf = r["prefill_s"], r["decode_step_s"], r.get("fastest_peer", "hf")
         lines.append(
             f"| {r['batch']} | {r['prompt_tokens']} | {'yes' if r['same_tokens'] else 'NO'} "
-            f"| {p['vlkv']:.3f} / {p['hf']:.3f} | {r['prefill_speed_ratio']:.2f}× "
-            f"| {1e3 * d['vlkv']:.1f} / {1e3 * d['hf']:.1f} | {r['decode_speed_ratio']:.2f}× |"
+            f"| {p['vlkv']:.3f} / {p[hf]:.3f} | {r['prefill_speed_ratio']:.2f}× "
+            f"| {1e3 * d['vlkv']:.1f} / {1e3 * d[hf]:.1f} ({hf}) | {r['decode_speed_ratio']:.2f}× |"
         )
+        for name, ratio in r.get("decode_speed_vs", {}).items():
+            lines.append(f"|  |  |  |  |  | vs {name}: {1e3 * d[name]:.1f} ms | {ratio:.2f}× |")
     return "\n".join(lines) + "\n"
 
 
@@ -208,6 +227,13 @@ def main() -> None:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--new", type=int, default=32, help="decode steps timed")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--peer-cache",
+        nargs="+",
+        choices=["dynamic", "static"],
+        default=["dynamic"],
+        help="transformers cache(s) to time, interleaved; ratios are against the fastest",
+    )
     ap.add_argument("--profile", action="store_true", help="print a cProfile of vlkv's generation")
     ap.add_argument("--json", default=None, help="write the results here")
     add_device_args(ap)
