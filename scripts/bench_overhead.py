@@ -48,6 +48,7 @@ def text_of_length(engine: Engine, tokens: int) -> Prompt:
     from vlkv.eval.corpus import paragraphs
 
     corpus = " ".join(paragraphs()).split()
+    corpus = corpus * (2 * tokens // len(corpus) + 1)  # long prompts repeat the corpus (~2k tokens once)
     words = max(tokens // 2, 1)
     prompt = Prompt("")
     for _ in range(4):
