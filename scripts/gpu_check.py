@@ -1,7 +1,7 @@
 """One prepared GPU check: what vlkv claims for NVIDIA GPUs, measured in one command.
 
     PYTHONPATH=. python scripts/gpu_check.py --device cuda --out gpu-report     # ~9 minutes on an H100/H200
-    PYTHONPATH=. python scripts/gpu_check.py --device cpu --tiny --out /tmp/dry  # the CI dry run, toy sizes
+    PYTHONPATH=. python scripts/gpu_check.py --device cpu --tiny --out dry-run  # the CI dry run, toy sizes
 
 Parts (each in its own process with its own time limit, so a slow or crashing part cannot starve the
 others; a part stopped at its limit keeps what it measured so far):

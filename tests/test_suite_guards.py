@@ -10,16 +10,16 @@ import sys
 from tests.conftest import USER_CACHE, _audit_user_cache
 
 
-def test_a_subprocess_with_its_own_env_still_gets_the_suite_cache():
+def test_a_subprocess_with_its_own_env_still_gets_the_suite_cache(tmp_path):
     code = "import os; print(os.environ.get('VLKV_CACHE')); print(os.environ.get('VLKV_ONNX_CACHE'))"
     out = subprocess.run(
         [sys.executable, "-c", code], env={"PATH": os.environ.get("PATH", "")}, capture_output=True, text=True
     ).stdout.split()
     assert out == [os.environ["VLKV_CACHE"], os.environ["VLKV_ONNX_CACHE"]]
     # one that names its own cache keeps it
-    mine = {"PATH": os.environ.get("PATH", ""), "VLKV_CACHE": "/tmp/elsewhere"}
+    mine = {"PATH": os.environ.get("PATH", ""), "VLKV_CACHE": str(tmp_path / "elsewhere")}
     out = subprocess.run([sys.executable, "-c", code], env=mine, capture_output=True, text=True).stdout
-    assert out.split()[0] == "/tmp/elsewhere"
+    assert out.split()[0] == str(tmp_path / "elsewhere")
 
 
 def test_the_write_audit_sees_writes_under_the_cache_only(tmp_path):

@@ -295,10 +295,10 @@ def test_a_real_models_stream_gap_grows_by_at_most_one_step_while_encoding():
     _check_gaps(engine, n_images=8, settle=24, slack=0.0)
 
 
-def test_a_requests_unset_link_fields_keep_the_servers_settings():
+def test_a_requests_unset_link_fields_keep_the_servers_settings(tmp_path):
     from vlkv.serve.config import ServeConfig
 
-    cfg = ServeConfig(store="/tmp/unused", link="mpic", link_k=4, store_budget=0.5)
+    cfg = ServeConfig(store=str(tmp_path / "store"), link="mpic", link_k=4, store_budget=0.5)
     spec = cfg.link_spec(method="mpic", k=None, r=None, store_budget=None)
     assert spec.k == 4 and spec.store_budget == 0.5  # was LinkSpec's own k=32: 0 tokens reused
     assert cfg.link_spec(method="mpic", k=8).k == 8
