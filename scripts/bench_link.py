@@ -27,8 +27,10 @@ from bench_common import add_device_args, check_device_args, torch_dtype  # scri
 
 from vlkv.runtime.engine import Engine
 from vlkv.runtime.link.gate import _forced
-from vlkv.runtime.link.linker import LinkSpec, SegmentStore, link_prefill
+from vlkv.runtime.link.linker import link_prefill
 from vlkv.runtime.link.records import RecordSource
+from vlkv.runtime.link.segment_store import SegmentStore
+from vlkv.runtime.link.spec import LinkSpec
 from vlkv.runtime.models.registry import load_model
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt

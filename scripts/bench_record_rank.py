@@ -27,8 +27,10 @@ from bench_common import add_device_args, add_threads_arg, check_device_args, lo
 
 from vlkv.runtime.engine import Engine  # noqa: E402
 from vlkv.runtime.link.gate import _forced  # noqa: E402
-from vlkv.runtime.link.linker import LinkSpec, SegmentStore, link_prefill  # noqa: E402
+from vlkv.runtime.link.linker import link_prefill
 from vlkv.runtime.link.records import RecordSource  # noqa: E402
+from vlkv.runtime.link.segment_store import SegmentStore
+from vlkv.runtime.link.spec import LinkSpec  # noqa: E402
 from vlkv.runtime.policies import make_policy  # noqa: E402
 from vlkv.runtime.prompt import Prompt  # noqa: E402
 from vlkv.runtime.store import ContextStore  # noqa: E402

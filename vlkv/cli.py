@@ -195,7 +195,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from vlkv.runtime.device import resolve_device
-    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.link.spec import LinkSpec
 
     device = resolve_device(args.device)
     store = None
@@ -305,7 +305,7 @@ def _method_name(spec) -> str:
 def cmd_link_check(args) -> int:
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.link.gate import DEFAULT_THRESHOLD, run_link_check
-    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.link.spec import LinkSpec
     from vlkv.runtime.models.registry import load_model
 
     spec = LinkSpec(

@@ -128,7 +128,8 @@ def test_paged_read_skips_each_heads_holes(engines, images, monkeypatch, counts)
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])  # 1-D RoPE and M-RoPE
 def test_linked_pre_rope_entries_are_rotated_by_the_paged_read(name, engines, images, monkeypatch, counts):
     from tests.runtime.link.test_linker import _decode, _linked, _pool
-    from vlkv.runtime.link.linker import LinkSpec, SegmentStore
+    from vlkv.runtime.link.segment_store import SegmentStore
+    from vlkv.runtime.link.spec import LinkSpec
 
     engine = engines[name]
     first = Prompt("Compare these.", [images[0], images[1]])

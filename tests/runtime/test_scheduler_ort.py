@@ -21,7 +21,7 @@ def test_a_stream_on_onnxruntime_equals_each_request_alone(ort_engines, images):
 def test_linking_on_onnxruntime_is_refused_in_one_line(ort_engines, images):  # noqa: F811
     import pytest
 
-    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.link.spec import LinkSpec
     from vlkv.runtime.policies import make_policy
     from vlkv.runtime.prompt import Prompt
 

@@ -312,7 +312,7 @@ class Engine:
             refused = {r.extras["link_refused"] for r in requests if "link_refused" in r.extras}
             if refused:
                 extras["link_refused"] = sorted(refused)
-            from vlkv.runtime.link.linker import LinkStats
+            from vlkv.runtime.link.spec import LinkStats
 
             total = LinkStats()
             for r in requests:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from vlkv.runtime.cache import KVCache
-from vlkv.runtime.link.linker import LinkSpec, LinkStats
+from vlkv.runtime.link.spec import LinkSpec, LinkStats
 from vlkv.runtime.policies import Policy
 from vlkv.runtime.prompt import Prompt, PromptBatch
 from vlkv.runtime.sampling import Sampler

@@ -34,7 +34,8 @@ from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepStat
 from vlkv.runtime.cache import KVCache, Modality
 from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
-from vlkv.runtime.link.linker import SegmentStore, link_prefill
+from vlkv.runtime.link.linker import link_prefill
+from vlkv.runtime.link.segment_store import SegmentStore
 from vlkv.runtime.request import Request, Status
 from vlkv.runtime.step_groups import Entry, group_entries, read_path
 
@@ -91,7 +92,7 @@ class Scheduler:
 
         self.link_threshold = DEFAULT_THRESHOLD if link_threshold is None else link_threshold
         self._checks: dict = {}  # LinkSpec -> saved LinkCheck or None
-        from vlkv.runtime.link.linker import LinkStats
+        from vlkv.runtime.link.spec import LinkStats
 
         self.link_totals = LinkStats()  # over every linked request (a server's store gauges read it)
         self.waiting: deque[Request] = deque()

@@ -101,7 +101,7 @@ class ServeConfig:
 
     def link_spec(self, **overrides):
         """The server's :class:`LinkSpec`, with a request's ``overrides`` (None values ignored)."""
-        from vlkv.runtime.link.linker import LinkSpec
+        from vlkv.runtime.link.spec import LinkSpec
 
         fields = {
             "method": self.link,

@@ -25,7 +25,7 @@ def link_worker(url: str, p: int, procs: int, per_proc: int, n_images: int, wave
     import torch
 
     from vlkv.runtime.engine import Engine
-    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.link.spec import LinkSpec
     from vlkv.runtime.models.registry import load_model
     from vlkv.runtime.policies import make_policy
     from vlkv.runtime.prompt import Prompt

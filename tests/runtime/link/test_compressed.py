@@ -10,8 +10,10 @@ import torch
 from vlkv.runtime.kv.segments import SharedSegment
 from vlkv.runtime.link.compress import choose_entries, compress_segment, kept_count
 from vlkv.runtime.link.gate import load_check, run_link_check
-from vlkv.runtime.link.linker import LinkSpec, SegmentStore, link_prefill
+from vlkv.runtime.link.linker import link_prefill
 from vlkv.runtime.link.records import RecordSource
+from vlkv.runtime.link.segment_store import SegmentStore
+from vlkv.runtime.link.spec import LinkSpec
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.store import ContextStore

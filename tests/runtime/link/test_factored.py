@@ -12,7 +12,7 @@ from vlkv.runtime.kv.lowrank import truncated_svd
 from vlkv.runtime.kv.segments import SharedSegment
 from vlkv.runtime.link.compress import factor_segment
 from vlkv.runtime.link.gate import load_check, run_link_check
-from vlkv.runtime.link.linker import LinkSpec
+from vlkv.runtime.link.spec import LinkSpec
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.store.identity import model_fingerprint

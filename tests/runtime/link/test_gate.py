@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vlkv.runtime.link.gate import UNCHECKED_ENV, load_check, run_link_check
-from vlkv.runtime.link.linker import LinkSpec
+from vlkv.runtime.link.spec import LinkSpec
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.store.identity import model_fingerprint

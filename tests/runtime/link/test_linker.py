@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from vlkv.runtime.kv.segments import SharedSegment
-from vlkv.runtime.link.linker import LinkSpec, SegmentStore, link_prefill
+from vlkv.runtime.link.linker import link_prefill
 from vlkv.runtime.link.records import RecordSource
+from vlkv.runtime.link.segment_store import SegmentStore
+from vlkv.runtime.link.spec import LinkSpec
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.runtime.store.servers import RedisServer, redis_server_binary
-from vlkv.runtime.link.linker import LinkSpec
+from vlkv.runtime.link.spec import LinkSpec
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.store.remote import remote_faults

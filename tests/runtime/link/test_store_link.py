@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlkv.runtime.link.linker import LinkSpec
+from vlkv.runtime.link.spec import LinkSpec
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.store import ContextStore

@@ -163,7 +163,7 @@ def test_backends_without_replay_refuse_in_one_line(engines, images, monkeypatch
 
 @pytest.mark.parametrize("heads", ["own", "adaptive"])
 def test_a_linked_prefill_is_replayed_too(engines, images, heads):
-    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.link.spec import LinkSpec
 
     engine = engines["tiny-llava"]
     prompts = [Prompt("First look.", [images[0]]), Prompt("Second look at it.", [images[0]])]

@@ -59,7 +59,7 @@ def redis_url(tmp_path_factory):
 
 
 def test_a_forged_record_on_a_shared_redis_is_refused_and_recomputed(engines, images, redis_url):
-    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.link.spec import LinkSpec
     from vlkv.runtime.policies import make_policy
     from vlkv.runtime.prompt import Prompt
     from vlkv.runtime.store.url import open_store

@@ -22,7 +22,7 @@ from vlkv.runtime.link.compress import entry_offsets
 from vlkv.runtime.prompt import PromptBatch
 
 if TYPE_CHECKING:
-    from vlkv.runtime.link.linker import LinkSpec
+    from vlkv.runtime.link.spec import LinkSpec
 
 CHECK_LAYER = 1  # CacheBlend's check layer (its code's ``check_layers = [1]``)
 

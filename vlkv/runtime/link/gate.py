@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from vlkv.runtime.link.linker import LinkSpec, SegmentStore, link_prefill
+from vlkv.runtime.link.linker import link_prefill
+from vlkv.runtime.link.segment_store import SegmentStore
+from vlkv.runtime.link.spec import LinkSpec
 from vlkv.runtime.prompt import Prompt
 
 # (first prompt, later prompt, images): the later prompt reuses the first one's images elsewhere

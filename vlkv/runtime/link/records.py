@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from vlkv.runtime.kv.segments import SharedSegment
-from vlkv.runtime.link.linker import SegmentStore
+from vlkv.runtime.link.segment_store import SegmentStore
 
 
 @dataclass
