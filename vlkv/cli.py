@@ -15,10 +15,11 @@ from pathlib import Path
 
 import yaml
 
+from vlkv.cli_common import CliError, run_command
+from vlkv.cli_common import OneLineParser as _Parser
+
 DEFAULT_PROMPT = "Describe the image."
 DEFAULT_IMAGE = "builtin:checkerboard"
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 NOTICES = {
     "tiny-": "built-in tiny model with random weights: the text is noise, the cache numbers are real",
     # first match wins: the random name before its prefix
@@ -27,17 +28,6 @@ NOTICES = {
     "smollm2-llava": "real SmolLM2 + DINOv2 weights, projector trained on procedural coloured shapes "
     "(vlkv.eval.scenes): it answers about such scenes, not about photos",
 }
-
-
-class CliError(ValueError):
-    """A user error reported as one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line too (argparse prints the usage block first)."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"vlkv: error: {message} (see {self.prog} --help)\n")
 
 
 def _printable(text: str) -> str:
@@ -449,28 +439,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_link_check)
     return parser
-
-
-def os_error_line(err: OSError) -> str:
-    """``Permission denied: /path`` rather than ``[Errno 13] Permission denied: '/path'``."""
-    where = err.filename if err.filename2 is None else f"{err.filename} -> {err.filename2}"
-    return f"{err.strerror}: {where}" if err.strerror and where else str(err) or type(err).__name__
-
-
-def run_command(func, args, prog: str = "vlkv") -> int:
-    """Run a subcommand: a user error is one line and exit 2, Ctrl-C one line and exit 130."""
-    try:
-        return func(args)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as e:  # an unwritable or file-shaped cache or output path
-        print(f"{prog}: error: {os_error_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -274,7 +274,8 @@ def _serve(args, cfg, device, sock) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vlkv.cli import _Parser, run_command
+    from vlkv.cli_common import OneLineParser as _Parser
+    from vlkv.cli_common import run_command
 
     parser = _Parser(prog="vlkv serve", description="OpenAI-compatible server over the vlkv scheduler")
     _add_arguments(parser)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tests.runtime.store.helpers import make_record
-from vlkv.cli import _Parser
+from vlkv.cli_common import OneLineParser as _Parser
 from vlkv.runtime.store import SHARED_TENANT, ContextStore, DiskTier
 from vlkv.store_cli import add_store_parser
 
