@@ -78,13 +78,14 @@ class AttnPackPolicy(Policy):
         if self.recompress_every < 1:
             raise ValueError(f"recompress_every must be >= 1, got {self.recompress_every}")
         if self.evict:
-            from vlkv.runtime.policies.registry import make_policy
-
             if self.evict == self.name:
                 raise ValueError("evict must name an eviction policy, not attnpack")
-            self.inner = make_policy(self.evict, budget=self.budget)
         elif self.budget != 1.0:
             raise ValueError(f"budget must be 1 without evict=NAME, got {self.budget}")
+
+    def inner_spec(self) -> tuple[str, dict] | None:
+        """The eviction policy run first (``evict=NAME`` at this ``budget``); the registry builds it."""
+        return (self.evict, {"budget": self.budget}) if self.evict else None
 
     @property
     def evicts_during_decode(self) -> bool:  # type: ignore[override]

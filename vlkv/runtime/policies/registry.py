@@ -85,7 +85,11 @@ def make_policy(name: str, **kwargs) -> Policy:
         )
     every = kwargs.pop(CADENCE_FIELD, None)
     alloc = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
-    policy = _allocated(cls(**kwargs), alloc)
+    base = cls(**kwargs)
+    spec = getattr(base, "inner_spec", lambda: None)()
+    if spec is not None:  # a policy composed around another one named by a setting (attnpack's evict=)
+        base.inner = make_policy(spec[0], **spec[1])
+    policy = _allocated(base, alloc)
     return policy if every is None else Cadence(inner=policy, every=every)
 
 
