@@ -1,0 +1,37 @@
+"""Applying a policy's edits to a cache: the one place every backend's steps and the scheduler share.
+
+Its own module so that the scheduler applies edits without importing the engine that drives it.
+"""
+
+from __future__ import annotations
+
+from vlkv.runtime.cache import KVCache
+from vlkv.runtime.policies import CutEdit, FactorEdit
+
+# spare slots kept after a decode-time eviction so the next append does not reallocate
+DECODE_SPARE = 8
+
+
+def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
+    """Apply a policy's per-layer edits to the cache (backend-independent tensor ops).
+
+    ``edits[l]`` is None, a :class:`LayerEdit` (select / merge), a :class:`CutEdit` (delete a run of
+    entries per sample), a :class:`FactorEdit` (hold entries as low-rank factors), or a tuple of them
+    applied in order. ``spare > 0`` marks decode-time edits:
+    their tables keep ``spare`` columns for the coming appends, and the few slots an eviction drops
+    are handed to those appends (:meth:`LayerKV.select`'s ``recycle``).
+    """
+    from vlkv.runtime.kv.lowrank import apply_factor_edit
+
+    for layer, item in zip(cache.layers, edits or []):
+        for edit in item if isinstance(item, tuple) else (item,):
+            if edit is None:
+                continue
+            if isinstance(edit, FactorEdit):
+                apply_factor_edit(layer, edit)
+            elif isinstance(edit, CutEdit):
+                layer.cut(edit.start, edit.count, recycle=spare > 0)
+            elif edit.assign is None:
+                layer.select(edit.index, edit.keep_len, spare=spare, holes=edit.holes, recycle=spare > 0)
+            else:
+                layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
