@@ -116,7 +116,7 @@ def test_decode_statistics_from_one_softmax_row(s, holes, threshold):
     """A decode step's statistics from its one softmax row per head equal the statistics kernel's
     reference, per KV head with holes, over ragged caches and unrequested rows."""
     from vlkv.plugins import attn_stats_reference
-    from vlkv.runtime.torch_backend import _one_row_probs, _one_row_stats
+    from vlkv.runtime.attention_rows import _one_row_probs, _one_row_stats
 
     b, h, hkv, d = 3, 6, 2, 16
     q, k, v = _qkv(b, h, hkv, 1, s, d)
@@ -164,7 +164,7 @@ def test_decode_output_from_the_statistics_probabilities(dtype, holes):
     GQA and per-head holes."""
     import torch.nn.functional as F
 
-    from vlkv.runtime.torch_backend import _one_row_out, _one_row_probs
+    from vlkv.runtime.attention_rows import _one_row_out, _one_row_probs
 
     b, h, hkv, s, d = 3, 6, 2, 300, 16
     q, k, v = (t.to(dtype) for t in _qkv(b, h, hkv, 1, s, d))

@@ -12,12 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vlkv.runtime.attention_rows import _stats
 from vlkv.runtime.cache import LayerKV, Modality
 from vlkv.runtime.kv import pool as pool_mod
 from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
-from vlkv.runtime.torch_backend import _stats, _StepContext
+from vlkv.runtime.torch_backend import _StepContext
 
 TEXT = "The cat sat on the mat while the dog slept by the warm fire all night long."
 
