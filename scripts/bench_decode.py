@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from vlkv.runtime.backend import StatsRequest, StepInputs, StepStats
-from vlkv.runtime.engine import Engine, apply_edits
+from vlkv.runtime.edits import apply_edits
+from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy, policy_fields
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -437,7 +437,8 @@ def run_profile(args, sink: Sink) -> None:
     from bench_common import document_prompt, load_for_bench
 
     from vlkv.runtime.backend import StepInputs
-    from vlkv.runtime.engine import Engine, apply_edits
+    from vlkv.runtime.edits import apply_edits
+    from vlkv.runtime.engine import Engine
     from vlkv.runtime.policies import make_policy
 
     model, tokens, b = ("shape:toy-llava", 96, 2) if args.tiny else ("shape:llava-1.5-7b", 8192, 4)

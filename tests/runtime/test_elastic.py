@@ -9,7 +9,7 @@ import torch
 
 from vlkv.plugins import AttnStats
 from vlkv.runtime.cache import KVCache
-from vlkv.runtime.engine import apply_edits
+from vlkv.runtime.edits import apply_edits
 from vlkv.runtime.policies import PolicyContext, make_policy
 from vlkv.runtime.policies.elastic import STATE_P, nearest_anchor
 from vlkv.runtime.prompt import Prompt, Spans

@@ -17,7 +17,8 @@ from tests.exporter.test_decoder_onnx import MODELS, onnx_cache  # noqa: F401 - 
 from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs
 from vlkv.runtime.backends import BACKENDS
 from vlkv.runtime.cache import Modality
-from vlkv.runtime.engine import Engine, apply_edits
+from vlkv.runtime.edits import apply_edits
+from vlkv.runtime.engine import Engine
 from vlkv.runtime.ort_backend import OrtBackend
 from vlkv.runtime.policies import LayerEdit, make_policy
 from vlkv.runtime.prompt import Prompt

@@ -264,7 +264,7 @@ def shared_continuation_nll(
     """
     import copy
 
-    from vlkv.runtime.engine import apply_edits
+    from vlkv.runtime.edits import apply_edits
 
     _check_lengths(windows)
     batch = _batch(windows, engine.pad_id)

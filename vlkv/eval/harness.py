@@ -184,7 +184,7 @@ def pre_edit_peak():
     The engine samples its ``peak_kv_bytes`` after the edits, which misses what the prefill wrote;
     this wraps the engine's edit step for one untimed run instead of changing the engine.
     """
-    import vlkv.runtime.engine as engine_module
+    import vlkv.runtime.edits as engine_module
 
     seen = {"kv_bytes": 0, "meta_bytes": 0, "held_kv_bytes": 0}
     original = engine_module.apply_edits

@@ -29,9 +29,10 @@ from collections import deque
 
 import torch
 
+from vlkv.runtime import edits as _edits  # called through the module: the eval harness probes it
 from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepStats
 from vlkv.runtime.cache import KVCache, Modality
-from vlkv.runtime.edits import DECODE_SPARE, apply_edits
+from vlkv.runtime.edits import DECODE_SPARE
 from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
 from vlkv.runtime.link.linker import link_prefill
@@ -376,7 +377,7 @@ class Scheduler:
         out.peak_kv_bytes = cache.kv_bytes()
         out.stats.replay = eng.replay(req.policy, ctx, req.batch, cache)
         self.link_totals.add(req.link_stats)
-        apply_edits(cache, req.policy.after_prefill(cache, out.stats, ctx))
+        _edits.apply_edits(cache, req.policy.after_prefill(cache, out.stats, ctx))
         return out
 
     # ------------------------------------------------------------------ preemption
@@ -480,7 +481,7 @@ class Scheduler:
                 r.peak_kv_bytes = max(r.peak_kv_bytes, cache.kv_bytes())
                 cache.next_position += 1
                 stats = _slice_stats(out.stats, i, cache)
-                apply_edits(cache, r.policy.after_decode(cache, stats, e.ctx), spare=DECODE_SPARE)
+                _edits.apply_edits(cache, r.policy.after_decode(cache, stats, e.ctx), spare=DECODE_SPARE)
                 r.decode_steps += 1
                 self._emit(r, int(r.sampler(out.logits[i : i + 1])[0]))
             except Exception as err:

@@ -182,7 +182,7 @@ def test_a_policy_compresses_the_linked_cache_from_the_link_steps_statistics(nam
         source,
         pol.prefill_request(ctx, int(batch.lengths[0])),
     )
-    from vlkv.runtime.engine import apply_edits
+    from vlkv.runtime.edits import apply_edits
 
     apply_edits(cache, pol.after_prefill(cache, out.stats, ctx))
     assert cache.kv_bytes() < 0.6 * ref.kv_bytes()  # really compressed

@@ -127,7 +127,7 @@ def test_the_policy_decides_and_the_engine_factors(engines, images):
     """The seam: ``after_prefill`` returns edits (evict, then factor) and leaves the K/V, the slot
     table and the pool alone; ``apply_edits`` does the factoring."""
     from vlkv.runtime.backend import StepStats
-    from vlkv.runtime.engine import apply_edits
+    from vlkv.runtime.edits import apply_edits
     from vlkv.runtime.policies import FactorEdit, LayerEdit
 
     engine = engines["tiny-llava"]

@@ -9,7 +9,7 @@ from tests.runtime.policies.reference import eager_attentions, filtered_forward
 from vlkv.plugins import AttnStats
 from vlkv.runtime.backend import RowFilter, StatsRequest, StepInputs, StepStats
 from vlkv.runtime.cache import KVCache, LayerKV, Modality
-from vlkv.runtime.engine import apply_edits
+from vlkv.runtime.edits import apply_edits
 from vlkv.runtime.policies import PolicyContext, make_policy
 from vlkv.runtime.policies.avl import CORE, LAST
 from vlkv.runtime.prompt import Prompt, Spans

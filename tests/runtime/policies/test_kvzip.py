@@ -192,7 +192,7 @@ def test_adaptive_heads_keep_their_own_count_of_their_best(engines, images, scop
     engine = engines["tiny-llava"]
     policy, batch, cache, scores, edits = _scored(engine, images, budget=0.3, scope=scope, heads="adaptive")
     heads = scores[0].shape[1]
-    from vlkv.runtime.engine import apply_edits
+    from vlkv.runtime.edits import apply_edits
 
     apply_edits(cache, edits)
     uneven = False
