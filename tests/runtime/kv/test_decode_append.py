@@ -141,46 +141,46 @@ def _same_entries(a: LayerKV, b: LayerKV) -> None:
 
 
 @pytest.mark.parametrize("lengths", [(5, 5, 5), (5, 2, 7)])
-def test_queued_decode_entries_equal_written_ones(lengths):
-    """Appends that continue a request's run are queued and written when a table is read: tables,
-    K/V and the batch's read (a strided view for equal runs, else a gather that reads the tables)
-    equal a cache that writes every entry at once, through in-place edits of the caller's step
-    tensors, a mid-run read, explicit orders, a compaction and the release."""
+def test_run_decode_entries_equal_written_ones(lengths):
+    """Appends that continue a request's run write its tables at once (nothing is queued for a later
+    read): tables, K/V and the batch's read (a strided view for equal runs, else a gather through the
+    tables) equal a cache without spare runs, through in-place edits of the caller's step tensors,
+    explicit orders, a compaction and the release."""
     from vlkv.runtime.kv.batch import LayerBatch
 
     fast = LayerBatch(_batch_rows(7, lengths, reserve=16, score=False))
     slow = LayerBatch(_batch_rows(7, lengths, score=False))
     g = torch.Generator().manual_seed(8)
-    queued = 0
     for step in range(12):
         k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
         pos, mod = torch.randint(0, 99, (B, 1, P), generator=g), torch.full((B, 1), 3, dtype=torch.int8)
         order = None if step % 4 != 3 else torch.tensor([[40 + step], [3], [90]])  # a link step's indices
         ones = torch.ones(B, dtype=torch.long)
         assert torch.equal(fast.append(k, v, pos, mod, ones, order), slow.append(k, v, pos, mod, ones, order))
+        versions = [(r.slots._version, r.positions._version) for r in fast.rows]
+        for a, b in zip(fast.rows, slow.rows):  # written by the append, before any K/V read
+            _same_entries(a, b)
         pos += 1000  # the caller advances its tensors in place (``next_position += 1``)
         mod.fill_(0)
-        queued = max(queued, min(len(r._tail) for r in fast.rows))
+        n = fast.max_length
+        assert (fast._strided(n) is not None) == (len(set(lengths)) == 1)  # equal runs: one view
         kf, vf = fast.attention_kv(view=True)
         ks, vs = slow.attention_kv()
         valid = slow.valid_mask()[:, None, :, None].expand_as(ks)
         assert torch.equal(kf[valid], ks[valid]) and torch.equal(vf[valid], vs[valid])
-        if step == 5:
-            _same_entries(fast.rows[0], slow.rows[0])  # a read writes the queue; appends queue again
-    # equal runs are read as one strided view: nothing reads the tables, the queue grows (row 0 was
-    # read at step 5); ragged runs are gathered through the tables every step
-    assert queued == (6 if len(set(lengths)) == 1 else 1)
+        # reads write nothing: the tables are the same tensors at the same versions
+        assert versions == [(r.slots._version, r.positions._version) for r in fast.rows]
     for r in fast.rows:  # each request's slots are still its run
         start, n = int(r.slots[0, 0, 0]), int(r.lengths)
         assert torch.equal(r.slots[0, :, :n], torch.arange(start, start + n).expand(H, n))
+        assert r.run_start(n) == start
     for a, b in zip(fast.rows, slow.rows):
         _same_entries(a, b)
-    # queue again, then let the pool compact under the queue (remap reads the tables first)
+    # append again, then let the pool compact (the tables and the spares follow it)
     k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
     pos, mod = torch.randint(0, 99, (B, 1, P), generator=g), torch.full((B, 1), 3, dtype=torch.int8)
     for view in (fast, slow):
         view.append(k, v, pos, mod, torch.ones(B, dtype=torch.long))
-    assert all(r._tail for r in fast.rows)
     fast.rows[1].release()
     slow.rows[1].release()
     fast.pool.compact(0)
@@ -361,10 +361,10 @@ def test_a_cut_equals_the_select_it_stands_for(lengths, start, count):
     assert fast.pool.used_slots(0) == 0
 
 
-def test_a_cut_of_queued_entries_and_of_a_cache_with_holes():
-    """A one-sample run with queued decode entries is written before it is cut (the cut entry is
-    one of them); a cache with per-head holes takes the general select; a cut past a sample's
-    entries names the layer and the sample."""
+def test_a_cut_of_run_entries_and_of_a_cache_with_holes():
+    """A cut of a one-sample run's decode entries (the cut entry is one of them) equals the select it
+    stands for; a cache with per-head holes takes the general select; a cut past a sample's entries
+    names the layer and the sample."""
     fast, slow = (
         _batch_rows(16, (6,), reserve=8, score=False)[0],
         _batch_rows(16, (6,), reserve=8, score=False)[0],
@@ -375,8 +375,8 @@ def test_a_cut_of_queued_entries_and_of_a_cache_with_holes():
         pos, mod = torch.randint(0, 99, (1, 1, P), generator=g), torch.zeros(1, 1, dtype=torch.int8)
         for layer in (fast, slow):
             layer.append(k, v, pos, mod, torch.ones(1, dtype=torch.long))
-        fast.attention_kv(view=True)  # a backend's read: finds the run, so the next appends queue
-    assert len(fast._tail) == 2
+        fast.attention_kv(view=True)  # a backend's read: a view of the run
+    assert fast.run_start(9) == int(fast.slots[0, 0, 0])  # prompt and decode entries: one run
     start, count = torch.tensor([7]), torch.tensor([1])
     fast.cut(start, count, recycle=True)
     index, keep_len = _cut_as_select(slow, start, count)

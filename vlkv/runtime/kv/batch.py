@@ -1,6 +1,6 @@
 """A step's batch view over several requests' caches that share one pool.
 
-The scheduler keeps one single-sample :class:`~vlkv.runtime.cache.KVCache` per request (so each
+The scheduler keeps one single-sample :class:`~vlkv.runtime.kv.cache.KVCache` per request (so each
 request's policy edits only its own entries) and runs a decode step over all running requests at
 once. :class:`CacheBatch` presents their caches to a backend as one batch — the same interface a
 backend reads from a ``KVCache`` (``layers[i].append / attention_kv / lengths / max_length``,
@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vlkv.runtime.cache import KVCache, LayerKV, append_one_each
+from vlkv.runtime.kv.appends import append_one_each
+from vlkv.runtime.kv.cache import KVCache
+from vlkv.runtime.kv.layer import LayerKV
 
 
 class LayerBatch:
@@ -59,7 +61,7 @@ class LayerBatch:
     def _append_one(
         self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
     ) -> Tensor:
-        """One new entry per request (a decode step), see :func:`~vlkv.runtime.cache.append_one_each`.
+        """One new entry per request (a decode step), see :func:`~vlkv.runtime.kv.appends.append_one_each`.
 
         ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
         ``(B, 1)`` sequence indices; returns ``(B,)`` past lengths.
@@ -153,7 +155,7 @@ class LayerBatch:
         for r in self.rows:
             if r.batch != 1 or r.lowrank is not None or r.linked or r.holes is not None:
                 return None
-            start = r._run_start(int(r.lengths.item()))
+            start = r.run_start(int(r.lengths.item()))
             if start is None:
                 return None
             starts.append(start)

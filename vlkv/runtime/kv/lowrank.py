@@ -9,7 +9,7 @@ a factored entry behaves like a linked shared one and M-RoPE positions stay what
 The factored entries keep their slot-table columns (positions, modality, order, scores move with
 every edit as usual); their pool slots are released and the table names a factor row instead:
 ``slot = -(1 + row)``. :meth:`LowRank.fill` writes the reconstructed rows into the dense K/V that
-:meth:`~vlkv.runtime.cache.LayerKV.attention_kv` hands a backend (path (a): reconstruct → rotate →
+:meth:`~vlkv.runtime.kv.layer.LayerKV.attention_kv` hands a backend (path (a): reconstruct → rotate →
 attend), so every backend step and every policy works unchanged. Rows no head references any more
 (after an eviction) are dropped, so the bytes a cache reports are the bytes it holds.
 
@@ -218,7 +218,7 @@ def factor(
     each sample's low-rank rows, together with the rows it already holds (re-SVD of both).
 
     Args:
-        layer: a :class:`~vlkv.runtime.cache.LayerKV` whose pool has ``rope`` set.
+        layer: a :class:`~vlkv.runtime.kv.layer.LayerKV` whose pool has ``rope`` set.
         rank, rank_v: components kept for keys and for values (``rank_v`` defaults to ``rank``).
         exact: use the exact SVD (tests; the randomized one is the default).
         post_rope: factor the keys as attention reads them (after RoPE: path (b), attention in the

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vlkv.runtime.cache import KVCache
+from vlkv.runtime.kv.cache import KVCache
 from vlkv.runtime.kv.pool import KVPool
 
 

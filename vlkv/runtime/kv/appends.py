@@ -1,0 +1,195 @@
+"""Appends: a step's new entries written into fresh pool slots right after each sample's entries.
+
+Only the new entries' K/V are written (one pool write per layer and step) and only their table
+columns; nothing already cached moves. A decode step (one new row per sample) takes a shorter path
+with a third of the tensor ops: for a batch cache one column of every table, for a scheduler's
+one-sample caches one pool write for all of them (:func:`append_one_each`), then one column each.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.kv.entries import EntryTable
+from vlkv.runtime.kv.pool import KVPool
+from vlkv.runtime.kv.spares import SpareSlots
+
+
+class Appends(EntryTable):
+    """The append half of :class:`~vlkv.runtime.kv.layer.LayerKV` (its pool binding lives there)."""
+
+    pool: KVPool
+    layer: int
+    spares: SpareSlots
+    run_reserve: int
+
+    def append(
+        self,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        modality: Tensor,
+        new_len: Tensor,
+        order: Tensor | None = None,
+    ) -> Tensor:
+        """Write a step's new entries into fresh pool slots right after each sample's valid entries.
+
+        Args:
+            k, v: ``(B, H_kv, q, D)`` new keys (post-RoPE) and values; rows ``>= new_len[b]`` are padding.
+            positions: ``(B, q, P)`` int64 original positions of the new tokens.
+            modality: ``(B, q)`` int8 codes.
+            new_len: ``(B,)`` int64 valid new rows per sample.
+            order: optional ``(B, q)`` int64 sequence index of each new token (default: the next
+                indices after the last one this layer holds).
+
+        Returns:
+            ``(B,)`` lengths before the write (the table column of each sample's first new row).
+        """
+        b, h, q, _ = k.shape
+        dev = self.device
+        new_len = new_len.to(device=dev, dtype=torch.long)
+        if q == 1 and bool(new_len.all()):
+            return self._append_one(k, v, positions, modality, order)
+        past = self.lengths.clone()
+        self._reserve(int((past + q).max()) if q else self.capacity)
+        rows = torch.arange(q, device=dev)
+        valid = rows[None, :] < new_len[:, None]  # (B, q)
+        bt, it = torch.nonzero(valid, as_tuple=True)  # row-major: sample, then row
+        ids = self._alloc_prompt(bt.numel(), past)  # (H_kv, T)
+        heads = torch.arange(h, device=dev)
+        kk, vv = k.to(dev).permute(1, 0, 2, 3)[:, bt, it], v.to(dev).permute(1, 0, 2, 3)[:, bt, it]
+        self.pool.write(self.layer, ids, kk, vv)
+        self.slots[bt[None, :], heads[:, None], (past[bt] + it)[None, :]] = ids
+        cols = past[:, None] + rows[None, :]  # (B, q)
+        idx = cols[:, None, :, None].expand(b, h, q, 1)
+        pos = positions.to(dev)[:, None].expand(b, h, q, positions.shape[-1])
+        self.positions.scatter_(2, idx.expand(-1, -1, -1, pos.shape[-1]), pos.to(torch.long))
+        self.modality.scatter_(2, idx[..., 0], modality.to(dev)[:, None].expand(b, h, q).to(torch.int8))
+        if order is None:
+            order = self.next_order[:, None] + rows[None, :]
+        order = order.to(device=dev, dtype=torch.long)
+        self.order.scatter_(2, idx[..., 0], order[:, None].expand(b, h, q))
+        top = torch.where(valid, order, -1).amax(1, keepdim=False) if q else self.next_order - 1
+        self.next_order = torch.maximum(self.next_order, top + 1)
+        for s in self.scores.values():
+            s.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=s.dtype, device=dev))
+        if self.holes is not None:  # new entries are held by every head
+            self.holes.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=torch.bool, device=dev))
+        self.lengths = past + new_len
+        return past
+
+    def _alloc_prompt(self, n: int, past: Tensor) -> Tensor:
+        """``(H_kv, n)`` slots for a step's new entries: with ``run_reserve`` on a fresh one-sample
+        cache of a growable pool, the first ``n`` of one run whose rest the spares hold."""
+        fresh = self.batch == 1 and self.spares.ids is None and n > 0 and not bool(past.any())
+        if self.run_reserve > 0 and self.pool.grow and fresh:
+            run = self.pool.alloc_run(self.layer, n + self.run_reserve)
+            self.spares.hold_run(run[:, n:], int(run[0, 0]) + n)
+            return run[:, :n]
+        return self.pool.alloc(self.layer, n)
+
+    def _append_one(
+        self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
+    ) -> Tensor:
+        """:meth:`append` of one new entry per sample (a decode step), in a third of its tensor ops.
+
+        ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
+        ``(B, 1)``; returns ``(B,)`` past lengths.
+        """
+        b, dev = k.shape[0], self.device
+        if b == 1:  # the one-sample path a batch view takes too: no index tensors
+            past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
+            orders = [None] if order is None else order[:, 0].tolist()
+            append_one_each([self], k, v, positions[:, 0].tolist(), modality[:, 0].tolist(), orders)
+            return past
+        past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
+        lens = past.tolist()
+        self._reserve(max(lens) + 1)
+        ids = self.spares.take_recycled()
+        if ids is None:
+            ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
+        self.pool.write(
+            self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
+        )
+        # a batch moving in step writes one column of every table (a slice); a ragged one indexes
+        at = (slice(None), slice(None), lens[0]) if min(lens) == lens[0] == max(lens) else None
+        if at is None:
+            bi = torch.arange(b, device=dev)
+            at = (bi, slice(None), past)
+        self.slots[at] = ids.t()
+        self.positions[at] = positions.to(dev)[:, 0, None, :].to(torch.long)
+        self.modality[at] = modality.to(dev).to(torch.int8)
+        if order is None:
+            self.order[at] = self.next_order[:, None]
+            self.next_order = self.next_order + 1
+        else:
+            order = order.to(device=dev, dtype=torch.long)[:, 0]
+            self.order[at] = order[:, None]
+            self.next_order = torch.maximum(self.next_order, order + 1)
+        for s in self.scores.values():
+            s[at] = 0
+        if self.holes is not None:
+            self.holes[at] = False
+        self.lengths = past + 1
+        return past
+
+    def put_one(self, p: int, ids: Tensor | int, pos: list[int], mod: int, order: int | None) -> None:
+        """Table writes of one new entry of this one-sample cache at column ``p`` (after
+        :meth:`_reserve`, its K/V already in the pool): ``ids`` its slots, ``(H_kv,)`` or one id for
+        every head (the run's next spare), ``pos`` its ``P`` position components, ``mod`` its modality
+        code, ``order`` its sequence index (None: the next one)."""
+        self.slots[0, :, p] = ids
+        self.positions[0, :, p] = torch.tensor(pos, device=self.device)
+        self.modality[0, :, p] = mod
+        if order is None:
+            self.order[0, :, p] = self.next_order
+            self.next_order = self.next_order + 1
+        else:
+            self.order[0, :, p] = order
+            self.next_order = self.next_order.clamp(min=order + 1)
+        for s in self.scores.values():
+            s[0, :, p] = 0
+        if self.holes is not None:
+            self.holes[0, :, p] = False
+        self.lengths = self.lengths + 1
+
+
+def append_one_each(
+    rows: list[Appends],
+    k: Tensor,
+    v: Tensor,
+    positions: list[list[int]],
+    modality: list[int],
+    orders: list[int | None],
+) -> list[int]:
+    """One new entry for each one-sample layer of ``rows`` (a decode step; every row on the same pool
+    layer): one pool write for all of them, then each row's table column (:meth:`Appends.put_one`).
+
+    ``k, v (B, H_kv, 1, D)`` (row ``b`` for ``rows[b]``); ``positions``, ``modality``, ``orders``: per
+    row its ``P`` position components, modality code and sequence index (None: the next one).
+    Returns each row's length before the write.
+    """
+    pool, layer = rows[0].pool, rows[0].layer
+    spec = pool.spec
+    past = [int(r.lengths.item()) for r in rows]
+    for r, p in zip(rows, past):
+        r._reserve(p + 1)
+    spare = [r.spares.take() for r in rows]
+    kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
+    if all(isinstance(s, int) for s in spare):  # every row continues its run: one id per row
+        pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
+        cols: list[Tensor | int] = list(spare)
+    else:
+        fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
+        cols = []
+        for s in spare:
+            if isinstance(s, int):
+                s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
+            cols.append(next(fresh) if s is None else s)
+        pool.write(layer, torch.stack(cols, 1), kh, vh)
+        # a row continuing its run writes its table column from its int id (one scalar fill)
+        cols = [s if isinstance(s, int) else c for s, c in zip(spare, cols)]
+    for r, p, col, pos, mod, order in zip(rows, past, cols, positions, modality, orders):
+        r.put_one(p, col, pos, mod, order)
+    return past
