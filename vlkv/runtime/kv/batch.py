@@ -129,10 +129,6 @@ class LayerBatch:
             return torch.cat([pad(k) for k, _ in kv]), torch.cat([pad(v) for _, v in kv])
         if len(self.rows) == 1 and self.rows[0].capacity >= n:
             return self.rows[0].attention_kv(n, view)
-        if view and n > 0:
-            strided = self._strided(n)
-            if strided is not None:
-                return strided
         tables = []
         for r in self.rows:
             t = r.slots[:, :, :n]
@@ -146,31 +142,6 @@ class LayerBatch:
             )
             return z, z.clone()
         return self.pool.read(self.layer, torch.cat(tables), scratch=view)
-
-    def _strided(self, n: int) -> tuple[Tensor, Tensor] | None:
-        """Every request's entries as one run of slots, the runs equally spaced in the pool: the
-        ``(B, H_kv, n, D)`` K/V are a strided view of the pool (no gather), else None. A request
-        shorter than ``n`` reads past its run (finite pool data the attention masks)."""
-        starts = []
-        for r in self.rows:
-            if r.batch != 1 or r.lowrank is not None or r.linked or r.holes is not None:
-                return None
-            start = r.run_start(int(r.lengths.item()))
-            if start is None:
-                return None
-            starts.append(start)
-        gap = starts[1] - starts[0]
-        if gap <= 0 or any(b - a != gap for a, b in zip(starts, starts[1:])):
-            return None
-        keys, values = self.pool.keys[self.layer], self.pool.values[self.layer]
-        h, cap, d = keys.shape
-        if starts[-1] + n > cap:
-            return None
-        shape, stride = (len(self.rows), h, n, d), (gap * d, cap * d, d, 1)
-        return (
-            keys.as_strided(shape, stride, keys.storage_offset() + starts[0] * d),
-            values.as_strided(shape, stride, values.storage_offset() + starts[0] * d),
-        )
 
 
 class CacheBatch:

@@ -4,8 +4,8 @@ Two kinds, both written by the coming decode appends instead of fresh allocation
 
 * a one-sample cache on a growable pool may take its prompt and ``run_reserve`` more slots as one
   run (``ids (H_kv, m)``): its decode appends continue the run, so the request's entries stay one
-  ascending run of slots, which the paged CPU read attends in place (``vlkv.plugins.paged_cpu``) and a
-  batch of such requests reads as a strided view; a decode eviction's few dropped slots join them;
+  ascending run of slots, which the paged CPU read attends in place (``vlkv.plugins.paged_cpu``); a
+  decode eviction's few dropped slots join them;
 * a batch cache's decode-time evictions drop a few slots per sample and head and the next steps append
   as many: the dropped ones are held (``recycled (H_kv, B, m)``) and written next, one reference check
   in place of the pool's free-stack bookkeeping, twice.
