@@ -14,14 +14,5 @@ from vlkv.runtime.kv.entries import Modality
 from vlkv.runtime.kv.layer import LayerKV, private_pool
 from vlkv.runtime.kv.pool import GROW_SLOTS, KVPool, PoolSpec
 
-__all__ = [
-    "GROW_SLOTS",
-    "RECYCLE_MAX",
-    "KVCache",
-    "KVPool",
-    "LayerKV",
-    "Modality",
-    "PoolSpec",
-    "append_one_each",
-    "private_pool",
-]
+__all__ = ["GROW_SLOTS", "RECYCLE_MAX", "KVCache", "KVPool", "LayerKV", "Modality", "PoolSpec"]
+__all__ += ["append_one_each", "private_pool"]
