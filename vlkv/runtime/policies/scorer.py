@@ -95,6 +95,8 @@ class ScorePolicy(Policy):
             cache.policy_state[STATE_FRACTIONS] = fractions
             keep = list(keep_counts(fractions, n, self.min_keep()))
         inputs = stats if self.stats_source is None else getattr(stats, self.stats_source)
+        if not inputs:  # a score that reads only the cache (knorm) asks for no statistics
+            inputs = [None] * len(cache.layers)
         return self.select(cache, inputs, ctx, keep)
 
     def decode_edits(self, cache, ctx):
