@@ -97,8 +97,19 @@ def test_a_run_keeps_the_smallest_norms_of_the_full_cache(name, engines, images)
             assert order[h].tolist() == _brute(full_keys[h], n, k, 0)
 
 
-def test_composes_with_allocators_and_refuses_cadence():
-    assert make_policy("knorm", budget=0.4, allocator="pyramid").name == "knorm+pyramid"
+def test_composes_with_allocators_and_refuses_cadence(engines, images):
+    from vlkv.runtime.policies.allocators import STATE_FRACTIONS, keep_counts
+
+    policy = make_policy("knorm", budget=0.4, allocator="pyramid", allocator_beta=4.0)
+    assert policy.name == "knorm+pyramid"
+    engine = engines["tiny-llava"]
+    batch = engine.encode([Prompt("Describe it.", [images[0]]), Prompt("Two words, then a third.")])
+    cache = engine.new_cache(batch)
+    engine.prefill(batch, policy, cache)
+    want = keep_counts(cache.policy_state[STATE_FRACTIONS], batch.lengths)  # (L, B)
+    assert len(set(want[:, 0].tolist())) > 1  # the pyramid really gives layers different budgets
+    for layer, k in zip(cache.layers, want):
+        assert layer.lengths.tolist() == k.tolist()
     with pytest.raises(ValueError, match="evict_every"):
         make_policy("knorm", budget=0.4, evict_every=2)  # it compresses once: no decode eviction
 
