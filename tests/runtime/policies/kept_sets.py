@@ -3,19 +3,15 @@
 For each request run alone, every state of its cache that a decode step reads (after the prefill's
 edits, then after each decode step's) is reduced, per layer, to the token indices (``order``) each
 KV head holds; the digest of those sets is recorded per (state, layer), plus the generated tokens.
-``kept_sets.json`` holds the digests computed before the policies became scores (``python -m
-tests.runtime.policies.kept_sets`` rewrites it; only do that for an intended change of selection).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import torch
 
-TABLE = Path(__file__).with_name("kept_sets.json")
 MODELS = ("tiny-llava", "tiny-qwen2-vl")
 NEW = 6
 
@@ -99,29 +95,3 @@ def kept_digests(engine, name: str, kw: dict, images) -> list[dict]:
             res = engine.generate([prompt], policy, NEW, stop_at_eos=False)
         out.append({"tokens": res.samples[0].token_ids, "states": states})
     return out
-
-
-def compute_table(images) -> dict:
-    from vlkv.runtime.engine import Engine
-    from vlkv.runtime.models.registry import load_model
-
-    table = {}
-    for model in MODELS:
-        engine = Engine(load_model(model))
-        table[model] = {spec_id(n, kw): kept_digests(engine, n, kw, images) for n, kw in SPECS}
-    return table
-
-
-if __name__ == "__main__":
-    from tests.conftest import make_image
-
-    torch.set_num_threads(1)
-    table = compute_table([make_image(i) for i in range(3)])
-    lines = [
-        f"  {json.dumps(m)}: {{\n"
-        + ",\n".join(f"   {json.dumps(k)}: {json.dumps(v)}" for k, v in specs.items())
-        + "\n  }"
-        for m, specs in table.items()
-    ]
-    TABLE.write_text("{\n" + ",\n".join(lines) + "\n}\n")
-    print(f"wrote {TABLE.name}")
