@@ -50,7 +50,7 @@ class H2OPolicy(ScorePolicy):
             score[:, :, :s] += per_kv_head(st.colsum, ctx.num_kv_heads)
 
     def score(self, layer, stats, ctx):
-        return layer.scores[SCORE][:, :, : layer.max_length]
+        return layer.scores[SCORE]  # (B, H_kv, capacity)
 
     def protect(self, layer, width, keep):
         recent = keep - torch.round(keep.double() * self.heavy_ratio).long()

@@ -103,7 +103,7 @@ class KVzipPolicy(ScorePolicy):
     def score(self, layer, stats, ctx):
         """``stats``: the layer's replay scores ``(B, H_kv, S)`` (:mod:`vlkv.runtime.replay`); max over
         the KV heads for ``heads="shared"``."""
-        score = stats[:, :, : layer.max_length].float()
+        score = stats.float()
         return score.amax(1, keepdim=True).expand_as(score) if self.heads == "shared" else score
 
     def protect(self, layer, width, keep):

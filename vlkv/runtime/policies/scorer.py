@@ -56,7 +56,8 @@ class ScorePolicy(Policy):
             ctx: batch facts (``num_heads``, ``num_kv_heads``, spans).
 
         Returns:
-            ``(B, H_kv, W)`` float, ``W = layer.max_length``: per sample, per KV head, per entry.
+            ``(B, H_kv, W)`` float, ``W >= layer.max_length``: per sample, per KV head, per table
+            column (the selection reads the first ``max_length`` columns; later ones are ignored).
         """
         raise NotImplementedError
 
@@ -113,9 +114,12 @@ class ScorePolicy(Policy):
         layers = cache.layers
         if self.head_budgets() == "own" and self.layer_scope() == "layer":
             return select_top(
-                cache, keep, lambda i, width: self.score(layers[i], inputs[i], ctx), self.protect
+                cache,
+                keep,
+                lambda i, width: self.score(layers[i], inputs[i], ctx)[:, :, :width],
+                self.protect,
             )
-        scores = [self.score(layer, st, ctx) for layer, st in zip(layers, inputs)]
+        scores = [self.score(layer, st, ctx)[:, :, : layer.max_length] for layer, st in zip(layers, inputs)]
         forced = [self.protect(layer, s.shape[2], k) for layer, s, k in zip(layers, scores, keep)]
         if self.head_budgets() == "adaptive":
             return budgets.adaptive_edits(cache, scores, forced, keep[0], self.layer_scope())

@@ -45,6 +45,7 @@ class SnapKVPolicy(ScorePolicy):
         return StatsRequest(rows=(i >= (n - self.window)[:, None]) & (i < n[:, None]))
 
     def score(self, layer, stats, ctx):
+        # pool over the layer's columns only: padding past them must not enter the edge windows
         score = per_kv_head(stats.colsum[:, :, : layer.max_length], ctx.num_kv_heads)
         b, h, s = score.shape
         pooled = F.avg_pool1d(

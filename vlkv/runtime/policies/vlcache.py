@@ -96,7 +96,7 @@ class VLCachePolicy(ScorePolicy):
         return self.make_allocator().fractions(self.budget, ctx.prompt_lengths, len(cache.layers), stats)
 
     def score(self, layer, stats, ctx):
-        return token_scores(stats.colsum[:, :, : layer.max_length], ctx.num_kv_heads, self.heads)
+        return token_scores(stats.colsum, ctx.num_kv_heads, self.heads)
 
     def protect(self, layer, width, keep):
         return recent_mask(layer.lengths, width, torch.floor(keep.double() * self.recent_ratio).long())
