@@ -63,6 +63,42 @@ def test_keeps_the_smallest_key_norms_per_kv_head(lengths, budget, sinks):
                 assert got == _brute(layer_keys[b, h], m, k, sinks), (b, h)
 
 
+@pytest.mark.parametrize("lengths", [[9], [81, 40], [30, 7, 19]])
+@pytest.mark.parametrize("budget,sinks", [(0.5, 0), (0.2, 2)])
+def test_adaptive_heads_share_one_ranking_per_layer(lengths, budget, sinks):
+    """``heads="adaptive"`` (the shared per-head budgets): a layer's heads keep, together, its
+    ``H_kv · k`` smallest norms (at least one each), each head its own best; the rest are holes."""
+    heads = 3
+    cache = _cache(7 + sinks, lengths, heads=heads)
+    policy = make_policy("knorm", budget=budget, sinks=sinks, heads="adaptive")
+    n = torch.tensor(lengths)
+    keys = [layer.keys for layer in cache.layers]
+    edits = policy.after_prefill(cache, StepStats([None] * 2), PolicyContext([], n, 6, heads))
+    keep = policy.prompt_keep(n, sinks + 1)
+    counts_differ = False
+    for layer_keys, edit in zip(keys, edits):
+        for b, m in enumerate(lengths):
+            k = int(keep[b])
+            # one ranking over (head, column): sinks first, then the smallest norms, ties by position
+            norms = layer_keys[b, :, :m].float().norm(dim=-1)
+            cells = sorted(
+                ((h, c) for h in range(heads) for c in range(m)),
+                key=lambda hc: (hc[1] >= sinks, float(norms[hc]), hc[0], hc[1]),
+            )
+            count = [sum(1 for h, _ in cells[: k * heads] if h == head) for head in range(heads)]
+            count = [min(max(c, 1), m) for c in count]
+            counts_differ |= len(set(count)) > 1
+            width = int(edit.keep_len[b])
+            for h in range(heads):
+                held = [
+                    c
+                    for c, hole in zip(edit.index[b, h, :width].tolist(), edit.holes[b, h, :width])
+                    if not hole
+                ]
+                assert held == _brute(layer_keys[b, h], m, count[h], sinks), (b, h)
+    assert counts_differ  # the heads really got different budgets
+
+
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
 def test_a_run_keeps_the_smallest_norms_of_the_full_cache(name, engines, images):
     """The kept entries of a real prefill are the smallest-norm keys of the uncompressed cache."""

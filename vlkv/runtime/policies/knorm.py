@@ -9,6 +9,8 @@ from typing import ClassVar
 from vlkv.runtime.policies.base import sink_mask
 from vlkv.runtime.policies.scorer import ScorePolicy
 
+HEADS = ("own", "adaptive")
+
 
 @dataclass
 class KnormPolicy(ScorePolicy):
@@ -19,9 +21,12 @@ class KnormPolicy(ScorePolicy):
 
     Attributes:
         sinks: first entries always kept, >= 0 (0: kvpress's ``KnormPress`` protects none).
+        heads: ``"own"`` (every KV head keeps ``budget`` of the entries) or ``"adaptive"`` (one
+            ranking over a layer's heads decides each head's count, AdaKV-style; see ``budgets.py``).
     """
 
     sinks: int = 0
+    heads: str = "own"
 
     name: ClassVar[str] = "knorm"
     # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
@@ -31,6 +36,8 @@ class KnormPolicy(ScorePolicy):
         super().__post_init__()
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.heads not in HEADS:
+            raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
 
     def score(self, layer, stats, ctx):
         keys = layer.attention_kv(layer.max_length)[0]  # (B, H_kv, W, D)
@@ -41,3 +48,6 @@ class KnormPolicy(ScorePolicy):
 
     def min_keep(self) -> int:
         return self.sinks + 1
+
+    def head_budgets(self) -> str:
+        return self.heads
