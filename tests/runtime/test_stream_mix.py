@@ -18,6 +18,7 @@ SPECS = [
     ("local", {"budget": 0.4}),
     ("h2o", {"budget": 0.5}),
     ("snapkv", {"budget": 0.3}),
+    ("knorm", {"budget": 0.4}),
     ("elastic", {"budget": 0.5}),
     ("pyramidkv", {"budget": 0.4}),
     ("vlcache", {"budget": 0.3}),

@@ -62,3 +62,39 @@ def test_local_holds_the_sinks_and_the_latest_entries(extra, engines, images):
         slots = layer.slots[b, :, :3]  # the sinks
         heads = torch.arange(layer.kv_heads)[:, None]
         assert torch.equal(cache.pool.keys[0][heads, slots], keys_before[heads, slots])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_cut_keeps_what_the_shared_top_k_of_its_score_keeps(seed):
+    """``local`` is a score (recency, sinks protected); its cut is a fast form of the shared selection."""
+    from vlkv.runtime.cache import KVCache
+    from vlkv.runtime.policies.scorer import ScorePolicy
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, d = 3, 2, 4
+    cache = KVCache.empty(3, b, h, d, 1, torch.float32)
+    lens = [[12, 5, 9], [12, 5, 9], [7, 7, 3]]
+    for layer, n in zip(cache.layers, lens):
+        q = max(n)
+        k, v = torch.randn(b, h, q, d, generator=g), torch.randn(b, h, q, d, generator=g)
+        layer.append(
+            k,
+            v,
+            torch.arange(q).expand(b, q)[..., None],
+            torch.zeros(b, q, dtype=torch.int8),
+            torch.tensor(n),
+        )
+    pol = make_policy("local", budget=0.5, sinks=seed % 3)
+    keep = [torch.tensor([6, 4, 2]), torch.tensor([3, 5, 9]), torch.tensor([4, 4, 4])]
+    cuts = pol.select(cache, [None] * 3, None, keep)
+    tops = ScorePolicy.select(pol, cache, [None] * 3, None, keep)
+    for layer, cut, top in zip(cache.layers, cuts, tops):
+        assert (cut is None) == (top is None)
+        if cut is None:
+            continue
+        for s in range(b):
+            n = int(layer.lengths[s])
+            start, count = int(cut.start[s]), int(cut.count[s])
+            want = [c for c in range(n) if not start <= c < start + count]
+            for head in range(h):
+                assert top.index[s, head, : int(top.keep_len[s])].tolist() == want, (s, head)

@@ -302,23 +302,33 @@ def _drop_lowest(ranked: Tensor, drop: Tensor) -> Tensor:
 def evict_to(cache: KVCache, target: Tensor, score, force) -> list[LayerEdit | None]:
     """Per layer, keep at most ``target[b]`` entries: the best by ``score(layer, width)``
     (``(B, H_kv, width)``), with ``force(layer, width, keep)`` (``(B, 1 or H_kv, width)`` bool) always in.
-    Layers already within the target get no edit.
+    Layers already within the target get no edit. See :func:`select_top` (the same, per-layer targets)."""
+    layers = cache.layers
+    return select_top(cache, [target] * len(layers), lambda i, width: score(layers[i], width), force)
 
-    ``force`` may depend on a layer only through its lengths: layers holding the same lengths (every
-    layer of a uniform per-step policy) are ranked in one :func:`top_entries` call over their stacked
-    scores, with one ``force`` mask — the same picks as one call per layer, at one call's cost."""
+
+def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[LayerEdit | None]:
+    """Per layer ``i``, keep at most ``targets[i][b]`` entries: the best by ``score(i, width)``
+    (``(B, H_kv, width)``, higher = keep), with ``force(layer, width, keep)`` (``(B, 1 or H_kv, width)``
+    bool, or None) always in, counted within the target. Layers already within it get no edit.
+
+    ``force`` may depend on a layer only through its lengths: layers holding the same lengths and
+    targets (every layer of a uniform per-step policy) are ranked in one :func:`top_entries` call over
+    their stacked scores, with one ``force`` mask — the same picks as one call per layer, at one call's
+    cost."""
     edits: list[LayerEdit | None] = [None] * len(cache.layers)
     lengths = cache.lengths()  # (L, B)
-    over = (lengths > target.to(lengths.device)[None, :]).any(1).tolist()
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (row, o) in enumerate(zip(lengths.tolist(), over)):
+    target = torch.stack([t.to(lengths.device) for t in targets])  # (L, B)
+    over = (lengths > target).any(1).tolist()
+    groups: dict[tuple, list[int]] = {}
+    for i, (row, want, o) in enumerate(zip(lengths.tolist(), target.tolist(), over)):
         if o:
-            groups.setdefault(tuple(row), []).append(i)
-    for row, members in groups.items():
+            groups.setdefault((tuple(row), tuple(want)), []).append(i)
+    for (row, _), members in groups.items():
         first = cache.layers[members[0]]
         width, b = max(row), len(row)
-        keep = torch.minimum(target, first.lengths)
-        scores = torch.cat([score(cache.layers[i], width) for i in members])  # (G·B, H_kv, width)
+        keep = torch.minimum(targets[members[0]].to(first.lengths.device), first.lengths)
+        scores = torch.cat([score(i, width) for i in members])  # (G·B, H_kv, width)
         g = len(members)
         valid, forced = valid_slots(first, width), force(first, width, keep)
         if g > 1:

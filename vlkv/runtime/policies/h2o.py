@@ -8,23 +8,19 @@ from typing import ClassVar
 import torch
 
 from vlkv.runtime.backend import StatsRequest
-from vlkv.runtime.cache import KVCache
-from vlkv.runtime.policies.base import (
-    LayerEdit,
-    Policy,
-    PolicyContext,
-    check_range,
-    evict_to,
-    per_kv_head,
-    recent_mask,
-)
+from vlkv.runtime.policies.base import check_range, per_kv_head, recent_mask
+from vlkv.runtime.policies.scorer import ScorePolicy
 
 SCORE = "h2o"
 
 
 @dataclass
-class H2OPolicy(Policy):
+class H2OPolicy(ScorePolicy):
     """Per KV head, keep the entries with the largest attention received so far plus recent ones.
+
+    Score: the attention each entry has received from every row so far (prompt rows, then each
+    decode row), summed over the KV head's GQA group; evicts to the budget after prefill and at
+    every decode step.
 
     Attributes:
         heavy_ratio: share of the kept entries chosen by score, in [0, 1]; the rest is the
@@ -47,26 +43,15 @@ class H2OPolicy(Policy):
     def decode_request(self, cache, ctx):
         return StatsRequest(exact_output=self.budget >= 1)
 
-    def _accumulate(self, cache: KVCache, stats: list, ctx: PolicyContext) -> None:
+    def observe(self, cache, stats, ctx):
         for layer, st in zip(cache.layers, stats):
             score = layer.ensure_score(SCORE)
             s = st.colsum.shape[-1]
             score[:, :, :s] += per_kv_head(st.colsum, ctx.num_kv_heads)
 
-    def _evict(self, cache: KVCache, target: torch.Tensor) -> list[LayerEdit | None]:
-        def recent(layer, width, keep):
-            return recent_mask(
-                layer.lengths, width, keep - torch.round(keep.double() * self.heavy_ratio).long()
-            )
+    def score(self, layer, stats, ctx):
+        return layer.scores[SCORE]  # (B, H_kv, capacity)
 
-        return evict_to(cache, target, lambda layer, width: layer.scores[SCORE][:, :, :width], recent)
-
-    def after_prefill(self, cache, stats, ctx):
-        self._accumulate(cache, stats, ctx)
-        return self._evict(cache, self.prompt_keep(ctx.prompt_lengths))
-
-    def observe(self, cache, stats, ctx):
-        self._accumulate(cache, stats, ctx)
-
-    def decode_edits(self, cache, ctx):
-        return self._evict(cache, self.decode_target(cache))
+    def protect(self, layer, width, keep):
+        recent = keep - torch.round(keep.double() * self.heavy_ratio).long()
+        return recent_mask(layer.lengths, width, recent)

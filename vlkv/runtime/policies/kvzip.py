@@ -29,11 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-from torch import Tensor
-
-from vlkv.runtime.cache import KVCache
-from vlkv.runtime.policies.base import LayerEdit, Policy, sink_mask, top_entries, valid_slots
+from vlkv.runtime.policies.base import sink_mask
+from vlkv.runtime.policies.scorer import ScorePolicy
 from vlkv.runtime.replay import DEFAULT_TEMPLATE, REPLAY_MODES, ReplayRequest
 
 SCOPES = ("model", "layer")
@@ -41,7 +38,7 @@ HEADS = ("own", "shared", "adaptive")
 
 
 @dataclass
-class KVzipPolicy(Policy):
+class KVzipPolicy(ScorePolicy):
     """Attributes:
     chunk_size: context tokens per replay chunk, >= 1 (memory O(chunk_size × context)).
     sinks: first entries always kept, >= 0.
@@ -72,6 +69,7 @@ class KVzipPolicy(Policy):
     # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
     always_kept: ClassVar[tuple[str, ...]] = ("sinks",)
     gradient: ClassVar[bool] = False
+    stats_source: ClassVar[str | None] = "replay"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -98,125 +96,24 @@ class KVzipPolicy(Policy):
         )
 
     def after_prefill(self, cache, stats, ctx):
-        scores = getattr(stats, "replay", None)
-        if self.budget >= 1.0 or scores is None:
+        if self.budget >= 1.0 or getattr(stats, "replay", None) is None:
             return None
-        n = ctx.prompt_lengths
-        keep = self.prompt_keep(n, min_keep=self.sinks + 1)
-        scores = [self._head_scores(s, cache.layers[i].max_length) for i, s in enumerate(scores)]
-        if self.heads == "adaptive":
-            return self._adaptive_edits(cache, scores, keep)
-        per_layer = self._layer_keep(cache, scores, keep) if self.scope == "model" else [keep] * len(scores)
-        edits = []
-        for layer, score, k in zip(cache.layers, scores, per_layer):
-            width = layer.max_length
-            index, keep_len = top_entries(
-                score, valid_slots(layer, width), k, force=sink_mask(layer.lengths, width, self.sinks)
-            )
-            edits.append(LayerEdit(index, keep_len))
-        return edits
+        return super().after_prefill(cache, stats, ctx)
 
-    def _head_scores(self, score: Tensor, width: int) -> Tensor:
-        """``(B, H_kv, S)`` → ``(B, H_kv, width)`` float32, shared over heads for ``heads="shared"``."""
-        score = score[:, :, :width].float()
-        if self.heads == "shared":
-            score = score.amax(1, keepdim=True).expand_as(score)
-        return score
+    def score(self, layer, stats, ctx):
+        """``stats``: the layer's replay scores ``(B, H_kv, S)`` (:mod:`vlkv.runtime.replay`); max over
+        the KV heads for ``heads="shared"``."""
+        score = stats.float()
+        return score.amax(1, keepdim=True).expand_as(score) if self.heads == "shared" else score
 
-    def _ranked(self, layer, score: Tensor) -> Tensor:
-        """``(B, H_kv, width)`` float32: ``score`` with invalid slots -inf and sinks +inf."""
-        width = score.shape[2]
-        valid = valid_slots(layer, width).expand_as(score)
-        ranked = score.float().masked_fill(~valid, float("-inf"))
-        return ranked.masked_fill(
-            sink_mask(layer.lengths, width, self.sinks).expand_as(score) & valid, float("inf")
-        )
+    def protect(self, layer, width, keep):
+        return sink_mask(layer.lengths, width, self.sinks)
 
-    def _head_counts(self, cache: KVCache, ranked: list[Tensor], keep: Tensor) -> Tensor:
-        """``(L, B, H_kv)`` int64 entries each (layer, sample, head) keeps: its picks in one ranking
-        of ``H_kv · k_b`` entries per layer (over every layer with ``scope="model"``, each layer
-        alone with ``scope="layer"``), at least one per head."""
-        n_layers, (b, heads, _) = len(ranked), ranked[0].shape
-        counts = torch.zeros(n_layers, b, heads, dtype=torch.long, device=keep.device)
-        groups = [list(range(n_layers))] if self.scope == "model" else [[i] for i in range(n_layers)]
-        for s in range(b):
-            for group in groups:
-                parts = [ranked[i][s, :, : int(cache.layers[i].lengths[s])] for i in group]
-                flat = torch.cat([p.reshape(-1) for p in parts])
-                owner = torch.cat(
-                    [
-                        (j * heads + torch.arange(heads, device=p.device))[:, None].expand_as(p).reshape(-1)
-                        for j, p in enumerate(parts)
-                    ]
-                )
-                total = min(int(keep[s]) * heads * len(group), flat.numel())
-                picked = owner[torch.sort(flat, descending=True, stable=True).indices[:total]]
-                got = torch.bincount(picked, minlength=heads * len(group)).view(len(group), heads)
-                counts[group, s] = got.to(counts.device)
-        lengths = torch.stack([layer.lengths for layer in cache.layers]).to(counts.device)  # (L, B)
-        return torch.minimum(counts.clamp(min=1), lengths[:, :, None])
+    def min_keep(self) -> int:
+        return self.sinks + 1
 
-    def _adaptive_edits(self, cache: KVCache, scores: list[Tensor], keep: Tensor) -> list[LayerEdit]:
-        """Per-head budgets: each layer keeps, per head, its top ``width`` entries (``width`` = the
-        fullest head's count) and marks the ones past the head's own count as holes."""
-        ranked = [self._ranked(layer, score) for layer, score in zip(cache.layers, scores)]
-        counts = self._head_counts(cache, ranked, keep)
-        edits = []
-        for layer, score, rank_in, count in zip(cache.layers, scores, ranked, counts):
-            width = score.shape[2]
-            index, keep_len = top_entries(
-                score,
-                valid_slots(layer, width),
-                count.amax(1),
-                force=sink_mask(layer.lengths, width, self.sinks),
-            )
-            order = torch.sort(rank_in, dim=-1, descending=True, stable=True).indices
-            rank = torch.empty_like(order).scatter_(
-                2, order, torch.arange(width, device=order.device).expand_as(order)
-            )
-            holes = rank.gather(2, index) >= count.to(rank.device)[:, :, None]
-            edits.append(LayerEdit(index, keep_len, holes=holes))
-        return edits
+    def head_budgets(self) -> str:
+        return "adaptive" if self.heads == "adaptive" else "own"
 
-    def _layer_keep(self, cache: KVCache, scores: list[Tensor], keep: Tensor) -> list[Tensor]:
-        """Per layer ``(B,)`` entries per KV head: each layer's share of one model-wide ranking.
-
-        Sample ``b`` keeps ``L · k_b`` entries per head in all; a layer's count is its number of
-        (head, entry) picks in the top ``L · H_kv · k_b`` of all layers, divided by ``H_kv``, rounded,
-        then the rounding error is settled on the layers closest to the next integer.
-        """
-        n_layers = len(scores)
-        b = keep.shape[0]
-        out = torch.zeros(n_layers, b, dtype=torch.long, device=keep.device)
-        for s in range(b):
-            flat, owner = [], []
-            for i, (layer, score) in enumerate(zip(cache.layers, scores)):
-                n_s = int(layer.lengths[s])
-                part = score[s, :, :n_s].clone()
-                part[:, : self.sinks] = float("inf")  # sinks are kept wherever they are
-                flat.append(part.reshape(-1))
-                owner.append(torch.full((part.numel(),), i, dtype=torch.long, device=part.device))
-            flat_t, owner_t = torch.cat(flat), torch.cat(owner)
-            heads = scores[0].shape[1]
-            total = min(int(keep[s]) * n_layers * heads, flat_t.numel())
-            picked = owner_t[torch.sort(flat_t, descending=True, stable=True).indices[:total]]
-            share = torch.bincount(picked, minlength=n_layers).double() / heads
-            lengths = torch.tensor([int(layer.lengths[s]) for layer in cache.layers], device=share.device)
-            out[:, s] = _round_shares(
-                share, int(keep[s]) * n_layers, min(self.sinks + 1, int(keep[s])), lengths
-            )
-        return list(out)
-
-
-def _round_shares(share: Tensor, total: int, low: int, high: Tensor) -> Tensor:
-    """Integer per-layer counts summing to ``total``, each in ``[low, high[l]]``, closest to ``share (L,)``
-    (largest remainders first)."""
-    count = torch.minimum(share.floor().long().clamp(min=low), high)
-    for _ in range(abs(total - int(count.sum()))):
-        diff = total - int(count.sum())
-        gap = share - count
-        if diff > 0:
-            count[int(torch.argmax(gap.masked_fill(count >= high, float("-inf"))))] += 1
-        elif diff < 0:
-            count[int(torch.argmin(gap.masked_fill(count <= low, float("inf"))))] -= 1
-    return count
+    def layer_scope(self) -> str:
+        return self.scope

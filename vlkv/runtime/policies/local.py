@@ -6,15 +6,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import Tensor
 
-from vlkv.runtime.cache import KVCache
-from vlkv.runtime.policies.base import CutEdit, Policy, PolicyContext
+from vlkv.runtime.policies.base import CutEdit, sink_mask
+from vlkv.runtime.policies.scorer import ScorePolicy
 
 
 @dataclass
-class LocalPolicy(Policy):
+class LocalPolicy(ScorePolicy):
     """Keep the first ``sinks`` entries and the most recent ones, ``budget`` of the tokens in all.
+
+    Score: recency (entries sit in the table in the order they came); the sinks are protected.
 
     Attributes:
         sinks: leading entries always kept (StreamingLLM's attention sinks), >= 0.
@@ -33,21 +34,28 @@ class LocalPolicy(Policy):
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
 
-    def _keep(self, cache: KVCache, target: Tensor) -> list[CutEdit | None]:
-        """Per layer, hold at most ``target (B,)`` entries: the ``sinks`` first and the most recent.
+    def score(self, layer, stats, ctx):
+        width = layer.max_length
+        return (
+            torch.arange(width, device=layer.lengths.device)
+            .float()
+            .expand(layer.batch, layer.kv_heads, width)
+        )
 
-        Entries sit in the table in the order they came, so what goes is one run per sample, the
-        oldest after the sinks (``[sinks, sinks + over)``): a :class:`CutEdit`, which moves only the
-        entries after it instead of ranking and gathering every table."""
+    def protect(self, layer, width, keep):
+        return sink_mask(layer.lengths, width, self.sinks)
+
+    def min_keep(self) -> int:
+        return self.sinks + 1
+
+    def select(self, cache, inputs, ctx, keep):
+        """The top of :meth:`score` with the sinks protected is one run per sample, the oldest after
+        the sinks (``[sinks, sinks + over)``): a :class:`CutEdit`, which moves only the entries after
+        it instead of ranking and gathering every table (equal to the shared selection, tested)."""
         lengths = cache.lengths()  # (L, B)
-        over = lengths - torch.minimum(target.to(lengths)[None, :], lengths)
+        target = torch.stack([k.to(lengths) for k in keep])
+        over = lengths - torch.minimum(target, lengths)
         if not bool(over.any()):
             return [None] * len(cache.layers)
         start = torch.full_like(over[0], self.sinks)
         return [CutEdit(start, o) if any(f) else None for o, f in zip(over, over.tolist())]
-
-    def after_prefill(self, cache, stats, ctx: PolicyContext):
-        return self._keep(cache, self.prompt_keep(ctx.prompt_lengths, min_keep=self.sinks + 1))
-
-    def decode_edits(self, cache, ctx: PolicyContext):
-        return self._keep(cache, self.decode_target(cache, min_keep=self.sinks + 1))

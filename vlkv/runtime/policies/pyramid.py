@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from vlkv.runtime.policies.allocators import STATE_FRACTIONS, PyramidAllocator, per_layer
+from vlkv.runtime.policies.allocators import PyramidAllocator
 from vlkv.runtime.policies.snapkv import SnapKVPolicy
 
 
@@ -42,11 +42,10 @@ class PyramidKVPolicy(SnapKVPolicy):
         super().__post_init__()
         PyramidAllocator(floor=self.floor, beta=self.beta)  # validates beta and floor
 
-    def after_prefill(self, cache, stats, ctx):
+    def layer_fractions(self, cache, stats, ctx):
         allocator = PyramidAllocator(floor=self.floor, beta=self.beta)
         fr = allocator.fractions(self.budget, ctx.prompt_lengths, len(cache.layers))
         if self.fallback:
             deepest = torch.round(fr.min(0).values * ctx.prompt_lengths.double())  # (B,)
             fr[:, deepest < self.window] = float(self.budget)
-        cache.policy_state[STATE_FRACTIONS] = fr
-        return per_layer(SnapKVPolicy.after_prefill, self, fr, cache, stats, ctx)
+        return fr

@@ -17,6 +17,7 @@ from vlkv.runtime.policies.cadence import Cadence
 from vlkv.runtime.policies.elastic import ElasticPolicy
 from vlkv.runtime.policies.full import FullPolicy
 from vlkv.runtime.policies.h2o import H2OPolicy
+from vlkv.runtime.policies.knorm import KnormPolicy
 from vlkv.runtime.policies.kvgrad import KVgradPolicy
 from vlkv.runtime.policies.kvzip import KVzipPolicy
 from vlkv.runtime.policies.local import LocalPolicy
@@ -36,6 +37,7 @@ POLICIES: dict[str, type[Policy]] = {
     "attnpack": AttnPackPolicy,
     "kvzip": KVzipPolicy,
     "kvgrad": KVgradPolicy,
+    "knorm": KnormPolicy,
 }
 
 ALLOCATOR_PREFIX = "allocator_"

@@ -122,7 +122,7 @@ def check_compresses(policy, settings: dict, prompt_tokens: int, prefix: str = "
     """Refuse given settings that keep every entry of a ``prompt_tokens``-long prompt at budget < 1.
 
     A policy lists in ``always_kept`` the integer settings whose entries it keeps whatever the
-    budget (``local``'s sinks, ``elastic``'s start and recent); with the last token, which every such
+    budget (``local``'s sinks, ``elastic``'s start and recent); with one more entry, which every such
     policy keeps, they hold the whole prompt once their sum reaches its length: the run would report
     ``budget 0.5`` and keep the full cache. Defaults are not refused, only settings the user gave.
     """
@@ -139,6 +139,6 @@ def check_compresses(policy, settings: dict, prompt_tokens: int, prefix: str = "
     fix = "lower it" if len(given) == 1 else "lower them"
     raise SettingError(
         f"{shown} keeps all {prompt_tokens} entries of the prompt (policy {inner.name!r} always keeps "
-        f"{' + '.join(names)} + the last token = {kept}), so budget {budget:g} compresses nothing: "
+        f"{' + '.join(names)} + one more entry = {kept}), so budget {budget:g} compresses nothing: "
         f"{fix} until that sum is under {prompt_tokens}"
     )

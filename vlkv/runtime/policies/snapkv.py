@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from vlkv.runtime.backend import StatsRequest
-from vlkv.runtime.policies.base import LayerEdit, Policy, per_kv_head, recent_mask, top_entries, valid_slots
+from vlkv.runtime.policies.base import per_kv_head, recent_mask
+from vlkv.runtime.policies.scorer import ScorePolicy
 
 
 @dataclass
-class SnapKVPolicy(Policy):
+class SnapKVPolicy(ScorePolicy):
     """Score prompt entries by the attention of the last ``window`` prompt rows (per KV head),
     smoothed by 1-D average pooling; keep the window itself plus the best-scoring older entries.
 
@@ -43,23 +44,18 @@ class SnapKVPolicy(Policy):
         i = torch.arange(rows, device=n.device)[None, :]
         return StatsRequest(rows=(i >= (n - self.window)[:, None]) & (i < n[:, None]))
 
-    def after_prefill(self, cache, stats, ctx):
-        keep = self.prompt_keep(ctx.prompt_lengths)
-        edits = []
-        for layer, st in zip(cache.layers, stats):
-            width = layer.max_length
-            score = per_kv_head(st.colsum[:, :, :width], ctx.num_kv_heads)
-            b, h, s = score.shape
-            pooled = F.avg_pool1d(
-                score.reshape(b * h, 1, s),
-                self.kernel,
-                stride=1,
-                padding=self.kernel // 2,
-                count_include_pad=False,
-            ).reshape(b, h, s)
-            window = torch.minimum(keep, torch.full_like(keep, self.window))
-            index, keep_len = top_entries(
-                pooled, valid_slots(layer, width), keep, force=recent_mask(layer.lengths, width, window)
-            )
-            edits.append(LayerEdit(index, keep_len))
-        return edits
+    def score(self, layer, stats, ctx):
+        # pool over the layer's columns only: padding past them must not enter the edge windows
+        score = per_kv_head(stats.colsum[:, :, : layer.max_length], ctx.num_kv_heads)
+        b, h, s = score.shape
+        pooled = F.avg_pool1d(
+            score.reshape(b * h, 1, s),
+            self.kernel,
+            stride=1,
+            padding=self.kernel // 2,
+            count_include_pad=False,
+        )
+        return pooled.reshape(b, h, s)
+
+    def protect(self, layer, width, keep):
+        return recent_mask(layer.lengths, width, torch.minimum(keep, torch.full_like(keep, self.window)))

@@ -12,22 +12,13 @@ from torch import Tensor
 from vlkv.runtime.backend import StatsRequest
 from vlkv.runtime.policies.allocators import (
     ALLOCATORS,
-    STATE_FRACTIONS,
     Allocator,
     SparsityAllocator,
-    keep_counts,
     make_allocator,
     post_vision_mask,
 )
-from vlkv.runtime.policies.base import (
-    LayerEdit,
-    Policy,
-    check_range,
-    per_kv_head,
-    recent_mask,
-    top_entries,
-    valid_slots,
-)
+from vlkv.runtime.policies.base import check_range, per_kv_head, recent_mask
+from vlkv.runtime.policies.scorer import ScorePolicy
 
 HEAD_MODES = ("kv", "layer")
 
@@ -45,7 +36,7 @@ def token_scores(colsum: Tensor, num_kv_heads: int, mode: str = "kv") -> Tensor:
 
 
 @dataclass
-class VLCachePolicy(Policy):
+class VLCachePolicy(ScorePolicy):
     """VL-Cache.
 
     Prefill statistics come from the post-vision rows ``P`` (language tokens after the last image;
@@ -101,20 +92,11 @@ class VLCachePolicy(Policy):
     def prefill_request(self, ctx, rows):
         return StatsRequest(rows=post_vision_mask(ctx, rows, self.fallback_rows), threshold=self.threshold)
 
-    def after_prefill(self, cache, stats, ctx):
-        fr = self.make_allocator().fractions(self.budget, ctx.prompt_lengths, len(cache.layers), stats)
-        cache.policy_state[STATE_FRACTIONS] = fr
-        keep_all = keep_counts(fr, ctx.prompt_lengths)
-        edits: list[LayerEdit | None] = []
-        for layer, st, keep in zip(cache.layers, stats, keep_all):
-            if bool((keep >= layer.lengths).all()):
-                edits.append(None)
-                continue
-            width = layer.max_length
-            score = token_scores(st.colsum[:, :, :width], ctx.num_kv_heads, self.heads)
-            recent = torch.floor(keep.double() * self.recent_ratio).long()
-            index, keep_len = top_entries(
-                score, valid_slots(layer, width), keep, force=recent_mask(layer.lengths, width, recent)
-            )
-            edits.append(LayerEdit(index, keep_len))
-        return edits
+    def layer_fractions(self, cache, stats, ctx):
+        return self.make_allocator().fractions(self.budget, ctx.prompt_lengths, len(cache.layers), stats)
+
+    def score(self, layer, stats, ctx):
+        return token_scores(stats.colsum, ctx.num_kv_heads, self.heads)
+
+    def protect(self, layer, width, keep):
+        return recent_mask(layer.lengths, width, torch.floor(keep.double() * self.recent_ratio).long())
