@@ -10,6 +10,7 @@ the syncs a GPU run would pay), so a test can bound them and a benchmark can rep
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -35,15 +36,34 @@ class OpCount:
         ops: aten ops dispatched (each one a kernel launch on a GPU).
         syncs: host syncs among them, plus every ``Tensor.tolist()`` / ``Tensor.numpy()`` call.
         kinds: syncs by kind (``item``, ``tolist``, ``nonzero``, ``bool_index``...).
+        modules: syncs by the innermost ``vlkv`` module that asked (``vlkv.runtime.cache``...), so a
+            test can bound one component's share.
     """
 
     ops: int = 0
     syncs: int = 0
     kinds: Counter = field(default_factory=Counter)
+    modules: Counter = field(default_factory=Counter)
 
     def sync(self, kind: str) -> None:
         self.syncs += 1
         self.kinds[kind] += 1
+        self.modules[_asker()] += 1
+
+    def syncs_in(self, *modules: str) -> int:
+        """Syncs asked by ``modules`` (full dotted names)."""
+        return sum(self.modules[m] for m in modules)
+
+
+def _asker() -> str:
+    """The innermost ``vlkv`` module on the stack outside this one (``"?"`` when none is)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("vlkv.") and name != __name__:
+            return name
+        frame = frame.f_back
+    return "?"
 
 
 class _Counting(TorchDispatchMode):

@@ -35,6 +35,7 @@ class StepOutputs:
         failed: ``(request, exception)`` for each request that failed alone (or whose failed step
             could not be undone).
         retried: decode groups that raised and were rerun one request at a time.
+        run_s: wall seconds of the whole run.
     """
 
     prefill: StepOutput | None = None
@@ -42,6 +43,7 @@ class StepOutputs:
     runs: list[GroupRun] = field(default_factory=list)
     failed: list[tuple[object, Exception]] = field(default_factory=list)
     retried: int = 0
+    run_s: float = 0.0
 
 
 class Runner:
@@ -52,11 +54,13 @@ class Runner:
         self.engine, self.pool, self.link = engine, pool, link
 
     def run(self, plan: StepPlan) -> StepOutputs:
+        t0 = time.perf_counter()
         outputs = StepOutputs()
         for req in plan.prefill:
             self._prefill(req, outputs)
         for group in plan.groups:
             self._decode(group, outputs)
+        outputs.run_s = time.perf_counter() - t0
         return outputs
 
     def _prefill(self, req, outputs: StepOutputs) -> None:

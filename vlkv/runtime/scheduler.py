@@ -177,11 +177,13 @@ class Scheduler:
         self._finish(request, Status.CANCELLED)
 
     def step(self) -> None:
-        """One scheduling iteration: resume swapped requests, then ``plan → run → commit`` for each
-        admitted request's prefill and for one batched decode step of every running request."""
-        self._resume()
-        self._admit()
-        self._decode()
+        """One scheduling iteration: ``plan → run → commit`` for each admitted request's prefill, then
+        for one batched decode step of every running request (nano-vllm's ``LLMEngine.step``)."""
+        while True:
+            plan = self.plan()
+            self.commit(plan, self.runner.run(plan))
+            if plan.is_decode:
+                return
 
     def run(self) -> None:
         while self.has_work:
@@ -192,18 +194,17 @@ class Scheduler:
         self.link.flush()
 
     def plan(self) -> StepPlan:
-        """The next step: the prefill of the next request admission lets in (one per plan: its
-        policy's compression decides what the next admission finds), else the decode step of every
-        running request (preempting first when it would not fit)."""
-        req = self._next_admitted()
-        if req is not None:
-            req.status = Status.RUNNING
-            return StepPlan(prefill=[req])
-        return self._plan_decode()
+        """The next step: swapped requests resume when the pool has room; then the prefill of the
+        next request admission lets in (one per plan: its policy's compression decides what the next
+        admission finds), else the decode step of every running request (preempting first when it
+        would not fit)."""
+        self._resume()
+        return self._plan_prefill() or self._plan_decode()
 
     def commit(self, plan: StepPlan, outputs: StepOutputs) -> None:
         """Apply what running ``plan`` produced: fail the requests that failed alone, then per
         request its policy's edits, its usage counts and its next token."""
+        t0 = time.perf_counter()
         for req, err in outputs.failed:
             self._fail(req, err)
         self.retried_steps += outputs.retried
@@ -211,16 +212,26 @@ class Scheduler:
             if outputs.prefill is not None:
                 self._commit_prefill(plan.prefill[0], outputs)
             return
+        if not plan.groups:
+            return
         self._track()  # every group appended before any policy edits: this step's peak
         for run in outputs.runs:
             self._commit_group(run)
+        self.decode_s += plan.built_s + outputs.run_s + time.perf_counter() - t0
+        self.decode_steps += 1
 
     # ------------------------------------------------------------------ admission
     def _admit(self) -> None:
-        while (req := self._next_admitted()) is not None:
-            req.status = Status.RUNNING
-            plan = StepPlan(prefill=[req])
+        """Every prefill admission lets in now (a benchmark times admission and decode apart)."""
+        while (plan := self._plan_prefill()) is not None:
             self.commit(plan, self.runner.run(plan))
+
+    def _plan_prefill(self) -> StepPlan | None:
+        req = self._next_admitted()
+        if req is None:
+            return None
+        req.status = Status.RUNNING
+        return StepPlan(prefill=[req])
 
     def _reserved(self) -> int:
         return sum(r.reserve for r in (*self.running, *self.swapped))
@@ -305,18 +316,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _decode(self) -> None:
+        """One decode step of every running request (a benchmark times admission and decode apart)."""
         plan = self._plan_decode()
-        if not plan.groups:
-            return
-        t0 = time.perf_counter()
         self.commit(plan, self.runner.run(plan))
-        self.decode_s += time.perf_counter() - t0
-        self.decode_steps += 1
 
     def _plan_decode(self) -> StepPlan:
         """The decode step of every running request, in groups whose read paths share a call; a
         policy or a cache that raises while its part is planned fails its own request only."""
         self._make_room()
+        t0 = time.perf_counter()
         groups = []
         for entries in group_entries(self._entries()):
             try:
@@ -327,7 +335,7 @@ class Scheduler:
                         groups.append(decode_group(self.engine, [e]))
                     except Exception as err:
                         self._fail(e.request, err)
-        return StepPlan(groups=groups)
+        return StepPlan(groups=groups, built_s=time.perf_counter() - t0)
 
     def _entries(self) -> list[Entry]:
         """Each running request's part of this step (its policy asked once); a policy that raises

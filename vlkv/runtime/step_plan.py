@@ -79,11 +79,13 @@ class DecodeGroup:
 class StepPlan:
     """One scheduler step: a prefill of ``prefill`` (one request) or the decode ``groups``.
 
-    An empty plan (no prefill, no groups) is a decode step with nothing running.
+    An empty plan (no prefill, no groups) is a decode step with nothing running. ``built_s``: wall
+    seconds spent building the decode groups (the scheduler counts them as decode time).
     """
 
     prefill: list = field(default_factory=list)
     groups: list[DecodeGroup] = field(default_factory=list)
+    built_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prefill and self.groups:
