@@ -69,6 +69,31 @@ class LinkStage:
             src.flush()
 
     # ------------------------------------------------------------------ records
+    def vet(self, req) -> None:
+        """Check a submitted linking request: raises ``ValueError`` (one line) for a bad tenant, a
+        backend that runs no link step, or a policy that drops prompt rows in its prefill; drops
+        its link (``extras["link_refused"]`` says why) when the method's saved link-check fails."""
+        if req.link is None or req.link.method == "none":
+            return
+        from vlkv.runtime.store.identity import validate_tenant
+
+        validate_tenant(req.tenant)
+        backend = self.engine.backend
+        if not getattr(backend, "supports_link", False):
+            raise ValueError(
+                f"linking needs the PyTorch backend; {backend.name} runs no link step: "
+                "use --backend torch or --link none"
+            )
+        if getattr(req.policy, "prefill_keep", 1.0) < 1.0:
+            raise ValueError(
+                f"policy {req.policy.name!r} drops prompt rows inside the prefill (its prefill filter), "
+                "which a link step cannot do: use --link none, or set its prefill_keep to 1"
+            )
+        why = self.refusal(req.link)
+        if why is not None:
+            req.extras["link_refused"] = why
+            req.link = None
+
     def release_records(self) -> bool:
         """Give the pool's stored records back (requests that link them keep their refs); False when
         there were none, so the caller knows nothing was freed."""

@@ -28,11 +28,11 @@ message; the others keep running.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 
 from vlkv.runtime import edits as _edits  # called through the module: the eval harness probes it
+from vlkv.runtime.admission import RequestTooLarge, check_pool, reserve
 from vlkv.runtime.edits import DECODE_SPARE
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
 from vlkv.runtime.link_stage import LinkStage
@@ -42,9 +42,7 @@ from vlkv.runtime.step_groups import Entry, group_entries, read_path
 from vlkv.runtime.step_plan import StepPlan, decode_group
 from vlkv.runtime.step_reads import GroupReads, slice_stats
 
-
-class RequestTooLarge(ValueError):
-    """A request that could never fit in the scheduler's pool."""
+__all__ = ["RequestTooLarge", "Scheduler"]  # RequestTooLarge lives in admission.py
 
 
 class Scheduler:
@@ -129,7 +127,7 @@ class Scheduler:
         n = request.prompt_tokens
         loaded = self.engine.loaded
         check_fits([n], request.max_new_tokens, position_limit(loaded), getattr(loaded, "name", "the model"))
-        request.reserve = _reserve(request, n)
+        request.reserve = reserve(request, n)
         replay = getattr(request.policy, "replay_request", None)
         if replay is not None and not getattr(self.engine.backend, "supports_replay", False):
             from vlkv.runtime.replay import replay_refusal
@@ -137,34 +135,8 @@ class Scheduler:
             raise ValueError(
                 replay_refusal(self.engine.backend.name, getattr(request.policy, "gradient", False))
             )
-        if request.link is not None and request.link.method != "none":
-            from vlkv.runtime.store.identity import validate_tenant
-
-            validate_tenant(request.tenant)
-            if not getattr(self.engine.backend, "supports_link", False):
-                raise ValueError(
-                    f"linking needs the PyTorch backend; {self.engine.backend.name} runs no link step: "
-                    "use --backend torch or --link none"
-                )
-            if getattr(request.policy, "prefill_keep", 1.0) < 1.0:
-                raise ValueError(
-                    f"policy {request.policy.name!r} drops prompt rows inside the prefill (its prefill filter), "
-                    "which a link step cannot do: use --link none, or set its prefill_keep to 1"
-                )
-            why = self.link.refusal(request.link)
-            if why is not None:
-                request.extras["link_refused"] = why
-                request.link = None
-        if not self.pool.grow:
-            slots = self.pool.capacity(0)
-            need = max(n, request.reserve)
-            if need > slots:
-                per = self.pool.spec.entry_bytes * self.pool.spec.num_layers
-                raise RequestTooLarge(
-                    f"request {request.id} needs {need} KV entries per layer ({need * per} bytes: "
-                    f"{n} prompt tokens, {request.max_new_tokens} new, policy {request.policy.name} at "
-                    f"budget {float(request.policy.budget):g}); the pool holds {slots} ({slots * per} bytes)"
-                )
+        self.link.vet(request)
+        check_pool(request, self.pool)
         self.waiting.append(request)
         return request
 
@@ -430,14 +402,3 @@ class Scheduler:
                     for r, s in zip(self.running, spare)
                 )
             )
-
-
-# ---------------------------------------------------------------------- helpers
-def _reserve(req: Request, n: int) -> int:
-    """Entries per layer the request is expected to hold at most (its admission price)."""
-    budget, m = float(req.policy.budget), req.max_new_tokens
-    if budget >= 1:
-        return n + m
-    if req.policy.evicts_during_decode:  # a cadence wrapper lets the cache run ``every - 1`` over
-        return min(n + m, math.ceil(budget * (n + m)) + 8 + getattr(req.policy, "every", 1))
-    return min(n + m, math.ceil(budget * n) + m)
