@@ -65,9 +65,10 @@ def main() -> None:
         engine = tiny_engine(n)
         for policy in POLICIES:
             c = count_decode_step(engine, policy, args.batch)
-            rows.append(
-                {"layers": n, "policy": policy, "ops": c.ops, "syncs": c.syncs, "kinds": dict(c.kinds)}
-            )
+            row = {"layers": n, "policy": policy, "ops": c.ops, "syncs": c.syncs, "kinds": dict(c.kinds)}
+            row["scheduler_syncs"] = c.syncs_in(*OWN)
+            row["modules"] = dict(c.modules)
+            rows.append(row)
             print(json.dumps(rows[-1]))
 
 
