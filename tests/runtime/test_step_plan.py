@@ -128,3 +128,39 @@ def test_a_plan_prefills_one_request_or_decodes():
     with pytest.raises(ValueError, match="prefill"):
         StepPlan(prefill=[object()], groups=[object()])
     assert StepPlan().is_decode and StepPlan().requests == []
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_undo_takes_a_decode_step_back_exactly(policy, layered):
+    from vlkv.runtime.step_plan import undo
+
+    sched = _running(layered[2], policy)
+    caches = [r.cache for r in sched.running]
+
+    def state(c):
+        return (
+            [layer.lengths.clone() for layer in c.layers],
+            [layer.next_order.clone() for layer in c.layers],
+            [layer.slots[:, :, : int(layer.lengths[0])].clone() for layer in c.layers],
+            c.processed.clone(),
+        )
+
+    before = [state(c) for c in caches]
+    plan = sched.plan()
+    (group,) = plan.groups
+    sched.engine.backend.step(group.inputs, group.batch, group.stats)  # the step runs; pretend it raised
+    assert all(
+        bool((c.lengths() == group.marks.lengths[:, i : i + 1] + 1).all()) for i, c in enumerate(caches)
+    )
+    for i in range(len(caches)):
+        undo(group, i)
+    for c, want in zip(caches, before):
+        got = state(c)
+        for a, b in zip(got[:3], want[:3]):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y)
+        assert torch.equal(got[3], want[3])
+    sched.run()  # and the requests run on from where they were
+    assert (
+        all(r.status is Status.FINISHED for r in sched.running + list(sched.swapped)) and not sched.has_work
+    )

@@ -38,12 +38,14 @@ class StepMarks:
 
     Attributes:
         lengths: ``(L, B)`` int64 entries per layer and request before the step.
-        orders: per request, per layer, the layer's next sequence index (cloned tensors).
         processed: per request, its ``(1,)`` processed count (cloned).
+
+    The layers' next sequence indices are not taken: a decode step's entries take the next index
+    each (no order named), so undoing ``n`` of them steps it back by ``n``; reading it here would
+    also write a layer's queued decode entries every step (:meth:`LayerKV.put_one`).
     """
 
     lengths: Tensor
-    orders: list[list[Tensor]]
     processed: list[Tensor]
 
 
@@ -116,11 +118,7 @@ def decode_group(engine, entries: list[Entry]) -> DecodeGroup:
         torch.ones(b, dtype=torch.long, device=dev),
         attend=merge_attend([e.attend for e in entries], caches),
     )
-    marks = StepMarks(
-        torch.cat([c.lengths() for c in caches], dim=1),
-        [[layer.next_order.clone() for layer in c.layers] for c in caches],
-        [c.processed.clone() for c in caches],
-    )
+    marks = StepMarks(torch.cat([c.lengths() for c in caches], dim=1), [c.processed.clone() for c in caches])
     stats = merge_stats([e.stats for e in entries], dev)
     return DecodeGroup(entries, inputs, stats, CacheBatch(caches), marks)
 
@@ -180,10 +178,10 @@ def undo(group: DecodeGroup, i: int) -> None:
     entry took, and the processed count. Reads the marks back (a failure path, not a hot one)."""
     cache = group.entries[i].request.cache
     before = group.marks.lengths[:, i].tolist()
-    for layer, n, order in zip(cache.layers, before, group.marks.orders[i]):
+    for layer, n in zip(cache.layers, before):
         grew = int(layer.lengths[0]) - n
         if grew > 0:
             dev = layer.lengths.device
             layer.cut(torch.tensor([n], device=dev), torch.tensor([grew], device=dev))
-            layer.next_order = order
+            layer.next_order = layer.next_order - grew
     cache.processed = group.marks.processed[i]
