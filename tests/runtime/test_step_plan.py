@@ -164,3 +164,21 @@ def test_undo_takes_a_decode_step_back_exactly(policy, layered):
     assert (
         all(r.status is Status.FINISHED for r in sched.running + list(sched.swapped)) and not sched.has_work
     )
+
+
+def test_sampling_and_greedy_requests_in_one_group_equal_their_solo_runs(engines):
+    from vlkv.runtime.sampling import Sampler
+
+    engine = engines["tiny-llava"]
+    prompts = [Prompt(t) for t in TEXTS]
+    samplers = [Sampler(), Sampler(do_sample=True, temperature=1.5, seed=7), Sampler(), Sampler(True, seed=3)]
+    sched = Scheduler(engine)
+    reqs = [
+        sched.submit(Request(p, make_policy("full"), 6, s, stop_at_eos=False))
+        for p, s in zip(prompts, samplers)
+    ]
+    sched.run()
+    for r, p, s in zip(reqs, prompts, samplers):
+        fresh = Sampler(s.do_sample, s.temperature, s.top_k, s.top_p, s.seed)
+        solo = engine.generate([p], make_policy("full"), 6, fresh, stop_at_eos=False).samples[0].token_ids
+        assert r.tokens == solo, s

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from vlkv.runtime.backend import StepStats
+from vlkv.runtime.sampling import Sampler
 
 
 class GroupReads:
@@ -28,7 +29,7 @@ class GroupReads:
         rows = [stored.double(), used.double(), full.double()]
         if any(st is not None for st in out.stats) or any(getattr(out.stats, "extra", {}).values()):
             rows.extend(lengths.double())  # the widths the statistics are trimmed to
-        greedy = [i for i, e in enumerate(group.entries) if not e.request.sampler.do_sample]
+        greedy = [i for i, e in enumerate(group.entries) if _greedy(e.request.sampler)]
         if greedy:
             rows.append(torch.zeros(b, dtype=torch.float64, device=stored.device))
             rows[-1][greedy] = out.logits[greedy].argmax(-1).double()
@@ -48,6 +49,12 @@ class GroupReads:
         if all(layer.lowrank is None and layer.holes is None for layer in cache.layers):
             return int(self._stored[i]) * cache.layers[0].pool.spec.entry_bytes
         return cache.kv_bytes()
+
+
+def _greedy(sampler) -> bool:
+    """``sampler`` is the plain greedy :class:`Sampler` (its token is the row's argmax, taken here for
+    the whole group at once); any other sampler is called per request."""
+    return type(sampler) is Sampler and not sampler.do_sample
 
 
 def slice_stats(stats: list, i: int, widths: list[list[int]] | None) -> StepStats:
