@@ -182,3 +182,16 @@ def test_sampling_and_greedy_requests_in_one_group_equal_their_solo_runs(engines
         fresh = Sampler(s.do_sample, s.temperature, s.top_k, s.top_p, s.seed)
         solo = engine.generate([p], make_policy("full"), 6, fresh, stop_at_eos=False).samples[0].token_ids
         assert r.tokens == solo, s
+
+
+def test_the_step_modules_import_one_way():
+    """runner, step plan and link stage never import the scheduler or the engine that drive them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import vlkv.runtime.runner, vlkv.runtime.link_stage, vlkv.runtime.step_reads; "
+        "print(sorted(m for m in ('vlkv.runtime.scheduler', 'vlkv.runtime.engine') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
