@@ -85,9 +85,9 @@ class WaveOneCounter:
     def __enter__(self):
         counter = self
 
-        def select(layer, index, keep_len, spare=0):
+        def select(layer, index, keep_len, spare=0, **kw):  # holes=, recycle=: passed through
             counter.bytes += index.shape[0] * index.shape[1] * (index.shape[2] + spare) * _row_bytes(layer)
-            return counter._select(layer, index, keep_len, spare)
+            return counter._select(layer, index, keep_len, spare, **kw)
 
         def merge(layer, index, keep_len, assign, counts):
             counter.bytes += index.shape[0] * index.shape[1] * index.shape[2] * _row_bytes(layer)

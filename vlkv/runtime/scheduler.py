@@ -13,6 +13,12 @@ Each iteration of :meth:`Scheduler.step`:
    backend calls), then lets each request's own policy edit its own cache. A batched call that
    raises is undone and its requests retried one at a time: only a request that fails alone fails.
 
+Each prefill and each decode step is ``plan() → Runner.run(plan) → commit(plan, outputs)``
+(nano-vllm's ``LLMEngine.step``): :meth:`Scheduler.plan` decides and builds a
+:class:`~vlkv.runtime.step_plan.StepPlan` once, the :class:`~vlkv.runtime.runner.Runner` executes
+it, and :meth:`Scheduler.commit` applies the policies' edits and emits tokens. Store look-ups,
+in-pool records and link prefills live in :class:`~vlkv.runtime.link_stage.LinkStage`.
+
 When a step would not fit (estimates are estimates: per-layer allocators, merges), the most
 recently admitted request is *preempted*: its K/V are swapped to host memory and its slots freed;
 it resumes, bit-identical, when the pool has room. Cancelling frees a request's slots at once. A
@@ -22,27 +28,21 @@ message; the others keep running.
 
 from __future__ import annotations
 
-import concurrent.futures
-import math
 import time
 from collections import deque
 
-import torch
-
 from vlkv.runtime import edits as _edits  # called through the module: the eval harness probes it
-from vlkv.runtime.backend import AttendIndex, StatsRequest, StepInputs, StepStats
-from vlkv.runtime.cache import KVCache, Modality
+from vlkv.runtime.admission import RequestTooLarge, check_pool, reserve
 from vlkv.runtime.edits import DECODE_SPARE
-from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
-from vlkv.runtime.link.linker import link_prefill
-from vlkv.runtime.link.segment_store import SegmentStore
+from vlkv.runtime.link_stage import LinkStage
 from vlkv.runtime.request import Request, Status
+from vlkv.runtime.runner import GroupRun, Runner, StepOutputs
 from vlkv.runtime.step_groups import Entry, group_entries, read_path
+from vlkv.runtime.step_plan import StepPlan, decode_group
+from vlkv.runtime.step_reads import GroupReads, slice_stats
 
-
-class RequestTooLarge(ValueError):
-    """A request that could never fit in the scheduler's pool."""
+__all__ = ["RequestTooLarge", "Scheduler"]  # RequestTooLarge lives in admission.py
 
 
 class Scheduler:
@@ -86,16 +86,8 @@ class Scheduler:
         self.pool.rope = engine.rope
         self.max_running, self.swap_device = max_running, swap_device
         self.cache_hit_rate, self.hit_rate_k = cache_hit_rate, hit_rate_k
-        self.segments = SegmentStore(self.pool)  # linkable records (images, prefixes) in this pool
-        self.store = store
-        self._sources: dict = {}  # tenant -> RecordSource
-        from vlkv.runtime.link.gate import DEFAULT_THRESHOLD
-
-        self.link_threshold = DEFAULT_THRESHOLD if link_threshold is None else link_threshold
-        self._checks: dict = {}  # LinkSpec -> saved LinkCheck or None
-        from vlkv.runtime.link.spec import LinkStats
-
-        self.link_totals = LinkStats()  # over every linked request (a server's store gauges read it)
+        self.link = LinkStage(engine, self.pool, store, link_threshold)
+        self.runner = Runner(engine, self.pool, self.link)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -104,6 +96,12 @@ class Scheduler:
         self.retried_steps = 0  # batched decode steps that raised and were rerun one request at a time
         self.peak_used_bytes = 0
         self.max_concurrent = 0
+
+    # the link stage's state, read by the server's gauges and by tests
+    store = property(lambda self: self.link.store)
+    segments = property(lambda self: self.link.segments)
+    link_totals = property(lambda self: self.link.totals)
+    link_threshold = property(lambda self: self.link.link_threshold)
 
     # ------------------------------------------------------------------ API
     @property
@@ -129,7 +127,7 @@ class Scheduler:
         n = request.prompt_tokens
         loaded = self.engine.loaded
         check_fits([n], request.max_new_tokens, position_limit(loaded), getattr(loaded, "name", "the model"))
-        request.reserve = _reserve(request, n)
+        request.reserve = reserve(request, n)
         replay = getattr(request.policy, "replay_request", None)
         if replay is not None and not getattr(self.engine.backend, "supports_replay", False):
             from vlkv.runtime.replay import replay_refusal
@@ -137,34 +135,8 @@ class Scheduler:
             raise ValueError(
                 replay_refusal(self.engine.backend.name, getattr(request.policy, "gradient", False))
             )
-        if request.link is not None and request.link.method != "none":
-            from vlkv.runtime.store.identity import validate_tenant
-
-            validate_tenant(request.tenant)
-            if not getattr(self.engine.backend, "supports_link", False):
-                raise ValueError(
-                    f"linking needs the PyTorch backend; {self.engine.backend.name} runs no link step: "
-                    "use --backend torch or --link none"
-                )
-            if getattr(request.policy, "prefill_keep", 1.0) < 1.0:
-                raise ValueError(
-                    f"policy {request.policy.name!r} drops prompt rows inside the prefill (its prefill filter), "
-                    "which a link step cannot do: use --link none, or set its prefill_keep to 1"
-                )
-            why = self._gate(request.link)
-            if why is not None:
-                request.extras["link_refused"] = why
-                request.link = None
-        if not self.pool.grow:
-            slots = self.pool.capacity(0)
-            need = max(n, request.reserve)
-            if need > slots:
-                per = self.pool.spec.entry_bytes * self.pool.spec.num_layers
-                raise RequestTooLarge(
-                    f"request {request.id} needs {need} KV entries per layer ({need * per} bytes: "
-                    f"{n} prompt tokens, {request.max_new_tokens} new, policy {request.policy.name} at "
-                    f"budget {float(request.policy.budget):g}); the pool holds {slots} ({slots * per} bytes)"
-                )
+        self.link.vet(request)
+        check_pool(request, self.pool)
         self.waiting.append(request)
         return request
 
@@ -177,10 +149,13 @@ class Scheduler:
         self._finish(request, Status.CANCELLED)
 
     def step(self) -> None:
-        """One scheduling iteration: resume, admit (prefill), one batched decode step."""
-        self._resume()
-        self._admit()
-        self._decode()
+        """One scheduling iteration: ``plan → run → commit`` for each admitted request's prefill, then
+        for one batched decode step of every running request (nano-vllm's ``LLMEngine.step``)."""
+        while True:
+            plan = self.plan()
+            self.commit(plan, self.runner.run(plan))
+            if plan.is_decode:
+                return
 
     def run(self) -> None:
         while self.has_work:
@@ -188,82 +163,90 @@ class Scheduler:
 
     def flush(self) -> None:
         """Wait until every record write-back in flight has reached the store."""
-        for src in self._sources.values():
-            src.flush()
+        self.link.flush()
 
-    def _writer(self):
-        """One background thread for store writes: new records go back without delaying answers."""
-        return self._threads("_write_pool", 1, "vlkv-store")
+    def plan(self) -> StepPlan:
+        """The next step: swapped requests resume when the pool has room; then the prefill of the
+        next request admission lets in (one per plan: its policy's compression decides what the next
+        admission finds), else the decode step of every running request (preempting first when it
+        would not fit)."""
+        self._resume()
+        return self._plan_prefill() or self._plan_decode()
 
-    def _loader(self):
-        """Threads for store reads: a request's hits load while its misses compute."""
-        return self._threads("_read_pool", 2, "vlkv-load")
-
-    def _threads(self, attr: str, workers: int, prefix: str):
-        """The executor kept under ``attr``, made on first use (None without a store)."""
-        if self.store is None:
-            return None
-        if getattr(self, attr, None) is None:
-            import concurrent.futures
-
-            setattr(self, attr, concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=prefix))
-        return getattr(self, attr)
+    def commit(self, plan: StepPlan, outputs: StepOutputs) -> None:
+        """Apply what running ``plan`` produced: fail the requests that failed alone, then per
+        request its policy's edits, its usage counts and its next token."""
+        t0 = time.perf_counter()
+        for req, err in outputs.failed:
+            self._fail(req, err)
+        self.retried_steps += outputs.retried
+        if plan.prefill:
+            if outputs.prefill is not None:
+                self._commit_prefill(plan.prefill[0], outputs)
+            return
+        if not plan.groups:
+            return
+        self._track()  # every group appended before any policy edits: this step's peak
+        for run in outputs.runs:
+            self._commit_group(run)
+        self.decode_s += plan.built_s + outputs.run_s + time.perf_counter() - t0
+        self.decode_steps += 1
 
     # ------------------------------------------------------------------ admission
+    def _admit(self) -> None:
+        """Every prefill admission lets in now (a benchmark times admission and decode apart)."""
+        while (plan := self._plan_prefill()) is not None:
+            self.commit(plan, self.runner.run(plan))
+
+    def _plan_prefill(self) -> StepPlan | None:
+        req = self._next_admitted()
+        if req is None:
+            return None
+        req.status = Status.RUNNING
+        return StepPlan(prefill=[req])
+
     def _reserved(self) -> int:
         return sum(r.reserve for r in (*self.running, *self.swapped))
 
-    def _admit(self) -> None:
-        while self.waiting and not self.swapped and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            reads = self._store_reads(req)
-            if self.running and not all(r.done() for r in reads):
-                return  # its store reads run on the loader threads while the running requests decode
-            if reads:  # nothing else runs: wait for the look-ups only; the reads overlap its vision tower
-                concurrent.futures.wait([r.present for r in reads])
-                self._store_reads(req)
-            if not self.pool.grow:
-                room = self.overcommit * self.pool.capacity(0) - self._reserved()
-                # the prompt is written whole before its policy compresses it (a linking prefill
-                # also makes the records its missing images lack), and every running request still
-                # needs a slot for this iteration's decode step
-                short = (
-                    req.reserve > room or self._prefill_need(req) + len(self.running) > self.pool.min_free()
-                )
-                if short and (self.segments.images or self.segments.prefixes):
-                    self.segments.release()
-                    short = (
-                        req.reserve > room
-                        or self._prefill_need(req) + len(self.running) > self.pool.min_free()
-                    )
-                if short and self.running:
-                    return
-            self.waiting.popleft()
-            self._prefill(req)
+    def _next_admitted(self) -> Request | None:
+        """Pop the waiting request admission lets in now (its store reads answered, its reservation
+        and its prefill's peak in the pool), or None."""
+        if not (self.waiting and not self.swapped and len(self.running) < self.max_running):
+            return None
+        req = self.waiting[0]
+        # its store reads run on the loader threads while the running requests decode; with nothing
+        # else running, wait for the look-ups only (the reads overlap its vision tower)
+        if not self.link.reads_ready(req, wait=not self.running):
+            return None
+        if not self.pool.grow:
+            # the prompt is written whole before its policy compresses it (a linking prefill also
+            # makes the records its missing images lack), and every running request still needs a
+            # slot for this iteration's decode step
+            short = self._short(req)
+            if short and self.link.release_records():
+                short = self._short(req)
+            if short and self.running:
+                return None
+        return self.waiting.popleft()
 
-    def _prefill(self, req: Request) -> None:
-        eng = self.engine
+    def _short(self, req: Request) -> bool:
+        room = self.overcommit * self.pool.capacity(0) - self._reserved()
+        need = self.link.prefill_need(req) + len(self.running)
+        return req.reserve > room or need > self.pool.min_free()
+
+    def _commit_prefill(self, req: Request, outputs: StepOutputs) -> None:
+        out = outputs.prefill
         try:
-            cache = eng.new_cache(req.batch, pool=self.pool)
-            if self.pool.grow:
-                # the prompt and its decode appends as one run of slots: a batch reads a pool view
-                for layer in cache.layers:
-                    layer.run_reserve = req.max_new_tokens
-            req.cache, req.status = cache, Status.RUNNING
-            t0 = time.perf_counter()
-            if req.link is not None and req.link.method != "none":
-                out = self._link_or_prefill(req)
-            else:
-                out = eng.prefill(req.batch, req.policy, cache)
-            cache = req.cache
-            req.prefill_s = time.perf_counter() - t0
+            req.prefill_s = outputs.prefill_s
             self.prefill_s += req.prefill_s
-            req.peak_kv_bytes = out.peak_kv_bytes or cache.kv_bytes()
+            req.peak_kv_bytes = out.peak_kv_bytes or req.cache.kv_bytes()
             self._track()
             if self.cache_hit_rate:
                 from vlkv.runtime.diagnostics import hit_rate_report
 
-                req.extras["cache_hit_rate"] = hit_rate_report(eng, req.batch, cache, k=self.hit_rate_k)
+                req.extras["cache_hit_rate"] = hit_rate_report(
+                    self.engine, req.batch, req.cache, k=self.hit_rate_k
+                )
             self.running.append(req)
             self.max_concurrent = max(self.max_concurrent, len(self.running))
             self._headroom()
@@ -271,116 +254,6 @@ class Scheduler:
         except Exception as err:  # one request's failure never stops the others
             self._fail(req, err)
 
-    def _gate(self, spec) -> str | None:
-        """Why linking with ``spec`` is refused on this model (a saved failing link-check), or None."""
-        from vlkv.runtime.link.gate import load_check, refusal
-        from vlkv.runtime.store.identity import model_fingerprint
-
-        if spec not in self._checks:
-            self._checks[spec] = load_check(model_fingerprint(self.engine.loaded), spec)
-        model = getattr(self.engine.loaded, "name", "this model")
-        return refusal(self._checks[spec], self.link_threshold, spec, model)
-
-    def _source(self, tenant: str):
-        """The tenant's :class:`~vlkv.runtime.link.records.RecordSource` (made on first use)."""
-        from vlkv.runtime.link.records import RecordSource
-
-        if tenant not in self._sources:
-            src = RecordSource.for_engine(self.engine, self.segments, self.store, tenant)
-            src.writer = self._writer()
-            src.loader = self._loader()
-            self._sources[tenant] = src
-        return self._sources[tenant]
-
-    def _idents(self, req: Request) -> list | None:
-        """The store identities of a linking request's images (hashed once, kept on the request)."""
-        if "link_idents" not in req.extras:
-            images, spans = req.prompt.images, req.batch.spans[0].image_spans
-            variant = req.link.record_variant()
-            src = self._source(req.tenant)
-            ok = len(images) == len(spans)
-            req.extras["link_idents"] = [src.identity(img, variant) for img in images] if ok else None
-        return req.extras["link_idents"]
-
-    def _store_reads(self, req: Request) -> list:
-        """The store look-ups of a waiting linking request's images (:class:`StoreRead`: ``contains``,
-        then ``find`` for the records present), run on the loader threads from the first time it is
-        looked at: a slow or remote store never stalls the engine thread (the linker takes the
-        answers, :attr:`RecordSource.ready`). Empty when there is nothing to look up."""
-        spec = req.link
-        if self.store is None or spec is None or spec.method not in ("mpic", "full-reuse", "cacheblend"):
-            return []
-        src = self._source(req.tenant)
-        if "store_reads" not in req.extras:
-            from vlkv.runtime.link.records import StoreRead
-
-            reads = {}
-            for ident in self._idents(req) or []:
-                key = src.key(ident)
-                if key not in self.segments.images and key not in reads:
-                    reads[key] = StoreRead(ident, src.loader.submit(self.store.contains, ident, req.tenant))
-            req.extras["store_reads"] = reads
-        reads = list(req.extras["store_reads"].values())
-        for r in reads:
-            r.start_find(src.loader, self.store, req.tenant)
-        return reads
-
-    def _prefill_need(self, req: Request) -> int:
-        """Slots per layer a request's prefill takes at its peak: the prompt, and for a linking
-        request the records it makes — a prefix copy of the prompt, or each image missing from the
-        pool (loaded or computed), plus one image's scratch cache while a record is computed."""
-        n, spec = req.prompt_tokens, req.link
-        if spec is None or spec.method == "none":
-            return n
-        if spec.method == "prefix":
-            return 2 * n
-        idents = self._idents(req)
-        if idents is None:
-            return n
-        src = self._source(req.tenant)
-        missing: dict[str, int] = {}
-        for ident, (a, b) in zip(idents, req.batch.spans[0].image_spans):
-            key = src.key(ident)
-            if key not in self.segments.images:
-                missing[key] = b - a
-        return n + sum(missing.values()) + max(missing.values(), default=0)
-
-    def _link_or_prefill(self, req: Request):
-        """:meth:`_link`; when the pool cannot hold what linking needs (:class:`PoolFull` anywhere in
-        it), the partial cache and the in-pool records go back and the request is prefilled plainly
-        (linking is an optimisation: it never fails a request that fits without it)."""
-        from vlkv.runtime.kv.pool import PoolFull
-
-        try:
-            return self._link(req, req.cache)
-        except PoolFull as err:
-            req.cache.release()
-            self.segments.release()  # records are a cache: requests that link them keep their refs
-            req.link_stats = None
-            req.extras["link_fallback"] = f"linking needed more KV slots than the pool had ({err}); prefilled"
-            req.cache = self.engine.new_cache(req.batch, pool=self.pool)
-            return self.engine.prefill(req.batch, req.policy, req.cache)
-
-    def _link(self, req: Request, cache: KVCache):
-        """Prefill by linking stored records (the linker), then the request's policy edits."""
-        eng = self.engine
-        src = self._source(req.tenant)
-        src.ready = req.extras.pop("store_reads", {})
-        ctx = eng.context(req.batch)
-        request = req.policy.prefill_request(ctx, req.prompt_tokens)
-        try:
-            out, req.link_stats = link_prefill(
-                eng, req.batch, req.prompt.images, cache, req.link, src, request, self._idents(req)
-            )
-        finally:
-            src.ready = {}
-        out.peak_kv_bytes = cache.kv_bytes()
-        out.stats.replay = eng.replay(req.policy, ctx, req.batch, cache)
-        self.link_totals.add(req.link_stats)
-        _edits.apply_edits(cache, req.policy.after_prefill(cache, out.stats, ctx))
-        return out
-
-    # ------------------------------------------------------------------ preemption
     def _resume(self) -> None:
         while self.swapped and len(self.running) < self.max_running:
             req = self.swapped[0]
@@ -396,8 +269,8 @@ class Scheduler:
         """Swap out the latest-admitted requests until one decode step fits every layer."""
         if self.pool.grow:
             return
-        if self.pool.min_free() < len(self.running) and (self.segments.images or self.segments.prefixes):
-            self.segments.release()  # stored records go first: requests that link them keep their refs
+        if self.pool.min_free() < len(self.running):
+            self.link.release_records()  # stored records go first: requests that link them keep their refs
         while self.running and self.pool.min_free() < len(self.running):
             if len(self.running) == 1:
                 req = self.running[0]
@@ -415,14 +288,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _decode(self) -> None:
+        """One decode step of every running request (a benchmark times admission and decode apart)."""
+        plan = self._plan_decode()
+        self.commit(plan, self.runner.run(plan))
+
+    def _plan_decode(self) -> StepPlan:
+        """The decode step of every running request, in groups whose read paths share a call; a
+        policy or a cache that raises while its part is planned fails its own request only."""
         self._make_room()
-        if not self.running:
-            return
         t0 = time.perf_counter()
-        for group in group_entries(self._entries()):
-            self._decode_group(group)
-        self.decode_s += time.perf_counter() - t0
-        self.decode_steps += 1
+        groups = []
+        for entries in group_entries(self._entries()):
+            try:
+                groups.append(decode_group(self.engine, entries))
+            except Exception:  # plan each alone: only the request that cannot be planned fails
+                for e in entries:
+                    try:
+                        groups.append(decode_group(self.engine, [e]))
+                    except Exception as err:
+                        self._fail(e.request, err)
+        return StepPlan(groups=groups, built_s=time.perf_counter() - t0)
 
     def _entries(self) -> list[Entry]:
         """Each running request's part of this step (its policy asked once); a policy that raises
@@ -438,52 +323,32 @@ class Scheduler:
                 self._fail(r, err)
         return out
 
-    def _decode_group(self, group: list[Entry]) -> None:
-        """One backend step over ``group``; if it raises, each request is retried alone (its appends
-        undone first), so a request that cannot step fails without failing the others."""
-        eng = self.engine
-        reqs = [e.request for e in group]
-        dev = reqs[0].cache.device
-        b = len(reqs)
-        tokens = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.long, device=dev)
-        inputs = StepInputs(
-            tokens[:, None],
-            torch.cat([eng.decode_positions(r.policy, r.cache) for r in reqs]),
-            torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8, device=dev),
-            torch.ones(b, dtype=torch.long, device=dev),
-            attend=_merge_attend([e.attend for e in group], reqs),
-        )
-        before = [_step_mark(r.cache) for r in reqs]
+    def _commit_group(self, run: GroupRun) -> None:
+        """Per request of a group that stepped: usage counts, peak bytes, its policy's edits, its
+        token. Values the host needs (lengths, widths, greedy tokens) are read once per group."""
+        group, out = run.group, run.out
+        entries = group.entries
         try:
-            out = eng.backend.step(
-                inputs, CacheBatch([r.cache for r in reqs]), _merge_stats([e.stats for e in group], b, dev)
-            )
+            reads = GroupReads(group, out)
         except Exception as err:
-            for r, mark in zip(reqs, before):
-                try:
-                    _undo_step(r.cache, mark)
-                except Exception as undo_err:  # a cache the failed step left unreadable fails alone
-                    self._fail(r, undo_err)
-            if b == 1:
-                self._fail(reqs[0], err)
-                return
-            self.retried_steps += 1
-            for e in group:
-                if not e.request.done:
-                    self._decode_group([e])
+            for e in entries:
+                self._fail(e.request, err)
             return
-        self._track()
-        for i, e in enumerate(group):
+        for i, e in enumerate(entries):
             r = e.request
             try:
                 cache = r.cache
-                _count_usage(r, cache, None if out.attended is None else out.attended[:, i])
-                r.peak_kv_bytes = max(r.peak_kv_bytes, cache.kv_bytes())
+                stored, used, full = reads.usage[i]
+                r.usage["stored"] += stored
+                r.usage["used"] += used
+                r.usage["full"] += full
+                r.peak_kv_bytes = max(r.peak_kv_bytes, reads.kv_bytes(i))
                 cache.next_position += 1
-                stats = _slice_stats(out.stats, i, cache)
+                stats = slice_stats(out.stats, i, reads.widths)
                 _edits.apply_edits(cache, r.policy.after_decode(cache, stats, e.ctx), spare=DECODE_SPARE)
                 r.decode_steps += 1
-                self._emit(r, int(r.sampler(out.logits[i : i + 1])[0]))
+                token = reads.tokens[i]
+                self._emit(r, token if token is not None else int(r.sampler(out.logits[i : i + 1])[0]))
             except Exception as err:
                 self._fail(r, err)
 
@@ -537,110 +402,3 @@ class Scheduler:
                     for r, s in zip(self.running, spare)
                 )
             )
-
-
-# ---------------------------------------------------------------------- helpers
-def _reserve(req: Request, n: int) -> int:
-    """Entries per layer the request is expected to hold at most (its admission price)."""
-    budget, m = float(req.policy.budget), req.max_new_tokens
-    if budget >= 1:
-        return n + m
-    if req.policy.evicts_during_decode:  # a cadence wrapper lets the cache run ``every - 1`` over
-        return min(n + m, math.ceil(budget * (n + m)) + 8 + getattr(req.policy, "every", 1))
-    return min(n + m, math.ceil(budget * n) + m)
-
-
-def _step_mark(cache: KVCache) -> tuple[list[int], list, object]:
-    """What a decode step changes in ``cache`` before it returns: per layer its length and next
-    sequence index, and the processed count (see :func:`_undo_step`)."""
-    return (
-        [int(layer.lengths[0]) for layer in cache.layers],
-        [layer.next_order.clone() for layer in cache.layers],
-        cache.processed.clone(),
-    )
-
-
-def _undo_step(cache: KVCache, mark) -> None:
-    """Take back what a decode step that raised had written: the entry it appended to each layer
-    it reached (its slot goes back to the pool) and the sequence index that entry took."""
-    lengths, orders, processed = mark
-    for layer, n, order in zip(cache.layers, lengths, orders):
-        grew = int(layer.lengths[0]) - n
-        if grew > 0:
-            dev = layer.lengths.device
-            layer.cut(torch.tensor([n], device=dev), torch.tensor([grew], device=dev))
-            layer.next_order = order
-    cache.processed = processed
-
-
-def _merge_stats(requests: list[StatsRequest | None], b: int, device) -> StatsRequest | None:
-    wanted = [s for s in requests if s is not None]
-    if not wanted:
-        return None
-
-    def rows(sel) -> torch.Tensor:  # (B, 1) bool: the row of every request that asked
-        return torch.tensor(
-            [[s is not None and (s.rows is None or bool(s.rows.any()))] for s in sel], device=device
-        )
-
-    layers = None
-    if all(s.layers is not None for s in wanted):
-        layers = frozenset().union(*(s.layers for s in wanted))
-    extra = {}
-    for name in {n for s in wanted for n in s.extra}:
-        subs = [None if s is None else s.extra.get(name) for s in requests]
-        first = next(x for x in subs if x is not None)
-        extra[name] = StatsRequest(rows(subs), first.threshold)
-    return StatsRequest(rows(requests), wanted[0].threshold, layers, extra)
-
-
-def _merge_attend(attends: list, reqs: list[Request]) -> list[AttendIndex | None] | None:
-    """Per layer, one :class:`AttendIndex` over the batch; requests without one attend to everything."""
-    if all(a is None for a in attends):
-        return None
-    num_layers = len(reqs[0].cache.layers)
-    merged: list[AttendIndex | None] = []
-    for li in range(num_layers):
-        per = [None if a is None else a[li] for a in attends]
-        if all(p is None for p in per):
-            merged.append(None)
-            continue
-        parts = []
-        for p, r in zip(per, reqs):
-            if p is None:
-                layer = r.cache.layers[li]
-                n = layer.max_length
-                idx = torch.arange(n, device=layer.device)[None, None].expand(1, layer.kv_heads, n)
-                p = AttendIndex(idx, layer.lengths[:, None].expand(1, layer.kv_heads).clone())
-            parts.append(p)
-        width = max(p.indices.shape[2] for p in parts)
-        idx = torch.cat([torch.nn.functional.pad(p.indices, (0, width - p.indices.shape[2])) for p in parts])
-        merged.append(AttendIndex(idx, torch.cat([p.lengths for p in parts])))
-    return merged
-
-
-def _slice_stats(stats: list, i: int, cache: KVCache) -> StepStats:
-    """Request ``i``'s statistics, trimmed to its own layer lengths."""
-    from vlkv.plugins import AttnStats
-
-    def cut(st, layer):
-        if st is None:
-            return None
-        w = layer.max_length
-        below = None if st.below is None else st.below[i : i + 1]
-        return AttnStats(st.colsum[i : i + 1, :, :w], below, st.visible[i : i + 1])
-
-    layers = [cut(st, layer) for st, layer in zip(stats, cache.layers)]
-    extra = {
-        n: [cut(st, layer) for st, layer in zip(v, cache.layers)]
-        for n, v in getattr(stats, "extra", {}).items()
-    }
-    return StepStats(layers, extra)
-
-
-def _count_usage(req: Request, cache: KVCache, attended) -> None:
-    """A-VL's stored / used fractions, per request (see ``KVUsage``)."""
-    stored = float(cache.lengths().sum())
-    req.usage["stored"] += stored
-    req.usage["used"] += float(attended.sum()) if attended is not None else stored
-    req.usage["full"] += float(cache.processed.sum()) * len(cache.layers)
