@@ -63,6 +63,9 @@ class _StepContext:
         # layer → (table (B, H_kv, n), lengths (B, H_kv), attended (B,), pre-RoPE keywords) of the
         # layers a decode step reads paged (see ``paged_tables``)
         self.paged: dict[int, tuple[Tensor, Tensor, Tensor, dict]] = {}
+        # the CPU paged read's plan of the last table read: the layers of a cache usually share one
+        # table in a step, so the plan (runs, gathered rows, masks) is built once, not per layer
+        self.cpu_plan = None
         # a prefill into an empty cache with no padded rows can take SDPA's is_causal path
         self.plain = (
             q > 1
@@ -123,6 +126,24 @@ class _StepContext:
         rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
         return all(r.lowrank is None and r.offloaded is None for r in rows)
 
+    def _cpu_plan(self, q: Tensor, k_pool: Tensor, table: Tensor, lengths: Tensor):
+        """The CPU paged read's plan for ``table (B, H_kv, n)`` / ``lengths (B, H_kv)`` over ``k_pool
+        (H_kv, S, D)``: the previous layer's when it read the same tables (compared by value), else a new
+        one; None off the CPU path (the Triton kernel plans nothing)."""
+        from vlkv.plugins import ops
+
+        if q.device.type != "cpu" or ops.use_triton(q, k_pool):
+            return None
+        from vlkv.plugins.paged_cpu import plan_for
+
+        last = getattr(self, "cpu_plan", None)
+        group = q.shape[1] // k_pool.shape[0]
+        if last is None or not last.matches(
+            table, lengths.clamp(0, table.shape[-1]), k_pool.shape[1], 1, group
+        ):
+            last = self.cpu_plan = plan_for(q, k_pool, table, lengths)
+        return last
+
     def _rank_space(self, layer) -> bool:
         """This step attends to ``layer``'s factored rows in the rank space (AttentionPack path (b))."""
         return (
@@ -146,7 +167,9 @@ class _StepContext:
             self.attended[layer_idx] = attended.to(q.device)
             wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
             if not wanted:
-                return paged_attention(q, k, v, table, lengths, scale, **rope).transpose(1, 2).contiguous()
+                plan = self._cpu_plan(q, k, table, lengths) if not rope else None
+                out = paged_attention(q, k, v, table, lengths, scale, plan=plan, **rope)
+                return out.transpose(1, 2).contiguous()
             # statistics are the step's probabilities: K is read once for both, as in the dense path
             from vlkv.plugins.paged_probs import paged_decode_out, paged_decode_probs
 
