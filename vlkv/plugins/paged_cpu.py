@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlkv.plugins.paged_cpu_plan import GatheredRead, PagedCpuPlan, plan_paged_cpu, shared_runs
+from vlkv.plugins.paged_cpu_plan import GatheredRead, InplaceGroup, PagedCpuPlan, plan_paged_cpu, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, rotate_keys
 
 __all__ = ["INPLACE_MIN", "RUN_MIN", "PagedCpuPlan", "paged_attention_cpu", "plan_paged_cpu", "shared_runs"]
@@ -39,30 +39,6 @@ RUN_MIN = 128
 # gathered and attended together: per request and layer the in-place path costs ~20 calls, ~0.2 ms at
 # one thread, the gather ~0.15 µs per entry (scripts/bench_paged.py: 32 × 300 entries and 4 × 8206)
 INPLACE_MIN = 1024
-
-
-def _attend(
-    qg: Tensor, segments: list[tuple[int, int, Tensor, Tensor]], n: int, vis: Tensor | None, dim_v: int
-) -> Tensor:
-    """Softmax attention of ``qg (H_kv, G·Q, D)`` (float32, pre-scaled) over K/V given as column
-    segments ``(c0, c1, k (H_kv, c1-c0, D), v (H_kv, c1-c0, D_v))``; returns ``(H_kv, G·Q, D_v)`` float32."""
-    kv_heads, rows, _ = qg.shape
-    qt = qg.transpose(1, 2)  # (H_kv, D, G·Q)
-    scores = torch.empty(kv_heads, n, rows, device=qg.device)
-    for c0, c1, k, _ in segments:
-        k = k if k.dtype == torch.float32 else k.float()
-        torch.matmul(k, qt, out=scores[:, c0:c1])
-    scores = scores.transpose(1, 2).contiguous()  # (H_kv, G·Q, n): softmax along contiguous memory
-    if vis is not None:
-        scores.masked_fill_(~vis, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if vis is not None:
-        probs.masked_fill_(~vis.any(-1, keepdim=True), 0.0)  # a row that sees nothing: zeros
-    out = torch.zeros(kv_heads, rows, dim_v, device=qg.device)
-    for c0, c1, _, v in segments:
-        v = v if v.dtype == torch.float32 else v.float()
-        out.baddbmm_(probs[:, :, c0:c1], v)
-    return out
 
 
 _LOCAL = threading.local()
@@ -144,37 +120,67 @@ def paged_attention_cpu(
         plan = plan_for(q, k_pool, table, lengths, run_min, inplace_min, rot)
     elif rope or plan.table.shape != table.shape or plan.cap != k_pool.shape[1] or plan.num_q != q.shape[2]:
         raise ValueError("plan was built for other tables (a plan reads calls without rot, same shapes)")
-    batch, heads, num_q, dim = q.shape
-    kv_heads, dim_v = k_pool.shape[0], v_pool.shape[-1]
+    batch, heads, num_q, _ = q.shape
     gathered = plan.gathered
     if gathered is not None and gathered.index is None:  # every request gathered: no subset copies
         return _attend_gathered(q, k_pool, v_pool, gathered, scale, rot, cos, sin)
-    out = torch.zeros(batch, heads, num_q, dim_v, dtype=q.dtype, device=q.device)
-    for read in plan.inplace:
-        b = read.index
-        segs = [
-            (at, end, k_pool[:, s : s + end - at], v_pool[:, s : s + end - at]) for at, end, s in read.views
-        ]
-        if read.rest is not None:
-            # the short runs' columns (decode appends interleaved with other requests' in a fixed pool,
-            # a linked record's pieces) gathered into one more segment after the views
-            m = read.rest.numel() // kv_heads
-            at = read.n - m
-            segs.append(
-                (
-                    at,
-                    read.n,
-                    _gather(k_pool, read.rest).view(kv_heads, m, -1),
-                    _gather(v_pool, read.rest).view(kv_heads, m, -1),
-                )
-            )
-        qg = q[b].reshape(kv_heads, group * num_q, dim).float() * scale
-        out[b] = _attend(qg, segs, read.n, read.vis, dim_v).view(heads, num_q, dim_v).to(q.dtype)
+    if plan.inplace is not None:
+        got = _attend_inplace(q, k_pool, v_pool, plan.inplace, scale)
+        if gathered is None and plan.inplace.index is None:
+            return got  # every request in place (long decode rows): no output copy
+    out = torch.zeros(batch, heads, num_q, v_pool.shape[-1], dtype=q.dtype, device=q.device)
+    if plan.inplace is not None:
+        out[plan.inplace.index if plan.inplace.index is not None else slice(None)] = got
     if gathered is not None:
         idx = gathered.index
         sub_rot = rot[idx] if rope else None
         out[idx] = _attend_gathered(q[idx], k_pool, v_pool, gathered, scale, sub_rot, cos, sin)
     return out
+
+
+def _attend_inplace(q: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup, scale: float) -> Tensor:
+    """The in-place requests' attention: ``q (B, H_q, Q, D)`` (their rows picked by ``grp.index``) over
+    pool views (and one gathered segment of every request's short runs) → ``(R, H_q, Q, D_v)`` in q's
+    dtype. Scores ``K @ q^T`` per view into one buffer; one softmax; ``P @ V`` per view into one output."""
+    kv_heads, dim_v = k_pool.shape[0], v_pool.shape[-1]
+    qr = q if grp.index is None else q[grp.index]
+    reqs, heads, num_q, dim = qr.shape
+    rows = heads // kv_heads * num_q
+    qt = (qr.reshape(reqs, kv_heads, rows, dim).float() * scale).transpose(-1, -2)  # (R, H_kv, D, G·Q)
+    wide = k_pool.dtype == torch.float32
+    kr = vr = None
+    if grp.rest is not None:  # decode appends interleaved with other requests': one gather for all
+        kr, vr = _gather(k_pool, grp.rest), _gather(v_pool, grp.rest)
+        kr, vr = (kr, vr) if wide else (kr.float(), vr.float())
+    scores = torch.empty(reqs, kv_heads, grp.width, rows, device=q.device)
+    for i, read in enumerate(grp.reads):
+        for at, end, s in read.views:
+            k = k_pool[:, s : s + end - at]
+            torch.matmul(k if wide else k.float(), qt[i], out=scores[i, :, at:end])
+        if read.rest is not None:
+            m, r0 = read.rest.numel() // kv_heads, grp.rest_at[i]
+            torch.matmul(
+                kr[r0 : r0 + kv_heads * m].view(kv_heads, m, dim),
+                qt[i],
+                out=scores[i, :, read.n - m : read.n],
+            )
+    scores = scores.transpose(-1, -2).contiguous()  # (R, H_kv, G·Q, width): softmax along contiguous memory
+    if grp.vis is not None:
+        scores.masked_fill_(~grp.vis, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if grp.empty is not None:
+        probs.masked_fill_(grp.empty, 0.0)  # a row that sees nothing: zeros
+    out = torch.zeros(reqs, kv_heads, rows, dim_v, device=q.device)
+    for i, read in enumerate(grp.reads):
+        for at, end, s in read.views:
+            v = v_pool[:, s : s + end - at]
+            out[i].baddbmm_(probs[i, :, :, at:end], v if wide else v.float())
+        if read.rest is not None:
+            m, r0 = read.rest.numel() // kv_heads, grp.rest_at[i]
+            out[i].baddbmm_(
+                probs[i, :, :, read.n - m : read.n], vr[r0 : r0 + kv_heads * m].view(kv_heads, m, dim_v)
+            )
+    return out.view(reqs, heads, num_q, dim_v).to(q.dtype)
 
 
 def _attend_gathered(

@@ -37,8 +37,8 @@ class InplaceRead:
 
     index: its row in the batch. n: its columns (every head holds all of them). views: ``(at, end,
     first slot)`` segment positions of the runs viewed in the pool. rest: None, or ``(H_kv·m,)`` int64
-    flat rows (slot + head · S) of the short runs' ``m`` columns, gathered into the segment after the
-    views. vis: None (one decode row sees every column), or ``(H_kv, G·Q, n)`` bool causal mask in
+    flat rows (slot + head · S) of the short runs' ``m`` columns (segment positions ``[n - m, n)``, after
+    the views). vis: None (one decode row sees every column), or ``(H_kv, G·Q, n)`` bool causal mask in
     segment order.
     """
 
@@ -47,6 +47,51 @@ class InplaceRead:
     views: tuple[tuple[int, int, int], ...]
     rest: Tensor | None
     vis: Tensor | None
+
+
+@dataclass(frozen=True)
+class InplaceGroup:
+    """The requests read in place, attended as one batch: their scores fill one ``(R, H_kv, width,
+    G·Q)`` buffer (a few matmuls per request, each reading a pool view), then one softmax and one
+    output buffer for all of them, so the per-request cost is the matmuls alone.
+
+    reads: each request's :class:`InplaceRead`. index: None (the batch's requests, in order) or
+    ``(R,)`` int64 rows. width: the longest ``n``. rest: None, or every request's short-run rows
+    concatenated (one gather per K and V for the batch); rest_at: each read's first row in it.
+    vis: None (every row sees all ``width`` columns) or ``(R, H_kv, G·Q, width)`` bool. empty: None
+    or ``(R, H_kv, G·Q, 1)`` bool, rows that see nothing (their output is zeros).
+    """
+
+    reads: tuple[InplaceRead, ...]
+    index: Tensor | None
+    width: int
+    rest: Tensor | None
+    rest_at: tuple[int, ...]
+    vis: Tensor | None
+    empty: Tensor | None
+
+
+def _group(reads: list[InplaceRead], batch: int, kv_heads: int, rows: int, device) -> InplaceGroup:
+    """The :class:`InplaceGroup` of ``reads`` (requests of a ``batch``, ``rows`` = G·Q query rows)."""
+    width = max(r.n for r in reads)
+    rests = [r.rest for r in reads if r.rest is not None]
+    at, rest_at = 0, []
+    for r in reads:
+        rest_at.append(at)
+        at += 0 if r.rest is None else r.rest.numel()
+    vis = None
+    if any(r.vis is not None or r.n < width for r in reads):
+        vis = torch.zeros(len(reads), kv_heads, rows, width, dtype=torch.bool, device=device)
+        for i, r in enumerate(reads):
+            vis[i, :, :, : r.n] = True if r.vis is None else r.vis
+    empty = None
+    if vis is not None:
+        empty = ~vis.any(-1, keepdim=True)
+        empty = empty if bool(empty.any()) else None
+    every = len(reads) == batch and all(r.index == i for i, r in enumerate(reads))
+    index = None if every else torch.tensor([r.index for r in reads], device=device)
+    rest = torch.cat(rests) if rests else None
+    return InplaceGroup(tuple(reads), index, width, rest, tuple(rest_at), vis, empty)
 
 
 @dataclass(frozen=True)
@@ -81,7 +126,7 @@ class PagedCpuPlan:
     cap: int
     num_q: int
     group: int
-    inplace: tuple[InplaceRead, ...]
+    inplace: InplaceGroup | None
     gathered: GatheredRead | None
 
     def matches(self, table: Tensor, lengths: Tensor, cap: int, num_q: int, group: int) -> bool:
@@ -199,4 +244,7 @@ def plan_paged_cpu(
         else:
             idx = torch.tensor(together, device=table.device)
             gathered = _gathered(together, table[idx, :, :n], lengths[idx], cap, num_q, group, full)
-    return PagedCpuPlan(table, lengths, cap, num_q, group, tuple(inplace), gathered)
+    grouped = None
+    if inplace:
+        grouped = _group(inplace, table.shape[0], table.shape[1], group * num_q, table.device)
+    return PagedCpuPlan(table, lengths, cap, num_q, group, grouped, gathered)
