@@ -79,6 +79,14 @@ class _Stamp:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def _cache_kw(model) -> str:
+    """The keyword a transformers model takes its cache by (``cache`` from 5.x, ``past_key_values``
+    before and deprecated after)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def hf_steps(model, pre, kind: str, steps: int) -> dict:
     """``generate`` from ``pre``'s prefilled cache: the first token fed, ``steps + 1`` tokens out; the
     first step untimed, as vlkv's. Returns seconds per step, K/V bytes attended, tokens, counts."""
@@ -92,7 +100,7 @@ def hf_steps(model, pre, kind: str, steps: int) -> dict:
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
+            **{_cache_kw(model): cache},
             max_new_tokens=steps + 1,
             min_new_tokens=steps + 1,
             do_sample=False,
@@ -111,7 +119,7 @@ def hf_steps(model, pre, kind: str, steps: int) -> dict:
     # buffer under a mask, counted here as what it attends
     kv = be_layers * ids.shape[0] * (ids.shape[1] + 1 + steps / 2) * entry
     pos = torch.tensor([out.shape[1] - 1])
-    ops = count_ops(lambda: model(input_ids=out[:, -1:], past_key_values=cache, cache_position=pos))
+    ops = count_ops(lambda: model(input_ids=out[:, -1:], cache_position=pos, **{_cache_kw(model): cache}))
     return {
         "step_s": (stamp.times[-1] - stamp.times[0]) / steps,
         "kv_bytes": kv,
