@@ -152,6 +152,19 @@ def test_cpu_form_matches_reference(case, dtype):
         assert torch.all(got[0, : case.group] == 0)
 
 
+@pytest.mark.parametrize("qk", [True, False], ids=["q@K^T", "K@q^T"])
+@pytest.mark.parametrize("case", (*CASES, BIG, *APPENDS), ids=repr)
+def test_cpu_form_both_score_forms_match_reference(case, qk, monkeypatch):
+    """The in-place read's two score matmuls (``paged_cpu.SCORES_QK``) give the reference's result."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    monkeypatch.setattr(paged_cpu, "SCORES_QK", qk)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = case.make(dtype)
+        got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=1)
+        assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", (*CASES, *APPENDS, *ROPE), ids=repr)

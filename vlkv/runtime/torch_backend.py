@@ -129,10 +129,8 @@ class _StepContext:
     def _cpu_plan(self, q: Tensor, k_pool: Tensor, table: Tensor, lengths: Tensor):
         """The CPU paged read's plan for ``table (B, H_kv, n)`` / ``lengths (B, H_kv)`` over ``k_pool
         (H_kv, S, D)``: the previous layer's when it read the same tables (compared by value), else a new
-        one; None off the CPU path (the Triton kernel plans nothing)."""
-        from vlkv.plugins import ops
-
-        if q.device.type != "cpu" or ops.use_triton(q, k_pool):
+        one; None off the CPU (a forced Triton launch ignores it)."""
+        if q.device.type != "cpu":
             return None
         from vlkv.plugins.paged_cpu import plan_for
 
