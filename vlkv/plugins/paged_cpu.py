@@ -172,7 +172,7 @@ def _attend_inplace(q: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup
         qt = qs.transpose(-1, -2)  # (R, H_kv, D, G·Q)
         scores = torch.empty(reqs, kv_heads, grp.width, rows, device=q.device)
         for i, at, end, k in segs:
-            torch.matmul(k, qt[i], out=scores[i, :, at:end])
+            torch.bmm(k, qt[i], out=scores[i, :, at:end])
         scores = scores.transpose(-1, -2).contiguous()  # (R, H_kv, G·Q, width): softmax along memory
     if grp.vis is not None:
         scores.masked_fill_(~grp.vis, float("-inf"))
