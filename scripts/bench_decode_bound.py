@@ -9,7 +9,8 @@ One run: (1) the read bandwidth, a STREAM-like ``sum`` over a buffer far larger 
 one, with every policy's prefill statistics in the same pass, then repeated ``--batch`` times into each
 configuration's cache (the rows are identical, so the copy equals a batch prefill at a quarter of the
 cost); (3) per repeat, in a rotating order, ``--steps`` timed greedy decode steps of: vlkv's full cache,
-each ``--policies`` at each ``--budgets`` (after its prefill edits), and transformers' ``generate`` on
+each ``--policies`` at each ``--budgets`` (after its prefill edits), with ``--dense`` the full cache
+read as before paged reads (the before/after of one run), and transformers' ``generate`` on
 the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
 vlkv's, so no transformers prefill either).
 
@@ -119,9 +120,30 @@ class Prefilled:
         return dst
 
 
-def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None) -> dict:
+class _DenseRead:
+    """Inside it, decode steps read K/V the way they did before paged reads: each layer's cache gathered
+    into a padded scratch copy (``KVPool.read``), then attention over it (the "before" of the issue)."""
+
+    def __enter__(self):
+        from vlkv.runtime.torch_backend import _StepContext
+
+        self.real = _StepContext._paged
+        _StepContext._paged = lambda self, layer, i: False
+        return self
+
+    def __exit__(self, *exc):
+        from vlkv.runtime.torch_backend import _StepContext
+
+        _StepContext._paged = self.real
+
+
+def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense: bool = False) -> dict:
     """``steps + 1`` greedy decode steps of a configuration from its own copy of the prefill; the first
-    (one-off table growth) untimed. Returns seconds per step, K/V bytes attended per step, the tokens."""
+    (one-off table growth) untimed; ``dense``: read as before paged reads (:class:`_DenseRead`).
+    Returns seconds per step, K/V bytes attended per step, the tokens, the probe's counts."""
+    if dense:
+        with _DenseRead():
+            return vlkv_steps(pre, policy, steps, budget_key)
     eng = pre.engine
     cache = pre.cache_copy()
     if budget_key is not None:
@@ -147,22 +169,34 @@ def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None) -> di
 
 
 def _probe(step) -> dict:
-    """One more (untimed) step, counted: aten ops dispatched and bytes the CPU paged read gathered."""
+    """One more (untimed) step, counted: aten ops dispatched and the K/V bytes copied into scratch
+    (the CPU paged read's gathers, and ``KVPool.read``'s padded copies on the dense read)."""
     import vlkv.plugins.paged_cpu as paged_cpu
+    from vlkv.runtime.kv.pool import KVPool
 
     gathered = [0]
-    real = paged_cpu._gather
+    real, real_read = paged_cpu._gather, KVPool.read
 
     def gather(pool, flat, out=None):
         gathered[0] += flat.numel() * pool.shape[-1] * pool.element_size()
         return real(pool, flat, out)
 
-    paged_cpu._gather = gather
+    def read(self, layer, ids, *args, **kwargs):
+        gathered[0] += 2 * ids.numel() * self.spec.head_dim * self.spec.dtype.itemsize
+        return real_read(self, layer, ids, *args, **kwargs)
+
+    paged_cpu._gather, KVPool.read = gather, read
     try:
         ops = count_ops(step)
     finally:
-        paged_cpu._gather = real
+        paged_cpu._gather, KVPool.read = real, real_read
     return {"ops": ops, "gathered_bytes": gathered[0]}
+
+
+def runtime_lines() -> int:
+    """Lines of ``vlkv/runtime/`` (Python), the size the issue tracks beside the speed."""
+    root = Path(__file__).resolve().parents[1] / "vlkv" / "runtime"
+    return sum(len(p.read_text().splitlines()) for p in root.rglob("*.py"))
 
 
 def run(args) -> dict:
@@ -177,7 +211,7 @@ def run(args) -> dict:
     prefill_s = time.perf_counter() - t0
     w = weight_bytes(engine)
     full = make_policy("full")
-    configs = ["full", *args.peers, *pols]
+    configs = ["full", *(["full-dense"] if args.dense else []), *args.peers, *pols]
     got: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.repeats + 1):  # the first round warms up (allocations, one-off table growth)
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
@@ -185,8 +219,9 @@ def run(args) -> dict:
             if name in args.peers:
                 res = hf_steps(peer, pre, name, args.steps)
             else:
-                pol = full if name == "full" else pols[name]
-                res = vlkv_steps(pre, pol, args.steps, None if name == "full" else name.split("@")[0])
+                pol = pols.get(name, full)
+                key = name.split("@")[0] if name in pols else None
+                res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
             if rep:
                 got[name].append(res)
             print(f"  round {rep}: {name} {1e3 * res['step_s']:.1f} ms/step", flush=True)
@@ -229,6 +264,7 @@ def run(args) -> dict:
         "weight_bytes": w,
         "prefill_s": prefill_s,
         "fastest_peer": fastest,
+        "runtime_lines": runtime_lines(),
         "peers_same_tokens": same,
         "rows": rows,
     }
@@ -242,7 +278,7 @@ def to_markdown(res: dict) -> str:
         "",
         f"Read bandwidth (sum over {res['buffer_mib']} MiB, best of 7): {res['bandwidth_gb_s']:.1f} GB/s. "
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
-        f"Peers' tokens equal vlkv full: {res['peers_same_tokens']}.",
+        f"Peers' tokens equal vlkv full: {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
         f"| config | step (ms) | bound (ms) | of bound | vs {res['fastest_peer']} | KV read (MB) | gathered (MB) | aten ops |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -268,6 +304,11 @@ def main() -> None:
     ap.add_argument("--policies", nargs="*", default=list(POLICIES))
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     ap.add_argument("--peers", nargs="*", choices=["static", "dynamic"], default=["static", "dynamic"])
+    ap.add_argument(
+        "--dense",
+        action="store_true",
+        help="also run the full cache read as before paged reads (a padded scratch copy per layer)",
+    )
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)

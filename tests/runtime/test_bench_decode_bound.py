@@ -16,15 +16,15 @@ def test_tiny_run_reports_every_configuration_against_the_bound_and_the_peers(tm
     out, md = tmp_path / "b.json", tmp_path / "b.md"
     cmd = [
         sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "snapkv",
-        "--budgets", "0.5", "0.2", "--json", str(out), "--md", str(md),
+        "--budgets", "0.5", "0.2", "--dense", "--json", str(out), "--md", str(md),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())
     rows = {r["config"]: r for r in res["rows"]}
-    assert sorted(rows) == sorted(
-        ["full", "static", "dynamic", "h2o@0.5", "h2o@0.2", "snapkv@0.5", "snapkv@0.2"]
-    )
+    want = ["full", "full-dense", "static", "dynamic", "h2o@0.5", "h2o@0.2", "snapkv@0.5", "snapkv@0.2"]
+    assert sorted(rows) == sorted(want)
+    assert res["runtime_lines"] > 1000
     assert res["bandwidth_gb_s"] > 0 and res["weight_bytes"] > 0
     # the peers decode from vlkv's prefilled K/V: their greedy tokens equal vlkv's full cache
     assert res["peers_same_tokens"] == {"static": True, "dynamic": True}
@@ -35,6 +35,9 @@ def test_tiny_run_reports_every_configuration_against_the_bound_and_the_peers(tm
         assert r["bytes_per_step"] >= res["weight_bytes"] + r["kv_bytes"]
     # a compressed cache attends fewer bytes than the full one
     assert rows["snapkv@0.2"]["kv_bytes"] < rows["snapkv@0.5"]["kv_bytes"] < rows["full"]["kv_bytes"]
+    # the dense read (before paged reads) copies every entry it attends into scratch, the paged read
+    # of these short requests gathers them together once: the same bytes, but never more
+    assert rows["full-dense"]["gathered_bytes"] >= rows["full"]["gathered_bytes"] > 0
     assert "| full |" in md.read_text() and "GB/s" in md.read_text()
 
 
