@@ -369,6 +369,18 @@ def test_cpu_plan_reused_by_other_layers_matches_reference(case):
         assert not plan.matches(table, clamped, args["k_pool"].shape[1] + 1, case.queries, group)
 
 
+def test_cpu_plan_reused_only_for_the_same_tables():
+    from vlkv.plugins.paged_cpu import plan_reused
+
+    args = APPENDS[0].make(torch.float32)
+    q, k_pool, table, lengths = args["q"], args["k_pool"], args["table"], args["lengths"]
+    first = plan_reused(None, q, k_pool, table, lengths)
+    assert plan_reused(first, q, k_pool, table.clone(), lengths.clone()) is first
+    other = lengths.clone()
+    other[-1, :] -= 1
+    assert plan_reused(first, q, k_pool, table, other) is not first
+
+
 def test_cpu_plan_refuses_rotated_calls_and_other_shapes():
     from vlkv.plugins.paged_cpu import plan_for
 

@@ -4,19 +4,25 @@ The pool hands a request's entries out as ascending runs of slots (a prompt take
 appends continue it), the same run in every KV head until a per-head edit. A run is a strided view
 of the pool, so attention can read it in place: no gather, no scratch copy. Per step and layer:
 
-- a request of at least ``inplace_min`` entries whose heads hold the same ascending runs (no holes, no
-  pre-RoPE keys): each run of at least ``run_min`` slots is a view, read by one batched
-  ``(H_kv, n, D) @ (H_kv, D, G·Q)`` for the scores and ``(H_kv, G·Q, n) @ (H_kv, n, D_v)`` for the
-  output; the columns of shorter runs (decode appends interleaved with other requests' in a fixed pool)
-  are gathered into one more segment;
+- requests of at least ``inplace_min`` entries whose heads hold the same ascending runs (no holes, no
+  pre-RoPE keys): each run of at least ``run_min`` slots is a view, read by one
+  ``(H_kv, n, D) @ (H_kv, D, G·Q)`` for its scores and ``(H_kv, G·Q, n) @ (H_kv, n, D_v)`` for its share
+  of the output; the columns of shorter runs (decode appends interleaved with other requests') of every
+  such request are gathered by one call per K and V; all of them share one scores buffer, one softmax
+  and one output buffer, so a request costs its matmuls and little else;
 - every other request (short, holes, per-head tables, ragged head lengths, pre-RoPE keys): all of them
   gathered into one padded scratch copy (``index_select`` on the flattened pool into a reused buffer)
   and attended by one masked SDPA call, GQA folded — a few calls however many requests.
 
-The score matmul is ``K @ q^T`` on purpose: on this CPU (MKL, 2 threads) ``q @ K^T`` over a strided
-pool view was 6x slower (it copies the view), ``K @ q^T`` reads it as it lies (docs/benchmarks).
-GQA is folded: the ``G`` query heads (and ``Q`` rows) of a KV head are the rows of one matmul.
-Scores, softmax and the weighted sum are float32 whatever the pool's dtype.
+Which request goes where, its runs, the gathered rows and the masks are a :class:`PagedCpuPlan`
+(``paged_cpu_plan``), decided from the tables alone: a decode step builds it once and every layer
+holding the same tables reuses it (``plan=``).
+
+The score matmul is ``K @ q^T`` by default (``SCORES_QK`` picks ``q @ K^T``): inside this op at 2k and
+8k columns it was 1.15-1.3x faster on the 2-core EPYC (MKL), though an isolated ``bmm`` loop favoured
+the other form (docs/benchmarks/2026-11-26-decode-bound-cpu-x86_64). GQA is folded: the ``G`` query
+heads (and ``Q`` rows) of a KV head are the rows of one matmul. Scores, softmax and the weighted sum
+are float32 whatever the pool's dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +36,16 @@ from torch import Tensor
 from vlkv.plugins.paged_cpu_plan import GatheredRead, InplaceGroup, PagedCpuPlan, plan_paged_cpu, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, rotate_keys
 
-__all__ = ["INPLACE_MIN", "RUN_MIN", "PagedCpuPlan", "paged_attention_cpu", "plan_paged_cpu", "shared_runs"]
+__all__ = [
+    "INPLACE_MIN",
+    "RUN_MIN",
+    "PagedCpuPlan",
+    "paged_attention_cpu",
+    "plan_for",
+    "plan_paged_cpu",
+    "plan_reused",
+    "shared_runs",
+]
 
 # a run of at least this many slots is read in place: each run costs two small matmul calls (~10 µs),
 # a gathered entry ~0.1 µs
@@ -39,8 +54,8 @@ RUN_MIN = 128
 # gathered and attended together: per request and layer the in-place path costs ~20 calls, ~0.2 ms at
 # one thread, the gather ~0.15 µs per entry (scripts/bench_paged.py: 32 × 300 entries and 4 × 8206)
 INPLACE_MIN = 1024
-# the score matmul's form: ``K @ q^T`` (False, the default: measured faster on a quiet 2-core EPYC with
-# MKL) or ``q @ K^T`` (True: faster in isolated loops under heavy load there); both read the view in place
+# the score matmul's form: ``K @ q^T`` (False, the default: faster inside this op, see the docstring)
+# or ``q @ K^T`` (True); both read the pool view in place
 SCORES_QK = False
 
 
@@ -91,6 +106,18 @@ def plan_for(
         INPLACE_MIN if inplace_min is None else inplace_min,
         rot,
     )
+
+
+def plan_reused(
+    last: PagedCpuPlan | None, q: Tensor, k_pool: Tensor, table: Tensor, lengths: Tensor
+) -> PagedCpuPlan:
+    """``last`` when it was planned for the same tables (compared by value; the layers of a decode step
+    usually share them), else :func:`plan_for` of this call (module defaults, no ``rot``)."""
+    if last is not None and last.matches(
+        table, lengths.clamp(0, table.shape[-1]), k_pool.shape[1], q.shape[2], q.shape[1] // k_pool.shape[0]
+    ):
+        return last
+    return plan_for(q, k_pool, table, lengths)
 
 
 def paged_attention_cpu(

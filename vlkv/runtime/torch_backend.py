@@ -126,22 +126,6 @@ class _StepContext:
         rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
         return all(r.lowrank is None and r.offloaded is None for r in rows)
 
-    def _cpu_plan(self, q: Tensor, k_pool: Tensor, table: Tensor, lengths: Tensor):
-        """The CPU paged read's plan for ``table (B, H_kv, n)`` / ``lengths (B, H_kv)`` over ``k_pool
-        (H_kv, S, D)``: the previous layer's when it read the same tables (compared by value), else a new
-        one; None off the CPU (a forced Triton launch ignores it)."""
-        if q.device.type != "cpu":
-            return None
-        from vlkv.plugins.paged_cpu import plan_for
-
-        last = getattr(self, "cpu_plan", None)
-        group = q.shape[1] // k_pool.shape[0]
-        if last is None or not last.matches(
-            table, lengths.clamp(0, table.shape[-1]), k_pool.shape[1], 1, group
-        ):
-            last = self.cpu_plan = plan_for(q, k_pool, table, lengths)
-        return last
-
     def _rank_space(self, layer) -> bool:
         """This step attends to ``layer``'s factored rows in the rank space (AttentionPack path (b))."""
         return (
@@ -165,7 +149,11 @@ class _StepContext:
             self.attended[layer_idx] = attended.to(q.device)
             wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
             if not wanted:
-                plan = self._cpu_plan(q, k, table, lengths) if not rope else None
+                if not rope and q.device.type == "cpu":  # one plan per step for layers sharing tables
+                    from vlkv.plugins.paged_cpu import plan_reused
+
+                    self.cpu_plan = plan_reused(getattr(self, "cpu_plan", None), q, k, table, lengths)
+                plan = None if rope else getattr(self, "cpu_plan", None)
                 out = paged_attention(q, k, v, table, lengths, scale, plan=plan, **rope)
                 return out.transpose(1, 2).contiguous()
             # statistics are the step's probabilities: K is read once for both, as in the dense path
