@@ -170,8 +170,10 @@ def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense
 
 def _probe(step) -> dict:
     """One more (untimed) step, counted: aten ops dispatched and the K/V bytes copied into scratch
-    (the CPU paged read's gathers, and ``KVPool.read``'s padded copies on the dense read)."""
+    (the CPU paged read's gathers, those of its statistics form ``paged_probs``, and ``KVPool.read``'s
+    padded copies on the dense read)."""
     import vlkv.plugins.paged_cpu as paged_cpu
+    import vlkv.plugins.paged_probs as paged_probs
     from vlkv.runtime.kv.pool import KVPool
 
     gathered = [0]
@@ -185,11 +187,11 @@ def _probe(step) -> dict:
         gathered[0] += 2 * ids.numel() * self.spec.head_dim * self.spec.dtype.itemsize
         return real_read(self, layer, ids, *args, **kwargs)
 
-    paged_cpu._gather, KVPool.read = gather, read
+    paged_cpu._gather, paged_probs._gather, KVPool.read = gather, gather, read
     try:
         ops = count_ops(step)
     finally:
-        paged_cpu._gather, KVPool.read = real, real_read
+        paged_cpu._gather, paged_probs._gather, KVPool.read = real, real, real_read
     return {"ops": ops, "gathered_bytes": gathered[0]}
 
 

@@ -38,6 +38,7 @@ def test_tiny_run_reports_every_configuration_against_the_bound_and_the_peers(tm
     # the dense read (before paged reads) copies every entry it attends into scratch, the paged read
     # of these short requests gathers them together once: the same bytes, but never more
     assert rows["full-dense"]["gathered_bytes"] >= rows["full"]["gathered_bytes"] > 0
+    assert rows["h2o@0.5"]["gathered_bytes"] > 0  # its statistics read (paged_probs) gathers too
     assert "| full |" in md.read_text() and "GB/s" in md.read_text()
 
 
