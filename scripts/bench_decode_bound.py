@@ -4,15 +4,15 @@
         --json decode-bound.json --md decode-bound.md
     python scripts/bench_decode_bound.py --tiny --json t.json   # seconds: tiny-llava, for the tests
 
-One run: (1) the read bandwidth, a STREAM-like ``sum`` over a buffer far larger than the caches (best
-of 7, before and after the timed rounds; the bound takes the better); (2) one prompt (document + image
-+ question, about ``--tokens`` tokens) prefilled ONCE as a batch of one, with every policy's prefill statistics in the same pass, then repeated ``--batch`` times into each
-configuration's cache (the rows are identical, so the copy equals a batch prefill at a quarter of the
-cost); (3) per repeat, in a rotating order, ``--steps`` timed greedy decode steps of: vlkv's full cache,
-each ``--policies`` at each ``--budgets`` (after its prefill edits), with ``--dense`` the full cache
-read as before paged reads (the before/after of one run), and transformers' ``generate`` on
-the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
-vlkv's, so no transformers prefill either).
+One run: (1) the read bandwidth, a STREAM-like ``sum`` over a buffer far larger than the caches (best of
+7, before and after the timed rounds; the bound takes the better); (2) one prompt (document + image +
+question, about ``--tokens`` tokens) prefilled ONCE as a batch of one, with every policy's prefill
+statistics in the same pass, then repeated ``--batch`` times into each configuration's cache (the rows
+are identical, so the copy equals a batch prefill at a quarter of the cost); (3) per repeat, in a
+rotating order, ``--steps`` timed greedy decode steps of: vlkv's full cache, each ``--policies`` at each
+``--budgets`` (after its prefill edits), with ``--dense`` the full cache read as before paged reads (the
+before/after of one run), and transformers' ``generate`` on the same weights with a ``static`` and a
+``DynamicCache`` holding the same prefilled K/V (built from vlkv's, so no transformers prefill either).
 
 Per configuration: step ms (median over repeats of the mean step), the bound ``(W + KV) / bandwidth``
 with ``W`` the weight bytes a step reads (decoder layers, norm, output head) and ``KV`` the K/V bytes
