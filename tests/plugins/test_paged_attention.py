@@ -277,6 +277,15 @@ def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
     got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
     assert gathered == [5 * case.kv_heads * case.batch] * 2  # K and V of every request's appends
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+    # equal lengths and appends (lockstep decode): the appends are one block, attended by one matmul
+    plan = paged_cpu.plan_for(args["q"], args["k_pool"], args["table"], args["lengths"], 16, 16)
+    assert plan.inplace.tail == 5
+    for qk in (True, False):
+        monkeypatch.setattr(paged_cpu, "SCORES_QK", qk)
+        for dtype in (torch.float32, torch.bfloat16):
+            args = dataclasses.replace(case, full=True).make(dtype)
+            got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
+            assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
 
 
 @pytest.mark.gpu

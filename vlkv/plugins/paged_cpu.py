@@ -182,24 +182,32 @@ def _attend_inplace(q: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup
     if grp.rest is not None:  # decode appends interleaved with other requests': one gather for all
         kr, vr = _gather(k_pool, grp.rest), _gather(v_pool, grp.rest)
         kr, vr = (kr, vr) if wide else (kr.float(), vr.float())
+    tail = grp.tail
     segs = []  # (request, at, end, k (H_kv, end - at, D))
     for i, read in enumerate(grp.reads):
         for at, end, s in read.views:
             k = k_pool[:, s : s + end - at]
             segs.append((i, at, end, k if wide else k.float()))
-        if read.rest is not None:
+        if read.rest is not None and not tail:
             m, r0 = read.rest.numel() // kv_heads, grp.rest_at[i]
             segs.append((i, read.n - m, read.n, kr[r0 : r0 + kv_heads * m].view(kv_heads, m, dim)))
+    width = grp.width
     if SCORES_QK:
         # q @ K^T: the view's transpose is a column-major operand BLAS reads in place
-        scores = torch.empty(reqs, kv_heads, rows, grp.width, device=q.device)
+        scores = torch.empty(reqs, kv_heads, rows, width, device=q.device)
         for i, at, end, k in segs:
             torch.bmm(qs[i], k.transpose(1, 2), out=scores[i, :, :, at:end])
+        if tail:  # every request's decode appends: one block, one matmul
+            scores[..., width - tail :] = torch.matmul(
+                qs, kr.view(reqs, kv_heads, tail, dim).transpose(-1, -2)
+            )
     else:
         qt = qs.transpose(-1, -2)  # (R, H_kv, D, G·Q)
-        scores = torch.empty(reqs, kv_heads, grp.width, rows, device=q.device)
+        scores = torch.empty(reqs, kv_heads, width, rows, device=q.device)
         for i, at, end, k in segs:
             torch.bmm(k, qt[i], out=scores[i, :, at:end])
+        if tail:
+            scores[:, :, width - tail :] = torch.matmul(kr.view(reqs, kv_heads, tail, dim), qt)
         scores = scores.transpose(-1, -2).contiguous()  # (R, H_kv, G·Q, width): softmax along memory
     if grp.vis is not None:
         scores.masked_fill_(~grp.vis, float("-inf"))
@@ -211,11 +219,13 @@ def _attend_inplace(q: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup
         for at, end, s in read.views:
             v = v_pool[:, s : s + end - at]
             out[i].baddbmm_(probs[i, :, :, at:end], v if wide else v.float())
-        if read.rest is not None:
+        if read.rest is not None and not tail:
             m, r0 = read.rest.numel() // kv_heads, grp.rest_at[i]
             out[i].baddbmm_(
                 probs[i, :, :, read.n - m : read.n], vr[r0 : r0 + kv_heads * m].view(kv_heads, m, dim_v)
             )
+    if tail:
+        out += torch.matmul(probs[..., width - tail :], vr.view(reqs, kv_heads, tail, dim_v))
     return out.view(reqs, heads, num_q, dim_v).to(q.dtype)
 
 

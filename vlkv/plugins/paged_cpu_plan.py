@@ -59,7 +59,10 @@ class InplaceGroup:
     ``(R,)`` int64 rows. width: the longest ``n``. rest: None, or every request's short-run rows
     concatenated (one gather per K and V for the batch); rest_at: each read's first row in it.
     vis: None (every row sees all ``width`` columns) or ``(R, H_kv, G·Q, width)`` bool. empty: None
-    or ``(R, H_kv, G·Q, 1)`` bool, rows that see nothing (their output is zeros).
+    or ``(R, H_kv, G·Q, 1)`` bool, rows that see nothing (their output is zeros). tail: 0, or ``m`` when
+    every request holds ``width`` columns and ``m`` short-run ones (lockstep decode appends): the rest
+    is then one ``(R, H_kv, m)`` block at columns ``[width - m, width)``, attended by one matmul each
+    for scores and output instead of one per request.
     """
 
     reads: tuple[InplaceRead, ...]
@@ -69,6 +72,7 @@ class InplaceGroup:
     rest_at: tuple[int, ...]
     vis: Tensor | None
     empty: Tensor | None
+    tail: int = 0
 
 
 def _group(reads: list[InplaceRead], batch: int, kv_heads: int, rows: int, device) -> InplaceGroup:
@@ -91,7 +95,9 @@ def _group(reads: list[InplaceRead], batch: int, kv_heads: int, rows: int, devic
     every = len(reads) == batch and all(r.index == i for i, r in enumerate(reads))
     index = None if every else torch.tensor([r.index for r in reads], device=device)
     rest = torch.cat(rests) if rests else None
-    return InplaceGroup(tuple(reads), index, width, rest, tuple(rest_at), vis, empty)
+    tails = {0 if r.rest is None else r.rest.numel() // kv_heads for r in reads}
+    tail = tails.pop() if len(tails) == 1 and all(r.n == width for r in reads) else 0
+    return InplaceGroup(tuple(reads), index, width, rest, tuple(rest_at), vis, empty, tail)
 
 
 @dataclass(frozen=True)
