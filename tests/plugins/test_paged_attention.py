@@ -152,6 +152,19 @@ def test_cpu_form_matches_reference(case, dtype):
         assert torch.all(got[0, : case.group] == 0)
 
 
+@pytest.mark.parametrize("qk", [True, False], ids=["q@K^T", "K@q^T"])
+@pytest.mark.parametrize("case", (*CASES, BIG, *APPENDS), ids=repr)
+def test_cpu_form_both_score_forms_match_reference(case, qk, monkeypatch):
+    """The in-place read's two score matmuls (``paged_cpu.SCORES_QK``) give the reference's result."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    monkeypatch.setattr(paged_cpu, "SCORES_QK", qk)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = case.make(dtype)
+        got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=1)
+        assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", (*CASES, *APPENDS, *ROPE), ids=repr)
@@ -255,14 +268,24 @@ def count_gathers(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("case", APPENDS, ids=repr)
 def test_cpu_form_gathers_only_the_short_runs(case, monkeypatch):
-    """A prompt's run is read in place; only the appended single slots are gathered (5 per request)."""
+    """A prompt's run is read in place; only the appended single slots are gathered (5 per request), by
+    one gather of K and one of V for every request."""
     import vlkv.plugins.paged_cpu as paged_cpu
 
     args = dataclasses.replace(case, full=True).make(torch.float32)
     gathered = count_gathers(monkeypatch)
     got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
-    assert gathered == [5 * case.kv_heads] * 2 * case.batch  # K and V of each request's appends
+    assert gathered == [5 * case.kv_heads * case.batch] * 2  # K and V of every request's appends
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+    # equal lengths and appends (lockstep decode): the appends are one block, attended by one matmul
+    plan = paged_cpu.plan_for(args["q"], args["k_pool"], args["table"], args["lengths"], 16, 16)
+    assert plan.inplace.tail == 5
+    for qk in (True, False):
+        monkeypatch.setattr(paged_cpu, "SCORES_QK", qk)
+        for dtype in (torch.float32, torch.bfloat16):
+            args = dataclasses.replace(case, full=True).make(dtype)
+            got = paged_cpu.paged_attention_cpu(**args, run_min=16, inplace_min=16)
+            assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
 
 
 @pytest.mark.gpu
@@ -330,3 +353,51 @@ def test_cpu_form_attends_short_requests_together(monkeypatch):
     got = paged_cpu.paged_attention_cpu(**args)
     assert len(gathered) == 2  # one gather of K, one of V, for all nine requests
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+
+
+@pytest.mark.parametrize("case", (*CASES, BIG, *APPENDS), ids=repr)
+def test_cpu_plan_reused_by_other_layers_matches_reference(case):
+    """One plan (built from the tables) read by several layers' pools and queries, as a decode step
+    reuses it: each equals the reference of its own pool; the plan matches only the same tables."""
+    from vlkv.plugins.paged_cpu import plan_for
+
+    args = case.make(torch.float32)
+    table, lengths = args["table"], args["lengths"]
+    for inplace_min, run_min in ((1, 1), (16, 16), (None, None)):
+        plan = plan_for(args["q"], args["k_pool"], table, lengths, run_min, inplace_min)
+        for seed in (1, 2):
+            layer = {**case.make(torch.float32, seed=seed), "table": table, "lengths": lengths}
+            got = paged_attention_cpu(**layer, plan=plan)
+            assert_close_tol(got, paged_attention_reference(**layer), OUT_TOL, torch.float32)
+        group = case.group
+        clamped = lengths.clamp(0, table.shape[-1])
+        assert plan.matches(table.clone(), clamped, args["k_pool"].shape[1], case.queries, group)
+        other = table.clone()
+        other[-1, 0, 0] += 1
+        assert not plan.matches(other, clamped, args["k_pool"].shape[1], case.queries, group)
+        assert not plan.matches(table, clamped, args["k_pool"].shape[1] + 1, case.queries, group)
+
+
+def test_cpu_plan_reused_only_for_the_same_tables():
+    from vlkv.plugins.paged_cpu import plan_reused
+
+    args = APPENDS[0].make(torch.float32)
+    q, k_pool, table, lengths = args["q"], args["k_pool"], args["table"], args["lengths"]
+    first = plan_reused(None, q, k_pool, table, lengths)
+    assert plan_reused(first, q, k_pool, table.clone(), lengths.clone()) is first
+    other = lengths.clone()
+    other[-1, :] -= 1
+    assert plan_reused(first, q, k_pool, table, other) is not first
+
+
+def test_cpu_plan_refuses_rotated_calls_and_other_shapes():
+    from vlkv.plugins.paged_cpu import plan_for
+
+    args = ROPE[0].make(torch.float32)
+    plan = plan_for(args["q"], args["k_pool"], args["table"], args["lengths"])
+    with pytest.raises(ValueError, match="plan was built for other tables"):
+        paged_attention_cpu(**args, plan=plan)
+    plain = {k: v for k, v in args.items() if k not in ("rot", "cos", "sin")}
+    with pytest.raises(ValueError, match="plan was built for other tables"):
+        q = plain["q"]
+        paged_attention_cpu(**{**plain, "q": torch.randn(q.shape[0], q.shape[1], 2, q.shape[3])}, plan=plan)

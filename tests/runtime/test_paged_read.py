@@ -167,3 +167,40 @@ def test_statistics_steps_read_paged_and_equal_the_dense_read(budget, engines, i
     want = engine.generate(prompts, make_policy("h2o", budget=budget), 8, stop_at_eos=False)
     assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
     assert got.kv_bytes_used == want.kv_bytes_used
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed-pool", "growable-pool"])
+def test_a_decode_step_plans_its_cpu_read_once_per_table(fixed, engines, images, monkeypatch):
+    """The CPU read's plan (runs, gathered rows, masks) is built once per step when every layer holds
+    the same tables, and once more for each layer whose tables differ; the tokens are the dense read's."""
+    monkeypatch.setattr(paged_cpu, "RUN_MIN", 16)
+    monkeypatch.setattr(paged_cpu, "INPLACE_MIN", 16)
+    engine = engines["tiny-llava"]
+    built, tables = [], []
+    real_plan, real_paged = paged_cpu.plan_for, ops.paged_attention
+    monkeypatch.setattr(paged_cpu, "plan_for", lambda *a, **kw: built.append(1) or real_plan(*a, **kw))
+
+    def paged(q, k_pool, v_pool, table, lengths, scale, **kw):
+        tables.append((table.clone(), lengths.clone()))
+        return real_paged(q, k_pool, v_pool, table, lengths, scale, **kw)
+
+    monkeypatch.setattr(ops, "paged_attention", paged)
+    sched = Scheduler(engine, sched_entry_bytes(engine) * 4000 if fixed else None)
+    reqs = [
+        sched.submit(Request(Prompt(t, [images[0]] if i % 2 == 0 else []), make_policy("full"), 6, stop_at_eos=False))
+        for i, t in enumerate(TEXTS)
+    ]  # fmt: skip
+    sched.step()
+    for _ in range(3):
+        built.clear(), tables.clear()
+        sched.step()
+        distinct = 1 + sum(
+            not (torch.equal(t, p) and torch.equal(n, m)) for (t, n), (p, m) in zip(tables[1:], tables[:-1])
+        )
+        assert len(tables) == engine.backend.num_layers and len(built) == distinct
+        assert distinct == 1  # a full cache: every layer holds the same tables, one plan per step
+    sched.run()
+    got = [list(r.tokens) for r in reqs]
+    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    want = engine.generate([r.prompt for r in reqs], make_policy("full"), 6, stop_at_eos=False)
+    assert got == [s.token_ids for s in want.samples]

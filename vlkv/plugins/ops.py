@@ -143,12 +143,14 @@ def paged_attention(
     rot: Tensor | None = None,
     cos: Tensor | None = None,
     sin: Tensor | None = None,
+    plan=None,
 ) -> Tensor:
     """Causal attention reading K/V from one layer's pool through per-request, per-KV-head slot tables:
     same arguments and result as ``paged_reference.paged_attention_reference``, plus ``num_splits``.
 
     CUDA (or ``VLKV_FORCE_TRITON=1``): the Triton kernel (``num_splits`` column splits, None = from the
-    launch size); CPU: ``paged_cpu`` (in-place runs, else one gather); elsewhere the reference.
+    launch size); CPU: ``paged_cpu`` (in-place runs, else one gather; ``plan``: a
+    ``paged_cpu.PagedCpuPlan`` of these tables, reused across layers); elsewhere the reference.
     """
     if use_triton(q, k_pool, v_pool):
         from vlkv.plugins.triton_paged_attention import paged_attention_triton
@@ -157,7 +159,9 @@ def paged_attention(
     if q.device.type == "cpu":
         from vlkv.plugins.paged_cpu import paged_attention_cpu
 
-        return paged_attention_cpu(q, k_pool, v_pool, table, lengths, scale, rot=rot, cos=cos, sin=sin)
+        return paged_attention_cpu(
+            q, k_pool, v_pool, table, lengths, scale, rot=rot, cos=cos, sin=sin, plan=plan
+        )
     from vlkv.plugins.paged_reference import paged_attention_reference
 
     return paged_attention_reference(q, k_pool, v_pool, table, lengths, scale, rot, cos, sin)

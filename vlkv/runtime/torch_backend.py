@@ -63,6 +63,9 @@ class _StepContext:
         # layer → (table (B, H_kv, n), lengths (B, H_kv), attended (B,), pre-RoPE keywords) of the
         # layers a decode step reads paged (see ``paged_tables``)
         self.paged: dict[int, tuple[Tensor, Tensor, Tensor, dict]] = {}
+        # the CPU paged read's plan of the last table read: the layers of a cache usually share one
+        # table in a step, so the plan (runs, gathered rows, masks) is built once, not per layer
+        self.cpu_plan = None
         # a prefill into an empty cache with no padded rows can take SDPA's is_causal path
         self.plain = (
             q > 1
@@ -146,7 +149,13 @@ class _StepContext:
             self.attended[layer_idx] = attended.to(q.device)
             wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
             if not wanted:
-                return paged_attention(q, k, v, table, lengths, scale, **rope).transpose(1, 2).contiguous()
+                if not rope and q.device.type == "cpu":  # one plan per step for layers sharing tables
+                    from vlkv.plugins.paged_cpu import plan_reused
+
+                    self.cpu_plan = plan_reused(getattr(self, "cpu_plan", None), q, k, table, lengths)
+                plan = None if rope else getattr(self, "cpu_plan", None)
+                out = paged_attention(q, k, v, table, lengths, scale, plan=plan, **rope)
+                return out.transpose(1, 2).contiguous()
             # statistics are the step's probabilities: K is read once for both, as in the dense path
             from vlkv.plugins.paged_probs import paged_decode_out, paged_decode_probs
 

@@ -1,0 +1,348 @@
+"""Decode steps against the machine's memory bandwidth and against transformers, in one run.
+
+    python scripts/bench_decode_bound.py --model smollm2-llava --tokens 8192 --batch 4 --threads 2 \\
+        --json decode-bound.json --md decode-bound.md
+    python scripts/bench_decode_bound.py --tiny --json t.json   # seconds: tiny-llava, for the tests
+
+One run: (1) the read bandwidth, a STREAM-like ``sum`` over a buffer far larger than the caches (best of
+7, before and after the timed rounds; the bound takes the better); (2) one prompt (document + image +
+question, about ``--tokens`` tokens) prefilled ONCE as a batch of one, with every policy's prefill
+statistics in the same pass, then repeated ``--batch`` times into each configuration's cache (the rows
+are identical, so the copy equals a batch prefill at a quarter of the cost); (3) per repeat, in a
+rotating order, ``--steps`` timed greedy decode steps of: vlkv's full cache, each ``--policies`` at each
+``--budgets`` (after its prefill edits), with ``--dense`` the full cache read as before paged reads (the
+before/after of one run), and transformers' ``generate`` on the same weights with a ``static`` and a
+``DynamicCache`` holding the same prefilled K/V (built from vlkv's, so no transformers prefill either).
+
+Per configuration: step ms (median over repeats of the mean step), the bound ``(W + KV) / bandwidth``
+with ``W`` the weight bytes a step reads (decoder layers, norm, output head) and ``KV`` the K/V bytes
+the step attends (vlkv: its own count; transformers: the full cache), the fraction of that bound
+reached, the speed ratio against the faster transformers cache, torch (aten) ops per step and the
+bytes a step gathers into scratch copies (the CPU paged read's gathers; 0 for transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vlkv.runtime.backend import StepInputs
+from vlkv.runtime.edits import apply_edits
+from vlkv.runtime.engine import Engine
+from vlkv.runtime.policies import make_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import add_threads_arg, document_prompt, load_for_bench, machine_name  # noqa: E402
+from bench_decode import joint_request, stats_for, weight_bytes  # noqa: E402
+from bench_decode_peers import count_ops, hf_steps, repeat_stats  # noqa: E402
+
+POLICIES = ("h2o", "snapkv", "vlcache", "pyramidkv")
+BUDGETS = (0.5, 0.2, 0.1)
+TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 1, "buffer_mib": 64}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_bandwidth(mib: int, repeats: int = 7) -> float:
+    """Bytes/s of the best ``sum`` over a ``mib`` MiB float32 buffer (torch's threads)."""
+    x = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+class Prefilled:
+    """One prompt prefilled once (batch of one) and what each configuration starts from.
+
+    batch: the ``--batch`` rows' :class:`PromptBatch`; one: the batch of one; cache: its prefilled full
+    cache; stats: its prefill statistics (every policy kind's request as a named extra); first: ``(B,)``
+    the first generated token."""
+
+    def __init__(self, engine: Engine, model: str, tokens: int, rows: int, policies: dict):
+        from vlkv.runtime.prompt import collate
+
+        be = engine.backend
+        self.engine = engine
+        self.one = document_prompt(engine, model, tokens)
+        self.batch = collate([self.one.prompts[0]] * rows, 0)
+        ctx = engine.context(self.one)
+        kinds = {}
+        for key, pol in policies.items():
+            kinds.setdefault(key.split("@")[0], pol)
+        request, self.alias = joint_request(kinds, ctx, self.one.input_ids.shape[1])
+        self.cache = engine.new_cache(self.one)
+        one = self.one
+        inputs = StepInputs(one.input_ids, one.positions, one.modality, one.lengths, be.embed(one))
+        out = be.step(inputs, self.cache, request)
+        self.stats = repeat_stats(out.stats, rows)
+        self.first = out.logits.argmax(-1).expand(rows).clone()
+
+    def cache_copy(self):
+        """A ``--batch``-row cache (own pool) holding the prefilled entries in every row."""
+        rows = self.batch.input_ids.shape[0]
+        dst = self.engine.new_cache(self.batch)
+        for a, b in zip(self.cache.layers, dst.layers):
+            k, v = a.attention_kv()
+            n = a.max_length
+
+            def cols(t, n=n):  # (1, H_kv, S, ...) per-entry table → (rows, n, ...): its first head's
+                return t[:, 0, :n].repeat(rows, *([1] * (t.dim() - 2)))
+
+            b.append(
+                k.expand(rows, *k.shape[1:]),
+                v.expand(rows, *v.shape[1:]),
+                cols(a.positions),
+                cols(a.modality),
+                a.lengths.repeat(rows),
+                cols(a.order),
+            )
+        dst.processed = self.cache.processed.repeat(rows)
+        return dst
+
+
+class _DenseRead:
+    """Inside it, decode steps read K/V the way they did before paged reads: each layer's cache gathered
+    into a padded scratch copy (``KVPool.read``), then attention over it (the "before" of the issue)."""
+
+    def __enter__(self):
+        from vlkv.runtime.torch_backend import _StepContext
+
+        self.real = _StepContext._paged
+        _StepContext._paged = lambda self, layer, i: False
+        return self
+
+    def __exit__(self, *exc):
+        from vlkv.runtime.torch_backend import _StepContext
+
+        _StepContext._paged = self.real
+
+
+def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense: bool = False) -> dict:
+    """``steps + 1`` greedy decode steps of a configuration from its own copy of the prefill; the first
+    (one-off table growth) untimed; ``dense``: read as before paged reads (:class:`_DenseRead`).
+    Returns seconds per step, K/V bytes attended per step, the tokens, the probe's counts."""
+    if dense:
+        with _DenseRead():
+            return vlkv_steps(pre, policy, steps, budget_key)
+    eng = pre.engine
+    cache = pre.cache_copy()
+    if budget_key is not None:
+        ctx = eng.context(pre.batch)
+        apply_edits(
+            cache,
+            policy.after_prefill(cache, stats_for(pre.stats, pre.alias.get(budget_key, budget_key)), ctx),
+        )
+    be = eng.backend
+    entry = 2 * be.num_kv_heads * be.head_dim * torch.finfo(be.dtype).bits // 8
+    tok, times, kv, tokens = pre.first, [], [], []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        res = eng.decode(tok, pre.batch, policy, cache, step + 1)
+        tok = res.logits.argmax(-1)
+        if step:
+            times.append(time.perf_counter() - start)
+            kv.append(float(res.attended.sum()) * entry)
+        tokens.append(tok.tolist())
+    probe = _probe(lambda: eng.decode(tok, pre.batch, policy, cache, steps + 2))
+    cache.release()
+    return {"step_s": statistics.mean(times), "kv_bytes": statistics.mean(kv), "tokens": tokens, **probe}
+
+
+def _probe(step) -> dict:
+    """One more (untimed) step, counted: aten ops dispatched and the K/V bytes copied into scratch
+    (the CPU paged read's gathers, those of its statistics form ``paged_probs``, and ``KVPool.read``'s
+    padded copies on the dense read)."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+    import vlkv.plugins.paged_probs as paged_probs
+    from vlkv.runtime.kv.pool import KVPool
+
+    gathered = [0]
+    real, real_read = paged_cpu._gather, KVPool.read
+
+    def gather(pool, flat, out=None):
+        gathered[0] += flat.numel() * pool.shape[-1] * pool.element_size()
+        return real(pool, flat, out)
+
+    def read(self, layer, ids, *args, **kwargs):
+        gathered[0] += 2 * ids.numel() * self.spec.head_dim * self.spec.dtype.itemsize
+        return real_read(self, layer, ids, *args, **kwargs)
+
+    paged_cpu._gather, paged_probs._gather, KVPool.read = gather, gather, read
+    try:
+        ops = count_ops(step)
+    finally:
+        paged_cpu._gather, paged_probs._gather, KVPool.read = real, real, real_read
+    return {"ops": ops, "gathered_bytes": gathered[0]}
+
+
+def runtime_lines() -> int:
+    """Lines of ``vlkv/runtime/`` (Python), the size the issue tracks beside the speed."""
+    root = Path(__file__).resolve().parents[1] / "vlkv" / "runtime"
+    return sum(len(p.read_text().splitlines()) for p in root.rglob("*.py"))
+
+
+def run(args) -> dict:
+    before = read_bandwidth(args.buffer_mib)
+    engine = Engine(load_for_bench(args.model, "cpu", "fp32"))
+    peer = load_for_bench(args.model, "cpu", "fp32").model
+    for cfg in (peer.config, peer.config.get_text_config()):
+        cfg._attn_implementation = "sdpa"
+    pols = {f"{n}@{b}": make_policy(n, budget=b) for n in args.policies for b in args.budgets}
+    t0 = time.perf_counter()
+    pre = Prefilled(engine, args.model, args.tokens, args.batch, pols)
+    prefill_s = time.perf_counter() - t0
+    w = weight_bytes(engine)
+    full = make_policy("full")
+    configs = ["full", *(["full-dense"] if args.dense else []), *args.peers, *pols]
+    got: dict[str, list[dict]] = {c: [] for c in configs}
+    for rep in range(args.repeats + 1):  # the first round warms up (allocations, one-off table growth)
+        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
+        for name in order:
+            if name in args.peers:
+                res = hf_steps(peer, pre, name, args.steps)
+            else:
+                pol = pols.get(name, full)
+                key = name.split("@")[0] if name in pols else None
+                res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
+            if rep:
+                got[name].append(res)
+            print(f"  round {rep}: {name} {1e3 * res['step_s']:.1f} ms/step", flush=True)
+    # measured again after the timed rounds: the best of the two is the bound's bandwidth (on a shared
+    # machine the bound would otherwise move with whatever else ran at the start)
+    after = read_bandwidth(args.buffer_mib)
+    bandwidth = max(before, after)
+    rows = []
+    peer_ms = {p: 1e3 * statistics.median(r["step_s"] for r in got[p]) for p in args.peers}
+    fastest = min(peer_ms, key=peer_ms.get) if peer_ms else None
+    for name in configs:
+        rs = got[name]
+        step_ms = 1e3 * statistics.median(r["step_s"] for r in rs)
+        kv = statistics.median(r["kv_bytes"] for r in rs)
+        bound_ms = 1e3 * (w + kv) / bandwidth
+        row = {
+            "config": name,
+            "step_ms": step_ms,
+            "kv_bytes": kv,
+            "bound_ms": bound_ms,
+            "of_bound": bound_ms / step_ms,
+            "ops_per_step": rs[-1]["ops"],
+            "gathered_bytes": rs[-1]["gathered_bytes"],
+            "bytes_per_step": w + kv + 2 * rs[-1]["gathered_bytes"],
+        }
+        if fastest is not None:
+            # paired within each round: the faster peer's step time / this one's, median over rounds
+            row["speed_vs_fastest_peer"] = statistics.median(
+                p["step_s"] / r["step_s"] for p, r in zip(got[fastest], rs, strict=True)
+            )
+        rows.append(row)
+    same = {p: got[p][0]["tokens"] == got["full"][0]["tokens"] for p in args.peers}
+    return {
+        "machine": f"{cpu_name()} ({machine_name('cpu')})",
+        "threads": torch.get_num_threads(),
+        "model": args.model,
+        "dtype": "fp32",
+        "batch": args.batch,
+        "prompt_tokens": int(pre.one.input_ids.shape[1]),
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_before_after_gb_s": [before / 1e9, after / 1e9],
+        "buffer_mib": args.buffer_mib,
+        "weight_bytes": w,
+        "prefill_s": prefill_s,
+        "fastest_peer": fastest,
+        "runtime_lines": runtime_lines(),
+        "peers_same_tokens": same,
+        "rows": rows,
+    }
+
+
+def to_markdown(res: dict) -> str:
+    lines = [
+        f"Decode step vs the bandwidth bound and transformers ({res['model']}, {res['dtype']}, "
+        f"{res['machine']}, {res['threads']} threads; {res['prompt_tokens']} tokens × batch {res['batch']}, "
+        f"median over {res['repeats']} rotating rounds of the mean of {res['steps']} steps)",
+        "",
+        f"Read bandwidth (sum over {res['buffer_mib']} MiB, best of 7, before and after the rounds: "
+        + " / ".join(f"{x:.1f}" for x in res["bandwidth_before_after_gb_s"])
+        + f" GB/s; the bound uses {res['bandwidth_gb_s']:.1f}). "
+        f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
+        f"Peers' tokens equal vlkv full: {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
+        "",
+        f"| config | step (ms) | bound (ms) | of bound | vs {res['fastest_peer']} | KV read (MB) | gathered (MB) | aten ops |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        ratio = r.get("speed_vs_fastest_peer")
+        lines.append(
+            f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
+            f"| {'' if ratio is None else f'{ratio:.2f}×'} | {r['kv_bytes'] / 1e6:.1f} "
+            f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny-llava, 64 tokens × 2, a few steps (tests)")
+    ap.add_argument("--model", default="smollm2-llava")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per configuration and round")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds (each runs every configuration)")
+    ap.add_argument("--policies", nargs="*", default=list(POLICIES))
+    ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
+    ap.add_argument("--peers", nargs="*", choices=["static", "dynamic"], default=["static", "dynamic"])
+    ap.add_argument(
+        "--dense",
+        action="store_true",
+        help="also run the full cache read as before paged reads (a padded scratch copy per layer)",
+    )
+    ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None)
+    add_threads_arg(ap)
+    args = ap.parse_args()
+    if args.tiny:
+        for key, value in TINY.items():
+            if ap.get_default(key) == getattr(args, key):
+                setattr(args, key, value)
+    if min(args.tokens, args.batch, args.steps, args.repeats, args.buffer_mib) < 1:
+        ap.error("--tokens, --batch, --steps, --repeats and --buffer-mib must be >= 1")
+    if any(not 0.0 < b < 1.0 for b in args.budgets):
+        ap.error("--budgets must be in (0, 1)")
+    if args.threads < 0:
+        ap.error(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = run(args)
+    md = to_markdown(res)
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    if args.md:
+        Path(args.md).write_text(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""``scripts/bench_decode_bound.py --tiny`` end to end: one run measures the bandwidth, prefills once,
+times vlkv's full cache, the policies and both transformers caches, and writes JSON + markdown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_decode_bound.py"
+
+
+def test_tiny_run_reports_every_configuration_against_the_bound_and_the_peers(tmp_path):
+    out, md = tmp_path / "b.json", tmp_path / "b.md"
+    cmd = [
+        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "snapkv",
+        "--budgets", "0.5", "0.2", "--dense", "--json", str(out), "--md", str(md),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    want = ["full", "full-dense", "static", "dynamic", "h2o@0.5", "h2o@0.2", "snapkv@0.5", "snapkv@0.2"]
+    assert sorted(rows) == sorted(want)
+    assert res["runtime_lines"] > 1000
+    assert res["bandwidth_gb_s"] > 0 and res["weight_bytes"] > 0
+    # the peers decode from vlkv's prefilled K/V: their greedy tokens equal vlkv's full cache
+    assert res["peers_same_tokens"] == {"static": True, "dynamic": True}
+    assert res["fastest_peer"] in ("static", "dynamic")
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["ops_per_step"] > 0
+        assert abs(r["of_bound"] - r["bound_ms"] / r["step_ms"]) < 1e-9
+        assert r["bytes_per_step"] >= res["weight_bytes"] + r["kv_bytes"]
+    # a compressed cache attends fewer bytes than the full one
+    assert rows["snapkv@0.2"]["kv_bytes"] < rows["snapkv@0.5"]["kv_bytes"] < rows["full"]["kv_bytes"]
+    # the dense read (before paged reads) copies every entry it attends into scratch, the paged read
+    # of these short requests gathers them together once: the same bytes, but never more
+    assert rows["full-dense"]["gathered_bytes"] >= rows["full"]["gathered_bytes"] > 0
+    assert rows["h2o@0.5"]["gathered_bytes"] > 0  # its statistics read (paged_probs) gathers too
+    assert "| full |" in md.read_text() and "GB/s" in md.read_text()
+
+
+def test_bad_budget_is_one_line():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--budgets", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--budgets must be in (0, 1)" in done.stderr
