@@ -49,7 +49,7 @@ class LayerBatch:
         order: Tensor | None = None,
     ) -> Tensor:
         """Append row ``b`` of ``k, v (B, H_kv, q, D)`` etc. to request ``b``; returns ``(B,)`` past lengths."""
-        if k.shape[2] == 1 and all(r.batch == 1 for r in self.rows) and bool(new_len.all()):
+        if k.shape[2] == 1 and all(r.batch == 1 for r in self.rows) and self._one_each(new_len):
             return self._append_one(k, v, positions, modality, order)
         out = []
         for b, r in enumerate(self.rows):
@@ -69,6 +69,14 @@ class LayerBatch:
         past = append_one_each(self.rows, k, v, *self._step_rows(positions, modality, order))
         return torch.tensor(past, device=self.pool.spec.device)
 
+    def _one_each(self, new_len: Tensor) -> bool:
+        """Whether every request appends a row (``new_len (B,)`` all nonzero): read once per step, the
+        first layer's answer kept for the others (every layer appends the same ``new_len``)."""
+        memo = self._memo.get("one_each")
+        if memo is None or memo[0] is not new_len:
+            memo = self._memo["one_each"] = (new_len, bool(new_len.all()))
+        return memo[1]
+
     def _step_rows(
         self, positions: Tensor, modality: Tensor, order: Tensor | None
     ) -> tuple[list[list[int]], list[int], list[int | None]]:
@@ -77,10 +85,15 @@ class LayerBatch:
         memo = self._memo.get("rows")
         if memo is not None and memo[0] is positions and memo[1] is modality and memo[2] is order:
             return memo[3]
+        b, p = positions.shape[0], positions.shape[-1]
+        parts = [positions[:, 0].long(), modality.long().view(b, 1)]
+        if order is not None:
+            parts.append(order.long().view(b, 1))
+        host = torch.cat([t.to(positions.device) for t in parts], 1).tolist()  # the one read back
         rows = (
-            positions[:, 0].tolist(),
-            modality[:, 0].tolist(),
-            [None] * len(self.rows) if order is None else order[:, 0].tolist(),
+            [h[:p] for h in host],
+            [h[p] for h in host],
+            [None] * len(self.rows) if order is None else [h[p + 1] for h in host],
         )
         self._memo["rows"] = (positions, modality, order, rows)
         return rows
