@@ -100,8 +100,8 @@ class Appends(EntryTable):
         b, dev = k.shape[0], self.device
         if b == 1:  # the one-sample path a batch view takes too: no index tensors
             past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
-            orders = [None] if order is None else order[:, 0].tolist()
-            append_one_each([self], k, v, positions[:, 0].tolist(), modality[:, 0].tolist(), orders)
+            orders = [None] if order is None else list(order[:, 0].to(device=dev, dtype=torch.long))
+            append_one_each([self], k, v, list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev)), orders)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
         lens = self.host_lengths()
@@ -134,20 +134,31 @@ class Appends(EntryTable):
         self.set_lengths(past + 1, [n + 1 for n in lens])
         return past
 
-    def put_one(self, p: int, ids: Tensor | int, pos: list[int], mod: int, order: int | None) -> None:
+    def put_one(
+        self,
+        p: int,
+        ids: Tensor | int,
+        pos: Tensor | list[int],
+        mod: Tensor | int,
+        order: Tensor | int | None,
+    ) -> None:
         """Table writes of one new entry of this one-sample cache at column ``p`` (after
         :meth:`_reserve`, its K/V already in the pool): ``ids`` its slots, ``(H_kv,)`` or one id for
-        every head (the run's next spare), ``pos`` its ``P`` position components, ``mod`` its modality
-        code, ``order`` its sequence index (None: the next one)."""
+        every head (the run's next spare), ``pos`` its ``P`` position components (``(P,)`` on the
+        cache's device, or ints), ``mod`` its modality code and ``order`` its sequence index (each a
+        ``()`` tensor on that device or an int; ``order`` None: the next one)."""
         self.slots[0, :, p] = ids
-        self.positions[0, :, p] = torch.tensor(pos, device=self.device)
+        self.positions[0, :, p] = pos if isinstance(pos, Tensor) else torch.tensor(pos, device=self.device)
         self.modality[0, :, p] = mod
         if order is None:
             self.order[0, :, p] = self.next_order
             self.next_order = self.next_order + 1
         else:
             self.order[0, :, p] = order
-            self.next_order = self.next_order.clamp(min=order + 1)
+            if isinstance(order, Tensor):
+                self.next_order = torch.maximum(self.next_order, order + 1)
+            else:
+                self.next_order = self.next_order.clamp(min=order + 1)
         for s in self.scores.values():
             s[0, :, p] = 0
         if self.holes is not None:
@@ -159,15 +170,16 @@ def append_one_each(
     rows: list[Appends],
     k: Tensor,
     v: Tensor,
-    positions: list[list[int]],
-    modality: list[int],
-    orders: list[int | None],
+    positions: list[Tensor | list[int]],
+    modality: list[Tensor | int],
+    orders: list[Tensor | int | None],
 ) -> list[int]:
     """One new entry for each one-sample layer of ``rows`` (a decode step; every row on the same pool
     layer): one pool write for all of them, then each row's table column (:meth:`Appends.put_one`).
 
     ``k, v (B, H_kv, 1, D)`` (row ``b`` for ``rows[b]``); ``positions``, ``modality``, ``orders``: per
-    row its ``P`` position components, modality code and sequence index (None: the next one).
+    row its ``P`` position components and modality code (as :meth:`Appends.put_one` takes them: device
+    tensors need no read back) and sequence index (None: the next one).
     Returns each row's length before the write.
     """
     pool, layer = rows[0].pool, rows[0].layer
