@@ -162,4 +162,8 @@ def test_top_entries_with_host_counts_equals_without(keep):
     assert c.syncs == 0
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     drop = torch.tensor([10 - k for k in keep])
-    assert torch.equal(_drop_lowest(scores, drop, [10 - k for k in keep]), _drop_lowest(scores, drop))
+    bounds = (10 - min(keep), 10 - max(keep))
+    assert torch.equal(_drop_lowest(scores, drop, bounds), _drop_lowest(scores, drop))
+    with count_ops() as c:
+        top_entries(scores, valid, torch.tensor(keep))
+    assert c.syncs == 1  # the bounds of ``keep``, read together

@@ -264,13 +264,16 @@ def top_entries(
     if force is not None:
         ranked = ranked.masked_fill(force.expand(b, h, s) & valid, float("inf"))
     drop = s - keep
-    dropped = None if kept is None else [s - n for n in kept]
-    if (int(drop.max()) if dropped is None else max(dropped)) * 4 <= s:
+    if kept is None:  # the bounds every shape below needs, in one read back
+        kmin, kmax = torch.stack([keep.min(), keep.max()]).tolist() if b else (s, 0)
+    else:
+        kmin, kmax = min(kept, default=s), max(kept, default=0)
+    if (s - kmin) * 4 <= s:
         # a decode step evicts a few entries of many: find the few (a partial selection), not a full
         # sort of the many — the same set the stable sort keeps
-        return _drop_lowest(ranked, drop, dropped), keep
+        return _drop_lowest(ranked, drop, (s - kmin, s - kmax)), keep
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-    k = max(int(keep.max()) if kept is None else max(kept), 1)
+    k = max(kmax, 1)
     top = order[..., :k]
     ranks = torch.arange(k, device=scores.device)[None, None, :]
     top = torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s))  # push padding last
@@ -278,13 +281,13 @@ def top_entries(
     return top.masked_fill(top == s, 0), keep
 
 
-def _drop_lowest(ranked: Tensor, drop: Tensor, host: list[int] | None = None) -> Tensor:
+def _drop_lowest(ranked: Tensor, drop: Tensor, bounds: tuple[int, int] | None = None) -> Tensor:
     """``ranked (B, H_kv, S)`` float, ``drop (B,)`` → ascending ``(B, H_kv, max(S - drop))`` columns
     kept when each row drops its ``drop[b]`` lowest (ties: the higher column goes first, as the
-    stable descending sort of :func:`top_entries` orders them); padding columns are 0. ``host``:
-    ``drop``'s values when the caller knows them (else read back)."""
+    stable descending sort of :func:`top_entries` orders them); padding columns are 0. ``bounds``:
+    ``(max, min)`` of ``drop`` when the caller knows them (else read back)."""
     b, h, s = ranked.shape
-    dmax, dmin = (int(drop.max()), int(drop.min())) if host is None else (max(host), min(host))
+    dmax, dmin = torch.stack([drop.max(), drop.min()]).tolist() if bounds is None else bounds
     width = max(s - dmin, 1)
     cols = torch.arange(s, device=ranked.device).expand(b, h, s)
     if dmax == 0:
