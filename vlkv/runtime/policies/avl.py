@@ -48,12 +48,13 @@ def top_mask(score: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = 
     return hits > 0
 
 
-def mask_to_index(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``(B, h, S)`` bool → ascending slots ``(B, h, K)`` (padded with 0) and counts ``(B, h)``."""
+def mask_to_index(mask: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(B, h, S)`` bool → ascending slots ``(B, h, K)`` (padded with 0) and counts ``(B, h)``;
+    ``width``: the largest count when the caller read it already (else read here)."""
     counts = mask.sum(-1)
     s = mask.shape[-1]
     slots = torch.where(mask, torch.arange(s, device=mask.device)[None, None, :], s)
-    index = torch.sort(slots, dim=-1).values[..., : max(int(counts.max()), 1)]
+    index = torch.sort(slots, dim=-1).values[..., : max(int(counts.max()) if width is None else width, 1)]
     return index.masked_fill(index == s, 0), counts
 
 
@@ -255,9 +256,13 @@ def _edit(layer: LayerKV, keep: Tensor) -> LayerEdit | None:
     """A select edit keeping ``keep (B, H_kv, S)`` (equal counts per head), None when it keeps all."""
     valid = valid_slots(layer, keep.shape[-1])
     keep = keep & valid
-    if bool((keep == valid).all()):
+    counts = keep.sum(-1)
+    # whether it keeps everything, its width, whether heads agree: one read back, not three
+    checks = [(keep == valid).all().long(), counts.max(), (counts == counts[:, :1]).all().long()]
+    everything, width, agree = torch.stack(checks).tolist()
+    if everything:
         return None
-    index, counts = mask_to_index(keep)
-    if not bool((counts == counts[:, :1]).all()):
+    if not agree:
         raise RuntimeError("avl selected different numbers of entries per KV head")
+    index, counts = mask_to_index(keep, width)
     return LayerEdit(index, counts[:, 0])
