@@ -39,9 +39,12 @@ def count(fraction: float, n: Tensor) -> Tensor:
     return torch.floor(n.double() * fraction + 1e-9).long()
 
 
-def top_mask(score: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None) -> Tensor:
-    """``(B, h, S)`` bool: the ``keep[b]`` best valid slots of each (sample, head), see ``top_entries``."""
-    index, keep_len = top_entries(score, valid, keep.to(score.device), force)
+def top_mask(
+    score: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None, kept: list[int] | None = None
+) -> Tensor:
+    """``(B, h, S)`` bool: the ``keep[b]`` best valid slots of each (sample, head), see ``top_entries``
+    (``kept``: ``keep`` clamped to the valid count, on the host, when the caller read it)."""
+    index, keep_len = top_entries(score, valid, keep.to(score.device), force, kept)
     ok = torch.arange(index.shape[-1], device=score.device)[None, None, :] < keep_len[:, None, None]
     hits = torch.zeros(score.shape, dtype=torch.long, device=score.device)
     hits.scatter_add_(2, index, ok.long().expand_as(index))
@@ -236,15 +239,17 @@ class AVLPolicy(Policy):
             cache.processed
         )  # text tokens processed so far (prompt + generated)
         rank = torch.round(seen.double() * self.text_share).long().clamp(min=self.text_min)
-        if bool((held <= rank).all()):
-            return torch.ones_like(text)
         keep = torch.minimum(rank, held)
+        # whether every text entry stays, and the counts kept: one read back (top_mask reads none)
+        host = torch.cat([(held <= rank).all().long()[None], keep.to(held.device)]).tolist()
+        if host[0]:
+            return torch.ones_like(text)
         # text entries are the tail of every head's slots, so the recent ones are the last slots
         recent = recent_mask(
             layer.lengths, width, keep - torch.round(keep.double() * self.heavy_ratio).long()
         )
         score = layer.scores[TEXT_SCORE][:, :, :width]
-        return ~text | top_mask(score, text, keep, force=recent & text)
+        return ~text | top_mask(score, text, keep, force=recent & text, kept=host[1:])
 
 
 def _store(layer: LayerKV, name: str, values: Tensor) -> None:
