@@ -25,13 +25,15 @@ OWN = (
     "vlkv.runtime.link_stage",
 )
 POLICIES = {"full": {}, "h2o": {"budget": 0.5}}
-# Whole-step ceilings, batch 4, measured when the plan landed (tiny LLaVA, CPU): base + per layer.
-# The per-layer part is the cache's and the backends' (a length read per request and layer in the
-# append and in the attention read, the attention kernel's table read, h2o's eviction): lower these
-# as those go; never raise them to let a change through.
-# (per step, per layer) host reads measured when the ceiling was set; h2o's constant part includes
-# the shared top-k grouping every layer with equal lengths into one ranking (a fixed 16 reads per step)
-SYNC_CEILING = {"full": (7, 10), "h2o": (24, 18)}
+# Whole-step ceilings, batch 4 (tiny LLaVA, CPU): (syncs outside the attention kernels, kernel syncs
+# per layer). Outside the kernels nothing grows with the layers: the cache keeps its lengths on the
+# host, a decode append writes its rows from the device, h2o's shared top-k reads one target per
+# request and a step's evictions check every layer in one read. The kernels' share (the paged read's
+# table lengths, 1 per layer; h2o's probabilities, 4 per layer) is ``vlkv.plugins``'. Measured when
+# set: full 4 + 1/layer, h2o 10 + 4/layer; lower these as those go, never raise them to let a change
+# through.
+SYNC_CEILING = {"full": (4, 1), "h2o": (10, 4)}
+KERNELS = "vlkv.plugins."
 TEXTS = ["Describe the scene in detail.", "Hi", "What colour is the sky today?", "Count them."]
 
 
@@ -77,11 +79,13 @@ def test_decode_step_syncs_of_the_scheduler_do_not_grow_with_layers(policy, laye
         with count_ops() as c:
             sched.step()
         counts[layers] = c
-        base, per_layer = SYNC_CEILING[policy]
-        assert c.syncs <= base + per_layer * layers, (layers, dict(c.modules))
+    base, per_layer = SYNC_CEILING[policy]
+    kernel = {n: sum(v for m, v in c.modules.items() if m.startswith(KERNELS)) for n, c in counts.items()}
+    rest = {n: c.syncs - kernel[n] for n, c in counts.items()}
+    assert rest[2] == rest[4] <= base, (rest, {n: dict(c.modules) for n, c in counts.items()})
+    assert all(kernel[n] <= per_layer * n for n in counts), kernel
     own = {layers: c.syncs_in(*OWN) for layers, c in counts.items()}
     assert own[2] == own[4] <= 1, own  # one read back per decode group, whatever the depth
-    assert counts[4].syncs - counts[2].syncs <= 2 * SYNC_CEILING[policy][1]
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -6,7 +6,7 @@ Its own module so that the scheduler applies edits without importing the engine 
 from __future__ import annotations
 
 from vlkv.runtime.cache import KVCache
-from vlkv.runtime.policies import CutEdit, FactorEdit
+from vlkv.runtime.policies import CutEdit, FactorEdit, LayerEdit
 
 # spare slots kept after a decode-time eviction so the next append does not reallocate
 DECODE_SPARE = 8
@@ -21,9 +21,19 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
     their tables keep ``spare`` columns for the coming appends, and the few slots an eviction drops
     are handed to those appends (:meth:`LayerKV.select`'s ``recycle``).
     """
+    from vlkv.runtime.kv.edits import prepare_selects
     from vlkv.runtime.kv.lowrank import apply_factor_edit
 
-    for layer, item in zip(cache.layers, edits or []):
+    # plain selections (one per layer) check what their in-place path needs in one read for all
+    # layers, not one per layer (:func:`prepare_selects`)
+    plain = [
+        i
+        for i, item in enumerate(edits or [])
+        if isinstance(item, LayerEdit) and item.assign is None and item.holes is None
+    ]
+    jobs = [(cache.layers[i], edits[i].index, edits[i].keep_len, edits[i].kept) for i in plain]
+    prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
+    for i, (layer, item) in enumerate(zip(cache.layers, edits or [])):
         for edit in item if isinstance(item, tuple) else (item,):
             if edit is None:
                 continue
@@ -32,6 +42,14 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
             elif isinstance(edit, CutEdit):
                 layer.cut(edit.start, edit.count, recycle=spare > 0)
             elif edit.assign is None:
-                layer.select(edit.index, edit.keep_len, spare=spare, holes=edit.holes, recycle=spare > 0)
+                layer.select(
+                    edit.index,
+                    edit.keep_len,
+                    spare=spare,
+                    holes=edit.holes,
+                    recycle=spare > 0,
+                    kept=edit.kept,
+                    prepared=prepared.get(i),
+                )
             else:
                 layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)

@@ -120,7 +120,7 @@ def decode_group(engine, entries: list[Entry]) -> DecodeGroup:
     )
     marks = StepMarks(torch.cat([c.lengths() for c in caches], dim=1), [c.processed.clone() for c in caches])
     stats = merge_stats([e.stats for e in entries], dev)
-    return DecodeGroup(entries, inputs, stats, CacheBatch(caches), marks)
+    return DecodeGroup(entries, inputs, stats, CacheBatch(caches, decode=True), marks)
 
 
 def merge_stats(requests: list[StatsRequest | None], device) -> StatsRequest | None:

@@ -51,8 +51,8 @@ class Appends(EntryTable):
         new_len = new_len.to(device=dev, dtype=torch.long)
         if q == 1 and bool(new_len.all()):
             return self._append_one(k, v, positions, modality, order)
-        past = self.lengths.clone()
-        self._reserve(int((past + q).max()) if q else self.capacity)
+        past, past_host = self.lengths.clone(), self.host_lengths()
+        self._reserve(max(past_host, default=0) + q)
         rows = torch.arange(q, device=dev)
         valid = rows[None, :] < new_len[:, None]  # (B, q)
         bt, it = torch.nonzero(valid, as_tuple=True)  # row-major: sample, then row
@@ -76,13 +76,13 @@ class Appends(EntryTable):
             s.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=s.dtype, device=dev))
         if self.holes is not None:  # new entries are held by every head
             self.holes.scatter_(2, idx[..., 0], torch.zeros(b, h, q, dtype=torch.bool, device=dev))
-        self.lengths = past + new_len
+        self.set_lengths(past + new_len, [p + n for p, n in zip(past_host, new_len.tolist())])
         return past
 
     def _alloc_prompt(self, n: int, past: Tensor) -> Tensor:
         """``(H_kv, n)`` slots for a step's new entries: with ``run_reserve`` on a fresh one-sample
         cache of a growable pool, the first ``n`` of one run whose rest the spares hold."""
-        fresh = self.batch == 1 and self.spares.ids is None and n > 0 and not bool(past.any())
+        fresh = self.batch == 1 and self.spares.ids is None and n > 0 and not any(self.host_lengths())
         if self.run_reserve > 0 and self.pool.grow and fresh:
             run = self.pool.alloc_run(self.layer, n + self.run_reserve)
             self.spares.hold_run(run[:, n:], int(run[0, 0]) + n)
@@ -100,11 +100,11 @@ class Appends(EntryTable):
         b, dev = k.shape[0], self.device
         if b == 1:  # the one-sample path a batch view takes too: no index tensors
             past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
-            orders = [None] if order is None else order[:, 0].tolist()
-            append_one_each([self], k, v, positions[:, 0].tolist(), modality[:, 0].tolist(), orders)
+            orders = [None] if order is None else list(order[:, 0].to(device=dev, dtype=torch.long))
+            append_one_each([self], k, v, list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev)), orders)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
-        lens = past.tolist()
+        lens = self.host_lengths()
         self._reserve(max(lens) + 1)
         ids = self.spares.take_recycled()
         if ids is None:
@@ -131,48 +131,60 @@ class Appends(EntryTable):
             s[at] = 0
         if self.holes is not None:
             self.holes[at] = False
-        self.lengths = past + 1
+        self.set_lengths(past + 1, [n + 1 for n in lens])
         return past
 
-    def put_one(self, p: int, ids: Tensor | int, pos: list[int], mod: int, order: int | None) -> None:
+    def put_one(
+        self,
+        p: int,
+        ids: Tensor | int,
+        pos: Tensor | list[int],
+        mod: Tensor | int,
+        order: Tensor | int | None,
+    ) -> None:
         """Table writes of one new entry of this one-sample cache at column ``p`` (after
         :meth:`_reserve`, its K/V already in the pool): ``ids`` its slots, ``(H_kv,)`` or one id for
-        every head (the run's next spare), ``pos`` its ``P`` position components, ``mod`` its modality
-        code, ``order`` its sequence index (None: the next one)."""
+        every head (the run's next spare), ``pos`` its ``P`` position components (``(P,)`` on the
+        cache's device, or ints), ``mod`` its modality code and ``order`` its sequence index (each a
+        ``()`` tensor on that device or an int; ``order`` None: the next one)."""
         self.slots[0, :, p] = ids
-        self.positions[0, :, p] = torch.tensor(pos, device=self.device)
+        self.positions[0, :, p] = pos if isinstance(pos, Tensor) else torch.tensor(pos, device=self.device)
         self.modality[0, :, p] = mod
         if order is None:
             self.order[0, :, p] = self.next_order
             self.next_order = self.next_order + 1
         else:
             self.order[0, :, p] = order
-            self.next_order = self.next_order.clamp(min=order + 1)
+            if isinstance(order, Tensor):
+                self.next_order = torch.maximum(self.next_order, order + 1)
+            else:
+                self.next_order = self.next_order.clamp(min=order + 1)
         for s in self.scores.values():
             s[0, :, p] = 0
         if self.holes is not None:
             self.holes[0, :, p] = False
-        self.lengths = self.lengths + 1
+        self.set_lengths(self.lengths + 1, [p + 1])
 
 
 def append_one_each(
     rows: list[Appends],
     k: Tensor,
     v: Tensor,
-    positions: list[list[int]],
-    modality: list[int],
-    orders: list[int | None],
+    positions: list[Tensor | list[int]],
+    modality: list[Tensor | int],
+    orders: list[Tensor | int | None],
 ) -> list[int]:
     """One new entry for each one-sample layer of ``rows`` (a decode step; every row on the same pool
     layer): one pool write for all of them, then each row's table column (:meth:`Appends.put_one`).
 
     ``k, v (B, H_kv, 1, D)`` (row ``b`` for ``rows[b]``); ``positions``, ``modality``, ``orders``: per
-    row its ``P`` position components, modality code and sequence index (None: the next one).
+    row its ``P`` position components and modality code (as :meth:`Appends.put_one` takes them: device
+    tensors need no read back) and sequence index (None: the next one).
     Returns each row's length before the write.
     """
     pool, layer = rows[0].pool, rows[0].layer
     spec = pool.spec
-    past = [int(r.lengths.item()) for r in rows]
+    past = [r.host_lengths()[0] for r in rows]  # kept on the host: no read back per row and layer
     for r, p in zip(rows, past):
         r._reserve(p + 1)
     spare = [r.spares.take() for r in rows]

@@ -49,7 +49,7 @@ class LayerBatch:
         order: Tensor | None = None,
     ) -> Tensor:
         """Append row ``b`` of ``k, v (B, H_kv, q, D)`` etc. to request ``b``; returns ``(B,)`` past lengths."""
-        if k.shape[2] == 1 and all(r.batch == 1 for r in self.rows) and bool(new_len.all()):
+        if k.shape[2] == 1 and all(r.batch == 1 for r in self.rows) and self._one_each(new_len):
             return self._append_one(k, v, positions, modality, order)
         out = []
         for b, r in enumerate(self.rows):
@@ -69,18 +69,31 @@ class LayerBatch:
         past = append_one_each(self.rows, k, v, *self._step_rows(positions, modality, order))
         return torch.tensor(past, device=self.pool.spec.device)
 
+    def _one_each(self, new_len: Tensor) -> bool:
+        """Whether every request appends a row (``new_len (B,)`` all nonzero): read once per step, the
+        first layer's answer kept for the others (every layer appends the same ``new_len``)."""
+        if self._memo.get("decode"):  # the plan built this view for a decode step: one row each
+            return True
+        memo = self._memo.get("one_each")
+        if memo is None or memo[0] is not new_len:
+            memo = self._memo["one_each"] = (new_len, bool(new_len.all()))
+        return memo[1]
+
     def _step_rows(
         self, positions: Tensor, modality: Tensor, order: Tensor | None
-    ) -> tuple[list[list[int]], list[int], list[int | None]]:
-        """The step's new rows as Python values per request, converted once per step (every layer
-        appends the same rows): ``positions (B, 1, P)``, ``modality (B, 1)``, ``order (B, 1)``."""
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
+        """The step's new rows per request, split once per step (every layer appends the same rows):
+        ``positions (B, 1, P)`` → ``(P,)`` rows and ``modality (B, 1)`` → ``()`` codes on the pool's
+        device, ``order (B, 1)`` → ``()`` indices there (None each when not given): written as they
+        are, nothing read back."""
         memo = self._memo.get("rows")
         if memo is not None and memo[0] is positions and memo[1] is modality and memo[2] is order:
             return memo[3]
+        dev = self.pool.spec.device
         rows = (
-            positions[:, 0].tolist(),
-            modality[:, 0].tolist(),
-            [None] * len(self.rows) if order is None else order[:, 0].tolist(),
+            list(positions[:, 0].to(device=dev, dtype=torch.long)),
+            list(modality[:, 0].to(device=dev, dtype=torch.int8)),
+            [None] * len(self.rows) if order is None else list(order[:, 0].to(device=dev, dtype=torch.long)),
         )
         self._memo["rows"] = (positions, modality, order, rows)
         return rows
@@ -145,13 +158,16 @@ class LayerBatch:
 
 
 class CacheBatch:
-    """Several requests' caches seen by a backend as one batch (one row per request)."""
+    """Several requests' caches seen by a backend as one batch (one row per request).
 
-    def __init__(self, caches: list[KVCache]):
+    ``decode``: the view of a decode step's plan, whose every request appends one row (its
+    ``new_len`` all ones): the appends take that from the plan instead of reading it back."""
+
+    def __init__(self, caches: list[KVCache], decode: bool = False):
         if not caches:
             raise ValueError("a batch view needs at least one cache")
         self.caches = caches
-        memo: dict = {}
+        memo: dict = {"decode": decode}
         self.layers = [LayerBatch([c.layers[i] for c in caches], memo) for i in range(len(caches[0].layers))]
 
     @property

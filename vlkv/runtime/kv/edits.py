@@ -9,6 +9,8 @@ allocation next step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -19,6 +21,49 @@ from vlkv.runtime.kv.spares import SpareSlots
 
 # most slots per head a decode-time eviction hands to the cache's next appends instead of the pool
 RECYCLE_MAX = 16
+
+
+@dataclass
+class UniformSelect:
+    """A uniform :meth:`Edits.select` prepared on the device (:meth:`Edits.prepare_uniform`).
+
+    Attributes:
+        n, k: entries each sample holds and keeps.
+        small: a decode-time eviction small enough to rewrite the tables' last quarter in place.
+        flags: ``(3,)`` bool: the first ``k - k // 4`` columns stay in place, ``index`` lists ``k``
+            distinct columns, the dropped slots have no other holder.
+        dropped: ``(B, H_kv, n - k)`` slots the edit drops, None when none.
+        checks: ``flags`` read back (three bools), None until read.
+    """
+
+    n: int
+    k: int
+    small: bool
+    flags: Tensor
+    dropped: Tensor | None
+    checks: list[bool] | None = None
+
+
+def prepare_selects(jobs: list[tuple[Edits, Tensor, Tensor, list[int] | None]], spare: int, recycle: bool):
+    """:meth:`Edits.prepare_uniform` of many layers' selections ``(layer, index, keep_len, kept)``
+    with their checks read back in one transfer (one host sync for a step's edits of every layer,
+    not one per layer). ``kept`` None: ``keep_len`` is read (once, for all such jobs).
+    Returns per job its :class:`UniformSelect`, or None where the uniform path does not apply."""
+    unknown = [i for i, job in enumerate(jobs) if job[3] is None]
+    kept = [job[3] for job in jobs]
+    if unknown:
+        host = torch.cat([jobs[i][2].reshape(-1).to(jobs[0][2].device, torch.long) for i in unknown]).tolist()
+        at = 0
+        for i in unknown:
+            b = jobs[i][2].numel()
+            kept[i], at = host[at : at + b], at + b
+    preps = [layer.prepare_uniform(index, k, spare, recycle) for (layer, index, _, _), k in zip(jobs, kept)]
+    live = [p for p in preps if p is not None]
+    if live:
+        flags = torch.stack([p.flags.to(live[0].flags.device) for p in live])
+        for p, checks in zip(live, flags.tolist()):
+            p.checks = checks
+    return preps
 
 
 class Edits(EntryTable):
@@ -36,6 +81,8 @@ class Edits(EntryTable):
         spare: int = 0,
         holes: Tensor | None = None,
         recycle: bool = False,
+        kept: list[int] | None = None,
+        prepared: UniformSelect | None = None,
     ) -> None:
         """Keep only the indexed entries, in the given order; free the others' pool slots.
 
@@ -49,13 +96,15 @@ class Edits(EntryTable):
             recycle: a decode-time eviction: up to ``RECYCLE_MAX`` dropped slots per sample and head
                 that only this cache references become the slots its coming appends write (see
                 :meth:`_drop`) instead of going back to the pool.
+            kept: ``keep_len``'s values when the caller knows them on the host (no read back).
+            prepared: :meth:`prepare_uniform` of this edit, its checks read (:func:`prepare_selects`).
         """
         index, keep_len = index.to(self.device), keep_len.to(device=self.device, dtype=torch.long)
         if (
             holes is None
             and self.holes is None
             and self.lowrank is None
-            and self._uniform_select(index, keep_len, spare, recycle)
+            and self._uniform_select(index, keep_len, spare, recycle, kept, prepared)
         ):
             return
         kept = self._kept_mask(index, keep_len)
@@ -73,63 +122,99 @@ class Edits(EntryTable):
         if holes is not None:
             meta["holes"][:, :, : index.shape[2]] |= holes
             meta["slots"] = meta["slots"].masked_fill(meta["holes"], 0)  # a freed id names nothing
-        self._install(meta, keep_len)
+        self._install(meta, keep_len, keep_len.tolist())  # one read here, none per later read
         if self.lowrank is not None:
             self.lowrank.prune(self)
             self.charge_factors()
 
-    def _uniform_select(self, index: Tensor, keep_len: Tensor, spare: int, recycle: bool) -> bool:
-        """:meth:`select` of a cache whose samples hold the same number of entries and keep the same
-        number, every head holding its columns (a decode-time eviction of a batch moving in step, or
-        of one request): the dropped slots are the unlisted columns, no masks over the whole table.
-        Returns False (nothing changed) when the shape does not fit or ``index`` repeats a column."""
-        lengths, keeps = self.lengths.tolist(), keep_len.tolist()
-        if not lengths or min(lengths) != max(lengths) or min(keeps) != max(keeps):
-            return False
-        b, h = self.batch, self.kv_heads
-        n, k = lengths[0], keeps[0]
+    def prepare_uniform(
+        self, index: Tensor, kept: list[int], spare: int = 0, recycle: bool = False
+    ) -> UniformSelect | None:
+        """What :meth:`select` of ``index (B, H_kv, K)`` keeping ``kept[b]`` entries (host values)
+        must know before it edits this cache in place, computed on the device without reading it
+        back, so that a caller editing many layers reads every layer's checks in one transfer
+        (:func:`prepare_selects`). None when the host values alone rule the uniform path out (see
+        :meth:`_uniform_select`)."""
+        if self.holes is not None or self.lowrank is not None:
+            return None
+        lengths = self.host_lengths()
+        if not lengths or min(lengths) != max(lengths) or min(kept) != max(kept):
+            return None
+        n, k = lengths[0], kept[0]
+        index = index.to(self.device)
+        no = torch.zeros((), dtype=torch.bool, device=self.device)
         # a decode step's eviction of a few entries near the end (recent text, A-VL's H2O) rewrites
         # the last quarter of the tables in place; anything else rebuilds them at their new width
         # (a prompt's eviction: they shrink). Writing most of a table back into strided slices
         # costs more than gathering fresh tables, so the quarter bounds the in-place work
         small = recycle and n - k <= RECYCLE_MAX and k + spare <= self.capacity
-        head = self._kept_prefix(index, k) if small else 0
-        dropped = None
+        j = k - k // 4
+        prefix = no
+        if small and j < k:  # every row keeps columns 0 … j where they are (ascending, distinct)
+            prefix = (index[:, :, j] == j).all() & (index[:, :, j:k].min() >= j)
+        dropped, distinct, sole = None, ~no, no
         if n > k:
-            kept = torch.zeros(b, h, n - head, dtype=torch.bool, device=self.device)
-            moved = index[:, :, head:k] - head
-            dropped = self.slots[:, :, head:n][~kept.scatter_(2, moved, True)]  # sample, head, column
-            if dropped.numel() != b * h * (n - k):
+            listed = torch.zeros(self.batch, self.kv_heads, n, dtype=torch.int8, device=self.device)
+            listed.scatter_(2, index[:, :, :k], 1)
+            distinct = listed.sum(2).eq(k).all()  # else ``index`` repeats a column
+            # the unlisted columns, ascending: a stable sort puts them first (no value-sized nonzero)
+            cols = torch.sort(listed, dim=2, stable=True).indices[:, :, : n - k]
+            dropped = self.slots[:, :, :n].gather(2, cols)  # (B, H_kv, n - k)
+            if recycle and n - k <= RECYCLE_MAX:
+                sole = self.pool.owned_once(self.layer, dropped.transpose(0, 1).reshape(self.kv_heads, -1))
+        return UniformSelect(n, k, small and j < k, torch.stack([prefix, distinct, sole]), dropped)
+
+    def _uniform_select(
+        self,
+        index: Tensor,
+        keep_len: Tensor,
+        spare: int,
+        recycle: bool,
+        kept: list[int] | None,
+        prepared: UniformSelect | None,
+    ) -> bool:
+        """:meth:`select` of a cache whose samples hold the same number of entries and keep the same
+        number, every head holding its columns (a decode-time eviction of a batch moving in step, or
+        of one request): the dropped slots are the unlisted columns, no masks over the whole table.
+        Returns False (nothing changed) when the shape does not fit or ``index`` repeats a column.
+        ``prepared``: this edit's :meth:`prepare_uniform`, its checks read back (else read here)."""
+        if prepared is None:
+            prepared = self.prepare_uniform(
+                index, keep_len.tolist() if kept is None else kept, spare, recycle
+            )
+            if prepared is None:
                 return False
+        if prepared.checks is None:
+            prepared.checks = prepared.flags.tolist()  # this layer's one read back
+        in_place, distinct, sole = prepared.checks
+        if not distinct:
+            return False
+        n, k, b, h = prepared.n, prepared.k, self.batch, self.kv_heads
+        head = k - k // 4 if in_place and prepared.small else 0
+        keeps = [k] * b
         if head == 0:
-            self._install(self._take(index, index.shape[2] + spare), keep_len)
+            self._install(self._take(index, index.shape[2] + spare), keep_len, keeps)
         else:
             cols = index[:, :, head:k]
             for t in self._entry_tables():
                 t[:, :, head:k] = gather_columns(t, cols)
-            self.lengths = keep_len.to(torch.long).clone()
-        if dropped is not None:
+            self.set_lengths(keep_len.to(device=self.device, dtype=torch.long).clone(), keeps)
+        if prepared.dropped is not None:
             # after the tables: a compaction the release starts remaps the new table (and clears
             # the columns past the new length, which still name the dropped slots)
-            self._drop(dropped.view(b, h, n - k), recycle)
+            self._drop(prepared.dropped.view(b, h, n - k), recycle, sole)
         return True
 
-    def _kept_prefix(self, index: Tensor, k: int) -> int:
-        """``k - k // 4`` when every row of ``index (B, H_kv, ≥k)`` keeps its first ``k - k // 4``
-        columns where they are, else 0. One column tells: ascending distinct columns with
-        ``index[j] == j`` keep ``0 … j`` in place."""
-        j = k - k // 4
-        if j == k or not bool((index[:, :, j] == j).all()):
-            return 0
-        return j if int(index[:, :, j:k].min()) >= j else 0  # an index out of order: rebuild
-
-    def _drop(self, dropped: Tensor, recycle: bool) -> None:
+    def _drop(self, dropped: Tensor, recycle: bool, sole: bool | None = None) -> None:
         """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists: a decode-time
-        eviction's few (``m <= RECYCLE_MAX``) that no one else references are kept as spares the next
-        appends write; larger drops (a prompt's eviction) go back to the pool."""
+        eviction's few (``m <= RECYCLE_MAX``) that no one else references (``sole``; None: ask the
+        pool) are kept as spares the next appends write; larger drops (a prompt's eviction) go back
+        to the pool."""
         b, h, m = dropped.shape
         per_head = dropped.transpose(0, 1).reshape(h, b * m)  # (H_kv, B·m)
-        if not recycle or m > RECYCLE_MAX or not self.pool.sole_owner(self.layer, per_head):
+        if recycle and m <= RECYCLE_MAX and sole is None:
+            sole = self.pool.sole_owner(self.layer, per_head)
+        if not recycle or m > RECYCLE_MAX or not sole:
             self.pool.release(self.layer, per_head)
             return
         self.spares.keep(dropped)
@@ -149,7 +234,7 @@ class Edits(EntryTable):
         lengths[b]``; ``recycle``: as in :meth:`select`. A cache with per-head holes or low-rank
         factors takes :meth:`select` (their bookkeeping lives there).
         """
-        starts, counts, lens = start.tolist(), count.tolist(), self.lengths.tolist()
+        starts, counts, lens = start.tolist(), count.tolist(), self.host_lengths()
         for b, (s, c, n) in enumerate(zip(starts, counts, lens)):
             if c < 0 or (c and not 0 <= s <= n - c):
                 raise ValueError(
@@ -176,7 +261,7 @@ class Edits(EntryTable):
             if s + c < n:
                 for t in tables:  # overlapping ranges: the source is copied first
                     t[row, :, s : n - c] = t[row, :, s + c : n].clone()
-        self.lengths = self.lengths - count.to(self.lengths)
+        self.set_lengths(self.lengths - count.to(self.lengths), [n - c for n, c in zip(lens, counts)])
         if alike:
             self._drop(dropped[0], recycle)
         else:  # samples cut differently: no per-sample recycled columns of one width
@@ -211,4 +296,4 @@ class Edits(EntryTable):
         bt, ht, jt = torch.nonzero(changed, as_tuple=True)
         self.pool.write_entries(self.layer, ht, anchor_slots[bt, ht, jt], mk[bt, ht, jt], mv[bt, ht, jt])
         self._release(~self._kept_mask(index, keep_len))
-        self._install(self._take(index, kk), keep_len)
+        self._install(self._take(index, kk), keep_len, keep_len.tolist())

@@ -34,6 +34,15 @@ def gather_columns(t: Tensor, index: Tensor) -> Tensor:
     return t.gather(2, index if t.dim() == 3 else index[..., None].expand(-1, -1, -1, t.shape[-1]))
 
 
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), None for an inference-mode tensor
+    (which keeps none: its host copy is never trusted)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 class EntryTable:
     """The per-entry tables of one layer's cache for a batch of samples.
 
@@ -60,13 +69,41 @@ class EntryTable:
             )
         b, h, c, dev = batch, kv_heads, capacity, device
         self.slots = torch.zeros(b, h, c, dtype=torch.long, device=dev)
-        self.lengths = torch.zeros(b, dtype=torch.long, device=dev)
+        self.set_lengths(torch.zeros(b, dtype=torch.long, device=dev), [0] * b)
         self.positions = torch.zeros(b, h, c, pos_dims, dtype=torch.long, device=dev)
         self.modality = torch.zeros(b, h, c, dtype=torch.int8, device=dev)
         self.order = torch.zeros(b, h, c, dtype=torch.long, device=dev)
         self.next_order = torch.zeros(b, dtype=torch.long, device=dev)
         self.scores: dict[str, Tensor] = {}
         self.holes: Tensor | None = None
+
+    # ------------------------------------------------------------------ lengths
+    # A decode step asks each layer's lengths as numbers (table widths, append columns): read back
+    # per layer and request they were the step's most frequent host syncs. Every write of the tables
+    # here keeps a copy on the host beside the tensor (:meth:`set_lengths`); a write that does not
+    # (the plain setter, or an in-place edit of the tensor, seen by its version counter) drops it,
+    # and :meth:`host_lengths` reads back until the next write keeps one (a read never writes).
+    @property
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, value: Tensor) -> None:
+        self._lengths = value
+        self._host: tuple[int, list[int]] | None = None
+
+    def set_lengths(self, value: Tensor, host: list[int]) -> None:
+        """Set ``lengths`` to ``value (B,)`` int64 whose values ``host`` the caller already knows."""
+        self._lengths = value
+        self._host = (_version(value), list(host))
+
+    def host_lengths(self) -> list[int]:
+        """``lengths`` as Python ints: the copy the last write kept, else read back. Do not modify
+        the list."""
+        host, version = self._host, _version(self._lengths)
+        if host is None or version is None or host[0] != version:
+            return self._lengths.tolist()
+        return host[1]
 
     # ------------------------------------------------------------------ shape
     @property
@@ -87,8 +124,7 @@ class EntryTable:
 
     @property
     def max_length(self) -> int:
-        n = self.lengths.numel()
-        return int(self.lengths.item()) if n == 1 else int(self.lengths.max()) if n else 0
+        return max(self.host_lengths(), default=0)
 
     # ------------------------------------------------------------------ queries (read only)
     def valid_mask(self, width: int | None = None) -> Tensor:
@@ -201,10 +237,13 @@ class EntryTable:
             **{f"score:{n}": g(s) for n, s in self.scores.items()},
         }
 
-    def _install(self, meta: dict[str, Tensor], lengths: Tensor) -> None:
-        """Replace the tables by ``meta`` (as :meth:`_take` returns them) holding ``lengths (B,)``."""
+    def _install(self, meta: dict[str, Tensor], lengths: Tensor, host: list[int] | None = None) -> None:
+        """Replace the tables by ``meta`` (as :meth:`_take` returns them) holding ``lengths (B,)``
+        (``host``: their values, when the caller knows them)."""
         self.slots = meta["slots"].contiguous()
         self.lengths = lengths.to(torch.long).clone()
+        if host is not None:
+            self.set_lengths(self.lengths, host)
         self.positions, self.modality, self.order = meta["positions"], meta["modality"], meta["order"]
         self.holes = meta.get("holes")
         self.scores = {n[len("score:") :]: t for n, t in meta.items() if n.startswith("score:")}

@@ -159,7 +159,7 @@ class LayerKV(Appends, Edits):
         """K/V bytes of the pool slots this cache holds (no padding: slots are per entry), plus the
         low-rank factors it holds."""
         if self.lowrank is None and self.holes is None:
-            return int(self.lengths.sum()) * self.pool.spec.entry_bytes
+            return sum(self.host_lengths()) * self.pool.spec.entry_bytes
         dense = int(self.held_mask().sum())
         factors = 0 if self.lowrank is None else self.lowrank.nbytes()
         return dense * self.pool.spec.entry_bytes // self.kv_heads + factors
@@ -191,7 +191,8 @@ class LayerKV(Appends, Edits):
         if self.pool.rope is None:
             raise RuntimeError("linking shared entries needs pool.rope (the model's rotary embedding)")
         dev = self.device
-        past = int(self.lengths[sample])
+        host = list(self.host_lengths())
+        past = host[sample]
         self._reserve(past + n)
         heads = torch.arange(h, device=dev)[:, None].expand(h, n)
         self.pool.retain(self.layer, heads.reshape(-1), ids.reshape(-1))
@@ -208,7 +209,8 @@ class LayerKV(Appends, Edits):
             s[sample, :, cols] = 0
         if self.holes is not None:
             self.holes[sample, :, cols] = False
-        self.lengths[sample] += n
+        host[sample] += n
+        self.set_lengths(self.lengths + (torch.arange(self.batch, device=dev) == sample) * n, host)
         self.linked = True
 
     def take_spare(self) -> Tensor | int | None:
@@ -255,7 +257,7 @@ class LayerKV(Appends, Edits):
         """Free every slot this cache holds (finished or cancelled request); the cache is empty after."""
         self.release_spare()
         self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
-        self.lengths = torch.zeros_like(self.lengths)
+        self.set_lengths(torch.zeros_like(self.lengths), [0] * self.batch)
         self.slots.zero_()
         self.lowrank = None
         self.charge_factors()
@@ -272,9 +274,9 @@ class LayerKV(Appends, Edits):
         self.lowrank = None
         self.charge_factors()
         self.release_spare()
-        lengths = self.lengths.clone()
+        lengths, host = self.lengths.clone(), list(self.host_lengths())
         self._release(torch.ones(self.slots.shape, dtype=torch.bool, device=self.device))
-        self.lengths = lengths  # the metadata stays; the entries come back in :meth:`reload`
+        self.set_lengths(lengths, host)  # the metadata stays; the entries come back in :meth:`reload`
 
     def reload(self) -> None:
         """Swap in: write the offloaded K/V into fresh pool slots (same table order)."""

@@ -227,7 +227,11 @@ class KVPool:
     def sole_owner(self, layer: int, ids: Tensor) -> bool:
         """Whether every slot of ``ids (H_kv, m)`` (row ``h`` in head ``h``) has exactly one reference:
         its holder may reuse it for a new entry without asking the pool."""
-        return bool((self._refs[layer].gather(1, ids) == 1).all())
+        return bool(self.owned_once(layer, ids))
+
+    def owned_once(self, layer: int, ids: Tensor) -> Tensor:
+        """:meth:`sole_owner` as a ``()`` bool tensor on the device (not read back)."""
+        return (self._refs[layer].gather(1, ids) == 1).all()
 
     def release(self, layer: int, ids: Tensor, heads: Tensor | None = None) -> None:
         """Drop one reference to each slot; slots left with none return to their head's free stack.

@@ -39,21 +39,25 @@ def count(fraction: float, n: Tensor) -> Tensor:
     return torch.floor(n.double() * fraction + 1e-9).long()
 
 
-def top_mask(score: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None) -> Tensor:
-    """``(B, h, S)`` bool: the ``keep[b]`` best valid slots of each (sample, head), see ``top_entries``."""
-    index, keep_len = top_entries(score, valid, keep.to(score.device), force)
+def top_mask(
+    score: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None, kept: list[int] | None = None
+) -> Tensor:
+    """``(B, h, S)`` bool: the ``keep[b]`` best valid slots of each (sample, head), see ``top_entries``
+    (``kept``: ``keep`` clamped to the valid count, on the host, when the caller read it)."""
+    index, keep_len = top_entries(score, valid, keep.to(score.device), force, kept)
     ok = torch.arange(index.shape[-1], device=score.device)[None, None, :] < keep_len[:, None, None]
     hits = torch.zeros(score.shape, dtype=torch.long, device=score.device)
     hits.scatter_add_(2, index, ok.long().expand_as(index))
     return hits > 0
 
 
-def mask_to_index(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """``(B, h, S)`` bool → ascending slots ``(B, h, K)`` (padded with 0) and counts ``(B, h)``."""
+def mask_to_index(mask: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
+    """``(B, h, S)`` bool → ascending slots ``(B, h, K)`` (padded with 0) and counts ``(B, h)``;
+    ``width``: the largest count when the caller read it already (else read here)."""
     counts = mask.sum(-1)
     s = mask.shape[-1]
     slots = torch.where(mask, torch.arange(s, device=mask.device)[None, None, :], s)
-    index = torch.sort(slots, dim=-1).values[..., : max(int(counts.max()), 1)]
+    index = torch.sort(slots, dim=-1).values[..., : max(int(counts.max()) if width is None else width, 1)]
     return index.masked_fill(index == s, 0), counts
 
 
@@ -235,15 +239,17 @@ class AVLPolicy(Policy):
             cache.processed
         )  # text tokens processed so far (prompt + generated)
         rank = torch.round(seen.double() * self.text_share).long().clamp(min=self.text_min)
-        if bool((held <= rank).all()):
-            return torch.ones_like(text)
         keep = torch.minimum(rank, held)
+        # whether every text entry stays, and the counts kept: one read back (top_mask reads none)
+        host = torch.cat([(held <= rank).all().long()[None], keep.to(held.device)]).tolist()
+        if host[0]:
+            return torch.ones_like(text)
         # text entries are the tail of every head's slots, so the recent ones are the last slots
         recent = recent_mask(
             layer.lengths, width, keep - torch.round(keep.double() * self.heavy_ratio).long()
         )
         score = layer.scores[TEXT_SCORE][:, :, :width]
-        return ~text | top_mask(score, text, keep, force=recent & text)
+        return ~text | top_mask(score, text, keep, force=recent & text, kept=host[1:])
 
 
 def _store(layer: LayerKV, name: str, values: Tensor) -> None:
@@ -255,9 +261,13 @@ def _edit(layer: LayerKV, keep: Tensor) -> LayerEdit | None:
     """A select edit keeping ``keep (B, H_kv, S)`` (equal counts per head), None when it keeps all."""
     valid = valid_slots(layer, keep.shape[-1])
     keep = keep & valid
-    if bool((keep == valid).all()):
+    counts = keep.sum(-1)
+    # whether it keeps everything, its width, whether heads agree: one read back, not three
+    checks = [(keep == valid).all().long(), counts.max(), (counts == counts[:, :1]).all().long()]
+    everything, width, agree = torch.stack(checks).tolist()
+    if everything:
         return None
-    index, counts = mask_to_index(keep)
-    if not bool((counts == counts[:, :1]).all()):
+    if not agree:
         raise RuntimeError("avl selected different numbers of entries per KV head")
+    index, counts = mask_to_index(keep, width)
     return LayerEdit(index, counts[:, 0])

@@ -44,6 +44,8 @@ class LayerEdit:
         counts: ``(B, H_kv, K)`` int64 sources per kept entry (with ``assign``).
         holes: optional ``(B, H_kv, K)`` bool (selection only): listed columns that become holes for
             that KV head, so heads keep different numbers of entries (see :class:`LayerKV`).
+        kept: optional ``keep_len``'s values on the host, where the policy knew them (the cache then
+            reads nothing back to learn them).
     """
 
     index: Tensor
@@ -51,8 +53,11 @@ class LayerEdit:
     assign: Tensor | None = None
     counts: Tensor | None = None
     holes: Tensor | None = None
+    kept: list[int] | None = None
 
     def __post_init__(self) -> None:
+        if self.kept is not None and len(self.kept) != self.keep_len.shape[0]:
+            raise ValueError(f"kept: one count per sample ({self.keep_len.shape[0]}), got {len(self.kept)}")
         if self.holes is not None:
             if self.assign is not None:
                 raise ValueError("an edit either merges (assign) or punches holes, not both")
@@ -237,7 +242,7 @@ def valid_slots(layer: LayerKV, width: int) -> Tensor:
 
 
 def top_entries(
-    scores: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None
+    scores: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None, kept: list[int] | None = None
 ) -> tuple[Tensor, Tensor]:
     """Pick the ``keep[b]`` best-scoring valid slots per (sample, KV head), returned ascending.
 
@@ -246,6 +251,8 @@ def top_entries(
         valid: ``(B, 1 or H_kv, S)`` bool, selectable slots.
         keep: ``(B,)`` int64 number to keep (clamped to the valid count).
         force: optional ``(B, 1 or H_kv, S)`` bool, slots always kept (counted within ``keep``).
+        kept: optional host values of ``keep`` clamped to the valid count, when the caller knows
+            them (the shapes below are then decided without reading anything back).
 
     Returns:
         ``index (B, H_kv, K)`` with ``K = max(keep)`` and ``keep_len (B,)``.
@@ -257,12 +264,16 @@ def top_entries(
     if force is not None:
         ranked = ranked.masked_fill(force.expand(b, h, s) & valid, float("inf"))
     drop = s - keep
-    if int(drop.max()) * 4 <= s:
+    if kept is None:  # the bounds every shape below needs, in one read back
+        kmin, kmax = torch.stack([keep.min(), keep.max()]).tolist() if b else (s, 0)
+    else:
+        kmin, kmax = min(kept, default=s), max(kept, default=0)
+    if (s - kmin) * 4 <= s:
         # a decode step evicts a few entries of many: find the few (a partial selection), not a full
         # sort of the many — the same set the stable sort keeps
-        return _drop_lowest(ranked, drop), keep
+        return _drop_lowest(ranked, drop, (s - kmin, s - kmax)), keep
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
-    k = max(int(keep.max()), 1)
+    k = max(kmax, 1)
     top = order[..., :k]
     ranks = torch.arange(k, device=scores.device)[None, None, :]
     top = torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s))  # push padding last
@@ -270,18 +281,18 @@ def top_entries(
     return top.masked_fill(top == s, 0), keep
 
 
-def _drop_lowest(ranked: Tensor, drop: Tensor) -> Tensor:
+def _drop_lowest(ranked: Tensor, drop: Tensor, bounds: tuple[int, int] | None = None) -> Tensor:
     """``ranked (B, H_kv, S)`` float, ``drop (B,)`` → ascending ``(B, H_kv, max(S - drop))`` columns
     kept when each row drops its ``drop[b]`` lowest (ties: the higher column goes first, as the
-    stable descending sort of :func:`top_entries` orders them); padding columns are 0."""
+    stable descending sort of :func:`top_entries` orders them); padding columns are 0. ``bounds``:
+    ``(max, min)`` of ``drop`` when the caller knows them (else read back)."""
     b, h, s = ranked.shape
-    keep = s - drop
-    width = max(int(keep.max()), 1)
+    dmax, dmin = torch.stack([drop.max(), drop.min()]).tolist() if bounds is None else bounds
+    width = max(s - dmin, 1)
     cols = torch.arange(s, device=ranked.device).expand(b, h, s)
-    dmax = int(drop.max())
     if dmax == 0:
         return cols[..., :width].clone()
-    if dmax == 1 and int(drop.min()) == 1:
+    if dmax == 1 and dmin == 1:
         # every row drops one (a per-step eviction): its lowest, the highest column among equals —
         # the first minimum of the reversed row — and keeps the rest, in four passes, not fifteen
         last = (s - 1) - ranked.flip(-1).argmin(-1, keepdim=True)  # (B, H_kv, 1)
@@ -317,16 +328,19 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
     their stacked scores, with one ``force`` mask — the same picks as one call per layer, at one call's
     cost."""
     edits: list[LayerEdit | None] = [None] * len(cache.layers)
-    lengths = cache.lengths()  # (L, B)
-    target = torch.stack([t.to(lengths.device) for t in targets])  # (L, B)
-    over = (lengths > target).any(1).tolist()
+    lengths = [layer.host_lengths() for layer in cache.layers]  # kept on the host by the cache
+    if all(t is targets[0] for t in targets):  # one target for every layer (a per-step policy)
+        wants = [targets[0].tolist()] * len(targets)  # the one read back
+    else:
+        wants = torch.stack([t.to(cache.layers[0].device) for t in targets]).tolist()
     groups: dict[tuple, list[int]] = {}
-    for i, (row, want, o) in enumerate(zip(lengths.tolist(), target.tolist(), over)):
-        if o:
+    for i, (row, want) in enumerate(zip(lengths, wants)):
+        if any(n > w for n, w in zip(row, want)):
             groups.setdefault((tuple(row), tuple(want)), []).append(i)
-    for (row, _), members in groups.items():
+    for (row, want), members in groups.items():
         first = cache.layers[members[0]]
         width, b = max(row), len(row)
+        kept = [min(n, w) for n, w in zip(row, want)]
         keep = torch.minimum(targets[members[0]].to(first.lengths.device), first.lengths)
         scores = torch.cat([score(i, width) for i in members])  # (G·B, H_kv, width)
         g = len(members)
@@ -334,9 +348,9 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
         if g > 1:
             valid = valid.repeat(g, 1, 1)
             forced = None if forced is None else forced.repeat(g, 1, 1)
-        index, keep_len = top_entries(scores, valid, keep.repeat(g), forced)
+        index, keep_len = top_entries(scores, valid, keep.repeat(g), forced, kept * g)
         for j, i in enumerate(members):
-            edits[i] = LayerEdit(index[j * b : (j + 1) * b], keep_len[j * b : (j + 1) * b])
+            edits[i] = LayerEdit(index[j * b : (j + 1) * b], keep_len[j * b : (j + 1) * b], kept=kept)
     return edits
 
 
