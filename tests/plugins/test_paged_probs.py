@@ -7,8 +7,9 @@ import torch
 
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
 from tests.plugins.test_paged_attention import APPENDS, BIG, CASES, ROPE, PagedCase
-from vlkv.plugins.paged_probs import paged_decode_out, paged_decode_probs
+from vlkv.plugins.paged_probs import decode_route, paged_decode_out, paged_decode_probs
 from vlkv.plugins.paged_reference import paged_attention_reference, rotate_keys
+from vlkv.runtime.op_count import count_ops
 
 DECODE = [c for c in (*CASES, BIG, *APPENDS, *ROPE) if c.queries == 1]
 DECODE.append(PagedCase(3, 2, 3, 1, 81, 16, layout="runs", full=True))  # every row full: no mask
@@ -55,3 +56,30 @@ def test_paged_decode_halves_match_the_reference(case, dtype, inplace_min):
     out = paged_decode_out(probs, args["v_pool"], args["table"], args["lengths"], inplace_min=inplace_min)
     got = out.reshape(args["q"].shape).to(dtype)
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+
+
+@pytest.mark.parametrize("inplace_min", [1, None], ids=["in-place", "gathered"])
+@pytest.mark.parametrize("case", DECODE, ids=repr)
+def test_a_route_from_host_lengths_reads_as_the_device_route(case, inplace_min):
+    """Routing from the caller's host lengths (and whether any row has a hole) gives the same
+    probabilities, mask and output as routing from the device, on ragged and holey tables; with no
+    hole and every row at least one entry, building it reads nothing back."""
+    args = case.make(torch.float32)
+    rope = {k: args[k] for k in ("rot", "cos", "sin") if k in args}
+    table, lengths = args["table"], args["lengths"]
+    cols = torch.arange(table.shape[2])
+    holes = bool(((table < 0) & (cols < lengths.clamp(0, table.shape[2])[..., None])).any())
+    q, k_pool, v_pool, scale = args["q"], args["k_pool"], args["v_pool"], args["scale"]
+    want_p, want_vis = paged_decode_probs(q, k_pool, table, lengths, scale, **rope, inplace_min=inplace_min)
+    want = paged_decode_out(want_p, v_pool, table, lengths, inplace_min=inplace_min)
+    host = lengths.tolist()
+    for told in sorted({holes, True}):  # the exact answer, and the safe one (a hole is possible)
+        with count_ops() as c:
+            route = decode_route(table, lengths, inplace_min, host=host, holes=told)
+        if not told and not route.inplace and bool((lengths > 0).all()):
+            assert c.syncs == 0, dict(c.kinds)
+        probs, vis = paged_decode_probs(q, k_pool, table, lengths, scale, **rope, route=route)
+        assert torch.equal(probs, want_p)
+        assert (vis is None) == (want_vis is None)
+        assert vis is None or torch.equal(vis, want_vis)
+        assert torch.equal(paged_decode_out(probs, v_pool, table, lengths, route=route), want)

@@ -12,6 +12,8 @@ G = H_q // H_kv query heads per KV head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -19,21 +21,61 @@ from vlkv.plugins.paged_cpu import INPLACE_MIN, _gather, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, held_columns, rotate_keys
 
 
-def _route(table: Tensor, host: list[list[int]], inplace_min: int, rot: Tensor | None):
-    """``({request: first slot}, [requests gathered together])``: requests of one shared run of at
-    least ``inplace_min`` entries (no pre-RoPE key) are read in place; empty requests in neither."""
+@dataclass(frozen=True)
+class DecodeRoute:
+    """How both halves read one table, decided once (:func:`decode_route`) and handed to each.
+
+    lengths: ``(B, H_kv)`` clamped to the table's columns. held: ``(B, H_kv, C)`` bool, inside the length
+    and not a hole. full: every column of every row is held (no mask). empty: some row holds nothing.
+    inplace: ``{request: (first slot, n)}`` read in place (one shared run of ``n >= inplace_min``
+    entries). together: the requests gathered together (empty requests are in neither).
+    """
+
+    lengths: Tensor
+    held: Tensor
+    full: bool
+    empty: bool
+    inplace: dict[int, tuple[int, int]]
+    together: list[int]
+
+
+def decode_route(
+    table: Tensor,
+    lengths: Tensor,
+    inplace_min: int | None = None,
+    host: list[list[int]] | None = None,
+    holes: bool = True,
+) -> DecodeRoute:
+    """The :class:`DecodeRoute` of ``table (B, H_kv, C)`` and ``lengths (B, H_kv)``. host: ``lengths`` as
+    Python ints when the caller keeps them (then no length is read back); holes: False when the caller
+    knows no column inside a row's length is ``-1`` (then "every row full" and "an empty row" are decided
+    on the host too). Without ``host`` both are read from the device, as the ops always did."""
+    cols = table.shape[2]
+    clamped = lengths.clamp(0, cols)
+    held = held_columns(table, clamped)
+    if host is None:
+        host = clamped.tolist()
+        full, empty = bool(held.all()), bool((~held.any(-1)).any())
+    else:
+        host = [[min(max(n, 0), cols) for n in row] for row in host]
+        zero = any(n == 0 for row in host for n in row)
+        # a row shorter than the table is not full, a row of length 0 is empty: no read; a hole is
+        # read only where the lengths alone cannot tell
+        full = all(n == cols for row in host for n in row) and (not holes or bool(held.all()))
+        empty = zero or (holes and bool((~held.any(-1)).any()))
+    floor = INPLACE_MIN if inplace_min is None else inplace_min
     inplace, together = {}, []
     for b, lens in enumerate(host):
         n = max(lens)
         if n == 0:
             continue
-        if n >= inplace_min and min(lens) == n and not (rot is not None and bool((rot[b, :, :n] >= 0).any())):
+        if n >= floor and min(lens) == n:
             runs = shared_runs(table[b, :, :n])
             if runs is not None and len(runs) == 1:
-                inplace[b] = runs[0][2]
+                inplace[b] = (runs[0][2], n)
                 continue
         together.append(b)
-    return inplace, together
+    return DecodeRoute(clamped, held, full, empty, inplace, together)
 
 
 def _gathered(pool: Tensor, table: Tensor, held: Tensor, idx: Tensor) -> Tensor:
@@ -54,31 +96,34 @@ def paged_decode_probs(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
     inplace_min: int | None = None,
+    route: DecodeRoute | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One decode row per request (same arguments as ``paged_reference.paged_attention_reference``, no
     v_pool): ``probs (B, H_kv, G, C)`` float32, the softmax of ``q·k · scale`` over the held columns of its
     row (0 elsewhere; a row holding nothing is all 0), and ``vis (B, H_kv, 1, C)`` bool of the held
-    columns, or None when every column of every row is held."""
+    columns, or None when every column of every row is held. route: :func:`decode_route` of this
+    ``table`` and ``lengths`` (built here when None; pass the same one to :func:`paged_decode_out`)."""
     group, rope = check_paged_args(q, k_pool, None, table, lengths, rot, cos, sin)
     batch, _, num_q, dim = q.shape
     if num_q != 1:
         raise ValueError(f"paged_decode_probs takes one query row per request, got {num_q}")
+    if route is None:
+        route = decode_route(table, lengths, inplace_min)
     kv_heads, cols = k_pool.shape[0], table.shape[2]
-    lengths = lengths.clamp(0, cols)
-    held = held_columns(table, lengths)  # (B, H_kv, C)
-    vis = None if bool(held.all()) else held[:, :, None, :]
+    held = route.held  # (B, H_kv, C)
+    vis = None if route.full else held[:, :, None, :]
     qg = q.reshape(batch, kv_heads, group, dim).float()
     scores = torch.full((batch, kv_heads, group, cols), float("-inf"), device=q.device)
-    inplace, together = _route(
-        table, lengths.tolist(), INPLACE_MIN if inplace_min is None else inplace_min, rot
-    )
-    for b, start in inplace.items():
-        n = int(lengths[b, 0])
+    together = list(route.together)
+    for b, (start, n) in route.inplace.items():
+        if rot is not None and bool((rot[b, :, :n] >= 0).any()):
+            together.append(b)  # its pre-RoPE keys are rotated into the gathered copy
+            continue
         k = k_pool[:, start : start + n]
         k = k if k.dtype == torch.float32 else k.float()
         scores[b, :, :, :n] = torch.matmul(k, qg[b].transpose(-1, -2)).transpose(-1, -2)  # K @ q^T: in place
     if together:
-        idx = torch.tensor(together, device=q.device)
+        idx = torch.tensor(sorted(together), device=q.device)
         k = _gathered(k_pool, table, held, idx)
         if rope:
             k = rotate_keys(k, torch.where(held[idx], rot[idx], -1), cos, sin)
@@ -87,29 +132,30 @@ def paged_decode_probs(
     if vis is not None:
         scores.masked_fill_(~vis, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    empty = ~held.any(-1)  # (B, H_kv): softmax of an all -inf row is NaN; the row is defined as 0
-    if bool(empty.any()):
-        probs.masked_fill_(empty[..., None, None], 0.0)
+    if route.empty:  # softmax of an all -inf row is NaN; the row is defined as 0
+        probs.masked_fill_(~held.any(-1)[..., None, None], 0.0)
     return probs, vis
 
 
 def paged_decode_out(
-    probs: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor, inplace_min: int | None = None
+    probs: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    inplace_min: int | None = None,
+    route: DecodeRoute | None = None,
 ) -> Tensor:
     """``probs (B, H_kv, G, C)`` times the values read through the table → ``(B, H_kv, G, D_v)`` in the
-    pool's dtype (the probabilities go to that dtype first, as a fused attention kernel feeds P·V)."""
+    pool's dtype (the probabilities go to that dtype first, as a fused attention kernel feeds P·V).
+    route: the :func:`decode_route` ``paged_decode_probs`` read (built here when None)."""
     batch, kv_heads, group, cols = probs.shape
-    lengths = lengths.clamp(0, cols)
+    if route is None:
+        route = decode_route(table, lengths, inplace_min)
     out = torch.zeros(batch, kv_heads, group, v_pool.shape[-1], dtype=v_pool.dtype, device=probs.device)
-    held = held_columns(table, lengths)
     p = probs.to(v_pool.dtype)
-    inplace, together = _route(
-        table, lengths.tolist(), INPLACE_MIN if inplace_min is None else inplace_min, None
-    )
-    for b, start in inplace.items():
-        n = int(lengths[b, 0])
+    for b, (start, n) in route.inplace.items():
         out[b] = torch.matmul(p[b, :, :, :n], v_pool[:, start : start + n])
-    if together:
-        idx = torch.tensor(together, device=probs.device)
-        out[idx] = torch.matmul(p[idx], _gathered(v_pool, table, held, idx))
+    if route.together:
+        idx = torch.tensor(route.together, device=probs.device)
+        out[idx] = torch.matmul(p[idx], _gathered(v_pool, table, route.held, idx))
     return out

@@ -60,9 +60,9 @@ class _StepContext:
             )
         self.order = order
         self.attended: list[Tensor | None] = [None] * n_layers  # (B,) per layer, on the compute device
-        # layer → (table (B, H_kv, n), lengths (B, H_kv), attended (B,), pre-RoPE keywords) of the
-        # layers a decode step reads paged (see ``paged_tables``)
-        self.paged: dict[int, tuple[Tensor, Tensor, Tensor, dict]] = {}
+        # layer → (table (B, H_kv, n), lengths (B, H_kv), attended (B,), pre-RoPE keywords, host
+        # lengths) of the layers a decode step reads paged (see ``paged_tables``)
+        self.paged: dict[int, tuple] = {}
         # the CPU paged read's plan of the last table read: the layers of a cache usually share one
         # table in a step, so the plan (runs, gathered rows, masks) is built once, not per layer
         self.cpu_plan = None
@@ -144,7 +144,7 @@ class _StepContext:
         if paged is not None:  # k, v are the layer's pool tensors (H_kv, S, D)
             from vlkv.plugins import paged_attention
 
-            table, lengths, attended, rope = paged
+            table, lengths, attended, rope, host = paged
             table, lengths = table.to(q.device), lengths.to(q.device)
             self.attended[layer_idx] = attended.to(q.device)
             wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
@@ -157,13 +157,15 @@ class _StepContext:
                 out = paged_attention(q, k, v, table, lengths, scale, plan=plan, **rope)
                 return out.transpose(1, 2).contiguous()
             # statistics are the step's probabilities: K is read once for both, as in the dense path
-            from vlkv.plugins.paged_probs import paged_decode_out, paged_decode_probs
+            from vlkv.plugins.paged_probs import decode_route, paged_decode_out, paged_decode_probs
 
-            probs, vis = paged_decode_probs(q, k, table, lengths, scale, **rope)
+            # routed from the cache's host lengths, once for both halves: no read back per layer
+            route = decode_route(table, lengths, host=host.lengths, holes=host.holes)
+            probs, vis = paged_decode_probs(q, k, table, lengths, scale, **rope, route=route)
             if any(self.requests[name].exact_output for name in wanted):
                 out = paged_attention(q, k, v, table, lengths, scale, **rope)
             else:
-                out = paged_decode_out(probs, v, table, lengths).view(q.shape).to(q.dtype)
+                out = paged_decode_out(probs, v, table, lengths, route=route).view(q.shape).to(q.dtype)
             self._put_one_row_stats(layer_idx, wanted, probs, vis)
             return out.transpose(1, 2).contiguous()
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None

@@ -9,15 +9,30 @@ each at the position their cache gives them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 
-def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict]:
+@dataclass(frozen=True)
+class PagedHost:
+    """A paged read's lengths as the cache keeps them on the host.
+
+    lengths: ``[[n] * H_kv]`` per request, the ``lengths (B, H_kv)`` the read takes, as Python ints.
+    holes: some row may hold a ``-1`` slot inside its length (per-head holes); False: none does.
+    """
+
+    lengths: list[list[int]]
+    holes: bool
+
+
+def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost]:
     """What ``ops.paged_attention`` reads for a layer (or a batch view) in a decode step:
     ``table (B, H_kv, n)``, its slot table with ``-1`` at holes (``n`` its longest row),
-    ``lengths (B, H_kv)``, ``attended (B,)`` float64, the entries a row attends (mean over heads), and
-    the op's pre-RoPE keywords (``rot``, ``cos``, ``sin``; empty when no entry is stored pre-RoPE)."""
+    ``lengths (B, H_kv)``, ``attended (B,)`` float64, the entries a row attends (mean over heads), the
+    op's pre-RoPE keywords (``rot``, ``cos``, ``sin``; empty when no entry is stored pre-RoPE), and
+    :class:`PagedHost`, what the host already knows of the lengths (so the ops route without reads)."""
     n = layer.max_length
     table = layer.table(n)
     lengths = layer.lengths
@@ -25,7 +40,10 @@ def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict]:
     if open_ is not None:
         table = table.masked_fill(~open_, -1)
     wide = lengths[:, None].expand(-1, table.shape[1])
-    return table, wide, attended_entries(lengths, open_), _rope_rows(layer, table, wide)
+    rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
+    heads = table.shape[1]
+    host = PagedHost([[m] * heads for r in rows for m in r.host_lengths()], open_ is not None)
+    return table, wide, attended_entries(lengths, open_), _rope_rows(layer, table, wide), host
 
 
 def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
