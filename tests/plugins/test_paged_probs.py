@@ -7,6 +7,7 @@ import torch
 
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
 from tests.plugins.test_paged_attention import APPENDS, BIG, CASES, ROPE, PagedCase
+from vlkv.plugins.paged_cpu import paged_attention_cpu, plan_for
 from vlkv.plugins.paged_probs import decode_route, paged_decode_out, paged_decode_probs
 from vlkv.plugins.paged_reference import paged_attention_reference, rotate_keys
 from vlkv.runtime.op_count import count_ops
@@ -83,3 +84,21 @@ def test_a_route_from_host_lengths_reads_as_the_device_route(case, inplace_min):
         assert (vis is None) == (want_vis is None)
         assert vis is None or torch.equal(vis, want_vis)
         assert torch.equal(paged_decode_out(probs, v_pool, table, lengths, route=route), want)
+
+
+@pytest.mark.parametrize("inplace_min", [1, None], ids=["in-place", "gathered"])
+@pytest.mark.parametrize("case", [c for c in (*CASES, BIG, *APPENDS) if not c.rope], ids=repr)
+def test_a_cpu_plan_from_host_lengths_reads_as_the_device_plan(case, inplace_min):
+    """The CPU read planned from host lengths (and whether a row has a hole) gives the same output as
+    the plan that reads them back, on ragged and holey tables, decode rows and prefill chunks."""
+    args = case.make(torch.float32)
+    table, lengths = args["table"], args["lengths"]
+    cols = torch.arange(table.shape[2])
+    holes = bool(((table < 0) & (cols < lengths.clamp(0, table.shape[2])[..., None])).any())
+    q, k_pool, v_pool, scale = args["q"], args["k_pool"], args["v_pool"], args["scale"]
+    want = paged_attention_cpu(q, k_pool, v_pool, table, lengths, scale, inplace_min=inplace_min)
+    host = lengths.tolist()
+    for told in sorted({holes, True}):
+        plan = plan_for(q, k_pool, table, lengths, inplace_min=inplace_min, host=host, holes=told)
+        got = paged_attention_cpu(q, k_pool, v_pool, table, lengths, scale, plan=plan)
+        assert torch.equal(got, want), (told, (got - want).abs().max())

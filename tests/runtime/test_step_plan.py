@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.engine import Engine
 from vlkv.runtime.models.registry import LoadedModel
 from vlkv.runtime.models.tiny import TinySpec, build_tiny_llava
@@ -26,13 +27,13 @@ OWN = (
 )
 POLICIES = {"full": {}, "h2o": {"budget": 0.5}}
 # Whole-step ceilings, batch 4 (tiny LLaVA, CPU): (syncs outside the attention kernels, kernel syncs
-# per layer). Outside the kernels nothing grows with the layers: the cache keeps its lengths on the
-# host, a decode append writes its rows from the device, h2o's shared top-k reads one target per
-# request and a step's evictions check every layer in one read. The kernels' share (the paged read's
-# table lengths, 1 per layer; h2o's probabilities, 4 per layer) is ``vlkv.plugins``'. Measured when
-# set: full 4 + 1/layer, h2o 10 + 4/layer; lower these as those go, never raise them to let a change
-# through.
-SYNC_CEILING = {"full": (4, 1), "h2o": (10, 4)}
+# per layer). Nothing grows with the layers: the cache keeps its lengths on the host and hands them to
+# the paged read (routing, "every row full", "an empty row" decided there), the plan hands the backend
+# its new-row counts and says when every request wants every row, a decode append writes its rows from
+# the device, h2o's shared top-k reads one target per request and a step's evictions check every layer
+# in one read. Measured when set: full 1 (the plan's one read back), h2o 6; no kernel syncs. Lower
+# these as those go, never raise them to let a change through.
+SYNC_CEILING = {"full": (1, 0), "h2o": (6, 0)}
 KERNELS = "vlkv.plugins."
 TEXTS = ["Describe the scene in detail.", "Hi", "What colour is the sky today?", "Count them."]
 
@@ -100,7 +101,8 @@ def test_building_a_decode_plan_reads_nothing_back(policy, layered):
     assert group.inputs.input_ids.shape == (4, 1) and group.inputs.positions.shape[:2] == (4, 1)
     assert (group.stats is None) == (policy == "full")
     if group.stats is not None:
-        assert group.stats.rows.shape == (4, 1) and bool(group.stats.rows.all())
+        assert group.stats.rows is None  # every request wants every row: said, not read back
+    assert group.inputs.new_len_host == (1, 1, 1, 1)
     sched.commit(plan, sched.runner.run(plan))
     assert all(len(r.tokens) == 4 for r in sched.running)  # prefill, two steps, this plan
 
@@ -201,3 +203,17 @@ def test_the_step_modules_import_one_way():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_step_inputs_check_the_host_new_lengths_they_are_given():
+    ids, mod = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.int8)
+    pos, ones = torch.zeros(2, 1, 1, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    with count_ops() as c:
+        StepInputs(ids, pos, mod, ones, new_len_host=(1, 1))
+    assert c.syncs == 0
+    with pytest.raises(ValueError, match="new_len must be in"):
+        StepInputs(ids, pos, mod, ones, new_len_host=(1, 2))
+    with pytest.raises(ValueError, match="B = 2"):
+        StepInputs(ids, pos, mod, ones, new_len_host=(1,))
+    with pytest.raises(ValueError, match="new_len must be in"):  # without them the device is read
+        StepInputs(ids, pos, mod, ones * 2)

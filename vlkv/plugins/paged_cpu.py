@@ -91,10 +91,12 @@ def plan_for(
     run_min: int | None = None,
     inplace_min: int | None = None,
     rot: Tensor | None = None,
+    host: list[list[int]] | None = None,
+    holes: bool = True,
 ) -> PagedCpuPlan:
     """The :class:`PagedCpuPlan` of a ``paged_attention_cpu`` call with these arguments (module defaults
     for ``run_min`` / ``inplace_min`` when None); a caller reading several layers through one table
-    builds it once and passes it as ``plan=``."""
+    builds it once and passes it as ``plan=``. host, holes: as ``plan_paged_cpu`` takes them."""
     kv_heads = k_pool.shape[0]
     return plan_paged_cpu(
         table,
@@ -105,19 +107,28 @@ def plan_for(
         RUN_MIN if run_min is None else run_min,
         INPLACE_MIN if inplace_min is None else inplace_min,
         rot,
+        host,
+        holes,
     )
 
 
 def plan_reused(
-    last: PagedCpuPlan | None, q: Tensor, k_pool: Tensor, table: Tensor, lengths: Tensor
+    last: PagedCpuPlan | None,
+    q: Tensor,
+    k_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    host: list[list[int]] | None = None,
+    holes: bool = True,
 ) -> PagedCpuPlan:
     """``last`` when it was planned for the same tables (compared by value; the layers of a decode step
-    usually share them), else :func:`plan_for` of this call (module defaults, no ``rot``)."""
+    usually share them), else :func:`plan_for` of this call (module defaults, no ``rot``; host, holes
+    as ``plan_paged_cpu`` takes them)."""
     if last is not None and last.matches(
         table, lengths.clamp(0, table.shape[-1]), k_pool.shape[1], q.shape[2], q.shape[1] // k_pool.shape[0]
     ):
         return last
-    return plan_for(q, k_pool, table, lengths)
+    return plan_for(q, k_pool, table, lengths, host=host, holes=holes)
 
 
 def paged_attention_cpu(

@@ -188,16 +188,29 @@ def _inplace(
 
 
 def _gathered(
-    index: list[int] | None, table: Tensor, lengths: Tensor, cap: int, num_q: int, group: int, full: bool
+    index: list[int] | None,
+    table: Tensor,
+    lengths: Tensor,
+    cap: int,
+    num_q: int,
+    group: int,
+    full: bool,
+    holes: bool = True,
+    maybe_empty: bool = True,
 ) -> GatheredRead:
     """The gathered read of requests ``index`` (None: all): ``table (R, H_kv, n)``, ``lengths (R, H_kv)``
-    theirs; ``full``: every row holds ``n`` columns."""
+    theirs; ``full``: every row holds ``n`` columns; ``holes``: False when no slot inside a length is -1;
+    ``maybe_empty``: False when the host lengths show every query row sees a column."""
     reqs, kv_heads, n = table.shape
     dev = table.device
     cols = torch.arange(n, device=dev)
     heads_off = torch.arange(kv_heads, device=dev)[:, None] * cap
     # rows that are all held (no padding, no hole) need neither a mask nor a guarded gather
-    held = None if full and not bool((table < 0).any()) else (table >= 0) & (cols < lengths[..., None])
+    held = (
+        None
+        if full and not (holes and bool((table < 0).any()))
+        else (table >= 0) & (cols < lengths[..., None])
+    )
     flat = ((table if held is None else torch.where(held, table, 0)) + heads_off[None]).reshape(-1)
     if num_q == 1:
         vis = None if held is None else held[:, :, None, :]
@@ -206,7 +219,7 @@ def _gathered(
         vis = cols < limit[..., None]
         vis = (vis if held is None else held[:, :, None, :] & vis).repeat(1, 1, group, 1)
     empty = None
-    if vis is not None:
+    if vis is not None and maybe_empty:
         empty = ~vis.any(-1, keepdim=True)
         empty = empty if bool(empty.any()) else None
     idx = None if index is None else torch.tensor(index, device=dev)
@@ -222,12 +235,17 @@ def plan_paged_cpu(
     run_min: int,
     inplace_min: int,
     rot: Tensor | None = None,
+    host: list[list[int]] | None = None,
+    holes: bool = True,
 ) -> PagedCpuPlan:
     """The plan of a ``paged_cpu`` call: ``table (B, H_kv, C)``, ``lengths (B, H_kv)`` (clamped to
     ``[0, C]``), the pool's ``cap`` slots per head, ``num_q`` query rows, GQA ``group``; ``run_min`` and
     ``inplace_min`` as ``paged_attention_cpu`` takes them. A request holding a pre-RoPE key (``rot
-    (B, H_kv, C)`` row >= 0) is gathered (its keys are rotated into the copy)."""
-    host = lengths.tolist()
+    (B, H_kv, C)`` row >= 0) is gathered (its keys are rotated into the copy). host: ``lengths`` as
+    Python ints where the caller keeps them, holes: False where it knows no slot inside a length is
+    -1 (then neither is read back)."""
+    cols = table.shape[-1]
+    host = lengths.tolist() if host is None else [[min(max(n, 0), cols) for n in row] for row in host]
     inplace, together = [], []
     for b in range(table.shape[0]):
         n = max(host[b])
@@ -245,11 +263,15 @@ def plan_paged_cpu(
     if together:
         n = max(max(host[b]) for b in together)
         full = all(min(host[b]) == n for b in together)
+        # a row sees nothing only past a hole, or in a head shorter than the query rows
+        empty = holes or any(min(host[b]) < num_q for b in together)
         if len(together) == table.shape[0]:  # every request (the common case of short ones): no subsets
-            gathered = _gathered(None, table[:, :, :n], lengths, cap, num_q, group, full)
+            gathered = _gathered(None, table[:, :, :n], lengths, cap, num_q, group, full, holes, empty)
         else:
             idx = torch.tensor(together, device=table.device)
-            gathered = _gathered(together, table[idx, :, :n], lengths[idx], cap, num_q, group, full)
+            gathered = _gathered(
+                together, table[idx, :, :n], lengths[idx], cap, num_q, group, full, holes, empty
+            )
     grouped = None
     if inplace:
         grouped = _group(inplace, table.shape[0], table.shape[1], group * num_q, table.device)

@@ -132,6 +132,8 @@ class StepInputs:
         selective: a *link* step (MPIC): the new rows are a non-contiguous selection of the prompt
             and attend by sequence order — row ``i`` sees every cached or new entry whose order is
             ``<= order[i]`` — instead of by slot; needs ``order``, no statistics.
+        new_len_host: optional ``new_len`` as Python ints, from a caller that built it (the step
+            plan): checked here and read by the backend instead of ``new_len``, so neither reads it back.
     """
 
     input_ids: Tensor
@@ -144,6 +146,7 @@ class StepInputs:
     row_filter: RowFilter | None = None
     order: Tensor | None = None
     selective: bool = False
+    new_len_host: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         b, q = self.input_ids.shape
@@ -151,7 +154,12 @@ class StepInputs:
             raise ValueError(
                 f"positions must be (B, q, P) = ({b}, {q}, P), got {tuple(self.positions.shape)}"
             )
-        if int(self.new_len.min()) < 0 or int(self.new_len.max()) > q:
+        host = self.new_len_host
+        if host is not None and len(host) != b:
+            raise ValueError(f"new_len_host must hold B = {b} values, got {len(host)}")
+        if host is not None and not all(0 <= n <= q for n in host):
+            raise ValueError(f"new_len must be in [0, {q}]")
+        if host is None and (int(self.new_len.min()) < 0 or int(self.new_len.max()) > q):
             raise ValueError(f"new_len must be in [0, {q}]")
         if self.attend is not None and q != 1:
             raise ValueError(f"attend indices need single-row steps, got q = {q}")

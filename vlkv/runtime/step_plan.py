@@ -117,6 +117,7 @@ def decode_group(engine, entries: list[Entry]) -> DecodeGroup:
         torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8, device=dev),
         torch.ones(b, dtype=torch.long, device=dev),
         attend=merge_attend([e.attend for e in entries], caches),
+        new_len_host=(1,) * b,  # one new row each, known here: the backend reads nothing back for it
     )
     marks = StepMarks(torch.cat([c.lengths() for c in caches], dim=1), [c.processed.clone() for c in caches])
     stats = merge_stats([e.stats for e in entries], dev)
@@ -125,14 +126,17 @@ def decode_group(engine, entries: list[Entry]) -> DecodeGroup:
 
 def merge_stats(requests: list[StatsRequest | None], device) -> StatsRequest | None:
     """One :class:`StatsRequest` over a group: ``rows (B, 1)`` True where a request asked (a device
-    reduction per request, no host read); the union of the layers asked; the extra row sets by name."""
+    reduction per request, no host read), or None where every request asked for every row (so the
+    backend knows it without a read); the union of the layers asked; the extra row sets by name."""
     wanted = [s for s in requests if s is not None]
     if not wanted:
         return None
     yes = torch.ones((), dtype=torch.bool, device=device)
     no = torch.zeros((), dtype=torch.bool, device=device)
 
-    def rows(sel) -> Tensor:  # (B, 1) bool: the row of every request that asked
+    def rows(sel) -> Tensor | None:  # (B, 1) bool: the row of every request that asked
+        if all(s is not None and s.rows is None for s in sel):
+            return None
         parts = [no if s is None else yes if s.rows is None else s.rows.to(device).any() for s in sel]
         return torch.stack(parts)[:, None]
 

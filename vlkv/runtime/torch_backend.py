@@ -73,7 +73,8 @@ class _StepContext:
             and all(not bool(lay.lengths.any()) for lay in cache.layers)
         )
         # a decode step: one new row per sample (decided once, not per layer)
-        self.one_row = q == 1 and bool((inputs.new_len == 1).all())
+        host = inputs.new_len_host
+        self.one_row = q == 1 and (all(n == 1 for n in host) if host else bool((inputs.new_len == 1).all()))
         valid = self._valid(inputs)
         self.rows = {
             name: valid if req.rows is None else req.rows.to(valid.device) & valid
@@ -81,8 +82,10 @@ class _StepContext:
         }
         # a decode step's statistics: None where every sample's row is requested (decided once per
         # step, so no layer masks its probabilities by a row set that keeps them all)
+        # (a request without rows asks for every valid row: all of them in a decode step, no read)
         self.one_rows = {
-            name: None if self.one_row and bool(rows.all()) else rows for name, rows in self.rows.items()
+            name: None if self.one_row and (self.requests[name].rows is None or bool(rows.all())) else rows
+            for name, rows in self.rows.items()
         }
 
     @staticmethod
@@ -152,7 +155,8 @@ class _StepContext:
                 if not rope and q.device.type == "cpu":  # one plan per step for layers sharing tables
                     from vlkv.plugins.paged_cpu import plan_reused
 
-                    self.cpu_plan = plan_reused(getattr(self, "cpu_plan", None), q, k, table, lengths)
+                    last = getattr(self, "cpu_plan", None)
+                    self.cpu_plan = plan_reused(last, q, k, table, lengths, host.lengths, host.holes)
                 plan = None if rope else getattr(self, "cpu_plan", None)
                 out = paged_attention(q, k, v, table, lengths, scale, plan=plan, **rope)
                 return out.transpose(1, 2).contiguous()
