@@ -42,7 +42,9 @@ def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost]:
     wide = lengths[:, None].expand(-1, table.shape[1])
     rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
     heads = table.shape[1]
-    host = PagedHost([[m] * heads for r in rows for m in r.host_lengths()], open_ is not None)
+    # a -1 slot inside a length is a hole (masked above) or a low-rank factor row (not read paged)
+    holes = open_ is not None or any(r.lowrank is not None for r in rows)
+    host = PagedHost([[m] * heads for r in rows for m in r.host_lengths()], holes)
     return table, wide, attended_entries(lengths, open_), _rope_rows(layer, table, wide), host
 
 
