@@ -33,6 +33,7 @@ from torch import Tensor
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.replay_dtype import REPLAY_DTYPES, replay_layers
 from vlkv.runtime.replay_fast import attend_and_score, attention_with_lse, scores_from_lse
+from vlkv.runtime.replay_grad import GradScores, attend_with_scores
 
 DEFAULT_TEMPLATE = "\n\nRepeat the previous context:"
 REPLAY_MODES = ("context", "prompt")
@@ -205,6 +206,8 @@ class ReplayContext:
         # or the queries and their rows' log-sum-exp (fast)
         self.keep_queries = keep_queries
         self.saved: dict[int, tuple[Tensor, Tensor, float]] = {}
+        # KVgrad fast: layers run with a graph score in their attention's backward (replay_grad.py)
+        self.sink: GradScores | None = None
         self._masks: dict[tuple, Tensor] = {}
 
     def update(
@@ -223,7 +226,10 @@ class ReplayContext:
         mask = self._masks.get(key)
         if mask is None:
             mask = self._masks[key] = _replay_mask(cache_len, new_len, s, r, q.device)[:, None]
-        if not self.exact and self.keep_queries:  # KVgrad: the kernel's attention gradient
+        if not self.exact and self.keep_queries and self.sink is not None and q.requires_grad:
+            out = attend_with_scores(q, k, v, scale, cache_len, self.new_len, layer_idx, self.sink)
+            return out.transpose(1, 2).contiguous()
+        if not self.exact and self.keep_queries:  # KVgrad, below the backward: scores after it
             out, lse = attention_with_lse(q, k, v, mask, scale)
             self.saved[layer_idx] = (q.detach(), lse, scale)
             return out.transpose(1, 2).contiguous()
@@ -348,22 +354,32 @@ def _chunk_gradient(
     request: ReplayRequest,
     cols: dict[int, Tensor],
 ) -> list[Tensor | None]:
-    """KVgrad: forward, ``d Phi / d (attention output)`` by autograd, then the weighted scores.
+    """KVgrad: forward, ``d Phi / d (attention output)`` by a backward pass, then the weighted scores.
 
     ``layers``: the decoder layers the replay runs (the model's, or a cast copy); the backward runs
     through the top ``request.grad_layers`` of them (all for -1), the lower ones run without a graph.
+    Fast path: those layers' attention scores in its own backward (:mod:`vlkv.runtime.replay_grad`);
+    exact: autograd through SDPA, then :func:`replay_attention_max` per layer.
     ``cols``: ``||W_O v||`` per layer, filled on the first chunk and reused by the others."""
     adapter, exact = backend.adapter, request.exact
     n_layers = len(layers)
     split = 0 if request.grad_layers < 0 else n_layers - min(request.grad_layers, n_layers)
     frozen = [p for p in layers.parameters() if p.requires_grad]
+    col = _col_weight(backend, cache, cols)
+    ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
+    sink = ctx.sink = None if exact else GradScores(col)
     outputs: dict[int, Tensor] = {}
 
     def keep(i):
-        return lambda module, args, out: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        def hook(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out
+            outputs[i] = out
+            if sink is not None and out.requires_grad:  # row norms of d Phi / d A, before the core's backward
+                out.register_hook(lambda grad: sink.row_weight.__setitem__(i, grad.float().norm(dim=-1)))
+
+        return hook
 
     hooks = [layers[i].self_attn.register_forward_hook(keep(i)) for i in range(split, n_layers)]
-    ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
     cos_sin = adapter.rotary(rows, _positions(cache, rows.shape[1]).to(rows.device))
     try:
         for p in frozen:  # gradients w.r.t. activations only
@@ -377,7 +393,10 @@ def _chunk_gradient(
                 torch.arange(rows.shape[1], device=rows.device)[None, :] < new_len.to(rows.device)[:, None]
             )
             phi = (hidden.float().square().sum(-1) * valid).sum()
-            wanted = [outputs[i] for i in range(split, n_layers)] + ([base] if split > 0 else [])
+            if exact:
+                wanted = [outputs[i] for i in range(split, n_layers)] + ([base] if split > 0 else [])
+            else:  # the hooks and the attention's backward collect what they need on the way down
+                wanted = [base]
             grads = torch.autograd.grad(phi, wanted)
     finally:
         for hook in hooks:
@@ -386,18 +405,18 @@ def _chunk_gradient(
             p.requires_grad_(True)
     # layers below the split: the gradient reaching the split through the residual stream alone
     below = grads[-1].float().norm(dim=-1) if split > 0 else None
-    rows_w = {i: g.float().norm(dim=-1) for i, g in zip(range(split, n_layers), grads)}
     scores: list[Tensor | None] = [None] * len(cache.layers)
     with torch.no_grad():
         for i in range(n_layers):
+            if sink is not None and i >= split:
+                scores[i] = sink.scores[i]
+                continue
             q, saved, scale = ctx.saved[i]
-            row = rows_w.get(i, below)
+            row = below if i < split else grads[i - split].float().norm(dim=-1)
             layer = cache.layers[i]
-            ck, cv = layer.attention_kv()
-            if i not in cols:
-                cols[i] = value_output_norm(cv, adapter.layers[i].self_attn.o_proj.weight, q.shape[1])
+            ck, _ = layer.attention_kv()
             if not exact:
-                scores[i] = scores_from_lse(q, ck, scale, saved, layer.lengths, new_len, row, cols[i])
+                scores[i] = scores_from_lse(q, ck, scale, saved, layer.lengths, new_len, row, col(i))
                 continue
             scores[i] = replay_attention_max(
                 q,
@@ -406,6 +425,6 @@ def _chunk_gradient(
                 layer.lengths,
                 new_len,
                 row_weight=row,
-                col_weight=cols[i],
+                col_weight=col(i),
             )
     return scores
