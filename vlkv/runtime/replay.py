@@ -33,7 +33,8 @@ from torch import Tensor
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.replay_dtype import REPLAY_DTYPES, replay_layers
 from vlkv.runtime.replay_fast import attend_and_score, attention_with_lse, scores_from_lse
-from vlkv.runtime.replay_grad import GradScores, attend_with_scores
+from vlkv.runtime.replay_grad import GradScores, attend_with_scores, col_weight
+from vlkv.runtime.replay_grad import value_output_norm as value_output_norm  # public here since 0.2
 
 DEFAULT_TEMPLATE = "\n\nRepeat the previous context:"
 REPLAY_MODES = ("context", "prompt")
@@ -251,24 +252,6 @@ class ReplayContext:
         return self.cache.layers[layer_idx].max_length
 
 
-def value_output_norm(values: Tensor, o_weight: Tensor, num_heads: int) -> Tensor:
-    """``||W_O,h v||`` per query head: what entry ``v`` writes into the residual stream through head ``h``.
-
-    Args:
-        values: ``(B, H_kv, S, D)``.
-        o_weight: ``(hidden, H * D)`` the output projection's weight.
-
-    Returns:
-        ``(B, H, S)`` float32.
-    """
-    b, hkv, s, d = values.shape
-    w = o_weight.float().view(-1, num_heads, d)  # (hidden, H, D)
-    gram = torch.einsum("chd,che->hde", w, w)  # (H, D, D): ||W v||^2 = v^T W^T W v
-    v = values.float().repeat_interleave(num_heads // hkv, dim=1)  # (B, H, S, D)
-    sq = torch.einsum("bhsd,hde,bhse->bhs", v, gram, v)
-    return sq.clamp(min=0).sqrt()
-
-
 def merge_max(total: list[Tensor | None], part: list[Tensor | None]) -> list[Tensor | None]:
     """Element-wise max of two per-layer score lists (``(B, H_kv, S)`` each, None = nothing yet)."""
     return [p if t is None else (t if p is None else torch.maximum(t, p)) for t, p in zip(total, part)]
@@ -300,7 +283,7 @@ def run_replay(
         if request.gradient:
             part = _chunk_gradient(backend, layers, cache, rows, new_len, request, cols)
         else:
-            col = _col_weight(backend, cache, cols) if request.value_norm else None
+            col = col_weight(backend, cache, cols) if request.value_norm else None
             part = _chunk(backend, layers, cache, rows, new_len, request.exact, col)
         total = merge_max(total, part)
     return total
@@ -321,19 +304,6 @@ def _run_layers(backend, layers, ctx: ReplayContext, cache: KVCache, rows: Tenso
     for layer in layers:
         hidden = adapter.run_layer(layer, hidden, ctx, cos_sin)
     return hidden
-
-
-def _col_weight(backend, cache: KVCache, cols: dict[int, Tensor]):
-    """layer -> ``(B, H, S)`` ``||W_O,h v||`` of the cached values, computed once per replay."""
-
-    def col(i: int) -> Tensor:
-        if i not in cols:
-            _, cv = cache.layers[i].attention_kv()
-            w = backend.adapter.layers[i].self_attn.o_proj.weight
-            cols[i] = value_output_norm(cv, w, backend.num_heads)
-        return cols[i]
-
-    return col
 
 
 @torch.no_grad()
@@ -365,7 +335,7 @@ def _chunk_gradient(
     n_layers = len(layers)
     split = 0 if request.grad_layers < 0 else n_layers - min(request.grad_layers, n_layers)
     frozen = [p for p in layers.parameters() if p.requires_grad]
-    col = _col_weight(backend, cache, cols)
+    col = col_weight(backend, cache, cols)
     ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
     sink = ctx.sink = None if exact else GradScores(col)
     outputs: dict[int, Tensor] = {}

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from vlkv.runtime.cache import KVCache
 
 # replay rows per block: bounds the scratch to (B, H, ROW_BLOCK, S + r) floats
 ROW_BLOCK = 256
@@ -151,3 +155,34 @@ class _ReplayAttention(torch.autograd.Function):
                 best.masked_fill_(spare[:, :, :, 0], 0.0)
             sink.scores[layer] = best.amax(dim=2)
         return dq.view(b, h, r, d), dk, dv, None, None, None, None, None
+
+
+def value_output_norm(values: Tensor, o_weight: Tensor, num_heads: int) -> Tensor:
+    """``||W_O,h v||`` per query head: what entry ``v`` writes into the residual stream through head ``h``.
+
+    Args:
+        values: ``(B, H_kv, S, D)``.
+        o_weight: ``(hidden, H * D)`` the output projection's weight.
+
+    Returns:
+        ``(B, H, S)`` float32.
+    """
+    b, hkv, s, d = values.shape
+    w = o_weight.float().view(-1, num_heads, d)  # (hidden, H, D)
+    gram = torch.einsum("chd,che->hde", w, w)  # (H, D, D): ||W v||^2 = v^T W^T W v
+    v = values.float().repeat_interleave(num_heads // hkv, dim=1)  # (B, H, S, D)
+    sq = torch.einsum("bhsd,hde,bhse->bhs", v, gram, v)
+    return sq.clamp(min=0).sqrt()
+
+
+def col_weight(backend, cache: KVCache, cols: dict[int, Tensor]):
+    """layer -> ``(B, H, S)`` ``||W_O,h v||`` of the cached values, computed once per replay."""
+
+    def col(i: int) -> Tensor:
+        if i not in cols:
+            _, cv = cache.layers[i].attention_kv()
+            w = backend.adapter.layers[i].self_attn.o_proj.weight
+            cols[i] = value_output_norm(cv, w, backend.num_heads)
+        return cols[i]
+
+    return col
