@@ -181,7 +181,8 @@ class Engine:
             return None
         ids = self.tokenizer(request.template, add_special_tokens=False)["input_ids"]
         embeds = self.backend.embed(batch) if embeds is None else embeds
-        return self.backend.replay(request, cache, embeds, batch.lengths, torch.tensor(ids, dtype=torch.long))
+        template = torch.tensor(ids, dtype=torch.long, device=embeds.device)
+        return self.backend.replay(request, cache, embeds, batch.lengths, template)
 
     def decode_positions(self, policy: Policy, cache: KVCache) -> Tensor:
         """``(B, 1, P)`` positions of the next token under the policy's position mode."""

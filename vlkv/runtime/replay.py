@@ -31,7 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vlkv.runtime.cache import KVCache
+from vlkv.runtime.replay_dtype import REPLAY_DTYPES, replay_layers
 from vlkv.runtime.replay_fast import attend_and_score, attention_with_lse, scores_from_lse
+from vlkv.runtime.replay_grad import GradScores, attend_with_scores, col_weight
+from vlkv.runtime.replay_grad import value_output_norm as value_output_norm  # public here since 0.2
 
 DEFAULT_TEMPLATE = "\n\nRepeat the previous context:"
 REPLAY_MODES = ("context", "prompt")
@@ -54,6 +57,14 @@ class ReplayRequest:
         exact: score with the reference pass (a second, materialised softmax per layer,
             :func:`replay_attention_max`) instead of the fast one (the scores from the attention
             kernel's own row statistics, :mod:`vlkv.runtime.replay_fast`); equal up to float rounding.
+        dtype: the replay's compute dtype: ``"model"`` (the model's own) or one of
+            :data:`~vlkv.runtime.replay_dtype.REPLAY_DTYPES` (a cast copy of the decoder layers, kept per
+            model; the cache and the scores stay as they are). An approximation: it ranks with
+            lower-precision queries.
+        grad_layers: KVgrad's backward runs through the top ``grad_layers`` decoder layers only
+            (-1 = all, the exact gradient); every lower layer's row weight is the gradient at the input
+            of the lowest of them, i.e. through the residual stream alone. 0 = no backward at all:
+            ``2 ||h_p||`` of the last layer's output. An approximation below -1.
     """
 
     template: str = DEFAULT_TEMPLATE
@@ -63,8 +74,14 @@ class ReplayRequest:
     every: int = 1
     exact: bool = False
     value_norm: bool = False
+    dtype: str = "model"
+    grad_layers: int = -1
 
     def __post_init__(self) -> None:
+        if self.dtype != "model" and self.dtype not in REPLAY_DTYPES:
+            raise ValueError(f"dtype must be 'model' or one of {tuple(REPLAY_DTYPES)}, got {self.dtype!r}")
+        if self.grad_layers < -1:
+            raise ValueError(f"grad_layers must be >= -1 (-1 = all layers), got {self.grad_layers}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.every < 1:
@@ -190,6 +207,8 @@ class ReplayContext:
         # or the queries and their rows' log-sum-exp (fast)
         self.keep_queries = keep_queries
         self.saved: dict[int, tuple[Tensor, Tensor, float]] = {}
+        # KVgrad fast: layers run with a graph score in their attention's backward (replay_grad.py)
+        self.sink: GradScores | None = None
         self._masks: dict[tuple, Tensor] = {}
 
     def update(
@@ -208,7 +227,10 @@ class ReplayContext:
         mask = self._masks.get(key)
         if mask is None:
             mask = self._masks[key] = _replay_mask(cache_len, new_len, s, r, q.device)[:, None]
-        if not self.exact and self.keep_queries:  # KVgrad: the kernel's attention gradient
+        if not self.exact and self.keep_queries and self.sink is not None and q.requires_grad:
+            out = attend_with_scores(q, k, v, scale, cache_len, self.new_len, layer_idx, self.sink)
+            return out.transpose(1, 2).contiguous()
+        if not self.exact and self.keep_queries:  # KVgrad, below the backward: scores after it
             out, lse = attention_with_lse(q, k, v, mask, scale)
             self.saved[layer_idx] = (q.detach(), lse, scale)
             return out.transpose(1, 2).contiguous()
@@ -228,24 +250,6 @@ class ReplayContext:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.cache.layers[layer_idx].max_length
-
-
-def value_output_norm(values: Tensor, o_weight: Tensor, num_heads: int) -> Tensor:
-    """``||W_O,h v||`` per query head: what entry ``v`` writes into the residual stream through head ``h``.
-
-    Args:
-        values: ``(B, H_kv, S, D)``.
-        o_weight: ``(hidden, H * D)`` the output projection's weight.
-
-    Returns:
-        ``(B, H, S)`` float32.
-    """
-    b, hkv, s, d = values.shape
-    w = o_weight.float().view(-1, num_heads, d)  # (hidden, H, D)
-    gram = torch.einsum("chd,che->hde", w, w)  # (H, D, D): ||W v||^2 = v^T W^T W v
-    v = values.float().repeat_interleave(num_heads // hkv, dim=1)  # (B, H, S, D)
-    sq = torch.einsum("bhsd,hde,bhse->bhs", v, gram, v)
-    return sq.clamp(min=0).sqrt()
 
 
 def merge_max(total: list[Tensor | None], part: list[Tensor | None]) -> list[Tensor | None]:
@@ -269,16 +273,18 @@ def run_replay(
     if any(layer.holes is not None for layer in cache.layers):
         raise ValueError("replay scores a cache before per-head eviction; this cache already has holes")
     adapter, dev = backend.adapter, backend.device
+    layers = replay_layers(adapter.layers, request.dtype)
     with torch.no_grad():
         template = adapter.embed_tokens(template_ids[None].to(dev))[0]
     total: list[Tensor | None] = [None] * len(cache.layers)
     cols: dict[int, Tensor] = {}  # KVgrad's ||W_O v|| per layer: the cache is the same for every chunk
     for rows, new_len in replay_chunks(template, context.to(dev), lengths, request):
+        rows = rows.to(next(layers.parameters()).dtype)
         if request.gradient:
-            part = _chunk_gradient(backend, cache, rows, new_len, request.exact, cols)
+            part = _chunk_gradient(backend, layers, cache, rows, new_len, request, cols)
         else:
-            col = _col_weight(backend, cache, cols) if request.value_norm else None
-            part = _chunk(backend, cache, rows, new_len, request.exact, col)
+            col = col_weight(backend, cache, cols) if request.value_norm else None
+            part = _chunk(backend, layers, cache, rows, new_len, request.exact, col)
         total = merge_max(total, part)
     return total
 
@@ -289,89 +295,106 @@ def _positions(cache: KVCache, r: int) -> Tensor:
     return nxt[:, None, :] + torch.arange(r, device=nxt.device)[None, :, None]
 
 
-def _run_layers(backend, ctx: ReplayContext, cache: KVCache, rows: Tensor) -> Tensor:
+def _run_layers(backend, layers, ctx: ReplayContext, cache: KVCache, rows: Tensor, cos_sin=None) -> Tensor:
+    """``rows (B, r, hidden)`` through ``layers`` (the model's decoder layers or a slice of them)."""
     adapter = backend.adapter
-    cos_sin = adapter.rotary(rows, _positions(cache, rows.shape[1]).to(rows.device))
+    if cos_sin is None:
+        cos_sin = adapter.rotary(rows, _positions(cache, rows.shape[1]).to(rows.device))
     hidden = rows
-    for layer in adapter.layers:
+    for layer in layers:
         hidden = adapter.run_layer(layer, hidden, ctx, cos_sin)
     return hidden
 
 
-def _col_weight(backend, cache: KVCache, cols: dict[int, Tensor]):
-    """layer -> ``(B, H, S)`` ``||W_O,h v||`` of the cached values, computed once per replay."""
-
-    def col(i: int) -> Tensor:
-        if i not in cols:
-            _, cv = cache.layers[i].attention_kv()
-            w = backend.adapter.layers[i].self_attn.o_proj.weight
-            cols[i] = value_output_norm(cv, w, backend.num_heads)
-        return cols[i]
-
-    return col
-
-
 @torch.no_grad()
 def _chunk(
-    backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool, col_weight=None
+    backend, layers, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool, col_weight=None
 ) -> list[Tensor | None]:
     ctx = ReplayContext(cache, new_len, exact=exact, col_weight=col_weight)
-    _run_layers(backend, ctx, cache, rows)
+    _run_layers(backend, layers, ctx, cache, rows)
     return ctx.scores
 
 
 def _chunk_gradient(
-    backend, cache: KVCache, rows: Tensor, new_len: Tensor, exact: bool, cols: dict[int, Tensor]
+    backend,
+    layers,
+    cache: KVCache,
+    rows: Tensor,
+    new_len: Tensor,
+    request: ReplayRequest,
+    cols: dict[int, Tensor],
 ) -> list[Tensor | None]:
-    """KVgrad: forward, ``d Phi / d (attention output)`` by autograd, then the weighted scores.
+    """KVgrad: forward, ``d Phi / d (attention output)`` by a backward pass, then the weighted scores.
 
+    ``layers``: the decoder layers the replay runs (the model's, or a cast copy); the backward runs
+    through the top ``request.grad_layers`` of them (all for -1), the lower ones run without a graph.
+    Fast path: those layers' attention scores in its own backward (:mod:`vlkv.runtime.replay_grad`);
+    exact: autograd through SDPA, then :func:`replay_attention_max` per layer.
     ``cols``: ``||W_O v||`` per layer, filled on the first chunk and reused by the others."""
-    adapter = backend.adapter
-    frozen = [p for p in backend.model.parameters() if p.requires_grad]
+    adapter, exact = backend.adapter, request.exact
+    n_layers = len(layers)
+    split = 0 if request.grad_layers < 0 else n_layers - min(request.grad_layers, n_layers)
+    frozen = [p for p in layers.parameters() if p.requires_grad]
+    col = col_weight(backend, cache, cols)
+    ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
+    sink = ctx.sink = None if exact else GradScores(col)
     outputs: dict[int, Tensor] = {}
 
     def keep(i):
-        return lambda module, args, out: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        def hook(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out
+            outputs[i] = out
+            if sink is not None and out.requires_grad:  # row norms of d Phi / d A, before the core's backward
+                out.register_hook(lambda grad: sink.row_weight.__setitem__(i, grad.float().norm(dim=-1)))
 
-    hooks = [layer.self_attn.register_forward_hook(keep(i)) for i, layer in enumerate(adapter.layers)]
+        return hook
+
+    hooks = [layers[i].self_attn.register_forward_hook(keep(i)) for i in range(split, n_layers)]
+    cos_sin = adapter.rotary(rows, _positions(cache, rows.shape[1]).to(rows.device))
     try:
         for p in frozen:  # gradients w.r.t. activations only
             p.requires_grad_(False)
+        with torch.no_grad():  # below the backward's reach: no graph
+            base = _run_layers(backend, layers[:split], ctx, cache, rows, cos_sin)
         with torch.enable_grad():
-            ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
-            hidden = _run_layers(backend, ctx, cache, rows.detach().requires_grad_(True))
+            base = base.detach().requires_grad_(True)
+            hidden = _run_layers(backend, layers[split:], ctx, cache, base, cos_sin)
             valid = (
                 torch.arange(rows.shape[1], device=rows.device)[None, :] < new_len.to(rows.device)[:, None]
             )
             phi = (hidden.float().square().sum(-1) * valid).sum()
-            layers = sorted(outputs)
-            grads = torch.autograd.grad(phi, [outputs[i] for i in layers])
+            if exact:
+                wanted = [outputs[i] for i in range(split, n_layers)] + ([base] if split > 0 else [])
+            else:  # the hooks and the attention's backward collect what they need on the way down
+                wanted = [base]
+            grads = torch.autograd.grad(phi, wanted)
     finally:
         for hook in hooks:
             hook.remove()
         for p in frozen:
             p.requires_grad_(True)
+    # layers below the split: the gradient reaching the split through the residual stream alone
+    below = grads[-1].float().norm(dim=-1) if split > 0 else None
     scores: list[Tensor | None] = [None] * len(cache.layers)
     with torch.no_grad():
-        for i, g in zip(layers, grads):
-            q, saved, scale = ctx.saved[i]
-            layer = cache.layers[i]
-            ck, cv = layer.attention_kv()
-            if not exact:
-                if i not in cols:
-                    cols[i] = value_output_norm(cv, adapter.layers[i].self_attn.o_proj.weight, q.shape[1])
-                row = g.float().norm(dim=-1)
-                scores[i] = scores_from_lse(q, ck, scale, saved, layer.lengths, new_len, row, cols[i])
+        for i in range(n_layers):
+            if sink is not None and i >= split:
+                scores[i] = sink.scores[i]
                 continue
-            k_new = saved
-            col = value_output_norm(cv, adapter.layers[i].self_attn.o_proj.weight, q.shape[1])
+            q, saved, scale = ctx.saved[i]
+            row = below if i < split else grads[i - split].float().norm(dim=-1)
+            layer = cache.layers[i]
+            ck, _ = layer.attention_kv()
+            if not exact:
+                scores[i] = scores_from_lse(q, ck, scale, saved, layer.lengths, new_len, row, col(i))
+                continue
             scores[i] = replay_attention_max(
                 q,
-                torch.cat([ck.to(k_new.dtype), k_new], dim=2),
+                torch.cat([ck.to(saved.dtype), saved], dim=2),
                 scale,
                 layer.lengths,
                 new_len,
-                row_weight=g.float().norm(dim=-1),
-                col_weight=col,
+                row_weight=row,
+                col_weight=col(i),
             )
     return scores

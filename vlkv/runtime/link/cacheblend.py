@@ -41,7 +41,8 @@ def blend_rows(
         hits: image index → its record, for the prompt's stored images.
     """
     spans = batch.spans[0].image_spans
-    rows = torch.cat([spans[i][0] + entry_offsets(seg) for i, seg in hits.items()])
+    host = batch.input_ids.device  # prompt rows are indexed where the prompt lives
+    rows = torch.cat([spans[i][0] + entry_offsets(seg).to(host) for i, seg in hits.items()])
     count = int(spec.r * rows.numel())
     if count == 0 or count == rows.numel():
         return rows[:count]
@@ -51,9 +52,9 @@ def blend_rows(
     scratch = engine.new_cache(batch, pool=pool)
     try:
         # every row through the check layer; after it only the last row (kept by the filter) goes on
-        drop = RowFilter(layer, lambda _stats, _layer: torch.zeros(1, n, dtype=torch.bool))
+        drop = RowFilter(layer, lambda _stats, _layer: torch.zeros(1, n, dtype=torch.bool, device=emb.device))
         inputs = StepInputs(
-            batch.input_ids[:, :n], batch.positions[:, :n], batch.modality[:, :n], torch.tensor([n]),
+            batch.input_ids[:, :n], batch.positions[:, :n], batch.modality[:, :n], batch.lengths.new_tensor([n]),
             emb[:, :n], row_filter=drop,
         )  # fmt: skip
         engine.backend.step(inputs, scratch)
@@ -66,7 +67,7 @@ def blend_rows(
         k, v = pool.read(layer, seg.ids[layer][None])  # (1, H_kv, m_i, D), keys pre-RoPE
         if spec.deviation == "k":
             pos = (
-                batch.positions[0, a + entry_offsets(seg)]
+                batch.positions[0, a + entry_offsets(seg).to(host)]
                 .to(k.device)[None, None]
                 .expand(1, k.shape[1], -1, -1)
             )

@@ -30,7 +30,7 @@ RECORD_SCORERS = ("keynorm", "stride", "kvzip")
 def entry_offsets(seg: SharedSegment) -> Tensor:
     """``(m,)`` int64 offsets of a record's entries inside its image (all of them unless compressed)."""
     off = getattr(seg, "offsets", None)
-    return torch.arange(seg.length) if off is None else off
+    return torch.arange(seg.length, device=seg.modality.device) if off is None else off
 
 
 def kept_count(n: int, budget: float) -> int:

@@ -69,7 +69,7 @@ def standalone_segment(
     n = b - a
     try:  # the scratch cache (and a half-made record) go back to the pool whatever fails
         inputs = StepInputs(
-            batch.input_ids[:, a:b], pos, batch.modality[:, a:b], torch.tensor([n]), emb[:, a:b]
+            batch.input_ids[:, a:b], pos, batch.modality[:, a:b], batch.lengths.new_tensor([n]), emb[:, a:b]
         )
         engine.backend.step(inputs, cache)
         seg = SharedSegment.from_cache(cache, 0, n)
@@ -79,7 +79,11 @@ def standalone_segment(
             request = ReplayRequest()
             ids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
             scores = engine.backend.replay(
-                request, cache, emb[:, a:b], torch.tensor([n]), torch.tensor(ids, dtype=torch.long)
+                request,
+                cache,
+                emb[:, a:b],
+                batch.lengths.new_tensor([n]),
+                torch.tensor(ids, dtype=torch.long, device=emb.device),
             )
             seg.replay_scores = [sc[0, :, :n] for sc in scores]
     except BaseException:
@@ -120,7 +124,8 @@ def link_prefill(
     keys = None if idents is None else [source.key(i) for i in idents]
     store = source.segments
     loaded_before = source.loaded_bytes
-    linked = torch.zeros(n, dtype=torch.bool)
+    host = batch.input_ids.device  # the prompt's row bookkeeping lives with the prompt
+    linked = torch.zeros(n, dtype=torch.bool, device=host)
     known: dict[int, Tensor | None] = {}  # image index -> embeddings from its record (None: none kept)
     hits: dict[int, SharedSegment] = {}  # image index -> its record (image-wise methods)
     if spec.method == "prefix" and keys is not None:
@@ -138,15 +143,17 @@ def link_prefill(
         emb = _load_or_compute(engine, batch, cache, spec, source, keys, idents, hits, stats)
     else:
         emb = _embed(engine, batch, known) if keys is not None else engine.backend.embed(batch)
-    absent = torch.zeros(n, dtype=torch.bool)  # rows a compressed record left out
+    absent = torch.zeros(n, dtype=torch.bool, device=host)  # rows a compressed record left out
     if hits:
         k = spec.k if spec.method == "mpic" else 0
-        fresh = torch.zeros(n, dtype=torch.bool)  # stored rows recomputed anyway (CacheBlend's choice)
+        fresh = torch.zeros(
+            n, dtype=torch.bool, device=host
+        )  # stored rows recomputed anyway (CacheBlend's choice)
         if spec.method == "cacheblend":
             fresh[blend_rows(engine, batch, emb, hits, spec)] = True
         for i, seg in hits.items():
             a, b = spans[i]
-            off = _offsets(seg)
+            off = _offsets(seg).to(host)
             fresh[a : a + min(k, b - a)] = True
             use = ~fresh[a + off]
             if use.any():
@@ -170,7 +177,7 @@ def link_prefill(
         batch.input_ids[:, rows],
         batch.positions[:, rows],
         batch.modality[:, rows],
-        torch.tensor([rows.numel()]),
+        batch.lengths.new_tensor([rows.numel()]),
         emb[:, rows],
         order=rows[None].to(dev),
         selective=bool(linked.any()),
@@ -266,7 +273,9 @@ def _link_part(seg: SharedSegment, cache: KVCache, batch: PromptBatch, m: int) -
     if cache.pool is not seg.pool:
         raise ValueError("a segment links only into caches on its own pool")
     for layer, ids in zip(cache.layers, seg.ids):
-        layer.link(ids[:, :m], batch.positions[0, :m], seg.modality[:m], 0, torch.arange(m))
+        layer.link(
+            ids[:, :m], batch.positions[0, :m], seg.modality[:m], 0, torch.arange(m, device=cache.device)
+        )
 
 
 def _sort_tables(cache: KVCache) -> list[Tensor]:

@@ -104,8 +104,10 @@ class FamilyAdapter:
     def select_images(self, vision: dict[str, Tensor], keep: list[bool]) -> dict[str, Tensor]:
         """One prompt's vision inputs for the images where ``keep`` is True (the linker computes only
         the images it has no record of). Every per-image tensor here has the images on dim 0."""
-        idx = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long)
-        return {name: t[idx.to(t.device)] for name, t in vision.items()} if len(idx) else {}
+        idx = [i for i, k in enumerate(keep) if k]
+        if not idx:
+            return {}
+        return {name: t[torch.tensor(idx, dtype=torch.long, device=t.device)] for name, t in vision.items()}
 
 
 class LlavaAdapter(FamilyAdapter):
@@ -134,11 +136,12 @@ class Qwen2VLAdapter(FamilyAdapter):
         grid = vision["image_grid_thw"]
         sizes = grid.prod(-1).tolist()
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        rows = [torch.arange(s, s + n) for s, n, k in zip(starts, sizes, keep) if k]
-        sel = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long)
+        pix = vision["pixel_values"]
+        rows = [torch.arange(s, s + n, device=pix.device) for s, n, k in zip(starts, sizes, keep) if k]
+        sel = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long, device=grid.device)
         out = {name: t for name, t in vision.items() if name not in ("pixel_values", "image_grid_thw")}
-        out["pixel_values"] = vision["pixel_values"][torch.cat(rows).to(vision["pixel_values"].device)]
-        out["image_grid_thw"] = grid[sel.to(grid.device)]
+        out["pixel_values"] = pix[torch.cat(rows)]
+        out["image_grid_thw"] = grid[sel]
         return out
 
     def positions(self, input_ids: Tensor, processed: dict) -> Tensor:

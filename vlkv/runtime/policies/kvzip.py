@@ -32,6 +32,7 @@ from typing import ClassVar
 from vlkv.runtime.policies.base import sink_mask
 from vlkv.runtime.policies.scorer import ScorePolicy
 from vlkv.runtime.replay import DEFAULT_TEMPLATE, REPLAY_MODES, ReplayRequest
+from vlkv.runtime.replay_dtype import REPLAY_DTYPES
 
 SCOPES = ("model", "layer")
 HEADS = ("own", "shared", "adaptive")
@@ -53,6 +54,9 @@ class KVzipPolicy(ScorePolicy):
         no backward pass; KVgrad always has it).
     exact: score with the replay's reference pass (a second softmax per layer) instead of the fast
         one (scores from the attention kernel's own row statistics); same ranking, slower.
+    replay_dtype: the replay's compute dtype, ``"model"`` or ``"bfloat16"``/``"float16"``/``"float32"``
+        (cheaper scoring on CPUs with bf16 units; an approximation, see ``vlkv/runtime/replay_dtype.py``).
+    grad_layers: KVgrad only: backward through the top ``grad_layers`` layers (-1 = all, exact).
     """
 
     chunk_size: int = 2048
@@ -64,6 +68,8 @@ class KVzipPolicy(ScorePolicy):
     mode: str = "context"
     exact: bool = False
     value_norm: bool = False
+    replay_dtype: str = "model"
+    grad_layers: int = -1
 
     name: ClassVar[str] = "kvzip"
     # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
@@ -85,6 +91,12 @@ class KVzipPolicy(ScorePolicy):
             raise ValueError(f"heads must be one of {HEADS}, got {self.heads!r}")
         if self.mode not in REPLAY_MODES:
             raise ValueError(f"mode must be one of {REPLAY_MODES}, got {self.mode!r}")
+        if self.replay_dtype != "model" and self.replay_dtype not in REPLAY_DTYPES:
+            raise ValueError(
+                f"replay_dtype must be 'model' or one of {tuple(REPLAY_DTYPES)}, got {self.replay_dtype!r}"
+            )
+        if self.grad_layers < -1:
+            raise ValueError(f"grad_layers must be >= -1 (-1 = all layers), got {self.grad_layers}")
         if self.mode == "prompt" and not self.template.strip():
             raise ValueError("template must not be empty with mode='prompt'")
 
@@ -92,7 +104,15 @@ class KVzipPolicy(ScorePolicy):
         if self.budget >= 1.0:
             return None
         return ReplayRequest(
-            self.template, self.chunk_size, self.gradient, self.mode, self.every, self.exact, self.value_norm
+            self.template,
+            self.chunk_size,
+            self.gradient,
+            self.mode,
+            self.every,
+            self.exact,
+            self.value_norm,
+            self.replay_dtype,
+            self.grad_layers,
         )
 
     def after_prefill(self, cache, stats, ctx):
