@@ -16,7 +16,8 @@ recipe (``shared/spec/projector-training.md``):
    cosine learning rate, gradients clipped at 1.
 
 Scenes use only training colour–shape pairs; the progress bar's ``heldout`` is greedy exact-answer
-accuracy on single-object scenes of held-out pairs ("What is in the image?" → "red star").
+accuracy on scenes of held-out pairs ("What is in the image?" → "red star", and two-object captions);
+``best.pt`` keeps the checkpoint with the best such score (export it with ``--best``).
 Every step's batch is drawn from ``(seed, step)``, and checkpoints hold the projector, the optimiser
 and the step, so a resumed run gives the same weights as an uninterrupted one.
 """
