@@ -16,7 +16,8 @@ recipe (``shared/spec/projector-training.md``):
    cosine learning rate, gradients clipped at 1.
 
 Scenes use only training colour–shape pairs; the progress bar's ``heldout`` is greedy exact-answer
-accuracy on single-object scenes of held-out pairs ("What is in the image?" → "red star").
+accuracy on scenes of held-out pairs ("What is in the image?" → "red star", and two-object captions);
+``best.pt`` keeps the checkpoint with the best such score (export it with ``--best``).
 Every step's batch is drawn from ``(seed, step)``, and checkpoints hold the projector, the optimiser
 and the step, so a resumed run gives the same weights as an uninterrupted one.
 """
@@ -38,7 +39,9 @@ from vlkv.eval.scene_tasks import MIXES, WHAT, Sample, training_sample
 from vlkv.eval.scenes import random_scene
 
 CHECKPOINT = "checkpoint.pt"
+BEST = "best.pt"  # the checkpoint with the best held-out score so far (early stopping)
 LOG = "log.jsonl"
+FORMS = ("mlp", "linear")
 
 
 @dataclass
@@ -62,6 +65,10 @@ class TrainConfig:
     mix: str = "full"  # a key of vlkv.eval.scene_tasks.MIXES
     # a checkpoint.pt whose projector replaces the ridge initialisation (a second phase of training)
     init_from: str = ""
+    # "mlp": the whole MLP trains. "linear": only the ridge map's coefficients and bias train (the
+    # principal directions stay), so the projector stays an affine map of the vision features and
+    # cannot learn pair-specific non-linear codes; it is written exactly into the MLP when saved.
+    form: str = "mlp"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -75,6 +82,8 @@ class TrainConfig:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.autocast not in ("bf16", "fp32"):
             raise ValueError(f"autocast must be bf16 or fp32, got {self.autocast!r}")
+        if self.form not in FORMS:
+            raise ValueError(f"form must be one of {list(FORMS)}, got {self.form!r}")
         if self.mix not in MIXES:
             raise ValueError(f"mix must be one of {list(MIXES)}, got {self.mix!r}")
         if self.init_from and not Path(self.init_from).is_file():
@@ -95,9 +104,10 @@ def projector(loaded) -> torch.nn.Module:
 
 
 def encode(loaded, sample: Sample, with_answer: bool = True) -> tuple[dict, int]:
-    """Model inputs for ``sample``'s prompt (+ answer + end of turn), and the prompt's length in tokens.
+    """Model inputs for ``sample``'s prompt (+ answer + end of turn, + its follow-up turns), and the
+    prompt's length in tokens. ``inputs["answer_mask"]`` (with answers) marks the answer tokens.
 
-    The answer is tokenised on its own and appended, as generation would produce it.
+    Answers are tokenised on their own and appended, as generation would produce them.
     """
     tok = loaded.processor.tokenizer
     prompt = loaded.prompt_template(sample.question, len(sample.scenes))
@@ -105,24 +115,37 @@ def encode(loaded, sample: Sample, with_answer: bool = True) -> tuple[dict, int]
     inputs = loaded.processor(text=prompt, images=images, return_tensors="pt")
     n_prompt = inputs["input_ids"].shape[1]
     if with_answer:
-        answer = tok(sample.answer + tok.eos_token, add_special_tokens=False, return_tensors="pt")[
-            "input_ids"
-        ]
-        inputs["input_ids"] = torch.cat([inputs["input_ids"], answer], dim=1)
+
+        def ids(text: str) -> torch.Tensor:
+            return tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+        parts, mask = [inputs["input_ids"]], [torch.zeros(n_prompt, dtype=torch.bool)]
+        for i, (question, answer) in enumerate(((sample.question, sample.answer), *sample.turns)):
+            if i:  # the next user turn, as the chat template writes it after an end of turn
+                turn = ids("\n" + loaded.prompt_template(question, 0))
+                parts.append(turn)
+                mask.append(torch.zeros(turn.shape[1], dtype=torch.bool))
+            reply = ids(answer + tok.eos_token)
+            parts.append(reply)
+            mask.append(torch.ones(reply.shape[1], dtype=torch.bool))
+        inputs["input_ids"] = torch.cat(parts, dim=1)
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["answer_mask"] = torch.cat(mask)
     return dict(inputs), n_prompt
 
 
 def sample_loss(loaded, sample: Sample) -> torch.Tensor:
-    """Mean next-token cross-entropy over the answer's tokens (and end of turn)."""
+    """Mean next-token cross-entropy over the answers' tokens (and ends of turn)."""
     inputs, n_prompt = encode(loaded, sample)
+    answer_mask = inputs.pop("answer_mask")
     ids = inputs["input_ids"]
-    n_answer = ids.shape[1] - n_prompt
+    n_after = ids.shape[1] - n_prompt
     # logits only where answer tokens are predicted: the full-vocabulary head on every image token
     # would cost more than the rest of the step
-    out = loaded.model(**inputs, logits_to_keep=n_answer + 1, use_cache=False)
+    out = loaded.model(**inputs, logits_to_keep=n_after + 1, use_cache=False)
     logits = out.logits[0, :-1].float()
-    return torch.nn.functional.cross_entropy(logits, ids[0, n_prompt:])
+    targets = ids[0, n_prompt:].masked_fill(~answer_mask[n_prompt:], -100)
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
 
 
 @torch.no_grad()
@@ -139,16 +162,25 @@ def normalise(text: str) -> str:
 
 
 def heldout_samples(n: int, seed: int) -> list[Sample]:
+    """``n`` single-object scenes ("red star") then ``n // 2`` two-object ones, held-out pairs only."""
     rng = np.random.default_rng([seed, 7])
     out = []
     for _ in range(n):
         scene = random_scene(rng, "heldout", 1)
         out.append(Sample((scene,), WHAT, scene.objects[0].name, "single"))
+    for _ in range(n // 2):
+        scene = random_scene(rng, "heldout", 2)
+        out.append(Sample((scene,), WHAT, scene.caption, "two"))
     return out
 
 
-def heldout_accuracy(loaded, samples: list[Sample]) -> float:
-    return sum(answer(loaded, s) == s.answer for s in samples) / len(samples)
+def heldout_accuracy(loaded, samples: list[Sample]) -> dict[str, float]:
+    """Exact-answer accuracy per kind (``single``, ``two``) and their mean (``score``)."""
+    hits: dict[str, list[bool]] = {}
+    for s in samples:
+        hits.setdefault(s.kind, []).append(answer(loaded, s) == s.answer)
+    acc = {kind: sum(h) / len(h) for kind, h in hits.items()}
+    return acc | {"score": sum(acc.values()) / len(acc)}
 
 
 def batch_for(step: int, cfg: TrainConfig) -> list[Sample]:
@@ -173,10 +205,10 @@ def word_target(loaded, word: str, leading_space: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def ridge_init(loaded, cfg: TrainConfig) -> dict[str, float]:
+def ridge_init(loaded, cfg: TrainConfig) -> tuple[dict[str, float], AffineProjector]:
     """Fit patch features → (colour word + shape word) / 2 embeddings and write it into the projector.
 
-    Returns the fit's R² on its own data and the time it took.
+    Returns the fit's R² on its own data, its rank and the time it took; and the map itself.
     """
     start = time.perf_counter()
     proj = projector(loaded)
@@ -203,8 +235,7 @@ def ridge_init(loaded, cfg: TrainConfig) -> dict[str, float]:
     y = torch.cat(targets).double()  # (N, out)
     mu, y_mean = x.mean(0), y.mean(0)
     xc, yc = x - mu, y - y_mean
-    hidden = proj.linear_1.out_features
-    rank = min(hidden // 2, x.shape[1])
+    rank = min(proj.linear_1.out_features // 2, x.shape[1])
     # top principal directions of the features: they are what the ± pairs of hidden units carry
     _, _, vh = torch.linalg.svd(xc, full_matrices=False)
     basis = vh[:rank].T  # (d, rank)
@@ -213,69 +244,115 @@ def ridge_init(loaded, cfg: TrainConfig) -> dict[str, float]:
     penalty = cfg.ridge * gram.diagonal().mean()
     coef = torch.linalg.solve(gram + penalty * torch.eye(rank, dtype=gram.dtype), z.T @ yc)  # (rank, out)
     r2 = 1 - ((z @ coef - yc).pow(2).sum() / yc.pow(2).sum()).item()
-    dtype = proj.linear_1.weight.dtype
-    w1 = torch.zeros_like(proj.linear_1.weight, dtype=torch.float64)
-    b1 = torch.zeros(hidden, dtype=torch.float64)
-    w1[:rank], w1[rank : 2 * rank] = basis.T, -basis.T
-    b1[:rank], b1[rank : 2 * rank] = -(basis.T @ mu), basis.T @ mu
-    w2 = torch.zeros_like(proj.linear_2.weight, dtype=torch.float64)
-    w2[:, :rank], w2[:, rank : 2 * rank] = coef.T, -coef.T
-    proj.linear_1.weight.copy_(w1.to(dtype))
-    proj.linear_1.bias.copy_(b1.to(dtype))
-    proj.linear_2.weight.copy_(w2.to(dtype))
-    proj.linear_2.bias.copy_(y_mean.to(dtype))
-    return {"r2": r2, "seconds": time.perf_counter() - start, "rank": rank}
+    affine = AffineProjector(basis, mu, coef, y_mean)
+    affine.write_into(proj)
+    return {"r2": r2, "seconds": time.perf_counter() - start, "rank": rank}, affine
+
+
+class AffineProjector(torch.nn.Module):
+    """``((x - mu) @ basis) @ coef + bias``: the ridge map, with only ``coef`` and ``bias`` trainable.
+
+    ``basis`` ``(d, rank)`` and ``mu`` ``(d,)`` are fixed buffers; ``coef`` is ``(rank, out)``.
+    """
+
+    def __init__(self, basis: torch.Tensor, mu: torch.Tensor, coef: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.register_buffer("basis", basis.float().clone())
+        self.register_buffer("mu", mu.float().clone())
+        self.coef = torch.nn.Parameter(coef.float().clone())
+        self.bias = torch.nn.Parameter(bias.float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mu) @ self.basis) @ self.coef + self.bias
+
+    @torch.no_grad()
+    def write_into(self, mlp) -> None:
+        """Write the map exactly into the 2-layer GELU MLP: ``linear_1`` holds ± copies of the basis
+        (``gelu(z) - gelu(-z) = z``), ``linear_2`` the coefficients; spare hidden units are zero."""
+        basis, mu = self.basis.double(), self.mu.double()
+        coef, rank = self.coef.double(), self.basis.shape[1]
+        w1 = torch.zeros(mlp.linear_1.weight.shape, dtype=torch.float64)
+        b1 = torch.zeros(mlp.linear_1.out_features, dtype=torch.float64)
+        w1[:rank], w1[rank : 2 * rank] = basis.T, -basis.T
+        b1[:rank], b1[rank : 2 * rank] = -(basis.T @ mu), basis.T @ mu
+        w2 = torch.zeros(mlp.linear_2.weight.shape, dtype=torch.float64)
+        w2[:, :rank], w2[:, rank : 2 * rank] = coef.T, -coef.T
+        dtype = mlp.linear_1.weight.dtype
+        mlp.linear_1.weight.copy_(w1.to(dtype))
+        mlp.linear_1.bias.copy_(b1.to(dtype))
+        mlp.linear_2.weight.copy_(w2.to(dtype))
+        mlp.linear_2.bias.copy_(self.bias.to(dtype))
 
 
 # ----------------------------------------------------------------------------- training loop
 
 
-def save_checkpoint(out: Path, step: int, proj, opt, cfg: TrainConfig, extra: dict) -> None:
-    tmp = out / (CHECKPOINT + ".tmp")
-    torch.save(
-        {"step": step, "projector": proj.state_dict(), "optimizer": opt.state_dict(), "config": asdict(cfg)}
-        | extra,
-        tmp,
-    )
-    os.replace(tmp, out / CHECKPOINT)
+def save_checkpoint(
+    out: Path, step: int, state: dict, cfg: TrainConfig, extra: dict, name=CHECKPOINT
+) -> None:
+    """``state``: ``projector`` (the MLP's tensors), ``optimizer`` and, for the linear form, ``affine``."""
+    tmp = out / (name + ".tmp")
+    torch.save({"step": step, "config": asdict(cfg)} | state | extra, tmp)
+    os.replace(tmp, out / name)
 
 
 def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None = None, quiet: bool = False):
     """Run (or resume) training into ``out``; returns the projector's state dict after the last step.
 
     ``stop_at``: stop after that many steps in total (for a resumable interruption; the schedule
-    still follows ``cfg.steps``).
+    still follows ``cfg.steps``). The best held-out score's checkpoint is kept as ``best.pt``.
     """
     from tqdm.auto import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
     loaded = load(cfg.model)
-    proj = projector(loaded)
-    for param in proj.parameters():
-        param.requires_grad_(True)
-    opt = torch.optim.AdamW(proj.parameters(), lr=cfg.lr, weight_decay=0.0)
+    mlp = projector(loaded)
     ckpt_path = out / CHECKPOINT
-    step, extra = 0, {}
-    if resume and ckpt_path.is_file():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+    step, extra, affine = 0, {}, None
+    ckpt = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.is_file() else None
+    if ckpt is not None:
         if ckpt["config"] != asdict(cfg):
             raise ValueError(f"--resume: {ckpt_path} was made with other settings: {ckpt['config']}")
-        proj.load_state_dict(ckpt["projector"])
-        opt.load_state_dict(ckpt["optimizer"])
-        step, extra = ckpt["step"], {k: ckpt[k] for k in ("init",) if k in ckpt}
+        step, extra = ckpt["step"], {k: ckpt[k] for k in ("init", "best") if k in ckpt}
+        source = ckpt
     elif cfg.init_from:
-        proj.load_state_dict(torch.load(cfg.init_from, weights_only=False)["projector"])
+        source = torch.load(cfg.init_from, weights_only=False)
+        if cfg.form == "linear" and "affine" not in source:
+            raise ValueError(f"init_from {cfg.init_from} holds no affine map (not a linear-form run)")
         extra["init"] = {"from": cfg.init_from}
-        _log(out, {"event": "init", **extra["init"]})
-        save_checkpoint(out, 0, proj, opt, cfg, extra)
     else:
-        extra["init"] = ridge_init(loaded, cfg)
+        info, ridge = ridge_init(loaded, cfg)
+        extra["init"], source = info, None
+        affine = ridge if cfg.form == "linear" else None
+    if source is not None:
+        mlp.load_state_dict(source["projector"])
+        if cfg.form == "linear":
+            a = source["affine"]
+            affine = AffineProjector(a["basis"], a["mu"], a["coef"], a["bias"])
+    if cfg.form == "linear":
+        loaded.model.model.multi_modal_projector = affine  # the MLP gets the map written at each save
+        params = list(affine.parameters())
+    else:
+        params = list(mlp.parameters())
+    for param in params:
+        param.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    if ckpt is not None:
+        opt.load_state_dict(ckpt["optimizer"])
+
+    def state() -> dict:
+        if affine is not None:
+            affine.write_into(mlp)
+        snapshot = {"projector": mlp.state_dict(), "optimizer": opt.state_dict()}
+        return snapshot | ({"affine": affine.state_dict()} if affine is not None else {})
+
+    if ckpt is None:
         _log(out, {"event": "init", **extra["init"]})
-        save_checkpoint(out, 0, proj, opt, cfg, extra)
+        save_checkpoint(out, 0, state(), cfg, extra)
     evals = heldout_samples(cfg.eval_scenes, cfg.seed)
     end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     bar = tqdm(total=cfg.steps, initial=step, desc="projector", unit="step", disable=quiet)
-    last_save, acc = time.monotonic(), float("nan")
+    last_save, acc = time.monotonic(), {"score": float("nan")}
     while step < end:
         t0 = time.perf_counter()
         for group in opt.param_groups:
@@ -287,23 +364,30 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
                 loss = sample_loss(loaded, sample) / cfg.batch
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(proj.parameters(), cfg.clip)
+        torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         opt.step()
         step += 1
         record = {"step": step, "loss": round(total, 4), "lr": lr_at(step - 1, cfg)}
         record["seconds"] = round(time.perf_counter() - t0, 2)
+        save_now = time.monotonic() - last_save > 120 or step == end
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             loaded.model.eval()
             acc = heldout_accuracy(loaded, evals)
             record["heldout"] = acc
+            if acc["score"] > extra.get("best", {}).get("score", -1.0):
+                extra["best"] = {"step": step, **acc}
+                save_checkpoint(out, step, state(), cfg, extra, name=BEST)
+                save_now = True  # the main checkpoint must know the best it has seen, for a resume
         _log(out, record)
-        bar.set_postfix(loss=f"{total:.3f}", heldout=f"{acc:.2f}")
+        bar.set_postfix(loss=f"{total:.3f}", heldout=f"{acc['score']:.2f}")
         bar.update()
-        if time.monotonic() - last_save > 120 or step == end:
-            save_checkpoint(out, step, proj, opt, cfg, extra)
+        if save_now:
+            save_checkpoint(out, step, state(), cfg, extra)
             last_save = time.monotonic()
     bar.close()
-    return {k: v.detach().clone() for k, v in proj.state_dict().items()}
+    if affine is not None:
+        affine.write_into(mlp)
+    return {k: v.detach().clone() for k, v in mlp.state_dict().items()}
 
 
 def _log(out: Path, record: dict) -> None:
@@ -311,13 +395,13 @@ def _log(out: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def export(out: Path, dest: Path, dtype: torch.dtype = torch.float32) -> str:
-    """Write the checkpoint's projector as safetensors at ``dest``; returns its sha256."""
+def export(out: Path, dest: Path, dtype: torch.dtype = torch.float32, name: str = CHECKPOINT) -> str:
+    """Write the projector of checkpoint ``name`` in ``out`` as safetensors at ``dest``; returns its sha256."""
     import hashlib
 
     from safetensors.torch import save_file
 
-    ckpt = torch.load(out / CHECKPOINT, weights_only=False)
+    ckpt = torch.load(out / name, weights_only=False)
     tensors = {k: v.to(dtype).contiguous() for k, v in ckpt["projector"].items()}
     dest.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(ckpt["config"])})
@@ -333,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "--export", type=Path, default=None, help="write the checkpoint's projector here and exit"
     )
     ap.add_argument("--fp16", action="store_true", help="export in float16")
+    ap.add_argument("--best", action="store_true", help="export best.pt (best held-out score), not the last")
     ap.add_argument("--threads", type=int, default=1)
     defaults = TrainConfig()
     for name, value in asdict(defaults).items():
@@ -341,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         if args.export is not None:
-            digest = export(args.out, args.export, torch.float16 if args.fp16 else torch.float32)
+            dtype = torch.float16 if args.fp16 else torch.float32
+            digest = export(args.out, args.export, dtype, BEST if args.best else CHECKPOINT)
             print(f"{args.export} sha256 {digest}")
             return 0
         cfg = TrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})

@@ -14,8 +14,11 @@ def test_splits_partition_the_pairs():
     train, held = set(S.pairs("train")), set(S.pairs("heldout"))
     assert held == S.HELD_OUT and not train & held
     assert len(train) + len(held) == len(S.COLOURS) * len(S.SHAPES)
-    # every colour and every shape is still seen in training
+    # every colour and every shape is still seen in training, each with many partners
     assert {c for c, _ in train} == set(S.COLOURS) and {s for _, s in train} == set(S.SHAPES)
+    assert min(sum(c == colour for c, _ in train) for colour in S.COLOURS) >= 5
+    assert min(sum(s == shape for _, s in train) for shape in S.SHAPES) >= 5
+    assert len(held) / (len(train) + len(held)) <= 0.15
     with pytest.raises(ValueError, match="split must be one of"):
         S.pairs("test")
 
@@ -85,8 +88,8 @@ def test_scene_command(tmp_path, capsys):
     assert S.main(["green triangle", "white star", "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == f"{out}: green triangle and white star"
     assert out.is_file()
-    assert S.main(["purple star", "--out", str(out)]) == 2
-    assert capsys.readouterr().err.startswith("scenes: object 'purple star' must be 'COLOUR SHAPE'")
+    assert S.main(["pink star", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("scenes: object 'pink star' must be 'COLOUR SHAPE'")
 
 
 @pytest.mark.parametrize("mix", list(T.MIXES))
@@ -97,3 +100,34 @@ def test_every_mix_draws_only_its_kinds(mix):
     assert kinds <= makers | {"nth", "which"} and kinds & makers
     with pytest.raises(ValueError, match="mix must be one of"):
         T.training_sample(rng, mix="none")
+
+
+def test_new_shapes_are_drawn_where_they_should_be():
+    """The diamond, hexagon and cross fill their centre and leave their bounding box's corners."""
+    for shape in ("diamond", "hexagon", "cross"):
+        scene = S.make_scene([f"orange {shape}"], seed=2)
+        pixels, o = np.asarray(scene.image()), scene.objects[0]
+        assert tuple(pixels[o.cy, o.cx]) == S.COLOURS["orange"]
+        corner = int(o.radius * 0.9)
+        assert tuple(pixels[o.cy - corner, o.cx - corner]) == (scene.grey,) * 3, shape
+
+
+def test_turns_ask_about_the_same_images_and_name_nothing_first():
+    rng = np.random.default_rng(3)
+    kinds = set()
+    for _ in range(200):
+        sample = T.training_sample(rng, mix="turns")
+        kinds.add(sample.kind)
+        names = {o.name for sc in sample.scenes for o in sc.objects} | {
+            o.shape for sc in sample.scenes for o in sc.objects
+        }
+        if sample.kind == "single-turns":
+            obj = sample.scenes[0].objects[0]
+            qa = dict(((sample.question, sample.answer), *sample.turns))
+            assert qa[T.COLOUR_OF_SHAPE] == obj.colour and qa[T.SHAPE_OF] == obj.shape
+            assert qa[T.WHAT] == obj.name and len(qa) == 4
+        if sample.kind.endswith("-turns"):
+            assert sample.turns and not any(n in sample.question for n in names)
+        for sc in sample.scenes:
+            assert all((o.colour, o.shape) not in S.HELD_OUT for o in sc.objects)
+    assert {"single-turns", "two-turns", "count-turns"} <= kinds

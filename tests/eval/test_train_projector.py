@@ -51,7 +51,7 @@ def test_ridge_init_is_written_exactly_into_the_mlp(tp):
     """The MLP after initialisation is the affine ridge map: gelu(z) - gelu(-z) = z on the ± pairs."""
     cfg = _cfg(tp)
     loaded = tp.load(cfg.model)
-    info = tp.ridge_init(loaded, cfg)
+    info, _ = tp.ridge_init(loaded, cfg)
     proj = tp.projector(loaded)
     rank = info["rank"]
     x = torch.randn(5, proj.linear_1.in_features, dtype=torch.float64)
@@ -91,3 +91,44 @@ def test_second_phase_starts_from_another_runs_projector(tp, tmp_path):
         torch.testing.assert_close(start["projector"][key], value, rtol=0, atol=0)
     with pytest.raises(ValueError, match="mix must be one of"):
         _cfg(tp, mix="other")
+
+
+def test_linear_form_resumes_and_stays_affine(tp, tmp_path):
+    """The linear form trains only the ridge map's coefficients: the saved MLP is that affine map
+    exactly, and a stopped-and-resumed run ends on the same weights."""
+    cfg = _cfg(tp, form="linear", mix="turns")
+    straight = tp.train(cfg, tmp_path / "a", quiet=True)
+    tp.train(cfg, tmp_path / "b", stop_at=2, quiet=True)
+    resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    ckpt = torch.load(tmp_path / "a" / tp.CHECKPOINT, weights_only=False)
+    a = ckpt["affine"]
+    affine = tp.AffineProjector(a["basis"], a["mu"], a["coef"], a["bias"]).double()
+    mlp = tp.projector(tp.load(cfg.model))
+    mlp.load_state_dict(straight)
+    x = torch.randn(5, a["basis"].shape[0], dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(mlp.double()(x), affine(x), rtol=1e-5, atol=1e-5)
+    init = torch.load(tmp_path / "a" / tp.CHECKPOINT, weights_only=False)["init"]
+    assert not torch.equal(a["coef"], torch.zeros_like(a["coef"])) and "r2" in init
+
+
+def test_follow_up_turns_are_supervised_answers_only(tp):
+    """A sample with turns is one sequence: prompt, answer, next user turn, answer; only the answers
+    (and their ends of turn) are marked for the loss."""
+    from vlkv.eval.scene_tasks import Sample
+    from vlkv.eval.scenes import make_scene
+
+    loaded = tp.load("tiny-llava")
+    tok = loaded.processor.tokenizer
+    sample = Sample(
+        (make_scene(["red circle"]),), "What is in the image?", "red circle", "x", (("Q2?", "left"),)
+    )
+    inputs, n_prompt = tp.encode(loaded, sample)
+    mask = inputs["answer_mask"]
+    assert mask.shape[0] == inputs["input_ids"].shape[1] and not mask[:n_prompt].any()
+    marked = tok.decode(inputs["input_ids"][0][mask])
+    assert marked.replace(tok.eos_token, "|") == "red circle|left|"
+    assert "Q2?" in tok.decode(inputs["input_ids"][0][n_prompt:][~mask[n_prompt:]])
+    assert tp.sample_loss(loaded, sample).isfinite()

@@ -75,9 +75,10 @@ def test_runs_any_policy_on_a_tiny_model(loaded_models):
 def test_trained_model_answers_held_out_scenes():
     """A regression that blinds smollm2-llava fails here: held-out colour-shape pairs, greedy.
 
-    The shipped projector is weak on held-out pairs (docs/benchmarks/2026-11-26-vqa-cpu-x86_64-1t:
-    0.17-0.38 exact colour+shape): on these 12 scenes it names 2 exactly and the shape in 9; a blind
-    model names none exactly and guesses the shape about 1 time in 4.
+    The shipped projector is still weak on held-out pairs (docs/benchmarks/2026-11-26-vqa2-cpu-x86_64:
+    0.21 exact colour+shape, n=24, after 120 training steps); on these 12 scenes it gets 4 colours and
+    8 shapes right (2 exact). A blind model guesses a colour 1 time in 8 and a shape 1 time in 7
+    (about 1.5 + 1.7 hits of 12).
     """
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.models.registry import load_model
@@ -86,6 +87,6 @@ def test_trained_model_answers_held_out_scenes():
     items = vqa.build_set(n_single=12, n_two=0, n_multi=0, counts=(), seed=0)
     result = vqa.evaluate(engine, items, "full", None, batch=6)
     answers = [(r["expected"], r["answer"]) for r in result["rows"]]
-    exact = sum(r["correct"] for r in result["rows"])
+    colour = sum(expected.split()[0] in got.split() for expected, got in answers)
     shape = sum(expected.split()[1] in got.split() for expected, got in answers)
-    assert exact >= 2 and shape >= 6, f"{exact} exact, {shape} shapes of 12 (expected, got): {answers}"
+    assert colour + shape >= 8, f"{colour} colours, {shape} shapes of 12 (expected, got): {answers}"

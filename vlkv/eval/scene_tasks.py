@@ -29,12 +29,17 @@ WHICH_HAS = "Which picture has {count} {shapes}?"
 
 @dataclass(frozen=True)
 class Sample:
-    """``scenes`` in prompt order (one image each), a question, its exact answer and its kind."""
+    """``scenes`` in prompt order (one image each), a question, its exact answer and its kind.
+
+    ``turns``: follow-up (question, answer) turns about the same images, for training only: the
+    images are encoded once and every answer is supervised (the evaluation asks ``question`` alone).
+    """
 
     scenes: tuple[Scene, ...]
     question: str
     answer: str
     kind: str
+    turns: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.scenes:
@@ -136,6 +141,64 @@ def single_what(rng: np.random.Generator, split: str) -> Sample:
     return Sample((scene,), WHAT, scene.objects[0].name, "single")
 
 
+def _as_turns(
+    rng: np.random.Generator, scenes: tuple[Scene, ...], options: list, kind: str, k: int
+) -> Sample:
+    """``k`` of ``options`` ((question, answer) pairs) in random order: the first is the question.
+
+    Questions that name an object ("Where is the red star?") go after those that do not, so the
+    first answer is always read from the image, never copied from an earlier question.
+    """
+    picked = [options[i] for i in rng.permutation(len(options))[:k]]
+    picked.sort(key=lambda qa: any(name in qa[0] for name in _names(scenes)))
+    (question, answer), rest = picked[0], tuple(picked[1:])
+    return Sample(scenes, question, answer, kind, rest)
+
+
+def _names(scenes: tuple[Scene, ...]) -> set[str]:
+    return {o.name for scene in scenes for o in scene.objects} | {
+        o.shape for scene in scenes for o in scene.objects
+    }
+
+
+def single_turns(rng: np.random.Generator, split: str) -> Sample:
+    """One object, asked what it is, its colour, its shape and where it is, in random order."""
+    scene = random_scene(rng, split, 1)
+    obj = scene.objects[0]
+    options = [
+        (WHAT, obj.name),
+        (COLOUR_OF_SHAPE, obj.colour),
+        (SHAPE_OF, obj.shape),
+        (WHERE.format(name=obj.name), obj.position),
+    ]
+    return _as_turns(rng, (scene,), options, "single-turns", len(options))
+
+
+def two_turns(rng: np.random.Generator, split: str) -> Sample:
+    """Two different objects: the caption, both sides, the relation, colours by shape (4 of them)."""
+    scene = random_scene(rng, split, 2)
+    left, right = scene.objects
+    options = [
+        (WHAT, scene.caption),
+        (ON_THE.format(position="left"), left.name),
+        (ON_THE.format(position="right"), right.name),
+        (LEFT_OF.format(name=right.name), left.name),
+    ]
+    if left.shape != right.shape:
+        options += [(COLOUR_OF.format(shape=o.shape), o.colour) for o in (left, right)]
+    return _as_turns(rng, (scene,), options, "two-turns", 4)
+
+
+def count_turns(rng: np.random.Generator, split: str) -> Sample:
+    """1–3 objects of one pair: how many, and the counted caption."""
+    n = int(rng.integers(1, 4))
+    scene = random_scene(rng, split, n, same=True)
+    shape = scene.objects[0].shape
+    caption = scene.caption if n > 1 else scene.objects[0].name
+    options = [(HOW_MANY.format(shapes=plural(shape)), NUMBERS[n]), (WHAT, caption)]
+    return _as_turns(rng, (scene,), options, "count-turns", 2)
+
+
 MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
     "single-what": single_what,
     "single": single,
@@ -143,15 +206,20 @@ MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
     "count": count,
     "nth": _nth_few,
     "which": _which_few,
+    "single-turns": single_turns,
+    "two-turns": two_turns,
+    "count-turns": count_turns,
 }
 # mix name -> kind -> weight. Multi-image samples cost 2-3 images' tokens, so they are kept rarer;
 # "focused" leans on the one- and two-object questions the VQA targets are set on; "core" is the
 # measured recipe's short caption of one object (shared/spec/projector-training.md) plus two-object
-# questions, and nothing else.
+# questions, and nothing else; "turns" asks several questions per image (one image encoding, 2-4
+# supervised answers).
 MIXES: dict[str, dict[str, float]] = {
     "full": {"single": 0.34, "two": 0.30, "count": 0.18, "nth": 0.10, "which": 0.08},
     "focused": {"single": 0.45, "two": 0.35, "count": 0.10, "nth": 0.05, "which": 0.05},
     "core": {"single-what": 0.5, "single": 0.1, "two": 0.4},
+    "turns": {"single-turns": 0.45, "two-turns": 0.35, "count-turns": 0.1, "nth": 0.05, "which": 0.05},
 }
 
 
