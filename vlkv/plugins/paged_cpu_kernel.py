@@ -17,6 +17,7 @@ the ``bmm`` read. Building takes 0.5–2 min once per machine (torch's extension
 from __future__ import annotations
 
 import threading
+import warnings
 
 from torch import Tensor
 
@@ -85,6 +86,8 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
 std::vector<torch::Tensor> segments(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                     torch::Tensor seg_req, torch::Tensor seg_start, torch::Tensor seg_len) {
   const int64_t H = q.size(1), G = q.size(2), D = q.size(3), S = k.size(1), N = seg_req.size(0);
+  TORCH_CHECK(G <= 16 && D <= 256 && k.is_contiguous() && v.is_contiguous() && q.is_contiguous(),
+              "fused decode kernel: G <= 16, D <= 256, contiguous q, k, v");
   auto out = torch::empty({N, H, G, D}, q.options());
   auto lse = torch::empty({N, H, G}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -133,7 +136,11 @@ def kernel():
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                         extra_ldflags=["-fopenmp"],
                     )
-                except Exception:  # noqa: BLE001 — no compiler / headers: the caller keeps the bmm read
+                except Exception as err:  # noqa: BLE001 — no compiler / headers: the caller keeps the bmm read
+                    warnings.warn(
+                        f"fused CPU decode kernel not built ({type(err).__name__}): using matmuls",
+                        stacklevel=2,
+                    )
                     mod = None
                 _BUILT.append(mod)
     return _BUILT[0]
