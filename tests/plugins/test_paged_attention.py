@@ -403,10 +403,11 @@ def test_cpu_plan_refuses_rotated_calls_and_other_shapes():
         paged_attention_cpu(**{**plain, "q": torch.randn(q.shape[0], q.shape[1], 2, q.shape[3])}, plan=plan)
 
 
-# the fused CPU kernel's cases: decode rows over runs read in place, GQA 1/3/7, head sizes 64 (unrolled),
-# 128 (unrolled) and 40 (generic loop), ragged lengths, several runs per request, decode appends
+# the fused CPU kernel's cases: decode rows over runs read in place, GQA 1/3/7 (unrolled) and 5 (generic),
+# head sizes 64, 128 (unrolled) and 40 (generic loop), ragged lengths, several runs per request, appends
 FUSED = (
     PagedCase(3, 1, 7, 1, 300, 64, layout="runs", runs=3),
+    PagedCase(2, 1, 5, 1, 81, 64, layout="runs", runs=2),
     PagedCase(2, 3, 3, 1, 81, 40, layout="runs", runs=2),
     PagedCase(2, 3, 1, 1, 81, 128, layout="appends"),
     PagedCase(3, 2, 3, 1, 81, 64, layout="appends", full=True),

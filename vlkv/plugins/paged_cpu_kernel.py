@@ -34,13 +34,14 @@ _SOURCE = r"""
 #include <vector>
 
 // One (segment, KV head): q (G, D) scaled; K, V (T, D) contiguous rows. Writes o (G, D) normalised
-// and lse (G,). The scores (G, T) live in sc. DT: the head size known at compile time (unrolled,
-// vectorised), or 0 for any size up to 256 (d_rt).
-template <int DT>
+// and lse (G,). The scores (G, T) live in sc. DT, GT: the head size and query rows known at compile
+// time (unrolled: the rows' accumulators stay in registers), or 0 for any D <= 256 (d_rt), G <= 16.
+template <int DT, int GT>
 static void segment(const float* __restrict q, const float* __restrict k, const float* __restrict v,
                     float* __restrict o, float* __restrict lse, int64_t t_len, int64_t g_len,
                     float* __restrict sc, int64_t d_rt) {
   const int64_t D = DT ? DT : d_rt;
+  if (GT) g_len = GT;
   for (int64_t t = 0; t < t_len; ++t) {  // each K row read once, dotted with every query row
     const float* __restrict kr = k + t * D;
     for (int64_t g = 0; g < g_len; ++g) {
@@ -81,6 +82,21 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
     for (int64_t d = 0; d < D; ++d) o[g * D + d] = acc[g * D + d] * inv[g];
 }
 
+// the GQA groups of common models unrolled (LLaVA-1.5 1, smollm2-llava 3, Qwen2-VL 7, ...)
+template <int DT>
+static void by_rows(const float* q, const float* k, const float* v, float* o, float* lse, int64_t t_len,
+                    int64_t g_len, float* sc, int64_t d_rt) {
+  switch (g_len) {
+    case 1: return segment<DT, 1>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 2: return segment<DT, 2>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 3: return segment<DT, 3>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 4: return segment<DT, 4>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 7: return segment<DT, 7>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 8: return segment<DT, 8>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    default: return segment<DT, 0>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+  }
+}
+
 // q (R, H, G, D) fp32 scaled; k, v (H, S, D) fp32 contiguous; seg_req, seg_start, seg_len (N,) int64.
 // Returns out (N, H, G, D) and lse (N, H, G).
 std::vector<torch::Tensor> segments(torch::Tensor q, torch::Tensor k, torch::Tensor v,
@@ -108,9 +124,9 @@ std::vector<torch::Tensor> segments(torch::Tensor q, torch::Tensor k, torch::Ten
       const float* vr = vp + (h * S + st[n]) * D;
       float* o = op + i * G * D;
       float* l = lp + i * G;
-      if (D == 64) segment<64>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
-      else if (D == 128) segment<128>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
-      else segment<0>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
+      if (D == 64) by_rows<64>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
+      else if (D == 128) by_rows<128>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
+      else segment<0, 0>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
     }
   });
   return {out, lse};
