@@ -23,7 +23,7 @@ The score matmul is ``K @ q^T`` by default (``SCORES_QK`` picks ``q @ K^T``): in
 the other form (docs/benchmarks/2026-11-26-decode-bound-cpu-x86_64). GQA is folded: the ``G`` query
 heads (and ``Q`` rows) of a KV head are the rows of one matmul. Scores, softmax and the weighted sum
 are float32 whatever the pool's dtype. ``FUSED_KERNEL`` (opt-in, ``VLKV_CPU_KERNEL=1``) reads fp32 decode
-rows of in-place requests with the C++ kernel of ``paged_cpu_kernel`` instead (1.6x at 8k × 4).
+rows of in-place requests with the C++ kernel of ``paged_cpu_kernel`` instead (2.45x at 8k × 4, 1 thread).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ INPLACE_MIN = 1024
 # the score matmul's form: ``K @ q^T`` (False, the default: faster inside this op, see the docstring)
 # or ``q @ K^T`` (True); both read the pool view in place
 SCORES_QK = False
-# one decode row per request over fp32 runs: the fused C++ kernel (``paged_cpu_kernel``; 2.1x the bmm
+# one decode row per request over fp32 runs: the fused C++ kernel (``paged_cpu_kernel``; 2.45x the bmm
 # read at 8k × 4, 1 thread) instead of the matmuls. Opt-in (``VLKV_CPU_KERNEL=1``) while its first use
 # builds it (0.5–2 min, once per machine); where it cannot be built the matmuls run
 FUSED_KERNEL = os.environ.get("VLKV_CPU_KERNEL", "0") == "1"

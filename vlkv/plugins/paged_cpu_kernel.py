@@ -5,7 +5,7 @@ a ``(n, D) @ (D, G)`` GEMM with ``G`` = 3 columns for smollm2-llava, and MKL run
 25–30 % of the machine's read bandwidth; under a loaded machine its OpenMP threads also collapse at 2
 threads (scripts/bench_attn_forms.py, docs/benchmarks/2026-11-26-decode-bound-cpu-x86_64). This kernel
 reads each K row once, dots it with the ``G`` query rows, softmaxes each row's scores in a reused buffer
-and accumulates ``P @ V`` reading each V row once: 2.1x the ``bmm`` read at 8k × 4 on the 2-core EPYC,
+and accumulates ``P @ V`` reading each V row once: 2.45x the ``bmm`` read at 8k × 4 on the 2-core EPYC,
 1 thread. Parallel over (segment, KV head) with ``at::parallel_for`` (torch's intra-op threads).
 
 It returns each segment's output normalised within the segment and its log-sum-exp, so the caller merges
