@@ -410,7 +410,8 @@ FUSED = (
     PagedCase(2, 1, 5, 1, 81, 64, layout="runs", runs=2),
     PagedCase(2, 3, 3, 1, 81, 40, layout="runs", runs=2),
     PagedCase(2, 3, 1, 1, 81, 128, layout="appends"),
-    PagedCase(3, 2, 3, 1, 81, 64, layout="appends", full=True),
+    PagedCase(3, 2, 3, 1, 81, 64, layout="appends", full=True),  # lockstep appends: the tail block
+    PagedCase(4, 2, 3, 1, 81, 64, layout="appends"),  # ragged: appends per request, merged by index
     PagedCase(2, 2, 3, 1, 81, 64, layout="holes", runs=2),
 )
 

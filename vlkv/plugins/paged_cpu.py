@@ -272,8 +272,28 @@ def _attend_fused(qs: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup)
     out, lse = paged_cpu_kernel.segments_attention(
         qs, k_pool, v_pool, seg_owner, torch.tensor(start, device=dev), torch.tensor(length, device=dev)
     )
-    if grp.rest is None and owner == list(range(reqs)):
+    one_run = owner == list(range(reqs))
+    if grp.rest is None and one_run:
         return out  # one run per request (a prompt, no appends yet): nothing to merge
+    if grp.tail and one_run:  # lockstep decode: one run and m appends per request, merged pairwise
+        m = grp.tail
+        kt = (
+            _gather(k_pool, grp.rest)
+            .view(reqs, kv_heads, m, dim)
+            .transpose(0, 1)
+            .reshape(kv_heads, reqs * m, dim)
+        )
+        vt = (
+            _gather(v_pool, grp.rest)
+            .view(reqs, kv_heads, m, dim)
+            .transpose(0, 1)
+            .reshape(kv_heads, reqs * m, dim)
+        )
+        at = torch.arange(reqs, device=dev)
+        out2, lse2 = paged_cpu_kernel.segments_attention(qs, kt, vt, at, at * m, torch.full_like(at, m))
+        top = torch.maximum(lse, lse2)
+        w1, w2 = (lse - top).exp_(), (lse2 - top).exp_()
+        return (out * w1[..., None] + out2 * w2[..., None]).div_((w1 + w2)[..., None])
     outs, lses, owners = [out], [lse], [seg_owner]
     if grp.rest is not None:
         kr, vr = _gather(k_pool, grp.rest), _gather(v_pool, grp.rest)
