@@ -469,3 +469,18 @@ def test_cpu_fused_kernel_prefill_rows_keep_the_matmuls(monkeypatch):
     got = paged_attention_cpu(**args, run_min=1, inplace_min=1)
     assert calls == []
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+
+
+def test_cpu_fused_kernel_one_append_per_request(monkeypatch):
+    """Lockstep decode right after a prompt: one run and ONE appended slot per request (the appends'
+    block is then a strided view the kernel must get contiguous)."""
+    calls = fused_calls(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 6, 1, 64, generator=g)
+    k_pool, v_pool = torch.randn(2, 300, 64, generator=g), torch.randn(2, 300, 64, generator=g)
+    rows = [torch.cat([torch.arange(r * 90, r * 90 + 80), torch.tensor([299 - r])]) for r in range(3)]
+    table = torch.stack(rows)[:, None].expand(3, 2, 81).contiguous()
+    args = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "table": table, "lengths": torch.full((3, 2), 81)}
+    got = paged_attention_cpu(**args, scale=0.125, run_min=16, inplace_min=1)
+    assert calls == [3, 3]  # the runs, then the appends' block
+    assert_close_tol(got, paged_attention_reference(**args, scale=0.125), OUT_TOL, torch.float32)

@@ -276,18 +276,20 @@ def _attend_fused(qs: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup)
     if grp.rest is None and one_run:
         return out  # one run per request (a prompt, no appends yet): nothing to merge
     if grp.tail and one_run:  # lockstep decode: one run and m appends per request, merged pairwise
-        m = grp.tail
+        m = grp.tail  # one append: the transposed block is a strided view, hence contiguous()
         kt = (
             _gather(k_pool, grp.rest)
             .view(reqs, kv_heads, m, dim)
             .transpose(0, 1)
             .reshape(kv_heads, reqs * m, dim)
+            .contiguous()
         )
         vt = (
             _gather(v_pool, grp.rest)
             .view(reqs, kv_heads, m, dim)
             .transpose(0, 1)
             .reshape(kv_heads, reqs * m, dim)
+            .contiguous()
         )
         at = torch.arange(reqs, device=dev)
         out2, lse2 = paged_cpu_kernel.segments_attention(qs, kt, vt, at, at * m, torch.full_like(at, m))
