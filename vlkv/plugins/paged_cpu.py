@@ -22,17 +22,20 @@ The score matmul is ``K @ q^T`` by default (``SCORES_QK`` picks ``q @ K^T``): in
 8k columns it was 1.15-1.3x faster on the 2-core EPYC (MKL), though an isolated ``bmm`` loop favoured
 the other form (docs/benchmarks/2026-11-26-decode-bound-cpu-x86_64). GQA is folded: the ``G`` query
 heads (and ``Q`` rows) of a KV head are the rows of one matmul. Scores, softmax and the weighted sum
-are float32 whatever the pool's dtype.
+are float32 whatever the pool's dtype. ``FUSED_KERNEL`` (opt-in, ``VLKV_CPU_KERNEL=1``) reads fp32 decode
+rows of in-place requests with the C++ kernel of ``paged_cpu_kernel`` instead (2.45x at 8k × 4, 1 thread).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vlkv.plugins import paged_cpu_kernel
 from vlkv.plugins.paged_cpu_plan import GatheredRead, InplaceGroup, PagedCpuPlan, plan_paged_cpu, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, rotate_keys
 
@@ -57,6 +60,10 @@ INPLACE_MIN = 1024
 # the score matmul's form: ``K @ q^T`` (False, the default: faster inside this op, see the docstring)
 # or ``q @ K^T`` (True); both read the pool view in place
 SCORES_QK = False
+# one decode row per request over fp32 runs: the fused C++ kernel (``paged_cpu_kernel``; 2.45x the bmm
+# read at 8k × 4, 1 thread) instead of the matmuls. Opt-in (``VLKV_CPU_KERNEL=1``) while its first use
+# builds it (0.5–2 min, once per machine); where it cannot be built the matmuls run
+FUSED_KERNEL = os.environ.get("VLKV_CPU_KERNEL", "0") == "1"
 
 
 _LOCAL = threading.local()
@@ -189,6 +196,8 @@ def _attend_inplace(q: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup
     rows = heads // kv_heads * num_q
     qs = qr.reshape(reqs, kv_heads, rows, dim).float() * scale  # (R, H_kv, G·Q, D)
     wide = k_pool.dtype == torch.float32
+    if _fused_fits(qs, k_pool, v_pool, num_q):
+        return _attend_fused(qs, k_pool, v_pool, grp).view(reqs, heads, num_q, dim_v).to(q.dtype)
     kr = vr = None
     if grp.rest is not None:  # decode appends interleaved with other requests': one gather for all
         kr, vr = _gather(k_pool, grp.rest), _gather(v_pool, grp.rest)
@@ -238,6 +247,91 @@ def _attend_inplace(q: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup
     if tail:
         out += torch.matmul(probs[..., width - tail :], vr.view(reqs, kv_heads, tail, dim_v))
     return out.view(reqs, heads, num_q, dim_v).to(q.dtype)
+
+
+def _fused_fits(qs: Tensor, k_pool: Tensor, v_pool: Tensor, num_q: int) -> bool:
+    """The fused kernel reads this call: enabled and built, one decode row, fp32 contiguous pools of a
+    head size it was built for (a bf16 pool, prefill chunks and other sizes keep the matmuls)."""
+    return (
+        FUSED_KERNEL
+        and num_q == 1
+        and k_pool.device.type == "cpu"
+        and k_pool.dtype == torch.float32
+        and v_pool.dtype == torch.float32
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+        and qs.shape[-1] == v_pool.shape[-1]
+        and qs.shape[-1] <= paged_cpu_kernel.MAX_DIM
+        and qs.shape[-2] <= paged_cpu_kernel.MAX_ROWS
+        and paged_cpu_kernel.kernel() is not None
+    )
+
+
+def _attend_fused(qs: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup) -> Tensor:
+    """The in-place requests' decode attention by the fused kernel: ``qs (R, H_kv, G, D)`` scaled fp32
+    → ``(R, H_kv, G, D)`` fp32. Every view is a kernel segment; the short runs' gathered columns are
+    attended by matmuls; a request's parts are merged by their log-sum-exps (exact softmax)."""
+    reqs, kv_heads, rows, dim = qs.shape
+    owner, start, length = [], [], []
+    for i, read in enumerate(grp.reads):
+        for at, end, s in read.views:
+            owner.append(i)
+            start.append(s)
+            length.append(end - at)
+    dev = qs.device
+    seg_owner = torch.tensor(owner, device=dev)
+    out, lse = paged_cpu_kernel.segments_attention(
+        qs, k_pool, v_pool, seg_owner, torch.tensor(start, device=dev), torch.tensor(length, device=dev)
+    )
+    one_run = owner == list(range(reqs))
+    if grp.rest is None and one_run:
+        return out  # one run per request (a prompt, no appends yet): nothing to merge
+    if grp.tail and one_run:  # lockstep decode: one run and m appends per request, merged pairwise
+        m = grp.tail  # one append: the transposed block is a strided view, hence contiguous()
+        kt = (
+            _gather(k_pool, grp.rest)
+            .view(reqs, kv_heads, m, dim)
+            .transpose(0, 1)
+            .reshape(kv_heads, reqs * m, dim)
+            .contiguous()
+        )
+        vt = (
+            _gather(v_pool, grp.rest)
+            .view(reqs, kv_heads, m, dim)
+            .transpose(0, 1)
+            .reshape(kv_heads, reqs * m, dim)
+            .contiguous()
+        )
+        at = torch.arange(reqs, device=dev)
+        out2, lse2 = paged_cpu_kernel.segments_attention(qs, kt, vt, at, at * m, torch.full_like(at, m))
+        top = torch.maximum(lse, lse2)
+        w1, w2 = (lse - top).exp_(), (lse2 - top).exp_()
+        return (out * w1[..., None] + out2 * w2[..., None]).div_((w1 + w2)[..., None])
+    outs, lses, owners = [out], [lse], [seg_owner]
+    if grp.rest is not None:
+        kr, vr = _gather(k_pool, grp.rest), _gather(v_pool, grp.rest)
+        if grp.tail:  # lockstep decode appends: one (R, H_kv, m) block
+            parts = [(torch.arange(reqs, device=dev), qs, grp.tail, 0)]
+        else:
+            parts = [
+                (torch.tensor([i], device=dev), qs[i : i + 1], r.rest.numel() // kv_heads, grp.rest_at[i])
+                for i, r in enumerate(grp.reads)
+                if r.rest is not None
+            ]
+        for who, qp, m, r0 in parts:
+            k = kr[r0 : r0 + who.numel() * kv_heads * m].view(who.numel(), kv_heads, m, dim)
+            v = vr[r0 : r0 + who.numel() * kv_heads * m].view(who.numel(), kv_heads, m, dim)
+            scores = torch.matmul(qp, k.transpose(-1, -2))  # (r, H_kv, G, m)
+            outs.append(torch.matmul(torch.softmax(scores, -1), v))
+            lses.append(torch.logsumexp(scores, -1))
+            owners.append(who)
+    out, lse, who = torch.cat(outs), torch.cat(lses), torch.cat(owners)
+    top = torch.full((reqs, kv_heads, rows), float("-inf"), device=dev)
+    top = top.scatter_reduce_(0, who[:, None, None].expand_as(lse), lse, "amax")
+    w = torch.exp(lse - top[who])  # (N, H_kv, G): each part's share of its request's softmax mass
+    num = torch.zeros(reqs, kv_heads, rows, dim, device=dev).index_add_(0, who, out * w[..., None])
+    den = torch.zeros(reqs, kv_heads, rows, device=dev).index_add_(0, who, w)
+    return num / den[..., None]
 
 
 def _attend_gathered(

@@ -1,0 +1,176 @@
+"""A fused CPU decode-attention kernel over contiguous runs of the pool (C++, built on first use).
+
+``paged_cpu`` reads a long request's K/V in place with ``bmm``; with one decode row the score matmul is
+a ``(n, D) @ (D, G)`` GEMM with ``G`` = 3 columns for smollm2-llava, and MKL runs it (and ``P @ V``) at
+25–30 % of the machine's read bandwidth; under a loaded machine its OpenMP threads also collapse at 2
+threads (scripts/bench_attn_forms.py, docs/benchmarks/2026-11-26-decode-bound-cpu-x86_64). This kernel
+reads each K row once, dots it with the ``G`` query rows, softmaxes each row's scores in a reused buffer
+and accumulates ``P @ V`` reading each V row once: 2.45x the ``bmm`` read at 8k × 4 on the 2-core EPYC,
+1 thread. Parallel over (segment, KV head) with ``at::parallel_for`` (torch's intra-op threads).
+
+It returns each segment's output normalised within the segment and its log-sum-exp, so the caller merges
+several segments (and gathered columns) of one request exactly. fp32 only, ``D`` ≤ ``MAX_DIM``,
+``G`` ≤ ``MAX_ROWS``; :func:`kernel` is None where it cannot be built (no C++ compiler): the caller keeps
+the ``bmm`` read. Building takes 0.5–2 min once per machine (torch's extension cache keeps it).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from torch import Tensor
+
+__all__ = ["MAX_DIM", "MAX_ROWS", "kernel", "segments_attention"]
+
+# head sizes 64 and 128 are compiled unrolled; any other up to MAX_DIM runs a generic loop
+MAX_DIM = 256
+MAX_ROWS = 16
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+// One (segment, KV head): q (G, D) scaled; K, V (T, D) contiguous rows. Writes o (G, D) normalised
+// and lse (G,). The scores (G, T) live in sc. DT, GT: the head size and query rows known at compile
+// time (unrolled: the rows' accumulators stay in registers), or 0 for any D <= 256 (d_rt), G <= 16.
+template <int DT, int GT>
+static void segment(const float* __restrict q, const float* __restrict k, const float* __restrict v,
+                    float* __restrict o, float* __restrict lse, int64_t t_len, int64_t g_len,
+                    float* __restrict sc, int64_t d_rt) {
+  const int64_t D = DT ? DT : d_rt;
+  if (GT) g_len = GT;
+  for (int64_t t = 0; t < t_len; ++t) {  // each K row read once, dotted with every query row
+    const float* __restrict kr = k + t * D;
+    for (int64_t g = 0; g < g_len; ++g) {
+      const float* __restrict qr = q + g * D;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qr[d] * kr[d];
+      sc[g * t_len + t] = acc;
+    }
+  }
+  float inv[16];
+  for (int64_t g = 0; g < g_len; ++g) {
+    float* __restrict s = sc + g * t_len;
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < t_len; ++t) mx = s[t] > mx ? s[t] : mx;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < t_len; ++t) {
+      s[t] = expf(s[t] - mx);
+      sum += s[t];
+    }
+    inv[g] = 1.f / sum;
+    lse[g] = mx + logf(sum);
+  }
+  alignas(64) float acc[16 * 256];
+  for (int64_t i = 0; i < g_len * D; ++i) acc[i] = 0.f;
+  for (int64_t t = 0; t < t_len; ++t) {  // each V row read once
+    const float* __restrict vr = v + t * D;
+    for (int64_t g = 0; g < g_len; ++g) {
+      const float p = sc[g * t_len + t];
+      float* __restrict a = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+    }
+  }
+  for (int64_t g = 0; g < g_len; ++g)
+    for (int64_t d = 0; d < D; ++d) o[g * D + d] = acc[g * D + d] * inv[g];
+}
+
+// the GQA groups of common models unrolled (LLaVA-1.5 1, smollm2-llava 3, Qwen2-VL 7, ...)
+template <int DT>
+static void by_rows(const float* q, const float* k, const float* v, float* o, float* lse, int64_t t_len,
+                    int64_t g_len, float* sc, int64_t d_rt) {
+  switch (g_len) {
+    case 1: return segment<DT, 1>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 2: return segment<DT, 2>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 3: return segment<DT, 3>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 4: return segment<DT, 4>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 7: return segment<DT, 7>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 8: return segment<DT, 8>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    default: return segment<DT, 0>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+  }
+}
+
+// q (R, H, G, D) fp32 scaled; k, v (H, S, D) fp32 contiguous; seg_req, seg_start, seg_len (N,) int64.
+// Returns out (N, H, G, D) and lse (N, H, G).
+std::vector<torch::Tensor> segments(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                    torch::Tensor seg_req, torch::Tensor seg_start, torch::Tensor seg_len) {
+  const int64_t H = q.size(1), G = q.size(2), D = q.size(3), S = k.size(1), N = seg_req.size(0);
+  TORCH_CHECK(G <= 16 && D <= 256 && k.is_contiguous() && v.is_contiguous() && q.is_contiguous(),
+              "fused decode kernel: G <= 16, D <= 256, contiguous q, k, v");
+  auto out = torch::empty({N, H, G, D}, q.options());
+  auto lse = torch::empty({N, H, G}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* req = seg_req.data_ptr<int64_t>();
+  const int64_t* st = seg_start.data_ptr<int64_t>();
+  const int64_t* len = seg_len.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, N * H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sc;
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t n = i / H, h = i % H, t_len = len[n];
+      sc.resize(t_len * G);
+      const float* qr = qp + (req[n] * H + h) * G * D;
+      const float* kr = kp + (h * S + st[n]) * D;
+      const float* vr = vp + (h * S + st[n]) * D;
+      float* o = op + i * G * D;
+      float* l = lp + i * G;
+      if (D == 64) by_rows<64>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
+      else if (D == 128) by_rows<128>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
+      else segment<0, 0>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
+    }
+  });
+  return {out, lse};
+}
+"""
+
+_LOCK = threading.Lock()
+_BUILT: list = []  # [module or None] once a build was tried
+
+
+def kernel():
+    """The compiled extension module, built on the first call (None when it cannot be built here)."""
+    if not _BUILT:
+        with _LOCK:
+            if not _BUILT:
+                try:
+                    from torch.utils.cpp_extension import load_inline
+
+                    mod = load_inline(
+                        "vlkv_paged_cpu_kernel",
+                        cpp_sources=_SOURCE,
+                        functions=["segments"],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                        extra_ldflags=["-fopenmp"],
+                    )
+                except Exception as err:  # noqa: BLE001 — no compiler / headers: the caller keeps the bmm read
+                    warnings.warn(
+                        f"fused CPU decode kernel not built ({type(err).__name__}): using matmuls",
+                        stacklevel=2,
+                    )
+                    mod = None
+                _BUILT.append(mod)
+    return _BUILT[0]
+
+
+def segments_attention(
+    qs: Tensor, k_pool: Tensor, v_pool: Tensor, req: Tensor, start: Tensor, length: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Attention of ``qs (R, H_kv, G, D)`` (fp32, scale applied) over ``N`` segments of contiguous slots:
+    segment ``i`` is request ``req[i]``'s slots ``[start[i], start[i] + length[i])`` of every head of
+    ``k_pool`` / ``v_pool (H_kv, S, D)`` (fp32, contiguous; ``length`` ≥ 1). Returns ``out (N, H_kv, G, D)``
+    normalised within each segment and ``lse (N, H_kv, G)``, its log-sum-exp (to merge segments)."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError("the fused CPU kernel could not be built here (no C++ compiler?)")
+    out, lse = mod.segments(qs.contiguous(), k_pool, v_pool, req, start, length)
+    return out, lse
