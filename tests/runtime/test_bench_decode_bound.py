@@ -16,13 +16,13 @@ def test_tiny_run_reports_every_configuration_against_the_bound_and_the_peers(tm
     out, md = tmp_path / "b.json", tmp_path / "b.md"
     cmd = [
         sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "snapkv",
-        "--budgets", "0.5", "0.2", "--dense", "--json", str(out), "--md", str(md),
+        "--budgets", "0.5", "0.2", "--dense", "--kernel", "--json", str(out), "--md", str(md),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())
     rows = {r["config"]: r for r in res["rows"]}
-    want = ["full", "full-dense", "static", "dynamic", "h2o@0.5", "h2o@0.2", "snapkv@0.5", "snapkv@0.2"]
+    want = ["full", "full-dense", "full-kernel", "static", "dynamic", "h2o@0.5", "h2o@0.2", "snapkv@0.5", "snapkv@0.2"]
     assert sorted(rows) == sorted(want)
     assert res["runtime_lines"] > 1000
     assert res["bandwidth_gb_s"] > 0 and res["weight_bytes"] > 0
