@@ -22,7 +22,17 @@ def test_tiny_run_reports_every_configuration_against_the_bound_and_the_peers(tm
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())
     rows = {r["config"]: r for r in res["rows"]}
-    want = ["full", "full-dense", "full-kernel", "static", "dynamic", "h2o@0.5", "h2o@0.2", "snapkv@0.5", "snapkv@0.2"]
+    want = [
+        "full",
+        "full-dense",
+        "full-kernel",
+        "static",
+        "dynamic",
+        "h2o@0.5",
+        "h2o@0.2",
+        "snapkv@0.5",
+        "snapkv@0.2",
+    ]
     assert sorted(rows) == sorted(want)
     assert res["runtime_lines"] > 1000
     assert res["bandwidth_gb_s"] > 0 and res["weight_bytes"] > 0
