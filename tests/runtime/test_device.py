@@ -119,6 +119,7 @@ def test_store_tiers_round_trip_creates_no_tensor_off_the_pool_device(
         sched = Scheduler(engine, store=store, link_threshold=0.0)
         req = sched.submit(Request(prompt, make_policy("full"), 3, stop_at_eos=False, link=link))
         _run_meta(sched, [req], 3)
+        sched.flush()  # the write-back runs on the store's thread: the next request must find it
         reused.append(req.cached_tokens)
         tier_hits.append({name: t.hits - before[name] for name, t in store.stats.tiers.items()})
     assert reused[0] == 0 and reused[1] > 0 and reused[2] > 0
