@@ -214,8 +214,10 @@ MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
 # "focused" leans on the one- and two-object questions the VQA targets are set on; "core" is the
 # measured recipe's short caption of one object (shared/spec/projector-training.md) plus two-object
 # questions, and nothing else; "turns" asks several questions per image (one image encoding, 2-4
-# supervised answers).
+# supervised answers); "spec" is the measured recipe alone (one object, its short name: the first
+# phase of a curriculum, continued with --init-from on a richer mix).
 MIXES: dict[str, dict[str, float]] = {
+    "spec": {"single-what": 1.0},
     "full": {"single": 0.34, "two": 0.30, "count": 0.18, "nth": 0.10, "which": 0.08},
     "focused": {"single": 0.45, "two": 0.35, "count": 0.10, "nth": 0.05, "which": 0.05},
     "core": {"single-what": 0.5, "single": 0.1, "two": 0.4},
