@@ -16,22 +16,14 @@ import torch
 from vlkv.runtime.engine import Engine
 from vlkv.runtime.models.registry import LoadedModel
 from vlkv.runtime.models.tiny import TinySpec, build_tiny_llava
-from vlkv.runtime.op_count import count_ops
+from vlkv.runtime.op_count import SCHEDULER_MODULES, count_ops
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.request import Request
 from vlkv.runtime.scheduler import Scheduler
 
 POLICIES = {"full": {}, "h2o": {"budget": 0.5}}
-# the scheduler's own modules (plan, run, commit): their share is reported apart
-OWN = (
-    "vlkv.runtime.scheduler",
-    "vlkv.runtime.step_plan",
-    "vlkv.runtime.step_groups",
-    "vlkv.runtime.step_reads",
-    "vlkv.runtime.runner",
-    "vlkv.runtime.link_stage",
-)
+OWN = SCHEDULER_MODULES
 
 
 def tiny_engine(num_layers: int) -> Engine:

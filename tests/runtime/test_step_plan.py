@@ -9,22 +9,14 @@ from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.engine import Engine
 from vlkv.runtime.models.registry import LoadedModel
 from vlkv.runtime.models.tiny import TinySpec, build_tiny_llava
-from vlkv.runtime.op_count import count_ops
+from vlkv.runtime.op_count import SCHEDULER_MODULES, count_ops
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.request import Request, Status
 from vlkv.runtime.scheduler import Scheduler
 from vlkv.runtime.step_plan import StepPlan
 
-# the scheduler's own modules: what they read back per decode step must not grow with the layers
-OWN = (
-    "vlkv.runtime.scheduler",
-    "vlkv.runtime.step_plan",
-    "vlkv.runtime.step_groups",
-    "vlkv.runtime.step_reads",
-    "vlkv.runtime.runner",
-    "vlkv.runtime.link_stage",
-)
+OWN = SCHEDULER_MODULES
 POLICIES = {"full": {}, "h2o": {"budget": 0.5}}
 # Whole-step ceilings, batch 4 (tiny LLaVA, CPU): (syncs outside the attention kernels, kernel syncs
 # per layer). Nothing grows with the layers: the cache keeps its lengths on the host and hands them to

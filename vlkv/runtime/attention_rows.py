@@ -27,6 +27,20 @@ def _with_new_slot(index: AttendIndex, past: Tensor) -> tuple[Tensor, Tensor]:
     return idx, lens + 1
 
 
+def _mask_invisible(scores: Tensor, past: Tensor, open_: Tensor | None) -> Tensor | None:
+    """Set to -inf the columns of ``scores (B, H_kv, G, S)`` a one-row query does not see: past its
+    ``past (B,)`` column, or closed in ``open_`` (``(B, H_kv, S)`` bool, optional). Returns the
+    ``(B, 1 or H_kv, 1, S)`` visibility mask, or None when every column is visible."""
+    s = scores.shape[-1]
+    if open_ is None and int(past.min()) + 1 == s:
+        return None
+    vis = (torch.arange(s, device=scores.device)[None, :] <= past[:, None])[:, None, None, :]
+    if open_ is not None:
+        vis = vis & open_[:, :, None, :]
+    scores.masked_fill_(~vis, float("-inf"))
+    return vis
+
+
 def _one_row_probs(
     q: Tensor, k: Tensor, scale: float, past: Tensor, open_: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
@@ -37,15 +51,10 @@ def _one_row_probs(
     ``(B, 1 or H_kv, 1, S)`` bool, or None when every row sees every column.
     """
     b, h, _, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     # the G query heads of a KV head are G rows of one matmul: each K head is read once
     scores = torch.matmul(q.reshape(b, hkv, h // hkv, d).float(), k.float().transpose(-1, -2)).mul_(scale)
-    vis = None
-    if open_ is not None or int(past.min()) + 1 != s:
-        vis = (torch.arange(s, device=q.device)[None, :] <= past[:, None])[:, None, None, :]
-        if open_ is not None:
-            vis = vis & open_[:, :, None, :]
-        scores.masked_fill_(~vis, float("-inf"))
+    vis = _mask_invisible(scores, past, open_)
     return torch.softmax(scores, dim=-1), vis
 
 
@@ -88,12 +97,7 @@ def _rank_space_one_row(
         # (N, G): column (h, c) scores its factor row against head h's projected queries
         scores[sb, hs, :, cs] = torch.einsum("ngr,nr->ng", qd[hs], kbar[rows]) * scale
         picks.append((sb, f, hs, cs, rows, vbar))
-    vis = None
-    if open_ is not None or int(past.min()) + 1 != s:
-        vis = (torch.arange(s, device=q.device)[None, :] <= past[:, None])[:, None, None, :]
-        if open_ is not None:
-            vis = vis & open_[:, :, None, :]
-        scores.masked_fill_(~vis, float("-inf"))
+    vis = _mask_invisible(scores, past, open_)
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.masked_fill(factored[:, :, None, :], 0.0), v.float())  # (B, H_kv, G, D)
     for sb, f, hs, cs, rows, vbar in picks:

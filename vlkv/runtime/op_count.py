@@ -55,6 +55,18 @@ class OpCount:
         return sum(self.modules[m] for m in modules)
 
 
+# the scheduler's own modules (plan, run, commit): what they read back per decode step is reported
+# apart, and must not grow with the layers
+SCHEDULER_MODULES = (
+    "vlkv.runtime.scheduler",
+    "vlkv.runtime.step_plan",
+    "vlkv.runtime.step_groups",
+    "vlkv.runtime.step_reads",
+    "vlkv.runtime.runner",
+    "vlkv.runtime.link_stage",
+)
+
+
 def _asker() -> str:
     """The innermost ``vlkv`` module on the stack outside this one (``"?"`` when none is)."""
     frame = sys._getframe(2)
