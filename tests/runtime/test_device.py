@@ -51,9 +51,25 @@ def _policy(key: str):
     return make_policy(key.split("-")[0], **POLICIES[key])
 
 
-def _run_meta(sched, reqs, n_new):
+def _run_meta(sched, reqs, n_new, host_copies: bool = True):
+    """Run under the meta default device; with ``host_copies=False`` also fail on any ``Tensor.cpu()``
+    (a no-op on a CPU pool, so the meta block cannot see it; on a GPU it is a copy that then meets
+    device tensors: the H200 run found the step's ``attended`` counts copied to the host that way)."""
+    calls = []
+    cpu = torch.Tensor.cpu
+
+    def spy(self, *a, **k):
+        calls.append(tuple(self.shape))
+        return cpu(self, *a, **k)
+
     with torch.device("meta"):
-        sched.run()
+        if not host_copies:
+            torch.Tensor.cpu = spy
+        try:
+            sched.run()
+        finally:
+            torch.Tensor.cpu = cpu
+    assert not calls, f"Tensor.cpu() called on tensors of shapes {calls[:5]}"
     for r in reqs:
         assert r.status is Status.FINISHED, r.error
         assert len(r.tokens) == n_new
@@ -68,7 +84,7 @@ def test_no_path_creates_a_tensor_off_the_pool_device(policy, name, engines, ima
         sched.submit(Request(Prompt(text, [images[i] for i in imgs]), _policy(policy), 4, stop_at_eos=False))
         for text, imgs in PROMPTS
     ]
-    _run_meta(sched, reqs, 4)
+    _run_meta(sched, reqs, 4, host_copies=False)
 
 
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])

@@ -34,7 +34,9 @@ class OpCount:
 
     Attributes:
         ops: aten ops dispatched (each one a kernel launch on a GPU).
-        syncs: host syncs among them, plus every ``Tensor.tolist()`` / ``Tensor.numpy()`` call.
+        syncs: host syncs among them, plus every ``Tensor.tolist()`` / ``Tensor.numpy()`` /
+            ``Tensor.cpu()`` call (a copy to the host waits for the device; on a CPU run it is a no-op
+            that dispatches nothing, so it is counted where it is called).
         kinds: syncs by kind (``item``, ``tolist``, ``nonzero``, ``bool_index``...).
         modules: syncs by the innermost ``vlkv`` module that asked (``vlkv.runtime.cache``...), so a
             test can bound one component's share.
@@ -103,11 +105,11 @@ def _is_mask(index) -> bool:
 def count_ops():
     """``with count_ops() as c: ...`` counts ops and host syncs of the block into ``c`` (:class:`OpCount`).
 
-    ``Tensor.tolist`` and ``Tensor.numpy`` read values without dispatching an op, so they are
-    wrapped for the block's duration (not thread-safe: count one thread's work at a time).
+    ``Tensor.tolist`` and ``Tensor.numpy`` read values without dispatching an op, and ``Tensor.cpu``
+    of a CPU tensor dispatches nothing (on a GPU it is a sync), so they are wrapped for the block's duration (not thread-safe: count one thread's work at a time).
     """
     count = OpCount()
-    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
 
     def wrap(name, fn):
         def counted(self, *a, **k):

@@ -437,5 +437,6 @@ class TorchBackend:
             logits = self.adapter.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last])
         cache.processed += inputs.new_len.to(cache.processed)
         done = all(a is not None for a in ctx.attended)
-        attended = torch.stack([a.cpu() for a in ctx.attended]) if done else None
+        # stays on the device: the commit reads it back with everything else in one transfer
+        attended = torch.stack([a.to(self.device) for a in ctx.attended]) if done else None
         return StepOutput(logits=logits.float(), stats=ctx.stats, attended=attended)
