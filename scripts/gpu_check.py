@@ -15,7 +15,8 @@ others; a part stopped at its limit keeps what it measured so far):
   random-weight models at LLaVA-1.5-7B's and Qwen2-VL-7B's decoder shapes (M-RoPE), each step set
   against its bandwidth bound ``(weight bytes + K/V bytes attended) / bandwidth`` measured in the run;
 - ``prefill``: statistics overhead of an 8k prefill at LLaVA-1.5-7B's shape;
-- ``profile``: torch.profiler over decode steps per policy at 8k x 4 (top operators, host syncs per step);
+- ``profile``: torch.profiler over decode steps per policy at 8k x 4, through ``Engine.decode`` and through
+  ``Scheduler.step()`` (top operators, host syncs per step);
 - ``pytest``: ``pytest -m gpu`` (the engine with every policy on CUDA, kernels vs references);
 - ``compile``, ``tensorrt``: recorded as skipped with the reason when there is nothing to run.
 
@@ -46,7 +47,7 @@ BUDGETS = {
     "decode": 180,
     "prefill": 50,
     "pytest": 150,
-    "profile": 60,
+    "profile": 120,
     "compile": 10,
     "tensorrt": 10,
 }

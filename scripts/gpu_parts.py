@@ -26,6 +26,8 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from gpu_profile import PROFILE_POLICIES, run_profile  # noqa: E402, F401  (the profile part lives apart)
+
 Sink = Callable[[dict], None]
 
 
@@ -424,88 +426,6 @@ def run_decode(args, sink: Sink) -> None:
                 cell["rows"].append(r)
             sink(result)
     sink(result)
-
-
-# -------------------------------------------------------------------------------------------- profile
-PROFILE_POLICIES = ("full", "snapkv", "vlcache", "h2o", "avl")
-
-
-def run_profile(args, sink: Sink) -> None:
-    """Where a decode step's time goes, per policy: torch.profiler over a few steps at LLaVA-1.5-7B's
-    shape (8k x 4), the top operators by self CPU time, and host-device synchronisations per step."""
-    import bench_decode
-    from bench_common import document_prompt, load_for_bench
-
-    from vlkv.runtime.backend import StepInputs
-    from vlkv.runtime.edits import apply_edits
-    from vlkv.runtime.engine import Engine
-    from vlkv.runtime.policies import make_policy
-
-    model, tokens, b = ("shape:toy-llava", 96, 2) if args.tiny else ("shape:llava-1.5-7b", 8192, 4)
-    dtype = "fp32" if args.device == "cpu" else "bf16"
-    engine = Engine(load_for_bench(model, args.device, dtype))
-    be = engine.backend
-    batch = bench_decode._repeat(document_prompt(engine, model, tokens), b)
-    ctx = engine.context(batch)
-    t = batch.input_ids.shape[1]
-    result: dict = {"model": model, "tokens": t, "batch": b, "policies": {}}
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if args.device.startswith("cuda"):
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    steps = 3
-    for name in PROFILE_POLICIES:
-        try:
-            pol = make_policy(name) if name == "full" else make_policy(name, budget=0.2)
-            request, alias = bench_decode.joint_request({name: pol}, ctx, t)
-            cache = engine.new_cache(batch)
-            inputs = StepInputs(
-                batch.input_ids, batch.positions, batch.modality, batch.lengths, be.embed(batch)
-            )
-            out = be.step(inputs, cache, request)
-            if name != "full":
-                apply_edits(
-                    cache,
-                    pol.after_prefill(cache, bench_decode.stats_for(out.stats, alias.get(name, name)), ctx),
-                )
-            tok = out.logits.argmax(-1)
-            for step in range(2):  # warm-up: one-off table growth, first-call dispatch
-                tok = engine.decode(tok, batch, pol, cache, step + 1).logits.argmax(-1)
-            sync(args.device)
-            start = time.perf_counter()
-            with torch.profiler.profile(activities=acts) as prof:
-                for step in range(steps):
-                    tok = engine.decode(tok, batch, pol, cache, step + 3).logits.argmax(-1)
-                sync(args.device)
-            wall = (time.perf_counter() - start) / steps * 1e3
-            events = prof.key_averages()
-            top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
-            syncs = sum(e.count for e in events if e.key in ("aten::_local_scalar_dense", "aten::item"))
-            copies = sum(e.count for e in events if e.key in ("aten::copy_", "aten::to", "aten::_to_copy"))
-            on_device = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[
-                :8
-            ]
-            cache.release()
-            result["policies"][name] = {
-                "top_device": [
-                    {"op": e.key, "calls_per_step": e.count / steps,
-                     "device_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps}
-                    for e in on_device
-                ],
-                "step_ms_profiled": wall,
-                "syncs_per_step": syncs / steps,
-                "copies_per_step": copies / steps,
-                "ops_per_step": sum(e.count for e in events) / steps,
-                "top_self_cpu": [
-                    {"op": e.key, "calls_per_step": e.count / steps, "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-                     "device_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps}
-                    for e in top
-                ],
-            }  # fmt: skip
-        except Exception as exc:
-            result["policies"][name] = (
-                f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            )
-        sink(result)
 
 
 # -------------------------------------------------------------------------------------------- prefill

@@ -109,20 +109,25 @@ def _pytest(res: dict) -> list[str]:
 
 
 def _profile(res: dict) -> list[str]:
-    lines = [f"{res.get('model', '').removeprefix('shape:')}, {res.get('tokens')} tokens × batch {res.get('batch')}, budget 0.2", "",
-             "| policy | step (ms, profiled) | ops / step | host syncs / step | copies / step | top ops by self CPU (ms / step) |",
-             "|---|---:|---:|---:|---:|---|"]  # fmt: skip
-    for name, p in (res.get("policies") or {}).items():
-        if not isinstance(p, dict):
-            lines.append(f"| {name} | {p} | | | | |")
-            continue
-        top = "; ".join(f"{o['op']} {o['self_cpu_ms_per_step']:.1f}" for o in p["top_self_cpu"][:5])
-        dev = "; ".join(f"{o['op'][:40]} {o['device_ms_per_step']:.2f}" for o in p.get("top_device", [])[:4])
-        top += f" — device: {dev}" if dev else ""
-        lines.append(
-            f"| {name} | {p['step_ms_profiled']:.1f} | {p['ops_per_step']:.0f} | {p['syncs_per_step']:.0f} "
-            f"| {p['copies_per_step']:.0f} | {top} |"
-        )
+    lines = [f"{res.get('model', '').removeprefix('shape:')}, {res.get('tokens')} tokens × batch {res.get('batch')}, budget 0.2; "
+             "`engine`: Engine.decode on one batched cache; `scheduler`: Scheduler.step() (the step plan, what serve runs)", "",
+             "| policy | path | step (ms, profiled) | ops / step | host syncs / step | copies / step | top ops by self CPU (ms / step) |",
+             "|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+    for name, row in (res.get("policies") or {}).items():
+        paths = row if isinstance(row, dict) and "step_ms_profiled" not in row else {"engine": row}
+        for path, p in paths.items():
+            if not isinstance(p, dict):
+                lines.append(f"| {name} | {path} | {p} | | | | |")
+                continue
+            top = "; ".join(f"{o['op']} {o['self_cpu_ms_per_step']:.1f}" for o in p["top_self_cpu"][:5])
+            dev = "; ".join(
+                f"{o['op'][:40]} {o['device_ms_per_step']:.2f}" for o in p.get("top_device", [])[:4]
+            )
+            top += f" — device: {dev}" if dev else ""
+            lines.append(
+                f"| {name} | {path} | {p['step_ms_profiled']:.1f} | {p['ops_per_step']:.0f} | {p['syncs_per_step']:.0f} "
+                f"| {p['copies_per_step']:.0f} | {top} |"
+            )
     return lines
 
 

@@ -68,7 +68,11 @@ def test_dry_run_measures_what_it_reports(dry_run):
     assert any(c["model"] == "shape:toy-qwen2-vl" and c.get("rows") for c in cells)  # M-RoPE shape ran
     assert {r["config"] for r in parts["prefill"]["result"]["rows"]} >= {"plain", "snapkv", "every row"}
     profile = parts["profile"]["result"]["policies"]
-    assert set(profile) == set(PROFILE_POLICIES) and all(isinstance(p, dict) for p in profile.values())
+    assert set(profile) == set(PROFILE_POLICIES)
+    for name, row in profile.items():  # both paths measured: the engine's and the scheduler's step
+        assert set(row) == {"engine", "scheduler"}, (name, row)
+        assert all(isinstance(p, dict) and p["ops_per_step"] > 0 for p in row.values()), (name, row)
+        assert row["scheduler"]["running"] == parts["profile"]["result"]["batch"], (name, row)
     # without CUDA every gpu-marked test is collected and skipped, none errors
     counts = parts["pytest"]["result"]["counts"]
     assert counts.get("skipped", 0) > 0 and not counts.get("failed") and not counts.get("error")

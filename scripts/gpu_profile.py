@@ -1,0 +1,158 @@
+"""The ``profile`` part of ``gpu_check.py``: where a decode step's time goes, per policy.
+
+Two paths over the same prompt (LLaVA-1.5-7B's shape, 8k x 4 on a GPU; toy sizes with ``--tiny``):
+
+- ``engine``: ``Engine.decode`` on one batched cache (the benchmarks' path: no scheduler);
+- ``scheduler``: ``Scheduler.step()`` with the same requests running (what ``vlkv serve`` and
+  ``vlkv generate`` run: the step plan, the runner, the commit's one read back per group).
+
+Each is profiled over a few steps after two warm-up steps: top operators by self CPU time and by
+device time, operator calls, host synchronisations and copies per step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+PROFILE_POLICIES = ("full", "snapkv", "vlcache", "h2o", "avl")
+STEPS = 3
+SYNC_KEYS = ("aten::_local_scalar_dense", "aten::item")
+COPY_KEYS = ("aten::copy_", "aten::to", "aten::_to_copy")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def profiled(step, device: str, steps: int = STEPS) -> dict:
+    """Run ``step()`` twice to warm up, then ``steps`` times under torch.profiler; per-step counts."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    for _ in range(2):  # one-off table growth, first-call dispatch
+        step()
+    _sync(device)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    wall = (time.perf_counter() - start) / steps * 1e3
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    on_device = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:8]
+    return {
+        "step_ms_profiled": wall,
+        "syncs_per_step": sum(e.count for e in events if e.key in SYNC_KEYS) / steps,
+        "copies_per_step": sum(e.count for e in events if e.key in COPY_KEYS) / steps,
+        "ops_per_step": sum(e.count for e in events) / steps,
+        "top_self_cpu": [
+            {"op": e.key, "calls_per_step": e.count / steps,
+             "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+             "device_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps}
+            for e in top
+        ],
+        "top_device": [
+            {"op": e.key, "calls_per_step": e.count / steps,
+             "device_ms_per_step": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps}
+            for e in on_device
+        ],
+    }  # fmt: skip
+
+
+def _policy(name: str):
+    from vlkv.runtime.policies import make_policy
+
+    return make_policy(name) if name == "full" else make_policy(name, budget=0.2)
+
+
+def engine_path(engine, batch, ctx, name: str, device: str) -> dict:
+    """``Engine.decode`` over one batched cache, compressed once after the prefill."""
+    import bench_decode
+
+    from vlkv.runtime.backend import StepInputs
+    from vlkv.runtime.edits import apply_edits
+
+    be = engine.backend
+    pol = _policy(name)
+    t = batch.input_ids.shape[1]
+    request, alias = bench_decode.joint_request({name: pol}, ctx, t)
+    cache = engine.new_cache(batch)
+    inputs = StepInputs(batch.input_ids, batch.positions, batch.modality, batch.lengths, be.embed(batch))
+    out = be.step(inputs, cache, request)
+    if name != "full":
+        stats = bench_decode.stats_for(out.stats, alias.get(name, name))
+        apply_edits(cache, pol.after_prefill(cache, stats, ctx))
+    state = {"tok": out.logits.argmax(-1), "step": 0}
+
+    def step():
+        state["step"] += 1
+        state["tok"] = engine.decode(state["tok"], batch, pol, cache, state["step"]).logits.argmax(-1)
+
+    try:
+        return profiled(step, device)
+    finally:
+        cache.release()
+
+
+def scheduler_path(engine, prompt_batch, b: int, name: str, device: str) -> dict:
+    """``Scheduler.step()`` with ``b`` requests of ``prompt_batch`` running (prefilled first, one per
+    step as the scheduler admits them), each decoding under ``name`` at budget 0.2."""
+    from vlkv.runtime.prompt import Prompt
+    from vlkv.runtime.request import Request, Status
+    from vlkv.runtime.scheduler import Scheduler
+
+    sched = Scheduler(engine)
+    reqs = []
+    for _ in range(b):
+        # the text is a label: the request is taken as encoded (as the server's handler threads do)
+        req = Request(Prompt("document prompt, encoded"), _policy(name), 64, stop_at_eos=False)
+        req.batch = prompt_batch
+        reqs.append(sched.submit(req))
+    for _ in range(b):  # a step admits what fits, prefills it, then decodes
+        if all(r.status is not Status.WAITING for r in reqs):
+            break
+        sched.step()
+    failed = [r.error for r in reqs if r.status is Status.FAILED]
+    if failed:
+        raise RuntimeError(failed[0])
+    try:
+        res = profiled(sched.step, device)
+        res["running"] = sum(r.status is Status.RUNNING for r in reqs)  # all b, or the step ran fewer
+    finally:
+        for r in reqs:
+            sched.cancel(r)
+        sched.step()
+    return res
+
+
+def run_profile(args, sink) -> None:
+    """Both paths per policy at LLaVA-1.5-7B's shape (8k x 4); a failing path is recorded, not raised."""
+    import bench_decode
+    from bench_common import document_prompt, load_for_bench
+
+    from vlkv.runtime.engine import Engine
+
+    model, tokens, b = ("shape:toy-llava", 96, 2) if args.tiny else ("shape:llava-1.5-7b", 8192, 4)
+    dtype = "fp32" if args.device == "cpu" else "bf16"
+    engine = Engine(load_for_bench(model, args.device, dtype))
+    one = document_prompt(engine, model, tokens)
+    batch = bench_decode._repeat(one, b)
+    ctx = engine.context(batch)
+    result: dict = {"model": model, "tokens": batch.input_ids.shape[1], "batch": b, "policies": {}}
+    for name in PROFILE_POLICIES:
+        row: dict = {}
+        for path, run, inputs in (
+            ("engine", engine_path, (batch, ctx)),
+            ("scheduler", scheduler_path, (one, b)),
+        ):
+            try:
+                row[path] = run(engine, *inputs, name, args.device)
+            except Exception as exc:
+                row[path] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            result["policies"][name] = row
+            sink(result)
+    sink(result)
