@@ -60,9 +60,22 @@ def test_every_policy_in_one_stream_on_a_fixed_pool_equals_each_solo_run(name, e
         for p, pol, kw, m in stream
     ]
     longest = max(int(engine.encode([p]).lengths[0]) for p, *_ in stream)
-    # the longest prompt and a third fit: prompts are written whole before their policies compress
-    # them, so requests are admitted into what compression freed and decoding outgrows the pool
-    sched = Scheduler(engine, sched_entry_bytes(engine) * (longest + 8) * 4 // 3, overcommit=2.0)
+    # the longest prompt and a little more fit: prompts are written whole before their policies
+    # compress them, so requests are admitted into what compression freed and decoding outgrows the
+    # pool. Whether it outgrows it depends on the mix's order and sizes, so the pool shrinks until a
+    # run preempts (adding a policy to SPECS must not quietly turn preemption off)
+    for third in (3, 6, 16):
+        pool_bytes = sched_entry_bytes(engine) * (longest + 8) * (third + 1) // third
+        sched, reqs, victim = _run_stream(engine, stream, pool_bytes)
+        _check_against_solo(sched, reqs, victim, stream, solo)
+        if sum(r.preemptions for r in reqs) > 0:
+            break
+    assert sum(r.preemptions for r in reqs) > 0, "no pool size made the stream preempt"
+
+
+def _run_stream(engine, stream, pool_bytes: int):
+    """Half the stream, three steps, the other half, a cancel of one decoding request, then the rest."""
+    sched = Scheduler(engine, pool_bytes, overcommit=2.0)
     reqs = [Request(p, make_policy(pol, **kw), m, stop_at_eos=False) for p, pol, kw, m in stream]
     half = len(reqs) // 2
     for r in reqs[:half]:
@@ -76,7 +89,10 @@ def test_every_policy_in_one_stream_on_a_fixed_pool_equals_each_solo_run(name, e
     sched.cancel(victim)
     assert victim.status is Status.CANCELLED
     sched.run()
-    assert sum(r.preemptions for r in reqs) > 0  # the pool really was too small for the stream
+    return sched, reqs, victim
+
+
+def _check_against_solo(sched, reqs, victim, stream, solo) -> None:
     assert sched.max_concurrent >= 3 and sched.retried_steps == 0
     for r, (_, pol, kw, _), want in zip(reqs, stream, solo):
         if r is victim:
