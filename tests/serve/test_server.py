@@ -161,17 +161,26 @@ def test_concurrent_requests_are_batched_and_each_equals_its_solo_answer(server,
     assert m["vlkv_decode_steps"] - before < 4 * 11
 
 
+# settings a client may pick per policy (the rest take a budget alone); the test runs every registered
+# policy, so a new one joins the shared batch here without being listed
+MIX_SETTINGS = {
+    "full": [{}],
+    "avl": [{"budget": 0.5, "settings": {"core": 0.3}}],
+    "attnpack": [{"settings": {"rank": 4, "path": "b"}}, {"settings": {"rank": 4}}],
+    "kvzip": [{"budget": 0.5}, {"budget": 0.4, "settings": {"heads": "own"}}],
+    "h2o": [{"budget": 0.5, "settings": {"evict_every": 3}}],
+}
+
+
 def test_clients_with_any_mix_of_policies_share_the_batch(server, engine, media_dir):
-    # A-VL's selected attention, kvzip's per-head holes, attnpack's factors and the full cache, each
-    # picked by its own client: one client's policy used to fail every request batched with it
-    picks = [
-        ("avl", {"budget": 0.5, "settings": {"core": 0.3}}),
-        ("kvzip", {"budget": 0.5}),
-        ("full", {}),
-        ("attnpack", {"settings": {"rank": 4, "path": "b"}}),
-    ]
+    # every policy, A-VL's selected attention, kvzip's per-head holes, attnpack's factors and the full
+    # cache, each picked by its own client: one client's policy used to fail every request batched with it
+    from vlkv.runtime.policies.registry import POLICIES
+
+    picks = [(p, kw) for p in sorted(POLICIES) for kw in MIX_SETTINGS.get(p, [{"budget": 0.5}])]
+    assert {p for p, _ in picks} == set(POLICIES)
     texts = [f"Tell me about item {i}." for i in range(len(picks))]
-    imgs = ["a.png", "b.png"] * 2
+    imgs = ["a.png", "b.png"] * len(picks)
     want = [
         reference(
             engine,
