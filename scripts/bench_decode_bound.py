@@ -20,7 +20,8 @@ Per configuration: step ms (median over repeats of the mean step), the bound ``(
 with ``W`` the weight bytes a step reads (decoder layers, norm, output head) and ``KV`` the K/V bytes
 the step attends (vlkv: its own count; transformers: the full cache), the fraction of that bound
 reached, the speed ratio against the faster transformers cache and against vlkv's full cache (paired per
-round; a ``+kernel`` configuration against ``full-kernel``), torch (aten) ops per step and the
+round; a ``+kernel`` configuration against ``full-kernel``), the paged attention calls' own time per step
+(the K/V read alone) and its fraction of ``KV / bandwidth``, torch (aten) ops per step and the
 bytes a step gathers into scratch copies (the CPU paged read's gathers; 0 for transformers).
 """
 
@@ -171,18 +172,60 @@ def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense
         apply_edits(cache, policy.after_prefill(cache, stats, ctx))
     be = eng.backend
     entry = 2 * be.num_kv_heads * be.head_dim * torch.finfo(be.dtype).bits // 8
-    tok, times, kv, tokens = pre.first, [], [], []
-    for step in range(steps + 1):
-        start = time.perf_counter()
-        res = eng.decode(tok, pre.batch, policy, cache, step + 1)
-        tok = res.logits.argmax(-1)
-        if step:
-            times.append(time.perf_counter() - start)
-            kv.append(float(res.attended.sum()) * entry)
-        tokens.append(tok.tolist())
+    tok, times, kv, tokens, attn = pre.first, [], [], [], []
+    with _AttnTimer() as timer:
+        for step in range(steps + 1):
+            timer.seconds = 0.0
+            start = time.perf_counter()
+            res = eng.decode(tok, pre.batch, policy, cache, step + 1)
+            tok = res.logits.argmax(-1)
+            if step:
+                times.append(time.perf_counter() - start)
+                attn.append(timer.seconds)
+                kv.append(float(res.attended.sum()) * entry)
+            tokens.append(tok.tolist())
     probe = _probe(lambda: eng.decode(tok, pre.batch, policy, cache, steps + 2))
     cache.release()
-    return {"step_s": statistics.mean(times), "kv_bytes": statistics.mean(kv), "tokens": tokens, **probe}
+    return {
+        "step_s": statistics.mean(times),
+        "attn_s": statistics.mean(attn),
+        "kv_bytes": statistics.mean(kv),
+        "tokens": tokens,
+        **probe,
+    }
+
+
+class _AttnTimer:
+    """Inside it, the wall time of the decode steps' paged attention calls (``ops.paged_attention``: the
+    K/V read itself, every layer) adds up in ``seconds``; 0 for a step that reads no paged call (the
+    dense read)."""
+
+    def __enter__(self):
+        import vlkv.plugins as plugins
+        import vlkv.plugins.ops as ops
+
+        self.seconds, self.real = 0.0, ops.paged_attention
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return self.real(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        ops.paged_attention = timed
+        self.cached = vars(plugins).get("paged_attention")
+        if self.cached is not None:  # the package's lazy export, once resolved, is its own name
+            plugins.paged_attention = timed
+        return self
+
+    def __exit__(self, *exc):
+        import vlkv.plugins as plugins
+        import vlkv.plugins.ops as ops
+
+        ops.paged_attention = self.real
+        if self.cached is not None:
+            plugins.paged_attention = self.cached
 
 
 def _probe(step) -> dict:
@@ -266,9 +309,13 @@ def run(args) -> dict:
         step_ms = 1e3 * statistics.median(r["step_s"] for r in rs)
         kv = statistics.median(r["kv_bytes"] for r in rs)
         bound_ms = 1e3 * (w + kv) / bandwidth
+        attn_ms = 1e3 * statistics.median(r.get("attn_s", 0.0) for r in rs)  # 0: a peer
         row = {
             "config": name,
             "step_ms": step_ms,
+            # the paged attention calls alone: the K/V read, against the bandwidth (its own bound)
+            "attn_ms": attn_ms,
+            "attn_of_bound": (1e3 * kv / bandwidth) / attn_ms if attn_ms > 0 else 0.0,
             "kv_bytes": kv,
             "bound_ms": bound_ms,
             "of_bound": bound_ms / step_ms,
@@ -321,15 +368,16 @@ def to_markdown(res: dict) -> str:
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
         f"Peers' tokens equal vlkv full: {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
-        f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer']} | KV read (MB) "
-        "| gathered (MB) | aten ops |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer']} | attention (ms) "
+        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratio = r.get("speed_vs_fastest_peer")
         lines.append(
             f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
-            f"| {r['speed_vs_full']:.2f}× | {'' if ratio is None else f'{ratio:.2f}×'} | {r['kv_bytes'] / 1e6:.1f} "
+            f"| {r['speed_vs_full']:.2f}× | {'' if ratio is None else f'{ratio:.2f}×'} | {r['attn_ms']:.1f} "
+            f"| {r['attn_of_bound']:.0%} | {r['kv_bytes'] / 1e6:.1f} "
             f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} |"
         )
     return "\n".join(lines) + "\n"
