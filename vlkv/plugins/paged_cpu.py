@@ -22,8 +22,10 @@ The score matmul is ``K @ q^T`` by default (``SCORES_QK`` picks ``q @ K^T``): in
 8k columns it was 1.15-1.3x faster on the 2-core EPYC (MKL), though an isolated ``bmm`` loop favoured
 the other form (docs/benchmarks/2026-11-26-decode-bound-cpu-x86_64). GQA is folded: the ``G`` query
 heads (and ``Q`` rows) of a KV head are the rows of one matmul. Scores, softmax and the weighted sum
-are float32 whatever the pool's dtype. ``FUSED_KERNEL`` (opt-in, ``VLKV_CPU_KERNEL=1``) reads fp32 decode
-rows of in-place requests with the C++ kernel of ``paged_cpu_kernel`` instead (2.45x at 8k × 4, 1 thread).
+are float32 whatever the pool's dtype. ``FUSED_KERNEL`` (default on; ``VLKV_CPU_KERNEL=0`` turns it off) reads
+fp32 decode rows with the C++ kernel of ``paged_cpu_kernel`` instead (2.45x at 8k × 4, 1 thread): in-place
+requests by their runs, every other request (per-head tables, holes, short requests) through its own
+table rows, each KV head's live slots read where they lie — nothing gathered.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ INPLACE_MIN = 1024
 # the score matmul's form: ``K @ q^T`` (False, the default: faster inside this op, see the docstring)
 # or ``q @ K^T`` (True); both read the pool view in place
 SCORES_QK = False
-# one decode row per request over fp32 runs: the fused C++ kernel (``paged_cpu_kernel``; 2.45x the bmm
-# read at 8k × 4, 1 thread) instead of the matmuls. Opt-in (``VLKV_CPU_KERNEL=1``) while its first use
-# builds it (0.5–2 min, once per machine); where it cannot be built the matmuls run
-FUSED_KERNEL = os.environ.get("VLKV_CPU_KERNEL", "0") == "1"
+# one decode row per request over fp32 pools: the fused C++ kernel (``paged_cpu_kernel``; 2.45x the bmm
+# read at 8k × 4, 1 thread; per-head tables read through their own rows, nothing gathered) instead of
+# the matmuls. On by default (``VLKV_CPU_KERNEL=0`` turns it off): a CPU fp32 backend builds it at
+# engine start (:func:`warm_up`; 0.5–2 min once per CPU kind, then loaded from torch's extension
+# cache); where it cannot be built, one warning and the matmuls run
+FUSED_KERNEL = os.environ.get("VLKV_CPU_KERNEL", "1") != "0"
 
 
 _LOCAL = threading.local()
@@ -260,6 +264,16 @@ def _attend_inplace(q: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup
     if tail:
         out += torch.matmul(probs[..., width - tail :], vr.view(reqs, kv_heads, tail, dim_v))
     return out.view(reqs, heads, num_q, dim_v).to(q.dtype)
+
+
+def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Build (or load) the fused kernel now, where a CPU fp32 model will decode with it: at engine start,
+    not as a 0.5–2 min stall of the first decode step. True when the kernel will read this model's
+    decode steps; False when it is off, not for this device/dtype, or cannot be built (one warning,
+    then the matmul read)."""
+    if not FUSED_KERNEL or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    return paged_cpu_kernel.kernel() is not None
 
 
 def _attend_rows(
