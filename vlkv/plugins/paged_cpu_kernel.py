@@ -36,6 +36,13 @@ _SOURCE = r"""
 #include <cmath>
 #include <vector>
 
+// Scattered rows (a per-head table's slots) defeat the hardware prefetcher, which follows only
+// sequential lines: each row PF rows ahead is asked for explicitly, every 64-byte line of it.
+constexpr int64_t PF = 16;
+static inline void prefetch_row(const float* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
 // One (segment, KV head): q (G, D) scaled; K, V rows of D floats: rows [0, T) of contiguous K, V when
 // idx is null, else the rows idx[0..T) of the head's pool (a per-head slot row read in place). Writes o
 // (G, D) normalised and lse (G,). The scores (G, T) live in sc. DT, GT: the head size and query rows
@@ -47,6 +54,7 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
   const int64_t D = DT ? DT : d_rt;
   if (GT) g_len = GT;
   for (int64_t t = 0; t < t_len; ++t) {  // each K row read once, dotted with every query row
+    if (idx && t + PF < t_len) prefetch_row(k + idx[t + PF] * D, D);
     const float* __restrict kr = k + (idx ? idx[t] : t) * D;
     for (int64_t g = 0; g < g_len; ++g) {
       const float* __restrict qr = q + g * D;
@@ -74,6 +82,7 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
   alignas(64) float acc[16 * 256];
   for (int64_t i = 0; i < g_len * D; ++i) acc[i] = 0.f;
   for (int64_t t = 0; t < t_len; ++t) {  // each V row read once
+    if (idx && t + PF < t_len) prefetch_row(v + idx[t + PF] * D, D);
     const float* __restrict vr = v + (idx ? idx[t] : t) * D;
     for (int64_t g = 0; g < g_len; ++g) {
       const float p = sc[g * t_len + t];
