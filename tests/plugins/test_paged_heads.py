@@ -161,3 +161,16 @@ def test_triton_kernel_reads_per_head_rows(case, dtype):
     args = case.make(dtype)
     got = tpa.paged_attention_triton(**args)
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+
+
+def test_a_kernel_plan_with_pools_the_kernel_cannot_read_falls_back(fused):
+    """A plan made for the kernel (from K's layout) handed a V pool the kernel cannot read (strided):
+    the call replans for the gather and still equals the reference."""
+    args = HEADS[6].make(torch.float32)
+    plan = plan_for(args["q"], args["k_pool"], args["table"], args["lengths"])
+    assert plan.rows is not None
+    v = args["v_pool"]
+    args["v_pool"] = torch.cat([v, v], dim=-1)[..., : v.shape[-1]]  # same values, not contiguous
+    got = paged_attention_cpu(**args, plan=plan)
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+    assert fused["rows"] == [] and fused["gathered"] > 0
