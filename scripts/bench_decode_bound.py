@@ -11,13 +11,17 @@ statistics in the same pass, then repeated ``--batch`` times into each configura
 are identical, so the copy equals a batch prefill at a quarter of the cost); (3) per repeat, in a
 rotating order, ``--steps`` timed greedy decode steps of: vlkv's full cache, each ``--policies`` at each
 ``--budgets`` (after its prefill edits), with ``--dense`` the full cache read as before paged reads (the
-before/after of one run), and transformers' ``generate`` on the same weights with a ``static`` and a
+before/after of one run), with ``--kernel`` the full cache and, with ``--kernel-policies``, each policy
+configuration again with the fused C++ CPU decode read (``VLKV_CPU_KERNEL=1``: per-head tables read
+through their own table rows, ``<config>+kernel``), and transformers' ``generate`` on the same weights with a ``static`` and a
 ``DynamicCache`` holding the same prefilled K/V (built from vlkv's, so no transformers prefill either).
 
 Per configuration: step ms (median over repeats of the mean step), the bound ``(W + KV) / bandwidth``
 with ``W`` the weight bytes a step reads (decoder layers, norm, output head) and ``KV`` the K/V bytes
 the step attends (vlkv: its own count; transformers: the full cache), the fraction of that bound
-reached, the speed ratio against the faster transformers cache, torch (aten) ops per step and the
+reached, the speed ratio against the faster transformers cache and against vlkv's full cache (paired per
+round; a ``+kernel`` configuration against ``full-kernel``), the paged attention calls' own time per step
+(the K/V read alone) and its fraction of ``KV / bandwidth``, torch (aten) ops per step and the
 bytes a step gathers into scratch copies (the CPU paged read's gathers; 0 for transformers).
 """
 
@@ -45,6 +49,9 @@ from bench_decode_peers import count_ops, hf_steps, repeat_stats  # noqa: E402
 
 POLICIES = ("h2o", "snapkv", "vlcache", "pyramidkv")
 BUDGETS = (0.5, 0.2, 0.1)
+# per-head caches (issue #30: per-head budgets that pay off at decode): ``--policies kvzip kvgrad snapkv
+# --budgets 0.5 0.25 0.1 --kernel --kernel-policies``
+HEADS_POLICIES = ("kvzip", "kvgrad", "snapkv")
 TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 1, "buffer_mib": 64}
 
 
@@ -95,6 +102,17 @@ class Prefilled:
         one = self.one
         inputs = StepInputs(one.input_ids, one.positions, one.modality, one.lengths, be.embed(one))
         out = be.step(inputs, self.cache, request)
+        # query-agnostic policies (kvzip, kvgrad) score by a replay over the prefilled cache: once per
+        # kind on the batch of one, its scores repeated into the rows as the prefill statistics are
+        self.replays, self.replay_s = {}, {}
+        for kind, pol in kinds.items():
+            t0 = time.perf_counter()
+            got = engine.replay(pol, ctx, one, self.cache, inputs.inputs_embeds)
+            if got is not None:
+                out.stats.replay = got
+                self.replays[kind] = repeat_stats(out.stats, rows).replay
+                self.replay_s[kind] = time.perf_counter() - t0
+        out.stats.replay = None
         self.stats = repeat_stats(out.stats, rows)
         self.first = out.logits.argmax(-1).expand(rows).clone()
 
@@ -149,24 +167,65 @@ def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense
     cache = pre.cache_copy()
     if budget_key is not None:
         ctx = eng.context(pre.batch)
-        apply_edits(
-            cache,
-            policy.after_prefill(cache, stats_for(pre.stats, pre.alias.get(budget_key, budget_key)), ctx),
-        )
+        stats = stats_for(pre.stats, pre.alias.get(budget_key, budget_key))
+        stats.replay = pre.replays.get(budget_key)
+        apply_edits(cache, policy.after_prefill(cache, stats, ctx))
     be = eng.backend
     entry = 2 * be.num_kv_heads * be.head_dim * torch.finfo(be.dtype).bits // 8
-    tok, times, kv, tokens = pre.first, [], [], []
-    for step in range(steps + 1):
-        start = time.perf_counter()
-        res = eng.decode(tok, pre.batch, policy, cache, step + 1)
-        tok = res.logits.argmax(-1)
-        if step:
-            times.append(time.perf_counter() - start)
-            kv.append(float(res.attended.sum()) * entry)
-        tokens.append(tok.tolist())
+    tok, times, kv, tokens, attn = pre.first, [], [], [], []
+    with _AttnTimer() as timer:
+        for step in range(steps + 1):
+            timer.seconds = 0.0
+            start = time.perf_counter()
+            res = eng.decode(tok, pre.batch, policy, cache, step + 1)
+            tok = res.logits.argmax(-1)
+            if step:
+                times.append(time.perf_counter() - start)
+                attn.append(timer.seconds)
+                kv.append(float(res.attended.sum()) * entry)
+            tokens.append(tok.tolist())
     probe = _probe(lambda: eng.decode(tok, pre.batch, policy, cache, steps + 2))
     cache.release()
-    return {"step_s": statistics.mean(times), "kv_bytes": statistics.mean(kv), "tokens": tokens, **probe}
+    return {
+        "step_s": statistics.mean(times),
+        "attn_s": statistics.mean(attn),
+        "kv_bytes": statistics.mean(kv),
+        "tokens": tokens,
+        **probe,
+    }
+
+
+class _AttnTimer:
+    """Inside it, the wall time of the decode steps' paged attention calls (``ops.paged_attention``: the
+    K/V read itself, every layer) adds up in ``seconds``; 0 for a step that reads no paged call (the
+    dense read)."""
+
+    def __enter__(self):
+        import vlkv.plugins as plugins
+        import vlkv.plugins.ops as ops
+
+        self.seconds, self.real = 0.0, ops.paged_attention
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return self.real(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        ops.paged_attention = timed
+        self.cached = vars(plugins).get("paged_attention")
+        if self.cached is not None:  # the package's lazy export, once resolved, is its own name
+            plugins.paged_attention = timed
+        return self
+
+    def __exit__(self, *exc):
+        import vlkv.plugins as plugins
+        import vlkv.plugins.ops as ops
+
+        ops.paged_attention = self.real
+        if self.cached is not None:
+            plugins.paged_attention = self.cached
 
 
 def _probe(step) -> dict:
@@ -216,7 +275,8 @@ def run(args) -> dict:
     full = make_policy("full")
     fused_default = paged_cpu.FUSED_KERNEL
     extra = [*(["full-dense"] if args.dense else []), *(["full-kernel"] if args.kernel else [])]
-    configs = ["full", *extra, *args.peers, *pols]
+    kernel_pols = [f"{p}+kernel" for p in pols] if args.kernel_policies else []
+    configs = ["full", *extra, *args.peers, *pols, *kernel_pols]
     got: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.repeats + 1):  # the first round warms up (allocations, one-off table growth)
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
@@ -224,11 +284,12 @@ def run(args) -> dict:
             if name in args.peers:
                 res = hf_steps(peer, pre, name, args.steps)
             else:
-                pol = pols.get(name, full)
-                key = name.split("@")[0] if name in pols else None
-                # the fused C++ decode read only for its own configuration (the first round, untimed,
+                base = name.removesuffix("+kernel")
+                pol = pols.get(base, full)
+                key = base.split("@")[0] if base in pols else None
+                # the fused C++ decode read only for its own configurations (the first round, untimed,
                 # pays its one-off compile)
-                paged_cpu.FUSED_KERNEL = name == "full-kernel"
+                paged_cpu.FUSED_KERNEL = name == "full-kernel" or name.endswith("+kernel")
                 try:
                     res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
                 finally:
@@ -248,9 +309,13 @@ def run(args) -> dict:
         step_ms = 1e3 * statistics.median(r["step_s"] for r in rs)
         kv = statistics.median(r["kv_bytes"] for r in rs)
         bound_ms = 1e3 * (w + kv) / bandwidth
+        attn_ms = 1e3 * statistics.median(r.get("attn_s", 0.0) for r in rs)  # 0: a peer
         row = {
             "config": name,
             "step_ms": step_ms,
+            # the paged attention calls alone: the K/V read, against the bandwidth (its own bound)
+            "attn_ms": attn_ms,
+            "attn_of_bound": (1e3 * kv / bandwidth) / attn_ms if attn_ms > 0 else 0.0,
             "kv_bytes": kv,
             "bound_ms": bound_ms,
             "of_bound": bound_ms / step_ms,
@@ -258,6 +323,10 @@ def run(args) -> dict:
             "gathered_bytes": rs[-1]["gathered_bytes"],
             "bytes_per_step": w + kv + 2 * rs[-1]["gathered_bytes"],
         }
+        ref = "full-kernel" if name.endswith("+kernel") and "full-kernel" in got else "full"
+        row["speed_vs_full"] = statistics.median(
+            f["step_s"] / r["step_s"] for f, r in zip(got[ref], rs, strict=True)
+        )
         if fastest is not None:
             # paired within each round: the faster peer's step time / this one's, median over rounds
             row["speed_vs_fastest_peer"] = statistics.median(
@@ -279,6 +348,7 @@ def run(args) -> dict:
         "buffer_mib": args.buffer_mib,
         "weight_bytes": w,
         "prefill_s": prefill_s,
+        "replay_s": pre.replay_s,
         "fastest_peer": fastest,
         "runtime_lines": runtime_lines(),
         "peers_same_tokens": same,
@@ -298,14 +368,16 @@ def to_markdown(res: dict) -> str:
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
         f"Peers' tokens equal vlkv full: {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
-        f"| config | step (ms) | bound (ms) | of bound | vs {res['fastest_peer']} | KV read (MB) | gathered (MB) | aten ops |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer']} | attention (ms) "
+        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratio = r.get("speed_vs_fastest_peer")
         lines.append(
             f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
-            f"| {'' if ratio is None else f'{ratio:.2f}×'} | {r['kv_bytes'] / 1e6:.1f} "
+            f"| {r['speed_vs_full']:.2f}× | {'' if ratio is None else f'{ratio:.2f}×'} | {r['attn_ms']:.1f} "
+            f"| {r['attn_of_bound']:.0%} | {r['kv_bytes'] / 1e6:.1f} "
             f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} |"
         )
     return "\n".join(lines) + "\n"
@@ -331,6 +403,11 @@ def main() -> None:
         "--kernel",
         action="store_true",
         help="also the full cache with the fused C++ CPU decode read (VLKV_CPU_KERNEL=1) as its own configuration",
+    )
+    ap.add_argument(
+        "--kernel-policies",
+        action="store_true",
+        help="also each policy configuration with the fused C++ CPU decode read, as '<config>+kernel'",
     )
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)

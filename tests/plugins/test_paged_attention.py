@@ -19,6 +19,15 @@ from vlkv.plugins.paged_reference import paged_attention_reference
 tpa = pytest.importorskip("vlkv.plugins.triton_paged_attention", reason="triton is not installed")
 
 
+@pytest.fixture(autouse=True)
+def _matmul_read(monkeypatch):
+    """These tests read the matmul / gather forms: the fused kernel (on by default) is off here; its
+    own tests turn it on (``fused_calls``, tests/plugins/test_paged_heads.py)."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", False)
+
+
 @dataclass(frozen=True)
 class PagedCase:
     """q (B, G·H_kv, Q, D) over a pool (H_kv, S, D); each request's row of ``cols`` table columns.

@@ -16,6 +16,15 @@ DECODE = [c for c in (*CASES, BIG, *APPENDS, *ROPE) if c.queries == 1]
 DECODE.append(PagedCase(3, 2, 3, 1, 81, 16, layout="runs", full=True))  # every row full: no mask
 
 
+@pytest.fixture(autouse=True)
+def _matmul_read(monkeypatch):
+    """These tests read the matmul / gather forms: the fused kernel (on by default) is off here; its
+    own tests turn it on (``fused_calls``, tests/plugins/test_paged_heads.py)."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", False)
+
+
 def loop_probs(args) -> torch.Tensor:
     """(B, H_kv, G, C) float64: each row's softmax over its held columns, written out per row and head."""
     q, k_pool, table, lengths = args["q"], args["k_pool"], args["table"], args["lengths"]

@@ -204,3 +204,64 @@ def test_a_decode_step_plans_its_cpu_read_once_per_table(fixed, engines, images,
     monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
     want = engine.generate([r.prompt for r in reqs], make_policy("full"), 6, stop_at_eos=False)
     assert got == [s.token_ids for s in want.samples]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [("kvzip", {"budget": 0.5}), ("snapkv", {"budget": 0.3, "window": 4}), ("kvgrad", {"budget": 0.25})],
+    ids=["kvzip-holes", "snapkv-per-head", "kvgrad-holes"],
+)
+def test_a_per_head_decode_step_reads_only_the_live_entries(policy, engines, images, monkeypatch, counts):
+    """Per-head caches (each KV head its own entries: per-head slot rows, KVzip's holes) decode through
+    the fused CPU kernel's table rows: each head's live entries read once, in place — no scratch copy
+    of any cache, nothing gathered — and the tokens equal the dense read's."""
+    import vlkv.plugins.paged_cpu_kernel as kernel
+    from vlkv.plugins.paged_reference import held_columns
+
+    assert kernel.kernel() is not None, (
+        "the fused CPU decode kernel did not build (is a C++ compiler installed?)"
+    )
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
+    read = [0]
+    real_rows = kernel.table_attention
+
+    def rows(qs, k_pool, v_pool, table, lengths):
+        read[0] += int(held_columns(table, lengths).sum()) * 2 * k_pool.shape[-1] * k_pool.element_size()
+        return real_rows(qs, k_pool, v_pool, table, lengths)
+
+    monkeypatch.setattr(kernel, "table_attention", rows)
+    engine = engines["tiny-llava"]
+    name, kw = policy
+    sched = Scheduler(engine, sched_entry_bytes(engine) * 4000)
+    reqs = [
+        sched.submit(Request(Prompt(t, [images[0]] if i % 2 == 0 else []), make_policy(name, **kw), 6, stop_at_eos=False))
+        for i, t in enumerate(TEXTS)
+    ]  # fmt: skip
+    sched.step()  # prefill (and the policy's compression), first decode step
+    per_head = False
+    for _ in range(3):
+        counts.pool_read, counts.cpu_gather, read[0] = 0, 0, 0
+        sched.step()
+        live = [r for r in sched.running if r.cache is not None]
+        assert len(live) == len(reqs)
+        per_head |= any(
+            not bool((layer.slots[:, :1] == layer.slots).all()) or layer.holes is not None
+            for r in live
+            for layer in r.cache.layers
+        )
+        assert counts.pool_read == 0 and counts.cpu_gather == 0  # no scratch copy, nothing gathered
+        assert read[0] == sum(r.cache.kv_bytes() for r in live)  # each live entry once, no padding
+        # the tables' width: a head with holes reads fewer (KVzip's per-head budgets), never more
+        width = sum(sum(layer.host_lengths()) for r in live for layer in r.cache.layers)
+        holes = any(layer.holes is not None for r in live for layer in r.cache.layers)
+        assert (
+            (read[0] < width * sched.pool.spec.entry_bytes)
+            if holes
+            else (read[0] == width * sched.pool.spec.entry_bytes)
+        )
+    assert per_head  # the policy really left per-head tables
+    sched.run()
+    got = [list(r.tokens) for r in reqs]
+    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    want = engine.generate([r.prompt for r in reqs], make_policy(name, **kw), 6, stop_at_eos=False)
+    assert got == [s.token_ids for s in want.samples]

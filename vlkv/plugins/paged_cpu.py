@@ -22,8 +22,10 @@ The score matmul is ``K @ q^T`` by default (``SCORES_QK`` picks ``q @ K^T``): in
 8k columns it was 1.15-1.3x faster on the 2-core EPYC (MKL), though an isolated ``bmm`` loop favoured
 the other form (docs/benchmarks/2026-11-26-decode-bound-cpu-x86_64). GQA is folded: the ``G`` query
 heads (and ``Q`` rows) of a KV head are the rows of one matmul. Scores, softmax and the weighted sum
-are float32 whatever the pool's dtype. ``FUSED_KERNEL`` (opt-in, ``VLKV_CPU_KERNEL=1``) reads fp32 decode
-rows of in-place requests with the C++ kernel of ``paged_cpu_kernel`` instead (2.45x at 8k × 4, 1 thread).
+are float32 whatever the pool's dtype. ``FUSED_KERNEL`` (default on; ``VLKV_CPU_KERNEL=0`` turns it off) reads
+fp32 decode rows with the C++ kernel of ``paged_cpu_kernel`` instead (2.45x at 8k × 4, 1 thread): in-place
+requests by their runs, every other request (per-head tables, holes, short requests) through its own
+table rows, each KV head's live slots read where they lie — nothing gathered.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ INPLACE_MIN = 1024
 # the score matmul's form: ``K @ q^T`` (False, the default: faster inside this op, see the docstring)
 # or ``q @ K^T`` (True); both read the pool view in place
 SCORES_QK = False
-# one decode row per request over fp32 runs: the fused C++ kernel (``paged_cpu_kernel``; 2.45x the bmm
-# read at 8k × 4, 1 thread) instead of the matmuls. Opt-in (``VLKV_CPU_KERNEL=1``) while its first use
-# builds it (0.5–2 min, once per machine); where it cannot be built the matmuls run
-FUSED_KERNEL = os.environ.get("VLKV_CPU_KERNEL", "0") == "1"
+# one decode row per request over fp32 pools: the fused C++ kernel (``paged_cpu_kernel``; 2.45x the bmm
+# read at 8k × 4, 1 thread; per-head tables read through their own rows, nothing gathered) instead of
+# the matmuls. On by default (``VLKV_CPU_KERNEL=0`` turns it off): a CPU fp32 backend builds it at
+# engine start (:func:`warm_up`; 0.5–2 min once per CPU kind, then loaded from torch's extension
+# cache); where it cannot be built, one warning and the matmuls run
+FUSED_KERNEL = os.environ.get("VLKV_CPU_KERNEL", "1") != "0"
 
 
 _LOCAL = threading.local()
@@ -116,6 +120,7 @@ def plan_for(
         rot,
         host,
         holes,
+        fused=_fused_fits(q, k_pool, k_pool, q.shape[2], q.shape[1] // kv_heads),
     )
 
 
@@ -131,8 +136,10 @@ def plan_reused(
     """``last`` when it was planned for the same tables (compared by value; the layers of a decode step
     usually share them), else :func:`plan_for` of this call (module defaults, no ``rot``; host, holes
     as ``plan_paged_cpu`` takes them)."""
+    group = q.shape[1] // k_pool.shape[0]
+    fused = _fused_fits(q, k_pool, k_pool, q.shape[2], group)
     if last is not None and last.matches(
-        table, lengths.clamp(0, table.shape[-1]), k_pool.shape[1], q.shape[2], q.shape[1] // k_pool.shape[0]
+        table, lengths.clamp(0, table.shape[-1]), k_pool.shape[1], q.shape[2], group, fused
     ):
         return last
     return plan_for(q, k_pool, table, lengths, host=host, holes=holes)
@@ -169,14 +176,24 @@ def paged_attention_cpu(
     elif rope or plan.table.shape != table.shape or plan.cap != k_pool.shape[1] or plan.num_q != q.shape[2]:
         raise ValueError("plan was built for other tables (a plan reads calls without rot, same shapes)")
     batch, heads, num_q, _ = q.shape
+    if plan.rows is not None and not _fused_fits(q, k_pool, v_pool, num_q, heads // k_pool.shape[0]):
+        # planned for the kernel but this call's pools are not its (another V layout): a fresh plan
+        plan = plan_paged_cpu(
+            plan.table, plan.lengths, plan.cap, num_q, plan.group,
+            RUN_MIN if run_min is None else run_min, INPLACE_MIN if inplace_min is None else inplace_min,
+        )  # fmt: skip
     gathered = plan.gathered
     if gathered is not None and gathered.index is None:  # every request gathered: no subset copies
         return _attend_gathered(q, k_pool, v_pool, gathered, scale, rot, cos, sin)
+    if plan.rows is not None and plan.inplace is None:  # every request read by its own table rows
+        return _attend_rows(q, k_pool, v_pool, table, lengths, scale, None)
     if plan.inplace is not None:
         got = _attend_inplace(q, k_pool, v_pool, plan.inplace, scale)
-        if gathered is None and plan.inplace.index is None:
+        if gathered is None and plan.rows is None and plan.inplace.index is None:
             return got  # every request in place (long decode rows): no output copy
     out = torch.zeros(batch, heads, num_q, v_pool.shape[-1], dtype=q.dtype, device=q.device)
+    if plan.rows is not None:
+        out[plan.rows] = _attend_rows(q, k_pool, v_pool, table, lengths, scale, plan.rows)
     if plan.inplace is not None:
         out[plan.inplace.index if plan.inplace.index is not None else slice(None)] = got
     if gathered is not None:
@@ -249,9 +266,41 @@ def _attend_inplace(q: Tensor, k_pool: Tensor, v_pool: Tensor, grp: InplaceGroup
     return out.view(reqs, heads, num_q, dim_v).to(q.dtype)
 
 
-def _fused_fits(qs: Tensor, k_pool: Tensor, v_pool: Tensor, num_q: int) -> bool:
+def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Build (or load) the fused kernel now, where a CPU fp32 model will decode with it: at engine start,
+    not as a 0.5–2 min stall of the first decode step. True when the kernel will read this model's
+    decode steps; False when it is off, not for this device/dtype, or cannot be built (one warning,
+    then the matmul read)."""
+    if not FUSED_KERNEL or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return False
+    return paged_cpu_kernel.kernel() is not None
+
+
+def _attend_rows(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    idx: Tensor | None,
+) -> Tensor:
+    """The fused kernel over requests' own table rows (``idx (R,)`` of the batch, None = all): each
+    (request, KV head) reads its live slots of ``table (B, H_kv, C)`` in place, within its
+    ``lengths (B, H_kv)``, holes skipped. ``q (B, H_q, 1, D)`` → ``(R, H_q, 1, D_v)`` in q's dtype."""
+    if idx is not None:
+        q, table, lengths = q[idx], table[idx], lengths[idx]
+    reqs, heads, _, dim = q.shape
+    kv_heads = k_pool.shape[0]
+    qs = q.reshape(reqs, kv_heads, heads // kv_heads, dim).float() * scale
+    out = paged_cpu_kernel.table_attention(qs, k_pool, v_pool, table, lengths.clamp(0, table.shape[-1]))
+    return out.view(reqs, heads, 1, v_pool.shape[-1]).to(q.dtype)
+
+
+def _fused_fits(qs: Tensor, k_pool: Tensor, v_pool: Tensor, num_q: int, rows: int | None = None) -> bool:
     """The fused kernel reads this call: enabled and built, one decode row, fp32 contiguous pools of a
-    head size it was built for (a bf16 pool, prefill chunks and other sizes keep the matmuls)."""
+    head size it was built for (a bf16 pool, prefill chunks and other sizes keep the matmuls). rows:
+    the query rows per KV head (default ``qs.shape[-2]``, for ``qs (R, H_kv, G·Q, D)``)."""
     return (
         FUSED_KERNEL
         and num_q == 1
@@ -262,7 +311,7 @@ def _fused_fits(qs: Tensor, k_pool: Tensor, v_pool: Tensor, num_q: int) -> bool:
         and v_pool.is_contiguous()
         and qs.shape[-1] == v_pool.shape[-1]
         and qs.shape[-1] <= paged_cpu_kernel.MAX_DIM
-        and qs.shape[-2] <= paged_cpu_kernel.MAX_ROWS
+        and (qs.shape[-2] if rows is None else rows) <= paged_cpu_kernel.MAX_ROWS
         and paged_cpu_kernel.kernel() is not None
     )
 

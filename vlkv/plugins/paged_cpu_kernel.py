@@ -16,12 +16,14 @@ the ``bmm`` read. Building takes 0.5–2 min once per machine (torch's extension
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import warnings
+from pathlib import Path
 
 from torch import Tensor
 
-__all__ = ["MAX_DIM", "MAX_ROWS", "kernel", "segments_attention"]
+__all__ = ["MAX_DIM", "MAX_ROWS", "kernel", "segments_attention", "table_attention"]
 
 # head sizes 64 and 128 are compiled unrolled; any other up to MAX_DIM runs a generic loop
 MAX_DIM = 256
@@ -30,20 +32,30 @@ MAX_ROWS = 16
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
-// One (segment, KV head): q (G, D) scaled; K, V (T, D) contiguous rows. Writes o (G, D) normalised
-// and lse (G,). The scores (G, T) live in sc. DT, GT: the head size and query rows known at compile
-// time (unrolled: the rows' accumulators stay in registers), or 0 for any D <= 256 (d_rt), G <= 16.
+// Scattered rows (a per-head table's slots) defeat the hardware prefetcher, which follows only
+// sequential lines: each row PF rows ahead is asked for explicitly, every 64-byte line of it.
+constexpr int64_t PF = 16;
+static inline void prefetch_row(const float* row, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
+// One (segment, KV head): q (G, D) scaled; K, V rows of D floats: rows [0, T) of contiguous K, V when
+// idx is null, else the rows idx[0..T) of the head's pool (a per-head slot row read in place). Writes o
+// (G, D) normalised and lse (G,). The scores (G, T) live in sc. DT, GT: the head size and query rows
+// known at compile time (unrolled: the accumulators stay in registers), or 0 for any D <= 256, G <= 16.
 template <int DT, int GT>
 static void segment(const float* __restrict q, const float* __restrict k, const float* __restrict v,
                     float* __restrict o, float* __restrict lse, int64_t t_len, int64_t g_len,
-                    float* __restrict sc, int64_t d_rt) {
+                    float* __restrict sc, int64_t d_rt, const int64_t* __restrict idx) {
   const int64_t D = DT ? DT : d_rt;
   if (GT) g_len = GT;
   for (int64_t t = 0; t < t_len; ++t) {  // each K row read once, dotted with every query row
-    const float* __restrict kr = k + t * D;
+    if (idx && t + PF < t_len) prefetch_row(k + idx[t + PF] * D, D);
+    const float* __restrict kr = k + (idx ? idx[t] : t) * D;
     for (int64_t g = 0; g < g_len; ++g) {
       const float* __restrict qr = q + g * D;
       float acc = 0.f;
@@ -70,7 +82,8 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
   alignas(64) float acc[16 * 256];
   for (int64_t i = 0; i < g_len * D; ++i) acc[i] = 0.f;
   for (int64_t t = 0; t < t_len; ++t) {  // each V row read once
-    const float* __restrict vr = v + t * D;
+    if (idx && t + PF < t_len) prefetch_row(v + idx[t + PF] * D, D);
+    const float* __restrict vr = v + (idx ? idx[t] : t) * D;
     for (int64_t g = 0; g < g_len; ++g) {
       const float p = sc[g * t_len + t];
       float* __restrict a = acc + g * D;
@@ -85,16 +98,23 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
 // the GQA groups of common models unrolled (LLaVA-1.5 1, smollm2-llava 3, Qwen2-VL 7, ...)
 template <int DT>
 static void by_rows(const float* q, const float* k, const float* v, float* o, float* lse, int64_t t_len,
-                    int64_t g_len, float* sc, int64_t d_rt) {
+                    int64_t g_len, float* sc, int64_t d_rt, const int64_t* idx) {
   switch (g_len) {
-    case 1: return segment<DT, 1>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
-    case 2: return segment<DT, 2>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
-    case 3: return segment<DT, 3>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
-    case 4: return segment<DT, 4>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
-    case 7: return segment<DT, 7>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
-    case 8: return segment<DT, 8>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
-    default: return segment<DT, 0>(q, k, v, o, lse, t_len, g_len, sc, d_rt);
+    case 1: return segment<DT, 1>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
+    case 2: return segment<DT, 2>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
+    case 3: return segment<DT, 3>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
+    case 4: return segment<DT, 4>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
+    case 7: return segment<DT, 7>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
+    case 8: return segment<DT, 8>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
+    default: return segment<DT, 0>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
   }
+}
+
+static void dispatch(const float* q, const float* k, const float* v, float* o, float* lse, int64_t t_len,
+                     int64_t g_len, float* sc, int64_t d, const int64_t* idx) {
+  if (d == 64) by_rows<64>(q, k, v, o, lse, t_len, g_len, sc, d, idx);
+  else if (d == 128) by_rows<128>(q, k, v, o, lse, t_len, g_len, sc, d, idx);
+  else segment<0, 0>(q, k, v, o, lse, t_len, g_len, sc, d, idx);
 }
 
 // q (R, H, G, D) fp32 scaled; k, v (H, S, D) fp32 contiguous; seg_req, seg_start, seg_len (N,) int64.
@@ -124,12 +144,54 @@ std::vector<torch::Tensor> segments(torch::Tensor q, torch::Tensor k, torch::Ten
       const float* vr = vp + (h * S + st[n]) * D;
       float* o = op + i * G * D;
       float* l = lp + i * G;
-      if (D == 64) by_rows<64>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
-      else if (D == 128) by_rows<128>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
-      else segment<0, 0>(qr, kr, vr, o, l, t_len, G, sc.data(), D);
+      dispatch(qr, kr, vr, o, l, t_len, G, sc.data(), D, nullptr);
     }
   });
   return {out, lse};
+}
+
+// q (R, H, G, D) fp32 scaled; k, v (H, S, D) fp32 contiguous; table (R, H, C) int64, lengths (R, H)
+// int64: request r, head h reads the slots table[r, h, :lengths[r, h]] of its own pool row, in place,
+// skipping negative slots (holes): each head its own entries and length, nothing gathered. Returns out
+// (R, H, G, D) normalised (zeros for a row that holds nothing).
+torch::Tensor table_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
+                         torch::Tensor lengths) {
+  const int64_t R = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = k.size(1);
+  const int64_t C = table.size(2);
+  TORCH_CHECK(G <= 16 && D <= 256 && k.is_contiguous() && v.is_contiguous() && q.is_contiguous() &&
+                  table.is_contiguous() && lengths.is_contiguous(),
+              "fused decode kernel: G <= 16, D <= 256, contiguous q, k, v, table, lengths");
+  auto out = torch::empty({R, H, G, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R * H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sc;
+    std::vector<int64_t> live;
+    float lse[16];
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t h = i % H, n = std::min(std::max<int64_t>(lp[i], 0), C);
+      const int64_t* row = tp + i * C;
+      live.clear();
+      for (int64_t c = 0; c < n; ++c)  // the head's own entries: holes skipped, slots bounds-checked
+        if (row[c] >= 0) {
+          TORCH_CHECK(row[c] < S, "fused decode kernel: slot ", row[c], " out of the pool's ", S);
+          live.push_back(row[c]);
+        }
+      float* o = op + i * G * D;
+      if (live.empty()) {
+        for (int64_t j = 0; j < G * D; ++j) o[j] = 0.f;
+        continue;
+      }
+      const int64_t t_len = live.size();
+      sc.resize(t_len * G);
+      dispatch(qp + i * G * D, kp + h * S * D, vp + h * S * D, o, lse, t_len, G, sc.data(), D, live.data());
+    }
+  });
+  return out;
 }
 """
 
@@ -137,8 +199,38 @@ _LOCK = threading.Lock()
 _BUILT: list = []  # [module or None] once a build was tried
 
 
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+
+
+def cpu_flags() -> str:
+    """What the built binary depends on besides its source: the machine, the CPU's model and its
+    instruction-set flags (``-march=native`` compiles for them), from ``/proc/cpuinfo`` where it exists."""
+    import platform
+
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("flags", "Features") and not flags:
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+            elif key == "model name" and not model:
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model or platform.processor()}|{flags}"
+
+
+def build_name() -> str:
+    """The extension's name (and torch's build folder): keyed by the source, the compile flags and
+    :func:`cpu_flags`, so a home shared by machines with other CPUs never loads a binary built for
+    instructions this CPU lacks (each CPU kind builds and caches its own)."""
+    key = hashlib.sha256("\0".join([_SOURCE, *_CFLAGS, cpu_flags()]).encode()).hexdigest()[:16]
+    return f"vlkv_paged_cpu_kernel_{key}"
+
+
 def kernel():
-    """The compiled extension module, built on the first call (None when it cannot be built here)."""
+    """The compiled extension module, built on the first call (None, with one warning, when it cannot
+    be built here: the caller keeps the matmul read)."""
     if not _BUILT:
         with _LOCK:
             if not _BUILT:
@@ -146,10 +238,10 @@ def kernel():
                     from torch.utils.cpp_extension import load_inline
 
                     mod = load_inline(
-                        "vlkv_paged_cpu_kernel",
+                        build_name(),
                         cpp_sources=_SOURCE,
-                        functions=["segments"],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                        functions=["segments", "table_rows"],
+                        extra_cflags=list(_CFLAGS),
                         extra_ldflags=["-fopenmp"],
                     )
                 except Exception as err:  # noqa: BLE001 — no compiler / headers: the caller keeps the bmm read
@@ -174,3 +266,17 @@ def segments_attention(
         raise RuntimeError("the fused CPU kernel could not be built here (no C++ compiler?)")
     out, lse = mod.segments(qs.contiguous(), k_pool, v_pool, req, start, length)
     return out, lse
+
+
+def table_attention(qs: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor) -> Tensor:
+    """Attention of ``qs (R, H_kv, G, D)`` (fp32, scale applied) over each (request, KV head)'s own slot
+    row: ``table (R, H_kv, C)`` int64 slots of ``k_pool`` / ``v_pool (H_kv, S, D)`` (fp32, contiguous),
+    the first ``lengths (R, H_kv)`` columns of a row, negative slots (holes) skipped. Every head reads
+    only its live entries, in place (per-head tables, holes, ragged lengths: nothing gathered). Returns
+    ``(R, H_kv, G, D)`` fp32; a row that holds nothing gives zeros."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError("the fused CPU kernel could not be built here (no C++ compiler?)")
+    return mod.table_rows(
+        qs.contiguous(), k_pool, v_pool, table.long().contiguous(), lengths.long().contiguous()
+    )

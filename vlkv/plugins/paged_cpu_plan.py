@@ -124,7 +124,10 @@ class PagedCpuPlan:
 
     table: (B, H_kv, C), lengths: (B, H_kv) as planned (kept to match later calls). cap: the pool's
     slots per head (S). num_q, group: query rows and GQA group. inplace: requests read in place.
-    gathered: the requests gathered together, or None.
+    gathered: the requests gathered together, or None. rows: None, or ``(R,)`` int64 the requests the
+    fused kernel reads through their own table rows (per-head slots, holes, ragged head lengths: each
+    head's live entries read in place, nothing gathered); planned only with ``fused`` (the call's
+    fused kernel reads it).
     """
 
     table: Tensor
@@ -134,11 +137,16 @@ class PagedCpuPlan:
     group: int
     inplace: InplaceGroup | None
     gathered: GatheredRead | None
+    rows: Tensor | None = None
+    fused: bool = False
 
-    def matches(self, table: Tensor, lengths: Tensor, cap: int, num_q: int, group: int) -> bool:
+    def matches(
+        self, table: Tensor, lengths: Tensor, cap: int, num_q: int, group: int, fused: bool = False
+    ) -> bool:
         """This plan reads a call with these arguments exactly as a fresh plan would."""
         return (
             cap == self.cap
+            and fused == self.fused
             and num_q == self.num_q
             and group == self.group
             and table.shape == self.table.shape
@@ -237,13 +245,16 @@ def plan_paged_cpu(
     rot: Tensor | None = None,
     host: list[list[int]] | None = None,
     holes: bool = True,
+    fused: bool = False,
 ) -> PagedCpuPlan:
     """The plan of a ``paged_cpu`` call: ``table (B, H_kv, C)``, ``lengths (B, H_kv)`` (clamped to
     ``[0, C]``), the pool's ``cap`` slots per head, ``num_q`` query rows, GQA ``group``; ``run_min`` and
     ``inplace_min`` as ``paged_attention_cpu`` takes them. A request holding a pre-RoPE key (``rot
     (B, H_kv, C)`` row >= 0) is gathered (its keys are rotated into the copy). host: ``lengths`` as
     Python ints where the caller keeps them, holes: False where it knows no slot inside a length is
-    -1 (then neither is read back)."""
+    -1 (then neither is read back). fused: the fused kernel reads this call (one decode row, fp32):
+    every request not read in place by runs is read through its own table rows by the kernel
+    (``rows``) instead of gathered — a per-head table reads each head's live entries, no more."""
     cols = table.shape[-1]
     host = lengths.tolist() if host is None else [[min(max(n, 0), cols) for n in row] for row in host]
     inplace, together = [], []
@@ -259,6 +270,9 @@ def plan_paged_cpu(
             together.append(b)
         else:
             inplace.append(read)
+    rows = None
+    if together and fused and num_q == 1 and rot is None:
+        rows, together = torch.tensor(together, device=table.device), []
     gathered = None
     if together:
         n = max(max(host[b]) for b in together)
@@ -275,4 +289,4 @@ def plan_paged_cpu(
     grouped = None
     if inplace:
         grouped = _group(inplace, table.shape[0], table.shape[1], group * num_q, table.device)
-    return PagedCpuPlan(table, lengths, cap, num_q, group, grouped, gathered)
+    return PagedCpuPlan(table, lengths, cap, num_q, group, grouped, gathered, rows, fused)

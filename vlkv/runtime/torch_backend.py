@@ -391,6 +391,10 @@ class TorchBackend:
         self.head_dim, self.pos_dims = lay.head_dim, lay.pos_dims
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        # the fused CPU decode read is built (or loaded from its cache) here, at engine start
+        from vlkv.plugins.paged_cpu import warm_up
+
+        self.fused_cpu_read = warm_up(self.device, self.dtype)
 
     @torch.no_grad()
     def embed(self, batch: PromptBatch) -> Tensor:

@@ -1,0 +1,71 @@
+"""The fused CPU decode kernel as a default: built at engine start, keyed by the CPU, a clean fallback.
+
+What must hold: ``VLKV_CPU_KERNEL`` turns it on or off; where it cannot be built (no compiler) the
+build warns once, in one line, and the CPU read runs the matmuls with the reference's result; a CPU
+fp32 backend builds (or loads) it when the engine starts, not at its first decode step; another CPU's
+flags name another build.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import vlkv.plugins.paged_cpu as paged_cpu
+import vlkv.plugins.paged_cpu_kernel as kernel
+from tests.plugins.cases import OUT_TOL, assert_close_tol
+from tests.plugins.test_paged_attention import PagedCase
+from vlkv.plugins.paged_cpu import paged_attention_cpu
+from vlkv.plugins.paged_reference import paged_attention_reference
+
+
+@pytest.mark.parametrize("env,on", [(None, True), ("0", False), ("1", True)], ids=["default", "off", "on"])
+def test_the_environment_switches_the_kernel(env, on):
+    code = "import vlkv.plugins.paged_cpu as p; print(p.FUSED_KERNEL)"
+    environ = {k: v for k, v in os.environ.items() if k != "VLKV_CPU_KERNEL"}
+    if env is not None:
+        environ["VLKV_CPU_KERNEL"] = env
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(on)
+
+
+def test_no_compiler_falls_back_to_the_matmuls_with_one_warning(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def fail(*args, **kwargs):
+        raise OSError("no C++ compiler")
+
+    monkeypatch.setattr(ext, "load_inline", fail)
+    monkeypatch.setattr(kernel, "_BUILT", [])  # as in a fresh process: nothing tried yet
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
+    args = PagedCase(2, 2, 3, 1, 81, 64, layout="holes", runs=2).make(torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert paged_cpu.warm_up("cpu", torch.float32) is False
+        got = paged_attention_cpu(**args)
+        paged_attention_cpu(**args, inplace_min=1)
+    msgs = [str(w.message) for w in caught]
+    assert msgs == ["fused CPU decode kernel not built (OSError): using matmuls"]  # once, one line
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+
+
+def test_a_cpu_fp32_engine_builds_the_kernel_at_start(engines, monkeypatch):
+    from vlkv.runtime.torch_backend import TorchBackend
+
+    calls = []
+    monkeypatch.setattr(kernel, "kernel", lambda: calls.append(1) or object())
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
+    be = engines["tiny-llava"].backend
+    fresh = TorchBackend(be.model, be.adapter.family, be.adapter.image_token_id)
+    assert fresh.fused_cpu_read and calls == [1]
+    assert paged_cpu.warm_up("cpu", torch.bfloat16) is False and calls == [1]  # not for a bf16 model
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", False)
+    assert paged_cpu.warm_up("cpu", torch.float32) is False and calls == [1]  # off: nothing built
