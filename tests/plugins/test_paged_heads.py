@@ -174,3 +174,16 @@ def test_a_kernel_plan_with_pools_the_kernel_cannot_read_falls_back(fused):
     got = paged_attention_cpu(**args, plan=plan)
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
     assert fused["rows"] == [] and fused["gathered"] > 0
+
+
+def test_table_rows_kernel_split_over_threads(fused):
+    """Two intra-op threads split the (request, KV head) rows: the same result as the reference."""
+    args = HEADS[7].make(torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = paged_attention_cpu(**args, inplace_min=10**9)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
+    assert fused["gathered"] == 0
