@@ -57,6 +57,20 @@ def test_no_compiler_falls_back_to_the_matmuls_with_one_warning(monkeypatch):
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
 
 
+def test_a_first_build_says_so_on_stderr_and_a_cached_one_is_silent(monkeypatch, capsys):
+    import torch.utils.cpp_extension as ext
+
+    is_cached = kernel._is_cached
+    assert is_cached(kernel.build_name() + "_never_built") is False
+    monkeypatch.setattr(ext, "load_inline", lambda *a, **k: object())
+    for cached, said in ((False, True), (True, False)):
+        monkeypatch.setattr(kernel, "_BUILT", [])
+        monkeypatch.setattr(kernel, "_is_cached", lambda name, c=cached: c)
+        assert kernel.kernel() is not None
+        err = capsys.readouterr().err
+        assert ("building the fused CPU decode kernel" in err) is said, err
+
+
 def test_a_cpu_fp32_engine_builds_the_kernel_at_start(engines, monkeypatch):
     from vlkv.runtime.torch_backend import TorchBackend
 

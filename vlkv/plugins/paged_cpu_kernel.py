@@ -17,6 +17,7 @@ the ``bmm`` read. Building takes 0.5–2 min once per machine (torch's extension
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -228,6 +229,16 @@ def build_name() -> str:
     return f"vlkv_paged_cpu_kernel_{key}"
 
 
+def _is_cached(name: str) -> bool:
+    """Whether torch's extension cache already holds a built ``name`` (loading it takes well under a second)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return any(Path(_get_build_directory(name, False)).glob(f"{name}*.so"))
+    except Exception:  # noqa: BLE001 — a private helper of torch's: unknown means "say it"
+        return False
+
+
 def kernel():
     """The compiled extension module, built on the first call (None, with one warning, when it cannot
     be built here: the caller keeps the matmul read)."""
@@ -237,6 +248,12 @@ def kernel():
                 try:
                     from torch.utils.cpp_extension import load_inline
 
+                    if not _is_cached(build_name()):  # a ~minute-long stall deserves a line
+                        print(
+                            "vlkv: building the fused CPU decode kernel for this CPU (once; about a minute)",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     mod = load_inline(
                         build_name(),
                         cpp_sources=_SOURCE,
