@@ -189,8 +189,9 @@ class _ReplayAttention(torch.autograd.Function):
                 p_own = p[..., s:].to(q.dtype).reshape(b, hkv, rows, e).transpose(-1, -2)
                 dv[:, :, s:cols] += torch.matmul(p_own, dob.reshape(b, hkv, rows, d))
                 continue
+            # dv's factor, before p's storage turns into ds: the kept block itself when it is not float32
+            p_own = p[..., s:] if p.dtype != torch.float32 else p[..., s:].to(q.dtype, copy=True)
             p = p.float()
-            p_own = p[..., s:].to(q.dtype, copy=True)  # dv's factor, before p's storage turns into ds
             dp = torch.matmul(dob.reshape(b, hkv, rows, d), v[:, :, :cols].transpose(-1, -2)).float()
             delta = (dob.float() * out[:, :, :, i:e].float()).sum(-1, keepdim=True)  # (B, H_kv, G, rb, 1)
             ds = p.mul_(dp.view_as(p).sub_(delta))  # p's storage reused
