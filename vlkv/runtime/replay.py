@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vlkv.runtime import replay_grad as _replay_grad
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.replay_dtype import REPLAY_DTYPES, replay_layers
 from vlkv.runtime.replay_fast import attend_and_score, attention_with_lse, scores_from_lse
@@ -349,7 +350,13 @@ def _chunk_gradient(
     frozen = [p for p in layers.parameters() if p.requires_grad]
     col = col_weight(backend, cache, cols)
     ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
-    sink = ctx.sink = None if exact else GradScores(col, through_probs=request.attn_grad == "full")
+    sink = ctx.sink = (
+        None
+        if exact
+        else GradScores(
+            col, keep_bytes=_replay_grad.KEEP_PROBS_BYTES, through_probs=request.attn_grad == "full"
+        )
+    )
     outputs: dict[int, Tensor] = {}
 
     def keep(i):
