@@ -55,9 +55,12 @@ def _windows(engine, tokens: int, batch: int):
     return windows[:batch]
 
 
-def measure(engine, windows, spec: str | None, device: str) -> float:
+def measure(engine, windows, spec: str | None, device: str, clock: str = "wall") -> float:
     """Seconds of one plain prefill (``spec`` None) or of the configuration's whole compression at
-    budget 0.25: prefill with its statistics, its replay, its edit (``Engine.prefill``)."""
+    budget 0.25: prefill with its statistics, its replay, its edit (``Engine.prefill``).
+
+    ``clock="cpu"``: the process's CPU time instead of wall time (CPU runs only): on a machine shared
+    with other jobs a 1-thread run's CPU time moves far less with the load than its wall time."""
     from vlkv.eval.continuation import _batch
     from vlkv.eval.realtext import parse_spec
     from vlkv.runtime.policies import make_policy
@@ -69,12 +72,13 @@ def measure(engine, windows, spec: str | None, device: str) -> float:
     else:
         name, kwargs = parse_spec(spec)
         policy = make_policy(name, budget=0.25, **kwargs)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     sync(device)
-    t0 = time.perf_counter()
+    t0 = now()
     with torch.no_grad():
         engine.prefill(batch, policy, cache)
     sync(device)
-    return time.perf_counter() - t0
+    return now() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,26 +89,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/scoring-cost"))
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or the process's CPU time (CPU only; steadier on a shared machine)",
+    )
     add_device_args(ap)
     add_threads_arg(ap)
     args = ap.parse_args(argv)
     check_device_args(ap, args)
+    if args.clock == "cpu" and args.device != "cpu":
+        ap.error("--clock cpu measures CPU runs only")
     if args.repeats < 1 or args.tokens < 2 or args.batch < 1:
         ap.error("--repeats and --batch must be >= 1, --tokens >= 2")
     from vlkv.runtime.engine import Engine
 
     engine = Engine(load_for_bench(args.model, args.device, args.dtype))
     windows = _windows(engine, args.tokens, args.batch)
-    measure(engine, windows, None, args.device)  # warm-up
+    measure(engine, windows, None, args.device, args.clock)  # warm-up
     times: dict[str, list[float]] = {"plain": [], **{c: [] for c in args.configs}}
     ratios: dict[str, list[float]] = {c: [] for c in args.configs}
     for rep in range(args.repeats):
         for spec in args.configs:
             # each configuration against the plain prefill measured just before it: on a machine
             # shared with other jobs the load drifts within a repeat
-            plain = measure(engine, windows, None, args.device)
+            plain = measure(engine, windows, None, args.device, args.clock)
             times["plain"].append(plain)
-            t = measure(engine, windows, spec, args.device)
+            t = measure(engine, windows, spec, args.device, args.clock)
             times[spec].append(t)
             ratios[spec].append(t / plain)
             print(f"repeat {rep + 1}/{args.repeats} {spec}: {t / plain:.2f}x plain", flush=True)
@@ -116,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.batch,
         "dtype": args.dtype,
         "repeats": args.repeats,
+        "clock": args.clock,
         "seconds": times,
         "ratio_median": {c: statistics.median(r) for c, r in ratios.items()},
     }
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     lines = [
         f"Scoring cost at compression time ({args.model}, {args.dtype}, {machine}; batch {args.batch} x "
-        f"{args.tokens} tokens, median of {args.repeats} interleaved repeats)",
+        f"{args.tokens} tokens, median of {args.repeats} interleaved repeats, {args.clock} clock)",
         "",
         "| configuration | compression (prefill + statistics + replay + edit) / plain prefill |",
         "|---|---|",

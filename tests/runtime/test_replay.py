@@ -141,6 +141,24 @@ def test_kvgrad_scores_equal_the_autograd_reference(engines, chunk_size):
             )
 
 
+@pytest.mark.parametrize("keep", ["none", "some", "all"])
+def test_kvgrad_scores_do_not_depend_on_which_layers_keep_their_probabilities(engines, monkeypatch, keep):
+    """The forward keeps each layer's probabilities for the backward up to a byte bound, then the
+    layers above recompute them: every split gives the reference's scores."""
+    from vlkv.runtime import replay_grad
+
+    engine = engines["tiny-llava"]
+    batch, cache = _prefilled(engine, [Prompt(PROMPTS[0]), Prompt(PROMPTS[1])])
+    want = _replay(engine, batch, cache, chunk_size=5, gradient=True, exact=True)
+    b, h = batch.lengths.shape[0], engine.backend.num_heads
+    per_layer = b * h * (5 + len(_template_ids(engine))) * (int(batch.lengths.max()) + 16) * 4
+    bound = {"none": 0, "some": 3 * per_layer // 2, "all": 1 << 40}[keep]
+    monkeypatch.setattr(replay_grad, "KEEP_PROBS_BYTES", bound)
+    got = _replay(engine, batch, cache, chunk_size=5, gradient=True)
+    for layer, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, atol=1e-6 * float(w.max()), rtol=1e-4, msg=f"layer {layer}")
+
+
 @pytest.mark.parametrize("exact", [False, True])
 def test_value_norm_scores_equal_the_eager_reference(engines, exact):
     engine = engines["tiny-llava"]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vlkv.runtime import replay_grad as _replay_grad
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.replay_dtype import REPLAY_DTYPES, replay_layers
 from vlkv.runtime.replay_fast import attend_and_score, attention_with_lse, scores_from_lse
@@ -38,6 +39,9 @@ from vlkv.runtime.replay_grad import value_output_norm as value_output_norm  # p
 
 DEFAULT_TEMPLATE = "\n\nRepeat the previous context:"
 REPLAY_MODES = ("context", "prompt")
+# KVgrad's backward through each layer's attention: "full" (the exact gradient) or "values" (the
+# attention probabilities held constant: through the values, the residual stream and the MLPs only)
+ATTN_GRADS = ("full", "values")
 
 
 @dataclass
@@ -65,6 +69,10 @@ class ReplayRequest:
             (-1 = all, the exact gradient); every lower layer's row weight is the gradient at the input
             of the lowest of them, i.e. through the residual stream alone. 0 = no backward at all:
             ``2 ||h_p||`` of the last layer's output. An approximation below -1.
+        attn_grad: one of :data:`ATTN_GRADS`. ``"values"``: KVgrad's backward holds every layer's
+            attention probabilities constant (no ``dq``/``dk``, no second pass over ``q · k``), so the
+            gradient reaches lower layers through the values, the residual stream and the MLPs. An
+            approximation (fast path only).
     """
 
     template: str = DEFAULT_TEMPLATE
@@ -76,8 +84,13 @@ class ReplayRequest:
     value_norm: bool = False
     dtype: str = "model"
     grad_layers: int = -1
+    attn_grad: str = "full"
 
     def __post_init__(self) -> None:
+        if self.attn_grad not in ATTN_GRADS:
+            raise ValueError(f"attn_grad must be one of {ATTN_GRADS}, got {self.attn_grad!r}")
+        if self.exact and self.attn_grad != "full":
+            raise ValueError("attn_grad='values' is an approximation of the fast pass; exact=True has none")
         if self.dtype != "model" and self.dtype not in REPLAY_DTYPES:
             raise ValueError(f"dtype must be 'model' or one of {tuple(REPLAY_DTYPES)}, got {self.dtype!r}")
         if self.grad_layers < -1:
@@ -337,7 +350,13 @@ def _chunk_gradient(
     frozen = [p for p in layers.parameters() if p.requires_grad]
     col = col_weight(backend, cache, cols)
     ctx = ReplayContext(cache, new_len, keep_queries=True, exact=exact)
-    sink = ctx.sink = None if exact else GradScores(col)
+    sink = ctx.sink = (
+        None
+        if exact
+        else GradScores(
+            col, keep_bytes=_replay_grad.KEEP_PROBS_BYTES, through_probs=request.attn_grad == "full"
+        )
+    )
     outputs: dict[int, Tensor] = {}
 
     def keep(i):

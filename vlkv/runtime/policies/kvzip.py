@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from vlkv.runtime.policies.base import sink_mask
 from vlkv.runtime.policies.scorer import ScorePolicy
-from vlkv.runtime.replay import DEFAULT_TEMPLATE, REPLAY_MODES, ReplayRequest
+from vlkv.runtime.replay import ATTN_GRADS, DEFAULT_TEMPLATE, REPLAY_MODES, ReplayRequest
 from vlkv.runtime.replay_dtype import REPLAY_DTYPES
 
 SCOPES = ("model", "layer")
@@ -57,6 +57,8 @@ class KVzipPolicy(ScorePolicy):
     replay_dtype: the replay's compute dtype, ``"model"`` or ``"bfloat16"``/``"float16"``/``"float32"``
         (cheaper scoring on CPUs with bf16 units; an approximation, see ``vlkv/runtime/replay_dtype.py``).
     grad_layers: KVgrad only: backward through the top ``grad_layers`` layers (-1 = all, exact).
+    attn_grad: KVgrad only: ``"full"`` (exact) or ``"values"`` (the backward holds the attention
+        probabilities constant: cheaper, an approximation, see ``docs/policies.md``).
     """
 
     chunk_size: int = 2048
@@ -70,6 +72,7 @@ class KVzipPolicy(ScorePolicy):
     value_norm: bool = False
     replay_dtype: str = "model"
     grad_layers: int = -1
+    attn_grad: str = "full"
 
     name: ClassVar[str] = "kvzip"
     # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
@@ -97,6 +100,10 @@ class KVzipPolicy(ScorePolicy):
             )
         if self.grad_layers < -1:
             raise ValueError(f"grad_layers must be >= -1 (-1 = all layers), got {self.grad_layers}")
+        if self.attn_grad not in ATTN_GRADS:
+            raise ValueError(f"attn_grad must be one of {ATTN_GRADS}, got {self.attn_grad!r}")
+        if self.exact and self.attn_grad != "full":
+            raise ValueError("attn_grad='values' is an approximation of the fast pass; exact=True has none")
         if self.mode == "prompt" and not self.template.strip():
             raise ValueError("template must not be empty with mode='prompt'")
 
@@ -113,6 +120,7 @@ class KVzipPolicy(ScorePolicy):
             self.value_norm,
             self.replay_dtype,
             self.grad_layers,
+            self.attn_grad,
         )
 
     def after_prefill(self, cache, stats, ctx):
