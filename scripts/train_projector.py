@@ -321,7 +321,11 @@ def export(out: Path, dest: Path, dtype: torch.dtype = torch.float32, name: str 
     ckpt = torch.load(out / name, weights_only=False)
     tensors = {k: v.to(dtype).contiguous() for k, v in ckpt["projector"].items()}
     dest.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(ckpt["config"])})
+    config = dict(ckpt["config"])
+    if config.get("init_from"):  # the run directory's name only: no machine paths in a shipped file
+        source = Path(config["init_from"])
+        config["init_from"] = f"{source.parent.name}/{source.name}"
+    save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(config)})
     return hashlib.sha256(dest.read_bytes()).hexdigest()
 
 

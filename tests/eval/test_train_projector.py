@@ -91,6 +91,13 @@ def test_second_phase_starts_from_another_runs_projector(tp, tmp_path):
         torch.testing.assert_close(start["projector"][key], value, rtol=0, atol=0)
     with pytest.raises(ValueError, match="mix must be one of"):
         _cfg(tp, mix="other")
+    # the exported file names the first phase by its run directory, never by a machine path
+    from safetensors import safe_open
+
+    tp.export(tmp_path / "b", tmp_path / "b.safetensors")
+    with safe_open(tmp_path / "b.safetensors", "pt") as f:
+        meta = tp.json.loads(f.metadata()["config"])
+    assert meta["init_from"] == "a/" + tp.CHECKPOINT
 
 
 def test_linear_form_resumes_and_stays_affine(tp, tmp_path):
