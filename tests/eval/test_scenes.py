@@ -147,3 +147,7 @@ def test_mixed_mix_keeps_one_object_captions_and_adds_two_object_ones():
     assert {s.kind for s in samples} == {"single", "single-turns", "two", "two-turns"}
     for s in samples:
         assert all((o.colour, o.shape) not in S.HELD_OUT for o in s.scenes[0].objects)
+
+
+def test_plurals():
+    assert [S.plural(s) for s in ("star", "cross", "diamond")] == ["stars", "crosses", "diamonds"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vlkv.eval import vqa
-from vlkv.eval.scenes import HELD_OUT, NUMBERS, ORDINALS, pairs
+from vlkv.eval.scenes import HELD_OUT, NUMBERS, ORDINALS, pairs, plural
 
 
 def test_set_is_deterministic_and_held_out_only():
@@ -37,7 +37,7 @@ def test_answers_match_the_scenes():
             matching = [
                 i
                 for i, sc in enumerate(s.scenes)
-                if sum(o.shape + "s" == shapes for o in sc.objects) == NUMBERS.index(count)
+                if sum(plural(o.shape) == shapes for o in sc.objects) == NUMBERS.index(count)
             ]
             assert matching == [k]
 
