@@ -47,6 +47,15 @@ def test_methods_on_a_tiny_model(blv, loaded_models):
 
     full = engine.generate([Prompt(item.sample.question, item.images)], make_policy("full"), 10)
     assert rows["none"]["answer"] == blv.normalise(full.samples[0].text)
+    # the reference path is engine.generate's greedy path
+    batch = engine.encode([Prompt(item.sample.question, item.images)])
+    cache = engine.new_cache(batch, pool=pool)
+    ids, logps = blv.greedy_path(engine, batch, cache, engine.prefill(batch, make_policy("full"), cache), 6)
+    cache.release()
+    long = engine.generate(
+        [Prompt(item.sample.question, item.images)], make_policy("full"), 6, stop_at_eos=False
+    )
+    assert ids == long.samples[0].token_ids and len(logps) == 6
     summary = blv.summarise([rows, rows])
     assert summary["mpic-8"]["n"] == 2 and 0 <= summary["mpic-8"]["accuracy"] <= 1
     lines = blv.table({2: summary})
