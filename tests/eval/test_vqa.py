@@ -54,6 +54,9 @@ def test_bad_arguments_are_one_line(capsys):
         vqa.build_set(n_two=-1)
     assert vqa.main(["--model", "tiny-llava", "--counts", "11"]) == 2
     assert capsys.readouterr().err.strip().startswith("vqa: counts must lie in 1..10")
+    # a policy that cannot run at a budget fails before any policy runs
+    assert vqa.main(["--model", "no-such-model", "--policies", "full", "attnpack", "--budgets", "0.5"]) == 2
+    assert "budget must be 1 without evict" in capsys.readouterr().err
 
 
 def test_runs_any_policy_on_a_tiny_model(loaded_models):
