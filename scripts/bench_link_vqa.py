@@ -16,6 +16,9 @@ method (``none``, ``prefix``, ``full-reuse``, ``cacheblend``, ``mpic`` k), inter
 
 ``none`` (it links nothing) is full recompute: it runs first, and its greedy path (its tokens and
 their log-probabilities) is the reference, so a question costs one full prefill less.
+``--sink-records`` (an experiment, not the product's linker): records are computed after the
+prompt's opening tokens (the chat template's ``<|im_start|>user\n``, which hold the attention sink)
+instead of alone from position 0; only the image's rows are kept.
 Every method links the same records (one store per question, dense records are method-independent);
 prefixes a measured request adds are dropped before the next method, so each is a first visit.
 """
@@ -44,6 +47,35 @@ from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 
 ANSWER_TOKENS = 10
+
+
+def sink_segment(engine, batch, emb, span, pool, replay: bool = False):
+    """A record of the image at ``span`` computed after the prompt's tokens before its first image
+    (the attention sink), at positions 0.. with the image right after them; the image's rows only.
+
+    Drop-in for :func:`vlkv.runtime.link.linker.standalone_segment` (1-D RoPE models only).
+    """
+    from vlkv.runtime.backend import StepInputs
+    from vlkv.runtime.kv.segments import SharedSegment
+
+    if replay:
+        raise ValueError("--sink-records makes dense records only (no kvzip replay scores)")
+    if batch.positions.shape[-1] != 1:
+        raise ValueError("--sink-records needs a 1-D RoPE model (M-RoPE grids are not shifted here)")
+    a, b = span
+    opening = batch.spans[0].image_spans[0][0]
+    idx = torch.cat([torch.arange(opening), torch.arange(a, b)]).to(batch.input_ids.device)
+    n = len(idx)
+    pos = torch.arange(n, dtype=batch.positions.dtype, device=batch.positions.device).view(1, n, 1)
+    cache = engine.new_cache(batch, pool=pool)
+    try:
+        inputs = StepInputs(
+            batch.input_ids[:, idx], pos, batch.modality[:, idx], batch.lengths.new_tensor([n]), emb[:, idx]
+        )
+        engine.backend.step(inputs, cache)
+        return SharedSegment.from_cache(cache, opening, n)
+    finally:
+        cache.release()
 
 
 def items_for(n_images: int, n: int, seed: int) -> list:
@@ -217,12 +249,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--sink-records",
+        action="store_true",
+        help="experiment: records computed after the prompt's opening tokens (see the module's doc)",
+    )
     ap.add_argument("--out-dir", type=Path, default=None, help="write link-vqa.json and link-vqa.md here")
     args = ap.parse_args(argv)
     if args.n < 1 or args.tokens < 1 or any(not 1 <= c <= 10 for c in args.images):
         print("bench_link_vqa: --n and --tokens must be >= 1, --images in 1..10", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    from vlkv.runtime.link import linker
+
+    original = linker.standalone_segment
+    if args.sink_records:
+        linker.standalone_segment = sink_segment
+    try:
+        results, raw = run(args)
+    finally:
+        linker.standalone_segment = original
+    print(write(results, raw, args))
+    return 0
+
+
+def run(args) -> tuple[dict, dict]:
+    """Every image count's questions under every method; (summaries, per-question rows)."""
     engine = Engine(load_model(args.model))
     specs = [LinkSpec("none"), LinkSpec("prefix"), LinkSpec("full-reuse")]
     specs += [LinkSpec("cacheblend", r=r) for r in args.r] + [LinkSpec("mpic", k) for k in args.k]
@@ -244,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         results[n_images], raw[n_images] = summarise(per_item), logged
         print("\n".join(table({n_images: results[n_images]})[2:]), flush=True)
         write(results, raw, args)  # after every image count: a stopped run keeps what it measured
-    print(write(results, raw, args))
-    return 0
+    return results, raw
 
 
 if __name__ == "__main__":

@@ -87,3 +87,20 @@ def test_command_writes_the_report(blv, tmp_path, capsys):
     assert "| 1 | mpic-0 | 1 |" in (tmp_path / "link-vqa.md").read_text()
     assert blv.main(["--model", "tiny-llava", "--images", "11"]) == 2
     assert "--images in 1..10" in capsys.readouterr().err
+
+
+def test_sink_records_make_one_picture_reuse_exact(blv, loaded_models, monkeypatch):
+    """With one picture the stored image sits after the same opening tokens at the same position: a
+    record computed after them is the full-recompute K/V, so full reuse agrees exactly."""
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.link import linker
+    from vlkv.runtime.link.spec import LinkSpec
+    from vlkv.runtime.prompt import Prompt
+
+    engine = Engine(loaded_models["tiny-llava"])
+    pool = engine.new_cache(engine.encode([Prompt("x")])).pool
+    item = blv.items_for(1, 1, seed=0)[0]
+    monkeypatch.setattr(linker, "standalone_segment", blv.sink_segment)
+    rows = blv.measure_item(engine, pool, item, [LinkSpec("none"), LinkSpec("full-reuse")], tokens=8)
+    assert rows["full-reuse"]["reused"] > 0
+    assert rows["full-reuse"]["agreement"] == 1.0 and abs(rows["full-reuse"]["kl"]) < 1e-4
