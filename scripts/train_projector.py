@@ -7,8 +7,9 @@
 Only the 2-layer MLP projector trains; the vision tower and the language model stay frozen. The
 recipe (``shared/spec/projector-training.md``):
 
-1. **Ridge initialisation.** Frozen vision features of single-object training scenes; every patch is
-   regressed onto the mean input embedding of the object's colour word and shape word. The map is
+1. **Ridge initialisation** (:mod:`vlkv.eval.projector_init`). Frozen vision features of training
+   scenes; every patch is regressed onto the mean input embedding of the object's colour word and
+   shape word (``--init-target global``), or of the object the patch shows (``local``). The map is
    written *exactly* into the MLP: ``linear_1`` holds ± copies of the top principal directions, so
    ``gelu(z) - gelu(-z) = z`` passes them through, and ``linear_2`` holds the ridge coefficients.
 2. **LM loss** on the answer tokens of the training mix (:mod:`vlkv.eval.scene_tasks`: captions and
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlkv.eval.projector_init import TARGETS, AffineProjector, ridge_init
 from vlkv.eval.scene_tasks import MIXES, WHAT, Sample, training_sample
 from vlkv.eval.scenes import random_scene
 
@@ -69,6 +71,9 @@ class TrainConfig:
     # principal directions stay), so the projector stays an affine map of the vision features and
     # cannot learn pair-specific non-linear codes; it is written exactly into the MLP when saved.
     form: str = "mlp"
+    # the ridge fit's target (vlkv.eval.projector_init): "global" (every patch of a one-object scene
+    # -> its words) or "local" (patches on an object -> its words, others -> "background")
+    init_target: str = "global"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -86,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"form must be one of {list(FORMS)}, got {self.form!r}")
         if self.mix not in MIXES:
             raise ValueError(f"mix must be one of {list(MIXES)}, got {self.mix!r}")
+        if self.init_target not in TARGETS:
+            raise ValueError(f"init_target must be one of {list(TARGETS)}, got {self.init_target!r}")
         if self.init_from and not Path(self.init_from).is_file():
             raise ValueError(f"init_from {self.init_from} is not a file")
 
@@ -193,97 +200,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + np.cos(np.pi * progress)))
 
 
-# ----------------------------------------------------------------------------- ridge initialisation
-
-
-def word_target(loaded, word: str, leading_space: bool) -> torch.Tensor:
-    """Mean input embedding of ``word``'s tokens as they appear in an answer; ``(hidden,)``."""
-    tok = loaded.processor.tokenizer
-    ids = tok((" " if leading_space else "") + word, add_special_tokens=False)["input_ids"]
-    embed = loaded.model.get_input_embeddings().weight
-    return embed[ids].float().mean(0)
-
-
-@torch.no_grad()
-def ridge_init(loaded, cfg: TrainConfig) -> tuple[dict[str, float], AffineProjector]:
-    """Fit patch features → (colour word + shape word) / 2 embeddings and write it into the projector.
-
-    Returns the fit's R² on its own data, its rank and the time it took; and the map itself.
-    """
-    start = time.perf_counter()
-    proj = projector(loaded)
-    captured: list[torch.Tensor] = []
-    hook = proj.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach().float()))
-    rng = np.random.default_rng([cfg.seed, 1_000_003])
-    feats, targets = [], []
-    try:
-        for _ in range(cfg.init_images):
-            scene = random_scene(rng, "train", 1)
-            obj = scene.objects[0]
-            pixels = loaded.processor.image_processor(images=[scene.image()], return_tensors="pt")[
-                "pixel_values"
-            ]
-            captured.clear()
-            loaded.model.model.get_image_features(pixel_values=pixels.to(loaded.model.dtype))
-            patches = captured[-1].reshape(-1, captured[-1].shape[-1])  # (patches, vision_hidden)
-            target = (word_target(loaded, obj.colour, False) + word_target(loaded, obj.shape, True)) / 2
-            feats.append(patches)
-            targets.append(target.expand(patches.shape[0], -1))
-    finally:
-        hook.remove()
-    x = torch.cat(feats).double()  # (N, d)
-    y = torch.cat(targets).double()  # (N, out)
-    mu, y_mean = x.mean(0), y.mean(0)
-    xc, yc = x - mu, y - y_mean
-    rank = min(proj.linear_1.out_features // 2, x.shape[1])
-    # top principal directions of the features: they are what the ± pairs of hidden units carry
-    _, _, vh = torch.linalg.svd(xc, full_matrices=False)
-    basis = vh[:rank].T  # (d, rank)
-    z = xc @ basis
-    gram = z.T @ z
-    penalty = cfg.ridge * gram.diagonal().mean()
-    coef = torch.linalg.solve(gram + penalty * torch.eye(rank, dtype=gram.dtype), z.T @ yc)  # (rank, out)
-    r2 = 1 - ((z @ coef - yc).pow(2).sum() / yc.pow(2).sum()).item()
-    affine = AffineProjector(basis, mu, coef, y_mean)
-    affine.write_into(proj)
-    return {"r2": r2, "seconds": time.perf_counter() - start, "rank": rank}, affine
-
-
-class AffineProjector(torch.nn.Module):
-    """``((x - mu) @ basis) @ coef + bias``: the ridge map, with only ``coef`` and ``bias`` trainable.
-
-    ``basis`` ``(d, rank)`` and ``mu`` ``(d,)`` are fixed buffers; ``coef`` is ``(rank, out)``.
-    """
-
-    def __init__(self, basis: torch.Tensor, mu: torch.Tensor, coef: torch.Tensor, bias: torch.Tensor):
-        super().__init__()
-        self.register_buffer("basis", basis.float().clone())
-        self.register_buffer("mu", mu.float().clone())
-        self.coef = torch.nn.Parameter(coef.float().clone())
-        self.bias = torch.nn.Parameter(bias.float().clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ((x - self.mu) @ self.basis) @ self.coef + self.bias
-
-    @torch.no_grad()
-    def write_into(self, mlp) -> None:
-        """Write the map exactly into the 2-layer GELU MLP: ``linear_1`` holds ± copies of the basis
-        (``gelu(z) - gelu(-z) = z``), ``linear_2`` the coefficients; spare hidden units are zero."""
-        basis, mu = self.basis.double(), self.mu.double()
-        coef, rank = self.coef.double(), self.basis.shape[1]
-        w1 = torch.zeros(mlp.linear_1.weight.shape, dtype=torch.float64)
-        b1 = torch.zeros(mlp.linear_1.out_features, dtype=torch.float64)
-        w1[:rank], w1[rank : 2 * rank] = basis.T, -basis.T
-        b1[:rank], b1[rank : 2 * rank] = -(basis.T @ mu), basis.T @ mu
-        w2 = torch.zeros(mlp.linear_2.weight.shape, dtype=torch.float64)
-        w2[:, :rank], w2[:, rank : 2 * rank] = coef.T, -coef.T
-        dtype = mlp.linear_1.weight.dtype
-        mlp.linear_1.weight.copy_(w1.to(dtype))
-        mlp.linear_1.bias.copy_(b1.to(dtype))
-        mlp.linear_2.weight.copy_(w2.to(dtype))
-        mlp.linear_2.bias.copy_(self.bias.to(dtype))
-
-
 # ----------------------------------------------------------------------------- training loop
 
 
@@ -311,7 +227,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
     step, extra, affine = 0, {}, None
     ckpt = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.is_file() else None
     if ckpt is not None:
-        if ckpt["config"] != asdict(cfg):
+        # settings added since the checkpoint was written take their defaults
+        if asdict(TrainConfig()) | ckpt["config"] != asdict(cfg):
             raise ValueError(f"--resume: {ckpt_path} was made with other settings: {ckpt['config']}")
         step, extra = ckpt["step"], {k: ckpt[k] for k in ("init", "best") if k in ckpt}
         source = ckpt
@@ -321,7 +238,7 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             raise ValueError(f"init_from {cfg.init_from} holds no affine map (not a linear-form run)")
         extra["init"] = {"from": cfg.init_from}
     else:
-        info, ridge = ridge_init(loaded, cfg)
+        info, ridge = ridge_init(loaded, cfg.seed, cfg.init_images, cfg.ridge, cfg.init_target)
         extra["init"], source = info, None
         affine = ridge if cfg.form == "linear" else None
     if source is not None:
@@ -404,7 +321,11 @@ def export(out: Path, dest: Path, dtype: torch.dtype = torch.float32, name: str 
     ckpt = torch.load(out / name, weights_only=False)
     tensors = {k: v.to(dtype).contiguous() for k, v in ckpt["projector"].items()}
     dest.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(ckpt["config"])})
+    config = dict(ckpt["config"])
+    if config.get("init_from"):  # the run directory's name only: no machine paths in a shipped file
+        source = Path(config["init_from"])
+        config["init_from"] = f"{source.parent.name}/{source.name}"
+    save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(config)})
     return hashlib.sha256(dest.read_bytes()).hexdigest()
 
 

@@ -131,3 +131,23 @@ def test_turns_ask_about_the_same_images_and_name_nothing_first():
         for sc in sample.scenes:
             assert all((o.colour, o.shape) not in S.HELD_OUT for o in sc.objects)
     assert {"single-turns", "two-turns", "count-turns"} <= kinds
+
+
+def test_mixed_mix_keeps_one_object_captions_and_adds_two_object_ones():
+    rng = np.random.default_rng(3)
+    samples = [T.training_sample(rng, mix="mixed") for _ in range(200)]
+    singles = [s for s in samples if s.kind == "single"]
+    twos = [s for s in samples if s.kind == "two"]
+    assert 50 <= len(singles) <= 110 and 20 <= len(twos) <= 65  # weights 0.4 and 0.2
+    for s in singles:
+        assert s.question == T.WHAT and s.answer == s.scenes[0].objects[0].name
+    for s in twos:
+        left, right = s.scenes[0].objects
+        assert s.question == T.WHAT and s.answer == f"{left.name} and {right.name}"
+    assert {s.kind for s in samples} == {"single", "single-turns", "two", "two-turns"}
+    for s in samples:
+        assert all((o.colour, o.shape) not in S.HELD_OUT for o in s.scenes[0].objects)
+
+
+def test_plurals():
+    assert [S.plural(s) for s in ("star", "cross", "diamond")] == ["stars", "crosses", "diamonds"]

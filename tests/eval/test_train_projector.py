@@ -51,7 +51,7 @@ def test_ridge_init_is_written_exactly_into_the_mlp(tp):
     """The MLP after initialisation is the affine ridge map: gelu(z) - gelu(-z) = z on the ± pairs."""
     cfg = _cfg(tp)
     loaded = tp.load(cfg.model)
-    info, _ = tp.ridge_init(loaded, cfg)
+    info, _ = tp.ridge_init(loaded, cfg.seed, cfg.init_images, cfg.ridge, cfg.init_target)
     proj = tp.projector(loaded)
     rank = info["rank"]
     x = torch.randn(5, proj.linear_1.in_features, dtype=torch.float64)
@@ -91,6 +91,13 @@ def test_second_phase_starts_from_another_runs_projector(tp, tmp_path):
         torch.testing.assert_close(start["projector"][key], value, rtol=0, atol=0)
     with pytest.raises(ValueError, match="mix must be one of"):
         _cfg(tp, mix="other")
+    # the exported file names the first phase by its run directory, never by a machine path
+    from safetensors import safe_open
+
+    tp.export(tmp_path / "b", tmp_path / "b.safetensors")
+    with safe_open(tmp_path / "b.safetensors", "pt") as f:
+        meta = tp.json.loads(f.metadata()["config"])
+    assert meta["init_from"] == "a/" + tp.CHECKPOINT
 
 
 def test_linear_form_resumes_and_stays_affine(tp, tmp_path):
@@ -132,3 +139,42 @@ def test_follow_up_turns_are_supervised_answers_only(tp):
     assert marked.replace(tok.eos_token, "|") == "red circle|left|"
     assert "Q2?" in tok.decode(inputs["input_ids"][0][n_prompt:][~mask[n_prompt:]])
     assert tp.sample_loss(loaded, sample).isfinite()
+
+
+def test_local_patches_lie_on_their_objects():
+    """smollm2-llava's geometry (256 shortest edge, 224 crop, 16x16 patches): each object owns the
+    patches around its centre, left object first; the rest is background."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vlkv.eval.projector_init import patch_objects
+    from vlkv.eval.scenes import random_scene
+
+    proc = SimpleNamespace(
+        do_resize=True,
+        size=SimpleNamespace(shortest_edge=256),
+        do_center_crop=True,
+        crop_size=SimpleNamespace(height=224),
+    )
+    scene = random_scene(np.random.default_rng(4), "train", 2)
+    owner = patch_objects(scene, proc, 16).reshape(16, 16)
+    for i, obj in enumerate(scene.objects):
+        # the scene pixel (cx, cy) lands at (c * 256 / 224 - 16) / 14 in patches
+        row, col = ((np.array([obj.cy, obj.cx]) * 256 / 224 - 16) // 14).astype(int)
+        assert owner[row, col] == i
+        area = (owner == i).sum()
+        expected = np.pi * (obj.radius * 256 / 224 / 14) ** 2
+        assert 0.5 * expected < area < 3 * expected
+    assert (owner == -1).mean() > 0.6
+    cols = [np.nonzero(owner == i)[1].mean() for i in range(2)]
+    assert cols[0] < cols[1]
+
+
+def test_local_init_fits_and_trains(tp, tmp_path):
+    cfg = _cfg(tp, init_target="local", init_images=4, steps=1, mix="mixed")
+    tp.train(cfg, tmp_path, quiet=True)
+    init = tp.json.loads((tmp_path / tp.LOG).read_text().splitlines()[0])
+    assert init["target"] == "local" and 0 < init["r2"] <= 1
+    with pytest.raises(ValueError, match="init_target must be one of"):
+        _cfg(tp, init_target="other")

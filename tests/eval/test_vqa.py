@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vlkv.eval import vqa
-from vlkv.eval.scenes import HELD_OUT, NUMBERS, ORDINALS, pairs
+from vlkv.eval.scenes import HELD_OUT, NUMBERS, ORDINALS, pairs, plural
 
 
 def test_set_is_deterministic_and_held_out_only():
@@ -37,7 +37,7 @@ def test_answers_match_the_scenes():
             matching = [
                 i
                 for i, sc in enumerate(s.scenes)
-                if sum(o.shape + "s" == shapes for o in sc.objects) == NUMBERS.index(count)
+                if sum(plural(o.shape) == shapes for o in sc.objects) == NUMBERS.index(count)
             ]
             assert matching == [k]
 
@@ -54,6 +54,9 @@ def test_bad_arguments_are_one_line(capsys):
         vqa.build_set(n_two=-1)
     assert vqa.main(["--model", "tiny-llava", "--counts", "11"]) == 2
     assert capsys.readouterr().err.strip().startswith("vqa: counts must lie in 1..10")
+    # a policy that cannot run at a budget fails before any policy runs
+    assert vqa.main(["--model", "no-such-model", "--policies", "full", "attnpack", "--budgets", "0.5"]) == 2
+    assert "budget must be 1 without evict" in capsys.readouterr().err
 
 
 def test_runs_any_policy_on_a_tiny_model(loaded_models):

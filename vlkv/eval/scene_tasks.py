@@ -141,6 +141,12 @@ def single_what(rng: np.random.Generator, split: str) -> Sample:
     return Sample((scene,), WHAT, scene.objects[0].name, "single")
 
 
+def two_what(rng: np.random.Generator, split: str) -> Sample:
+    """Two different objects, "What is in the image?" → ``"red star and blue circle"`` (left to right)."""
+    scene = random_scene(rng, split, 2)
+    return Sample((scene,), WHAT, scene.caption, "two")
+
+
 def _as_turns(
     rng: np.random.Generator, scenes: tuple[Scene, ...], options: list, kind: str, k: int
 ) -> Sample:
@@ -202,6 +208,7 @@ def count_turns(rng: np.random.Generator, split: str) -> Sample:
 MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
     "single-what": single_what,
     "single": single,
+    "two-what": two_what,
     "two": two,
     "count": count,
     "nth": _nth_few,
@@ -215,12 +222,17 @@ MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
 # measured recipe's short caption of one object (shared/spec/projector-training.md) plus two-object
 # questions, and nothing else; "turns" asks several questions per image (one image encoding, 2-4
 # supervised answers); "spec" is the measured recipe alone (one object, its short name: the first
-# phase of a curriculum, continued with --init-from on a richer mix).
+# phase of a curriculum, continued with --init-from on a richer mix); "mixed" is that second phase:
+# the one-object caption kept at 40 % (so the first phase is not forgotten), the two-object caption
+# and several questions per two-object image (the VQA set's "two" group); "mixed-nth" adds "the
+# k-th of 2-3 pictures" questions, the multi-image prompt format.
 MIXES: dict[str, dict[str, float]] = {
     "spec": {"single-what": 1.0},
     "full": {"single": 0.34, "two": 0.30, "count": 0.18, "nth": 0.10, "which": 0.08},
     "focused": {"single": 0.45, "two": 0.35, "count": 0.10, "nth": 0.05, "which": 0.05},
     "core": {"single-what": 0.5, "single": 0.1, "two": 0.4},
+    "mixed": {"single-what": 0.4, "single-turns": 0.1, "two-what": 0.2, "two-turns": 0.3},
+    "mixed-nth": {"single-what": 0.36, "single-turns": 0.09, "two-what": 0.18, "two-turns": 0.27, "nth": 0.1},
     "turns": {"single-turns": 0.45, "two-turns": 0.35, "count-turns": 0.1, "nth": 0.05, "which": 0.05},
 }
 

@@ -59,7 +59,8 @@ def pairs(split: str) -> list[tuple[str, str]]:
 
 
 def plural(shape: str) -> str:
-    return shape + "s"
+    """``"stars"``, ``"crosses"``."""
+    return shape + ("es" if shape.endswith(("s", "x", "sh", "ch")) else "s")
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
+        from vlkv.runtime.policies import make_policy
+
         items = build_set(args.n_single, args.n_two, args.n_multi, tuple(args.counts), args.seed)
+        for name in args.policies:  # a bad policy or budget fails here, not after minutes of others
+            for budget in [None] if name == "full" else args.budgets:
+                make_policy(name) if budget is None else make_policy(name, budget=budget)
         loaded = load_model(args.model)
         if args.projector is not None:
             _swap_projector(loaded, args.projector)

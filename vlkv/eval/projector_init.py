@@ -1,0 +1,159 @@
+"""Ridge initialisation of a LLaVA projector: frozen vision features regressed onto word embeddings.
+
+The map is written *exactly* into the 2-layer GELU MLP: ``linear_1`` holds ± copies of the top
+principal directions of the features, so ``gelu(z) - gelu(-z) = z`` passes them through, and
+``linear_2`` holds the ridge coefficients (``shared/spec/projector-training.md``).
+
+Two targets (``target``):
+
+- ``global``: every patch of a one-object scene → the mean input embedding of the object's colour
+  word and shape word (the measured recipe: patch features are contextual, so every patch can say
+  what the image holds);
+- ``local``: one- and two-object scenes; a patch whose centre lies on an object → that object's
+  words, every other patch → the word "background". The image tokens then say *where* each object
+  is through their place in the sequence, which a two-object caption ("red star and blue circle",
+  left to right) needs. Object patches are weighted to half the fit, since they are ~6 % of patches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vlkv.eval.scenes import SIZE, Scene, random_scene
+
+TARGETS = ("global", "local")
+BACKGROUND = "background"
+
+
+def word_target(loaded, word: str, leading_space: bool) -> torch.Tensor:
+    """Mean input embedding of ``word``'s tokens as they appear in an answer; ``(hidden,)``."""
+    tok = loaded.processor.tokenizer
+    ids = tok((" " if leading_space else "") + word, add_special_tokens=False)["input_ids"]
+    embed = loaded.model.get_input_embeddings().weight
+    return embed[ids].float().mean(0)
+
+
+def object_target(loaded, obj) -> torch.Tensor:
+    return (word_target(loaded, obj.colour, False) + word_target(loaded, obj.shape, True)) / 2
+
+
+def patch_objects(scene: Scene, image_processor, grid: int) -> np.ndarray:
+    """Which object each patch's centre lies on (``-1``: none); ``(grid * grid,)``, row-major.
+
+    Follows the processor's resize of the shortest edge and centre crop (both optional).
+    """
+    resize = getattr(image_processor, "size", None)
+    edge = getattr(resize, "shortest_edge", None) if getattr(image_processor, "do_resize", False) else None
+    scale = (edge or SIZE) / SIZE
+    crop = getattr(image_processor, "crop_size", None)
+    side = getattr(crop, "height", None) if getattr(image_processor, "do_center_crop", False) else None
+    side = side or SIZE * scale
+    offset = (SIZE * scale - side) / 2
+    centres = (np.arange(grid) + 0.5) * side / grid + offset  # patch centres in scaled pixels
+    ys, xs = np.meshgrid(centres / scale, centres / scale, indexing="ij")  # back in scene pixels
+    owner = np.full((grid, grid), -1)
+    for i, obj in enumerate(scene.objects):
+        # a patch whose centre is within the shape's radius (+ half a patch) shows part of it
+        reach = obj.radius + 0.5 * side / grid / scale
+        owner[(xs - obj.cx) ** 2 + (ys - obj.cy) ** 2 <= reach**2] = i
+    return owner.reshape(-1)
+
+
+@torch.no_grad()
+def ridge_init(
+    loaded, seed: int, n_images: int, ridge: float, target: str = "global"
+) -> tuple[dict[str, float], AffineProjector]:
+    """Fit patch features → word embeddings (``target``) and write the map into the projector.
+
+    Returns the fit's R² on its own data, its rank and the time it took; and the map itself.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"init target must be one of {list(TARGETS)}, got {target!r}")
+    start = time.perf_counter()
+    proj = loaded.model.model.multi_modal_projector
+    captured: list[torch.Tensor] = []
+    hook = proj.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach().float()))
+    rng = np.random.default_rng([seed, 1_000_003])
+    background = word_target(loaded, BACKGROUND, False)
+    feats, targets, weights = [], [], []
+    try:
+        for i in range(n_images):
+            scene = random_scene(rng, "train", 1 if target == "global" or i % 2 == 0 else 2)
+            pixels = loaded.processor.image_processor(images=[scene.image()], return_tensors="pt")[
+                "pixel_values"
+            ]
+            captured.clear()
+            loaded.model.model.get_image_features(pixel_values=pixels.to(loaded.model.dtype))
+            patches = captured[-1].reshape(-1, captured[-1].shape[-1])  # (patches, vision_hidden)
+            n = patches.shape[0]
+            if target == "global":
+                y = object_target(loaded, scene.objects[0]).expand(n, -1)
+                w = torch.ones(n)
+            else:
+                owner = patch_objects(scene, loaded.processor.image_processor, int(round(n**0.5)))
+                options = torch.stack([background] + [object_target(loaded, o) for o in scene.objects])
+                y = options[torch.as_tensor(owner + 1)]
+                on = torch.as_tensor(owner >= 0)
+                # object patches and background patches each carry half of the image's weight
+                w = torch.where(on, 0.5 / max(1, int(on.sum())), 0.5 / max(1, int((~on).sum()))) * n
+            feats.append(patches)
+            targets.append(y)
+            weights.append(w)
+    finally:
+        hook.remove()
+    x = torch.cat(feats).double()  # (N, d)
+    y = torch.cat(targets).double()  # (N, out)
+    w = torch.cat(weights).double()[:, None]  # (N, 1)
+    mu, y_mean = (w * x).sum(0) / w.sum(), (w * y).sum(0) / w.sum()
+    root = w.sqrt()
+    xc, yc = (x - mu) * root, (y - y_mean) * root  # weighted least squares as plain least squares
+    rank = min(proj.linear_1.out_features // 2, x.shape[1])
+    # top principal directions of the features: they are what the ± pairs of hidden units carry
+    _, _, vh = torch.linalg.svd(xc, full_matrices=False)
+    basis = vh[:rank].T  # (d, rank)
+    z = xc @ basis
+    gram = z.T @ z
+    penalty = ridge * gram.diagonal().mean()
+    coef = torch.linalg.solve(gram + penalty * torch.eye(rank, dtype=gram.dtype), z.T @ yc)  # (rank, out)
+    r2 = 1 - ((z @ coef - yc).pow(2).sum() / yc.pow(2).sum()).item()
+    affine = AffineProjector(basis, mu, coef, y_mean)
+    affine.write_into(proj)
+    return {"r2": r2, "seconds": time.perf_counter() - start, "rank": rank, "target": target}, affine
+
+
+class AffineProjector(torch.nn.Module):
+    """``((x - mu) @ basis) @ coef + bias``: the ridge map, with only ``coef`` and ``bias`` trainable.
+
+    ``basis`` ``(d, rank)`` and ``mu`` ``(d,)`` are fixed buffers; ``coef`` is ``(rank, out)``.
+    """
+
+    def __init__(self, basis: torch.Tensor, mu: torch.Tensor, coef: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.register_buffer("basis", basis.float().clone())
+        self.register_buffer("mu", mu.float().clone())
+        self.coef = torch.nn.Parameter(coef.float().clone())
+        self.bias = torch.nn.Parameter(bias.float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mu) @ self.basis) @ self.coef + self.bias
+
+    @torch.no_grad()
+    def write_into(self, mlp) -> None:
+        """Write the map exactly into the 2-layer GELU MLP: ``linear_1`` holds ± copies of the basis
+        (``gelu(z) - gelu(-z) = z``), ``linear_2`` the coefficients; spare hidden units are zero."""
+        basis, mu = self.basis.double(), self.mu.double()
+        coef, rank = self.coef.double(), self.basis.shape[1]
+        w1 = torch.zeros(mlp.linear_1.weight.shape, dtype=torch.float64)
+        b1 = torch.zeros(mlp.linear_1.out_features, dtype=torch.float64)
+        w1[:rank], w1[rank : 2 * rank] = basis.T, -basis.T
+        b1[:rank], b1[rank : 2 * rank] = -(basis.T @ mu), basis.T @ mu
+        w2 = torch.zeros(mlp.linear_2.weight.shape, dtype=torch.float64)
+        w2[:, :rank], w2[:, rank : 2 * rank] = coef.T, -coef.T
+        dtype = mlp.linear_1.weight.dtype
+        mlp.linear_1.weight.copy_(w1.to(dtype))
+        mlp.linear_1.bias.copy_(b1.to(dtype))
+        mlp.linear_2.weight.copy_(w2.to(dtype))
+        mlp.linear_2.bias.copy_(self.bias.to(dtype))
