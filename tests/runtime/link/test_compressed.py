@@ -144,7 +144,9 @@ def test_the_gate_measures_compressed_links(engines, images):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_kvzip_records_keep_the_entries_the_replay_attends_most(name, engines, images, tmp_path):
+    from vlkv.runtime.backend import StepInputs
     from vlkv.runtime.link.linker import standalone_segment
+    from vlkv.runtime.link.sink import sink_ids, with_sink
     from vlkv.runtime.replay import ReplayRequest
 
     engine = engines[name]
@@ -153,17 +155,27 @@ def test_kvzip_records_keep_the_entries_the_replay_attends_most(name, engines, i
     emb = engine.backend.embed(batch)
     a, b = batch.spans[0].image_spans[0]
     n = b - a
-    # plain reference: the image alone in its own cache, replayed, ranked with loops
+    # plain reference: the sink prefilled alone, the stored image linked after it at its standalone
+    # positions, the two replayed, the image's entries ranked with loops
     pool = engine.new_cache(batch).pool
     seg = standalone_segment(engine, batch, emb, (a, b), pool)
     cache = engine.new_cache(batch, pool=pool)
-    pos = batch.positions[0, a:b]
-    seg.link(cache, pos - pos.amin(0))  # at its standalone positions (M-RoPE: its grid ids)
+    pos = batch.positions[:, a:b]
+    embeds, _, _, _, s = with_sink(
+        engine, emb[:, a:b], pos - pos.amin(1, keepdim=True), batch.input_ids[:, a:b], batch.modality[:, a:b]
+    )
+    sink = torch.tensor([sink_ids(engine)])
+    sink_pos = torch.arange(s)[None, :, None].expand(1, s, pos.shape[-1])
+    engine.backend.step(
+        StepInputs(sink, sink_pos, torch.zeros(1, s, dtype=torch.int8), torch.tensor([s]), embeds[:, :s]),
+        cache,
+    )
+    seg.link(cache, pos[0] - pos[0].amin(0) + s)  # right after the sink (M-RoPE: its grid ids, shifted)
     ids = engine.tokenizer(ReplayRequest().template, add_special_tokens=False)["input_ids"]
-    scores = engine.backend.replay(ReplayRequest(), cache, emb[:, a:b], torch.tensor([n]), torch.tensor(ids))
+    scores = engine.backend.replay(ReplayRequest(), cache, embeds, torch.tensor([s + n]), torch.tensor(ids))
     want_score = torch.zeros(n)
     for sc in scores:
-        row = torch.tensor([max(float(sc[0, h, j]) for h in range(sc.shape[1])) for j in range(n)])
+        row = torch.tensor([max(float(sc[0, h, s + j]) for h in range(sc.shape[1])) for j in range(n)])
         want_score += row / row.mean() / len(scores)
     want = want_score.argsort(descending=True)[: kept_count(n, 0.5)].sort().values
     got = compress_segment(standalone_segment(engine, batch, emb, (a, b), pool, replay=True), 0.5, "kvzip")

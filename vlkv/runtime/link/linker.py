@@ -15,8 +15,8 @@ rotated on read); the remaining prompt rows — a non-contiguous selection — r
 one step whose attention masks by sequence order (:attr:`StepInputs.selective`), so each recomputed
 row sees exactly the entries before it, linked or recomputed; afterwards the slot tables are put back
 in sequence order (metadata only). An image missing from the store is recomputed whole and becomes a
-record for the next request: computed alone, at positions starting from 0 (M-RoPE: its grid ids),
-stored pre-RoPE.
+record for the next request: computed alone after the model's template opening (the attention sink,
+:mod:`vlkv.runtime.link.sink`), its rows stored pre-RoPE.
 
 CacheBlend's choice (:mod:`vlkv.runtime.link.cacheblend`) costs one extra pass over the first
 layers; the selective prefill then recomputes the text plus the chosen rows in *every* layer.
@@ -57,35 +57,40 @@ def identity(batch: PromptBatch, keys: list[str], tenant: str) -> tuple:
 def standalone_segment(
     engine, batch: PromptBatch, emb: Tensor, span: tuple[int, int], pool, replay: bool = False
 ) -> SharedSegment:
-    """One image's K/V computed alone, at positions from 0, stored pre-RoPE (a reusable record).
+    """One image's K/V computed alone after the model's template opening (the attention sink,
+    :mod:`vlkv.runtime.link.sink`), at positions from 0, stored pre-RoPE (a reusable record of the
+    image's rows only).
 
     ``replay`` also scores its entries by KVzip's replay over the image alone (``seg.replay_scores``,
     per layer ``(H_kv, n)``), for the ``kvzip`` record scorer."""
+    from vlkv.runtime.link.sink import with_sink
+
     a, b = span
     pos = batch.positions[:, a:b]
     pos = pos - pos.amin(dim=1, keepdim=True)  # 1-D: 0..n-1; M-RoPE: the image's own grid ids
+    embeds, pos, ids, modality, s = with_sink(
+        engine, emb[:, a:b], pos, batch.input_ids[:, a:b], batch.modality[:, a:b]
+    )
     cache = engine.new_cache(batch, pool=pool)
     seg = None
     n = b - a
     try:  # the scratch cache (and a half-made record) go back to the pool whatever fails
-        inputs = StepInputs(
-            batch.input_ids[:, a:b], pos, batch.modality[:, a:b], batch.lengths.new_tensor([n]), emb[:, a:b]
-        )
+        inputs = StepInputs(ids, pos, modality, batch.lengths.new_tensor([s + n]), embeds)
         engine.backend.step(inputs, cache)
-        seg = SharedSegment.from_cache(cache, 0, n)
+        seg = SharedSegment.from_cache(cache, s, s + n)
         if replay:
             from vlkv.runtime.replay import ReplayRequest
 
             request = ReplayRequest()
-            ids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
+            tids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
             scores = engine.backend.replay(
                 request,
                 cache,
-                emb[:, a:b],
-                batch.lengths.new_tensor([n]),
-                torch.tensor(ids, dtype=torch.long, device=emb.device),
+                embeds,
+                batch.lengths.new_tensor([s + n]),
+                torch.tensor(tids, dtype=torch.long, device=emb.device),
             )
-            seg.replay_scores = [sc[0, :, :n] for sc in scores]
+            seg.replay_scores = [sc[0, :, s : s + n] for sc in scores]
     except BaseException:
         if seg is not None:
             seg.release()

@@ -50,12 +50,13 @@ class RecordSource:
 
     @classmethod
     def for_engine(cls, engine, segments: SegmentStore, store=None, tenant: str = "default") -> RecordSource:
+        from vlkv.runtime.link.sink import sink_ids
         from vlkv.runtime.store.identity import model_fingerprint, processor_settings, validate_tenant
 
         loaded = engine.loaded
-        return cls(
-            segments, store, validate_tenant(tenant), model_fingerprint(loaded), processor_settings(loaded)
-        )
+        # records are computed after the template's opening: it is part of what their K/V depend on
+        settings = {**processor_settings(loaded), "sink": sink_ids(engine)}
+        return cls(segments, store, validate_tenant(tenant), model_fingerprint(loaded), settings)
 
     def identity(self, image, variant: dict | None = None):
         """The store identity of one prompt image (a PIL image, a path or a ``builtin:`` spec): always
