@@ -429,7 +429,7 @@ class TorchBackend:
         cos_sin = self.adapter.rotary(hidden, positions)
         flt = inputs.row_filter
         for i, layer in enumerate(self.adapter.layers):
-            hidden = self.adapter.run_layer(layer, hidden, ctx, cos_sin)
+            hidden = self.adapter.run_layer(layer, hidden, ctx, cos_sin, fused=True)
             if flt is not None and i == flt.after_layer and i + 1 < self.num_layers:
                 hidden, positions = ctx.filter_rows(flt.choose(ctx.stats, i), hidden)
                 cos_sin = self.adapter.rotary(hidden, positions.to(self.device))

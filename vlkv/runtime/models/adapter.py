@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from vlkv.runtime.models.fused_layer import enabled_by_env, fusable, fused_forward
+
 
 @dataclass(frozen=True)
 class LayerLayout:
@@ -47,6 +49,8 @@ class FamilyAdapter:
             head_dim=head_dim,
             pos_dims=self.pos_dims,
         )
+        # fused q/k/v and gate/up projections in no-grad steps (VLKV_FUSED_LAYER=0: the HF layers)
+        self.fused = enabled_by_env()
 
     # -- pieces the backend drives
     @property
@@ -61,12 +65,20 @@ class FamilyAdapter:
     def lm_head(self) -> nn.Module:
         return self.model.lm_head
 
-    def run_layer(self, layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
+    def run_layer(
+        self, layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor], fused: bool = False
+    ) -> Tensor:
         """One decoder layer over ``hidden (B, q, hidden)`` with ``ctx`` as its cache and mask.
 
-        transformers renamed the layers' cache argument (``past_key_values`` → ``cache``, 5.2x; the old
-        name warns and goes in 5.40), so the name is read off the layer's signature once.
+        ``fused``: with ``self.fused`` also on and a layer class in ``fused_layer.FUSABLE``, the layer
+        runs with one q/k/v GEMM and one gate/up GEMM (``fused_layer.fused_forward``: same modules,
+        same order, weights shared with the HF modules). Only no-grad steps ask for it (replay's
+        gradients go through the HF layers). transformers renamed the layers' cache argument
+        (``past_key_values`` → ``cache``, 5.2x; the old name warns and goes in 5.40), so the name is
+        read off the layer's signature once.
         """
+        if fused and self.fused and fusable(layer):
+            return fused_forward(layer, hidden, ctx, cos_sin)
         name = self._cache_arg
         if name is None:
             params = inspect.signature(type(layer).forward).parameters

@@ -1,0 +1,115 @@
+"""The fused decoder layer (one q/k/v GEMM, one gate/up GEMM) against the unfused HF layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vlkv.runtime.models import fused_layer
+from vlkv.runtime.models.fused_layer import enabled_by_env, fusable, fused_forward, fused_weights
+from vlkv.runtime.models.registry import load_model
+from vlkv.runtime.prompt import Prompt
+
+MODELS = ("tiny-llava", "tiny-qwen2-vl")
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _layer_inputs(loaded, rows: int, q: int):
+    """A layer, ``(rows, q, hidden)`` inputs and their rotary tables (positions 5.., M-RoPE for Qwen2-VL)."""
+    from vlkv.runtime.torch_backend import TorchBackend
+
+    be = TorchBackend(loaded.model, loaded.family, loaded.image_token_id)
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, q, be.adapter.text_config.hidden_size)
+    pos = (torch.arange(q) + 5).expand(rows, q)[..., None].expand(rows, q, be.pos_dims)
+    return be.adapter, hidden, be.adapter.rotary(hidden, pos)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("q", [1, 6])
+def test_fused_layer_equals_the_hf_layer(name, q):
+    loaded = load_model(name)
+    adapter, hidden, cos_sin = _layer_inputs(loaded, rows=4, q=q)
+    for layer in adapter.layers:
+        assert fusable(layer), type(layer).__name__
+        want = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
+        got = fused_forward(layer, hidden, None, cos_sin)
+        # same ops in the same order, but a wider GEMM may block its reduction differently: fp32
+        # rounding only
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # after fusing, the HF layer reads the same storage and still gives its own result
+        again = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
+        torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+def test_fused_weights_are_views_of_the_hf_weights_and_carry_qwen2_biases():
+    loaded = load_model("tiny-qwen2-vl")
+    layer = loaded.model.model.language_model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    before = [
+        t.clone() for t in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias)
+    ]
+    fw = fused_weights(layer)
+    assert fw.qkv_bias is not None  # Qwen2 has q/k/v biases
+    assert attn.q_proj.weight.data_ptr() == fw.qkv.data_ptr()
+    assert mlp.gate_proj.weight.data_ptr() == fw.gate_up.data_ptr()
+    after = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_proj.bias)
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+    assert fused_weights(layer) is fw  # built once
+    # a module given a new weight (e.g. a dtype change) is fused again from it
+    attn.q_proj.weight = torch.nn.Parameter(attn.q_proj.weight.detach() * 2)
+    fresh = fused_weights(layer)
+    assert fresh is not fw
+    assert torch.equal(fresh.qkv[: fresh.splits[0]], before[0] * 2)
+
+
+def test_fused_layer_makes_four_linear_calls_instead_of_seven():
+    loaded = load_model("tiny-llava")
+    adapter, hidden, cos_sin = _layer_inputs(loaded, rows=4, q=1)
+    layer = adapter.layers[0]
+    fused_weights(layer)  # built once, before the counted call
+    with torch.no_grad(), _Count() as hf:
+        layer(hidden, attention_mask=None, position_embeddings=cos_sin)
+    with torch.no_grad(), _Count() as fused:
+        fused_forward(layer, hidden, None, cos_sin)
+    linear = ("addmm", "mm", "linear", "bmm")
+    assert sum(hf.ops.get(k, 0) for k in linear) == 7
+    assert sum(fused.ops.get(k, 0) for k in linear) == 4
+    assert sum(fused.ops.values()) < sum(hf.ops.values())
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.setenv("VLKV_FUSED_LAYER", "0")
+    assert not enabled_by_env()
+    monkeypatch.setenv("VLKV_FUSED_LAYER", "1")
+    assert enabled_by_env()
+    monkeypatch.delenv("VLKV_FUSED_LAYER")
+    assert enabled_by_env()
+    assert "MistralDecoderLayer" not in fused_layer.FUSABLE  # sliding-window kwargs: runs the HF layer
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_generation_with_and_without_fusing_gives_the_same_tokens(name, images):
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.policies import make_policy
+
+    engine = Engine(load_model(name))
+    prompts = [Prompt("Describe the picture.", [images[0]]), Prompt("Write a short poem about caches.")]
+    engine.backend.adapter.fused = False
+    want = engine.generate(prompts, make_policy("full"), 8, stop_at_eos=False)
+    engine.backend.adapter.fused = True
+    got = engine.generate(prompts, make_policy("full"), 8, stop_at_eos=False)
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+    assert any(getattr(layer, "_vlkv_fused", None) is not None for layer in engine.backend.adapter.layers)
