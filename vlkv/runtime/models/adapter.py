@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from vlkv.runtime.models.fused_layer import enabled_by_env, fusable, fused_forward
+from vlkv.runtime.models.fused_layer import fusable, fused_forward, mode_from_env
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,9 @@ class FamilyAdapter:
             head_dim=head_dim,
             pos_dims=self.pos_dims,
         )
-        # fused q/k/v and gate/up projections in no-grad steps (VLKV_FUSED_LAYER=0: the HF layers)
-        self.fused = enabled_by_env()
+        # the layers of no-grad steps: "hf", "fused" (q/k/v and gate/up GEMMs fused) or "skinny" (fused,
+        # few-row GEMMs as (W @ xᵀ)ᵀ); VLKV_FUSED_LAYER picks it (fused_layer.mode_from_env)
+        self.fused = mode_from_env()
 
     # -- pieces the backend drives
     @property
@@ -70,15 +71,16 @@ class FamilyAdapter:
     ) -> Tensor:
         """One decoder layer over ``hidden (B, q, hidden)`` with ``ctx`` as its cache and mask.
 
-        ``fused``: with ``self.fused`` also on and a layer class in ``fused_layer.FUSABLE``, the layer
-        runs with one q/k/v GEMM and one gate/up GEMM (``fused_layer.fused_forward``: same modules,
-        same order, weights shared with the HF modules). Only no-grad steps ask for it (replay's
-        gradients go through the HF layers). transformers renamed the layers' cache argument
+        ``fused``: with ``self.fused`` not ``"hf"`` and a layer class in ``fused_layer.FUSABLE``, the
+        layer runs with one q/k/v GEMM and one gate/up GEMM (``fused_layer.fused_forward``: same
+        modules, same order, weights shared with the HF modules), in the skinny form for few rows where
+        ``self.fused == "skinny"``. Only no-grad steps ask for it (replay's gradients go through the HF
+        layers). transformers renamed the layers' cache argument
         (``past_key_values`` → ``cache``, 5.2x; the old name warns and goes in 5.40), so the name is
         read off the layer's signature once.
         """
-        if fused and self.fused and fusable(layer):
-            return fused_forward(layer, hidden, ctx, cos_sin)
+        if fused and self.fused != "hf" and fusable(layer):
+            return fused_forward(layer, hidden, ctx, cos_sin, skinny=self.fused == "skinny")
         name = self._cache_arg
         if name is None:
             params = inspect.signature(type(layer).forward).parameters
