@@ -5,8 +5,9 @@
 
 One run, one prefill (``bench_decode_bound.Prefilled``: a batch of one repeated into ``--batch`` rows).
 Per round, in a rotating order, ``--steps`` timed greedy decode steps of each configuration: the full
-cache and each ``--policies`` at each ``--budgets``, each with the fused layer (``<config>``) and with
-the HF layers (``<config>-hf``: ``FamilyAdapter.fused = False``, what ``VLKV_FUSED_LAYER=0`` gives).
+cache and each ``--policies`` at each ``--budgets``, each in every layer mode (``FamilyAdapter.fused``,
+what ``VLKV_FUSED_LAYER`` sets): ``<config>`` the default ``skinny`` (fused GEMMs, few-row GEMMs as
+``(W @ xᵀ)ᵀ``), ``<config>-fused`` (fused GEMMs, ``F.linear``), ``<config>-hf`` (the HF layers).
 Per configuration: step ms (median over rounds of the mean step), the paged attention calls' own time,
 the rest ("outside attention"), aten ops per step, and the ratio against its ``-hf`` twin paired per
 round. Then one profiled step per mode: self CPU ms per aten op (top ``--top``), the ``linear`` family's
@@ -69,20 +70,20 @@ def run(args) -> dict:
     pre = Prefilled(engine, args.model, args.tokens, args.batch, pols)
     full = make_policy("full")
     bases = ["full", *pols]
-    configs = [c for b in bases for c in (b, f"{b}-hf")]
+    configs = [c for b in bases for c in (b, f"{b}-fused", f"{b}-hf")]
     got: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.repeats + 1):  # round 0 warms up (untimed)
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
         for name in order:
-            base = name.removesuffix("-hf")
-            adapter.fused = not name.endswith("-hf")
+            base, _, mode = name.partition("-")
+            adapter.fused = mode or "skinny"
             res = vlkv_steps(
                 pre, pols.get(base, full), args.steps, base.split("@")[0] if base in pols else None
             )
             if rep:
                 got[name].append(res)
             print(f"  round {rep}: {name} {1e3 * res['step_s']:.1f} ms/step ({res['ops']} ops)", flush=True)
-    adapter.fused = True
+    adapter.fused = "skinny"
     w = weight_bytes(engine)
     out = {
         "machine": machine_name("cpu"),
@@ -95,7 +96,7 @@ def run(args) -> dict:
         step = statistics.median(r["step_s"] for r in runs)
         attn = statistics.median(r["attn_s"] for r in runs)
         kv = statistics.median(r["kv_bytes"] for r in runs)
-        twin = name.removesuffix("-hf") + "-hf"
+        twin = name.partition("-")[0] + "-hf"
         pair = (
             statistics.median(h["step_s"] / r["step_s"] for r, h in zip(runs, got[twin]))
             if twin != name
@@ -108,14 +109,14 @@ def run(args) -> dict:
             "ops": runs[-1]["ops"],
             "kv_bytes": kv,
             "of_bound": (w + kv) / bandwidth / step,
-            "speedup_vs_hf": pair,
+            "speedup_vs_hf": pair,  # 1.0 for the -hf configuration itself
             "tokens_equal_hf": all(r["tokens"] == h["tokens"] for r, h in zip(runs, got[twin])),
         }
     out["profile"] = {}
-    for mode in (True, False):
+    for mode in ("skinny", "fused", "hf"):
         adapter.fused = mode
-        out["profile"]["fused" if mode else "hf"] = profile_step(pre, full, args.top)
-    adapter.fused = True
+        out["profile"][mode] = profile_step(pre, full, args.top)
+    adapter.fused = "skinny"
     return out
 
 
@@ -124,12 +125,12 @@ def markdown(res: dict) -> str:
         f"machine: {res['machine']}, {res['threads']} thread(s); read bandwidth {res['bandwidth'] / 1e9:.1f} GB/s; "
         f"weights {res['weights'] / 1e9:.2f} GB",
         "",
-        "| config | step ms | attention ms | outside attention ms | aten ops/step | HF ÷ fused (paired) "
+        "| config | step ms | attention ms | outside attention ms | aten ops/step | HF layers ÷ this (paired) "
         "| step of its bound | tokens = HF layers |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, c in res["configs"].items():
-        ratio = f"{c['speedup_vs_hf']:.2f}×" if c["speedup_vs_hf"] else ""
+        ratio = f"{c['speedup_vs_hf']:.2f}×" if not name.endswith("-hf") else ""
         lines.append(
             f"| {name} | {c['step_ms']:.1f} | {c['attn_ms']:.1f} | {c['outside_ms']:.1f} | {c['ops']} | {ratio} "
             f"| {100 * c['of_bound']:.0f} % | {c['tokens_equal_hf']} |"

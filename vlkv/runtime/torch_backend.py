@@ -435,10 +435,12 @@ class TorchBackend:
                 cos_sin = self.adapter.rotary(hidden, positions.to(self.device))
         hidden = self.adapter.norm(hidden)
         if inputs.all_logits:
-            logits = self.adapter.lm_head(hidden)
+            logits = self.adapter.head(hidden, fused=True)
         else:
             last = (ctx.inputs.new_len - 1).clamp(min=0).to(self.device)
-            logits = self.adapter.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last])
+            logits = self.adapter.head(
+                hidden[torch.arange(hidden.shape[0], device=self.device), last], fused=True
+            )
         cache.processed += inputs.new_len.to(cache.processed)
         done = all(a is not None for a in ctx.attended)
         # stays on the device: the commit reads it back with everything else in one transfer

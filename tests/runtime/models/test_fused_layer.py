@@ -172,3 +172,15 @@ def test_smollm2_llava_skinny_layers_equal_transformers_generate():
             **inputs, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
         )
         assert sample.token_ids == out[0, inputs["input_ids"].shape[1] :].tolist(), prompt.text
+
+
+@pytest.mark.parametrize("mode", ["hf", "fused", "skinny"])
+def test_output_head_in_every_mode_equals_lm_head(mode):
+    loaded = load_model("tiny-llava")
+    adapter, _, _ = _layer_inputs(loaded, rows=1, q=1)
+    adapter.fused = mode
+    for rows in (1, 3, 8):
+        hidden = torch.randn(rows, adapter.text_config.hidden_size)
+        want = adapter.lm_head(hidden)
+        torch.testing.assert_close(adapter.head(hidden, fused=True), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(adapter.head(hidden), want)  # not asked for (replay, prefill callers)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from vlkv.runtime.models.fused_layer import fusable, fused_forward, mode_from_env
+from vlkv.runtime.models.fused_layer import fusable, fused_forward, linear, mode_from_env
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,14 @@ class FamilyAdapter:
         return layer(hidden, attention_mask=ctx, position_embeddings=cos_sin, **{name: ctx})
 
     _cache_arg: str | None = None
+
+    def head(self, hidden: Tensor, fused: bool = False) -> Tensor:
+        """``(..., hidden)`` → ``(..., vocab)`` logits; ``fused`` in ``"skinny"`` mode: a decode step's few
+        rows in the skinny form (the output head is a fifth of a small model's weights)."""
+        head = self.lm_head
+        if fused and self.fused == "skinny" and type(head) is nn.Linear:
+            return linear(hidden, head.weight, head.bias, skinny=True)
+        return head(hidden)
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """``(B, q)`` ids → ``(B, q, hidden)`` embeddings."""

@@ -66,12 +66,16 @@ def mode_from_env() -> str:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, skinny: bool) -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x (..., K)``, ``weight (N, K)``; with ``skinny`` and 2 to
-    ``SKINNY_MAX_ROWS`` rows, computed as ``(weight @ xᵀ)ᵀ`` (a ``(..., N)`` view of an ``(N, rows)``
-    product, not contiguous)."""
+    ``SKINNY_MAX_ROWS`` rows, computed as ``(weight @ xᵀ)ᵀ``; either way a row-major ``(..., N)``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not skinny or not 2 <= rows <= SKINNY_MAX_ROWS:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t()
+    # x row-major, so that xᵀ is a transposed view: MKL's fast case. A contiguous (K, rows) operand
+    # takes its slow one (2× slower than F.linear, measured), and an elementwise product of
+    # transposed outputs (act(gate) · up) would be exactly that.
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).contiguous().t()).t()
+    # row-major again (a rows × N copy): the ops after the layer's GEMMs see the layouts F.linear gives
+    out = out.contiguous()
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
