@@ -1,13 +1,13 @@
-"""Where a decode step's time outside attention goes, and the fused decoder layer against the HF one.
+"""Where a decode step's time outside attention goes, and the skinny-GEMM layers against the HF ones.
 
     python scripts/bench_layer_glue.py --model smollm2-llava --tokens 2048 --batch 4 --threads 1 \\
         --steps 4 --repeats 6 --json glue.json --md glue.md
 
 One run, one prefill (``bench_decode_bound.Prefilled``: a batch of one repeated into ``--batch`` rows).
 Per round, in a rotating order, ``--steps`` timed greedy decode steps of each configuration: the full
-cache and each ``--policies`` at each ``--budgets``, each in every layer mode (``FamilyAdapter.fused``,
-what ``VLKV_FUSED_LAYER`` sets): ``<config>`` the default ``skinny`` (fused GEMMs, few-row GEMMs as
-``(W @ xᵀ)ᵀ``), ``<config>-fused`` (fused GEMMs, ``F.linear``), ``<config>-hf`` (the HF layers).
+cache and each ``--policies`` at each ``--budgets``, each with the default skinny GEMMs (``<config>``:
+few-row GEMMs as ``(W @ xᵀ)ᵀ``, ``vlkv/runtime/models/skinny_layer.py``) and with the HF layers
+(``<config>-hf``: ``FamilyAdapter.skinny = False``, what ``VLKV_SKINNY_GEMM=0`` gives).
 Per configuration: step ms (median over rounds of the mean step), the paged attention calls' own time,
 the rest ("outside attention"), aten ops per step, and the ratio against its ``-hf`` twin paired per
 round. Then one profiled step per mode: self CPU ms per aten op (top ``--top``), the ``linear`` family's
@@ -70,20 +70,20 @@ def run(args) -> dict:
     pre = Prefilled(engine, args.model, args.tokens, args.batch, pols)
     full = make_policy("full")
     bases = ["full", *pols]
-    configs = [c for b in bases for c in (b, f"{b}-fused", f"{b}-hf")]
+    configs = [c for b in bases for c in (b, f"{b}-hf")]
     got: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.repeats + 1):  # round 0 warms up (untimed)
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
         for name in order:
-            base, _, mode = name.partition("-")
-            adapter.fused = mode or "skinny"
+            base = name.removesuffix("-hf")
+            adapter.skinny = not name.endswith("-hf")
             res = vlkv_steps(
                 pre, pols.get(base, full), args.steps, base.split("@")[0] if base in pols else None
             )
             if rep:
                 got[name].append(res)
             print(f"  round {rep}: {name} {1e3 * res['step_s']:.1f} ms/step ({res['ops']} ops)", flush=True)
-    adapter.fused = "skinny"
+    adapter.skinny = True
     w = weight_bytes(engine)
     out = {
         "machine": machine_name("cpu"),
@@ -96,7 +96,7 @@ def run(args) -> dict:
         step = statistics.median(r["step_s"] for r in runs)
         attn = statistics.median(r["attn_s"] for r in runs)
         kv = statistics.median(r["kv_bytes"] for r in runs)
-        twin = name.partition("-")[0] + "-hf"
+        twin = name.removesuffix("-hf") + "-hf"
         pair = (
             statistics.median(h["step_s"] / r["step_s"] for r, h in zip(runs, got[twin]))
             if twin != name
@@ -113,10 +113,10 @@ def run(args) -> dict:
             "tokens_equal_hf": all(r["tokens"] == h["tokens"] for r, h in zip(runs, got[twin])),
         }
     out["profile"] = {}
-    for mode in ("skinny", "fused", "hf"):
-        adapter.fused = mode
+    for mode in ("skinny", "hf"):
+        adapter.skinny = mode == "skinny"
         out["profile"][mode] = profile_step(pre, full, args.top)
-    adapter.fused = "skinny"
+    adapter.skinny = True
     return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from vlkv.runtime.models.fused_layer import fusable, fused_forward, linear, mode_from_env
+from vlkv.runtime.models.skinny_layer import layer_forward, linear, skinny_from_env, supports
 
 
 @dataclass(frozen=True)
@@ -49,9 +49,8 @@ class FamilyAdapter:
             head_dim=head_dim,
             pos_dims=self.pos_dims,
         )
-        # the layers of no-grad steps: "hf", "fused" (q/k/v and gate/up GEMMs fused) or "skinny" (fused,
-        # few-row GEMMs as (W @ xᵀ)ᵀ); VLKV_FUSED_LAYER picks it (fused_layer.mode_from_env)
-        self.fused = mode_from_env()
+        # no-grad steps' few-row GEMMs as (W @ xᵀ)ᵀ (skinny_layer; VLKV_SKINNY_GEMM=0: the HF layers)
+        self.skinny = skinny_from_env()
 
     # -- pieces the backend drives
     @property
@@ -67,20 +66,18 @@ class FamilyAdapter:
         return self.model.lm_head
 
     def run_layer(
-        self, layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor], fused: bool = False
+        self, layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor], fast: bool = False
     ) -> Tensor:
         """One decoder layer over ``hidden (B, q, hidden)`` with ``ctx`` as its cache and mask.
 
-        ``fused``: with ``self.fused`` not ``"hf"`` and a layer class in ``fused_layer.FUSABLE``, the
-        layer runs with one q/k/v GEMM and one gate/up GEMM (``fused_layer.fused_forward``: same
-        modules, same order, weights shared with the HF modules), in the skinny form for few rows where
-        ``self.fused == "skinny"``. Only no-grad steps ask for it (replay's gradients go through the HF
-        layers). transformers renamed the layers' cache argument
+        ``fast``: with ``self.skinny`` and a layer class in ``skinny_layer.SKINNY_LAYERS``, the layer
+        runs as ``skinny_layer.layer_forward`` (the HF layer's modules and order, few-row GEMMs as
+        ``(W @ xᵀ)ᵀ``). Only no-grad steps ask for it (replay's gradients go through the HF layers). transformers renamed the layers' cache argument
         (``past_key_values`` → ``cache``, 5.2x; the old name warns and goes in 5.40), so the name is
         read off the layer's signature once.
         """
-        if fused and self.fused != "hf" and fusable(layer):
-            return fused_forward(layer, hidden, ctx, cos_sin, skinny=self.fused == "skinny")
+        if fast and self.skinny and supports(layer):
+            return layer_forward(layer, hidden, ctx, cos_sin)
         name = self._cache_arg
         if name is None:
             params = inspect.signature(type(layer).forward).parameters
@@ -89,12 +86,12 @@ class FamilyAdapter:
 
     _cache_arg: str | None = None
 
-    def head(self, hidden: Tensor, fused: bool = False) -> Tensor:
-        """``(..., hidden)`` → ``(..., vocab)`` logits; ``fused`` in ``"skinny"`` mode: a decode step's few
+    def head(self, hidden: Tensor, fast: bool = False) -> Tensor:
+        """``(..., hidden)`` → ``(..., vocab)`` logits; ``fast`` with ``self.skinny``: a decode step's few
         rows in the skinny form (the output head is a fifth of a small model's weights)."""
         head = self.lm_head
-        if fused and self.fused == "skinny" and type(head) is nn.Linear:
-            return linear(hidden, head.weight, head.bias, skinny=True)
+        if fast and self.skinny and type(head) is nn.Linear:
+            return linear(hidden, head.weight, head.bias)
         return head(hidden)
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
