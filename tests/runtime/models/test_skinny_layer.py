@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlkv.runtime.models import skinny_layer
 from vlkv.runtime.models.registry import load_model
 from vlkv.runtime.models.skinny_layer import (
     SKINNY_LAYERS,
@@ -18,6 +19,12 @@ from vlkv.runtime.prompt import Prompt
 MODELS = ("tiny-llava", "tiny-qwen2-vl")
 # fp32 rounding only: the skinny form sums each dot product in another order than F.linear
 TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _every_weight_skinny(monkeypatch):
+    """The tiny models' weights are below ``SKINNY_MIN_WEIGHT``: take the skinny form for them too."""
+    monkeypatch.setattr(skinny_layer, "SKINNY_MIN_WEIGHT", 0)
 
 
 def _layer_inputs(loaded, rows: int, q: int):
@@ -73,6 +80,12 @@ def test_skinny_linear_equals_f_linear(rows, bias, transposed_input):
     torch.testing.assert_close(got, want, **TOL)
     if not 2 <= rows <= SKINNY_MAX_ROWS:  # outside its rows the skinny form is F.linear itself
         assert torch.equal(got, want)
+
+
+def test_small_weights_keep_f_linear(monkeypatch):
+    monkeypatch.setattr(skinny_layer, "SKINNY_MIN_WEIGHT", 96 * 40 + 1)
+    w, x = torch.randn(96, 40), torch.randn(4, 1, 40)
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
 
 
 def test_the_switch(monkeypatch):

@@ -38,6 +38,9 @@ from torch import Tensor, nn
 SKINNY_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen2VLDecoderLayer"})
 # the most rows (batch × new tokens) the skinny form takes: 2-4 measured faster, 8 even
 SKINNY_MAX_ROWS = 4
+# the smallest weight (elements) it takes: its few extra ops (layout copies) outweigh the gain on small
+# matrices (tiny-llava's 64-wide layers: 0.95× the HF layers' step); smollm2's smallest is 110,592
+SKINNY_MIN_WEIGHT = 1 << 16
 _OFF = ("0", "off", "false", "no")
 _ON = ("", "1", "on", "true", "yes")
 
@@ -56,10 +59,11 @@ def supports(layer: nn.Module) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x (..., K)``, ``weight (N, K)``; on CPU with 2 to
-    ``SKINNY_MAX_ROWS`` rows computed as ``(weight @ xᵀ)ᵀ``. Either way a row-major ``(..., N)``."""
+    ``SKINNY_MAX_ROWS`` rows and a weight of at least ``SKINNY_MIN_WEIGHT`` elements computed as
+    ``(weight @ xᵀ)ᵀ``. Either way a row-major ``(..., N)``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     # measured on CPU (MKL) only; cuBLAS picks its own kernels for skinny products
-    if x.device.type != "cpu" or not 2 <= rows <= SKINNY_MAX_ROWS:
+    if x.device.type != "cpu" or not 2 <= rows <= SKINNY_MAX_ROWS or weight.numel() < SKINNY_MIN_WEIGHT:
         return F.linear(x, weight, bias)
     # x row-major, so that xᵀ is a transposed view: MKL's fast case (an elementwise product of
     # transposed outputs would otherwise hand it a contiguous (K, rows) operand: its slow case)
