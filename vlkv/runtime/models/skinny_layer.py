@@ -1,7 +1,7 @@
 """A decoder layer whose few-row GEMMs use the form MKL runs fastest: ``(W @ xᵀ)ᵀ``.
 
 A decode step multiplies a few rows (the batch) by every weight matrix. On CPU those GEMMs are the
-step's cost outside attention (a profiled smollm2-llava step at batch 4, one thread: ~51 of ~64 ms of
+step's cost outside attention (a profiled smollm2-llava step at batch 4, one thread: ~49 of ~61 ms of
 aten time in ``mm``), and MKL's ``F.linear`` (``x @ Wᵀ``) streams the weights at ~8-11 GB/s for 2-4
 rows where ``sum`` reads 19-32 GB/s. The same product computed as ``(W @ xᵀ)ᵀ`` — the weight as the
 tall left operand, ``xᵀ`` a transposed view of a row-major ``x`` — runs ~1.55× faster there (the 30
