@@ -429,16 +429,18 @@ class TorchBackend:
         cos_sin = self.adapter.rotary(hidden, positions)
         flt = inputs.row_filter
         for i, layer in enumerate(self.adapter.layers):
-            hidden = self.adapter.run_layer(layer, hidden, ctx, cos_sin)
+            hidden = self.adapter.run_layer(layer, hidden, ctx, cos_sin, fast=True)
             if flt is not None and i == flt.after_layer and i + 1 < self.num_layers:
                 hidden, positions = ctx.filter_rows(flt.choose(ctx.stats, i), hidden)
                 cos_sin = self.adapter.rotary(hidden, positions.to(self.device))
         hidden = self.adapter.norm(hidden)
         if inputs.all_logits:
-            logits = self.adapter.lm_head(hidden)
+            logits = self.adapter.head(hidden, fast=True)
         else:
             last = (ctx.inputs.new_len - 1).clamp(min=0).to(self.device)
-            logits = self.adapter.lm_head(hidden[torch.arange(hidden.shape[0], device=self.device), last])
+            logits = self.adapter.head(
+                hidden[torch.arange(hidden.shape[0], device=self.device), last], fast=True
+            )
         cache.processed += inputs.new_len.to(cache.processed)
         done = all(a is not None for a in ctx.attended)
         # stays on the device: the commit reads it back with everything else in one transfer

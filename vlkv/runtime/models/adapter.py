@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from vlkv.runtime.models.skinny_layer import layer_forward, linear, skinny_from_env, supports
+
 
 @dataclass(frozen=True)
 class LayerLayout:
@@ -47,6 +49,8 @@ class FamilyAdapter:
             head_dim=head_dim,
             pos_dims=self.pos_dims,
         )
+        # no-grad steps' few-row GEMMs as (W @ xᵀ)ᵀ (skinny_layer; VLKV_SKINNY_GEMM=0: the HF layers)
+        self.skinny = skinny_from_env()
 
     # -- pieces the backend drives
     @property
@@ -61,12 +65,19 @@ class FamilyAdapter:
     def lm_head(self) -> nn.Module:
         return self.model.lm_head
 
-    def run_layer(self, layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
+    def run_layer(
+        self, layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor], fast: bool = False
+    ) -> Tensor:
         """One decoder layer over ``hidden (B, q, hidden)`` with ``ctx`` as its cache and mask.
 
-        transformers renamed the layers' cache argument (``past_key_values`` → ``cache``, 5.2x; the old
-        name warns and goes in 5.40), so the name is read off the layer's signature once.
+        ``fast``: with ``self.skinny`` and a layer class in ``skinny_layer.SKINNY_LAYERS``, the layer
+        runs as ``skinny_layer.layer_forward`` (the HF layer's modules and order, few-row GEMMs as
+        ``(W @ xᵀ)ᵀ``). Only no-grad steps ask for it (replay's gradients go through the HF layers). transformers renamed the layers' cache argument
+        (``past_key_values`` → ``cache``, 5.2x; the old name warns and goes in 5.40), so the name is
+        read off the layer's signature once.
         """
+        if fast and self.skinny and supports(layer):
+            return layer_forward(layer, hidden, ctx, cos_sin)
         name = self._cache_arg
         if name is None:
             params = inspect.signature(type(layer).forward).parameters
@@ -74,6 +85,14 @@ class FamilyAdapter:
         return layer(hidden, attention_mask=ctx, position_embeddings=cos_sin, **{name: ctx})
 
     _cache_arg: str | None = None
+
+    def head(self, hidden: Tensor, fast: bool = False) -> Tensor:
+        """``(..., hidden)`` → ``(..., vocab)`` logits; ``fast`` with ``self.skinny``: a decode step's few
+        rows in the skinny form (the output head is a fifth of a small model's weights)."""
+        head = self.lm_head
+        if fast and self.skinny and type(head) is nn.Linear:
+            return linear(hidden, head.weight, head.bias)
+        return head(hidden)
 
     def embed_tokens(self, ids: Tensor) -> Tensor:
         """``(B, q)`` ids → ``(B, q, hidden)`` embeddings."""

@@ -1,0 +1,117 @@
+"""A decoder layer whose few-row GEMMs use the form MKL runs fastest: ``(W @ xᵀ)ᵀ``.
+
+A decode step multiplies a few rows (the batch) by every weight matrix. On CPU those GEMMs are the
+step's cost outside attention (a profiled smollm2-llava step at batch 4, one thread: ~49 of ~61 ms of
+aten time in ``mm``), and MKL's ``F.linear`` (``x @ Wᵀ``) streams the weights at ~8-11 GB/s for 2-4
+rows where ``sum`` reads 19-32 GB/s. The same product computed as ``(W @ xᵀ)ᵀ`` — the weight as the
+tall left operand, ``xᵀ`` a transposed view of a row-major ``x`` — runs ~1.55× faster there (the 30
+layers' GEMMs: 39 → 25 ms). It sums in another order than ``F.linear``: fp32 results differ by
+rounding (~1e-6 relative), so it is tested against the HF layer with explicit tolerances and for equal
+greedy tokens. Measured: 1 row even (both are GEMVs), 8 rows even, more rows slower, hence
+``SKINNY_MAX_ROWS``; a contiguous ``(K, rows)`` right operand takes MKL's slow path (2× slower than
+``F.linear``), so ``x`` is made row-major first.
+
+Fusing q/k/v into one GEMM and gate/up into another (weights concatenated) was measured too and not
+kept: 0.98-1.02× the HF layers' step, ~3 % of the GEMMs' time in the skinny form
+(docs/benchmarks/2026-11-26-glue-cpu-x86_64/).
+
+Everything else is the HF layer's own code in the HF layer's order: its RMSNorm modules, its modeling
+file's ``apply_rotary_pos_emb`` (1-D RoPE for Llama; Qwen2-VL's cos/sin already carry the M-RoPE
+sections), its activation, the cache's ``update`` and the registered attention function, the residual
+adds, its own weights. Only the layer classes in ``SKINNY_LAYERS`` (whose forward this replays) run
+here; any other layer runs the HF forward. ``VLKV_SKINNY_GEMM=0`` runs the HF layers (default on);
+``FamilyAdapter.skinny`` switches it per adapter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# decoder layer classes whose forward is norm → attention(q/k/v, RoPE, cache, o) → residual → norm →
+# mlp(down(act(gate) * up)) → residual, with attention kwargs limited to the cache and the mask
+# (Mistral passes a sliding window to its attention: it runs the HF layer)
+SKINNY_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen2VLDecoderLayer"})
+# the most rows (batch × new tokens) the skinny form takes: 2-4 measured faster, 8 even
+SKINNY_MAX_ROWS = 4
+# the smallest weight (elements) it takes: its few extra ops (layout copies) outweigh the gain on small
+# matrices (tiny-llava's 64-wide layers: 0.95× the HF layers' step); smollm2's smallest is 110,592
+SKINNY_MIN_WEIGHT = 1 << 16
+_OFF = ("0", "off", "false", "no")
+_ON = ("", "1", "on", "true", "yes")
+
+
+def skinny_from_env() -> bool:
+    """``VLKV_SKINNY_GEMM`` (default on); ``0`` runs the HF layers unchanged."""
+    raw = os.environ.get("VLKV_SKINNY_GEMM", "").strip().lower()
+    if raw not in _OFF + _ON:
+        raise ValueError(f"VLKV_SKINNY_GEMM must be 0 or 1, got {raw!r}")
+    return raw in _ON
+
+
+def supports(layer: nn.Module) -> bool:
+    return type(layer).__name__ in SKINNY_LAYERS
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for ``x (..., K)``, ``weight (N, K)``; on CPU with 2 to
+    ``SKINNY_MAX_ROWS`` rows and a weight of at least ``SKINNY_MIN_WEIGHT`` elements computed as
+    ``(weight @ xᵀ)ᵀ``. Either way a row-major ``(..., N)``."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    # measured on CPU (MKL) only; cuBLAS picks its own kernels for skinny products
+    if x.device.type != "cpu" or not 2 <= rows <= SKINNY_MAX_ROWS or weight.numel() < SKINNY_MIN_WEIGHT:
+        return F.linear(x, weight, bias)
+    # x row-major, so that xᵀ is a transposed view: MKL's fast case (an elementwise product of
+    # transposed outputs would otherwise hand it a contiguous (K, rows) operand: its slow case)
+    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).contiguous().t()).t()
+    # row-major again (a rows × N copy): the ops after each GEMM see the layout F.linear gives
+    out = out.contiguous()
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _rotary(attn: nn.Module):
+    """The attention module's own ``apply_rotary_pos_emb`` (its modeling file's function)."""
+    fn = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    if fn is None:
+        raise ValueError(f"{type(attn).__name__}'s module has no apply_rotary_pos_emb")
+    return fn
+
+
+def _proj(module: nn.Linear, x: Tensor) -> Tensor:
+    return linear(x, module.weight, module.bias)
+
+
+def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
+    """The HF decoder layer's forward over ``hidden (B, q, hidden)`` with skinny GEMMs.
+
+    ``ctx`` is the step's cache and mask (the runtime passes one object as both; None: no cache, the
+    attention function's own causal mask), ``cos_sin`` the ``(B, q, head_dim)`` rotary tables the
+    layer's ``position_embeddings`` would be."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attn, mlp = layer.self_attn, layer.mlp
+    shape = hidden.shape[:-1]
+    hd = attn.head_dim
+    residual = hidden
+    h = layer.input_layernorm(hidden)
+    q = _proj(attn.q_proj, h).view(*shape, -1, hd).transpose(1, 2)
+    k = _proj(attn.k_proj, h).view(*shape, -1, hd).transpose(1, 2)
+    v = _proj(attn.v_proj, h).view(*shape, -1, hd).transpose(1, 2)
+    cos, sin = cos_sin
+    q, k = _rotary(attn)(q, k, cos, sin)
+    if ctx is not None:
+        k, v = ctx.update(k, v, attn.layer_idx, kwargs={})
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
+    if attend is None:
+        raise ValueError(f"no attention function registered as {attn.config._attn_implementation!r}")
+    out, _ = attend(attn, q, k, v, ctx, dropout=0.0, scaling=attn.scaling)
+    hidden = residual + _proj(attn.o_proj, out.reshape(*shape, -1).contiguous())
+    residual = hidden
+    h = layer.post_attention_layernorm(hidden)
+    return residual + _proj(mlp.down_proj, mlp.act_fn(_proj(mlp.gate_proj, h)) * _proj(mlp.up_proj, h))
