@@ -498,7 +498,10 @@ def test_a_real_sigint_during_generation_is_one_line_and_exit_130():
         "from vlkv.runtime.engine import Engine\n"
         "def slow(*a, **k):\n"
         "    print('running', flush=True)\n"
-        "    time.sleep(60)\n"
+        # short waits, as a model runs short ops: the OS may hand SIGINT to one of torch's threads,
+        # and Python raises it in the main thread at its next bytecode, not inside one long sleep
+        "    for _ in range(1200):\n"
+        "        time.sleep(0.05)\n"
         "Engine.generate = slow\n"
         "from vlkv.cli import main\n"
         "sys.exit(main(['generate', '--max-new-tokens', '2']))\n"
