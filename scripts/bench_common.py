@@ -74,6 +74,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def write_report(md: str, res: dict, args: argparse.Namespace) -> None:
+    """Print a benchmark's markdown, and write it and its JSON where ``--md`` / ``--json`` say."""
+    import json
+    from pathlib import Path
+
+    print(md)
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    if getattr(args, "md", None):
+        Path(args.md).write_text(md)
+
+
 def machine_name(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))

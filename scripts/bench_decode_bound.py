@@ -28,7 +28,6 @@ bytes a step gathers into scratch copies (the CPU paged read's gathers; 0 for tr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_threads_arg, document_prompt, load_for_bench, machine_name  # noqa: E402
+from bench_common import add_threads_arg, document_prompt, load_for_bench, machine_name, write_report  # noqa: E402
 from bench_decode import joint_request, stats_for, weight_bytes  # noqa: E402
 from bench_decode_peers import count_ops, hf_steps, repeat_stats  # noqa: E402
 
@@ -427,12 +426,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     res = run(args)
-    md = to_markdown(res)
-    print(md)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.md:
-        Path(args.md).write_text(md)
+    write_report(to_markdown(res), res, args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ bytes read, GB/s and the fraction of the round's ``sum`` bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 import vlkv.plugins.paged_cpu as paged_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import write_report  # noqa: E402
 from bench_decode_bound import cpu_name  # noqa: E402
 
 
@@ -161,12 +161,7 @@ def main() -> None:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     res = run(args)
-    md = to_markdown(res)
-    print(md)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.md:
-        Path(args.md).write_text(md)
+    write_report(to_markdown(res), res, args)
 
 
 if __name__ == "__main__":

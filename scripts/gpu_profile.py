@@ -15,16 +15,12 @@ from __future__ import annotations
 import time
 
 import torch
+from bench_common import sync  # scripts/ is on sys.path: gpu_parts and the scripts put it there
 
 PROFILE_POLICIES = ("full", "snapkv", "vlcache", "h2o", "avl")
 STEPS = 3
 SYNC_KEYS = ("aten::_local_scalar_dense", "aten::item")
 COPY_KEYS = ("aten::copy_", "aten::to", "aten::_to_copy")
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def profiled(step, device: str, steps: int = STEPS) -> dict:
@@ -34,12 +30,12 @@ def profiled(step, device: str, steps: int = STEPS) -> dict:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     for _ in range(2):  # one-off table growth, first-call dispatch
         step()
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
             step()
-        _sync(device)
+        sync(device)
     wall = (time.perf_counter() - start) / steps * 1e3
     events = prof.key_averages()
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
