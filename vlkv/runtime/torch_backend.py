@@ -151,25 +151,43 @@ class _StepContext:
             table, lengths = table.to(q.device), lengths.to(q.device)
             self.attended[layer_idx] = attended.to(q.device)
             wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
-            if not wanted:
+
+            def plain() -> Tensor:  # the step's attention without statistics
                 if not rope and q.device.type == "cpu":  # one plan per step for layers sharing tables
                     from vlkv.plugins.paged_cpu import plan_reused
 
                     last = getattr(self, "cpu_plan", None)
                     self.cpu_plan = plan_reused(last, q, k, table, lengths, host.lengths, host.holes)
                 plan = None if rope else getattr(self, "cpu_plan", None)
-                out = paged_attention(q, k, v, table, lengths, scale, plan=plan, **rope)
-                return out.transpose(1, 2).contiguous()
-            # statistics are the step's probabilities: K is read once for both, as in the dense path
-            from vlkv.plugins.paged_probs import decode_route, paged_decode_out, paged_decode_probs
+                return paged_attention(q, k, v, table, lengths, scale, plan=plan, **rope)
 
-            # routed from the cache's host lengths, once for both halves: no read back per layer
-            route = decode_route(table, lengths, host=host.lengths, holes=host.holes)
-            probs, vis = paged_decode_probs(q, k, table, lengths, scale, **rope, route=route)
-            if any(self.requests[name].exact_output for name in wanted):
-                out = paged_attention(q, k, v, table, lengths, scale, **rope)
+            if not wanted:
+                return plain().transpose(1, 2).contiguous()
+            # statistics are the step's probabilities: K is read once for both, as in the dense path
+            from vlkv.plugins.paged_probs import (
+                decode_route,
+                fused_decode_probs,
+                paged_decode_out,
+                paged_decode_probs,
+            )
+
+            exact = any(self.requests[name].exact_output for name in wanted)
+            # the fused CPU kernel: output and probabilities from one read of each head's own table row
+            fused = (
+                None if rope else fused_decode_probs(q, k, v, table, lengths, scale, host.lengths, host.holes)
+            )
+            if fused is not None:
+                out, probs, vis = fused
+                if exact:
+                    out = plain()
             else:
-                out = paged_decode_out(probs, v, table, lengths, route=route).view(q.shape).to(q.dtype)
+                # routed from the cache's host lengths, once for both halves: no read back per layer
+                route = decode_route(table, lengths, host=host.lengths, holes=host.holes)
+                probs, vis = paged_decode_probs(q, k, table, lengths, scale, **rope, route=route)
+                if exact:
+                    out = paged_attention(q, k, v, table, lengths, scale, **rope)
+                else:
+                    out = paged_decode_out(probs, v, table, lengths, route=route).view(q.shape).to(q.dtype)
             self._put_one_row_stats(layer_idx, wanted, probs, vis)
             return out.transpose(1, 2).contiguous()
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
