@@ -422,7 +422,7 @@ def to_markdown(res: dict) -> str:
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
         f"Same tokens (peers vs vlkv full; +kernel vs +halves): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
-        f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer']} | attention (ms) "
+        f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
         "| attention of its bound | KV read (MB) | gathered (MB) | aten ops |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
