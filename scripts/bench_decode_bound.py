@@ -13,15 +13,20 @@ rotating order, ``--steps`` timed greedy decode steps of: vlkv's full cache, eac
 ``--budgets`` (after its prefill edits), with ``--dense`` the full cache read as before paged reads (the
 before/after of one run), with ``--kernel`` the full cache and, with ``--kernel-policies``, each policy
 configuration again with the fused C++ CPU decode read (``VLKV_CPU_KERNEL=1``: per-head tables read
-through their own table rows, ``<config>+kernel``), and transformers' ``generate`` on the same weights with a ``static`` and a
-``DynamicCache`` holding the same prefilled K/V (built from vlkv's, so no transformers prefill either).
+through their own table rows, ``<config>+kernel``), with ``--stats-halves`` each policy configuration
+with the fused read but its statistics steps read by ``paged_probs``' two halves (per-head tables
+gathered, K then V: the statistics read before the kernel wrote probabilities, ``<config>+halves``;
+``--skip-matmul`` drops the configurations read without the kernel), and transformers' ``generate`` on
+the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
+vlkv's, so no transformers prefill either).
 
 Per configuration: step ms (median over repeats of the mean step), the bound ``(W + KV) / bandwidth``
 with ``W`` the weight bytes a step reads (decoder layers, norm, output head) and ``KV`` the K/V bytes
 the step attends (vlkv: its own count; transformers: the full cache), the fraction of that bound
 reached, the speed ratio against the faster transformers cache and against vlkv's full cache (paired per
 round; a ``+kernel`` configuration against ``full-kernel``), the paged attention calls' own time per step
-(the K/V read alone) and its fraction of ``KV / bandwidth``, torch (aten) ops per step and the
+(the K/V read alone; a statistics step's probabilities and output included) and its fraction of
+``KV / bandwidth``, torch (aten) ops per step and the
 bytes a step gathers into scratch copies (the CPU paged read's gathers; 0 for transformers).
 """
 
@@ -155,6 +160,24 @@ class _DenseRead:
         _StepContext._paged = self.real
 
 
+class _HalvesRead:
+    """Inside it, statistics decode steps read as before the fused kernel wrote probabilities: the two
+    halves of ``paged_probs`` (probabilities, then P·V, per-head tables gathered), while steps without
+    statistics keep the fused read (the "before" of ``--stats-halves``)."""
+
+    def __enter__(self):
+        import vlkv.plugins.paged_probs as paged_probs
+
+        self.real = paged_probs.fused_decode_probs
+        paged_probs.fused_decode_probs = lambda *args, **kwargs: None
+        return self
+
+    def __exit__(self, *exc):
+        import vlkv.plugins.paged_probs as paged_probs
+
+        paged_probs.fused_decode_probs = self.real
+
+
 def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense: bool = False) -> dict:
     """``steps + 1`` greedy decode steps of a configuration from its own copy of the prefill; the first
     (one-off table growth) untimed; ``dense``: read as before paged reads (:class:`_DenseRead`).
@@ -194,25 +217,37 @@ def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense
     }
 
 
+# a statistics decode step's paged reads (``paged_probs``): timed with ``ops.paged_attention``
+_PROBS_CALLS = ("fused_decode_probs", "paged_decode_probs", "paged_decode_out")
+
+
 class _AttnTimer:
-    """Inside it, the wall time of the decode steps' paged attention calls (``ops.paged_attention``: the
-    K/V read itself, every layer) adds up in ``seconds``; 0 for a step that reads no paged call (the
-    dense read)."""
+    """Inside it, the wall time of the decode steps' paged attention calls (``ops.paged_attention`` and a
+    statistics step's ``paged_probs`` calls: the K/V read itself, every layer) adds up in ``seconds``; 0
+    for a step that reads no paged call (the dense read)."""
 
     def __enter__(self):
         import vlkv.plugins as plugins
         import vlkv.plugins.ops as ops
+        import vlkv.plugins.paged_probs as paged_probs
 
         self.seconds, self.real = 0.0, ops.paged_attention
+        self.probs = {name: getattr(paged_probs, name) for name in _PROBS_CALLS}
 
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return self.real(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t
+        def timer(fn):
+            def timed(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t
 
+            return timed
+
+        timed = timer(self.real)
         ops.paged_attention = timed
+        for name, fn in self.probs.items():
+            setattr(paged_probs, name, timer(fn))
         self.cached = vars(plugins).get("paged_attention")
         if self.cached is not None:  # the package's lazy export, once resolved, is its own name
             plugins.paged_attention = timed
@@ -221,8 +256,11 @@ class _AttnTimer:
     def __exit__(self, *exc):
         import vlkv.plugins as plugins
         import vlkv.plugins.ops as ops
+        import vlkv.plugins.paged_probs as paged_probs
 
         ops.paged_attention = self.real
+        for name, fn in self.probs.items():
+            setattr(paged_probs, name, fn)
         if self.cached is not None:
             plugins.paged_attention = self.cached
 
@@ -275,7 +313,9 @@ def run(args) -> dict:
     fused_default = paged_cpu.FUSED_KERNEL
     extra = [*(["full-dense"] if args.dense else []), *(["full-kernel"] if args.kernel else [])]
     kernel_pols = [f"{p}+kernel" for p in pols] if args.kernel_policies else []
-    configs = ["full", *extra, *args.peers, *pols, *kernel_pols]
+    halves_pols = [f"{p}+halves" for p in pols] if args.stats_halves else []
+    plain = [] if args.skip_matmul else ["full", *pols]
+    configs = [*plain[:1], *extra, *args.peers, *plain[1:], *kernel_pols, *halves_pols]
     got: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.repeats + 1):  # the first round warms up (allocations, one-off table growth)
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
@@ -283,14 +323,19 @@ def run(args) -> dict:
             if name in args.peers:
                 res = hf_steps(peer, pre, name, args.steps)
             else:
-                base = name.removesuffix("+kernel")
+                base = name.removesuffix("+kernel").removesuffix("+halves")
                 pol = pols.get(base, full)
                 key = base.split("@")[0] if base in pols else None
                 # the fused C++ decode read only for its own configurations (the first round, untimed,
-                # pays its one-off compile)
-                paged_cpu.FUSED_KERNEL = name == "full-kernel" or name.endswith("+kernel")
+                # pays its one-off compile); "+halves": the fused read, statistics by the two halves
+                halves = name.endswith("+halves")
+                paged_cpu.FUSED_KERNEL = name == "full-kernel" or name.endswith("+kernel") or halves
                 try:
-                    res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
+                    if halves:
+                        with _HalvesRead():
+                            res = vlkv_steps(pre, pol, args.steps, key)
+                    else:
+                        res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
                 finally:
                     paged_cpu.FUSED_KERNEL = fused_default
             if rep:
@@ -322,7 +367,8 @@ def run(args) -> dict:
             "gathered_bytes": rs[-1]["gathered_bytes"],
             "bytes_per_step": w + kv + 2 * rs[-1]["gathered_bytes"],
         }
-        ref = "full-kernel" if name.endswith("+kernel") and "full-kernel" in got else "full"
+        kernel_read = name.endswith(("+kernel", "+halves")) or "full" not in got
+        ref = "full-kernel" if kernel_read and "full-kernel" in got else "full"
         row["speed_vs_full"] = statistics.median(
             f["step_s"] / r["step_s"] for f, r in zip(got[ref], rs, strict=True)
         )
@@ -332,7 +378,16 @@ def run(args) -> dict:
                 p["step_s"] / r["step_s"] for p, r in zip(got[fastest], rs, strict=True)
             )
         rows.append(row)
-    same = {p: got[p][0]["tokens"] == got["full"][0]["tokens"] for p in args.peers}
+    same = {p: got[p][0]["tokens"] == got[configs[0]][0]["tokens"] for p in args.peers}
+    # a statistics step by the kernel and by the two halves decode the same tokens
+    same.update(
+        {
+            f"{p}+kernel=+halves": got[f"{p}+kernel"][0]["tokens"] == got[f"{p}+halves"][0]["tokens"]
+            for p in pols
+        }
+        if args.kernel_policies and args.stats_halves
+        else {}
+    )
     return {
         "machine": f"{cpu_name()} ({machine_name('cpu')})",
         "threads": torch.get_num_threads(),
@@ -365,9 +420,9 @@ def to_markdown(res: dict) -> str:
         + " / ".join(f"{x:.1f}" for x in res["bandwidth_before_after_gb_s"])
         + f" GB/s; the bound uses {res['bandwidth_gb_s']:.1f}). "
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
-        f"Peers' tokens equal vlkv full: {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
+        f"Same tokens (peers vs vlkv full; +kernel vs +halves): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
-        f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer']} | attention (ms) "
+        f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
         "| attention of its bound | KV read (MB) | gathered (MB) | aten ops |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -408,6 +463,17 @@ def main() -> None:
         action="store_true",
         help="also each policy configuration with the fused C++ CPU decode read, as '<config>+kernel'",
     )
+    ap.add_argument(
+        "--stats-halves",
+        action="store_true",
+        help="also each policy configuration with the fused read but its statistics steps by paged_probs' "
+        "two halves (per-head tables gathered), as '<config>+halves'",
+    )
+    ap.add_argument(
+        "--skip-matmul",
+        action="store_true",
+        help="drop the configurations read without the fused kernel ('full' and the plain policy ones)",
+    )
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
@@ -421,6 +487,8 @@ def main() -> None:
         ap.error("--tokens, --batch, --steps, --repeats and --buffer-mib must be >= 1")
     if any(not 0.0 < b < 1.0 for b in args.budgets):
         ap.error("--budgets must be in (0, 1)")
+    if args.skip_matmul and not args.kernel:
+        ap.error("--skip-matmul needs --kernel (the full cache's configuration)")
     if args.threads < 0:
         ap.error(f"--threads must be >= 0, got {args.threads}")
     if args.threads:

@@ -83,3 +83,34 @@ def test_per_head_policies_compress_by_replay_and_read_through_the_kernel(tmp_pa
         assert rows[f"{name}+kernel"]["kv_bytes"] == rows[name]["kv_bytes"]
     for r in rows.values():
         assert r["attn_ms"] > 0 and r["speed_vs_full"] > 0
+
+
+def test_statistics_steps_by_the_kernel_and_by_the_halves(tmp_path):
+    """``--stats-halves`` adds each policy with its statistics steps read by ``paged_probs``' two halves
+    beside ``+kernel`` (one read of each head's table row); ``--skip-matmul`` drops the reads without
+    the kernel. The kernel's statistics steps gather nothing, the halves gather H2O's per-head tables,
+    both decode the same tokens and their attention (probabilities included) is timed."""
+    out = tmp_path / "s.json"
+    cmd = [
+        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "--budgets", "0.5",
+        "--peers", "--kernel", "--kernel-policies", "--stats-halves", "--skip-matmul", "--buffer-mib", "16",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    assert sorted(rows) == sorted(["full-kernel", "h2o@0.5+kernel", "h2o@0.5+halves"])
+    assert res["peers_same_tokens"] == {"h2o@0.5+kernel=+halves": True}
+    assert rows["h2o@0.5+kernel"]["gathered_bytes"] == 0 < rows["h2o@0.5+halves"]["gathered_bytes"]
+    assert rows["h2o@0.5+kernel"]["kv_bytes"] == rows["h2o@0.5+halves"]["kv_bytes"]
+    for r in rows.values():
+        assert r["attn_ms"] > 0 and r["speed_vs_full"] > 0
+
+
+def test_skip_matmul_needs_the_kernel_configuration():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--skip-matmul"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--skip-matmul needs --kernel" in done.stderr

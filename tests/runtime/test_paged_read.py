@@ -150,19 +150,31 @@ def test_linked_pre_rope_entries_are_rotated_by_the_paged_read(name, engines, im
     assert _decode(engine, batch, cache, out, 4)[1:] == got
 
 
+@pytest.mark.parametrize("kernel_on", [False, True], ids=["halves", "fused-kernel"])
 @pytest.mark.parametrize("budget", [0.5, 0.3])
-def test_statistics_steps_read_paged_and_equal_the_dense_read(budget, engines, images, monkeypatch, counts):
+def test_statistics_steps_read_paged_and_equal_the_dense_read(
+    budget, kernel_on, engines, images, monkeypatch, counts
+):
     """A per-step policy (H2O: statistics every decode step, eviction from them) reads through the
-    tables: its tokens and kept bytes equal the dense read's."""
+    tables (the two halves of ``paged_probs``, or with the fused CPU kernel its one read of each head's
+    table row): its tokens and kept bytes equal the dense read's."""
     import vlkv.plugins.paged_probs as paged_probs
 
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", kernel_on)
     seen = []
-    real = paged_probs.paged_decode_probs
-    monkeypatch.setattr(paged_probs, "paged_decode_probs", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    name = "fused_decode_probs" if kernel_on else "paged_decode_probs"
+    real = getattr(paged_probs, name)
+
+    def called(*a, **kw):
+        got = real(*a, **kw)
+        seen.append(got is not None)
+        return got
+
+    monkeypatch.setattr(paged_probs, name, called)
     engine = engines["tiny-llava"]
     prompts = [Prompt(t, [images[i % 2]] if i < 2 else []) for i, t in enumerate(TEXTS)]
     got = engine.generate(prompts, make_policy("h2o", budget=budget), 8, stop_at_eos=False)
-    assert seen  # the statistics came from the paged probabilities
+    assert seen and all(seen)  # the statistics came from the paged probabilities (the kernel's, when on)
     monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
     want = engine.generate(prompts, make_policy("h2o", budget=budget), 8, stop_at_eos=False)
     assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
@@ -265,3 +277,89 @@ def test_a_per_head_decode_step_reads_only_the_live_entries(policy, engines, ima
     monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
     want = engine.generate([r.prompt for r in reqs], make_policy(name, **kw), 6, stop_at_eos=False)
     assert got == [s.token_ids for s in want.samples]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [("h2o", {"budget": 0.5}), ("h2o", {"budget": 0.3}), ("avl", {"budget": 0.5})],
+    ids=["h2o-0.5", "h2o-0.3", "avl-0.5"],
+)
+def test_a_statistics_decode_step_gathers_no_kv(policy, engines, images, monkeypatch, counts):
+    """A decode step that wants statistics (H2O's scores every step, A-VL's text scores on its update
+    steps) reads each held entry's K/V once, through the fused CPU kernel's table rows, for its output
+    and its probabilities together: no scratch copy of any cache, nothing gathered (bytes counted),
+    not by the CPU read nor by ``paged_probs``' halves; the tokens equal the dense read's."""
+    import vlkv.plugins.paged_cpu_kernel as kernel
+    import vlkv.plugins.paged_probs as paged_probs
+    from vlkv.plugins.paged_reference import held_columns
+
+    assert kernel.kernel() is not None, (
+        "the fused CPU decode kernel did not build (is a C++ compiler installed?)"
+    )
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
+    read, halves = [0, 0], [0]
+    real_probs, real_gathered = kernel.table_attention_probs, paged_probs._gathered
+
+    def probs(qs, k_pool, v_pool, table, lengths):
+        read[0] += int(held_columns(table, lengths).sum()) * 2 * k_pool.shape[-1] * k_pool.element_size()
+        read[1] += 1
+        return real_probs(qs, k_pool, v_pool, table, lengths)
+
+    def gathered(pool, table, held, idx):
+        got = real_gathered(pool, table, held, idx)
+        halves[0] += got.numel() * got.element_size()
+        return got
+
+    monkeypatch.setattr(kernel, "table_attention_probs", probs)
+    monkeypatch.setattr(paged_probs, "_gathered", gathered)
+    engine = engines["tiny-llava"]
+    name, kw = policy
+    sched = Scheduler(engine, sched_entry_bytes(engine) * 4000)
+    reqs = [
+        sched.submit(Request(Prompt(t, [images[0]] if i % 2 == 0 else []), make_policy(name, **kw), 6, stop_at_eos=False))
+        for i, t in enumerate(TEXTS)
+    ]  # fmt: skip
+    sched.step()  # prefill (and the policy's compression), first decode step
+    stats_steps = 0
+    per_token = sched_entry_bytes(engine)
+    for _ in range(3):
+        counts.pool_read, counts.cpu_gather, halves[0], read[0], read[1] = 0, 0, 0, 0, 0
+        held = sum(r.cache.kv_bytes() for r in sched.running if r.cache is not None)
+        sched.step()
+        live = [r for r in sched.running if r.cache is not None]
+        assert len(live) == len(reqs)
+        assert counts.pool_read == 0 and counts.cpu_gather == 0 and halves[0] == 0  # nothing gathered
+        if read[1]:  # a statistics step: every layer read once, each live entry once, no padding
+            stats_steps += 1
+            assert read[1] == engine.backend.num_layers
+            # what the caches held before the step and its new entries (the policy evicts after it)
+            assert read[0] == held + len(live) * per_token
+    assert stats_steps  # the policy's statistics steps went through the kernel
+    sched.run()
+    got = [list(r.tokens) for r in reqs]
+    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    want = engine.generate([r.prompt for r in reqs], make_policy(name, **kw), 6, stop_at_eos=False)
+    assert got == [s.token_ids for s in want.samples]
+
+
+@pytest.mark.parametrize("model", ["tiny-llava", "tiny-qwen2-vl"])
+@pytest.mark.parametrize(
+    "policy",
+    [("h2o", {"budget": 0.4}), ("avl", {"budget": 0.5}), ("elastic", {"budget": 0.5})],
+    ids=["h2o", "avl", "elastic"],
+)
+def test_per_step_policies_decode_the_same_tokens_with_the_kernel_on_and_off(
+    policy, model, engines, images, monkeypatch
+):
+    """H2O, A-VL and Elastic Cache generate the same tokens and keep the same bytes with the fused CPU
+    kernel's statistics read (on) and without it (``VLKV_CPU_KERNEL=0``: the two halves)."""
+    name, kw = policy
+    engine = engines[model]
+    prompts = [Prompt(t, [images[i % 2]] if i < 2 else []) for i, t in enumerate(TEXTS)]
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", on)
+        runs.append(engine.generate(prompts, make_policy(name, **kw), 8, stop_at_eos=False))
+    got, want = runs
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+    assert got.kv_bytes_used == want.kv_bytes_used

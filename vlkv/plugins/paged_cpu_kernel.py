@@ -24,7 +24,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-__all__ = ["MAX_DIM", "MAX_ROWS", "kernel", "segments_attention", "table_attention"]
+__all__ = ["MAX_DIM", "MAX_ROWS", "kernel", "segments_attention", "table_attention", "table_attention_probs"]
 
 # head sizes 64 and 128 are compiled unrolled; any other up to MAX_DIM runs a generic loop
 MAX_DIM = 256
@@ -48,10 +48,13 @@ static inline void prefetch_row(const float* row, int64_t d) {
 // idx is null, else the rows idx[0..T) of the head's pool (a per-head slot row read in place). Writes o
 // (G, D) normalised and lse (G,). The scores (G, T) live in sc. DT, GT: the head size and query rows
 // known at compile time (unrolled: the accumulators stay in registers), or 0 for any D <= 256, G <= 16.
+// pr (optional, with idx): the normalised softmax row of query g written at pr[g * pc + col[t]] (the
+// table column of entry t): a statistics step's probabilities from the same single read of K.
 template <int DT, int GT>
 static void segment(const float* __restrict q, const float* __restrict k, const float* __restrict v,
                     float* __restrict o, float* __restrict lse, int64_t t_len, int64_t g_len,
-                    float* __restrict sc, int64_t d_rt, const int64_t* __restrict idx) {
+                    float* __restrict sc, int64_t d_rt, const int64_t* __restrict idx,
+                    float* __restrict pr, int64_t pc, const int64_t* __restrict col) {
   const int64_t D = DT ? DT : d_rt;
   if (GT) g_len = GT;
   for (int64_t t = 0; t < t_len; ++t) {  // each K row read once, dotted with every query row
@@ -79,6 +82,11 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
     }
     inv[g] = 1.f / sum;
     lse[g] = mx + logf(sum);
+    if (pr) {
+      float* __restrict p = pr + g * pc;
+      const float ig = inv[g];
+      for (int64_t t = 0; t < t_len; ++t) p[col[t]] = s[t] * ig;
+    }
   }
   alignas(64) float acc[16 * 256];
   for (int64_t i = 0; i < g_len * D; ++i) acc[i] = 0.f;
@@ -99,23 +107,25 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
 // the GQA groups of common models unrolled (LLaVA-1.5 1, smollm2-llava 3, Qwen2-VL 7, ...)
 template <int DT>
 static void by_rows(const float* q, const float* k, const float* v, float* o, float* lse, int64_t t_len,
-                    int64_t g_len, float* sc, int64_t d_rt, const int64_t* idx) {
+                    int64_t g_len, float* sc, int64_t d_rt, const int64_t* idx, float* pr, int64_t pc,
+                    const int64_t* col) {
   switch (g_len) {
-    case 1: return segment<DT, 1>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
-    case 2: return segment<DT, 2>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
-    case 3: return segment<DT, 3>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
-    case 4: return segment<DT, 4>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
-    case 7: return segment<DT, 7>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
-    case 8: return segment<DT, 8>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
-    default: return segment<DT, 0>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx);
+    case 1: return segment<DT, 1>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx, pr, pc, col);
+    case 2: return segment<DT, 2>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx, pr, pc, col);
+    case 3: return segment<DT, 3>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx, pr, pc, col);
+    case 4: return segment<DT, 4>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx, pr, pc, col);
+    case 7: return segment<DT, 7>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx, pr, pc, col);
+    case 8: return segment<DT, 8>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx, pr, pc, col);
+    default: return segment<DT, 0>(q, k, v, o, lse, t_len, g_len, sc, d_rt, idx, pr, pc, col);
   }
 }
 
 static void dispatch(const float* q, const float* k, const float* v, float* o, float* lse, int64_t t_len,
-                     int64_t g_len, float* sc, int64_t d, const int64_t* idx) {
-  if (d == 64) by_rows<64>(q, k, v, o, lse, t_len, g_len, sc, d, idx);
-  else if (d == 128) by_rows<128>(q, k, v, o, lse, t_len, g_len, sc, d, idx);
-  else segment<0, 0>(q, k, v, o, lse, t_len, g_len, sc, d, idx);
+                     int64_t g_len, float* sc, int64_t d, const int64_t* idx, float* pr = nullptr,
+                     int64_t pc = 0, const int64_t* col = nullptr) {
+  if (d == 64) by_rows<64>(q, k, v, o, lse, t_len, g_len, sc, d, idx, pr, pc, col);
+  else if (d == 128) by_rows<128>(q, k, v, o, lse, t_len, g_len, sc, d, idx, pr, pc, col);
+  else segment<0, 0>(q, k, v, o, lse, t_len, g_len, sc, d, idx, pr, pc, col);
 }
 
 // q (R, H, G, D) fp32 scaled; k, v (H, S, D) fp32 contiguous; seg_req, seg_start, seg_len (N,) int64.
@@ -153,16 +163,16 @@ std::vector<torch::Tensor> segments(torch::Tensor q, torch::Tensor k, torch::Ten
 
 // q (R, H, G, D) fp32 scaled; k, v (H, S, D) fp32 contiguous; table (R, H, C) int64, lengths (R, H)
 // int64: request r, head h reads the slots table[r, h, :lengths[r, h]] of its own pool row, in place,
-// skipping negative slots (holes): each head its own entries and length, nothing gathered. Returns out
-// (R, H, G, D) normalised (zeros for a row that holds nothing).
-torch::Tensor table_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
-                         torch::Tensor lengths) {
+// skipping negative slots (holes): each head its own entries and length, nothing gathered. Writes out
+// (R, H, G, D) normalised (zeros for a row that holds nothing) and, when pp is not null, probs
+// (R, H, G, C): each query row's softmax at the table column of each live entry, 0 elsewhere.
+static void rows_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
+                      torch::Tensor lengths, torch::Tensor out, float* pp) {
   const int64_t R = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = k.size(1);
   const int64_t C = table.size(2);
   TORCH_CHECK(G <= 16 && D <= 256 && k.is_contiguous() && v.is_contiguous() && q.is_contiguous() &&
                   table.is_contiguous() && lengths.is_contiguous(),
               "fused decode kernel: G <= 16, D <= 256, contiguous q, k, v, table, lengths");
-  auto out = torch::empty({R, H, G, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -171,16 +181,21 @@ torch::Tensor table_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
   float* op = out.data_ptr<float>();
   at::parallel_for(0, R * H, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> sc;
-    std::vector<int64_t> live;
+    std::vector<int64_t> live, col;
     float lse[16];
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t h = i % H, n = std::min(std::max<int64_t>(lp[i], 0), C);
       const int64_t* row = tp + i * C;
+      float* pr = pp ? pp + i * G * C : nullptr;
+      if (pr)  // this row's own block, zeroed by the thread that fills it (no separate pass)
+        for (int64_t j = 0; j < G * C; ++j) pr[j] = 0.f;
       live.clear();
+      col.clear();
       for (int64_t c = 0; c < n; ++c)  // the head's own entries: holes skipped, slots bounds-checked
         if (row[c] >= 0) {
           TORCH_CHECK(row[c] < S, "fused decode kernel: slot ", row[c], " out of the pool's ", S);
           live.push_back(row[c]);
+          if (pr) col.push_back(c);
         }
       float* o = op + i * G * D;
       if (live.empty()) {
@@ -189,10 +204,26 @@ torch::Tensor table_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
       }
       const int64_t t_len = live.size();
       sc.resize(t_len * G);
-      dispatch(qp + i * G * D, kp + h * S * D, vp + h * S * D, o, lse, t_len, G, sc.data(), D, live.data());
+      dispatch(qp + i * G * D, kp + h * S * D, vp + h * S * D, o, lse, t_len, G, sc.data(), D, live.data(),
+               pr, C, pr ? col.data() : nullptr);
     }
   });
+}
+
+torch::Tensor table_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
+                         torch::Tensor lengths) {
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  rows_impl(q, k, v, table, lengths, out, nullptr);
   return out;
+}
+
+// table_rows and each row's probabilities: {out (R, H, G, D), probs (R, H, G, C)} from one read of K, V.
+std::vector<torch::Tensor> table_rows_probs(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                            torch::Tensor table, torch::Tensor lengths) {
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), q.size(3)}, q.options());
+  auto probs = torch::empty({q.size(0), q.size(1), q.size(2), table.size(2)}, q.options());
+  rows_impl(q, k, v, table, lengths, out, probs.data_ptr<float>());
+  return {out, probs};
 }
 """
 
@@ -257,7 +288,7 @@ def kernel():
                     mod = load_inline(
                         build_name(),
                         cpp_sources=_SOURCE,
-                        functions=["segments", "table_rows"],
+                        functions=["segments", "table_rows", "table_rows_probs"],
                         extra_cflags=list(_CFLAGS),
                         extra_ldflags=["-fopenmp"],
                     )
@@ -297,3 +328,19 @@ def table_attention(qs: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, l
     return mod.table_rows(
         qs.contiguous(), k_pool, v_pool, table.long().contiguous(), lengths.long().contiguous()
     )
+
+
+def table_attention_probs(
+    qs: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, lengths: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`table_attention` and its probabilities from the same single read of K and V: returns
+    ``out (R, H_kv, G, D)`` and ``probs (R, H_kv, G, C)`` fp32, each query row's normalised softmax at the
+    table column of each live entry, 0 at holes, past a row's length and in a row that holds nothing
+    (a statistics step's per-column probabilities: nothing gathered, no second pass over K)."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError("the fused CPU kernel could not be built here (no C++ compiler?)")
+    out, probs = mod.table_rows_probs(
+        qs.contiguous(), k_pool, v_pool, table.long().contiguous(), lengths.long().contiguous()
+    )
+    return out, probs

@@ -8,6 +8,10 @@ second), as ``paged_cpu`` does. Plain PyTorch: the same code runs on any device.
 
 Arguments as ``paged_reference.paged_attention_reference`` (one query row: q (B, H_q, 1, D)); GQA:
 G = H_q // H_kv query heads per KV head.
+
+Where the fused CPU kernel reads the call (fp32 CPU pools, no pre-RoPE keys: ``paged_cpu``'s
+conditions), :func:`fused_decode_probs` gives the output and the probabilities together from ONE read
+of each (request, KV head)'s own slot row in place: nothing gathered, no second pass over K.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vlkv.plugins import paged_cpu, paged_cpu_kernel
 from vlkv.plugins.paged_cpu import INPLACE_MIN, _gather, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, held_columns, rotate_keys
 
@@ -159,3 +164,37 @@ def paged_decode_out(
         idx = torch.tensor(route.together, device=probs.device)
         out[idx] = torch.matmul(p[idx], _gathered(v_pool, table, route.held, idx))
     return out
+
+
+def fused_decode_probs(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    host: list[list[int]] | None = None,
+    holes: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """A statistics decode step by the fused CPU kernel: ``out (B, H_q, 1, D_v)`` in q's dtype and
+    ``probs (B, H_kv, G, C)`` / ``vis`` as :func:`paged_decode_probs` gives them, from one read of K and
+    V through each (request, KV head)'s table row (holes skipped, each head its own length). None where
+    the kernel does not read this call (off, not built, not fp32 CPU pools, more than one query row,
+    D or G beyond what it was built for): the caller keeps the two halves. No pre-RoPE keys: a caller
+    with ``rot`` keeps the halves. host, holes: the lengths as Python ints and whether a row may hold a
+    hole (then "every column held" is decided without a read back), as :func:`decode_route` takes them."""
+    batch, heads, num_q, dim = q.shape
+    kv_heads, cols = k_pool.shape[0], table.shape[2]
+    if heads % kv_heads or not paged_cpu._fused_fits(q, k_pool, v_pool, num_q, heads // kv_heads):
+        return None
+    check_paged_args(q, k_pool, v_pool, table, lengths, None, None, None)
+    clamped = lengths.clamp(0, cols)
+    held = held_columns(table, clamped)
+    if host is None:
+        full = bool(held.all())
+    else:  # a row shorter than the table is not full; a hole is read only where the lengths cannot tell
+        full = all(n >= cols for row in host for n in row) and (not holes or bool(held.all()))
+    qs = q.reshape(batch, kv_heads, heads // kv_heads, dim).float() * scale
+    out, probs = paged_cpu_kernel.table_attention_probs(qs, k_pool, v_pool, table, clamped)
+    vis = None if full else held[:, :, None, :]
+    return out.view(batch, heads, 1, v_pool.shape[-1]).to(q.dtype), probs, vis

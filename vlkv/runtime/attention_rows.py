@@ -2,7 +2,8 @@
 
 One decode row per sample: its softmax probabilities over a cache (``_one_row_probs``), the output
 from them (``_one_row_out``), the statistics policies read from them (``_one_row_stats``), attention
-over AttentionPack's post-RoPE factors in the rank space (``_rank_space_one_row``); the general
+over AttentionPack's post-RoPE factors in the rank space (``_rank_space_one_row``), a decode row read
+from the pool through the slot tables, with or without its probabilities (``_paged_one_row``); the general
 chunked statistics pass (``_stats``) and the slot list of a selected-attention decode row
 (``_with_new_slot``).
 """
@@ -107,6 +108,66 @@ def _rank_space_one_row(
         pv = torch.einsum("jtg,tr->jgr", mass, vbar)
         out[sb] += torch.einsum("jgr,rjd->jgd", pv, f.dv.float().view(-1, hkv, d))
     return out.view(b, h, 1, d).to(q.dtype), probs, vis
+
+
+def _paged_one_row(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    rope: dict,
+    host,
+    stats: bool,
+    exact: bool,
+    last_plan,
+) -> tuple[Tensor, Tensor | None, Tensor | None, object]:
+    """A decode step's attention read from one layer's pool through the slot tables (``paged_tables``:
+    ``table (B, H_kv, C)``, ``lengths (B, H_kv)``, pre-RoPE keywords ``rope``, ``host`` its
+    :class:`~vlkv.runtime.kv.paged.PagedHost`); ``q (B, H, 1, D)``, ``k_pool / v_pool (H_kv, S, D)``.
+
+    Returns ``out (B, H, 1, D)`` in q's dtype, with ``stats`` the probabilities ``(B, H_kv, G, C)`` and
+    visibility of ``paged_probs`` (else None, None), and the CPU read plan to keep for the next layer
+    (``last_plan`` reused while the tables are the same: one plan per step). A statistics step reads
+    K once for both: with the fused CPU kernel (fp32 CPU pools, no pre-RoPE keys) its output and
+    probabilities come from one read of each head's own table row; otherwise the two halves of
+    ``paged_probs`` (probabilities, then P·V). ``exact``: the output is the plain read's, bit for bit."""
+    from vlkv.plugins import paged_attention
+
+    plan = last_plan
+
+    def plain() -> Tensor:  # the step's attention without statistics
+        nonlocal plan
+        if not rope and q.device.type == "cpu":  # one plan per step for layers sharing tables
+            from vlkv.plugins.paged_cpu import plan_reused
+
+            plan = plan_reused(last_plan, q, k_pool, table, lengths, host.lengths, host.holes)
+        return paged_attention(q, k_pool, v_pool, table, lengths, scale, plan=None if rope else plan, **rope)
+
+    if not stats:
+        return plain(), None, None, plan
+    from vlkv.plugins.paged_probs import (
+        decode_route,
+        fused_decode_probs,
+        paged_decode_out,
+        paged_decode_probs,
+    )
+
+    fused = None
+    if not rope:
+        fused = fused_decode_probs(q, k_pool, v_pool, table, lengths, scale, host.lengths, host.holes)
+    if fused is not None:
+        out, probs, vis = fused
+        return (plain() if exact else out), probs, vis, plan
+    # routed from the cache's host lengths, once for both halves: no read back per layer
+    route = decode_route(table, lengths, host=host.lengths, holes=host.holes)
+    probs, vis = paged_decode_probs(q, k_pool, table, lengths, scale, **rope, route=route)
+    if exact:
+        out = paged_attention(q, k_pool, v_pool, table, lengths, scale, **rope)
+    else:
+        out = paged_decode_out(probs, v_pool, table, lengths, route=route).view(q.shape).to(q.dtype)
+    return out, probs, vis, plan
 
 
 def _one_row_stats(probs: Tensor, vis: Tensor | None, rows: Tensor | None, threshold: float | None):

@@ -24,6 +24,7 @@ from vlkv.runtime.attention_rows import (
     _one_row_out,
     _one_row_probs,
     _one_row_stats,
+    _paged_one_row,
     _rank_space_one_row,
     _stats,
     _with_new_slot,
@@ -145,32 +146,27 @@ class _StepContext:
         new_len = self.inputs.new_len.to(past)
         paged = getattr(self, "paged", {}).get(layer_idx)
         if paged is not None:  # k, v are the layer's pool tensors (H_kv, S, D)
-            from vlkv.plugins import paged_attention
-
             table, lengths, attended, rope, host = paged
             table, lengths = table.to(q.device), lengths.to(q.device)
             self.attended[layer_idx] = attended.to(q.device)
             wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
-            if not wanted:
-                if not rope and q.device.type == "cpu":  # one plan per step for layers sharing tables
-                    from vlkv.plugins.paged_cpu import plan_reused
 
-                    last = getattr(self, "cpu_plan", None)
-                    self.cpu_plan = plan_reused(last, q, k, table, lengths, host.lengths, host.holes)
-                plan = None if rope else getattr(self, "cpu_plan", None)
-                out = paged_attention(q, k, v, table, lengths, scale, plan=plan, **rope)
-                return out.transpose(1, 2).contiguous()
-            # statistics are the step's probabilities: K is read once for both, as in the dense path
-            from vlkv.plugins.paged_probs import decode_route, paged_decode_out, paged_decode_probs
-
-            # routed from the cache's host lengths, once for both halves: no read back per layer
-            route = decode_route(table, lengths, host=host.lengths, holes=host.holes)
-            probs, vis = paged_decode_probs(q, k, table, lengths, scale, **rope, route=route)
-            if any(self.requests[name].exact_output for name in wanted):
-                out = paged_attention(q, k, v, table, lengths, scale, **rope)
-            else:
-                out = paged_decode_out(probs, v, table, lengths, route=route).view(q.shape).to(q.dtype)
-            self._put_one_row_stats(layer_idx, wanted, probs, vis)
+            exact = any(self.requests[name].exact_output for name in wanted)
+            out, probs, vis, self.cpu_plan = _paged_one_row(
+                q,
+                k,
+                v,
+                table,
+                lengths,
+                scale,
+                rope,
+                host,
+                bool(wanted),
+                exact,
+                getattr(self, "cpu_plan", None),
+            )
+            if wanted:
+                self._put_one_row_stats(layer_idx, wanted, probs, vis)
             return out.transpose(1, 2).contiguous()
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
         # per-head holes (heads with their own budgets): False where a head must not attend

@@ -146,24 +146,40 @@ class Appends(EntryTable):
         :meth:`_reserve`, its K/V already in the pool): ``ids`` its slots, ``(H_kv,)`` or one id for
         every head (the run's next spare), ``pos`` its ``P`` position components (``(P,)`` on the
         cache's device, or ints), ``mod`` its modality code and ``order`` its sequence index (each a
-        ``()`` tensor on that device or an int; ``order`` None: the next one)."""
-        self.slots[0, :, p] = ids
-        self.positions[0, :, p] = pos if isinstance(pos, Tensor) else torch.tensor(pos, device=self.device)
-        self.modality[0, :, p] = mod
+        ``()`` tensor on that device or an int; ``order`` None: the next one).
+
+        Each table's column is written through one ``select`` of the column (the cache's one sample,
+        every head: a ``(1, H_kv, ...)`` view) and one fill or copy that broadcasts into it: 2 ops a
+        table where ``t[0, :, p] = x`` dispatched 3-5 (two selects, a scalar lifted to a tensor, an
+        expand); this runs per request and layer of every decode step."""
+        _put(self.slots.select(2, p), ids)
+        _put(
+            self.positions.select(2, p),
+            pos if isinstance(pos, Tensor) else torch.tensor(pos, device=self.device),
+        )
+        _put(self.modality.select(2, p), mod)
         if order is None:
-            self.order[0, :, p] = self.next_order
+            self.order.select(2, p).copy_(self.next_order)
             self.next_order = self.next_order + 1
         else:
-            self.order[0, :, p] = order
+            _put(self.order.select(2, p), order)
             if isinstance(order, Tensor):
                 self.next_order = torch.maximum(self.next_order, order + 1)
             else:
                 self.next_order = self.next_order.clamp(min=order + 1)
         for s in self.scores.values():
-            s[0, :, p] = 0
+            s.select(2, p).zero_()
         if self.holes is not None:
-            self.holes[0, :, p] = False
+            self.holes.select(2, p).fill_(False)
         self.set_lengths(self.lengths + 1, [p + 1])
+
+
+def _put(column: Tensor, value: Tensor | int) -> None:
+    """Write ``value`` (a tensor broadcast to ``column``, or a Python scalar) into a table's column view."""
+    if isinstance(value, Tensor):
+        column.copy_(value)
+    else:
+        column.fill_(value)
 
 
 def append_one_each(
