@@ -58,7 +58,7 @@ class KVzipPolicy(ScorePolicy):
     replay_dtype: the replay's compute dtype: ``"auto"`` (default: bf16 for a float32 model on
         hardware with native bf16 products — CUDA, x86 ``avx512_bf16``/AMX, Arm ``bf16`` — else the
         model's; the model's with ``exact=True``), ``"model"`` or ``"bfloat16"``/``"float16"``/
-        ``"float32"`` (an explicit choice always wins). bf16 ranks within 0.1 pp of fp32 on real text,
+        ``"float32"`` (an explicit choice always wins). bf16 ranks within 0.15 pp of fp32 on real text,
         see ``vlkv/runtime/replay_dtype.py`` and ``docs/policies.md``.
     grad_layers: KVgrad only: backward through the top ``grad_layers`` layers (-1 = all, exact).
     attn_grad: KVgrad only: ``"auto"`` (default: ``"values"``, or ``"full"`` with ``exact=True``),
