@@ -8,7 +8,17 @@ compressed record (the question's own tokens, the assistant header and the full 
 answer), and the answer tokens' next-token distributions are compared with the uncompressed
 record's: KL(full ‖ policy), top-1 agreement and the answer's NLL. Intervals: percentile bootstrap
 over (photo, question) pairs. Compression cost: the record's prefill (+ replay) time over a plain
-prefill's, measured interleaved per photo.
+prefill's, measured interleaved per photo (``--clock cpu``: the process's CPU time, steadier on a
+shared machine).
+
+Every comparison covers an answer up to and including its first end-of-turn token (all
+``--answer`` tokens when there is none). *Exact answer*: every answer token's top-1 over the compressed
+record equals the uncompressed record's greedy token, i.e. greedy decoding over the compressed record
+gives the same answer word for word.
+
+``--scene "red circle" "blue square"``: one procedural scene (``vlkv.eval.scenes``, the trained
+``smollm2-llava`` projector's domain) instead of photos, asked 8 questions whose answers are known
+(:func:`scene_questions`); the uncompressed record's own accuracy is reported beside.
 """
 
 from __future__ import annotations
@@ -39,15 +49,67 @@ QUESTIONS = (
     "What mood does this image convey?",
 )
 DESCRIBE = "\n\nDescribe the image in detail:"
-# name → (policy, settings)
+# name → (policy, settings). "-replay" is the policy's default (since 0.3.0 the fast replay: a bf16
+# replay on bf16 hardware, kvgrad's attn_grad="values"); "-fp32" the earlier default (fp32, exact
+# gradient; the same kept sets as exact=True, tested)
 CONFIGS = {
     "kvzip-replay": ("kvzip", {}),
+    "kvzip-replay-fp32": ("kvzip", {"replay_dtype": "model"}),
     "kvzip-replay-layer": ("kvzip", {"scope": "layer"}),
     "kvzip-describe": ("kvzip", {"mode": "prompt", "template": DESCRIBE}),
     "kvgrad-replay": ("kvgrad", {}),
+    "kvgrad-replay-fp32": ("kvgrad", {"attn_grad": "full", "replay_dtype": "model"}),
     "snapkv": ("snapkv", {}),
     "h2o": ("h2o", {}),
 }
+
+
+def scene_questions(names: list[str]) -> list[tuple[str, str]]:
+    """8 (question, answer) pairs about a two-object scene, in the trained projector's question forms."""
+    from vlkv.eval import scene_tasks as t
+
+    if len(names) != 2:
+        raise SystemExit("error: --scene takes two objects, e.g. --scene 'red circle' 'blue square'")
+    (lc, ls), (rc, rs) = (n.split() for n in names)
+    if ls == rs:
+        raise SystemExit("error: --scene needs two different shapes (the questions name them)")
+    return [
+        (t.WHAT, f"{names[0]} and {names[1]}"),
+        (t.ON_THE.format(position="left"), names[0]),
+        (t.ON_THE.format(position="right"), names[1]),
+        (t.LEFT_OF.format(name=names[1]), names[0]),
+        (t.COLOUR_OF.format(shape=ls), lc),
+        (t.COLOUR_OF.format(shape=rs), rc),
+        (t.WHERE.format(name=names[0]), "left"),
+        (t.WHERE.format(name=names[1]), "right"),
+    ]
+
+
+def _answer_mask(answers: torch.Tensor, eos: set[int]) -> torch.Tensor:
+    """``(Q, A)`` bool: each answer's tokens up to and including its first end-of-turn token."""
+    is_end = torch.isin(answers, torch.tensor(sorted(eos), dtype=answers.dtype))
+    after = is_end.long().cumsum(1) - is_end.long()  # end tokens strictly before this one
+    return after == 0
+
+
+def _over_answer(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``(Q, A)`` values → ``(Q,)``: the mean over each answer's own tokens (``mask``, float)."""
+    return (x.double() * mask).sum(1) / mask.sum(1)
+
+
+def _weights_id(engine) -> dict:
+    """Which weights answered: a digest of the projector's tensors and the vision feature layer."""
+    import hashlib
+
+    model = engine.loaded.model
+    proj = getattr(getattr(model, "model", model), "multi_modal_projector", None)
+    digest = hashlib.sha256()
+    for name, t in sorted((proj.state_dict() if proj is not None else {}).items()):
+        digest.update(name.encode() + t.detach().float().cpu().numpy().tobytes())
+    return {
+        "projector_sha256": digest.hexdigest()[:16],
+        "vision_feature_layer": getattr(model.config, "vision_feature_layer", None),
+    }
 
 
 def _record(engine, image, questions):
@@ -66,13 +128,14 @@ def _record(engine, image, questions):
     return ctx, [e.input_ids[end:] for e in enc], collate
 
 
-def _compress(engine, ctx, collate, policy):
-    """Prefill the record once with ``policy`` (its edits included); returns the cache and the seconds."""
+def _compress(engine, ctx, collate, policy, now=time.perf_counter):
+    """Prefill the record once with ``policy`` (its edits included); returns the cache and the seconds
+    on the ``now`` clock."""
     batch = collate([ctx], engine.pad_id)
     cache = engine.new_cache(batch)
-    t0 = time.perf_counter()
+    t0 = now()
     engine.prefill(batch, policy, cache)
-    return cache, time.perf_counter() - t0
+    return cache, now() - t0
 
 
 def _answer_logits(engine, cache, policy, rows: list[torch.Tensor], starts: list[int], width: int):
@@ -119,7 +182,8 @@ def _boot(x: torch.Tensor, n: int = 2000) -> tuple[float, float, float]:
 def _write(args, questions, per, cost, done) -> str:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
-        key: {m: _boot(torch.tensor(v)) for m, v in d.items()} | {"cost_ratio": statistics.median(cost[key])}
+        key: {m: _boot(torch.tensor(v)) for m, v in d.items()}
+        | {"cost_ratio": statistics.median(cost[key]), "cost_range": [min(cost[key]), max(cost[key])]}
         for key, d in per.items()
     }
     machine = f"{platform.machine()} CPU VM, {args.threads} threads, no GPU"
@@ -128,6 +192,8 @@ def _write(args, questions, per, cost, done) -> str:
         "photos": done,
         "questions": list(questions),
         "answer_tokens": args.answer,
+        "clock": args.clock,
+        **args.extra_meta,
     }
     args.out.with_suffix(".json").write_text(
         json.dumps({"machine": machine, **meta, "results": summary}, indent=1)
@@ -140,8 +206,19 @@ def _write(args, questions, per, cost, done) -> str:
         "interval. Cost: record prefill (+ scoring) time / plain prefill time, median over photos, "
         "measured back to back.",
         "",
-        "| config | budget | KL(full‖policy) | top-1 agreement | ΔNLL of the answer | cost × prefill |",
-        "|---|---:|---:|---:|---:|---:|",
+        *(
+            [
+                f"Uncompressed record's own accuracy on the scene's known answers: {args.extra_meta['full_accuracy']:.3f}.",
+                "",
+            ]
+            if "full_accuracy" in args.extra_meta
+            else []
+        ),
+        f"Weights: {json.dumps({k: args.extra_meta.get(k) for k in ('projector_sha256', 'vision_feature_layer')})}; "
+        f"{args.clock} clock.",
+        "",
+        "| config | budget | KL(full‖policy) | top-1 agreement | exact answer | ΔNLL of the answer | cost × prefill |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for key, s in summary.items():
         cfg, budget = key.split("@")
@@ -151,7 +228,8 @@ def _write(args, questions, per, cost, done) -> str:
             return f"{f.format(v)} [{f.format(lo)}, {f.format(hi)}]"
 
         lines.append(
-            f"| {cfg} | {budget} | {fmt('kl')} | {fmt('top1', '{:.3f}')} | {fmt('dnll')} | {s['cost_ratio']:.2f} |"
+            f"| {cfg} | {budget} | {fmt('kl')} | {fmt('top1', '{:.3f}')} | {fmt('exact', '{:.3f}')} | {fmt('dnll')} "
+            f"| {s['cost_ratio']:.2f} [{s['cost_range'][0]:.2f}, {s['cost_range'][1]:.2f}] |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
@@ -167,20 +245,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.25, 0.1])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--scene", nargs="+", default=None, help="one procedural scene of two objects instead of photos"
+    )
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cost clock (cpu: CPU time)")
     add_device_args(ap)
     args = ap.parse_args(argv)
     check_device_args(ap, args)
+    torch.set_num_threads(args.threads)
+    now = time.process_time if args.clock == "cpu" else time.perf_counter
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.models.photos import real_photos
     from vlkv.runtime.policies import make_policy
     from vlkv.runtime.prompt import Prompt
 
     engine = Engine(load_for_bench(args.model, args.device, args.dtype))
-    questions = QUESTIONS[: args.questions]
+    args.extra_meta = _weights_id(engine)
+    truth = None
+    if args.scene:
+        from vlkv.eval.scenes import make_scene
+
+        qa = scene_questions(args.scene)[: args.questions]
+        questions, truth = [q for q, _ in qa], [a for _, a in qa]
+        records = [(f"scene: {' + '.join(args.scene)}", make_scene(args.scene).image())]
+    else:
+        questions = QUESTIONS[: args.questions]
+        records = list(zip(args.photos, real_photos(args.photos)))
     per: dict[str, dict[str, list]] = {}
     cost: dict[str, list[float]] = {}
     done: list[str] = []
-    for name, image in zip(args.photos, real_photos(args.photos)):
+    for name, image in records:
         ctx, suffixes, collate = _record(engine, image, questions)
         answers = [
             torch.tensor(s.token_ids)
@@ -188,6 +282,13 @@ def main(argv: list[str] | None = None) -> int:
                 [Prompt(q, [image]) for q in questions], make_policy("full"), args.answer, stop_at_eos=False
             ).samples
         ]
+        if truth is not None:
+            from vlkv.eval.vqa import is_correct
+
+            said = [engine.tokenizer.decode(a.tolist()) for a in answers]
+            args.extra_meta["full_answers"] = said
+            args.extra_meta["full_accuracy"] = sum(map(is_correct, said, truth)) / len(truth)
+        mask = _answer_mask(torch.stack(answers), engine.eos_ids).double()  # (Q, A)
         rows = [torch.cat([s, a]) for s, a in zip(suffixes, answers)]
         starts = [s.shape[0] - 1 for s in suffixes]  # the row predicting the first answer token
         base, _ = _compress(engine, ctx, collate, make_policy("full"))
@@ -203,18 +304,21 @@ def main(argv: list[str] | None = None) -> int:
                 key = f"{cfg}@{budget:g}"
                 policy = make_policy(pol, budget=budget, **kw)
                 # compression cost: this record's prefill + scoring against a plain prefill just before it
-                _, t_plain = _compress(engine, ctx, collate, make_policy("full"))
-                cache, t_pol = _compress(engine, ctx, collate, policy)
+                _, t_plain = _compress(engine, ctx, collate, make_policy("full"), now)
+                cache, t_pol = _compress(engine, ctx, collate, policy, now)
                 cost.setdefault(key, []).append(t_pol / t_plain)
                 got = _answer_logits(engine, cache, policy, rows, starts, args.answer)
                 cache.release()
-                kl = (full.exp() * (full - got)).sum(-1).mean(1)  # (Q,)
-                top1 = (got.argmax(-1) == full.argmax(-1)).double().mean(1)
-                nll = -got.gather(-1, target[..., None])[..., 0].mean(1)
-                nll_full = -full.gather(-1, target[..., None])[..., 0].mean(1)
-                d = per.setdefault(key, {"kl": [], "top1": [], "dnll": []})
+                kl = _over_answer(mask, (full.exp() * (full - got)).sum(-1))
+                same = got.argmax(-1) == target  # the uncompressed record's greedy tokens
+                top1 = _over_answer(mask, got.argmax(-1) == full.argmax(-1))
+                exact = (same | ~mask.bool()).all(1).double()
+                nll = _over_answer(mask, -got.gather(-1, target[..., None])[..., 0])
+                nll_full = _over_answer(mask, -full.gather(-1, target[..., None])[..., 0])
+                d = per.setdefault(key, {"kl": [], "top1": [], "exact": [], "dnll": []})
                 d["kl"] += kl.tolist()
                 d["top1"] += top1.tolist()
+                d["exact"] += exact.tolist()
                 d["dnll"] += (nll - nll_full).tolist()
                 _write(args, questions, per, cost, [*done, name])  # a bounded run keeps what it measured
                 print(f"{name} {key}: KL {float(kl.mean()):.4f} top1 {float(top1.mean()):.3f}", flush=True)

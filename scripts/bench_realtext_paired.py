@@ -9,7 +9,10 @@ A real-text run (``scripts/continuation_ppl.py``) stores per-token NLL under ``<
 run committed only its per-window mean NLL (``per_window.json``) and aggregates (``results.json``).
 Window means are all that ΔPPL and its paired bootstrap need (every window has the same number of
 tokens), so an earlier run's configurations pair with this run's *when the windows are the same*:
-checked by name and by the full cache's per-window mean NLL (equal within 1e-5, else exit 2).
+checked by name and by the full cache's per-window mean NLL (equal within 1e-5, else exit 2). This
+run's windows may be a subset of the earlier run's (e.g. ``--per-book 1`` against ``--per-book 3``):
+the earlier run's values are then taken on those windows only. Without ``--stored`` only this run's
+series are tabled.
 
 ``--series NAME::KEY``: KEY is ``side:label`` of this run (``vlkv:kvgrad``) or ``stored:side:label``
 of the earlier run, without the ``@budget``. ``--compare A::B``: the paired difference of the two
@@ -70,7 +73,7 @@ def _ci(boots: torch.Tensor) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="this run's realtext folder")
-    ap.add_argument("--stored", type=Path, required=True, help="the earlier run's realtext folder")
+    ap.add_argument("--stored", type=Path, default=None, help="an earlier run's realtext folder")
     ap.add_argument(
         "--series", nargs="+", required=True, help="NAME::KEY, KEY = side:label or stored:side:label"
     )
@@ -80,13 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", type=Path, default=None, help="write the tables here (markdown)")
     args = ap.parse_args(argv)
     windows, means, kl = _this_run(args.out)
-    old_windows, old_means, old_kl = _stored(args.stored)
     if not windows:
         ap.exit(2, f"error: no stored NLL under {args.out / 'nll'}\n")
-    if [w.removeprefix("kjv:") for w in windows] != [w.removeprefix("kjv:") for w in old_windows]:
-        ap.exit(2, "error: the two runs' windows differ; nothing pairs\n")
     full = torch.tensor(means["vlkv:full@1"], dtype=torch.float64)
-    old_full = torch.tensor(old_means["vlkv:full@1"], dtype=torch.float64)
+    old_means, old_kl = {}, {}
+    if args.stored is not None:
+        old_windows, old_means, old_kl = _stored(args.stored)
+        names = [w.removeprefix("kjv:") for w in windows]
+        old_names = [w.removeprefix("kjv:") for w in old_windows]
+        if not set(names) <= set(old_names):
+            ap.exit(2, "error: this run's windows are not among the earlier run's; nothing pairs\n")
+        pick = [old_names.index(w) for w in names]
+        old_means = {k: [v[i] for i in pick] for k, v in old_means.items()}
+        if names != old_names:
+            old_kl = {}  # the stored KL is a mean over all of its windows: not on these
+    old_full = torch.tensor(old_means.get("vlkv:full@1", means["vlkv:full@1"]), dtype=torch.float64)
     if float((full - old_full).abs().max()) > 1e-5:
         ap.exit(
             2, "error: the full cache's per-window NLL differs between the runs (another model or text?)\n"

@@ -9,6 +9,12 @@ each with the fast scoring pass (the default) or the reference pass (``exact=Tru
 prefill-statistics policies (H2O, SnapKV) for scale. Repeats are interleaved (every configuration
 once per repeat, each right after a plain prefill); the ratio is compression / that plain prefill,
 median over repeats. Writes ``<out>.json`` and ``<out>.md``.
+
+``--kvpress PRESS ...`` (kvpress peer venv, ``scripts/kvpress_env.py``; ``--batch 1``) adds NVIDIA
+kvpress's presses on the same window in the same run: per repeat one adapter process times a plain
+HF prefill before each press's compressed prefill (kvpress's own pipeline, its own clock: ``--clock
+cpu`` is that process's CPU time), the two sides alternating which goes first. Each side's ratio is to
+its own plain prefill; both sides' seconds are written too.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,6 +88,31 @@ def measure(engine, windows, spec: str | None, device: str, clock: str = "wall")
     return now() - t0
 
 
+def kvpress_times(model_dir, window, presses: list[str], threads: int, clock: str) -> dict[str, tuple]:
+    """One kvpress adapter process: per press, a plain prefill then the press's compressed prefill at
+    budget 0.25 of ``window``'s context (seconds on ``clock`` in that process); ``press -> (plain, press)``.
+    Every job runs once untimed first: the adapter is a fresh process each repeat, and a press's first
+    call in it paid up to 3x its later ones (2026-11-26-replay2)."""
+    from vlkv.eval.kvpress_peer import KvpressJob, run_kvpress
+    from vlkv.eval.realtext import parse_spec
+
+    common = dict(mode="timing", input_ids=list(window.context), max_new_tokens=1, repeats=1)
+    common.update(threads=threads or None, clock=clock)
+    jobs = [KvpressJob(str(model_dir), "none", warmup=1, **common, id="warm-up")]
+    for spec in presses:
+        name, kwargs = parse_spec(spec)
+        jobs.append(KvpressJob(str(model_dir), "none", warmup=1, **common, id=f"plain {spec}"))
+        jobs.append(KvpressJob(str(model_dir), name, 0.25, press_kwargs=kwargs, warmup=1, **common, id=spec))
+    results = run_kvpress(jobs)
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        raise SystemExit(f"error: kvpress job {failed[0]['id']!r} failed: {failed[0]['error']}")
+    return {
+        spec: (results[1 + 2 * i]["prefill_s"], results[2 + 2 * i]["prefill_s"])
+        for i, spec in enumerate(presses)
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-llava")
@@ -88,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument(
+        "--kvpress",
+        nargs="*",
+        default=[],
+        help="kvpress presses to time beside them, as name:field=value,... (e.g. kvzip kvgrad)",
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/scoring-cost"))
     ap.add_argument(
         "--clock",
@@ -103,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--clock cpu measures CPU runs only")
     if args.repeats < 1 or args.tokens < 2 or args.batch < 1:
         ap.error("--repeats and --batch must be >= 1, --tokens >= 2")
+    if args.kvpress and (args.batch != 1 or args.device != "cpu"):
+        ap.error("--kvpress times one window on the CPU: use --batch 1 --device cpu")
+    if args.kvpress:
+        from vlkv.eval.kvpress_peer import kvpress_python
+
+        if kvpress_python() is None:
+            ap.error("--kvpress needs the kvpress venv: run `python scripts/kvpress_env.py`")
     from vlkv.runtime.engine import Engine
 
     engine = Engine(load_for_bench(args.model, args.device, args.dtype))
@@ -110,7 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     measure(engine, windows, None, args.device, args.clock)  # warm-up
     times: dict[str, list[float]] = {"plain": [], **{c: [] for c in args.configs}}
     ratios: dict[str, list[float]] = {c: [] for c in args.configs}
-    for rep in range(args.repeats):
+    peer = {k: [] for k in ("plain", *(f"kvpress:{p}" for p in args.kvpress))}
+    peer_ratios: dict[str, list[float]] = {f"kvpress:{p}": [] for p in args.kvpress}
+    work = tempfile.TemporaryDirectory(prefix="vlkv-cost-") if args.kvpress else None
+    model_dir = None
+    if work is not None:
+        from vlkv.eval.peers import export_language_model
+
+        model_dir = export_language_model(engine, Path(work.name) / "lm")
+
+    def vlkv_side(rep: int) -> None:
         for spec in args.configs:
             # each configuration against the plain prefill measured just before it: on a machine
             # shared with other jobs the load drifts within a repeat
@@ -120,6 +174,24 @@ def main(argv: list[str] | None = None) -> int:
             times[spec].append(t)
             ratios[spec].append(t / plain)
             print(f"repeat {rep + 1}/{args.repeats} {spec}: {t / plain:.2f}x plain", flush=True)
+
+    def kvpress_side(rep: int) -> None:
+        for press, (plain, t) in kvpress_times(
+            model_dir, windows[0], args.kvpress, args.threads, args.clock
+        ).items():
+            key = f"kvpress:{press}"
+            peer["plain"].append(plain)
+            peer[key].append(t)
+            peer_ratios[key].append(t / plain)
+            print(f"repeat {rep + 1}/{args.repeats} {key}: {t / plain:.2f}x its plain prefill", flush=True)
+
+    for rep in range(args.repeats):
+        # the two sides alternate which goes first
+        for side in (vlkv_side, kvpress_side) if rep % 2 == 0 else (kvpress_side, vlkv_side):
+            if side is vlkv_side or args.kvpress:
+                side(rep)
+    if work is not None:
+        work.cleanup()
     machine = machine_name(args.device)
     res = {
         "machine": machine,
@@ -131,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         "clock": args.clock,
         "seconds": times,
         "ratio_median": {c: statistics.median(r) for c, r in ratios.items()},
+        "ratio_range": {c: [min(r), max(r)] for c, r in ratios.items()},
     }
+    if args.kvpress:
+        res["kvpress_seconds"] = peer
+        res["kvpress_ratio_median"] = {c: statistics.median(r) for c, r in peer_ratios.items()}
+        res["kvpress_ratio_range"] = {c: [min(r), max(r)] for c, r in peer_ratios.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     lines = [
@@ -141,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         "| configuration | compression (prefill + statistics + replay + edit) / plain prefill |",
         "|---|---|",
         *(f"| `{c}` | {res['ratio_median'][c]:.2f}x |" for c in args.configs),
+        *(
+            f"| kvpress `{c[8:]}` (its own plain prefill) | {r:.2f}x |"
+            for c, r in res.get("kvpress_ratio_median", {}).items()
+        ),
+        "",
+        f"Plain prefill, median seconds ({args.clock} clock): vlkv {statistics.median(times['plain']):.2f}"
+        + (f", kvpress (HF) {statistics.median(peer['plain']):.2f}" if args.kvpress else ""),
     ]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -28,6 +28,8 @@ Job fields (defaults in :data:`JOB_DEFAULTS`):
                          next-token logits over ``continuation_ids``; the result's
                          ``continuation_nll`` holds each token's NLL in nats) or ``timing``.
     threads              torch CPU threads (timing reproducibility); default: torch's choice.
+    clock                mode ``timing``: ``wall`` (default) or ``cpu`` (the process's CPU time,
+                         steadier on a machine shared with other jobs; CPU runs only).
     top_k                top-k logits per step kept in the JSON (0 disables).
     logits_path          if set, full per-step logits ``(T, V)`` float32 are saved there.
     reference_logits_path
@@ -76,8 +78,10 @@ JOB_DEFAULTS = {
     "warmup": 1,
     "repeats": 3,
     "threads": None,
+    "clock": "wall",
 }
 MODES = ("greedy", "logits", "timing")
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 # vlkv-side name -> kvpress class name. Resolved lazily so that this table can be imported
 # (and listed by --list) without paying kvpress's ~20 s import.
@@ -296,6 +300,8 @@ def run_job(job: dict, models: _ModelCache) -> dict:
         torch.set_num_threads(int(job["threads"]))
     if job["mode"] not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {job['mode']!r}")
+    if job["clock"] not in CLOCKS:
+        raise ValueError(f"clock must be one of {tuple(CLOCKS)}, got {job['clock']!r}")
     attn = job["attn_implementation"] or ("eager" if job["press"] in NEEDS_EAGER else "sdpa")
     if not 0 < job["budget"] <= 1:
         raise ValueError(f"budget must be in (0, 1], got {job['budget']}")
@@ -327,18 +333,20 @@ def run_job(job: dict, models: _ModelCache) -> dict:
     }
     if job["mode"] == "timing":
         prefill_s, decode_s = [], []
+        now = CLOCKS[job["clock"]]
         for i in range(job["warmup"] + job["repeats"]):
             _sync(job["device"])
-            t0 = time.perf_counter()
+            t0 = now()
             cache, first, pos = _prefill(model, press, inputs, job["question_ids"], n, job["device"])
             _sync(job["device"])
-            t1 = time.perf_counter()
+            t1 = now()
             kept = _kept_per_layer(cache, job["question_ids"])
             ids, _, dt = _greedy(model, cache, first, pos, {**job, "stop_on_eos": False}, eos)
             if i >= job["warmup"]:
                 prefill_s.append(t1 - t0)
                 decode_s.append(dt)
         result.update(
+            clock=job["clock"],
             prefill_s=min(prefill_s),
             decode_s=min(decode_s),
             decode_tokens=len(ids) - 1,

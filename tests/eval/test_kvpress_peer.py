@@ -31,6 +31,8 @@ def test_job_validation():
     with pytest.raises(ValueError, match="continuation_ids"):
         KvpressJob(model_dir="m", input_ids=[1], mode="logits")
     assert "logits_path" not in KvpressJob(model_dir="m", input_ids=[1]).to_json()
+    with pytest.raises(ValueError, match="clock"):
+        KvpressJob(model_dir="m", input_ids=[1], mode="timing", clock="gpu")
 
 
 def test_venv_lookup_and_missing_venv_error(monkeypatch, tmp_path):
@@ -194,6 +196,17 @@ def results(tiny):
         KvpressJob(
             md, "knorm", 0.5, "timing", input_ids=ids, max_new_tokens=3, warmup=0, repeats=1, id="timing"
         ),
+        KvpressJob(
+            md,
+            "knorm",
+            0.5,
+            "timing",
+            input_ids=ids,
+            max_new_tokens=1,
+            repeats=1,
+            clock="cpu",
+            id="timing_cpu",
+        ),
         KvpressJob(md, "knorm", 0.1, input_ids=ids, max_new_tokens=1, id="knorm_vlkv_count"),
         KvpressJob(
             md, "knorm", 0.1, input_ids=ids, max_new_tokens=1, keep_rounding="kvpress", id="knorm_floor"
@@ -302,6 +315,8 @@ def test_keep_rounding_modes(results):
 def test_timing_mode_and_error_isolation(results):
     t = results["timing"]
     assert t["prefill_s"] > 0 and t["decode_s"] > 0 and t["decode_tokens"] == 2
-    assert t["kept_per_layer"] == [20, 20]
+    assert t["kept_per_layer"] == [20, 20] and t["clock"] == "wall"
+    cpu = results["timing_cpu"]  # the adapter process's CPU time
+    assert cpu["clock"] == "cpu" and cpu["prefill_s"] > 0 and cpu["decode_tokens"] == 0
     bad = results["too_short"]
     assert not bad["ok"] and "window size" in bad["error"] and "\n" not in bad["error"]

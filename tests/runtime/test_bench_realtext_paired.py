@@ -66,3 +66,22 @@ def test_refuses_runs_whose_full_cache_differs(tmp_path):
     out, old = _runs(tmp_path, stored_full_shift=0.01)
     done = _run(out, old, tmp_path / "paired.md")
     assert done.returncode == 2 and "full cache" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_pairs_a_subset_of_the_stored_windows(tmp_path):
+    out, old = _runs(tmp_path)
+    raw = json.loads((old / "per_window.json").read_text())
+    # the earlier run had one more window, first; its values there must not enter the pairing
+    raw["windows"] = ["kjv:Z@0", *WINDOWS]
+    raw["window_mean_nll"] = {k: [9.0, *v] for k, v in raw["window_mean_nll"].items()}
+    (old / "per_window.json").write_text(json.dumps(raw))
+    report = tmp_path / "paired.md"
+    done = _run(out, old, report)
+    assert done.returncode == 0, done.stderr
+    diff = 100 * (math.exp(0.1) - math.exp(0.2))
+    assert f"| `cheap` − `press` | {diff:+.2f} [{diff:+.2f}, {diff:+.2f}] |" in report.read_text()
+    # windows the earlier run does not have: nothing pairs
+    raw["windows"] = ["kjv:Z@0", "kjv:A@0", "kjv:B@0", "kjv:Y@0"]
+    (old / "per_window.json").write_text(json.dumps(raw))
+    done = _run(out, old, report)
+    assert done.returncode == 2 and "not among" in done.stderr and "Traceback" not in done.stderr

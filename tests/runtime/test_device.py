@@ -40,7 +40,8 @@ POLICIES = {
     "kvzip": {"budget": 0.4},
     "kvzip-exact": {"budget": 0.4, "exact": True},
     "kvzip-bf16": {"budget": 0.4, "replay_dtype": "bfloat16"},
-    "kvgrad": {"budget": 0.4},
+    "kvgrad": {"budget": 0.4},  # the default: attn_grad="values", the replay dtype chosen by the hardware
+    "kvgrad-full": {"budget": 0.4, "attn_grad": "full", "replay_dtype": "model"},
     "kvgrad-exact": {"budget": 0.4, "exact": True},
     "kvgrad-bf16-top1": {"budget": 0.4, "replay_dtype": "bfloat16", "grad_layers": 1},
 }

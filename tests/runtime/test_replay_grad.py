@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from tests.runtime.policies.test_kvzip_fast import (
+    FP32_FULL,
     _kept_after_question,
     _kept_sets,
     _prompts,
     _scores_and_edits,
 )
+from vlkv.runtime import replay_dtype
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.replay import ReplayRequest, _replay_mask, replay_attention_max
 from vlkv.runtime.replay_dtype import replay_layers
@@ -101,20 +103,66 @@ def test_values_only_gradient_keeps_most_of_the_exact_sets(engines, images, mode
     engine = engines[model]
     kw = dict(budget=0.3, chunk_size=6)
     _, exact = _scores_and_edits(engine, _prompts(images), "kvgrad", exact=True, **kw)
-    _, cheap = _scores_and_edits(engine, _prompts(images), "kvgrad", attn_grad="values", **kw)
+    _, cheap = _scores_and_edits(
+        engine, _prompts(images), "kvgrad", attn_grad="values", replay_dtype="model", **kw
+    )
     want, got = _kept_sets(exact), _kept_sets(cheap)
     shared = sum(len(a & b) for a, b in zip(want, got))
     assert shared >= 0.9 * sum(map(len, want)), shared / sum(map(len, want))
     assert sum(map(len, got)) == sum(map(len, want))
 
 
+@pytest.mark.parametrize("model", ["tiny-llava", "tiny-qwen2-vl"])
+@pytest.mark.parametrize("name", ["kvzip", "kvgrad"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # what "auto" picks with / without bf16 units
+@pytest.mark.parametrize("budget", [0.5, 0.1])
+def test_the_default_keeps_nearly_the_exact_sets(engines, images, model, name, dtype, budget):
+    """The default (``attn_grad="values"`` for kvgrad, a replay dtype chosen by the hardware) against
+    the reference (``exact=True``: fp32, exact gradient): >= 90 % of its kept entries on the tiny
+    random models (95-100 % measured), as many in all. On KJV windows of ``smollm2-llava`` its ΔPPL
+    is at or below the reference's at 0.5 / 0.25 / 0.1 (docs/policies.md)."""
+    engine = engines[model]
+    kw = dict(budget=budget, chunk_size=6)
+    _, exact = _scores_and_edits(engine, _prompts(images), name, exact=True, **kw)
+    _, fast = _scores_and_edits(engine, _prompts(images), name, replay_dtype=dtype, **kw)
+    want, got = _kept_sets(exact), _kept_sets(fast)
+    shared = sum(len(a & b) for a, b in zip(want, got))
+    assert shared >= 0.9 * sum(map(len, want)), shared / sum(map(len, want))
+    assert sum(map(len, got)) == sum(map(len, want))
+
+
+def test_the_defaults_are_the_fast_settings_and_explicit_settings_win():
+    request = make_policy("kvgrad", budget=0.3).replay_request(None)
+    assert (request.attn_grad, request.dtype, request.exact) == ("values", "auto", False)
+    assert make_policy("kvzip", budget=0.3).replay_request(None).dtype == "auto"
+    for name in ("kvzip", "kvgrad"):  # the reference: fp32 (the model's dtype), the exact gradient
+        request = make_policy(name, budget=0.3, exact=True).replay_request(None)
+        assert (request.attn_grad, request.dtype, request.exact) == ("full", "model", True)
+    request = make_policy("kvgrad", budget=0.3, attn_grad="full", replay_dtype="float32").replay_request(None)
+    assert (request.attn_grad, request.dtype) == ("full", "float32")
+    assert make_policy("kvgrad", budget=0.3, exact=True, replay_dtype="bfloat16").replay_request(
+        None
+    ).dtype == ("bfloat16")
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_auto_dtype_is_bf16_only_for_a_fp32_model_on_bf16_hardware(engines, monkeypatch, fast):
+    monkeypatch.setattr(replay_dtype, "_cpu_has_bf16", lambda: fast)
+    assert replay_dtype.bf16_is_fast("cpu") == fast
+    assert replay_dtype.resolve_dtype("auto", torch.float32, "cpu") == ("bfloat16" if fast else "model")
+    assert replay_dtype.resolve_dtype("auto", torch.bfloat16, "cpu") == "model"
+    assert replay_dtype.resolve_dtype("float32", torch.float32, "cpu") == "float32"  # explicit wins
+    layers = engines["tiny-llava"].backend.adapter.layers
+    got = next(replay_layers(layers, "auto").parameters()).dtype
+    assert got == (torch.bfloat16 if fast else torch.float32)
+
+
 def test_grad_layers_over_every_layer_is_the_exact_gradient(engines, images):
     engine = engines["tiny-llava"]
     n_layers = engine.backend.num_layers
-    full, _ = _scores_and_edits(engine, _prompts(images), "kvgrad", budget=0.3, chunk_size=6)
-    top, _ = _scores_and_edits(
-        engine, _prompts(images), "kvgrad", budget=0.3, chunk_size=6, grad_layers=n_layers
-    )
+    kw = dict(budget=0.3, chunk_size=6, **FP32_FULL)
+    full, _ = _scores_and_edits(engine, _prompts(images), "kvgrad", **kw)
+    top, _ = _scores_and_edits(engine, _prompts(images), "kvgrad", grad_layers=n_layers, **kw)
     for f, t in zip(full, top):
         torch.testing.assert_close(t, f, atol=1e-6 * float(f.max()), rtol=1e-4)
 
@@ -128,7 +176,9 @@ def test_bf16_replay_keeps_nearly_the_exact_sets(engines, images, model, name):
     engine = engines[model]
     kw = dict(budget=0.3, chunk_size=6)
     _, exact = _scores_and_edits(engine, _prompts(images), name, exact=True, **kw)
-    _, bf16 = _scores_and_edits(engine, _prompts(images), name, replay_dtype="bfloat16", **kw)
+    _, bf16 = _scores_and_edits(
+        engine, _prompts(images), name, replay_dtype="bfloat16", attn_grad="full", **kw
+    )
     want, got = _kept_sets(exact), _kept_sets(bf16)
     shared = sum(len(a & b) for a, b in zip(want, got))
     assert shared >= 0.9 * sum(map(len, want)), shared / sum(map(len, want))
@@ -139,10 +189,11 @@ def test_bf16_replay_keeps_nearly_the_exact_sets(engines, images, model, name):
 @pytest.mark.parametrize(
     "settings",
     [
-        dict(replay_dtype="bfloat16"),
-        dict(grad_layers=1),
-        dict(attn_grad="values"),
+        dict(replay_dtype="bfloat16", attn_grad="full"),
+        dict(grad_layers=1, **FP32_FULL),
+        dict(attn_grad="values", replay_dtype="model"),
         dict(replay_dtype="bfloat16", attn_grad="values"),
+        dict(),  # the default (on hardware without bf16 units: fp32 with attn_grad="values")
     ],
 )
 def test_cheap_settings_stay_query_agnostic(engines, settings):

@@ -68,6 +68,7 @@ class KvpressJob:
         continuation_ids: teacher-forced ids for ``mode="logits"``, length T (logits ``(T, V)``).
         reference_logits_path: ``.pt`` of the full cache's ``(T, V)`` logits over the same
             continuation: the result adds per-token KL and top-1 agreement against them.
+        clock: ``mode="timing"``: ``"wall"`` or ``"cpu"`` (the adapter process's CPU time).
     """
 
     model_dir: str
@@ -92,6 +93,7 @@ class KvpressJob:
     warmup: int = 1
     repeats: int = 3
     threads: int | None = None
+    clock: str = "wall"
     id: str | None = None
 
     def __post_init__(self):
@@ -103,6 +105,8 @@ class KvpressJob:
             raise ValueError(f"keep_rounding must be 'vlkv' or 'kvpress', got {self.keep_rounding!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.clock not in ("wall", "cpu"):
+            raise ValueError(f"clock must be 'wall' or 'cpu', got {self.clock!r}")
         if (self.input_ids is None) == (self.inputs_embeds_path is None):
             raise ValueError("exactly one of input_ids and inputs_embeds_path must be set")
         if self.max_new_tokens < 1:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from vlkv.runtime import replay_grad as _replay_grad
 from vlkv.runtime.cache import KVCache
-from vlkv.runtime.replay_dtype import REPLAY_DTYPES, replay_layers
+from vlkv.runtime.replay_dtype import AUTO, REPLAY_DTYPES, replay_layers
 from vlkv.runtime.replay_fast import attend_and_score, attention_with_lse, scores_from_lse
 from vlkv.runtime.replay_grad import GradScores, attend_with_scores, col_weight
 from vlkv.runtime.replay_grad import value_output_norm as value_output_norm  # public here since 0.2
@@ -61,10 +61,11 @@ class ReplayRequest:
         exact: score with the reference pass (a second, materialised softmax per layer,
             :func:`replay_attention_max`) instead of the fast one (the scores from the attention
             kernel's own row statistics, :mod:`vlkv.runtime.replay_fast`); equal up to float rounding.
-        dtype: the replay's compute dtype: ``"model"`` (the model's own) or one of
+        dtype: the replay's compute dtype: ``"model"`` (the model's own), one of
             :data:`~vlkv.runtime.replay_dtype.REPLAY_DTYPES` (a cast copy of the decoder layers, kept per
-            model; the cache and the scores stay as they are). An approximation: it ranks with
-            lower-precision queries.
+            model; the cache and the scores stay as they are) or ``"auto"`` (bf16 where the hardware
+            runs it natively, :func:`~vlkv.runtime.replay_dtype.resolve_dtype`). Below the model's
+            dtype an approximation: it ranks with lower-precision queries.
         grad_layers: KVgrad's backward runs through the top ``grad_layers`` decoder layers only
             (-1 = all, the exact gradient); every lower layer's row weight is the gradient at the input
             of the lowest of them, i.e. through the residual stream alone. 0 = no backward at all:
@@ -91,8 +92,10 @@ class ReplayRequest:
             raise ValueError(f"attn_grad must be one of {ATTN_GRADS}, got {self.attn_grad!r}")
         if self.exact and self.attn_grad != "full":
             raise ValueError("attn_grad='values' is an approximation of the fast pass; exact=True has none")
-        if self.dtype != "model" and self.dtype not in REPLAY_DTYPES:
-            raise ValueError(f"dtype must be 'model' or one of {tuple(REPLAY_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("model", AUTO) and self.dtype not in REPLAY_DTYPES:
+            raise ValueError(
+                f"dtype must be 'model', 'auto' or one of {tuple(REPLAY_DTYPES)}, got {self.dtype!r}"
+            )
         if self.grad_layers < -1:
             raise ValueError(f"grad_layers must be >= -1 (-1 = all layers), got {self.grad_layers}")
         if self.chunk_size < 1:

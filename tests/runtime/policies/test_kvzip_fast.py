@@ -10,6 +10,7 @@ from vlkv.runtime.backend import StepInputs, StepStats
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Modality, Prompt
 from vlkv.runtime.replay import replay_attention_max
+from vlkv.runtime.replay_dtype import replay_layers
 from vlkv.runtime.replay_fast import (
     ROW_BLOCK,
     _blocked_lse,
@@ -19,6 +20,10 @@ from vlkv.runtime.replay_fast import (
 )
 
 TEXT = "The cat sat on the mat while the dog slept by the warm fire all night long."
+# the fast scoring pass (exact=False) at the reference's precision and with its exact gradient: the
+# defaults (a bf16 replay where the hardware has bf16 units, attn_grad="values") are approximations
+# with their own stated bounds (test_replay_grad.py)
+FP32_FULL = dict(replay_dtype="model", attn_grad="full")
 
 
 def _prompts(images):
@@ -64,7 +69,7 @@ def _kept_sets(edits):
 def test_fast_scores_equal_the_exact_pass(engines, images, model, name, chunk_size, value_norm):
     engine = engines[model]
     kw = dict(budget=0.3, chunk_size=chunk_size, value_norm=value_norm)
-    fast, _ = _scores_and_edits(engine, _prompts(images), name, **kw)
+    fast, _ = _scores_and_edits(engine, _prompts(images), name, **FP32_FULL, **kw)
     exact, _ = _scores_and_edits(engine, _prompts(images), name, exact=True, **kw)
     for layer, (f, e) in enumerate(zip(fast, exact)):
         assert float(e.max()) > 0
@@ -78,7 +83,7 @@ def test_fast_scores_equal_the_exact_pass(engines, images, model, name, chunk_si
 def test_fast_path_keeps_the_exact_sets(engines, images, name, heads, budget):
     engine = engines["tiny-llava"]
     kw = dict(budget=budget, heads=heads, chunk_size=6)
-    _, fast = _scores_and_edits(engine, _prompts(images), name, **kw)
+    _, fast = _scores_and_edits(engine, _prompts(images), name, **FP32_FULL, **kw)
     _, exact = _scores_and_edits(engine, _prompts(images), name, exact=True, **kw)
     assert _kept_sets(fast) == _kept_sets(exact)
     assert [e.keep_len.tolist() for e in fast] == [e.keep_len.tolist() for e in exact]
@@ -197,7 +202,9 @@ def test_kvzip_replay_builds_no_autograd_graph(engines, images, value_norm):
     """Only kvgrad needs gradients: kvzip's replay runs its layers without recording a graph."""
     engine = engines["tiny-llava"]
     seen = []
-    hook = engine.backend.adapter.layers[-1].register_forward_hook(
+    # the layers the default replay runs: the model's, or their bf16 copy on hardware with bf16 units
+    layers = replay_layers(engine.backend.adapter.layers, make_policy("kvzip").replay_dtype)
+    hook = layers[-1].register_forward_hook(
         lambda m, a, o: seen.append((o[0] if isinstance(o, tuple) else o).requires_grad)
     )
     try:

@@ -6,6 +6,12 @@ writes into the residual stream through head ``h`` (input) times how much the ob
 ``Phi = sum_p ||h_p^L||^2`` on the replay rows' last hidden states moves with the row's attention
 output ``a_p`` (gradient), an input × gradient attribution. It needs a backward pass per replay
 chunk, so only the PyTorch backend runs it. Selection, budgets and sinks are :mod:`kvzip`'s.
+
+The default is the fast setting (#30): ``attn_grad="values"`` (the backward holds each layer's
+attention probabilities constant) and ``replay_dtype="auto"`` (a bf16 replay on hardware with bf16
+units): 1.9× a plain prefill instead of 4.6× on a 2-core x86 CPU, with ΔPPL at or below the exact
+gradient's on real text. ``exact=True`` (or ``attn_grad="full"``, ``replay_dtype="model"``) is the
+exact KVgrad attribution, the reference the fast path is tested against.
 """
 
 from __future__ import annotations
