@@ -81,9 +81,7 @@ def standalone_segment(
         if replay:
             from vlkv.runtime.replay import ReplayRequest
 
-            # the policies' default: bf16 where the hardware runs it natively (same kept sets within
-            # the bound tests/runtime/test_replay_grad.py states), the model's dtype elsewhere
-            request = ReplayRequest(dtype="auto")
+            request = ReplayRequest()
             tids = engine.tokenizer(request.template, add_special_tokens=False)["input_ids"]
             scores = engine.backend.replay(
                 request,
