@@ -31,6 +31,10 @@ DECODE += [
     PagedCase(3, 2, 3, 1, 81, 64, layout="runs", full=True),
     PagedCase(2, 1, 9, 1, 81, 64, layout="holes", runs=2),
     PagedCase(4, 3, 3, 1, 300, 64, layout="holes", runs=4),
+    # the unrolled GQA groups 2, 4 and 8 (common models' shapes) at both unrolled head sizes
+    PagedCase(3, 2, 2, 1, 81, 128, layout="holes", runs=2),
+    PagedCase(2, 2, 4, 1, 81, 64, layout="perhead"),
+    PagedCase(2, 1, 8, 1, 97, 128, layout="holes", runs=3),
 ]
 # fp32 softmax of fp32 dot products against the float64 loop: a few ulps of the largest probability
 PROB_TOL = 1e-5
@@ -134,3 +138,36 @@ def test_a_bad_slot_is_one_clear_error(fused):
     table[-1, 0, 0] = args["k_pool"].shape[1]  # one past the pool, inside the row's length
     with pytest.raises(RuntimeError, match="out of the pool"):
         fused_decode_probs(args["q"], args["k_pool"], args["v_pool"], table, args["lengths"], args["scale"])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["short v pool", "table of another batch", "int32 table", "float64 q"],
+)
+def test_the_kernel_refuses_shapes_and_dtypes_that_disagree(bad):
+    """The C++ read trusts its pointers for every index: mismatched inputs must be one clear error,
+    never a read past a buffer (a V pool shorter than K gave non-finite output before the check)."""
+    assert kernel.kernel() is not None
+    g = torch.Generator().manual_seed(0)
+    r, h, grp, d, s = 2, 2, 3, 64, 50
+    q = torch.randn(r, h, grp, d, generator=g)
+    k_pool, v_pool = torch.randn(h, s, d, generator=g), torch.randn(h, s, d, generator=g)
+    table = torch.randint(0, s, (r, h, 7), generator=g)
+    lengths = torch.full((r, h), 7)
+    if bad == "short v pool":
+        v_pool = v_pool[:, :2].contiguous()
+    elif bad == "table of another batch":
+        table = table[:1].contiguous()
+    elif bad == "int32 table":
+        table = table.int()
+    else:
+        q = q.double()
+    # (a float64 q meets torch's own dtype check on the output it allocates like q: also one line)
+    with pytest.raises(RuntimeError, match="fused decode kernel|expected scalar type Float"):
+        if bad == "int32 table":  # the Python wrappers cast tables to int64: the module's own entry
+            kernel.kernel().table_rows(q, k_pool, v_pool, table, lengths)
+        else:
+            kernel.table_attention_probs(q, k_pool, v_pool, table, lengths)
+    seg = torch.tensor([0]), torch.tensor([45]), torch.tensor([10])  # slots 45..54 of a 50-slot pool
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernel.segments_attention(q.float(), k_pool, k_pool, *seg)

@@ -135,6 +135,11 @@ std::vector<torch::Tensor> segments(torch::Tensor q, torch::Tensor k, torch::Ten
   const int64_t H = q.size(1), G = q.size(2), D = q.size(3), S = k.size(1), N = seg_req.size(0);
   TORCH_CHECK(G <= 16 && D <= 256 && k.is_contiguous() && v.is_contiguous() && q.is_contiguous(),
               "fused decode kernel: G <= 16, D <= 256, contiguous q, k, v");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == H && k.size(2) == D &&
+                  q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  seg_start.size(0) == N && seg_len.size(0) == N && seg_req.scalar_type() == at::kLong &&
+                  seg_start.scalar_type() == at::kLong && seg_len.scalar_type() == at::kLong,
+              "fused decode kernel: float32 q (R, H, G, D), k and v (H, S, D); int64 segments of one length");
   auto out = torch::empty({N, H, G, D}, q.options());
   auto lse = torch::empty({N, H, G}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -145,6 +150,10 @@ std::vector<torch::Tensor> segments(torch::Tensor q, torch::Tensor k, torch::Ten
   const int64_t* len = seg_len.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)  // every segment inside the pool and naming a query row
+    TORCH_CHECK(req[n] >= 0 && req[n] < q.size(0) && st[n] >= 0 && len[n] >= 1 && st[n] + len[n] <= S,
+                "fused decode kernel: segment ", n, " (request ", req[n], ", slots ", st[n], " + ", len[n],
+                ") outside the pool's ", S, " slots or the ", q.size(0), " query rows");
   at::parallel_for(0, N * H, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> sc;
     for (int64_t i = lo; i < hi; ++i) {
@@ -173,6 +182,14 @@ static void rows_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::
   TORCH_CHECK(G <= 16 && D <= 256 && k.is_contiguous() && v.is_contiguous() && q.is_contiguous() &&
                   table.is_contiguous() && lengths.is_contiguous(),
               "fused decode kernel: G <= 16, D <= 256, contiguous q, k, v, table, lengths");
+  // the pointers below are trusted for every index: shapes and dtypes that disagree are refused here
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == H && k.size(2) == D &&
+                  table.dim() == 3 && table.size(0) == R && table.size(1) == H && lengths.dim() == 2 &&
+                  lengths.size(0) == R && lengths.size(1) == H && out.sizes() == q.sizes(),
+              "fused decode kernel: q (R, H, G, D), k and v (H, S, D), table (R, H, C), lengths (R, H)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  table.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
+              "fused decode kernel: float32 q, k, v and int64 table, lengths");
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
