@@ -160,8 +160,18 @@ def test_every_policy_runs_on_the_gpu(policy, cuda_engine, engines, images):
     reqs = [sched.submit(Request(p, _policy(policy), 8, stop_at_eos=False)) for p in prompts]
     sched.run()
     assert sched.pool.keys[0].device.type == "cuda"
-    cpu = engines["tiny-llava"].generate(prompts, _policy(policy), 8, stop_at_eos=False)
+    # a replay dtype left on "auto" may resolve differently on the two devices (bf16 on the GPU, fp32
+    # on a CPU without bf16 units): the CPU reference replays in the dtype the GPU run resolved
+    ref = _policy(policy)
+    if getattr(ref, "replay_dtype", None) == "auto":
+        from vlkv.runtime.replay_dtype import resolve_dtype
+
+        ref = make_policy(
+            policy.split("-")[0],
+            **{**POLICIES[policy], "replay_dtype": resolve_dtype("auto", torch.float32, "cuda")},
+        )
+    cpu = engines["tiny-llava"].generate(prompts, ref, 8, stop_at_eos=False)
     for r, want in zip(reqs, cpu.samples):
         assert r.status is Status.FINISHED, r.error
-        # float32 on both; kernels differ, so compare the first tokens, where ties are unlikely
+        # the same settings on both; kernels differ, so compare the first tokens, where ties are unlikely
         assert r.tokens[:4] == want.token_ids[:4]

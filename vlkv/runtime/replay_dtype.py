@@ -48,6 +48,8 @@ def _cpu_has_bf16() -> bool:
             return " bf16" in open("/proc/cpuinfo").read()
         except OSError:
             return False
+    if not torch.backends.mkldnn.is_available():  # x86 bf16 products run through oneDNN, or emulated
+        return False
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence getattr
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 

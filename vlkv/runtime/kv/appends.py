@@ -152,6 +152,8 @@ class Appends(EntryTable):
         every head: a ``(1, H_kv, ...)`` view) and one fill or copy that broadcasts into it: 2 ops a
         table where ``t[0, :, p] = x`` dispatched 3-5 (two selects, a scalar lifted to a tensor, an
         expand); this runs per request and layer of every decode step."""
+        if self.slots.shape[0] != 1:  # a select of column p writes every sample's row (shape only: no op)
+            raise ValueError(f"put_one writes a one-sample cache's column, got {self.slots.shape[0]} samples")
         _put(self.slots.select(2, p), ids)
         _put(
             self.positions.select(2, p),

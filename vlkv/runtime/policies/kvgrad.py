@@ -9,7 +9,7 @@ chunk, so only the PyTorch backend runs it. Selection, budgets and sinks are :mo
 
 The default is the fast setting (#30): ``attn_grad="values"`` (the backward holds each layer's
 attention probabilities constant) and ``replay_dtype="auto"`` (a bf16 replay on hardware with bf16
-units): 1.9× a plain prefill instead of 4.6× on a 2-core x86 CPU, with ΔPPL at or below the exact
+units): 1.9× a plain prefill instead of 4.1× on a 2-core x86 CPU with bf16 units, with ΔPPL at or below the exact
 gradient's on real text. ``exact=True`` (or ``attn_grad="full"``, ``replay_dtype="model"``) is the
 exact KVgrad attribution, the reference the fast path is tested against.
 """
