@@ -49,7 +49,8 @@ from vlkv.runtime.policies import make_policy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import add_threads_arg, document_prompt, load_for_bench, machine_name, write_report  # noqa: E402
 from bench_decode import joint_request, stats_for, weight_bytes  # noqa: E402
-from bench_decode_peers import count_ops, hf_steps, repeat_stats  # noqa: E402
+from bench_decode_peers import hf_steps, repeat_stats  # noqa: E402
+from decode_reads import AttnTimer, DenseRead, HalvesRead, probe  # noqa: E402
 
 POLICIES = ("h2o", "snapkv", "vlcache", "pyramidkv")
 BUDGETS = (0.5, 0.2, 0.1)
@@ -143,47 +144,12 @@ class Prefilled:
         return dst
 
 
-class _DenseRead:
-    """Inside it, decode steps read K/V the way they did before paged reads: each layer's cache gathered
-    into a padded scratch copy (``KVPool.read``), then attention over it (the "before" of the issue)."""
-
-    def __enter__(self):
-        from vlkv.runtime.torch_backend import _StepContext
-
-        self.real = _StepContext._paged
-        _StepContext._paged = lambda self, layer, i: False
-        return self
-
-    def __exit__(self, *exc):
-        from vlkv.runtime.torch_backend import _StepContext
-
-        _StepContext._paged = self.real
-
-
-class _HalvesRead:
-    """Inside it, statistics decode steps read as before the fused kernel wrote probabilities: the two
-    halves of ``paged_probs`` (probabilities, then P·V, per-head tables gathered), while steps without
-    statistics keep the fused read (the "before" of ``--stats-halves``)."""
-
-    def __enter__(self):
-        import vlkv.plugins.paged_probs as paged_probs
-
-        self.real = paged_probs.fused_decode_probs
-        paged_probs.fused_decode_probs = lambda *args, **kwargs: None
-        return self
-
-    def __exit__(self, *exc):
-        import vlkv.plugins.paged_probs as paged_probs
-
-        paged_probs.fused_decode_probs = self.real
-
-
 def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense: bool = False) -> dict:
     """``steps + 1`` greedy decode steps of a configuration from its own copy of the prefill; the first
-    (one-off table growth) untimed; ``dense``: read as before paged reads (:class:`_DenseRead`).
+    (one-off table growth) untimed; ``dense``: read as before paged reads (:class:`DenseRead`).
     Returns seconds per step, K/V bytes attended per step, the tokens, the probe's counts."""
     if dense:
-        with _DenseRead():
+        with DenseRead():
             return vlkv_steps(pre, policy, steps, budget_key)
     eng = pre.engine
     cache = pre.cache_copy()
@@ -195,7 +161,7 @@ def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense
     be = eng.backend
     entry = 2 * be.num_kv_heads * be.head_dim * torch.finfo(be.dtype).bits // 8
     tok, times, kv, tokens, attn = pre.first, [], [], [], []
-    with _AttnTimer() as timer:
+    with AttnTimer() as timer:
         for step in range(steps + 1):
             timer.seconds = 0.0
             start = time.perf_counter()
@@ -206,90 +172,15 @@ def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense
                 attn.append(timer.seconds)
                 kv.append(float(res.attended.sum()) * entry)
             tokens.append(tok.tolist())
-    probe = _probe(lambda: eng.decode(tok, pre.batch, policy, cache, steps + 2))
+    counts = probe(lambda: eng.decode(tok, pre.batch, policy, cache, steps + 2))
     cache.release()
     return {
         "step_s": statistics.mean(times),
         "attn_s": statistics.mean(attn),
         "kv_bytes": statistics.mean(kv),
         "tokens": tokens,
-        **probe,
+        **counts,
     }
-
-
-# a statistics decode step's paged reads (``paged_probs``): timed with ``ops.paged_attention``
-_PROBS_CALLS = ("fused_decode_probs", "paged_decode_probs", "paged_decode_out")
-
-
-class _AttnTimer:
-    """Inside it, the wall time of the decode steps' paged attention calls (``ops.paged_attention`` and a
-    statistics step's ``paged_probs`` calls: the K/V read itself, every layer) adds up in ``seconds``; 0
-    for a step that reads no paged call (the dense read)."""
-
-    def __enter__(self):
-        import vlkv.plugins as plugins
-        import vlkv.plugins.ops as ops
-        import vlkv.plugins.paged_probs as paged_probs
-
-        self.seconds, self.real = 0.0, ops.paged_attention
-        self.probs = {name: getattr(paged_probs, name) for name in _PROBS_CALLS}
-
-        def timer(fn):
-            def timed(*args, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    self.seconds += time.perf_counter() - t
-
-            return timed
-
-        timed = timer(self.real)
-        ops.paged_attention = timed
-        for name, fn in self.probs.items():
-            setattr(paged_probs, name, timer(fn))
-        self.cached = vars(plugins).get("paged_attention")
-        if self.cached is not None:  # the package's lazy export, once resolved, is its own name
-            plugins.paged_attention = timed
-        return self
-
-    def __exit__(self, *exc):
-        import vlkv.plugins as plugins
-        import vlkv.plugins.ops as ops
-        import vlkv.plugins.paged_probs as paged_probs
-
-        ops.paged_attention = self.real
-        for name, fn in self.probs.items():
-            setattr(paged_probs, name, fn)
-        if self.cached is not None:
-            plugins.paged_attention = self.cached
-
-
-def _probe(step) -> dict:
-    """One more (untimed) step, counted: aten ops dispatched and the K/V bytes copied into scratch
-    (the CPU paged read's gathers, those of its statistics form ``paged_probs``, and ``KVPool.read``'s
-    padded copies on the dense read)."""
-    import vlkv.plugins.paged_cpu as paged_cpu
-    import vlkv.plugins.paged_probs as paged_probs
-    from vlkv.runtime.kv.pool import KVPool
-
-    gathered = [0]
-    real, real_read = paged_cpu._gather, KVPool.read
-
-    def gather(pool, flat, out=None):
-        gathered[0] += flat.numel() * pool.shape[-1] * pool.element_size()
-        return real(pool, flat, out)
-
-    def read(self, layer, ids, *args, **kwargs):
-        gathered[0] += 2 * ids.numel() * self.spec.head_dim * self.spec.dtype.itemsize
-        return real_read(self, layer, ids, *args, **kwargs)
-
-    paged_cpu._gather, paged_probs._gather, KVPool.read = gather, gather, read
-    try:
-        ops = count_ops(step)
-    finally:
-        paged_cpu._gather, paged_probs._gather, KVPool.read = real, real, real_read
-    return {"ops": ops, "gathered_bytes": gathered[0]}
 
 
 def runtime_lines() -> int:
@@ -332,7 +223,7 @@ def run(args) -> dict:
                 paged_cpu.FUSED_KERNEL = name == "full-kernel" or name.endswith("+kernel") or halves
                 try:
                     if halves:
-                        with _HalvesRead():
+                        with HalvesRead():
                             res = vlkv_steps(pre, pol, args.steps, key)
                     else:
                         res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
