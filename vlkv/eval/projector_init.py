@@ -119,16 +119,12 @@ def ridge_init(
     w = torch.cat(weights).double()[:, None]  # (N, 1)
     mu, y_mean = (w * x).sum(0) / w.sum(), (w * y).sum(0) / w.sum()
     root = w.sqrt()
-    # every feature standardised before the principal directions are taken (and the scaling folded
-    # into the basis below): concatenated layers differ ~20x in scale (DINOv2's layer 6 against 12),
-    # and unscaled the larger one would fill every direction the MLP's hidden units can carry
-    sd = ((w * (x - mu).pow(2)).sum(0) / w.sum()).sqrt().clamp_min(1e-8)
-    xc, yc = (x - mu) / sd * root, (y - y_mean) * root  # weighted least squares as plain least squares
+    xc, yc = (x - mu) * root, (y - y_mean) * root  # weighted least squares as plain least squares
     rank = min(proj.linear_1.out_features // 2, x.shape[1])
     # top principal directions of the features: they are what the ± pairs of hidden units carry
     _, _, vh = torch.linalg.svd(xc, full_matrices=False)
-    z = xc @ vh[:rank].T
-    basis = vh[:rank].T / sd[:, None]  # (d, rank): from raw features to the standardised directions
+    basis = vh[:rank].T  # (d, rank)
+    z = xc @ basis
     gram = z.T @ z
     penalty = ridge * gram.diagonal().mean()
     coef = torch.linalg.solve(gram + penalty * torch.eye(rank, dtype=gram.dtype), z.T @ yc)  # (rank, out)

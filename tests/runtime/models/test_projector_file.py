@@ -21,7 +21,7 @@ def test_shipped_file_matches_the_pinned_checksum():
     assert S._sha256(S.PROJECTOR_FILE) == S.PROJECTOR_SHA256
     state = S.load_projector()
     assert {k: tuple(v.shape) for k, v in state.items()} == {
-        "linear_1.weight": (576, 768),  # layers 6 and 12 side by side
+        "linear_1.weight": (576, 384),
         "linear_1.bias": (576,),
         "linear_2.weight": (576, 576),
         "linear_2.bias": (576,),

