@@ -289,8 +289,8 @@ def test_layout(smollm2):
     assert (text.head_dim, text.hidden_size, text.vocab_size) == (64, 576, 49216)
     assert (vision.num_hidden_layers, vision.num_attention_heads, vision.hidden_size) == (12, 6, 384)
     assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<image>") == 49152
-    # the shipped projector was trained on the last layer's features
-    assert model.config.vision_feature_layer == S.VISION_FEATURE_LAYER == -1
+    # a middle layer: DINOv2's last one has discarded colour
+    assert model.config.vision_feature_layer == S.VISION_FEATURE_LAYER == 8
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
     projector = sum(p.numel() for p in model.model.multi_modal_projector.parameters())
     assert projector == 384 * 576 + 576 + 576 * 576 + 576
@@ -317,8 +317,8 @@ def test_vision_tower_matches_onnxruntime(smollm2):
 
 @pytest.mark.slow
 @pytest.mark.demo
-def test_image_features_read_the_last_layer_and_export_alike(smollm2):
-    """HF's image features are the projector applied to hidden state 12 (CLS dropped), and the
+def test_image_features_read_layer_8_and_export_alike(smollm2):
+    """HF's image features are the projector applied to hidden state 8 (CLS dropped), and the
     exporter's vision encoder, which reads ``config.vision_feature_layer`` itself, gives the same."""
     from vlkv.exporter.vision_tower import vision_encoder
 
@@ -326,7 +326,7 @@ def test_image_features_read_the_last_layer_and_export_alike(smollm2):
     pixels = processor.image_processor(real_photos(("chelsea",)), return_tensors="pt")["pixel_values"]
     with torch.no_grad():
         hidden = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states
-        expected = model.model.multi_modal_projector(hidden[12][:, 1:])
+        expected = model.model.multi_modal_projector(hidden[8][:, 1:])
         actual = model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output[0]
         exported = vision_encoder(model, "llava")(pixels)
     assert len(hidden) == 13 and expected.shape == (1, S.NUM_IMAGE_TOKENS, 576)
