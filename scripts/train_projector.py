@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlkv.eval.projector_init import TARGETS, AffineProjector, ridge_init
+from vlkv.eval.projector_init import HIDDEN, TARGETS, AffineProjector, ridge_init
 from vlkv.eval.scene_tasks import MIXES, WHAT, Sample, training_sample
 from vlkv.eval.scenes import random_scene
 
@@ -74,6 +74,9 @@ class TrainConfig:
     # the ridge fit's target (vlkv.eval.projector_init): "global" (every patch of a one-object scene
     # -> its words) or "local" (patches on an object -> its words, others -> "background")
     init_target: str = "global"
+    # the ridge map's hidden units: "unit" RMS pre-activations, or "raw" principal coordinates (the
+    # same function; it sets how far optimiser steps move each layer, vlkv.eval.projector_init)
+    init_hidden: str = "unit"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -93,6 +96,8 @@ class TrainConfig:
             raise ValueError(f"mix must be one of {list(MIXES)}, got {self.mix!r}")
         if self.init_target not in TARGETS:
             raise ValueError(f"init_target must be one of {list(TARGETS)}, got {self.init_target!r}")
+        if self.init_hidden not in HIDDEN:
+            raise ValueError(f"init_hidden must be one of {list(HIDDEN)}, got {self.init_hidden!r}")
         if self.init_from and not Path(self.init_from).is_file():
             raise ValueError(f"init_from {self.init_from} is not a file")
 
@@ -238,14 +243,16 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             raise ValueError(f"init_from {cfg.init_from} holds no affine map (not a linear-form run)")
         extra["init"] = {"from": cfg.init_from}
     else:
-        info, ridge = ridge_init(loaded, cfg.seed, cfg.init_images, cfg.ridge, cfg.init_target)
+        info, ridge = ridge_init(
+            loaded, cfg.seed, cfg.init_images, cfg.ridge, cfg.init_target, cfg.init_hidden
+        )
         extra["init"], source = info, None
         affine = ridge if cfg.form == "linear" else None
     if source is not None:
         mlp.load_state_dict(source["projector"])
         if cfg.form == "linear":
             a = source["affine"]
-            affine = AffineProjector(a["basis"], a["mu"], a["coef"], a["bias"])
+            affine = AffineProjector(a["basis"], a["mu"], a["coef"], a["bias"], a.get("scale", 1.0))
     if cfg.form == "linear":
         loaded.model.model.multi_modal_projector = affine  # the MLP gets the map written at each save
         params = list(affine.parameters())

@@ -64,6 +64,25 @@ def test_ridge_init_is_written_exactly_into_the_mlp(tp):
     assert 0 < info["r2"] <= 1
 
 
+def test_hidden_scale_changes_the_parametrisation_not_the_map(tp):
+    """``unit`` scales the ± hidden units to unit RMS on the fit's features and ``linear_2`` back:
+    the same affine map as ``raw``, to float64 rounding."""
+    cfg = _cfg(tp)
+    loaded = tp.load(cfg.model)
+    proj = tp.projector(loaded)
+    x = torch.randn(7, proj.linear_1.in_features)
+    outs, infos = {}, {}
+    for hidden in ("raw", "unit"):
+        infos[hidden], _ = tp.ridge_init(loaded, cfg.seed, cfg.init_images, cfg.ridge, "global", hidden)
+        with torch.no_grad():
+            outs[hidden] = proj(x)
+    # (the tiny tower's standardised features fill every direction, so its unit scale is ~1 too)
+    assert infos["raw"]["hidden_scale"] == 1.0 and 0 < infos["unit"]["hidden_scale"] < float("inf")
+    torch.testing.assert_close(outs["unit"], outs["raw"], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="init_hidden must be one of"):
+        _cfg(tp, init_hidden="other")
+
+
 def test_export_writes_safetensors_with_its_checksum(tp, tmp_path):
     import hashlib
 

