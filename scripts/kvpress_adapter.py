@@ -240,15 +240,17 @@ def _step(model, cache, token: int, pos: int, device: str) -> torch.Tensor:
     return out.logits[0, -1]
 
 
-def _greedy(model, cache, first_logits, pos, job, eos: set[int]):
+def _greedy(model, cache, first_logits, pos, job, eos: set[int], now=time.perf_counter):
+    """Greedy decode from ``first_logits (V,)``; returns ids, ``(steps, V)`` logits and the seconds it
+    took on ``now`` (the job's clock: wall or the process's CPU time)."""
     logits, ids = [first_logits], [int(first_logits.argmax())]
-    t0 = time.perf_counter()
+    t0 = now()
     while len(ids) < job["max_new_tokens"] and not (job["stop_on_eos"] and ids[-1] in eos):
         logits.append(_step(model, cache, ids[-1], pos, job["device"]))
         ids.append(int(logits[-1].argmax()))
         pos += 1
     _sync(job["device"])
-    return ids, torch.stack(logits), time.perf_counter() - t0
+    return ids, torch.stack(logits), now() - t0
 
 
 def _teacher_forced(model, cache, first_logits, pos, job):
@@ -341,7 +343,7 @@ def run_job(job: dict, models: _ModelCache) -> dict:
             _sync(job["device"])
             t1 = now()
             kept = _kept_per_layer(cache, job["question_ids"])
-            ids, _, dt = _greedy(model, cache, first, pos, {**job, "stop_on_eos": False}, eos)
+            ids, _, dt = _greedy(model, cache, first, pos, {**job, "stop_on_eos": False}, eos, now)
             if i >= job["warmup"]:
                 prefill_s.append(t1 - t0)
                 decode_s.append(dt)
