@@ -248,6 +248,8 @@ def run(args) -> dict:
         row = {
             "config": name,
             "step_ms": step_ms,
+            # every timed round's step, in round order (the paired ratios' ranges are read from these)
+            "step_ms_rounds": [1e3 * r["step_s"] for r in rs],
             # the paged attention calls alone: the K/V read, against the bandwidth (its own bound)
             "attn_ms": attn_ms,
             "attn_of_bound": (1e3 * kv / bandwidth) / attn_ms if attn_ms > 0 else 0.0,

@@ -4,6 +4,7 @@ times vlkv's full cache, the policies and both transformers caches, and writes J
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def test_tiny_run_reports_every_configuration_against_the_bound_and_the_peers(tm
     for r in rows.values():
         assert r["step_ms"] > 0 and r["ops_per_step"] > 0
         assert abs(r["of_bound"] - r["bound_ms"] / r["step_ms"]) < 1e-9
+        # every round's step is kept, and the reported step is their median
+        assert len(r["step_ms_rounds"]) == res["repeats"]
+        assert abs(statistics.median(r["step_ms_rounds"]) - r["step_ms"]) < 1e-9
         assert r["bytes_per_step"] >= res["weight_bytes"] + r["kv_bytes"]
     # a compressed cache attends fewer bytes than the full one
     assert rows["snapkv@0.2"]["kv_bytes"] < rows["snapkv@0.5"]["kv_bytes"] < rows["full"]["kv_bytes"]
