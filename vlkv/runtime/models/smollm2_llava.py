@@ -36,10 +36,17 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
 # The "Pil" image processor: the default one needs torchvision, which vlkv does not require.
 from transformers.models.bit.image_processing_pil_bit import BitImageProcessorPil
+
+from vlkv.runtime.models.llava_assembly import (
+    pad_embedding_rows,
+    padded_vocab,
+    plain_text_config,
+    seeded_projector,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +387,7 @@ def _assemble(steps) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     steps.update()
 
     steps.set_postfix_str("assembling")
-    text_config = _text_config(lm.config, vocab_size=_padded(len(tokenizer)))
+    text_config = plain_text_config(lm.config, vocab_size=padded_vocab(len(tokenizer)))
     config = LlavaConfig(
         vision_config=dinov2_small_config(),
         text_config=text_config,
@@ -394,11 +401,13 @@ def _assemble(steps) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
         model = LlavaForConditionalGeneration(config)
     model.model.vision_tower.load_state_dict(vision_state, strict=True)
     lm_state = lm.model.state_dict()
-    lm_state["embed_tokens.weight"] = _pad_rows(lm_state["embed_tokens.weight"], text_config.vocab_size)
+    lm_state["embed_tokens.weight"] = pad_embedding_rows(
+        lm_state["embed_tokens.weight"], text_config.vocab_size
+    )
     model.model.language_model.load_state_dict(lm_state, strict=True)
     model.tie_weights()
     model.eval()
-    _init_projector(model)
+    seeded_projector(model, PROJECTOR_SEED, IMAGE_SIZE)
     processor = LlavaProcessor(
         image_processor=image_processor(),
         tokenizer=tokenizer,
@@ -409,57 +418,3 @@ def _assemble(steps) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
     )
     steps.update()
     return model, processor
-
-
-def _padded(n: int, multiple: int = 64) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _text_config(gguf_config: LlamaConfig, vocab_size: int) -> LlamaConfig:
-    """The GGUF model's config as a plain one (no quantization_config, so it can be saved)."""
-    fields = gguf_config.to_dict()
-    for key in (
-        "quantization_config",
-        "_name_or_path",
-        "_model_name_or_path",
-        "dtype",
-        "transformers_version",
-    ):
-        fields.pop(key, None)
-    fields["vocab_size"] = vocab_size
-    return LlamaConfig(**fields)
-
-
-def _pad_rows(embed: Tensor, rows: int) -> Tensor:
-    """``(vocab, hidden)`` -> ``(rows, hidden)``; new rows are the mean embedding.
-
-    The rows are tied to lm_head, so the mean keeps the new tokens' logits ordinary instead of
-    random (and it is deterministic).
-    """
-    extra = embed.mean(dim=0, keepdim=True).expand(rows - embed.shape[0], -1)
-    return torch.cat([embed, extra], dim=0)
-
-
-@torch.no_grad()
-def _init_projector(model: LlavaForConditionalGeneration) -> None:
-    """Seeded nn.Linear-style init, then rescale so image tokens have text embeddings' mean RMS.
-
-    Unscaled, image embeddings are ~3x larger than text embeddings; real LLaVA projectors are
-    trained, so matching the text scale is the neutral choice for KV statistics. The scale is
-    measured on seeded noise pixels so it depends on nothing but the weights.
-    """
-    gen = torch.Generator().manual_seed(PROJECTOR_SEED)
-    projector = model.model.multi_modal_projector
-    for linear in (projector.linear_1, projector.linear_2):
-        bound = linear.in_features**-0.5
-        for param in (linear.weight, linear.bias):
-            param.copy_((torch.rand(param.shape, generator=gen) * 2 - 1) * bound)
-    pixels = torch.randn(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
-    features = model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
-    features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
-    image_rms = features.float().pow(2).mean(-1).sqrt().mean()
-    embed = model.model.language_model.embed_tokens.weight
-    text_rms = embed.float().pow(2).mean(-1).sqrt().mean()
-    scale = (text_rms / image_rms).item()
-    projector.linear_2.weight.mul_(scale)
-    projector.linear_2.bias.mul_(scale)
