@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from vlkv.plugins.paged_cpu_plan import PagedCpuPlan
 from vlkv.runtime.backend import AttendIndex
+from vlkv.runtime.kv.paged import PagedHost
 
 
 def _with_new_slot(index: AttendIndex, past: Tensor) -> tuple[Tensor, Tensor]:
@@ -118,11 +120,11 @@ def _paged_one_row(
     lengths: Tensor,
     scale: float,
     rope: dict,
-    host,
+    host: PagedHost,
     stats: bool,
     exact: bool,
-    last_plan,
-) -> tuple[Tensor, Tensor | None, Tensor | None, object]:
+    last_plan: PagedCpuPlan | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, PagedCpuPlan | None]:
     """A decode step's attention read from one layer's pool through the slot tables (``paged_tables``:
     ``table (B, H_kv, C)``, ``lengths (B, H_kv)``, pre-RoPE keywords ``rope``, ``host`` its
     :class:`~vlkv.runtime.kv.paged.PagedHost`); ``q (B, H, 1, D)``, ``k_pool / v_pool (H_kv, S, D)``.
