@@ -18,6 +18,7 @@ import torch
 
 import vlkv.plugins.paged_cpu as paged_cpu
 import vlkv.plugins.paged_cpu_kernel as kernel
+import vlkv.plugins.skinny_gemm as skinny_gemm
 from tests.plugins.cases import OUT_TOL, assert_close_tol
 from tests.plugins.test_paged_attention import PagedCase
 from vlkv.plugins.paged_cpu import paged_attention_cpu
@@ -45,6 +46,7 @@ def test_no_compiler_falls_back_to_the_matmuls_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(ext, "load_inline", fail)
     monkeypatch.setattr(kernel, "_BUILT", [])  # as in a fresh process: nothing tried yet
+    monkeypatch.setattr(skinny_gemm, "_BUILT", [])
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
     args = PagedCase(2, 2, 3, 1, 81, 64, layout="holes", runs=2).make(torch.float32)
     with warnings.catch_warnings(record=True) as caught:
@@ -53,7 +55,11 @@ def test_no_compiler_falls_back_to_the_matmuls_with_one_warning(monkeypatch):
         got = paged_attention_cpu(**args)
         paged_attention_cpu(**args, inplace_min=1)
     msgs = [str(w.message) for w in caught]
-    assert msgs == ["fused CPU decode kernel not built (OSError): using matmuls"]  # once, one line
+    # each kernel says it once, in one line (warm_up builds the decode layers' GEMM too)
+    assert msgs == [
+        "skinny CPU GEMM not built (OSError): using torch's matmuls",
+        "fused CPU decode kernel not built (OSError): using matmuls",
+    ]
     assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
 
 

@@ -269,12 +269,12 @@ def cpu_flags() -> str:
     return f"{platform.machine()}|{model or platform.processor()}|{flags}"
 
 
-def build_name() -> str:
-    """The extension's name (and torch's build folder): keyed by the source, the compile flags and
+def build_name(source: str = _SOURCE, prefix: str = "vlkv_paged_cpu_kernel") -> str:
+    """An extension's name (and torch's build folder): keyed by its source, the compile flags and
     :func:`cpu_flags`, so a home shared by machines with other CPUs never loads a binary built for
     instructions this CPU lacks (each CPU kind builds and caches its own)."""
-    key = hashlib.sha256("\0".join([_SOURCE, *_CFLAGS, cpu_flags()]).encode()).hexdigest()[:16]
-    return f"vlkv_paged_cpu_kernel_{key}"
+    key = hashlib.sha256("\0".join([source, *_CFLAGS, cpu_flags()]).encode()).hexdigest()[:16]
+    return f"{prefix}_{key}"
 
 
 def _is_cached(name: str) -> bool:
@@ -287,36 +287,50 @@ def _is_cached(name: str) -> bool:
         return False
 
 
-def kernel():
-    """The compiled extension module, built on the first call (None, with one warning, when it cannot
-    be built here: the caller keeps the matmul read)."""
-    if not _BUILT:
+def load_extension(built: list, name: str, source: str, functions: list[str], what: str, fallback: str):
+    """Build (once per process; torch's extension cache keeps the binary) the C++ ``source`` exporting
+    ``functions`` as the extension ``name`` (:func:`build_name`) with this module's flags. ``built`` is
+    the caller's ``[module or None]`` memo (empty: not tried yet). Returns the module, or None with one
+    warning ``"<what> not built (<error>): <fallback>"`` where it cannot be built (no compiler)."""
+    if not built:
         with _LOCK:
-            if not _BUILT:
+            if not built:
                 try:
                     from torch.utils.cpp_extension import load_inline
 
-                    if not _is_cached(build_name()):  # a ~minute-long stall deserves a line
+                    if not _is_cached(name):  # a ~minute-long stall deserves a line
                         print(
-                            "vlkv: building the fused CPU decode kernel for this CPU (once; about a minute)",
+                            f"vlkv: building the {what} for this CPU (once; about a minute)",
                             file=sys.stderr,
                             flush=True,
                         )
                     mod = load_inline(
-                        build_name(),
-                        cpp_sources=_SOURCE,
-                        functions=["segments", "table_rows", "table_rows_probs"],
+                        name,
+                        cpp_sources=source,
+                        functions=functions,
                         extra_cflags=list(_CFLAGS),
                         extra_ldflags=["-fopenmp"],
                     )
-                except Exception as err:  # noqa: BLE001 — no compiler / headers: the caller keeps the bmm read
-                    warnings.warn(
-                        f"fused CPU decode kernel not built ({type(err).__name__}): using matmuls",
-                        stacklevel=2,
-                    )
+                except Exception as err:  # noqa: BLE001 — no compiler / headers: the caller keeps its fallback
+                    warnings.warn(f"{what} not built ({type(err).__name__}): {fallback}", stacklevel=3)
                     mod = None
-                _BUILT.append(mod)
-    return _BUILT[0]
+                built.append(mod)
+    return built[0]
+
+
+def kernel():
+    """The compiled extension module, built on the first call (None, with one warning, when it cannot
+    be built here: the caller keeps the matmul read)."""
+    if _BUILT:  # every decode read asks: no hashing, no /proc/cpuinfo read after the first
+        return _BUILT[0]
+    return load_extension(
+        _BUILT,
+        build_name(),
+        _SOURCE,
+        ["segments", "table_rows", "table_rows_probs"],
+        "fused CPU decode kernel",
+        "using matmuls",
+    )
 
 
 def segments_attention(

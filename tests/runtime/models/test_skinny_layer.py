@@ -1,10 +1,14 @@
-"""The skinny-GEMM decoder layer (few-row GEMMs as ``(W @ xᵀ)ᵀ``) against the HF layer."""
+"""The skinny-GEMM decoder layer (few-row GEMMs by the C++ GEMM or as ``(W @ xᵀ)ᵀ``) against the HF layer.
+
+Every test runs twice: with the C++ GEMM (``skinny_gemm``, the default where it builds) and with it off
+(``VLKV_CPU_GEMM=0``: torch's ``(W @ xᵀ)ᵀ`` for 2-4 rows, ``F.linear`` otherwise)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from vlkv.plugins import skinny_gemm
 from vlkv.runtime.models import skinny_layer
 from vlkv.runtime.models.registry import load_model
 from vlkv.runtime.models.skinny_layer import (
@@ -21,10 +25,22 @@ MODELS = ("tiny-llava", "tiny-qwen2-vl")
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@pytest.fixture(autouse=True)
-def _every_weight_skinny(monkeypatch):
-    """The tiny models' weights are below ``SKINNY_MIN_WEIGHT``: take the skinny form for them too."""
+@pytest.fixture(autouse=True, params=[True, False], ids=["cpp", "torch"])
+def cpp(request, monkeypatch):
+    """The tiny models' weights are below ``SKINNY_MIN_WEIGHT``: take the skinny form for them too; the
+    C++ GEMM on (it must build here) or off."""
     monkeypatch.setattr(skinny_layer, "SKINNY_MIN_WEIGHT", 0)
+    monkeypatch.setattr(skinny_gemm, "CPP_GEMM", request.param)
+    if request.param and skinny_gemm.kernel() is None:
+        pytest.fail("the skinny GEMM could not be built here")
+    return request.param
+
+
+def _hf_products(rows: int, cpp: bool) -> bool:
+    """Whether ``linear`` over ``rows`` rows runs ``F.linear`` itself (bit-equal to the HF layer)."""
+    if cpp and 1 <= rows <= skinny_gemm.MAX_ROWS:
+        return False
+    return not 2 <= rows <= SKINNY_MAX_ROWS
 
 
 def _layer_inputs(loaded, rows: int, q: int):
@@ -40,14 +56,14 @@ def _layer_inputs(loaded, rows: int, q: int):
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("rows,q", [(4, 1), (2, 1), (1, 1), (4, 6)])
-def test_skinny_layer_equals_the_hf_layer(name, rows, q):
+def test_skinny_layer_equals_the_hf_layer(name, rows, q, cpp):
     loaded = load_model(name)
     adapter, hidden, cos_sin = _layer_inputs(loaded, rows=rows, q=q)
     for layer in adapter.layers:
         want = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
         got = layer_forward(layer, hidden, None, cos_sin)
         torch.testing.assert_close(got, want, **TOL)
-        if not 2 <= rows * q <= SKINNY_MAX_ROWS:  # outside its rows: the HF layer's own products
+        if _hf_products(rows * q, cpp):  # outside its rows: the HF layer's own products
             assert torch.equal(got, want)
 
 
@@ -65,10 +81,10 @@ def test_qwen2_vl_biases_are_applied():
     torch.testing.assert_close(layer_forward(layer, hidden, None, cos_sin), moved, **TOL)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 7, 8, 9, 16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("transposed_input", [False, True])
-def test_skinny_linear_equals_f_linear(rows, bias, transposed_input):
+def test_skinny_linear_equals_f_linear(rows, bias, transposed_input, cpp):
     torch.manual_seed(rows)
     w, x = torch.randn(96, 40), torch.randn(rows, 1, 40)
     if transposed_input:  # an elementwise product of transposed outputs: not row-major
@@ -78,7 +94,7 @@ def test_skinny_linear_equals_f_linear(rows, bias, transposed_input):
     got = linear(x, w, b)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, **TOL)
-    if not 2 <= rows <= SKINNY_MAX_ROWS:  # outside its rows the skinny form is F.linear itself
+    if _hf_products(rows, cpp):  # outside its rows the skinny form is F.linear itself
         assert torch.equal(got, want)
 
 
@@ -101,7 +117,7 @@ def test_the_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("skinny", [False, True])
-def test_output_head_equals_lm_head(skinny):
+def test_output_head_equals_lm_head(skinny, cpp):
     loaded = load_model("tiny-llava")
     adapter, _, _ = _layer_inputs(loaded, rows=1, q=1)
     adapter.skinny = skinny
@@ -113,7 +129,7 @@ def test_output_head_equals_lm_head(skinny):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_generation_with_and_without_skinny_gemms_gives_the_same_tokens(name, images):
+def test_generation_with_and_without_skinny_gemms_gives_the_same_tokens(name, images, cpp, monkeypatch):
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.policies import make_policy
 
@@ -125,12 +141,16 @@ def test_generation_with_and_without_skinny_gemms_gives_the_same_tokens(name, im
     calls = []
     real = torch.mm
     torch.mm = lambda *a, **k: (calls.append(a[0].shape), real(*a, **k))[1]
+    gemm_calls = []
+    real_linear = skinny_gemm.linear
+    monkeypatch.setattr(skinny_gemm, "linear", lambda *a: (gemm_calls.append(1), real_linear(*a))[1])
     try:
         got = engine.generate(prompts, make_policy("full"), 8, stop_at_eos=False)
     finally:
         torch.mm = real
     assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
-    assert calls  # the decode steps (2 rows) took the skinny form
+    # the decode steps (2 rows) took the skinny form: the C++ GEMM, or (W @ xᵀ)ᵀ without it
+    assert (gemm_calls and not calls) if cpp else (calls and not gemm_calls)
 
 
 @pytest.mark.slow

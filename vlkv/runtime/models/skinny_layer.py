@@ -11,6 +11,11 @@ greedy tokens. Measured: 1 row even (both are GEMVs), 8 rows even, more rows slo
 ``SKINNY_MAX_ROWS``; a contiguous ``(K, rows)`` right operand takes MKL's slow path (2× slower than
 ``F.linear``), so ``x`` is made row-major first.
 
+Where it builds (a C++ compiler), ``vlkv/plugins/skinny_gemm.py`` computes these products instead, for
+1-8 fp32 rows: one pass over each weight at near the machine's read bandwidth (4 rows: ~25-44 GB/s where
+``(W @ xᵀ)ᵀ`` reads ~16-20 GB/s and ``F.linear`` ~6-22 GB/s on the 2-core EPYC VM, 1 thread;
+docs/benchmarks/2026-11-26-decode-bound-s5-cpu-x86_64/). ``VLKV_CPU_GEMM=0`` keeps torch's forms.
+
 Fusing q/k/v into one GEMM and gate/up into another (weights concatenated) was measured too and not
 kept: 0.98-1.02× the HF layers' step, ~3 % of the GEMMs' time in the skinny form
 (docs/benchmarks/2026-11-26-glue-cpu-x86_64/).
@@ -31,6 +36,8 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from vlkv.plugins import skinny_gemm
 
 # decoder layer classes whose forward is norm → attention(q/k/v, RoPE, cache, o) → residual → norm →
 # mlp(down(act(gate) * up)) → residual, with attention kwargs limited to the cache and the mask
@@ -58,12 +65,17 @@ def supports(layer: nn.Module) -> bool:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)`` for ``x (..., K)``, ``weight (N, K)``; on CPU with 2 to
-    ``SKINNY_MAX_ROWS`` rows and a weight of at least ``SKINNY_MIN_WEIGHT`` elements computed as
-    ``(weight @ xᵀ)ᵀ``. Either way a row-major ``(..., N)``."""
+    """``F.linear(x, weight, bias)`` for ``x (..., K)``, ``weight (N, K)``; on CPU with a weight of at
+    least ``SKINNY_MIN_WEIGHT`` elements: 1 to ``skinny_gemm.MAX_ROWS`` fp32 rows by the C++ GEMM that
+    streams the weight once (``vlkv/plugins/skinny_gemm.py``; ``VLKV_CPU_GEMM=0`` or no compiler: torch's
+    products), else 2 to ``SKINNY_MAX_ROWS`` rows as ``(weight @ xᵀ)ᵀ``. Either way a row-major ``(..., N)``."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     # measured on CPU (MKL) only; cuBLAS picks its own kernels for skinny products
-    if x.device.type != "cpu" or not 2 <= rows <= SKINNY_MAX_ROWS or weight.numel() < SKINNY_MIN_WEIGHT:
+    if x.device.type != "cpu" or weight.numel() < SKINNY_MIN_WEIGHT:
+        return F.linear(x, weight, bias)
+    if skinny_gemm.fits(x, weight, rows):
+        return skinny_gemm.linear(x, weight, bias)
+    if not 2 <= rows <= SKINNY_MAX_ROWS:
         return F.linear(x, weight, bias)
     # x row-major, so that xᵀ is a transposed view: MKL's fast case (an elementwise product of
     # transposed outputs would otherwise hand it a contiguous (K, rows) operand: its slow case)

@@ -1,0 +1,135 @@
+"""The few-row CPU GEMM forms on smollm2-llava's weight shapes, against a plain read of the same bytes.
+
+For each shape ``(N, K)`` (the 30 layers' q/o 576×576, k/v 192×576, gate/up 1536×576, down 576×1536,
+the 49152×576 output head) and each row count, times ``F.linear`` (``x @ Wᵀ``, the HF layers),
+``(W @ xᵀ)ᵀ`` (``skinny_layer``'s torch form), the C++ kernel (``vlkv/plugins/skinny_gemm.py``) and a
+STREAM-like ``W.sum()`` (a read of the same bytes at the machine's read bandwidth), interleaved and
+rotated per round, one product per form per round over a ring of weight copies larger than the L3
+cache (every product reads its weight from memory, as a decode step does). Reports the best (the
+shared VM's preemptions only add time) and the median µs per product, and GB/s of weight read at the
+best; ``kernel ÷ sum`` is the fraction of the read bandwidth the kernel reaches.
+
+    python scripts/bench_skinny_gemm.py --threads 1 2 --rows 1 2 4 8 --md out.md --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vlkv.plugins import skinny_gemm  # noqa: E402
+
+SHAPES = {
+    "q/o 576x576": (576, 576),
+    "k/v 192x576": (192, 576),
+    "gate/up 1536x576": (1536, 576),
+    "down 576x1536": (576, 1536),
+    "lm_head 49152x576": (49152, 576),
+}
+FORMS = {
+    "F.linear": lambda x, w: F.linear(x, w),
+    "(W@xT)T": lambda x, w: torch.mm(w, x.t()).t().contiguous(),
+    "kernel": lambda x, w: skinny_gemm.kernel().gemm(x, w, None),
+    "sum": lambda x, w: w.sum(),
+}
+
+
+def ring(n: int, k: int, ring_mib: int) -> list[torch.Tensor]:
+    """Copies of an ``(n, k)`` weight whose total passes ``ring_mib`` (cycled: each read from memory)."""
+    copies = max(2, -(-ring_mib * 2**20 // (n * k * 4)))
+    return [torch.randn(n, k) for _ in range(copies)]
+
+
+def time_once(fn, x, w) -> float:
+    t0 = time.perf_counter()
+    fn(x, w)
+    return time.perf_counter() - t0
+
+
+def run(args) -> dict:
+    assert skinny_gemm.kernel() is not None, "the skinny GEMM could not be built"
+    res = {"threads": {}, "ring_mib": args.ring_mib, "rounds": args.rounds}
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        rows_out = {}
+        for name, (n, k) in SHAPES.items():
+            ws = ring(n, k, args.ring_mib)
+            for rows in args.rows:
+                x = torch.randn(rows, k)
+                want = F.linear(x, ws[0])
+                torch.testing.assert_close(FORMS["kernel"](x, ws[0]), want, rtol=1e-4, atol=1e-4)
+                times = {f: [] for f in FORMS}
+                order = list(FORMS)
+                at = 0
+                for r in range(args.rounds):
+                    for f in order[r % len(order) :] + order[: r % len(order)]:
+                        times[f].append(time_once(FORMS[f], x, ws[at % len(ws)]))
+                        at += 1
+                best = {f: min(t) for f, t in times.items()}
+                med = {f: statistics.median(t) for f, t in times.items()}
+                rows_out[f"{name} x{rows}"] = {
+                    "us_best": {f: round(v * 1e6, 1) for f, v in best.items()},
+                    "us_median": {f: round(v * 1e6, 1) for f, v in med.items()},
+                    "gbps": {f: round(n * k * 4 / v / 1e9, 2) for f, v in best.items()},
+                }
+                print(
+                    threads,
+                    name,
+                    rows,
+                    {f: round(n * k * 4 / v / 1e9, 1) for f, v in best.items()},
+                    flush=True,
+                )
+        res["threads"][str(threads)] = rows_out
+    return res
+
+
+def to_markdown(res: dict) -> str:
+    out = []
+    for threads, rows in res["threads"].items():
+        out += [
+            f"\n### {threads} thread(s): GB/s of weight read at the best of {res['rounds']} rounds (µs per product: best / median)\n",
+            "| shape × rows | F.linear | (W@xᵀ)ᵀ | kernel | sum (read) | kernel ÷ sum | kernel vs F.linear | kernel vs (W@xᵀ)ᵀ |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for key, v in rows.items():
+            g, ms, md = v["gbps"], v["us_best"], v["us_median"]
+            out.append(
+                f"| {key} | {g['F.linear']} ({ms['F.linear']} / {md['F.linear']}) | "
+                f"{g['(W@xT)T']} ({ms['(W@xT)T']} / {md['(W@xT)T']}) | "
+                f"**{g['kernel']}** ({ms['kernel']} / {md['kernel']}) | {g['sum']} | {g['kernel'] / g['sum']:.0%} | "
+                f"{ms['F.linear'] / ms['kernel']:.2f}× | {ms['(W@xT)T'] / ms['kernel']:.2f}× |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument(
+        "--ring-mib", type=int, default=96, help="weight copies cycled per shape (> the L3 cache)"
+    )
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--md", type=Path)
+    args = ap.parse_args()
+    if any(not 1 <= r <= skinny_gemm.MAX_ROWS for r in args.rows):
+        ap.exit(2, f"--rows must lie in 1..{skinny_gemm.MAX_ROWS}\n")
+    res = run(args)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    if args.md:
+        args.md.write_text(to_markdown(res))
+
+
+if __name__ == "__main__":
+    main()

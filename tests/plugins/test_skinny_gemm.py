@@ -1,0 +1,138 @@
+"""The few-row C++ GEMM (``vlkv/plugins/skinny_gemm.py``) against ``F.linear``.
+
+What must hold: ``y = x @ Wᵀ (+ b)`` equals ``F.linear`` within fp32 rounding (it sums each dot product
+in another order) for 1-8 rows over shapes that hit its blocks' edges (odd K: the scalar tail; N not a
+multiple of its weight-row block: the one-row tail); inputs it cannot take are refused with one line
+(raw kernel) or routed to torch (``fits`` False); without a compiler it warns once and ``fits`` is False;
+``VLKV_CPU_GEMM`` switches it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vlkv.plugins.skinny_gemm as gemm
+
+# fp32 rounding of a reordered sum of K ≤ 1,537 unit-normal products (|y| ~ sqrt(K) ≈ 40)
+TOL = {"rtol": 1e-5, "atol": 5e-4}
+SHAPES = [(1, 1), (7, 15), (9, 16), (33, 17), (96, 40), (192, 576), (576, 577), (81, 1537)]
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if gemm.kernel() is None:  # a C++ compiler is part of the CPU test environment
+        pytest.fail("the skinny GEMM could not be built here")
+
+
+@pytest.mark.parametrize("rows", range(1, gemm.MAX_ROWS + 1))
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_f_linear(rows, n, k, bias):
+    torch.manual_seed(rows * 1000 + n + k)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    got = gemm.kernel().gemm(x, w, b)
+    assert got.shape == (rows, n) and got.is_contiguous() and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w, b), **TOL)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threads_split_output_rows_exactly(threads):
+    """Each output row is one thread's dot product: the result is the same bits at any thread count."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 576), torch.randn(4099, 576)
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.kernel().gemm(x, w, None)
+        torch.set_num_threads(threads)
+        assert torch.equal(gemm.kernel().gemm(x, w, None), one)
+    finally:
+        torch.set_num_threads(was)
+    torch.testing.assert_close(one, F.linear(x, w), **TOL)
+
+
+def test_linear_takes_any_layout_of_x_and_leading_dims():
+    torch.manual_seed(1)
+    w, b = torch.randn(50, 40), torch.randn(50)
+    x = torch.randn(40, 6).t().reshape(3, 2, 40)  # not row-major: made so (a few rows)
+    assert gemm.fits(x, w, 6)
+    got = gemm.linear(x, w, b)
+    assert got.shape == (3, 2, 50) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), **TOL)
+
+
+def test_the_raw_kernel_refuses_what_it_cannot_read():
+    k = gemm.kernel()
+    x, w = torch.randn(4, 40), torch.randn(50, 40)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        k.gemm(x, torch.randn(40, 50).t(), None)  # a transposed weight
+    with pytest.raises(RuntimeError, match="contiguous"):
+        k.gemm(torch.randn(40, 4).t(), w, None)
+    with pytest.raises(RuntimeError, match="1 <= R <= 8"):
+        k.gemm(torch.randn(9, 40), w, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        k.gemm(x.double(), w.double(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        k.gemm(x, w, torch.randn(49))
+
+
+def test_fits_routes_the_rest_to_torch(monkeypatch):
+    x, w = torch.randn(4, 40), torch.randn(50, 40)
+    assert gemm.fits(x, w, 4)
+    assert not gemm.fits(torch.randn(9, 40), w, 9)  # more rows than its registers hold
+    assert not gemm.fits(x, torch.randn(40, 50).t(), 4)  # a transposed weight
+    assert not gemm.fits(x.bfloat16(), w.bfloat16(), 4)  # fp32 only
+    assert not gemm.fits(x.requires_grad_(), w, 4)  # no backward: gradients take F.linear
+    with torch.no_grad():
+        assert gemm.fits(x, w, 4)
+    monkeypatch.setattr(gemm, "CPP_GEMM", False)
+    assert not gemm.fits(x.detach(), w, 4)
+
+
+def test_no_compiler_warns_once_and_keeps_torch(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def fail(*args, **kwargs):
+        raise OSError("no C++ compiler")
+
+    monkeypatch.setattr(ext, "load_inline", fail)
+    monkeypatch.setattr(gemm, "_BUILT", [])  # as in a fresh process: nothing tried yet
+    x, w = torch.randn(4, 40), torch.randn(50, 40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert gemm.warm_up("cpu", torch.float32) is False
+        assert not gemm.fits(x, w, 4)
+        assert not gemm.fits(x, w, 2)
+    assert [str(w.message) for w in caught] == ["skinny CPU GEMM not built (OSError): using torch's matmuls"]
+
+
+def test_warm_up_only_for_cpu_fp32(monkeypatch):
+    assert gemm.warm_up("cpu", torch.float32) is True
+    assert gemm.warm_up("cpu", torch.bfloat16) is False
+    assert gemm.warm_up("meta", torch.float32) is False
+    monkeypatch.setattr(gemm, "CPP_GEMM", False)
+    assert gemm.warm_up("cpu", torch.float32) is False
+
+
+@pytest.mark.parametrize("env,on", [(None, True), ("0", False), ("1", True), ("maybe", None)])
+def test_the_environment_switches_the_kernel(env, on):
+    environ = {k: v for k, v in os.environ.items() if k != "VLKV_CPU_GEMM"}
+    if env is not None:
+        environ["VLKV_CPU_GEMM"] = env
+    code = "import vlkv.plugins.skinny_gemm as g; print(g.CPP_GEMM)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ
+    )
+    if on is None:
+        assert done.returncode != 0 and "VLKV_CPU_GEMM must be 0 or 1, got 'maybe'" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == str(on)
