@@ -16,7 +16,10 @@ configuration again with the fused C++ CPU decode read (``VLKV_CPU_KERNEL=1``: p
 through their own table rows, ``<config>+kernel``), with ``--stats-halves`` each policy configuration
 with the fused read but its statistics steps read by ``paged_probs``' two halves (per-head tables
 gathered, K then V: the statistics read before the kernel wrote probabilities, ``<config>+halves``;
-``--skip-matmul`` drops the configurations read without the kernel), and transformers' ``generate`` on
+``--skip-matmul`` drops the configurations read without the kernel), with ``--torch-gemm`` each fused
+configuration again with the decode layers' GEMMs by torch (``VLKV_CPU_GEMM=0``: ``(W @ xᵀ)ᵀ`` instead of
+the C++ few-row GEMM of ``vlkv/plugins/skinny_gemm.py``, ``<config>+torchgemm``; the GEMM's before/after
+in one run), and transformers' ``generate`` on
 the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
 vlkv's, so no transformers prefill either).
 
@@ -41,6 +44,7 @@ from pathlib import Path
 import torch
 
 import vlkv.plugins.paged_cpu as paged_cpu
+import vlkv.plugins.skinny_gemm as skinny_gemm
 from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.edits import apply_edits
 from vlkv.runtime.engine import Engine
@@ -206,7 +210,10 @@ def run(args) -> dict:
     kernel_pols = [f"{p}+kernel" for p in pols] if args.kernel_policies else []
     halves_pols = [f"{p}+halves" for p in pols] if args.stats_halves else []
     plain = [] if args.skip_matmul else ["full", *pols]
-    configs = [*plain[:1], *extra, *args.peers, *plain[1:], *kernel_pols, *halves_pols]
+    torch_gemm = [f"{c}+torchgemm" for c in (["full-kernel"] if args.kernel else []) + kernel_pols]
+    torch_gemm = torch_gemm if args.torch_gemm else []
+    configs = [*plain[:1], *extra, *args.peers, *plain[1:], *kernel_pols, *halves_pols, *torch_gemm]
+    gemm_default = skinny_gemm.CPP_GEMM
     got: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.repeats + 1):  # the first round warms up (allocations, one-off table growth)
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
@@ -214,13 +221,15 @@ def run(args) -> dict:
             if name in args.peers:
                 res = hf_steps(peer, pre, name, args.steps)
             else:
-                base = name.removesuffix("+kernel").removesuffix("+halves")
+                cfg = name.removesuffix("+torchgemm")
+                skinny_gemm.CPP_GEMM = gemm_default and cfg == name
+                base = cfg.removesuffix("+kernel").removesuffix("+halves")
                 pol = pols.get(base, full)
                 key = base.split("@")[0] if base in pols else None
                 # the fused C++ decode read only for its own configurations (the first round, untimed,
                 # pays its one-off compile); "+halves": the fused read, statistics by the two halves
                 halves = name.endswith("+halves")
-                paged_cpu.FUSED_KERNEL = name == "full-kernel" or name.endswith("+kernel") or halves
+                paged_cpu.FUSED_KERNEL = cfg == "full-kernel" or cfg.endswith("+kernel") or halves
                 try:
                     if halves:
                         with HalvesRead():
@@ -229,6 +238,7 @@ def run(args) -> dict:
                         res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
                 finally:
                     paged_cpu.FUSED_KERNEL = fused_default
+                    skinny_gemm.CPP_GEMM = gemm_default
             if rep:
                 got[name].append(res)
             print(f"  round {rep}: {name} {1e3 * res['step_s']:.1f} ms/step", flush=True)
@@ -260,7 +270,7 @@ def run(args) -> dict:
             "gathered_bytes": rs[-1]["gathered_bytes"],
             "bytes_per_step": w + kv + 2 * rs[-1]["gathered_bytes"],
         }
-        kernel_read = name.endswith(("+kernel", "+halves")) or "full" not in got
+        kernel_read = name.removesuffix("+torchgemm").endswith(("+kernel", "+halves")) or "full" not in got
         ref = "full-kernel" if kernel_read and "full-kernel" in got else "full"
         row["speed_vs_full"] = statistics.median(
             f["step_s"] / r["step_s"] for f, r in zip(got[ref], rs, strict=True)
@@ -281,9 +291,14 @@ def run(args) -> dict:
         if args.kernel_policies and args.stats_halves
         else {}
     )
+    # the C++ GEMM sums in another order than torch: greedy tokens must not move
+    same.update(
+        {c: got[c][0]["tokens"] == got[c.removesuffix("+torchgemm")][0]["tokens"] for c in torch_gemm}
+    )
     return {
         "machine": f"{cpu_name()} ({machine_name('cpu')})",
         "threads": torch.get_num_threads(),
+        "cpp_gemm": gemm_default and skinny_gemm.kernel() is not None,
         "model": args.model,
         "dtype": "fp32",
         "batch": args.batch,
@@ -313,7 +328,8 @@ def to_markdown(res: dict) -> str:
         + " / ".join(f"{x:.1f}" for x in res["bandwidth_before_after_gb_s"])
         + f" GB/s; the bound uses {res['bandwidth_gb_s']:.1f}). "
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
-        f"Same tokens (peers vs vlkv full; +kernel vs +halves): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
+        f"C++ few-row GEMM: {res.get('cpp_gemm')}. "
+        f"Same tokens (peers vs vlkv full; +kernel vs +halves; +torchgemm vs its C++-GEMM config): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
         f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
         "| attention of its bound | KV read (MB) | gathered (MB) | aten ops |",
@@ -366,6 +382,12 @@ def main() -> None:
         "--skip-matmul",
         action="store_true",
         help="drop the configurations read without the fused kernel ('full' and the plain policy ones)",
+    )
+    ap.add_argument(
+        "--torch-gemm",
+        action="store_true",
+        help="also each fused configuration with the decode GEMMs by torch (VLKV_CPU_GEMM=0), as "
+        "'<config>+torchgemm'",
     )
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)

@@ -118,3 +118,24 @@ def test_skip_matmul_needs_the_kernel_configuration():
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--skip-matmul needs --kernel" in done.stderr
+
+
+def test_torch_gemm_rows_are_the_c_plus_plus_gemm_s_before_and_after(tmp_path):
+    """``--torch-gemm`` adds each fused configuration again with the decode GEMMs by torch
+    (``VLKV_CPU_GEMM=0``): the same greedy tokens, both timed in the same rounds."""
+    out = tmp_path / "g.json"
+    cmd = [
+        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "snapkv", "--budgets", "0.5",
+        "--peers", "--kernel", "--kernel-policies", "--skip-matmul", "--torch-gemm", "--buffer-mib", "16",
+        "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    want = ["full-kernel", "snapkv@0.5+kernel", "full-kernel+torchgemm", "snapkv@0.5+kernel+torchgemm"]
+    assert sorted(rows) == sorted(want)
+    assert res["cpp_gemm"] is True
+    assert res["peers_same_tokens"] == {"full-kernel+torchgemm": True, "snapkv@0.5+kernel+torchgemm": True}
+    for name in want:
+        assert len(rows[name]["step_ms_rounds"]) == res["repeats"] and rows[name]["speed_vs_full"] > 0
