@@ -38,7 +38,9 @@ _SOURCE = r"""
 #include <vector>
 
 // Scattered rows (a per-head table's slots) defeat the hardware prefetcher, which follows only
-// sequential lines: each row PF rows ahead is asked for explicitly, every 64-byte line of it.
+// sequential lines: each row PF rows ahead is asked for explicitly, every 64-byte line of it. Contiguous
+// runs too: behind the dot products the hardware prefetcher alone keeps too few lines in flight (one
+// 8k-entry head, K then V: 34 -> 43 GB/s with it, a plain sum 46-49, on the 2-core EPYC VM).
 constexpr int64_t PF = 16;
 static inline void prefetch_row(const float* row, int64_t d) {
   for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(row + i, 0, 3);
@@ -58,7 +60,7 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
   const int64_t D = DT ? DT : d_rt;
   if (GT) g_len = GT;
   for (int64_t t = 0; t < t_len; ++t) {  // each K row read once, dotted with every query row
-    if (idx && t + PF < t_len) prefetch_row(k + idx[t + PF] * D, D);
+    if (t + PF < t_len) prefetch_row(k + (idx ? idx[t + PF] : t + PF) * D, D);
     const float* __restrict kr = k + (idx ? idx[t] : t) * D;
     for (int64_t g = 0; g < g_len; ++g) {
       const float* __restrict qr = q + g * D;
@@ -91,7 +93,7 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
   alignas(64) float acc[16 * 256];
   for (int64_t i = 0; i < g_len * D; ++i) acc[i] = 0.f;
   for (int64_t t = 0; t < t_len; ++t) {  // each V row read once
-    if (idx && t + PF < t_len) prefetch_row(v + idx[t + PF] * D, D);
+    if (t + PF < t_len) prefetch_row(v + (idx ? idx[t + PF] : t + PF) * D, D);
     const float* __restrict vr = v + (idx ? idx[t] : t) * D;
     for (int64_t g = 0; g < g_len; ++g) {
       const float p = sc[g * t_len + t];
