@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlkv.plugins import paged_cpu_kernel, skinny_gemm
+from vlkv.plugins import layer_glue, paged_cpu_kernel, skinny_gemm
 from vlkv.plugins.paged_cpu_plan import GatheredRead, InplaceGroup, PagedCpuPlan, plan_paged_cpu, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, rotate_keys
 
@@ -270,8 +270,10 @@ def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Build (or load) the fused kernel now, where a CPU fp32 model will decode with it: at engine start,
     not as a 0.5–2 min stall of the first decode step. True when the kernel will read this model's
     decode steps; False when it is off, not for this device/dtype, or cannot be built (one warning,
-    then the matmul read). The few-row GEMM of the decode layers (``skinny_gemm``) is built here too."""
-    skinny_gemm.warm_up(device, dtype)
+    then the matmul read). The decode layers' few-row GEMM (``skinny_gemm``) and RMSNorm / RoPE (``layer_glue``) are built here
+    too."""
+    if skinny_gemm.warm_up(device, dtype):
+        layer_glue.kernel()  # the decode layers' RMSNorm / RoPE, switched with the GEMM
     if not FUSED_KERNEL or torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
     return paged_cpu_kernel.kernel() is not None

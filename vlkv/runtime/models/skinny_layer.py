@@ -14,7 +14,9 @@ greedy tokens. Measured: 1 row even (both are GEMVs), 8 rows even, more rows slo
 Where it builds (a C++ compiler), ``vlkv/plugins/skinny_gemm.py`` computes these products instead, for
 1-8 fp32 rows: one pass over each weight at near the machine's read bandwidth (4 rows: ~25-44 GB/s where
 ``(W @ xᵀ)ᵀ`` reads ~16-20 GB/s and ``F.linear`` ~6-22 GB/s on the 2-core EPYC VM, 1 thread;
-docs/benchmarks/2026-11-26-decode-bound-s5-cpu-x86_64/). ``VLKV_CPU_GEMM=0`` keeps torch's forms.
+docs/benchmarks/2026-11-26-decode-bound-s5-cpu-x86_64/). ``VLKV_CPU_GEMM=0`` keeps torch's forms. With it, the RMSNorms and the rotary embedding of a decode
+step's few rows are one C++ call each (``vlkv/plugins/layer_glue.py``: the same formulas, ~40 fewer
+aten ops per layer).
 
 Fusing q/k/v into one GEMM and gate/up into another (weights concatenated) was measured too and not
 kept: 0.98-1.02× the HF layers' step, ~3 % of the GEMMs' time in the skinny form
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vlkv.plugins import skinny_gemm
+from vlkv.plugins import layer_glue, skinny_gemm
 
 # decoder layer classes whose forward is norm → attention(q/k/v, RoPE, cache, o) → residual → norm →
 # mlp(down(act(gate) * up)) → residual, with attention kwargs limited to the cache and the mask
@@ -99,6 +101,11 @@ def _proj(module: nn.Linear, x: Tensor) -> Tensor:
     return linear(x, module.weight, module.bias)
 
 
+def _norm(module: nn.Module, x: Tensor) -> Tensor:
+    """The layer's RMSNorm: one C++ call for a decode step's rows (``layer_glue``), else the module."""
+    return layer_glue.rms_norm(module, x) if layer_glue.norm_fits(module, x) else module(x)
+
+
 def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
     """The HF decoder layer's forward over ``hidden (B, q, hidden)`` with skinny GEMMs.
 
@@ -111,12 +118,16 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     shape = hidden.shape[:-1]
     hd = attn.head_dim
     residual = hidden
-    h = layer.input_layernorm(hidden)
-    q = _proj(attn.q_proj, h).view(*shape, -1, hd).transpose(1, 2)
-    k = _proj(attn.k_proj, h).view(*shape, -1, hd).transpose(1, 2)
+    h = _norm(layer.input_layernorm, hidden)
+    q = _proj(attn.q_proj, h).view(*shape, -1, hd)
+    k = _proj(attn.k_proj, h).view(*shape, -1, hd)
     v = _proj(attn.v_proj, h).view(*shape, -1, hd).transpose(1, 2)
     cos, sin = cos_sin
-    q, k = _rotary(attn)(q, k, cos, sin)
+    if layer_glue.rope_fits(q, k, cos, sin):  # one call for the ~16 ops of apply_rotary_pos_emb
+        q, k = layer_glue.rope(q, k, cos, sin)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    else:
+        q, k = _rotary(attn)(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     if ctx is not None:
         k, v = ctx.update(k, v, attn.layer_idx, kwargs={})
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
@@ -125,5 +136,5 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     out, _ = attend(attn, q, k, v, ctx, dropout=0.0, scaling=attn.scaling)
     hidden = residual + _proj(attn.o_proj, out.reshape(*shape, -1).contiguous())
     residual = hidden
-    h = layer.post_attention_layernorm(hidden)
+    h = _norm(layer.post_attention_layernorm, hidden)
     return residual + _proj(mlp.down_proj, mlp.act_fn(_proj(mlp.gate_proj, h)) * _proj(mlp.up_proj, h))
