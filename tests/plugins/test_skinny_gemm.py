@@ -90,6 +90,8 @@ def test_fits_routes_the_rest_to_torch(monkeypatch):
     assert not gemm.fits(torch.randn(9, 40), w, 9)  # more rows than its registers hold
     assert not gemm.fits(x, torch.randn(40, 50).t(), 4)  # a transposed weight
     assert not gemm.fits(x.bfloat16(), w.bfloat16(), 4)  # fp32 only
+    assert not gemm.fits(x, w, 4, torch.randn(50).double())  # the bias too
+    assert gemm.fits(x, w, 4, torch.randn(50))
     assert not gemm.fits(x.requires_grad_(), w, 4)  # no backward: gradients take F.linear
     with torch.no_grad():
         assert gemm.fits(x, w, 4)

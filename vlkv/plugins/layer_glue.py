@@ -31,12 +31,12 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <cmath>
 
-// x (R, K) fp32 contiguous, w (K,) fp32: y[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps))
+// x (..., K) fp32 contiguous, w (K,) fp32: y[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)) per row r
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1) && x.scalar_type() == at::kFloat &&
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1) && x.scalar_type() == at::kFloat &&
                   w.scalar_type() == at::kFloat && x.is_contiguous() && w.is_contiguous(),
-              "rms_norm: float32 contiguous x (R, K) and weight (K,)");
-  const int64_t R = x.size(0), K = x.size(1);
+              "rms_norm: float32 contiguous x (..., K) and weight (K,)");
+  const int64_t K = x.size(-1), R = K ? x.numel() / K : 0;
   auto y = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -124,6 +124,7 @@ def norm_fits(module, x: Tensor) -> bool:
         and type(module).__name__ in NORMS
         and x.numel() <= MAX_ROWS * x.shape[-1]
         and _cpu_fp32(x, module.weight)
+        and module.weight.is_contiguous()
         and _no_grad(x, module.weight)
         and kernel() is not None
     )
@@ -158,5 +159,6 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
     """``apply_rotary_pos_emb`` before the heads are transposed: ``q (B, S, Hq, D)``, ``k (B, S, Hk, D)``
     with ``cos``/``sin (B, S, D)`` → rotated ``(B, S, Hq, D)``, ``(B, S, Hk, D)`` fp32 (check
     :func:`rope_fits` first)."""
-    qo, ko = kernel().rope(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous())
+    q, k, cos, sin = (t if t.is_contiguous() else t.contiguous() for t in (q, k, cos, sin))
+    qo, ko = kernel().rope(q, k, cos, sin)
     return qo, ko

@@ -122,15 +122,15 @@ static void by_block(const float* x, const float* w, const float* b, float* y, i
   else rows_block<R, 2, 2>(x, w, b, y, n0, n1, K, N);
 }
 
-// x (R, K) fp32 contiguous, R <= 8; w (N, K) fp32 contiguous; bias (N,) fp32 or None.
-// Returns y (R, N) = x @ w^T (+ bias).
+// x (..., K) fp32 contiguous with R <= 8 rows in all; w (N, K) fp32 contiguous; bias (N,) fp32 or None.
+// Returns y (..., N) = x @ w^T (+ bias): the caller's shape, no reshapes around the call.
 torch::Tensor gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= 8,
-              "skinny gemm: x (R, K) with 1 <= R <= 8 and w (N, K)");
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1), "skinny gemm: x (..., K) and w (N, K)");
+  const int64_t K = w.size(1), N = w.size(0), R = K ? x.numel() / K : 0;
+  TORCH_CHECK(R >= 1 && R <= 8, "skinny gemm: 1 <= R <= 8 rows of x (..., K), got ", R);
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
                   w.is_contiguous() && !x.is_cuda() && !w.is_cuda(),
               "skinny gemm: float32 contiguous CPU x and w");
-  const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat &&
@@ -138,7 +138,9 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
                 "skinny gemm: float32 contiguous bias (N,)");
     bp = bias->data_ptr<float>();
   }
-  auto y = torch::empty({R, N}, x.options());
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  auto y = torch::empty(shape, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -182,9 +184,9 @@ def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
     return kernel() is not None
 
 
-def fits(x: Tensor, weight: Tensor, rows: int) -> bool:
-    """The kernel computes ``F.linear(x, weight)`` for these: on, built, CPU fp32, ``1 ≤ rows ≤
-    MAX_ROWS``, a contiguous weight, and no gradient wanted (it has no backward)."""
+def fits(x: Tensor, weight: Tensor, rows: int, bias: Tensor | None = None) -> bool:
+    """The kernel computes ``F.linear(x, weight, bias)`` for these: on, built, CPU fp32, ``1 ≤ rows ≤
+    MAX_ROWS``, a contiguous weight (and bias), and no gradient wanted (it has no backward)."""
     return (
         CPP_GEMM
         and 1 <= rows <= MAX_ROWS
@@ -193,6 +195,7 @@ def fits(x: Tensor, weight: Tensor, rows: int) -> bool:
         and weight.dtype == torch.float32
         and weight.device.type == "cpu"
         and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and kernel() is not None
     )
@@ -200,9 +203,6 @@ def fits(x: Tensor, weight: Tensor, rows: int) -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x (..., K)`` fp32 of at most ``MAX_ROWS`` rows, ``weight
-    (N, K)`` fp32 contiguous, ``bias (N,)`` or None: a row-major ``(..., N)``. Callers check
-    :func:`fits` first (any input is made row-major here: a few rows, a cheap copy)."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
-    b = None if bias is None else bias.contiguous().float()
-    return kernel().gemm(x2, weight, b).view(*x.shape[:-1], weight.shape[0])
+    (N, K)`` fp32 contiguous, ``bias (N,)`` fp32 or None: a row-major ``(..., N)``. Callers check
+    :func:`fits` first (a non-row-major ``x`` is copied: a few rows)."""
+    return kernel().gemm(x if x.is_contiguous() else x.contiguous(), weight, bias)

@@ -75,7 +75,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     # measured on CPU (MKL) only; cuBLAS picks its own kernels for skinny products
     if x.device.type != "cpu" or weight.numel() < SKINNY_MIN_WEIGHT:
         return F.linear(x, weight, bias)
-    if skinny_gemm.fits(x, weight, rows):
+    if skinny_gemm.fits(x, weight, rows, bias):
         return skinny_gemm.linear(x, weight, bias)
     if not 2 <= rows <= SKINNY_MAX_ROWS:
         return F.linear(x, weight, bias)
