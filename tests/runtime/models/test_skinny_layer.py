@@ -106,6 +106,17 @@ def test_small_weights_keep_f_linear(monkeypatch):
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
 
 
+def test_small_layers_keep_the_hf_ops_bit_for_bit(monkeypatch):
+    """Below the weight floor a layer's GEMMs, norms and RoPE are the HF layer's own ops (the tiny test
+    models' exactness tests see no C++ rounding)."""
+    monkeypatch.setattr(skinny_layer, "SKINNY_MIN_WEIGHT", 1 << 30)
+    loaded = load_model("tiny-llava")
+    adapter, hidden, cos_sin = _layer_inputs(loaded, rows=4, q=1)
+    for layer in adapter.layers:
+        want = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
+        assert torch.equal(layer_forward(layer, hidden, None, cos_sin), want)
+
+
 def test_the_switch(monkeypatch):
     for raw, on in [("0", False), ("off", False), ("1", True), ("on", True)]:
         monkeypatch.setenv("VLKV_SKINNY_GEMM", raw)

@@ -101,9 +101,10 @@ def _proj(module: nn.Linear, x: Tensor) -> Tensor:
     return linear(x, module.weight, module.bias)
 
 
-def _norm(module: nn.Module, x: Tensor) -> Tensor:
-    """The layer's RMSNorm: one C++ call for a decode step's rows (``layer_glue``), else the module."""
-    return layer_glue.rms_norm(module, x) if layer_glue.norm_fits(module, x) else module(x)
+def _norm(module: nn.Module, x: Tensor, glue: bool) -> Tensor:
+    """The layer's RMSNorm: with ``glue``, one C++ call for a decode step's rows (``layer_glue``), else
+    the module."""
+    return layer_glue.rms_norm(module, x) if glue and layer_glue.norm_fits(module, x) else module(x)
 
 
 def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
@@ -118,12 +119,15 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     shape = hidden.shape[:-1]
     hd = attn.head_dim
     residual = hidden
-    h = _norm(layer.input_layernorm, hidden)
+    # the C++ norms / RoPE where this layer's GEMMs take the C++ path too (the same weight floor: a
+    # tiny test model's layers keep the HF ops bit for bit)
+    glue = attn.q_proj.weight.numel() >= SKINNY_MIN_WEIGHT
+    h = _norm(layer.input_layernorm, hidden, glue)
     q = _proj(attn.q_proj, h).view(*shape, -1, hd)
     k = _proj(attn.k_proj, h).view(*shape, -1, hd)
     v = _proj(attn.v_proj, h).view(*shape, -1, hd).transpose(1, 2)
     cos, sin = cos_sin
-    if layer_glue.rope_fits(q, k, cos, sin):  # one call for the ~16 ops of apply_rotary_pos_emb
+    if glue and layer_glue.rope_fits(q, k, cos, sin):  # one call for the ~16 ops of apply_rotary_pos_emb
         q, k = layer_glue.rope(q, k, cos, sin)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     else:
@@ -136,5 +140,5 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     out, _ = attend(attn, q, k, v, ctx, dropout=0.0, scaling=attn.scaling)
     hidden = residual + _proj(attn.o_proj, out.reshape(*shape, -1).contiguous())
     residual = hidden
-    h = _norm(layer.post_attention_layernorm, hidden)
+    h = _norm(layer.post_attention_layernorm, hidden, glue)
     return residual + _proj(mlp.down_proj, mlp.act_fn(_proj(mlp.gate_proj, h)) * _proj(mlp.up_proj, h))
