@@ -61,7 +61,8 @@ def run(args) -> dict:
     for threads in args.threads:
         torch.set_num_threads(threads)
         rows_out = {}
-        for name, (n, k) in SHAPES.items():
+        for name in args.shapes:
+            n, k = SHAPES[name]
             ws = ring(n, k, args.ring_mib)
             for rows in args.rows:
                 x = torch.randn(rows, k)
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE")
     ap.add_argument(
         "--ring-mib", type=int, default=96, help="weight copies cycled per shape (> the L3 cache)"
     )
@@ -123,7 +125,9 @@ def main() -> None:
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()
     if any(not 1 <= r <= skinny_gemm.MAX_ROWS for r in args.rows):
-        ap.exit(2, f"--rows must lie in 1..{skinny_gemm.MAX_ROWS}\n")
+        ap.error(f"--rows must lie in 1..{skinny_gemm.MAX_ROWS}")
+    if args.rounds < 1 or args.ring_mib < 1 or min(args.threads) < 1:
+        ap.error("--rounds, --ring-mib and --threads must be >= 1")
     res = run(args)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
