@@ -44,10 +44,11 @@ class UniformSelect:
     checks: list[bool] | None = None
 
 
-def prepare_selects(jobs: list[tuple[Edits, Tensor, Tensor, list[int] | None]], spare: int, recycle: bool):
-    """:meth:`Edits.prepare_uniform` of many layers' selections ``(layer, index, keep_len, kept)``
-    with their checks read back in one transfer (one host sync for a step's edits of every layer,
-    not one per layer). ``kept`` None: ``keep_len`` is read (once, for all such jobs).
+def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
+    """:meth:`Edits.prepare_uniform` of many layers' selections ``(layer, index, keep_len, kept)`` or
+    ``(layer, index, keep_len, kept, dropped)`` with their checks read back in one transfer (one host
+    sync for a step's edits of every layer, not one per layer). ``kept`` None: ``keep_len`` is read
+    (once, for all such jobs); ``dropped``: the columns the selection drops, where it knew them.
     Returns per job its :class:`UniformSelect`, or None where the uniform path does not apply."""
     unknown = [i for i, job in enumerate(jobs) if job[3] is None]
     kept = [job[3] for job in jobs]
@@ -57,13 +58,27 @@ def prepare_selects(jobs: list[tuple[Edits, Tensor, Tensor, list[int] | None]], 
         for i in unknown:
             b = jobs[i][2].numel()
             kept[i], at = host[at : at + b], at + b
-    preps = [layer.prepare_uniform(index, k, spare, recycle) for (layer, index, _, _), k in zip(jobs, kept)]
+    preps = [
+        job[0].prepare_uniform(job[1], k, spare, recycle, job[4] if len(job) > 4 else None)
+        for job, k in zip(jobs, kept)
+    ]
     live = [p for p in preps if p is not None]
     if live:
         flags = torch.stack([p.flags.to(live[0].flags.device) for p in live])
         for p, checks in zip(live, flags.tolist()):
             p.checks = checks
     return preps
+
+
+def unlisted(listed: Tensor, m: int) -> Tensor:
+    """``(B, H_kv, m)`` ascending columns where ``listed (B, H_kv, n)`` int8 is 0 (with fewer than
+    ``m`` in a row, its tail is 0): each goes to its rank among them by a running count, one linear
+    pass, where a stable sort of the row moved every column."""
+    b, h, n = listed.shape
+    free = listed == 0
+    dest = torch.where(free, free.cumsum(2) - 1, m).clamp_(max=m)
+    cols = torch.arange(n, device=listed.device).expand(b, h, n)
+    return torch.zeros(b, h, m + 1, dtype=torch.long, device=listed.device).scatter_(2, dest, cols)[:, :, :m]
 
 
 class Edits(EntryTable):
@@ -128,13 +143,20 @@ class Edits(EntryTable):
             self.charge_factors()
 
     def prepare_uniform(
-        self, index: Tensor, kept: list[int], spare: int = 0, recycle: bool = False
+        self,
+        index: Tensor,
+        kept: list[int],
+        spare: int = 0,
+        recycle: bool = False,
+        dropped: Tensor | None = None,
     ) -> UniformSelect | None:
         """What :meth:`select` of ``index (B, H_kv, K)`` keeping ``kept[b]`` entries (host values)
         must know before it edits this cache in place, computed on the device without reading it
         back, so that a caller editing many layers reads every layer's checks in one transfer
         (:func:`prepare_selects`). None when the host values alone rule the uniform path out (see
-        :meth:`_uniform_select`)."""
+        :meth:`_uniform_select`). ``dropped``: ``(B, H_kv, n - k)`` the ascending columns ``index``
+        leaves out, where the selection knew them (``LayerEdit.dropped``): trusted, not searched
+        for (nor ``index`` checked for repeats)."""
         if self.holes is not None or self.lowrank is not None:
             return None
         lengths = self.host_lengths()
@@ -152,13 +174,16 @@ class Edits(EntryTable):
         prefix = no
         if small and j < k:  # every row keeps columns 0 … j where they are (ascending, distinct)
             prefix = (index[:, :, j] == j).all() & (index[:, :, j:k].min() >= j)
-        dropped, distinct, sole = None, ~no, no
-        if n > k:
+        distinct, sole, cols = ~no, no, None
+        if n > k and dropped is not None and dropped.shape[2] == n - k:
+            cols = dropped.to(self.device)
+        elif n > k:
             listed = torch.zeros(self.batch, self.kv_heads, n, dtype=torch.int8, device=self.device)
             listed.scatter_(2, index[:, :, :k], 1)
             distinct = listed.sum(2).eq(k).all()  # else ``index`` repeats a column
-            # the unlisted columns, ascending: a stable sort puts them first (no value-sized nonzero)
-            cols = torch.sort(listed, dim=2, stable=True).indices[:, :, : n - k]
+            cols = unlisted(listed, n - k)
+        dropped = None
+        if cols is not None:
             dropped = self.slots[:, :, :n].gather(2, cols)  # (B, H_kv, n - k)
             if recycle and n - k <= RECYCLE_MAX:
                 sole = self.pool.owned_once(self.layer, dropped.transpose(0, 1).reshape(self.kv_heads, -1))
