@@ -7,7 +7,8 @@
 One prompt prefilled once (``bench_decode_bound.Prefilled``), then per round, in a rotating order,
 ``--steps`` timed greedy decode steps of each ``policy@budget`` twice: **after** (this code) and
 **before** (the per-step paths as they were: H2O's edits without the dropped columns, the cache's
-search for them by a sort, A-VL's per-layer hooks from ``tests/runtime/policies/avl_per_layer.py``).
+search for them by a sort, the tables rebuilt where a one-column drop now closes its gap in place,
+A-VL's per-layer hooks from ``tests/runtime/policies/avl_per_layer.py``).
 ``--controls`` adds policies this change leaves alone (no per-step work: snapkv, vlcache).
 Per configuration: step ms (median over rounds of the mean step), its bound ``(W + KV) / bandwidth``
 (as ``bench_decode_bound.py``: ``W`` the weights a step reads, ``KV`` the K/V it attends, the read
@@ -50,14 +51,17 @@ TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 
 
 @contextlib.contextmanager
 def before():
-    """The per-step paths as they were: no dropped columns handed to the cache, found by a sort."""
+    """The per-step paths as they were: no dropped columns handed to the cache, found by a sort, the
+    tables rebuilt instead of the gap closed in place."""
     ranked, search = base.rank_entries, kv_edits.unlisted
     base.rank_entries = lambda *a, **k: (*ranked(*a, **k)[:2], None)
     kv_edits.unlisted = lambda listed, m: torch.sort(listed, dim=2, stable=True).indices[:, :, :m]
+    kv_edits.CLOSE_GAPS = False
     try:
         yield
     finally:
         base.rank_entries, kv_edits.unlisted = ranked, search
+        kv_edits.CLOSE_GAPS = True
 
 
 def make(name: str, old: bool):

@@ -2,8 +2,9 @@
 what the code before them kept, step by step:
 
 * H2O's per-step eviction hands the cache the column each row drops (``LayerEdit.dropped``), so the
-  cache no longer searches ``index`` for it, and the search itself (:func:`unlisted`) counts instead of
-  sorting: the same slots freed, the same tables, the same tokens;
+  cache no longer searches ``index`` for it, the search itself (:func:`unlisted`) counts instead of
+  sorting, and a select dropping one column per row closes the gap in place (``CLOSE_GAPS``) instead
+  of rebuilding the tables: the same slots freed, the same tables, the same tokens;
 * A-VL's decode hook reads its text budgets and its edits' checks once for every layer and refreshes
   every layer's core in one ranking: the same kept sets and tokens as the per-layer hooks
   (``avl_per_layer.py``).
@@ -71,6 +72,49 @@ def test_prepare_uniform_with_the_dropped_columns_equals_the_search(n):
     assert hinted.flags.tolist() == searched.flags.tolist()
 
 
+@pytest.mark.parametrize("n", [2, 9, 81, 729])
+@pytest.mark.parametrize("where", ["anywhere", "last", "first"])
+def test_closing_the_gap_equals_gathering_the_kept_columns(n, where):
+    """Every table (slots, positions with 3 components, modality, order, a running score) after one
+    drop per row: the in-place shift equals the gather of the kept columns, the tensors stay."""
+    b, h = 3, 2
+    g = torch.Generator().manual_seed(n)
+    layers = []
+    for _ in range(2):
+        layer = LayerKV.empty(b, h, 4, 3, torch.float32, "cpu")
+        k = torch.randn(b, h, n, 4, generator=torch.Generator().manual_seed(1))
+        pos = torch.arange(3 * n).view(1, n, 3).expand(b, n, 3)
+        layer.append(
+            k, k.clone(), pos, (torch.arange(n) % 3).to(torch.int8).expand(b, n), torch.full((b,), n)
+        )
+        layer.ensure_score("h2o").copy_(
+            torch.rand(layer.slots.shape, generator=torch.Generator().manual_seed(2))
+        )
+        layers.append(layer)
+    gap = {
+        "anywhere": torch.randint(0, n, (b, h, 1), generator=g),
+        "last": torch.full((b, h, 1), n - 1),
+        "first": torch.zeros(b, h, 1, dtype=torch.long),
+    }[where]
+    kept = torch.arange(n - 1)
+    index = kept + (kept >= gap)
+    shifted, gathered = layers
+    before = [t for t in shifted._entry_tables()]
+    want = {name: t.clone() for name, t in shifted._take(index, n - 1).items()}
+    prep = shifted.prepare_uniform(index, [n - 1] * b, 0, True, gap)
+    assert prep is not None and prep.gap is not None and int(prep.first) == int(gap.min())
+    assert shifted.select(index, torch.full((b,), n - 1), recycle=True, kept=[n - 1] * b) is None
+    gathered_edit = torch.zeros(b, h, n - 1, dtype=torch.bool)
+    gathered.select(index, torch.full((b,), n - 1), holes=gathered_edit)  # the general path
+    assert all(a is c for a, c in zip(before, shifted._entry_tables()))
+    got = {"slots": shifted.slots, "positions": shifted.positions, "modality": shifted.modality}
+    got |= {"order": shifted.order, "score:h2o": shifted.scores["h2o"]}
+    for name, t in got.items():
+        assert torch.equal(t[:, :, : n - 1], want[name][:, :, : n - 1]), name
+    assert shifted.host_lengths() == gathered.host_lengths() == [n - 1] * b
+    assert torch.equal(shifted.order[:, :, : n - 1], gathered.order[:, :, : n - 1])
+
+
 def test_the_selection_hands_h2o_edits_their_dropped_columns():
     """``select_top`` on a per-step eviction: the edits name the one column each row drops."""
     layers = [_layer(2, 3, 20, s) for s in range(3)]
@@ -86,20 +130,24 @@ def test_the_selection_hands_h2o_edits_their_dropped_columns():
 
 
 def _without_hints(monkeypatch):
-    """The code before: no dropped columns from the selection, the cache's search by a sort."""
+    """The code before: no dropped columns from the selection, the cache's search by a sort, the
+    tables rebuilt (or their last quarter rewritten) instead of the gap closed in place."""
     ranked = base.rank_entries
     monkeypatch.setattr(base, "rank_entries", lambda *a, **k: (*ranked(*a, **k)[:2], None))
     monkeypatch.setattr(kv_edits, "unlisted", _sorted_unlisted)
+    monkeypatch.setattr(kv_edits, "CLOSE_GAPS", False)
 
 
 def _count_hints(monkeypatch) -> list[int]:
-    """Spy: per prepared select, whether it took the selection's dropped columns."""
+    """Spy: per prepared select, whether it took the selection's dropped columns and closed the gap
+    in place (1 each)."""
     seen: list[int] = []
     prepare = kv_edits.Edits.prepare_uniform
 
     def spy(self, index, kept, spare=0, recycle=False, dropped=None):
-        seen.append(int(dropped is not None))
-        return prepare(self, index, kept, spare, recycle, dropped)
+        prep = prepare(self, index, kept, spare, recycle, dropped)
+        seen.append(int(dropped is not None and prep is not None and prep.gap is not None))
+        return prep
 
     monkeypatch.setattr(kv_edits.Edits, "prepare_uniform", spy)
     return seen

@@ -21,6 +21,9 @@ from vlkv.runtime.kv.spares import SpareSlots
 
 # most slots per head a decode-time eviction hands to the cache's next appends instead of the pool
 RECYCLE_MAX = 16
+# a select dropping one column per row closes the gap in place (``Edits._close_gap``); False: the
+# paths before it (rebuild the tables, or rewrite their last quarter), for tests and before/after runs
+CLOSE_GAPS = True
 
 
 @dataclass
@@ -34,6 +37,11 @@ class UniformSelect:
             distinct columns, the dropped slots have no other holder.
         dropped: ``(B, H_kv, n - k)`` slots the edit drops, None when none.
         checks: ``flags`` read back (three bools), None until read.
+        gap: ``(B, H_kv, 1)`` the one column each row drops, where the edit drops one per row and
+            the tables keep room for the spares (the later columns then shift left by one in place,
+            :meth:`Edits._close_gap`); None otherwise.
+        first: ``()`` int64 the smallest of ``gap`` (the first column that moves), None without it.
+        first_col: ``first`` read back (with ``checks``), None until read.
     """
 
     n: int
@@ -42,6 +50,19 @@ class UniformSelect:
     flags: Tensor
     dropped: Tensor | None
     checks: list[bool] | None = None
+    gap: Tensor | None = None
+    first: Tensor | None = None
+    first_col: int | None = None
+
+    def read(self, host: list[int]) -> None:
+        """Take the checks (and the first moving column) from their values read back."""
+        self.checks = [bool(x) for x in host[:3]]
+        self.first_col = host[3] if self.first is not None else None
+
+    def readable(self) -> Tensor:
+        """``(4,)`` int64: ``flags`` then ``first`` (-1 without it), to read back in one transfer."""
+        first = self.first if self.first is not None else torch.full((), -1, device=self.flags.device)
+        return torch.cat([self.flags.long(), first.reshape(1).to(self.flags.device)])
 
 
 def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
@@ -64,9 +85,9 @@ def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
     ]
     live = [p for p in preps if p is not None]
     if live:
-        flags = torch.stack([p.flags.to(live[0].flags.device) for p in live])
-        for p, checks in zip(live, flags.tolist()):
-            p.checks = checks
+        host = torch.stack([p.readable().to(live[0].flags.device) for p in live]).tolist()
+        for p, row in zip(live, host):
+            p.read(row)
     return preps
 
 
@@ -182,12 +203,17 @@ class Edits(EntryTable):
             listed.scatter_(2, index[:, :, :k], 1)
             distinct = listed.sum(2).eq(k).all()  # else ``index`` repeats a column
             cols = unlisted(listed, n - k)
-        dropped = None
+        dropped = gap = None
         if cols is not None:
             dropped = self.slots[:, :, :n].gather(2, cols)  # (B, H_kv, n - k)
             if recycle and n - k <= RECYCLE_MAX:
                 sole = self.pool.owned_once(self.layer, dropped.transpose(0, 1).reshape(self.kv_heads, -1))
-        return UniformSelect(n, k, small and j < k, torch.stack([prefix, distinct, sole]), dropped)
+            if CLOSE_GAPS and n - k == 1 and k + spare <= self.capacity:
+                gap = cols
+        flags = torch.stack([prefix, distinct, sole])
+        return UniformSelect(
+            n, k, small and j < k, flags, dropped, gap=gap, first=None if gap is None else gap.min()
+        )
 
     def _uniform_select(
         self,
@@ -210,14 +236,17 @@ class Edits(EntryTable):
             if prepared is None:
                 return False
         if prepared.checks is None:
-            prepared.checks = prepared.flags.tolist()  # this layer's one read back
+            prepared.read(prepared.readable().tolist())  # this layer's one read back
         in_place, distinct, sole = prepared.checks
         if not distinct:
             return False
         n, k, b, h = prepared.n, prepared.k, self.batch, self.kv_heads
         head = k - k // 4 if in_place and prepared.small else 0
         keeps = [k] * b
-        if head == 0:
+        if prepared.gap is not None:
+            self._close_gap(prepared.gap, prepared.first_col, k)
+            self.set_lengths(keep_len.to(device=self.device, dtype=torch.long).clone(), keeps)
+        elif head == 0:
             self._install(self._take(index, index.shape[2] + spare), keep_len, keeps)
         else:
             cols = index[:, :, head:k]
@@ -229,6 +258,19 @@ class Edits(EntryTable):
             # the columns past the new length, which still name the dropped slots)
             self._drop(prepared.dropped.view(b, h, n - k), recycle, sole)
         return True
+
+    def _close_gap(self, gap: Tensor, first: int, k: int) -> None:
+        """Drop column ``gap[b, h]`` of every row of tables holding ``k + 1`` entries: the columns
+        after it move left by one, in place, from ``first`` (the smallest gap) on. A per-step
+        eviction's victim sits about mid-table (H2O's: just before its recent window), so this moves
+        about half of each table, with no index to read, where gathering the kept columns rewrote
+        every table whole; the columns past ``k`` keep stale values (past the length: never read)."""
+        if first >= k:  # every row drops its last column: nothing moves
+            return
+        later = torch.arange(first, k, device=self.device) >= gap  # (B, H_kv, k - first)
+        for t in self._entry_tables():
+            moves = later if t.dim() == 3 else later[..., None]
+            t[:, :, first:k] = torch.where(moves, t[:, :, first + 1 : k + 1], t[:, :, first:k])
 
     def _drop(self, dropped: Tensor, recycle: bool, sole: bool | None = None) -> None:
         """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists: a decode-time

@@ -297,6 +297,9 @@ def rank_entries(
             index, last = _drop_one(ranked)
             return index, keep, last
         return _drop_lowest(ranked, drop, bounds), keep, None
+    if kmax > 0 and kmax * 4 <= s:
+        # a few kept of many (a core, a small budget's prompt): find the few, not a sort of the many
+        return _keep_highest(ranked, keep, kmax), keep, None
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     k = max(kmax, 1)
     top = order[..., :k]
@@ -304,6 +307,23 @@ def rank_entries(
     top = torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s))  # push padding last
     top = torch.sort(top, dim=-1).values
     return top.masked_fill(top == s, 0), keep, None
+
+
+def _keep_highest(ranked: Tensor, keep: Tensor, kmax: int) -> Tensor:
+    """``ranked (B, H_kv, S)`` float, ``keep (B,)`` (at most ``kmax``, read by the caller) → ascending
+    ``(B, H_kv, kmax)`` columns of each row's ``keep[b]`` highest (ties: the lower column first, as
+    the stable descending sort of :func:`rank_entries` orders them); padding columns are 0."""
+    b, h, s = ranked.shape
+    top = torch.topk(ranked, kmax, dim=-1, largest=True, sorted=True).values  # (B, H_kv, kmax)
+    cut = top.gather(-1, (keep - 1).clamp(min=0)[:, None, None].expand(b, h, 1))  # keep[b]-th highest
+    above, tied = ranked > cut, ranked == cut
+    need = keep[:, None, None] - above.sum(-1, keepdim=True)  # ties to keep, from the left
+    kept = (above | (tied & (tied.cumsum(-1) <= need))) & (keep > 0)[:, None, None]
+    # each kept column goes to its rank among the kept; the rest to a spare column cut off below
+    dest = torch.where(kept, kept.cumsum(-1) - 1, kmax)
+    cols = torch.arange(s, device=ranked.device).expand(b, h, s)
+    out = torch.zeros(b, h, kmax + 1, dtype=torch.long, device=ranked.device)
+    return out.scatter_(-1, dest, cols)[..., :kmax]
 
 
 def _drop_one(ranked: Tensor) -> tuple[Tensor, Tensor]:
