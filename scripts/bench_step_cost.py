@@ -8,7 +8,8 @@ One prompt prefilled once (``bench_decode_bound.Prefilled``), then per round, in
 ``--steps`` timed greedy decode steps of each ``policy@budget`` twice: **after** (this code) and
 **before** (the per-step paths as they were: H2O's edits without the dropped columns, the cache's
 search for them by a sort, the tables rebuilt where a one-column drop now closes its gap in place,
-A-VL's per-layer hooks from ``tests/runtime/policies/avl_per_layer.py``).
+a full sort where a few kept of many are now found by ``topk``, A-VL's per-layer hooks from
+``tests/runtime/policies/avl_per_layer.py``).
 ``--controls`` adds policies this change leaves alone (no per-step work: snapkv, vlcache).
 Per configuration: step ms (median over rounds of the mean step), its bound ``(W + KV) / bandwidth``
 (as ``bench_decode_bound.py``: ``W`` the weights a step reads, ``KV`` the K/V it attends, the read
@@ -53,15 +54,25 @@ TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 
 def before():
     """The per-step paths as they were: no dropped columns handed to the cache, found by a sort, the
     tables rebuilt instead of the gap closed in place."""
-    ranked, search = base.rank_entries, kv_edits.unlisted
+    ranked, search, highest = base.rank_entries, kv_edits.unlisted, base._keep_highest
     base.rank_entries = lambda *a, **k: (*ranked(*a, **k)[:2], None)
     kv_edits.unlisted = lambda listed, m: torch.sort(listed, dim=2, stable=True).indices[:, :, :m]
+    base._keep_highest = sorted_keep
     kv_edits.CLOSE_GAPS = False
     try:
         yield
     finally:
-        base.rank_entries, kv_edits.unlisted = ranked, search
+        base.rank_entries, kv_edits.unlisted, base._keep_highest = ranked, search, highest
         kv_edits.CLOSE_GAPS = True
+
+
+def sorted_keep(ranked, keep, kmax: int):
+    """``base._keep_highest`` as it was done before: a stable sort of every row, then of the picks."""
+    s = ranked.shape[-1]
+    top = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :kmax]
+    ranks = torch.arange(kmax, device=ranked.device)[None, None, :]
+    top = torch.sort(torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s)), dim=-1).values
+    return top.masked_fill(top == s, 0)
 
 
 def make(name: str, old: bool):

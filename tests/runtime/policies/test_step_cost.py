@@ -248,3 +248,33 @@ def test_avl_keeps_the_same_sets_as_the_per_layer_hooks(model, name, kw, engines
         assert len(g["states"]) == len(w["states"]) == 5
         for step, (gs, ws) in enumerate(zip(g["states"], w["states"])):
             assert gs == ws, f"prompt {p}, state {step}: other entries kept"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_avl_running_scores_equal_the_per_layer_update(model, engines, images):
+    """A batch cache, 6 decode steps: every layer's text scores, core flags and regions after each
+    step equal the per-layer hooks' bit for bit (the update skips only columns before the first text
+    column, where it adds zeros)."""
+    engine = engines[model]
+    prompts = [Prompt("Describe the picture.", [images[0]]), Prompt("What is in this image?", [images[1]])]
+    kw = {"budget": 0.5, "core": 0.3, "interval": 2, "text_min": 2}
+    runs = []
+    for cls in (avl.AVLPolicy, PerLayerAVL):
+        policy, batch = cls(**kw), engine.encode(prompts)
+        cache = engine.new_cache(batch)
+        scores = []
+        with torch.no_grad():
+            tok = engine.prefill(batch, policy, cache).logits.argmax(-1)
+            for step in range(1, 7):
+                tok = engine.decode(tok, batch, policy, cache, step).logits.argmax(-1)
+                n = cache.layers[0].max_length
+                scores.append(
+                    [{k: v[:, :, :n].clone() for k, v in layer.scores.items()} for layer in cache.layers]
+                )
+        cache.release()
+        runs.append(scores)
+    for step, (got, want) in enumerate(zip(*runs, strict=True)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g.keys() == w.keys() == {avl.REGION, avl.CORE, avl.TEXT_SCORE}
+            for key in g:
+                assert torch.equal(g[key], w[key]), (step, i, key)

@@ -188,8 +188,12 @@ class AVLPolicy(Policy):
             core = top_mask(last[:, None], secondary, cache.policy_state[STATE_CORE])
             _store(layer, CORE, core.expand(b, h, width).float())
             keeps.append((valid & ~vision)[:, None] | secondary)
-        texts = self._text_keeps(cache, bounds)
-        return _edits(cache.layers, [k if t is None else k & t for k, t in zip(keeps, texts)])
+        texts = [
+            (layer.scores[REGION][:, :, : layer.max_length] == TEXT) & valid_slots(layer, layer.max_length)
+            for layer in cache.layers
+        ]
+        text_keeps = self._text_keeps(cache, texts, *self._text_budgets(cache, bounds, texts))
+        return _edits(cache.layers, [k if t is None else k & t for k, t in zip(keeps, text_keeps)])
 
     # ------------------------------------------------------------ decode
     def update_step(self, step: int) -> bool:
@@ -215,15 +219,22 @@ class AVLPolicy(Policy):
         return plans if any(p is not None for p in plans) else None
 
     def after_decode(self, cache, stats, ctx):
-        bounds = self.bounds(ctx)
-        for layer, st in zip(cache.layers, stats):
-            width, h = layer.max_length, layer.kv_heads
-            region = layer.scores[REGION][:, :, :width]
-            colsum = st.colsum[:, :, :width]
-            layer.scores[TEXT_SCORE][:, :, :width] += per_kv_head(colsum, h) * (region == TEXT)
+        layers = cache.layers
+        is_text = [layer.scores[REGION][:, :, : layer.max_length] == TEXT for layer in layers]
+        # the first column holding text (in any sample and head): the columns before it gain nothing
+        # from the text scores' update (x 0), so it skips them; read back with the text budgets
+        firsts = [
+            torch.where(t, torch.arange(t.shape[-1], device=t.device), t.shape[-1]).amin() for t in is_text
+        ]
+        texts = [t & valid_slots(layer, t.shape[-1]) for t, layer in zip(is_text, layers)]
+        keep, host = self._text_budgets(cache, self.bounds(ctx), texts, firsts)
+        for layer, st, t, f in zip(layers, stats, is_text, host[-len(layers) :]):
+            width, h = t.shape[-1], layer.kv_heads
+            colsum = st.colsum[:, :, f:width]
+            layer.scores[TEXT_SCORE][:, :, f:width] += per_kv_head(colsum, h) * t[:, :, f:]
         if self.update_step(ctx.step):
             self._refresh_cores(cache, stats)
-        return _edits(cache.layers, self._text_keeps(cache, bounds))
+        return _edits(layers, self._text_keeps(cache, texts, keep, host))
 
     def _refresh_cores(self, cache: KVCache, stats) -> None:
         """Each layer's core: the top ``STATE_CORE`` vision entries by this step's head-mean attention.
@@ -250,24 +261,29 @@ class AVLPolicy(Policy):
                 layer.scores[CORE][:, :, :width] = rows.expand(-1, layer.kv_heads, -1).float()
 
     # ------------------------------------------------------------ text H2O
-    def _text_keeps(self, cache: KVCache, bounds: Tensor) -> list[Tensor | None]:
-        """Per layer, ``(B, H_kv, S)`` bool: every non-text slot plus the text entries the H2O budget
-        keeps; None where every text entry stays. Whether they stay and the counts kept are read
-        back once for every layer (top_mask reads none)."""
-        layers = cache.layers
+    def _text_budgets(self, cache: KVCache, bounds: Tensor, texts: list[Tensor], extra: tuple | list = ()):
+        """The text entries each layer keeps: ``keep (L, B)`` and, read back in one transfer for
+        every layer, per layer whether every text entry stays (``L`` ints), the counts kept
+        (``L * B``) and ``extra`` (``()`` int64 each, appended). ``texts[l]``: ``(B, H_kv, S)`` bool,
+        the layer's valid text slots."""
         # text tokens processed so far (prompt + generated)
         seen = cache.processed - bounds[:, 1].to(cache.processed)
         rank = torch.round(seen.double() * self.text_share).long().clamp(min=self.text_min)
-        texts = [
-            (layer.scores[REGION][:, :, : layer.max_length] == TEXT) & valid_slots(layer, layer.max_length)
-            for layer in layers
-        ]
         held = torch.stack([text[:, 0].sum(-1) for text in texts])  # (L, B)
-        keep = torch.minimum(rank.to(held.device), held)
-        n, b = held.shape
-        host = torch.cat([(held <= rank.to(held.device)).all(1).long(), keep.reshape(-1)]).tolist()
+        rank = rank.to(held.device)
+        keep = torch.minimum(rank, held)
+        parts = [(held <= rank).all(1).long(), keep.reshape(-1)]
+        if extra:
+            parts.append(torch.stack(list(extra)).to(held.device, torch.long))
+        return keep, torch.cat(parts).tolist()
+
+    def _text_keeps(self, cache: KVCache, texts: list[Tensor], keep: Tensor, host: list[int]):
+        """Per layer, ``(B, H_kv, S)`` bool: every non-text slot plus the text entries the H2O budget
+        keeps; None where every text entry stays (``keep``, ``host``: :meth:`_text_budgets`; top_mask
+        reads nothing back)."""
+        n, b = keep.shape
         out: list[Tensor | None] = []
-        for i, (layer, text) in enumerate(zip(layers, texts)):
+        for i, (layer, text) in enumerate(zip(cache.layers, texts)):
             if host[i]:
                 out.append(None)
                 continue
