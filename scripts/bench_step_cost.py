@@ -5,7 +5,8 @@
     python scripts/bench_step_cost.py --tiny --json t.json   # seconds: tiny-llava, for the tests
 
 One prompt prefilled once (``bench_decode_bound.Prefilled``), then per round, in a rotating order,
-``--steps`` timed greedy decode steps of each ``policy@budget`` twice: **after** (this code) and
+``--steps`` timed greedy decode steps of each ``policy@budget`` twice, back to back (which runs first
+alternates by round, so each pair shares the load of its moment): **after** (this code) and
 **before** (the per-step paths as they were: H2O's edits without the dropped columns, the cache's
 search for them by a sort, the tables rebuilt where a one-column drop now closes its gap in place,
 a full sort where a few kept of many are now found by ``topk``, A-VL's per-layer hooks from
@@ -161,8 +162,14 @@ def run(args) -> dict:
     )
     configs = [(n, False) for n in names + controls] + [(n, True) for n in names]
     got: dict[tuple, list[dict]] = {c: [] for c in configs}
+    every = names + controls
     for rep in range(args.repeats + 1):  # the first round warms up
-        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
+        # rotated every round; a policy's before and after run back to back (which first alternates),
+        # so that each round's pair shares the machine's load of the moment
+        order = []
+        for name in every[rep % len(every) :] + every[: rep % len(every)]:
+            pair = [(name, False), (name, True)] if name in names else [(name, False)]
+            order += pair if rep % 2 else pair[::-1]
         for name, old in order:
             with before() if old else contextlib.nullcontext():
                 res = steps_of(pre, name, old, args.steps)
