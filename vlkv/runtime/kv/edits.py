@@ -192,8 +192,12 @@ class Edits(EntryTable):
         # costs more than gathering fresh tables, so the quarter bounds the in-place work
         small = recycle and n - k <= RECYCLE_MAX and k + spare <= self.capacity
         j = k - k // 4
+        # a one-column drop closes its gap in place (below): the prefix check would go unused
+        closes = CLOSE_GAPS and n - k == 1 and k + spare <= self.capacity
         prefix = no
-        if small and j < k:  # every row keeps columns 0 … j where they are (ascending, distinct)
+        if (
+            small and j < k and not closes
+        ):  # every row keeps columns 0 … j where they are (ascending, distinct)
             prefix = (index[:, :, j] == j).all() & (index[:, :, j:k].min() >= j)
         distinct, sole, cols = ~no, no, None
         if n > k and dropped is not None and dropped.shape[2] == n - k:
@@ -208,7 +212,7 @@ class Edits(EntryTable):
             dropped = self.slots[:, :, :n].gather(2, cols)  # (B, H_kv, n - k)
             if recycle and n - k <= RECYCLE_MAX:
                 sole = self.pool.owned_once(self.layer, dropped.transpose(0, 1).reshape(self.kv_heads, -1))
-            if CLOSE_GAPS and n - k == 1 and k + spare <= self.capacity:
+            if closes:
                 gap = cols
         flags = torch.stack([prefix, distinct, sole])
         return UniformSelect(
