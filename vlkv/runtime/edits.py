@@ -31,7 +31,9 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
         for i, item in enumerate(edits or [])
         if isinstance(item, LayerEdit) and item.assign is None and item.holes is None
     ]
-    jobs = [(cache.layers[i], edits[i].index, edits[i].keep_len, edits[i].kept) for i in plain]
+    jobs = [
+        (cache.layers[i], edits[i].index, edits[i].keep_len, edits[i].kept, edits[i].dropped) for i in plain
+    ]
     prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
     for i, (layer, item) in enumerate(zip(cache.layers, edits or [])):
         for edit in item if isinstance(item, tuple) else (item,):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
+import vlkv.runtime.kv.edits as kv_edits
 from vlkv.runtime.cache import LayerKV
 
 B, H, D, P = 3, 2, 8, 3
@@ -395,11 +396,14 @@ def test_a_cut_of_run_entries_and_of_a_cache_with_holes():
         holed.cut(torch.tensor([0, 5, 0]), torch.tensor([0, 3, 0]))
 
 
+@pytest.mark.parametrize("close_gaps", [True, False])
 @pytest.mark.parametrize("near_end", [True, False])
-def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end):
-    """A decode-time drop of one entry per row within the last quarter of the table rewrites the
-    tables in place (the same tensors, only the last quarter moves); one anywhere else rebuilds them.
-    Both keep what the general path keeps, and the next append lands after the kept entries."""
+def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end, close_gaps, monkeypatch):
+    """A decode-time drop of one entry per row closes its gap in place wherever it sits (the same
+    tensors). Without that path (``CLOSE_GAPS`` off): a drop within the last quarter of the table
+    rewrites the last quarter in place; one anywhere else rebuilds the tables. All keep what the
+    general path keeps, and the next append lands after the kept entries."""
+    monkeypatch.setattr(kv_edits, "CLOSE_GAPS", close_gaps)
     g = torch.Generator().manual_seed(19)
     n = 7  # keeps 6: the last quarter is the last column
     fast, slow = _layer(20, (n,) * B), _layer(20, (n,) * B)
@@ -410,7 +414,7 @@ def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end):
     before = fast.slots
     fast.select(index, torch.full((B,), n - 1), spare=1, recycle=True)
     slow.select(index, torch.full((B,), n - 1), spare=1, holes=torch.zeros(B, H, n - 1, dtype=torch.bool))
-    assert (fast.slots is before) == near_end
+    assert (fast.slots is before) == (near_end or close_gaps)
     _same_valid(fast, slow)
     k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
     pos, mod = torch.zeros(B, 1, P, dtype=torch.long), torch.zeros(B, 1, dtype=torch.int8)

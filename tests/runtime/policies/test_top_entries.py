@@ -121,3 +121,33 @@ def test_layers_ranked_together_pick_what_each_layer_alone_picks(seed):
         want = top_entries(score(layer, width), valid_slots(layer, width), keep, force(layer, width, keep))
         assert torch.equal(edit.index, want[0]) and torch.equal(edit.keep_len, want[1])
     assert got[2] is None and all(e is not None for e in (got[0], got[1], got[3], got[4]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_small_keeps_equal_the_stable_sort(seed):
+    """A few kept of many (an A-VL core, a small budget's prompt) take a partial selection: the same
+    picks as the sort, with ties (few distinct values), invalid tails, rows keeping none, -inf and
+    forced slots."""
+    g = torch.Generator().manual_seed(200 + seed)
+    b, h = 3, 2
+    s = [8, 9, 81, 729][seed % 4] + int(torch.randint(0, 8, (1,), generator=g))
+    scores = torch.randint(0, 3 if seed % 2 else 1000, (b, h, s), generator=g).float()
+    if seed % 5 == 2:
+        scores[:, :, ::7] = float("-inf")
+    lengths = torch.tensor([s, s - int(torch.randint(0, s // 2 + 1, (1,), generator=g)), s])
+    valid = (torch.arange(s)[None, :] < lengths[:, None])[:, None]
+    keep = torch.randint(1, max(s // 4, 1) + 1, (b,), generator=g)
+    if seed % 3 == 0:
+        keep[2] = 0
+    force = None
+    if seed % 4 == 1:
+        force = torch.zeros(b, 1, s, dtype=torch.bool)
+        force[:, :, :1] = True
+    called = []
+    real = base._keep_highest
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(base, "_keep_highest", lambda *a: called.append(1) or real(*a))
+        got = top_entries(scores, valid, keep, force)
+    assert called, "the partial selection did not run"
+    want = _by_sort(scores, valid, keep, force)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (seed, s, keep.tolist())

@@ -21,6 +21,9 @@ from vlkv.runtime.kv.spares import SpareSlots
 
 # most slots per head a decode-time eviction hands to the cache's next appends instead of the pool
 RECYCLE_MAX = 16
+# a select dropping one column per row closes the gap in place (``Edits._close_gap``); False: the
+# paths before it (rebuild the tables, or rewrite their last quarter), for tests and before/after runs
+CLOSE_GAPS = True
 
 
 @dataclass
@@ -34,6 +37,11 @@ class UniformSelect:
             distinct columns, the dropped slots have no other holder.
         dropped: ``(B, H_kv, n - k)`` slots the edit drops, None when none.
         checks: ``flags`` read back (three bools), None until read.
+        gap: ``(B, H_kv, 1)`` the one column each row drops, where the edit drops one per row and
+            the tables keep room for the spares (the later columns then shift left by one in place,
+            :meth:`Edits._close_gap`); None otherwise.
+        first: ``()`` int64 the smallest of ``gap`` (the first column that moves), None without it.
+        first_col: ``first`` read back (with ``checks``), None until read.
     """
 
     n: int
@@ -42,12 +50,26 @@ class UniformSelect:
     flags: Tensor
     dropped: Tensor | None
     checks: list[bool] | None = None
+    gap: Tensor | None = None
+    first: Tensor | None = None
+    first_col: int | None = None
+
+    def read(self, host: list[int]) -> None:
+        """Take the checks (and the first moving column) from their values read back."""
+        self.checks = [bool(x) for x in host[:3]]
+        self.first_col = host[3] if self.first is not None else None
+
+    def readable(self) -> Tensor:
+        """``(4,)`` int64: ``flags`` then ``first`` (-1 without it), to read back in one transfer."""
+        first = self.first if self.first is not None else torch.full((), -1, device=self.flags.device)
+        return torch.cat([self.flags.long(), first.reshape(1).to(self.flags.device)])
 
 
-def prepare_selects(jobs: list[tuple[Edits, Tensor, Tensor, list[int] | None]], spare: int, recycle: bool):
-    """:meth:`Edits.prepare_uniform` of many layers' selections ``(layer, index, keep_len, kept)``
-    with their checks read back in one transfer (one host sync for a step's edits of every layer,
-    not one per layer). ``kept`` None: ``keep_len`` is read (once, for all such jobs).
+def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
+    """:meth:`Edits.prepare_uniform` of many layers' selections ``(layer, index, keep_len, kept)`` or
+    ``(layer, index, keep_len, kept, dropped)`` with their checks read back in one transfer (one host
+    sync for a step's edits of every layer, not one per layer). ``kept`` None: ``keep_len`` is read
+    (once, for all such jobs); ``dropped``: the columns the selection drops, where it knew them.
     Returns per job its :class:`UniformSelect`, or None where the uniform path does not apply."""
     unknown = [i for i, job in enumerate(jobs) if job[3] is None]
     kept = [job[3] for job in jobs]
@@ -57,13 +79,27 @@ def prepare_selects(jobs: list[tuple[Edits, Tensor, Tensor, list[int] | None]], 
         for i in unknown:
             b = jobs[i][2].numel()
             kept[i], at = host[at : at + b], at + b
-    preps = [layer.prepare_uniform(index, k, spare, recycle) for (layer, index, _, _), k in zip(jobs, kept)]
+    preps = [
+        job[0].prepare_uniform(job[1], k, spare, recycle, job[4] if len(job) > 4 else None)
+        for job, k in zip(jobs, kept)
+    ]
     live = [p for p in preps if p is not None]
     if live:
-        flags = torch.stack([p.flags.to(live[0].flags.device) for p in live])
-        for p, checks in zip(live, flags.tolist()):
-            p.checks = checks
+        host = torch.stack([p.readable().to(live[0].flags.device) for p in live]).tolist()
+        for p, row in zip(live, host):
+            p.read(row)
     return preps
+
+
+def unlisted(listed: Tensor, m: int) -> Tensor:
+    """``(B, H_kv, m)`` ascending columns where ``listed (B, H_kv, n)`` int8 is 0 (with fewer than
+    ``m`` in a row, its tail is 0): each goes to its rank among them by a running count, one linear
+    pass, where a stable sort of the row moved every column."""
+    b, h, n = listed.shape
+    free = listed == 0
+    dest = torch.where(free, free.cumsum(2) - 1, m).clamp_(max=m)
+    cols = torch.arange(n, device=listed.device).expand(b, h, n)
+    return torch.zeros(b, h, m + 1, dtype=torch.long, device=listed.device).scatter_(2, dest, cols)[:, :, :m]
 
 
 class Edits(EntryTable):
@@ -128,13 +164,20 @@ class Edits(EntryTable):
             self.charge_factors()
 
     def prepare_uniform(
-        self, index: Tensor, kept: list[int], spare: int = 0, recycle: bool = False
+        self,
+        index: Tensor,
+        kept: list[int],
+        spare: int = 0,
+        recycle: bool = False,
+        dropped: Tensor | None = None,
     ) -> UniformSelect | None:
         """What :meth:`select` of ``index (B, H_kv, K)`` keeping ``kept[b]`` entries (host values)
         must know before it edits this cache in place, computed on the device without reading it
         back, so that a caller editing many layers reads every layer's checks in one transfer
         (:func:`prepare_selects`). None when the host values alone rule the uniform path out (see
-        :meth:`_uniform_select`)."""
+        :meth:`_uniform_select`). ``dropped``: ``(B, H_kv, n - k)`` the ascending columns ``index``
+        leaves out, where the selection knew them (``LayerEdit.dropped``): trusted, not searched
+        for (nor ``index`` checked for repeats)."""
         if self.holes is not None or self.lowrank is not None:
             return None
         lengths = self.host_lengths()
@@ -149,20 +192,32 @@ class Edits(EntryTable):
         # costs more than gathering fresh tables, so the quarter bounds the in-place work
         small = recycle and n - k <= RECYCLE_MAX and k + spare <= self.capacity
         j = k - k // 4
+        # a one-column drop closes its gap in place (below): the prefix check would go unused
+        closes = CLOSE_GAPS and n - k == 1 and k + spare <= self.capacity
         prefix = no
-        if small and j < k:  # every row keeps columns 0 … j where they are (ascending, distinct)
+        if (
+            small and j < k and not closes
+        ):  # every row keeps columns 0 … j where they are (ascending, distinct)
             prefix = (index[:, :, j] == j).all() & (index[:, :, j:k].min() >= j)
-        dropped, distinct, sole = None, ~no, no
-        if n > k:
+        distinct, sole, cols = ~no, no, None
+        if n > k and dropped is not None and dropped.shape[2] == n - k:
+            cols = dropped.to(self.device)
+        elif n > k:
             listed = torch.zeros(self.batch, self.kv_heads, n, dtype=torch.int8, device=self.device)
             listed.scatter_(2, index[:, :, :k], 1)
             distinct = listed.sum(2).eq(k).all()  # else ``index`` repeats a column
-            # the unlisted columns, ascending: a stable sort puts them first (no value-sized nonzero)
-            cols = torch.sort(listed, dim=2, stable=True).indices[:, :, : n - k]
+            cols = unlisted(listed, n - k)
+        dropped = gap = None
+        if cols is not None:
             dropped = self.slots[:, :, :n].gather(2, cols)  # (B, H_kv, n - k)
             if recycle and n - k <= RECYCLE_MAX:
                 sole = self.pool.owned_once(self.layer, dropped.transpose(0, 1).reshape(self.kv_heads, -1))
-        return UniformSelect(n, k, small and j < k, torch.stack([prefix, distinct, sole]), dropped)
+            if closes:
+                gap = cols
+        flags = torch.stack([prefix, distinct, sole])
+        return UniformSelect(
+            n, k, small and j < k, flags, dropped, gap=gap, first=None if gap is None else gap.min()
+        )
 
     def _uniform_select(
         self,
@@ -185,14 +240,17 @@ class Edits(EntryTable):
             if prepared is None:
                 return False
         if prepared.checks is None:
-            prepared.checks = prepared.flags.tolist()  # this layer's one read back
+            prepared.read(prepared.readable().tolist())  # this layer's one read back
         in_place, distinct, sole = prepared.checks
         if not distinct:
             return False
         n, k, b, h = prepared.n, prepared.k, self.batch, self.kv_heads
         head = k - k // 4 if in_place and prepared.small else 0
         keeps = [k] * b
-        if head == 0:
+        if prepared.gap is not None:
+            self._close_gap(prepared.gap, prepared.first_col, k)
+            self.set_lengths(keep_len.to(device=self.device, dtype=torch.long).clone(), keeps)
+        elif head == 0:
             self._install(self._take(index, index.shape[2] + spare), keep_len, keeps)
         else:
             cols = index[:, :, head:k]
@@ -204,6 +262,19 @@ class Edits(EntryTable):
             # the columns past the new length, which still name the dropped slots)
             self._drop(prepared.dropped.view(b, h, n - k), recycle, sole)
         return True
+
+    def _close_gap(self, gap: Tensor, first: int, k: int) -> None:
+        """Drop column ``gap[b, h]`` of every row of tables holding ``k + 1`` entries: the columns
+        after it move left by one, in place, from ``first`` (the smallest gap) on. A per-step
+        eviction's victim sits about mid-table (H2O's: just before its recent window), so this moves
+        about half of each table, with no index to read, where gathering the kept columns rewrote
+        every table whole; the columns past ``k`` keep stale values (past the length: never read)."""
+        if first >= k:  # every row drops its last column: nothing moves
+            return
+        later = torch.arange(first, k, device=self.device) >= gap  # (B, H_kv, k - first)
+        for t in self._entry_tables():
+            moves = later if t.dim() == 3 else later[..., None]
+            t[:, :, first:k] = torch.where(moves, t[:, :, first + 1 : k + 1], t[:, :, first:k])
 
     def _drop(self, dropped: Tensor, recycle: bool, sole: bool | None = None) -> None:
         """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists: a decode-time

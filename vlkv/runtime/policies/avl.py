@@ -172,7 +172,7 @@ class AVLPolicy(Policy):
         s_count = count(self.secondary_share, n_img)
         cache.policy_state[STATE_CORE] = count(self.core_share, n_img)
         rows = cache.policy_state.pop(STATE_ROWS, None)
-        edits = []
+        keeps = []
         for i, (layer, st) in enumerate(zip(cache.layers, stats)):
             width, b, h = layer.max_length, layer.batch, layer.kv_heads
             tok = torch.arange(width, device=layer.lengths.device)[None, :].expand(b, width)
@@ -187,9 +187,13 @@ class AVLPolicy(Policy):
             secondary = top_mask(last[:, None], vision[:, None], s_count)
             core = top_mask(last[:, None], secondary, cache.policy_state[STATE_CORE])
             _store(layer, CORE, core.expand(b, h, width).float())
-            keep = (valid & ~vision)[:, None] | secondary
-            edits.append(_edit(layer, keep & self._text_keep(layer, cache, bounds)))
-        return edits
+            keeps.append((valid & ~vision)[:, None] | secondary)
+        texts = [
+            (layer.scores[REGION][:, :, : layer.max_length] == TEXT) & valid_slots(layer, layer.max_length)
+            for layer in cache.layers
+        ]
+        text_keeps = self._text_keeps(cache, texts, *self._text_budgets(cache, bounds, texts))
+        return _edits(cache.layers, [k if t is None else k & t for k, t in zip(keeps, text_keeps)])
 
     # ------------------------------------------------------------ decode
     def update_step(self, step: int) -> bool:
@@ -215,41 +219,83 @@ class AVLPolicy(Policy):
         return plans if any(p is not None for p in plans) else None
 
     def after_decode(self, cache, stats, ctx):
-        bounds = self.bounds(ctx)
-        edits = []
-        for layer, st in zip(cache.layers, stats):
-            width, h = layer.max_length, layer.kv_heads
-            region = layer.scores[REGION][:, :, :width]
-            colsum = st.colsum[:, :, :width]
-            layer.scores[TEXT_SCORE][:, :, :width] += per_kv_head(colsum, h) * (region == TEXT)
-            if self.update_step(ctx.step):
-                vision = (region[:, :1] == VISION) & valid_slots(layer, width)
-                core = top_mask(colsum.mean(1, keepdim=True), vision, cache.policy_state[STATE_CORE])
-                layer.scores[CORE][:, :, :width] = core.expand(-1, h, -1).float()
-            edits.append(_edit(layer, self._text_keep(layer, cache, bounds)))
-        return edits
+        layers = cache.layers
+        is_text = [layer.scores[REGION][:, :, : layer.max_length] == TEXT for layer in layers]
+        # the first column holding text (in any sample and head): the columns before it gain nothing
+        # from the text scores' update (x 0), so it skips them; read back with the text budgets
+        firsts = [
+            torch.where(t, torch.arange(t.shape[-1], device=t.device), t.shape[-1]).amin() for t in is_text
+        ]
+        texts = [t & valid_slots(layer, t.shape[-1]) for t, layer in zip(is_text, layers)]
+        keep, host = self._text_budgets(cache, self.bounds(ctx), texts, firsts)
+        for layer, st, t, f in zip(layers, stats, is_text, host[-len(layers) :]):
+            width, h = t.shape[-1], layer.kv_heads
+            colsum = st.colsum[:, :, f:width]
+            layer.scores[TEXT_SCORE][:, :, f:width] += per_kv_head(colsum, h) * t[:, :, f:]
+        if self.update_step(ctx.step):
+            self._refresh_cores(cache, stats)
+        return _edits(layers, self._text_keeps(cache, texts, keep, host))
+
+    def _refresh_cores(self, cache: KVCache, stats) -> None:
+        """Each layer's core: the top ``STATE_CORE`` vision entries by this step's head-mean attention.
+        Layers holding the same lengths are ranked in one :func:`top_mask` over their stacked rows
+        (each row is ranked alone: the same picks as one call per layer, one read back, not one per
+        layer)."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, layer in enumerate(cache.layers):
+            groups.setdefault(tuple(layer.host_lengths()), []).append(i)
+        for members in groups.values():
+            first = cache.layers[members[0]]
+            width = first.max_length
+            valid = valid_slots(first, width)
+            means = torch.cat([stats[i].colsum[:, :, :width].mean(1, keepdim=True) for i in members])
+            vision = torch.cat([cache.layers[i].scores[REGION][:, :1, :width] == VISION for i in members])
+            core = top_mask(
+                means,
+                vision & valid.repeat(len(members), 1, 1),
+                cache.policy_state[STATE_CORE].repeat(len(members)),
+            )
+            for j, i in enumerate(members):
+                layer = cache.layers[i]
+                rows = core[j * layer.batch : (j + 1) * layer.batch]
+                layer.scores[CORE][:, :, :width] = rows.expand(-1, layer.kv_heads, -1).float()
 
     # ------------------------------------------------------------ text H2O
-    def _text_keep(self, layer: LayerKV, cache: KVCache, bounds: Tensor) -> Tensor:
-        """``(B, H_kv, S)`` bool: every non-text slot plus the text entries the H2O budget keeps."""
-        width = layer.max_length
-        text = (layer.scores[REGION][:, :, :width] == TEXT) & valid_slots(layer, width)
-        held = text[:, 0].sum(-1)
-        seen = cache.processed - bounds[:, 1].to(
-            cache.processed
-        )  # text tokens processed so far (prompt + generated)
+    def _text_budgets(self, cache: KVCache, bounds: Tensor, texts: list[Tensor], extra: tuple | list = ()):
+        """The text entries each layer keeps: ``keep (L, B)`` and, read back in one transfer for
+        every layer, per layer whether every text entry stays (``L`` ints), the counts kept
+        (``L * B``) and ``extra`` (``()`` int64 each, appended). ``texts[l]``: ``(B, H_kv, S)`` bool,
+        the layer's valid text slots."""
+        # text tokens processed so far (prompt + generated)
+        seen = cache.processed - bounds[:, 1].to(cache.processed)
         rank = torch.round(seen.double() * self.text_share).long().clamp(min=self.text_min)
+        held = torch.stack([text[:, 0].sum(-1) for text in texts])  # (L, B)
+        rank = rank.to(held.device)
         keep = torch.minimum(rank, held)
-        # whether every text entry stays, and the counts kept: one read back (top_mask reads none)
-        host = torch.cat([(held <= rank).all().long()[None], keep.to(held.device)]).tolist()
-        if host[0]:
-            return torch.ones_like(text)
-        # text entries are the tail of every head's slots, so the recent ones are the last slots
-        recent = recent_mask(
-            layer.lengths, width, keep - torch.round(keep.double() * self.heavy_ratio).long()
-        )
-        score = layer.scores[TEXT_SCORE][:, :, :width]
-        return ~text | top_mask(score, text, keep, force=recent & text, kept=host[1:])
+        parts = [(held <= rank).all(1).long(), keep.reshape(-1)]
+        if extra:
+            parts.append(torch.stack(list(extra)).to(held.device, torch.long))
+        return keep, torch.cat(parts).tolist()
+
+    def _text_keeps(self, cache: KVCache, texts: list[Tensor], keep: Tensor, host: list[int]):
+        """Per layer, ``(B, H_kv, S)`` bool: every non-text slot plus the text entries the H2O budget
+        keeps; None where every text entry stays (``keep``, ``host``: :meth:`_text_budgets`; top_mask
+        reads nothing back)."""
+        n, b = keep.shape
+        out: list[Tensor | None] = []
+        for i, (layer, text) in enumerate(zip(cache.layers, texts)):
+            if host[i]:
+                out.append(None)
+                continue
+            # text entries are the tail of every head's slots, so the recent ones are the last slots
+            k = keep[i]
+            recent = recent_mask(
+                layer.lengths, text.shape[-1], k - torch.round(k.double() * self.heavy_ratio).long()
+            )
+            score = layer.scores[TEXT_SCORE][:, :, : text.shape[-1]]
+            kept = host[n + i * b : n + (i + 1) * b]
+            out.append(~text | top_mask(score, text, k, force=recent & text, kept=kept))
+        return out
 
 
 def _store(layer: LayerKV, name: str, values: Tensor) -> None:
@@ -257,17 +303,28 @@ def _store(layer: LayerKV, name: str, values: Tensor) -> None:
     layer.ensure_score(name)[:, :, : values.shape[-1]] = values
 
 
-def _edit(layer: LayerKV, keep: Tensor) -> LayerEdit | None:
-    """A select edit keeping ``keep (B, H_kv, S)`` (equal counts per head), None when it keeps all."""
-    valid = valid_slots(layer, keep.shape[-1])
-    keep = keep & valid
-    counts = keep.sum(-1)
-    # whether it keeps everything, its width, whether heads agree: one read back, not three
-    checks = [(keep == valid).all().long(), counts.max(), (counts == counts[:, :1]).all().long()]
-    everything, width, agree = torch.stack(checks).tolist()
-    if everything:
-        return None
-    if not agree:
-        raise RuntimeError("avl selected different numbers of entries per KV head")
-    index, counts = mask_to_index(keep, width)
-    return LayerEdit(index, counts[:, 0])
+def _edits(layers: list[LayerKV], keeps: list[Tensor | None]) -> list[LayerEdit | None]:
+    """Per layer, a select edit keeping ``keeps[l] (B, H_kv or 1, S)`` (equal counts per head), None where
+    it keeps all (``keeps[l]`` None: all). Whether each keeps everything, its width and whether its
+    heads agree: one read back for every layer, not three per layer."""
+    live = [i for i, keep in enumerate(keeps) if keep is not None]
+    if not live:
+        return [None] * len(layers)
+    masks, checks = {}, []
+    for i in live:
+        valid = valid_slots(layers[i], keeps[i].shape[-1])
+        # a keep shared by the heads ((B, 1, S): a prefill that evicts no text) edits every head
+        keep = masks[i] = (keeps[i] & valid).expand(-1, layers[i].kv_heads, -1)
+        counts = keep.sum(-1)
+        checks += [(keep == valid).all().long(), counts.max(), (counts == counts[:, :1]).all().long()]
+    host = torch.stack(checks).tolist()
+    edits: list[LayerEdit | None] = [None] * len(layers)
+    for j, i in enumerate(live):
+        everything, width, agree = host[3 * j : 3 * j + 3]
+        if everything:
+            continue
+        if not agree:
+            raise RuntimeError("avl selected different numbers of entries per KV head")
+        index, counts = mask_to_index(masks[i], width)
+        edits[i] = LayerEdit(index, counts[:, 0])
+    return edits

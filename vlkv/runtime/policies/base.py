@@ -46,6 +46,9 @@ class LayerEdit:
             that KV head, so heads keep different numbers of entries (see :class:`LayerKV`).
         kept: optional ``keep_len``'s values on the host, where the policy knew them (the cache then
             reads nothing back to learn them).
+        dropped: optional ``(B, H_kv, m)`` int64 table columns the edit drops, ascending, where the
+            selection knew them (every sample holds the same count and drops ``m``): the cache frees
+            them without searching ``index`` for the columns it does not list.
     """
 
     index: Tensor
@@ -54,8 +57,15 @@ class LayerEdit:
     counts: Tensor | None = None
     holes: Tensor | None = None
     kept: list[int] | None = None
+    dropped: Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.dropped is not None and (
+            self.dropped.dim() != 3 or tuple(self.dropped.shape[:2]) != tuple(self.index.shape[:2])
+        ):
+            raise ValueError(
+                f"dropped must be (B, H_kv, m) = {tuple(self.index.shape[:2])} + (m,), got {tuple(self.dropped.shape)}"
+            )
         if self.kept is not None and len(self.kept) != self.keep_len.shape[0]:
             raise ValueError(f"kept: one count per sample ({self.keep_len.shape[0]}), got {len(self.kept)}")
         if self.holes is not None:
@@ -244,6 +254,15 @@ def valid_slots(layer: LayerKV, width: int) -> Tensor:
 def top_entries(
     scores: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None, kept: list[int] | None = None
 ) -> tuple[Tensor, Tensor]:
+    """Pick the ``keep[b]`` best-scoring valid slots per (sample, KV head), returned ascending:
+    ``index (B, H_kv, K)`` and ``keep_len (B,)``, see :func:`rank_entries`."""
+    index, keep_len, _ = rank_entries(scores, valid, keep, force, kept)
+    return index, keep_len
+
+
+def rank_entries(
+    scores: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None, kept: list[int] | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Pick the ``keep[b]`` best-scoring valid slots per (sample, KV head), returned ascending.
 
     Args:
@@ -255,7 +274,9 @@ def top_entries(
             them (the shapes below are then decided without reading anything back).
 
     Returns:
-        ``index (B, H_kv, K)`` with ``K = max(keep)`` and ``keep_len (B,)``.
+        ``index (B, H_kv, K)`` with ``K = max(keep)``, ``keep_len (B,)`` and, where the selection
+        found them on the way (each row drops its one lowest), the dropped columns ``(B, H_kv, 1)``
+        (else None).
     """
     b, h, s = scores.shape
     valid = valid.expand(b, h, s)
@@ -271,14 +292,48 @@ def top_entries(
     if (s - kmin) * 4 <= s:
         # a decode step evicts a few entries of many: find the few (a partial selection), not a full
         # sort of the many — the same set the stable sort keeps
-        return _drop_lowest(ranked, drop, (s - kmin, s - kmax)), keep
+        bounds = (s - kmin, s - kmax)
+        if bounds == (1, 1):
+            index, last = _drop_one(ranked)
+            return index, keep, last
+        return _drop_lowest(ranked, drop, bounds), keep, None
+    if kmax > 0 and kmax * 4 <= s:
+        # a few kept of many (a core, a small budget's prompt): find the few, not a sort of the many
+        return _keep_highest(ranked, keep, kmax), keep, None
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     k = max(kmax, 1)
     top = order[..., :k]
     ranks = torch.arange(k, device=scores.device)[None, None, :]
     top = torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s))  # push padding last
     top = torch.sort(top, dim=-1).values
-    return top.masked_fill(top == s, 0), keep
+    return top.masked_fill(top == s, 0), keep, None
+
+
+def _keep_highest(ranked: Tensor, keep: Tensor, kmax: int) -> Tensor:
+    """``ranked (B, H_kv, S)`` float, ``keep (B,)`` (at most ``kmax``, read by the caller) → ascending
+    ``(B, H_kv, kmax)`` columns of each row's ``keep[b]`` highest (ties: the lower column first, as
+    the stable descending sort of :func:`rank_entries` orders them); padding columns are 0."""
+    b, h, s = ranked.shape
+    top = torch.topk(ranked, kmax, dim=-1, largest=True, sorted=True).values  # (B, H_kv, kmax)
+    cut = top.gather(-1, (keep - 1).clamp(min=0)[:, None, None].expand(b, h, 1))  # keep[b]-th highest
+    above, tied = ranked > cut, ranked == cut
+    need = keep[:, None, None] - above.sum(-1, keepdim=True)  # ties to keep, from the left
+    kept = (above | (tied & (tied.cumsum(-1) <= need))) & (keep > 0)[:, None, None]
+    # each kept column goes to its rank among the kept; the rest to a spare column cut off below
+    dest = torch.where(kept, kept.cumsum(-1) - 1, kmax)
+    cols = torch.arange(s, device=ranked.device).expand(b, h, s)
+    out = torch.zeros(b, h, kmax + 1, dtype=torch.long, device=ranked.device)
+    return out.scatter_(-1, dest, cols)[..., :kmax]
+
+
+def _drop_one(ranked: Tensor) -> tuple[Tensor, Tensor]:
+    """``ranked (B, H_kv, S)`` → ascending ``(B, H_kv, S - 1)`` columns kept when every row drops its
+    lowest (among equals the highest column: the first minimum of the reversed row), and the dropped
+    column ``(B, H_kv, 1)``; four passes, not a selection."""
+    s = ranked.shape[-1]
+    last = (s - 1) - ranked.flip(-1).argmin(-1, keepdim=True)  # (B, H_kv, 1)
+    kept = torch.arange(s - 1, device=ranked.device)
+    return (kept + (kept >= last)).expand(*ranked.shape[:2], s - 1), last
 
 
 def _drop_lowest(ranked: Tensor, drop: Tensor, bounds: tuple[int, int] | None = None) -> Tensor:
@@ -292,12 +347,8 @@ def _drop_lowest(ranked: Tensor, drop: Tensor, bounds: tuple[int, int] | None = 
     cols = torch.arange(s, device=ranked.device).expand(b, h, s)
     if dmax == 0:
         return cols[..., :width].clone()
-    if dmax == 1 and dmin == 1:
-        # every row drops one (a per-step eviction): its lowest, the highest column among equals —
-        # the first minimum of the reversed row — and keeps the rest, in four passes, not fifteen
-        last = (s - 1) - ranked.flip(-1).argmin(-1, keepdim=True)  # (B, H_kv, 1)
-        kept = torch.arange(s - 1, device=ranked.device)
-        return (kept + (kept >= last)).expand(b, h, s - 1)
+    if dmax == 1 and dmin == 1:  # every row drops one (a per-step eviction)
+        return _drop_one(ranked)[0]
     lowest = torch.topk(ranked, dmax, dim=-1, largest=False, sorted=True).values  # (B, H_kv, dmax)
     cut = lowest.gather(-1, (drop - 1).clamp(min=0)[:, None, None].expand(b, h, 1))  # drop[b]-th lowest
     below, tied = ranked < cut, ranked == cut
@@ -348,9 +399,11 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
         if g > 1:
             valid = valid.repeat(g, 1, 1)
             forced = None if forced is None else forced.repeat(g, 1, 1)
-        index, keep_len = top_entries(scores, valid, keep.repeat(g), forced, kept * g)
+        index, keep_len, dropped = rank_entries(scores, valid, keep.repeat(g), forced, kept * g)
         for j, i in enumerate(members):
-            edits[i] = LayerEdit(index[j * b : (j + 1) * b], keep_len[j * b : (j + 1) * b], kept=kept)
+            rows = slice(j * b, (j + 1) * b)
+            gone = None if dropped is None else dropped[rows]
+            edits[i] = LayerEdit(index[rows], keep_len[rows], kept=kept, dropped=gone)
     return edits
 
 
