@@ -22,7 +22,8 @@ from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.request import Request
 from vlkv.runtime.scheduler import Scheduler
 
-POLICIES = {"full": {}, "h2o": {"budget": 0.5}}
+# avl with a small text floor: its decode steps evict text on tiny prompts too
+POLICIES = {"full": {}, "h2o": {"budget": 0.5}, "avl": {"budget": 0.5, "text_min": 2}}
 OWN = SCHEDULER_MODULES
 
 
