@@ -115,6 +115,25 @@ def test_closing_the_gap_equals_gathering_the_kept_columns(n, where):
     assert torch.equal(shifted.order[:, :, : n - 1], gathered.order[:, :, : n - 1])
 
 
+def test_a_one_column_drop_outside_decode_rebuilds_its_tables():
+    """Closing a gap in place is for decode-time edits (``recycle``): a one-column select outside
+    decode (a prompt's edit) rebuilds the tables at the new width, as before the in-place path."""
+    b, h, n = 2, 2, 12
+    layer = LayerKV.empty(b, h, 4, 3, torch.float32, "cpu")
+    k = torch.randn(b, h, n, 4, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(3 * n).view(1, n, 3).expand(b, n, 3)
+    layer.append(k, k.clone(), pos, torch.zeros(b, n, dtype=torch.int8), torch.full((b,), n))
+    gap = torch.full((b, h, 1), 5)
+    kept = torch.arange(n - 1)
+    index = kept + (kept >= gap)
+    prep = layer.prepare_uniform(index, [n - 1] * b, 0, False, gap)
+    assert prep is None or prep.gap is None
+    want = layer._take(index, n - 1)["slots"].clone()
+    layer.select(index, torch.full((b,), n - 1), recycle=False, kept=[n - 1] * b)
+    assert layer.slots.shape[2] == n - 1, "the tables keep their old width"
+    assert torch.equal(layer.slots, want)
+
+
 def test_the_selection_hands_h2o_edits_their_dropped_columns():
     """``select_top`` on a per-step eviction: the edits name the one column each row drops."""
     layers = [_layer(2, 3, 20, s) for s in range(3)]

@@ -15,7 +15,8 @@ def _by_sort(scores, valid, keep, force):
     b, h, s = scores.shape
     valid = valid.expand(b, h, s)
     keep = torch.minimum(keep, valid[:, 0].sum(-1))
-    ranked = scores.float().masked_fill(~valid, float("-inf"))
+    ranked = scores.float().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    ranked = ranked.masked_fill(~valid, float("-inf"))
     if force is not None:
         ranked = ranked.masked_fill(force.expand(b, h, s) & valid, float("inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
@@ -151,3 +152,22 @@ def test_small_keeps_equal_the_stable_sort(seed):
     assert called, "the partial selection did not run"
     want = _by_sort(scores, valid, keep, force)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (seed, s, keep.tolist())
+
+
+@pytest.mark.parametrize("drop", [1, 3, 30, 60, 90])
+def test_nan_scores_rank_as_kept_on_every_path(drop):
+    """A NaN score (a broken statistic upstream) must not corrupt the selection: every path (one
+    drop per row, a few dropped, a few kept, the full sort) keeps NaN columns as it keeps +inf ones,
+    returns ascending distinct columns, and equals the sort's picks."""
+    g = torch.Generator().manual_seed(drop)
+    b, h, s = 2, 2, 120
+    scores = torch.rand(b, h, s, generator=g)
+    nan_cols = torch.tensor([3, 10, 20])
+    scores[:, :, nan_cols] = float("nan")
+    valid = torch.ones(b, 1, s, dtype=torch.bool)
+    keep = torch.full((b,), s - drop)
+    index, keep_len = top_entries(scores, valid, keep)
+    want = _by_sort(scores, valid, keep, None)
+    assert torch.equal(index, want[0]) and torch.equal(keep_len, want[1])
+    assert bool((index.diff(dim=-1) > 0).all()), "columns must be ascending and distinct"
+    assert bool(torch.isin(nan_cols, index[0, 0]).all())

@@ -192,8 +192,9 @@ class Edits(EntryTable):
         # costs more than gathering fresh tables, so the quarter bounds the in-place work
         small = recycle and n - k <= RECYCLE_MAX and k + spare <= self.capacity
         j = k - k // 4
-        # a one-column drop closes its gap in place (below): the prefix check would go unused
-        closes = CLOSE_GAPS and n - k == 1 and k + spare <= self.capacity
+        # a decode-time one-column drop closes its gap in place (below): the prefix check would go
+        # unused; any other select rebuilds its tables at their new width (they shrink)
+        closes = CLOSE_GAPS and recycle and n - k == 1 and k + spare <= self.capacity
         prefix = no
         if (
             small and j < k and not closes

@@ -266,7 +266,7 @@ def rank_entries(
     """Pick the ``keep[b]`` best-scoring valid slots per (sample, KV head), returned ascending.
 
     Args:
-        scores: ``(B, H_kv, S)`` higher = keep; ties go to the lower slot.
+        scores: ``(B, H_kv, S)`` higher = keep; ties go to the lower slot; NaN counts as +inf.
         valid: ``(B, 1 or H_kv, S)`` bool, selectable slots.
         keep: ``(B,)`` int64 number to keep (clamped to the valid count).
         force: optional ``(B, 1 or H_kv, S)`` bool, slots always kept (counted within ``keep``).
@@ -281,7 +281,10 @@ def rank_entries(
     b, h, s = scores.shape
     valid = valid.expand(b, h, s)
     keep = torch.minimum(keep, valid[:, 0].sum(-1))
-    ranked = scores.float().masked_fill(~valid, float("-inf"))
+    # a NaN score ranks as +inf (kept, like a forced slot): the partial selections below compare
+    # with == and <, which NaN fails, and a full sort ranks NaN highest anyway
+    ranked = scores.float().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+    ranked = ranked.masked_fill(~valid, float("-inf"))
     if force is not None:
         ranked = ranked.masked_fill(force.expand(b, h, s) & valid, float("inf"))
     drop = s - keep
