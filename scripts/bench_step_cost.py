@@ -56,6 +56,7 @@ def before():
     """The per-step paths as they were: no dropped columns handed to the cache, found by a sort, the
     tables rebuilt instead of the gap closed in place."""
     ranked, search, highest = base.rank_entries, kv_edits.unlisted, base._keep_highest
+    close_gaps = kv_edits.CLOSE_GAPS
     base.rank_entries = lambda *a, **k: (*ranked(*a, **k)[:2], None)
     kv_edits.unlisted = lambda listed, m: torch.sort(listed, dim=2, stable=True).indices[:, :, :m]
     base._keep_highest = sorted_keep
@@ -64,7 +65,7 @@ def before():
         yield
     finally:
         base.rank_entries, kv_edits.unlisted, base._keep_highest = ranked, search, highest
-        kv_edits.CLOSE_GAPS = True
+        kv_edits.CLOSE_GAPS = close_gaps
 
 
 def sorted_keep(ranked, keep, kmax: int):
