@@ -77,11 +77,17 @@ class TrainConfig:
     # the ridge map's hidden units: "unit" RMS pre-activations, or "raw" principal coordinates (the
     # same function; it sets how far optimiser steps move each layer, vlkv.eval.projector_init)
     init_hidden: str = "unit"
+    # pull toward the starting projector: the loss gains anchor * sum over tensors of
+    # |W - W0|^2 / |W0|^2 (relative, so linear_2's ~100x smaller weights are held as firmly as
+    # linear_1's). A prior around a compositional map, against pair-specific codes; 0 = off
+    anchor: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.anchor < 0:
+            raise ValueError(f"anchor must be >= 0, got {self.anchor}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -205,6 +211,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + np.cos(np.pi * progress)))
 
 
+def anchor_penalty(params: list[torch.Tensor], start: list[torch.Tensor]) -> torch.Tensor:
+    """Sum over tensors of ``|p - p0|^2 / |p0|^2`` (``|p0|`` floored so a zero bias cannot divide)."""
+    terms = [(p - p0).pow(2).sum() / p0.pow(2).sum().clamp_min(1e-12) for p, p0 in zip(params, start)]
+    return torch.stack(terms).sum()
+
+
 # ----------------------------------------------------------------------------- training loop
 
 
@@ -235,7 +247,7 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         # settings added since the checkpoint was written take their defaults
         if asdict(TrainConfig()) | ckpt["config"] != asdict(cfg):
             raise ValueError(f"--resume: {ckpt_path} was made with other settings: {ckpt['config']}")
-        step, extra = ckpt["step"], {k: ckpt[k] for k in ("init", "best") if k in ckpt}
+        step, extra = ckpt["step"], {k: ckpt[k] for k in ("init", "best", "anchor_to") if k in ckpt}
         source = ckpt
     elif cfg.init_from:
         source = torch.load(cfg.init_from, weights_only=False)
@@ -261,6 +273,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
     for param in params:
         param.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    if cfg.anchor > 0 and "anchor_to" not in extra:  # the starting weights, kept for a resume
+        extra["anchor_to"] = [p.detach().clone() for p in params]
     if ckpt is not None:
         opt.load_state_dict(ckpt["optimizer"])
 
@@ -288,10 +302,16 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
                 loss = sample_loss(loaded, sample) / cfg.batch
             loss.backward()
             total += loss.item()
+        if cfg.anchor > 0:
+            penalty = anchor_penalty(params, extra["anchor_to"]) * cfg.anchor
+            penalty.backward()
+            record_penalty = penalty.item()
         torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         opt.step()
         step += 1
         record = {"step": step, "loss": round(total, 4), "lr": lr_at(step - 1, cfg)}
+        if cfg.anchor > 0:
+            record["anchor"] = round(record_penalty, 5)
         record["seconds"] = round(time.perf_counter() - t0, 2)
         save_now = time.monotonic() - last_save > 120 or step == end
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):

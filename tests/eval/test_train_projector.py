@@ -197,3 +197,30 @@ def test_local_init_fits_and_trains(tp, tmp_path):
     assert init["target"] == "local" and 0 < init["r2"] <= 1
     with pytest.raises(ValueError, match="init_target must be one of"):
         _cfg(tp, init_target="other")
+
+
+def test_anchor_pulls_toward_the_start_and_resumes(tp, tmp_path):
+    """``anchor`` adds ``anchor * sum |W - W0|^2 / |W0|^2`` to the loss: zero at the start, logged each
+    step, the start kept in the checkpoint (a resumed run matches), and the weights drift less."""
+    w0 = [torch.ones(3), torch.full((2, 2), 2.0)]
+    moved = [torch.full((3,), 1.5), torch.full((2, 2), 2.0)]
+    assert tp.anchor_penalty(w0, w0).item() == 0
+    torch.testing.assert_close(tp.anchor_penalty(moved, w0), torch.tensor(0.75 / 3))
+    free = tp.train(_cfg(tp, mix="long", lr=3e-3), tmp_path / "free", quiet=True)
+    cfg = _cfg(tp, mix="long", lr=3e-3, anchor=1e3)
+    straight = tp.train(cfg, tmp_path / "a", quiet=True)
+    tp.train(cfg, tmp_path / "b", stop_at=2, quiet=True)
+    resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    ckpt = torch.load(tmp_path / "a" / tp.CHECKPOINT, weights_only=False)
+    start = dict(zip(straight, ckpt["anchor_to"]))  # the MLP's parameters, in state-dict order
+    log = (tmp_path / "a" / tp.LOG).read_text().splitlines()
+    assert '"anchor": 0.0,' in log[1] and '"anchor"' in log[-1]
+
+    def drift(weights):
+        return sum(((weights[k] - start[k]).norm() / start[k].norm()).item() for k in start)
+
+    assert drift(straight) < drift(free)
+    with pytest.raises(ValueError, match="anchor must be >= 0"):
+        _cfg(tp, anchor=-1.0)

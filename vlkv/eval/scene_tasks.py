@@ -227,7 +227,7 @@ MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
 # and several questions per two-object image (the VQA set's "two" group); "mixed-nth" adds "the
 # k-th of 2-3 pictures" questions, the multi-image prompt format; "mixed-multi" also asks "which of
 # 2-3 pictures has two stars" (every question form of the VQA set), the second phase after the
-# vision layer moved to DINOv2's middle layer.
+# vision layer moved to DINOv2's middle layer (and "long", below).
 MIXES: dict[str, dict[str, float]] = {
     "spec": {"single-what": 1.0},
     "full": {"single": 0.34, "two": 0.30, "count": 0.18, "nth": 0.10, "which": 0.08},
@@ -241,6 +241,17 @@ MIXES: dict[str, dict[str, float]] = {
         "two-what": 0.15,
         "two-turns": 0.3,
         "nth": 0.1,
+        "which": 0.05,
+    },
+    # "long": the several-hundred-step run from the first phase's projector: one-object captions
+    # kept at 30 %, one-object turns (colour and shape asked apart, so each word has its own answer)
+    # 20 %, two-object captions and turns, and a few multi-picture prompts from the start
+    "long": {
+        "single-what": 0.3,
+        "single-turns": 0.2,
+        "two-what": 0.12,
+        "two-turns": 0.25,
+        "nth": 0.08,
         "which": 0.05,
     },
     "turns": {"single-turns": 0.45, "two-turns": 0.35, "count-turns": 0.1, "nth": 0.05, "which": 0.05},
