@@ -108,25 +108,31 @@ def kernel():
     )
 
 
+# the checks run before each of a step's ~90 calls: plain attribute reads (is_cpu, not .device.type)
 def _cpu_fp32(*ts: Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+    return all(t.is_cpu and t.dtype is torch.float32 for t in ts)
 
 
 def _no_grad(*ts: Tensor) -> bool:
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in ts)
+
+
+def _built() -> bool:
+    return (_BUILT[0] if _BUILT else kernel()) is not None
 
 
 def norm_fits(module, x: Tensor) -> bool:
     """``module(x)`` is one of ``NORMS`` over at most ``MAX_ROWS`` fp32 CPU rows, no gradient wanted,
     the switch on and the extension built."""
+    if not (skinny_gemm.CPP_GEMM and type(module).__name__ in NORMS):
+        return False
+    w = module.weight  # an nn.Module attribute lookup: once
     return (
-        skinny_gemm.CPP_GEMM
-        and type(module).__name__ in NORMS
-        and x.numel() <= MAX_ROWS * x.shape[-1]
-        and _cpu_fp32(x, module.weight)
-        and module.weight.is_contiguous()
-        and _no_grad(x, module.weight)
-        and kernel() is not None
+        x.numel() <= MAX_ROWS * x.shape[-1]
+        and _cpu_fp32(x, w)
+        and w.is_contiguous()
+        and _no_grad(x, w)
+        and _built()
     )
 
 
@@ -151,7 +157,7 @@ def rope_fits(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
         and q.shape[0] * q.shape[1] <= MAX_ROWS
         and _cpu_fp32(q, k, cos, sin)
         and _no_grad(q, k)
-        and kernel() is not None
+        and _built()
     )
 
 

@@ -187,17 +187,19 @@ def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
 def fits(x: Tensor, weight: Tensor, rows: int, bias: Tensor | None = None) -> bool:
     """The kernel computes ``F.linear(x, weight, bias)`` for these: on, built, CPU fp32, ``1 ≤ rows ≤
     MAX_ROWS``, a contiguous weight (and bias), and no gradient wanted (it has no backward)."""
+    # asked before each of a step's ~210 products: cheap attributes first (is_cpu, not .device.type)
+    f32 = torch.float32
     return (
         CPP_GEMM
         and 1 <= rows <= MAX_ROWS
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
+        and x.is_cpu
+        and x.dtype is f32
+        and weight.dtype is f32
+        and weight.is_cpu
         and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and (bias is None or (bias.dtype is f32 and bias.is_contiguous()))
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and kernel() is not None
+        and (_BUILT[0] if _BUILT else kernel()) is not None
     )
 
 

@@ -12,8 +12,8 @@ greedy tokens. Measured: 1 row even (both are GEMVs), 8 rows even, more rows slo
 ``F.linear``), so ``x`` is made row-major first.
 
 Where it builds (a C++ compiler), ``vlkv/plugins/skinny_gemm.py`` computes these products instead, for
-1-8 fp32 rows: one pass over each weight at near the machine's read bandwidth (4 rows: ~25-44 GB/s where
-``(W @ xᵀ)ᵀ`` reads ~16-20 GB/s and ``F.linear`` ~6-22 GB/s on the 2-core EPYC VM, 1 thread;
+1-8 fp32 rows: one pass over each weight at near the machine's read bandwidth (4 rows: 28-46 GB/s where
+``(W @ xᵀ)ᵀ`` reads 17-21 GB/s and ``F.linear`` 9-23 GB/s on the quiet 2-core EPYC VM, 1 thread;
 docs/benchmarks/2026-11-26-decode-bound-s5-cpu-x86_64/). ``VLKV_CPU_GEMM=0`` keeps torch's forms. With it, the RMSNorms and the rotary embedding of a decode
 step's few rows are one C++ call each (``vlkv/plugins/layer_glue.py``: the same formulas, ~40 fewer
 aten ops per layer).
