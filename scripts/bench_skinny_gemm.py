@@ -28,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vlkv.plugins import skinny_gemm  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import machine_name  # noqa: E402
+
 SHAPES = {
     "q/o 576x576": (576, 576),
     "k/v 192x576": (192, 576),
@@ -56,8 +59,13 @@ def time_once(fn, x, w) -> float:
 
 
 def run(args) -> dict:
-    assert skinny_gemm.kernel() is not None, "the skinny GEMM could not be built"
-    res = {"threads": {}, "ring_mib": args.ring_mib, "rounds": args.rounds}
+    res = {
+        "machine": machine_name("cpu"),
+        "torch": torch.__version__,
+        "threads": {},
+        "ring_mib": args.ring_mib,
+        "rounds": args.rounds,
+    }
     for threads in args.threads:
         torch.set_num_threads(threads)
         rows_out = {}
@@ -128,6 +136,8 @@ def main() -> None:
         ap.error(f"--rows must lie in 1..{skinny_gemm.MAX_ROWS}")
     if args.rounds < 1 or args.ring_mib < 1 or min(args.threads) < 1:
         ap.error("--rounds, --ring-mib and --threads must be >= 1")
+    if skinny_gemm.kernel() is None:
+        ap.error("the skinny C++ GEMM could not be built (is a C++ compiler installed?)")
     res = run(args)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))

@@ -71,6 +71,8 @@ def test_what_it_cannot_take_goes_to_the_hf_modules(monkeypatch):
         assert not glue.norm_fits(norm, x.double())
         assert not glue.rope_fits(q, k, c[:, :, :4], c[:, :, :4])  # cos/sin of another width
         assert not glue.rope_fits(q.bfloat16(), k.bfloat16(), c, c)
+        assert not glue.rope_fits(q, torch.randn(2, 2, 2, 8), c, c)  # k of other rows
+        assert not glue.rope_fits(q, torch.randn(4, 1, 1, 6), c, c)  # k of another head size
     assert not glue.norm_fits(norm, x)  # gradients wanted through the weight: the module
     monkeypatch.setattr(skinny_gemm, "CPP_GEMM", False)
     with torch.no_grad():

@@ -422,6 +422,8 @@ FUSED = (
     PagedCase(3, 2, 3, 1, 81, 64, layout="appends", full=True),  # lockstep appends: the tail block
     PagedCase(4, 2, 3, 1, 81, 64, layout="appends"),  # ragged: appends per request, merged by index
     PagedCase(2, 2, 3, 1, 81, 64, layout="holes", runs=2),
+    PagedCase(2, 2, 3, 1, 81, 128, layout="holes", runs=2),  # head size 128 beside GQA 3
+    PagedCase(2, 2, 3, 1, 81, 128, layout="runs", runs=1),
 )
 
 

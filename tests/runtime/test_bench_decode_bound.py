@@ -139,3 +139,7 @@ def test_torch_gemm_rows_are_the_c_plus_plus_gemm_s_before_and_after(tmp_path):
     assert res["peers_same_tokens"] == {"full-kernel+torchgemm": True, "snapkv@0.5+kernel+torchgemm": True}
     for name in want:
         assert len(rows[name]["step_ms_rounds"]) == res["repeats"] and rows[name]["speed_vs_full"] > 0
+    # the rows ran the GEMMs they name: the C++ GEMM in the plain rows, torch's in +torchgemm
+    for name in ("full-kernel", "snapkv@0.5+kernel"):
+        assert rows[name]["cpp_gemm_calls_per_step"] > 0, name
+        assert rows[name + "+torchgemm"]["cpp_gemm_calls_per_step"] == 0, name

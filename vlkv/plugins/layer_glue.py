@@ -24,7 +24,8 @@ __all__ = ["NORMS", "kernel", "norm_fits", "rms_norm", "rope", "rope_fits"]
 
 # RMSNorm classes whose forward is exactly weight * (x * rsqrt(mean(x²) + variance_epsilon))
 NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen2VLRMSNorm"})
-# the most rows a call takes (decode rows; prefill chunks keep the HF modules)
+# the most rows a call takes: decode rows and prefill chunks of up to 64 tokens (whose GEMMs, above
+# skinny_gemm.MAX_ROWS rows, are torch's); longer chunks keep the HF modules
 MAX_ROWS = 64
 
 _SOURCE = r"""
@@ -152,6 +153,10 @@ def rope_fits(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
     return (
         skinny_gemm.CPP_GEMM
         and q.dim() == 4
+        and k.dim() == 4
+        and k.shape[:2] == q.shape[:2]
+        and k.shape[3] == q.shape[3]
+        and q.shape[3] % 2 == 0
         and cos.dim() == 3
         and cos.shape == sin.shape == (q.shape[0], q.shape[1], q.shape[3])
         and q.shape[0] * q.shape[1] <= MAX_ROWS

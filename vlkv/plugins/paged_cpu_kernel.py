@@ -95,8 +95,9 @@ static void segment(const float* __restrict q, const float* __restrict k, const 
   }
 #ifdef __AVX512F__
   // P.V with the G x D/16 accumulators held in registers (the array below round-trips them through
-  // L1 for every V row: 3-7% of the read at head size 64, G = 3, measured standalone)
-  if constexpr (DT > 0 && DT % 16 == 0 && GT > 0 && GT * (DT / 16) <= 24) {
+  // L1 for every V row: 3-7% of the read at head size 64, G = 3, measured standalone); only where the
+  // G x C accumulators, the C loaded V vectors and one broadcast fit the 32 zmm registers (else spills)
+  if constexpr (DT > 0 && DT % 16 == 0 && GT > 0 && GT * (DT / 16) + DT / 16 + 1 <= 32) {
     constexpr int C = DT / 16;
     __m512 a[GT][C];
     for (int g = 0; g < GT; ++g)

@@ -85,9 +85,11 @@ static void rows_block(const float* __restrict x, const float* __restrict w, con
     for (int j = 0; j < NB; ++j)
       for (int r = 0; r < R; ++r) acc[j][r] = v16{};
     const float* wr = w + n * K;
-    const float* ahead = wr + BD * NB * K;  // past the weight's end near the last blocks: prefetches never fault
+    // the block BD ahead, where it lies inside the weight (a pointer past the buffer is not formed)
+    const bool pf = BD && n + (BD + 1) * NB <= N;
+    const float* ahead = pf ? wr + BD * NB * K : wr;
     for (int64_t k = 0; k < K16; k += 16) {
-      if (BD)
+      if (pf)
         for (int j = 0; j < NB; ++j) __builtin_prefetch(ahead + k * NB + 16 * j, 0, 3);
       v16 xv[R];
       for (int r = 0; r < R; ++r) {

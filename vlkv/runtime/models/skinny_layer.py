@@ -119,8 +119,8 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     shape = hidden.shape[:-1]
     hd = attn.head_dim
     residual = hidden
-    # the C++ norms / RoPE where this layer's GEMMs take the C++ path too (the same weight floor: a
-    # tiny test model's layers keep the HF ops bit for bit)
+    # the C++ norms / RoPE above the C++ GEMM's weight floor (a tiny test model's layers keep the HF
+    # ops bit for bit); they take up to layer_glue.MAX_ROWS rows, the GEMM up to skinny_gemm.MAX_ROWS
     glue = attn.q_proj.weight.numel() >= SKINNY_MIN_WEIGHT
     h = _norm(layer.input_layernorm, hidden, glue)
     q = _proj(attn.q_proj, h).view(*shape, -1, hd)
