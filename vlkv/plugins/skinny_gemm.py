@@ -31,15 +31,16 @@ _OFF = ("0", "off", "false", "no")
 _ON = ("", "1", "on", "true", "yes")
 
 
-def _from_env() -> bool:
-    raw = os.environ.get("VLKV_CPU_GEMM", "").strip().lower()
+def env_switch(name: str) -> bool:
+    """An on/off environment switch (unset: on); any other value is one line naming the variable."""
+    raw = os.environ.get(name, "").strip().lower()
     if raw not in _OFF + _ON:
-        raise ValueError(f"VLKV_CPU_GEMM must be 0 or 1, got {raw!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
     return raw in _ON
 
 
 # VLKV_CPU_GEMM=0: the skinny layers' GEMMs go back to torch's ``(W @ xᵀ)ᵀ`` / ``F.linear``
-CPP_GEMM = _from_env()
+CPP_GEMM = env_switch("VLKV_CPU_GEMM")
 
 _SOURCE = r"""
 #include <torch/extension.h>

@@ -32,7 +32,6 @@ here; any other layer runs the HF forward. ``VLKV_SKINNY_GEMM=0`` runs the HF la
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -50,16 +49,11 @@ SKINNY_MAX_ROWS = 4
 # the smallest weight (elements) it takes: its few extra ops (layout copies) outweigh the gain on small
 # matrices (tiny-llava's 64-wide layers: 0.95× the HF layers' step); smollm2's smallest is 110,592
 SKINNY_MIN_WEIGHT = 1 << 16
-_OFF = ("0", "off", "false", "no")
-_ON = ("", "1", "on", "true", "yes")
 
 
 def skinny_from_env() -> bool:
     """``VLKV_SKINNY_GEMM`` (default on); ``0`` runs the HF layers unchanged."""
-    raw = os.environ.get("VLKV_SKINNY_GEMM", "").strip().lower()
-    if raw not in _OFF + _ON:
-        raise ValueError(f"VLKV_SKINNY_GEMM must be 0 or 1, got {raw!r}")
-    return raw in _ON
+    return skinny_gemm.env_switch("VLKV_SKINNY_GEMM")
 
 
 def supports(layer: nn.Module) -> bool:
