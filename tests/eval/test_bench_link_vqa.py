@@ -58,6 +58,10 @@ def test_methods_on_a_tiny_model(blv, loaded_models):
     assert ids == long.samples[0].token_ids and len(logps) == 6
     summary = blv.summarise([rows, rows])
     assert summary["mpic-8"]["n"] == 2 and 0 <= summary["mpic-8"]["accuracy"] <= 1
+    assert summary["none"]["answer_match"] == 1.0 and summary["prefix"]["answer_match"] == 1.0
+    same = {**rows, "mpic-8": {**rows["mpic-8"], "answer": rows["none"]["answer"]}}
+    flipped = {**rows, "mpic-8": {**rows["mpic-8"], "answer": rows["none"]["answer"] + " not"}}
+    assert blv.summarise([same, flipped])["mpic-8"]["answer_match"] == 0.5
     lines = blv.table({2: summary})
     assert len(lines) == 2 + 4 and "| 2 | mpic-8 | 2 |" in lines[-1]
 
