@@ -1,8 +1,13 @@
-"""A compressed decode step's fixed cost, before and after session 5's per-step paths, in one run.
+"""A compressed decode step's fixed cost, before and after a change of its paths, in one run.
 
     python scripts/bench_step_cost.py --model smollm2-llava --tokens 4096 --batch 4 --threads 1 \\
         --policies h2o avl --budgets 0.5 0.1 --json step-cost.json --md step-cost.md
+    python scripts/bench_step_cost.py --change pack --policies snapkv h2o --budgets 0.5 0.1
     python scripts/bench_step_cost.py --tiny --json t.json   # seconds: tiny-llava, for the tests
+
+``--change steps`` (the default) compares session 5's per-step paths with the ones before them;
+``--change pack`` compares packing (``vlkv.runtime.kv.packing``: a prompt's eviction moves each row's
+kept K/V into one run of slots) with the kept entries left where they lie.
 
 One prompt prefilled once (``bench_decode_bound.Prefilled``), then per round, in a rotating order,
 ``--steps`` timed greedy decode steps of each ``policy@budget`` twice, back to back (which runs first
@@ -11,6 +16,7 @@ alternates by round, so each pair shares the load of its moment): **after** (thi
 search for them by a sort, the tables rebuilt where a one-column drop now closes its gap in place,
 a full sort where a few kept of many are now found by ``topk``, A-VL's per-layer hooks from
 ``tests/runtime/policies/avl_per_layer.py``).
+With ``--change pack`` the before is the same code with packing off (``kv.packing.PACK``).
 ``--controls`` adds policies this change leaves alone (no per-step work: snapkv, vlcache).
 Per configuration: step ms (median over rounds of the mean step), its bound ``(W + KV) / bandwidth``
 (as ``bench_decode_bound.py``: ``W`` the weights a step reads, ``KV`` the K/V it attends, the read
@@ -42,6 +48,7 @@ from bench_decode_bound import Prefilled, cpu_name, read_bandwidth  # noqa: E402
 
 import vlkv.runtime.edits as run_edits  # noqa: E402
 import vlkv.runtime.kv.edits as kv_edits  # noqa: E402
+import vlkv.runtime.kv.packing as packing  # noqa: E402
 import vlkv.runtime.policies.base as base  # noqa: E402
 from vlkv.runtime.edits import apply_edits  # noqa: E402
 from vlkv.runtime.engine import Engine  # noqa: E402
@@ -52,20 +59,30 @@ TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 
 
 
 @contextlib.contextmanager
+def unpacked():
+    """A prompt's eviction leaves the kept entries where they lie (``kv.packing`` off)."""
+    pack, packing.PACK = packing.PACK, False
+    try:
+        yield
+    finally:
+        packing.PACK = pack
+
+
+@contextlib.contextmanager
 def before():
     """The per-step paths as they were: no dropped columns handed to the cache, found by a sort, the
-    tables rebuilt instead of the gap closed in place."""
+    tables rebuilt instead of rewritten in place."""
     ranked, search, highest = base.rank_entries, kv_edits.unlisted, base._keep_highest
-    close_gaps = kv_edits.CLOSE_GAPS
+    in_place = kv_edits.IN_PLACE
     base.rank_entries = lambda *a, **k: (*ranked(*a, **k)[:2], None)
     kv_edits.unlisted = lambda listed, m: torch.sort(listed, dim=2, stable=True).indices[:, :, :m]
     base._keep_highest = sorted_keep
-    kv_edits.CLOSE_GAPS = False
+    kv_edits.IN_PLACE = False
     try:
         yield
     finally:
         base.rank_entries, kv_edits.unlisted, base._keep_highest = ranked, search, highest
-        kv_edits.CLOSE_GAPS = close_gaps
+        kv_edits.IN_PLACE = in_place
 
 
 def sorted_keep(ranked, keep, kmax: int):
@@ -75,6 +92,10 @@ def sorted_keep(ranked, keep, kmax: int):
     ranks = torch.arange(kmax, device=ranked.device)[None, None, :]
     top = torch.sort(torch.where(ranks < keep[:, None, None], top, torch.full_like(top, s)), dim=-1).values
     return top.masked_fill(top == s, 0)
+
+
+# what each ``--change`` puts back for its before: the code, and whether A-VL takes its per-layer hooks
+CHANGES = {"steps": (before, True), "pack": (unpacked, False)}
 
 
 def make(name: str, old: bool):
@@ -123,7 +144,10 @@ def steps_of(pre, name: str, old: bool, steps: int) -> dict:
     ctx = eng.context(pre.batch)
     stats = stats_for(pre.stats, pre.alias.get(key, key))
     stats.replay = pre.replays.get(key)
+    t0 = time.perf_counter()
     apply_edits(cache, policy.after_prefill(cache, stats, ctx))
+    prefill_edit = time.perf_counter() - t0
+    runs = torch.cat([packing.row_runs(layer).flatten() for layer in cache.layers]).double().mean()
     be = eng.backend
     entry = 2 * be.num_kv_heads * be.head_dim * torch.finfo(be.dtype).bits // 8
     tok, times, hooks, edits, kv, tokens = pre.first, [], [], [], [], []
@@ -150,6 +174,8 @@ def steps_of(pre, name: str, old: bool, steps: int) -> dict:
         "kv_bytes": mean(kv),
         "ops": c.ops,
         "tokens": tokens,
+        "runs_per_row": float(runs),
+        "prefill_edit_s": prefill_edit,
     }
 
 
@@ -172,8 +198,9 @@ def run(args) -> dict:
             pair = [(name, False), (name, True)] if name in names else [(name, False)]
             order += pair if rep % 2 else pair[::-1]
         for name, old in order:
-            with before() if old else contextlib.nullcontext():
-                res = steps_of(pre, name, old, args.steps)
+            code, avl_hooks = CHANGES[args.change]
+            with code() if old else contextlib.nullcontext():
+                res = steps_of(pre, name, old and avl_hooks, args.steps)
             if rep:
                 got[(name, old)].append(res)
             print(
@@ -195,6 +222,8 @@ def run(args) -> dict:
             "apply_edits_ms": 1e3 * med(r["edits_s"] for r in rs),
             "ops_per_step": rs[-1]["ops"],
             "kv_bytes": med(r["kv_bytes"] for r in rs),
+            "runs_per_row": rs[-1]["runs_per_row"],
+            "prefill_edit_ms": 1e3 * med(r["prefill_edit_s"] for r in rs),
         }
         # the step against its bandwidth bound: (weights + K/V attended) / bandwidth
         row["bound_ms"] = 1e3 * (w + row["kv_bytes"]) / bandwidth
@@ -209,6 +238,7 @@ def run(args) -> dict:
         "machine": f"{cpu_name()} ({machine_name('cpu')})",
         "threads": torch.get_num_threads(),
         "model": args.model,
+        "change": args.change,
         "batch": args.batch,
         "prompt_tokens": int(pre.one.input_ids.shape[1]),
         "steps": args.steps,
@@ -222,13 +252,14 @@ def run(args) -> dict:
 
 def to_markdown(res: dict) -> str:
     lines = [
-        f"{res['model']}, {res['prompt_tokens']} tokens × batch {res['batch']}, fp32, {res['threads']} thread(s), "
+        f"change `{res['change']}`; {res['model']}, {res['prompt_tokens']} tokens × batch {res['batch']}, fp32, "
+        f"{res['threads']} thread(s), "
         f"{res['machine']}; {res['repeats']} rounds × {res['steps']} steps; read bandwidth "
         f"{res['bandwidth_gb_s']:.1f} GB/s (the better of before / after the rounds)",
         "",
         "| config | code | step ms | bound ms | of bound | after_decode ms | apply_edits ms | aten ops "
-        "| before / after (range) | same tokens |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| runs per row | prefill edits ms | before / after (range) | same tokens |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in res["rows"]:
         ratio = ""
@@ -237,7 +268,8 @@ def to_markdown(res: dict) -> str:
             ratio = f"{r['before_over_after']:.3f} ({lo:.3f}–{hi:.3f})"
         lines.append(
             f"| {r['config']} | {r['code']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} | "
-            f"{r['after_decode_ms']:.2f} | {r['apply_edits_ms']:.2f} | {r['ops_per_step']:,} | {ratio} | "
+            f"{r['after_decode_ms']:.2f} | {r['apply_edits_ms']:.2f} | {r['ops_per_step']:,} | "
+            f"{r['runs_per_row']:.1f} | {r['prefill_edit_ms']:.0f} | {ratio} | "
             f"{r.get('same_tokens', '')} |"
         )
     return "\n".join(lines) + "\n"
@@ -252,6 +284,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--change", choices=sorted(CHANGES), default="steps", help="what before / after compares")
     ap.add_argument("--policies", nargs="+", default=["h2o", "avl"])
     ap.add_argument("--controls", nargs="*", default=[], help="policies without per-step work (snapkv)")
     ap.add_argument("--budgets", nargs="+", type=float, default=[0.5, 0.1])
