@@ -10,7 +10,7 @@ from vlkv.runtime.cache import LayerKV, private_pool
 from vlkv.runtime.kv.batch import LayerBatch
 from vlkv.runtime.kv.edits import prepare_selects
 from vlkv.runtime.op_count import count_ops
-from vlkv.runtime.policies.base import _drop_lowest, top_entries
+from vlkv.runtime.policies.ranking import _drop_lowest, top_entries
 
 B, H, D, P = 3, 2, 8, 3
 

@@ -8,7 +8,7 @@ what the code before them kept, step by step:
   the same tokens;
 * A-VL's decode hook reads its text budgets and its edits' checks once for every layer and refreshes
   every layer's core in one ranking: the same kept sets and tokens as the per-layer hooks
-  (``avl_per_layer.py``).
+  (``vlkv/runtime/policies/avl_reference.py``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import vlkv.runtime.kv.edits as kv_edits
 import vlkv.runtime.kv.packing as packing
 import vlkv.runtime.policies.avl as avl
 import vlkv.runtime.policies.base as base
-from tests.runtime.policies.avl_per_layer import PerLayerAVL
+import vlkv.runtime.policies.ranking as ranking
 from tests.runtime.policies.kept_sets import MODELS, _held, kept_digests
 from vlkv.runtime.cache import LayerKV
 from vlkv.runtime.kv.edits import unlisted
 from vlkv.runtime.policies import make_policy, registry
+from vlkv.runtime.policies.avl_reference import PerLayerAVL
 from vlkv.runtime.prompt import Prompt
 
 
@@ -60,9 +61,9 @@ def test_prepare_uniform_with_the_dropped_columns_equals_the_search(n):
     """One drop per row (H2O's step): the hinted preparation frees the slots the search finds."""
     b, h = 3, 2
     scores = torch.rand(b, h, n, generator=torch.Generator().manual_seed(n))
-    index, dropped = base._drop_one(scores)
+    index, dropped = ranking._drop_one(scores)
     assert dropped.shape == (b, h, 1)
-    assert torch.equal(index, base._drop_lowest(scores, torch.ones(b, dtype=torch.long)))
+    assert torch.equal(index, ranking._drop_lowest(scores, torch.ones(b, dtype=torch.long)))
     layer = _layer(b, h, n, n)
     kept = [n - 1] * b
     hinted = layer.prepare_uniform(index, kept, 8, True, dropped)

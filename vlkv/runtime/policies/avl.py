@@ -24,9 +24,9 @@ from vlkv.runtime.policies.base import (
     check_range,
     per_kv_head,
     recent_mask,
-    top_entries,
     valid_slots,
 )
+from vlkv.runtime.policies.ranking import top_entries
 
 REGION, CORE, TEXT_SCORE = "avl_region", "avl_core", "avl_text"  # per-entry scores
 TEXT, VISION, SYSTEM = 0, 1, 2  # region codes; appended (generated) entries start at 0 = text
