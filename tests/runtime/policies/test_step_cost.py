@@ -76,7 +76,10 @@ def test_prepare_uniform_with_the_dropped_columns_equals_the_search(n):
     assert int(hinted.first) == int(searched.first) == int(dropped.min())
     assert torch.equal(hinted.dropped, searched.dropped)
     assert torch.equal(hinted.dropped, layer.slots.gather(2, dropped))
-    assert hinted.flags.tolist() == searched.flags.tolist()
+    hinted.read_back()
+    searched.read_back()
+    assert hinted.checks == searched.checks == [True, True]
+    assert hinted.distinct is None  # the hinted columns are trusted: nothing to check
 
 
 @pytest.mark.parametrize("n", [2, 9, 81, 729])

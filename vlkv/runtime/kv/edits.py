@@ -36,43 +36,53 @@ class UniformSelect:
         in_place: a decode-time eviction of at most ``RECYCLE_MAX`` entries per row, the tables
             keeping room for the spares: the kept columns from the first one that moves on are
             rewritten in place (:meth:`Edits._shift_kept`); otherwise the tables are rebuilt.
-        flags: ``(2,)`` bool: ``index`` lists ``k`` distinct columns, the dropped slots have no
-            other holder.
+        distinct: ``()`` bool, ``index`` lists ``k`` distinct columns; None where that is known
+            (the selection named the dropped columns, or nothing is dropped).
+        sole: ``()`` bool, the dropped slots have no other holder; None where not asked (False).
         dropped: ``(B, H_kv, n - k)`` slots the edit drops, None when none.
         first: ``()`` int64 the first column any row drops (every column before it stays where it
             is), None unless ``in_place``.
         cols: ``(B, H_kv, n - k)`` the ascending columns each row drops, where known.
-        checks: ``flags`` read back (two bools), None until read.
+        checks: ``[distinct, sole]`` read back, None until read.
         first_col: ``first`` read back (with ``checks``), None until read or without it.
     """
 
     n: int
     k: int
     in_place: bool
-    flags: Tensor
+    distinct: Tensor | None
+    sole: Tensor | None
     dropped: Tensor | None
     first: Tensor | None = None
     cols: Tensor | None = None
     checks: list[bool] | None = None
     first_col: int | None = None
 
-    def read(self, host: list[int]) -> None:
-        """Take the checks (and the first moving column) from their values read back."""
-        self.checks = [bool(x) for x in host[:2]]
-        self.first_col = host[2] if self.first is not None else None
+    def values(self) -> list[Tensor]:
+        """The device values to read back (``distinct``, ``sole``, ``first``, those not None)."""
+        return [v for v in (self.distinct, self.sole, self.first) if v is not None]
 
-    def readable(self) -> Tensor:
-        """``(3,)`` int64: ``flags`` then ``first`` (-1 without it), to read back in one transfer."""
-        first = self.first if self.first is not None else torch.full((), -1, device=self.flags.device)
-        return torch.cat([self.flags.long(), first.reshape(1).to(self.flags.device)])
+    def read(self, host: list[int]) -> None:
+        """Take the checks (and the first moving column) from :meth:`values` read back."""
+        at = iter(host)
+        distinct = True if self.distinct is None else bool(next(at))
+        sole = False if self.sole is None else bool(next(at))
+        self.checks = [distinct, sole]
+        self.first_col = None if self.first is None else int(next(at))
+
+    def read_back(self) -> None:
+        """:meth:`read` this select's values alone (one transfer)."""
+        vals = self.values()
+        self.read(torch.stack(vals).tolist() if vals else [])
 
 
 def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
     """:meth:`Edits.prepare_uniform` of many layers' selections ``(layer, index, keep_len, kept)`` or
     ``(layer, index, keep_len, kept, dropped)`` with their checks read back in one transfer (one host
-    sync for a step's edits of every layer, not one per layer). ``kept`` None: ``keep_len`` is read
-    (once, for all such jobs); ``dropped``: the columns the selection drops, where it knew them.
-    Returns per job its :class:`UniformSelect`, or None where the uniform path does not apply."""
+    sync for a step's edits of every layer, not one per layer; one ``stack`` of every layer's values).
+    ``kept`` None: ``keep_len`` is read (once, for all such jobs); ``dropped``: the columns the
+    selection drops, where it knew them. Returns per job its :class:`UniformSelect`, or None where the
+    uniform path does not apply."""
     unknown = [i for i, job in enumerate(jobs) if job[3] is None]
     kept = [job[3] for job in jobs]
     if unknown:
@@ -86,10 +96,13 @@ def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
         for job, k in zip(jobs, kept)
     ]
     live = [p for p in preps if p is not None]
-    if live:
-        host = torch.stack([p.readable().to(live[0].flags.device) for p in live]).tolist()
-        for p, row in zip(live, host):
-            p.read(row)
+    vals = [v for p in live for v in p.values()]
+    host = torch.stack([v.to(vals[0].device) for v in vals]).tolist() if vals else []
+    at = 0
+    for p in live:
+        m = len(p.values())
+        p.read(host[at : at + m])
+        at += m
     return preps
 
 
@@ -195,12 +208,11 @@ class Edits(EntryTable):
             return None
         n, k = lengths[0], kept[0]
         index = index.to(self.device)
-        no = torch.zeros((), dtype=torch.bool, device=self.device)
         # a decode step's eviction of a few entries per row (H2O's, A-VL's, recent text) rewrites
         # the tables in place from the first column it drops; anything else rebuilds them at their
         # new width (a prompt's eviction: they shrink), packing what it keeps (``kv.packing``)
         in_place = IN_PLACE and recycle and 0 < n - k <= RECYCLE_MAX and k + spare <= self.capacity
-        distinct, sole, cols = ~no, no, None
+        distinct = sole = cols = None
         if n > k and dropped is not None and dropped.shape[2] == n - k:
             cols = dropped.to(self.device)
         elif n > k:
@@ -210,12 +222,12 @@ class Edits(EntryTable):
             cols = unlisted(listed, n - k)
         gone = first = None
         if cols is not None:
-            gone = self.slots[:, :, :n].gather(2, cols)  # (B, H_kv, n - k)
+            gone = self.slots.narrow(2, 0, n).gather(2, cols)  # (B, H_kv, n - k)
             if recycle and n - k <= RECYCLE_MAX:
                 sole = self.pool.owned_once(self.layer, gone.transpose(0, 1).reshape(self.kv_heads, -1))
             if in_place:  # the columns before every row's first drop are kept where they are
-                first = cols[:, :, 0].min()
-        return UniformSelect(n, k, in_place, torch.stack([distinct, sole]), gone, first=first, cols=cols)
+                first = cols.select(2, 0).min()
+        return UniformSelect(n, k, in_place, distinct, sole, gone, first=first, cols=cols)
 
     def _uniform_select(
         self,
@@ -238,7 +250,7 @@ class Edits(EntryTable):
             if prepared is None:
                 return False
         if prepared.checks is None:
-            prepared.read(prepared.readable().tolist())  # this layer's one read back
+            prepared.read_back()  # this layer's one read back
         distinct, sole = prepared.checks
         if not distinct:
             return False
@@ -279,15 +291,24 @@ class Edits(EntryTable):
         read (1.5x cheaper than the gather at 4k columns); otherwise the kept columns are gathered."""
         if first >= k:  # every row drops only columns past its ``k`` first: nothing moves
             return
+        # ``narrow``: one op per view, where ``t[:, :, a:b]`` dispatches a slice per dimension (this
+        # runs per table, layer and step)
+        m = k - first
         if cols is not None and cols.shape[2] == 1:
             later = torch.arange(first, k, device=self.device) >= cols  # (B, H_kv, k - first)
+            wide = None
             for t in self._entry_tables():
-                moves = later if t.dim() == 3 else later[..., None]
-                t[:, :, first:k] = torch.where(moves, t[:, :, first + 1 : k + 1], t[:, :, first:k])
+                if t.dim() == 3:
+                    moves = later
+                else:
+                    wide = later.unsqueeze(3) if wide is None else wide
+                    moves = wide
+                dst = t.narrow(2, first, m)
+                dst.copy_(torch.where(moves, t.narrow(2, first + 1, m), dst))
             return
-        kept = index[:, :, first:k]
+        kept = index.narrow(2, first, m)
         for t in self._entry_tables():
-            t[:, :, first:k] = gather_columns(t, kept)
+            t.narrow(2, first, m).copy_(gather_columns(t, kept))
 
     def _drop(self, dropped: Tensor, recycle: bool, sole: bool | None = None) -> None:
         """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists: a decode-time
