@@ -316,11 +316,10 @@ class Edits(EntryTable):
         pool) are kept as spares the next appends write; larger drops (a prompt's eviction) go back
         to the pool."""
         b, h, m = dropped.shape
-        per_head = dropped.transpose(0, 1).reshape(h, b * m)  # (H_kv, B·m)
         if recycle and m <= RECYCLE_MAX and sole is None:
-            sole = self.pool.sole_owner(self.layer, per_head)
+            sole = self.pool.sole_owner(self.layer, dropped.transpose(0, 1).reshape(h, b * m))
         if not recycle or m > RECYCLE_MAX or not sole:
-            self.pool.release(self.layer, per_head)
+            self.pool.release(self.layer, dropped.transpose(0, 1).reshape(h, b * m))  # (H_kv, B·m)
             return
         self.spares.keep(dropped)
 

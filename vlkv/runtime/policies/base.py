@@ -291,10 +291,10 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
             valid = valid.repeat(g, 1, 1)
             forced = None if forced is None else forced.repeat(g, 1, 1)
         index, keep_len, dropped = rank_entries(scores, valid, keep.repeat(g), forced, kept * g)
-        for j, i in enumerate(members):
-            rows = slice(j * b, (j + 1) * b)
-            gone = None if dropped is None else dropped[rows]
-            edits[i] = LayerEdit(index[rows], keep_len[rows], kept=kept, dropped=gone)
+        # each layer's rows as views: one split per tensor, not a slice per layer and tensor
+        gone = [None] * g if dropped is None else dropped.split(b)
+        for i, idx, lens, cols in zip(members, index.split(b), keep_len.split(b), gone):
+            edits[i] = LayerEdit(idx, lens, kept=kept, dropped=cols)
     return edits
 
 
