@@ -317,3 +317,14 @@ def test_avl_running_scores_equal_the_per_layer_update(model, engines, images):
             assert g.keys() == w.keys() == {avl.REGION, avl.CORE, avl.TEXT_SCORE}
             for key in g:
                 assert torch.equal(g[key], w[key]), (step, i, key)
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 81, 729])
+def test_the_first_text_column_equals_the_where_and_amin(n):
+    """A-VL's first text column (any sample and head) found from the columns holding any text equals
+    the ``where`` + ``amin`` over the whole mask it replaced, with text anywhere or nowhere."""
+    g = torch.Generator().manual_seed(n)
+    for density in (0.0, 0.01, 0.5):
+        is_text = torch.rand(3, 2, n, generator=g) < density
+        want = torch.where(is_text, torch.arange(n), n).amin() if n else torch.tensor(0)
+        assert int(avl._first_true(is_text.any(1).any(0))) == int(want), density
