@@ -113,6 +113,44 @@ def test_packed_rows_stay_runs_through_a_pool_compaction_and_take_appends():
     _same_entries(packed, plain)
 
 
+def test_a_request_with_run_spares_stays_one_run_through_its_appends():
+    """A one-sample cache on a growable pool holding its prompt and spare slots as one run (a
+    scheduler request's ``run_reserve``): packed, the spares move right after the packed run, the
+    decode appends continue it (one run), the pool holds what the unpacked cache holds, and the
+    entries equal the unpacked cache's."""
+    n, keep, reserve = 9, 4, 3
+    layers = []
+    for _ in range(2):
+        layer = LayerKV.empty(1, H, D, P, torch.float32, "cpu")
+        layer.run_reserve = reserve
+        g = torch.Generator().manual_seed(8)
+        layer.append(
+            torch.randn(1, H, n, D, generator=g),
+            torch.randn(1, H, n, D, generator=g),
+            torch.randint(0, 50, (1, n, P), generator=g),
+            torch.zeros(1, n, dtype=torch.int8),
+            torch.tensor([n]),
+        )
+        layers.append(layer)
+    packed, plain = layers
+    assert packed.spares.next_id == n  # the spares continue the prompt's run
+    index = _per_head_keep((n,), [keep], 9)
+    _select(packed, index, [keep], True)
+    _select(plain, index, [keep], False)
+    assert packed.spares.next_id == keep and packed.spare_ids.tolist() == [[4, 5, 6]] * H
+    assert packed.pool.used_slots(0) == plain.pool.used_slots(0) == keep + reserve
+    g = torch.Generator().manual_seed(10)
+    for _ in range(reserve):
+        k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
+        pos, mod = torch.zeros(1, 1, P, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int8)
+        for layer in (packed, plain):
+            layer.append(k, v, pos, mod, torch.ones(1, dtype=torch.long))
+    assert row_runs(packed).tolist() == [[1] * H] and row_runs(plain).max() > 1
+    n2 = packed.max_length
+    for x, y in zip(packed.attention_kv(n2), plain.attention_kv(n2)):
+        assert torch.equal(x, y)
+
+
 def test_shared_slots_holes_and_a_decode_steps_few_drops_are_not_packed():
     """A slot another holder references (a linked or stored record), a cache with per-head holes and
     a decode-time eviction of a few entries per row keep their slots where they are."""

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from vlkv.runtime.kv.entries import EntryTable, gather_columns
 from vlkv.runtime.kv.lowrank import densify
-from vlkv.runtime.kv.packing import held_slots, pack_kept, packable
+from vlkv.runtime.kv.packing import continue_run, held_slots, pack_kept, packable
 from vlkv.runtime.kv.pool import KVPool
 from vlkv.runtime.kv.spares import SpareSlots
 
@@ -181,7 +181,7 @@ class Edits(EntryTable):
             meta["slots"] = meta["slots"].masked_fill(meta["holes"], 0)  # a freed id names nothing
         self._install(meta, keep_len, keeps)
         if held is not None:
-            self.pool.release(self.layer, pack_kept(self, held, keeps))
+            self.pool.release(self.layer, continue_run(self, pack_kept(self, held, keeps)))
         if self.lowrank is not None:
             self.lowrank.prune(self)
             self.charge_factors()
@@ -264,7 +264,7 @@ class Edits(EntryTable):
             held = held_slots(self.slots, before) if self._packs(before, keeps, recycle) else None
             if held is not None and packable(self, held):
                 self._install(self._take(index, index.shape[2] + spare), keep_len, keeps)
-                self.pool.release(self.layer, pack_kept(self, held, keeps))
+                self.pool.release(self.layer, continue_run(self, pack_kept(self, held, keeps)))
                 return True
             self._install(self._take(index, index.shape[2] + spare), keep_len, keeps)
         if prepared.dropped is not None:

@@ -87,6 +87,26 @@ def pack_kept(layer, held: Tensor, kept: list[int]) -> Tensor:
     return low[:, total:]
 
 
+def continue_run(layer, rest: Tensor) -> Tensor:
+    """After :func:`pack_kept` of a one-sample cache whose spares continue its prompt's run
+    (``spares.next_id``: a request on a growable pool, see ``SpareSlots``): where the packed run, the
+    slots it freed (``rest (H_kv, m)``, ascending) and the spares are one run in every head, the spares
+    move to the slots right after the packed run — the decode appends continue it, so the row stays
+    one run — and what follows them is returned to release; otherwise ``rest`` unchanged."""
+    spares, k = layer.spares, layer.host_lengths()[0]
+    held = spares.ids
+    if layer.batch != 1 or spares.next_id is None or held is None or not k or not rest.shape[1]:
+        return rest
+    end = int(layer.slots[0, 0, k - 1]) + 1
+    both = torch.cat([rest, held], 1)  # (H_kv, m + r)
+    run = torch.arange(end, end + both.shape[1], device=both.device)
+    if not bool(((both == run).all()) & (layer.slots[0, :, k - 1] == end - 1).all()):
+        return rest
+    r = held.shape[1]
+    spares.hold_run(both[:, :r], end)
+    return both[:, r:]
+
+
 def row_runs(layer) -> Tensor:
     """``(B, H_kv)`` int64: the ascending runs of slots each row of ``layer``'s table holds (1: one
     run; 0: an empty row) over its valid columns (holes and factor rows break runs)."""
