@@ -328,3 +328,38 @@ def test_the_first_text_column_equals_the_where_and_amin(n):
         is_text = torch.rand(3, 2, n, generator=g) < density
         want = torch.where(is_text, torch.arange(n), n).amin() if n else torch.tensor(0)
         assert int(avl._first_true(is_text.any(1).any(0))) == int(want), density
+
+
+def test_an_h2o_edit_dispatches_few_ops_per_layer(engines, images, monkeypatch):
+    """A batch cache's per-step H2O eviction (one drop per row, rewritten in place): the edits of every
+    layer read back once and dispatch at most 40 aten ops per layer (5 tables rewritten from the first
+    dropped column, the dropped slots' checks and spares): a bound, so the per-layer op count that a
+    decode step pays 30 times at smollm2-llava's depth does not creep back."""
+    import vlkv.runtime.edits as run_edits
+    from vlkv.runtime.op_count import count_ops
+
+    engine = engines["tiny-llava"]
+    prompts = [Prompt("Describe the picture.", [im]) for im in images]
+    batch = engine.encode(prompts)
+    cache = engine.new_cache(batch)
+    policy = make_policy("h2o", budget=0.5)
+    counted: list = []
+    real = run_edits.apply_edits
+
+    def spy(cache, edits, spare=0):
+        with count_ops() as c:
+            real(cache, edits, spare)
+        live = sum(e is not None for e in edits or [])
+        if spare and live:
+            counted.append((c.ops, c.syncs, live))
+
+    monkeypatch.setattr(run_edits, "apply_edits", spy)
+    with torch.no_grad():
+        tok = engine.prefill(batch, policy, cache).logits.argmax(-1)
+        for step in range(1, 5):
+            tok = engine.decode(tok, batch, policy, cache, step).logits.argmax(-1)
+    cache.release()
+    assert counted, "no decode step evicted: the test would bound nothing"
+    for ops, syncs, live in counted:
+        assert syncs == 1, "every layer's checks in one read back"
+        assert ops <= 40 * live, f"{ops} ops for {live} layers"
