@@ -40,3 +40,22 @@ def test_bad_threads_is_one_line():
     )
     assert done.returncode == 2 and "--threads must be >= 1" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_tiny_run_of_the_pack_change(tmp_path):
+    """``--change pack``: before is packing off; packed rows are one run after the prefill's
+    eviction, the tokens equal."""
+    out = tmp_path / "p.json"
+    cmd = [
+        sys.executable, str(SCRIPT), "--tiny", "--change", "pack", "--policies", "snapkv", "h2o",
+        "--budgets", "0.5", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    assert res["change"] == "pack"
+    rows = {(r["config"], r["code"]): r for r in res["rows"]}
+    for c in ("snapkv@0.5", "h2o@0.5"):
+        assert rows[(c, "after")]["same_tokens"] is True, c
+        assert rows[(c, "after")]["runs_per_row"] == 1.0, c
+        assert rows[(c, "before")]["runs_per_row"] >= 1.0, c

@@ -99,9 +99,12 @@ def test_reported_bytes_are_the_bytes_held(policy, budget, engines, images):
     assert cache.used_kv_bytes() <= cache.kv_bytes()
 
 
-def test_view_reads_equal_gathers_and_default_reads_are_copies():
+def test_view_reads_equal_gathers_and_default_reads_are_copies(monkeypatch):
     """One ascending run of slots is read as a view of the pool (``view=True``); any other layout, and
     every default read, is a gather whose result no later pool write can change."""
+    import vlkv.runtime.kv.packing as packing
+
+    monkeypatch.setattr(packing, "PACK", False)  # the eviction below must leave its gap
     layer = LayerKV.empty(1, 2, 4, 1, torch.float32, "cpu")
     k = torch.randn(1, 2, 6, 4)
     layer.append(

@@ -228,12 +228,15 @@ def test_a_per_head_decode_step_reads_only_the_live_entries(policy, engines, ima
     the fused CPU kernel's table rows: each head's live entries read once, in place — no scratch copy
     of any cache, nothing gathered — and the tokens equal the dense read's."""
     import vlkv.plugins.paged_cpu_kernel as kernel
+    import vlkv.runtime.kv.packing as packing
     from vlkv.plugins.paged_reference import held_columns
 
     assert kernel.kernel() is not None, (
         "the fused CPU decode kernel did not build (is a C++ compiler installed?)"
     )
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
+    # snapkv's per-head rows stay per-head slot rows (packed, every head would read one shared run)
+    monkeypatch.setattr(packing, "PACK", False)
     read = [0]
     real_rows = kernel.table_attention
 

@@ -7,9 +7,20 @@ import torch
 from torch import Tensor
 
 import vlkv.runtime.kv.edits as kv_edits
+import vlkv.runtime.kv.packing as packing
 from vlkv.runtime.cache import LayerKV
 
 B, H, D, P = 3, 2, 8, 3
+
+
+def _unpacked(select, *args, **kwargs) -> None:
+    """``select(*args, **kwargs)`` without packing (``kv.packing``): the general path these decode-time
+    paths (which never pack) keep the same slots as."""
+    pack, packing.PACK = packing.PACK, False
+    try:
+        select(*args, **kwargs)
+    finally:
+        packing.PACK = pack
 
 
 def _layer(seed: int, lengths: tuple[int, ...] = (5, 2, 7)) -> LayerKV:
@@ -212,7 +223,13 @@ def test_one_sample_select_equals_the_general_select():
         index, keep_len, dropped = _drop_three(fast, g)
         held = fast.spare_ids
         fast.select(index, keep_len, spare=spare, recycle=True)
-        slow.select(index, keep_len, spare=spare, holes=torch.zeros(1, H, index.shape[2], dtype=torch.bool))
+        _unpacked(
+            slow.select,
+            index,
+            keep_len,
+            spare=spare,
+            holes=torch.zeros(1, H, index.shape[2], dtype=torch.bool),
+        )
         assert slow.pool.free_slots(0) == free + 3 * (1 + (spare == 2))
         assert fast.pool.free_slots(0) == free  # recycled, not freed
         assert torch.equal(fast.spare_ids, torch.cat([dropped, held], 1))  # the dropped ones first
@@ -277,7 +294,7 @@ def test_a_batch_eviction_recycles_its_slots_into_the_next_appends():
     keep_len = torch.full((B,), n - 2)
     dropped = fast.slots[:, :, :n][~keep].view(B, H, 2)
     fast.select(index, keep_len, spare=2, recycle=True)
-    slow.select(index, keep_len, spare=2, holes=torch.zeros(B, H, n - 2, dtype=torch.bool))  # general path
+    _unpacked(slow.select, index, keep_len, spare=2, holes=torch.zeros(B, H, n - 2, dtype=torch.bool))
     assert torch.equal(fast.recycled, dropped.permute(1, 0, 2)) and fast.spare_ids is None
     assert fast.spare_bytes() == 2 * B * fast.pool.spec.entry_bytes
     _same_entries(fast, slow)
@@ -343,7 +360,7 @@ def test_a_cut_equals_the_select_it_stands_for(lengths, start, count):
     free = fast.pool.free_slots(0)
     fast.cut(start, count, recycle=True)
     index, keep_len = _cut_as_select(slow, start, count)
-    slow.select(index, keep_len, holes=torch.zeros(index.shape, dtype=torch.bool))  # the general path
+    _unpacked(slow.select, index, keep_len, holes=torch.zeros(index.shape, dtype=torch.bool))
     _same_valid(fast, slow)
     if len(set(lengths)) == 1:  # cut alike: the dropped slots wait for the next appends
         assert torch.equal(fast.recycled, torch.stack(dropped).permute(1, 0, 2))
@@ -379,7 +396,7 @@ def test_a_cut_of_run_entries_and_of_a_cache_with_holes():
     start, count = torch.tensor([7]), torch.tensor([1])
     fast.cut(start, count, recycle=True)
     index, keep_len = _cut_as_select(slow, start, count)
-    slow.select(index, keep_len)
+    _unpacked(slow.select, index, keep_len)
     _same_valid(fast, slow)
 
     holed, plain = _layer(18, (7, 7, 7)), _layer(18, (7, 7, 7))
@@ -389,23 +406,23 @@ def test_a_cut_of_run_entries_and_of_a_cache_with_holes():
         layer.select(torch.arange(7).expand(B, H, 7), torch.full((B,), 7), holes=punch)
     start, count = torch.tensor([2, 4, 0]), torch.tensor([2, 1, 0])
     holed.cut(start, count)
-    plain.select(*_cut_as_select(plain, start, count))
+    _unpacked(plain.select, *_cut_as_select(plain, start, count))
     assert torch.equal(holed.holes[:, :, :6], plain.holes[:, :, :6])
     _same_valid(holed, plain)
     with pytest.raises(ValueError, match="layer 0: cut of 3 entries at column 5 of sample 1"):
         holed.cut(torch.tensor([0, 5, 0]), torch.tensor([0, 3, 0]))
 
 
-@pytest.mark.parametrize("close_gaps", [True, False])
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("near_end", [True, False])
-def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end, close_gaps, monkeypatch):
-    """A decode-time drop of one entry per row closes its gap in place wherever it sits (the same
-    tensors). Without that path (``CLOSE_GAPS`` off): a drop within the last quarter of the table
-    rewrites the last quarter in place; one anywhere else rebuilds the tables. All keep what the
-    general path keeps, and the next append lands after the kept entries."""
-    monkeypatch.setattr(kv_edits, "CLOSE_GAPS", close_gaps)
+def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end, in_place, monkeypatch):
+    """A decode-time drop of one entry per row rewrites the tables in place from the first column any
+    row drops, wherever it sits (the same tensors). Without that path (``IN_PLACE`` off) the tables
+    are rebuilt. Both keep what the general path keeps, and the next append lands after the kept
+    entries."""
+    monkeypatch.setattr(kv_edits, "IN_PLACE", in_place)
     g = torch.Generator().manual_seed(19)
-    n = 7  # keeps 6: the last quarter is the last column
+    n = 7
     fast, slow = _layer(20, (n,) * B), _layer(20, (n,) * B)
     lo = n - 1 if near_end else 0
     drop = torch.randint(lo, n, (B, H, 1), generator=g)
@@ -413,8 +430,10 @@ def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end, c
     index = torch.nonzero(keep)[:, 2].view(B, H, n - 1)
     before = fast.slots
     fast.select(index, torch.full((B,), n - 1), spare=1, recycle=True)
-    slow.select(index, torch.full((B,), n - 1), spare=1, holes=torch.zeros(B, H, n - 1, dtype=torch.bool))
-    assert (fast.slots is before) == (near_end or close_gaps)
+    _unpacked(
+        slow.select, index, torch.full((B,), n - 1), spare=1, holes=torch.zeros(B, H, n - 1, dtype=torch.bool)
+    )
+    assert (fast.slots is before) == in_place
     _same_valid(fast, slow)
     k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
     pos, mod = torch.zeros(B, 1, P, dtype=torch.long), torch.zeros(B, 1, dtype=torch.int8)

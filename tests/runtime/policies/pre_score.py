@@ -19,13 +19,13 @@ from vlkv.runtime.policies.base import (
     per_kv_head,
     recent_mask,
     sink_mask,
-    top_entries,
     valid_slots,
 )
 from vlkv.runtime.policies.h2o import SCORE, H2OPolicy
 from vlkv.runtime.policies.kvzip import KVzipPolicy
 from vlkv.runtime.policies.local import LocalPolicy
 from vlkv.runtime.policies.pyramid import PyramidKVPolicy
+from vlkv.runtime.policies.ranking import top_entries
 from vlkv.runtime.policies.snapkv import SnapKVPolicy
 from vlkv.runtime.policies.vlcache import VLCachePolicy, token_scores
 

@@ -3,11 +3,12 @@ what the code before them kept, step by step:
 
 * H2O's per-step eviction hands the cache the column each row drops (``LayerEdit.dropped``), so the
   cache no longer searches ``index`` for it, the search itself (:func:`unlisted`) counts instead of
-  sorting, and a select dropping one column per row closes the gap in place (``CLOSE_GAPS``) instead
-  of rebuilding the tables: the same slots freed, the same tables, the same tokens;
+  sorting, and a select dropping a few columns per row rewrites its tables in place from the first
+  column it drops (``IN_PLACE``) instead of rebuilding them: the same slots freed, the same tables,
+  the same tokens;
 * A-VL's decode hook reads its text budgets and its edits' checks once for every layer and refreshes
   every layer's core in one ranking: the same kept sets and tokens as the per-layer hooks
-  (``avl_per_layer.py``).
+  (``vlkv/runtime/policies/avl_reference.py``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import pytest
 import torch
 
 import vlkv.runtime.kv.edits as kv_edits
+import vlkv.runtime.kv.packing as packing
 import vlkv.runtime.policies.avl as avl
 import vlkv.runtime.policies.base as base
-from tests.runtime.policies.avl_per_layer import PerLayerAVL
+import vlkv.runtime.policies.ranking as ranking
 from tests.runtime.policies.kept_sets import MODELS, _held, kept_digests
 from vlkv.runtime.cache import LayerKV
 from vlkv.runtime.kv.edits import unlisted
 from vlkv.runtime.policies import make_policy, registry
+from vlkv.runtime.policies.avl_reference import PerLayerAVL
 from vlkv.runtime.prompt import Prompt
 
 
@@ -58,26 +61,36 @@ def test_prepare_uniform_with_the_dropped_columns_equals_the_search(n):
     """One drop per row (H2O's step): the hinted preparation frees the slots the search finds."""
     b, h = 3, 2
     scores = torch.rand(b, h, n, generator=torch.Generator().manual_seed(n))
-    index, dropped = base._drop_one(scores)
+    index, dropped = ranking._drop_one(scores)
     assert dropped.shape == (b, h, 1)
-    assert torch.equal(index, base._drop_lowest(scores, torch.ones(b, dtype=torch.long)))
+    assert torch.equal(index, ranking._drop_lowest(scores, torch.ones(b, dtype=torch.long)))
     layer = _layer(b, h, n, n)
     kept = [n - 1] * b
     hinted = layer.prepare_uniform(index, kept, 8, True, dropped)
     searched = layer.prepare_uniform(index, kept, 8, True)
-    assert (hinted.n, hinted.k, hinted.small) == (searched.n, searched.k, searched.small)
+    assert (hinted.n, hinted.k, hinted.in_place) == (searched.n, searched.k, searched.in_place)
     assert (hinted.n, hinted.k) == (n, n - 1)
+    assert not hinted.in_place  # 8 spare columns past a full table: rebuilt
+    hinted, searched = (layer.prepare_uniform(index, kept, 0, True, d) for d in (dropped, None))
+    assert hinted.in_place and searched.in_place
+    assert int(hinted.first) == int(searched.first) == int(dropped.min())
     assert torch.equal(hinted.dropped, searched.dropped)
     assert torch.equal(hinted.dropped, layer.slots.gather(2, dropped))
-    assert hinted.flags.tolist() == searched.flags.tolist()
+    hinted.read_back()
+    searched.read_back()
+    assert hinted.checks == searched.checks == [True, True]
+    assert hinted.distinct is None  # the hinted columns are trusted: nothing to check
 
 
 @pytest.mark.parametrize("n", [2, 9, 81, 729])
-@pytest.mark.parametrize("where", ["anywhere", "last", "first"])
-def test_closing_the_gap_equals_gathering_the_kept_columns(n, where):
-    """Every table (slots, positions with 3 components, modality, order, a running score) after one
-    drop per row: the in-place shift equals the gather of the kept columns, the tensors stay."""
+@pytest.mark.parametrize("where", ["anywhere", "last", "first", "three", "sixteen"])
+def test_the_in_place_shift_equals_gathering_the_kept_columns(n, where):
+    """Every table (slots, positions with 3 components, modality, order, a running score) after a
+    decode-time drop of one column per row (anywhere, the last, the first) or of several (3, 16): the
+    in-place rewrite from the first dropped column equals the gather of the kept columns, the tensors
+    stay."""
     b, h = 3, 2
+    m = min({"three": 3, "sixteen": 16}.get(where, 1), n - 1)  # keeps one at least
     g = torch.Generator().manual_seed(n)
     layers = []
     for _ in range(2):
@@ -91,33 +104,40 @@ def test_closing_the_gap_equals_gathering_the_kept_columns(n, where):
             torch.rand(layer.slots.shape, generator=torch.Generator().manual_seed(2))
         )
         layers.append(layer)
-    gap = {
-        "anywhere": torch.randint(0, n, (b, h, 1), generator=g),
-        "last": torch.full((b, h, 1), n - 1),
-        "first": torch.zeros(b, h, 1, dtype=torch.long),
-    }[where]
-    kept = torch.arange(n - 1)
-    index = kept + (kept >= gap)
+    if where in ("three", "sixteen"):
+        gap = torch.rand(b, h, n, generator=g).argsort(2)[:, :, :m].sort(2).values
+    else:
+        gap = {
+            "anywhere": torch.randint(0, n, (b, h, 1), generator=g),
+            "last": torch.full((b, h, 1), n - 1),
+            "first": torch.zeros(b, h, 1, dtype=torch.long),
+        }[where]
+    keep = torch.ones(b, h, n, dtype=torch.bool).scatter_(2, gap, False)
+    index = torch.nonzero(keep)[:, 2].view(b, h, n - m)
     shifted, gathered = layers
     before = [t for t in shifted._entry_tables()]
-    want = {name: t.clone() for name, t in shifted._take(index, n - 1).items()}
-    prep = shifted.prepare_uniform(index, [n - 1] * b, 0, True, gap)
-    assert prep is not None and prep.gap is not None and int(prep.first) == int(gap.min())
-    assert shifted.select(index, torch.full((b,), n - 1), recycle=True, kept=[n - 1] * b) is None
-    gathered_edit = torch.zeros(b, h, n - 1, dtype=torch.bool)
-    gathered.select(index, torch.full((b,), n - 1), holes=gathered_edit)  # the general path
+    want = {name: t.clone() for name, t in shifted._take(index, n - m).items()}
+    prep = shifted.prepare_uniform(index, [n - m] * b, 0, True, gap)
+    assert prep is not None and prep.in_place and int(prep.first) == int(gap[:, :, 0].min())
+    assert shifted.select(index, torch.full((b,), n - m), recycle=True, kept=[n - m] * b) is None
+    gathered_edit = torch.zeros(b, h, n - m, dtype=torch.bool)
+    gathered.select(index, torch.full((b,), n - m), holes=gathered_edit)  # the general path
     assert all(a is c for a, c in zip(before, shifted._entry_tables()))
     got = {"slots": shifted.slots, "positions": shifted.positions, "modality": shifted.modality}
     got |= {"order": shifted.order, "score:h2o": shifted.scores["h2o"]}
     for name, t in got.items():
-        assert torch.equal(t[:, :, : n - 1], want[name][:, :, : n - 1]), name
-    assert shifted.host_lengths() == gathered.host_lengths() == [n - 1] * b
-    assert torch.equal(shifted.order[:, :, : n - 1], gathered.order[:, :, : n - 1])
+        assert torch.equal(t[:, :, : n - m], want[name][:, :, : n - m]), name
+    assert shifted.host_lengths() == gathered.host_lengths() == [n - m] * b
+    assert torch.equal(shifted.order[:, :, : n - m], gathered.order[:, :, : n - m])
+    for x, y in zip(shifted.attention_kv(n - m), gathered.attention_kv(n - m)):  # packed or not
+        assert torch.equal(x, y)
 
 
-def test_a_one_column_drop_outside_decode_rebuilds_its_tables():
-    """Closing a gap in place is for decode-time edits (``recycle``): a one-column select outside
-    decode (a prompt's edit) rebuilds the tables at the new width, as before the in-place path."""
+def test_a_one_column_drop_outside_decode_rebuilds_its_tables(monkeypatch):
+    """Rewriting the tables in place is for decode-time edits (``recycle``): a one-column select
+    outside decode (a prompt's edit) rebuilds the tables at the new width, as before the in-place path
+    (packing off: the slots it names are compared)."""
+    monkeypatch.setattr(packing, "PACK", False)
     b, h, n = 2, 2, 12
     layer = LayerKV.empty(b, h, 4, 3, torch.float32, "cpu")
     k = torch.randn(b, h, n, 4, generator=torch.Generator().manual_seed(3))
@@ -127,7 +147,7 @@ def test_a_one_column_drop_outside_decode_rebuilds_its_tables():
     kept = torch.arange(n - 1)
     index = kept + (kept >= gap)
     prep = layer.prepare_uniform(index, [n - 1] * b, 0, False, gap)
-    assert prep is None or prep.gap is None
+    assert prep is None or not prep.in_place
     want = layer._take(index, n - 1)["slots"].clone()
     layer.select(index, torch.full((b,), n - 1), recycle=False, kept=[n - 1] * b)
     assert layer.slots.shape[2] == n - 1, "the tables keep their old width"
@@ -150,22 +170,22 @@ def test_the_selection_hands_h2o_edits_their_dropped_columns():
 
 def _without_hints(monkeypatch):
     """The code before: no dropped columns from the selection, the cache's search by a sort, the
-    tables rebuilt (or their last quarter rewritten) instead of the gap closed in place."""
+    tables rebuilt instead of rewritten in place."""
     ranked = base.rank_entries
     monkeypatch.setattr(base, "rank_entries", lambda *a, **k: (*ranked(*a, **k)[:2], None))
     monkeypatch.setattr(kv_edits, "unlisted", _sorted_unlisted)
-    monkeypatch.setattr(kv_edits, "CLOSE_GAPS", False)
+    monkeypatch.setattr(kv_edits, "IN_PLACE", False)
 
 
 def _count_hints(monkeypatch) -> list[int]:
-    """Spy: per prepared select, whether it took the selection's dropped columns and closed the gap
-    in place (1 each)."""
+    """Spy: per prepared select, whether it took the selection's dropped columns and rewrote the
+    tables in place (1 each)."""
     seen: list[int] = []
     prepare = kv_edits.Edits.prepare_uniform
 
     def spy(self, index, kept, spare=0, recycle=False, dropped=None):
         prep = prepare(self, index, kept, spare, recycle, dropped)
-        seen.append(int(dropped is not None and prep is not None and prep.gap is not None))
+        seen.append(int(dropped is not None and prep is not None and prep.in_place))
         return prep
 
     monkeypatch.setattr(kv_edits.Edits, "prepare_uniform", spy)
@@ -297,3 +317,49 @@ def test_avl_running_scores_equal_the_per_layer_update(model, engines, images):
             assert g.keys() == w.keys() == {avl.REGION, avl.CORE, avl.TEXT_SCORE}
             for key in g:
                 assert torch.equal(g[key], w[key]), (step, i, key)
+
+
+@pytest.mark.parametrize("n", [0, 1, 9, 81, 729])
+def test_the_first_text_column_equals_the_where_and_amin(n):
+    """A-VL's first text column (any sample and head) found from the columns holding any text equals
+    the ``where`` + ``amin`` over the whole mask it replaced, with text anywhere or nowhere."""
+    g = torch.Generator().manual_seed(n)
+    for density in (0.0, 0.01, 0.5):
+        is_text = torch.rand(3, 2, n, generator=g) < density
+        want = torch.where(is_text, torch.arange(n), n).amin() if n else torch.tensor(0)
+        assert int(avl._first_true(is_text.any(1).any(0))) == int(want), density
+
+
+def test_an_h2o_edit_dispatches_few_ops_per_layer(engines, images, monkeypatch):
+    """A batch cache's per-step H2O eviction (one drop per row, rewritten in place): the edits of every
+    layer read back once and dispatch at most 40 aten ops per layer (5 tables rewritten from the first
+    dropped column, the dropped slots' checks and spares): a bound, so the per-layer op count that a
+    decode step pays 30 times at smollm2-llava's depth does not creep back."""
+    import vlkv.runtime.edits as run_edits
+    from vlkv.runtime.op_count import count_ops
+
+    engine = engines["tiny-llava"]
+    prompts = [Prompt("Describe the picture.", [im]) for im in images]
+    batch = engine.encode(prompts)
+    cache = engine.new_cache(batch)
+    policy = make_policy("h2o", budget=0.5)
+    counted: list = []
+    real = run_edits.apply_edits
+
+    def spy(cache, edits, spare=0):
+        with count_ops() as c:
+            real(cache, edits, spare)
+        live = sum(e is not None for e in edits or [])
+        if spare and live:
+            counted.append((c.ops, c.syncs, live))
+
+    monkeypatch.setattr(run_edits, "apply_edits", spy)
+    with torch.no_grad():
+        tok = engine.prefill(batch, policy, cache).logits.argmax(-1)
+        for step in range(1, 5):
+            tok = engine.decode(tok, batch, policy, cache, step).logits.argmax(-1)
+    cache.release()
+    assert counted, "no decode step evicted: the test would bound nothing"
+    for ops, syncs, live in counted:
+        assert syncs == 1, "every layer's checks in one read back"
+        assert ops <= 40 * live, f"{ops} ops for {live} layers"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlkv.runtime.policies import base
-from vlkv.runtime.policies.base import top_entries
+from vlkv.runtime.policies import ranking
+from vlkv.runtime.policies.ranking import top_entries
 
 
 def _by_sort(scores, valid, keep, force):
@@ -74,7 +74,7 @@ def test_one_drop_per_row_equals_the_stable_sort(seed):
 
 def test_large_evictions_take_the_sort(monkeypatch):
     called = []
-    monkeypatch.setattr(base, "_drop_lowest", lambda *a: called.append(1))
+    monkeypatch.setattr(ranking, "_drop_lowest", lambda *a: called.append(1))
     scores = torch.rand(1, 2, 40)
     valid = torch.ones(1, 1, 40, dtype=torch.bool)
     index, keep = top_entries(scores, valid, torch.tensor([10]), None)
@@ -145,9 +145,9 @@ def test_small_keeps_equal_the_stable_sort(seed):
         force = torch.zeros(b, 1, s, dtype=torch.bool)
         force[:, :, :1] = True
     called = []
-    real = base._keep_highest
+    real = ranking._keep_highest
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(base, "_keep_highest", lambda *a: called.append(1) or real(*a))
+        m.setattr(ranking, "_keep_highest", lambda *a: called.append(1) or real(*a))
         got = top_entries(scores, valid, keep, force)
     assert called, "the partial selection did not run"
     want = _by_sort(scores, valid, keep, force)

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.cache import KVCache, LayerKV
-from vlkv.runtime.policies.base import LayerEdit, top_entries, valid_slots
+from vlkv.runtime.policies.base import LayerEdit, valid_slots
+from vlkv.runtime.policies.ranking import top_entries
 
 
 def ranked(layer: LayerKV, score: Tensor, forced: Tensor | None) -> Tensor:

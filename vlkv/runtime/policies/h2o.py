@@ -46,8 +46,8 @@ class H2OPolicy(ScorePolicy):
     def observe(self, cache, stats, ctx):
         for layer, st in zip(cache.layers, stats):
             score = layer.ensure_score(SCORE)
-            s = st.colsum.shape[-1]
-            score[:, :, :s] += per_kv_head(st.colsum, ctx.num_kv_heads)
+            # ``narrow``: one op, where ``score[:, :, :s] +=`` dispatches six slices (per layer and step)
+            score.narrow(2, 0, st.colsum.shape[-1]).add_(per_kv_head(st.colsum, ctx.num_kv_heads))
 
     def score(self, layer, stats, ctx):
         return layer.scores[SCORE]  # (B, H_kv, capacity)

@@ -1,6 +1,9 @@
 """A-VL's decode and prefill hooks as they were before their checks were read once for every layer
 (session 5, issue #28): one read back per layer for the text budget, one per layer for the edit, one
-ranking per layer for the core refresh. Kept as the reference ``test_step_cost`` compares against."""
+ranking per layer for the core refresh. The reference the fused hooks are tested against
+(``tests/runtime/policies/test_step_cost.py``) and measured against (``scripts/bench_step_cost.py``);
+in the package so that neither the script nor the tests import the other's tree. Not a registered
+policy."""
 
 from __future__ import annotations
 
