@@ -151,6 +151,58 @@ def test_a_request_with_run_spares_stays_one_run_through_its_appends():
         assert torch.equal(x, y)
 
 
+def _one_request(n: int, reserve: int, seed: int) -> LayerKV:
+    layer = LayerKV.empty(1, H, D, P, torch.float32, "cpu")
+    layer.run_reserve = reserve
+    g = torch.Generator().manual_seed(seed)
+    layer.append(
+        torch.randn(1, H, n, D, generator=g),
+        torch.randn(1, H, n, D, generator=g),
+        torch.randint(0, 50, (1, n, P), generator=g),
+        torch.zeros(1, n, dtype=torch.int8),
+        torch.tensor([n]),
+    )
+    layer.scores["s"] = torch.rand(1, H, layer.capacity, generator=g)
+    return layer
+
+
+def test_a_compaction_after_packing_keeps_the_spares_run():
+    """A one-sample cache keeps 100 of 2,000 entries: the release compacts the growable pool, and the
+    spares, still one run right after the packed row, keep their first id — the decode appends stay
+    on the one-id-per-step path and the row stays one run."""
+    n, keep, reserve = 2000, 100, 8
+    packed, plain = _one_request(n, reserve, 11), _one_request(n, reserve, 11)
+    index = _per_head_keep((n,), [keep], 12)
+    _select(packed, index, [keep], True)
+    _select(plain, index, [keep], False)
+    assert packed.pool.compactions == plain.pool.compactions == 1
+    assert packed.spare_ids.tolist() == [list(range(keep, keep + reserve))] * H
+    assert packed.spares.next_id == keep
+    g = torch.Generator().manual_seed(13)
+    for _ in range(reserve):
+        k, v = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
+        pos, mod = torch.zeros(1, 1, P, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int8)
+        for layer in (packed, plain):
+            layer.append(k, v, pos, mod, torch.ones(1, dtype=torch.long))
+    assert row_runs(packed).tolist() == [[1] * H]
+    _same_entries(packed, plain)
+
+
+def test_a_layer_holding_pre_rope_slots_is_not_packed():
+    """The pool's per-slot pre-RoPE flags do not move with the K/V: a layer holding a flagged slot is
+    left as the unpacked select leaves it."""
+    lengths, keep = (81, 81), [9, 9]
+    flagged, plain = _layer(lengths, 3), _layer(lengths, 3)
+    slot = flagged.slots[0, :, :1]  # (H_kv, 1): the first entry's slot in every head
+    k, v = flagged.pool.keys[0][:, :1].clone(), flagged.pool.values[0][:, :1].clone()
+    flagged.pool.write(0, slot, k, v, prerope=True)
+    index = _per_head_keep(lengths, keep, 4)
+    _select(flagged, index, keep, True)
+    _select(plain, index, keep, False)
+    assert torch.equal(flagged.slots, plain.slots)
+    assert row_runs(flagged).max() > 1
+
+
 def test_shared_slots_holes_and_a_decode_steps_few_drops_are_not_packed():
     """A slot another holder references (a linked or stored record), a cache with per-head holes and
     a decode-time eviction of a few entries per row keep their slots where they are."""

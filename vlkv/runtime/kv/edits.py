@@ -1,7 +1,8 @@
 """Edits of a layer's cache: keep some entries (select, cut), or merge them into anchors.
 
-Eviction frees the evicted slots and rewrites only the tables: the surviving K/V never move, so an
-evicting decode step writes O(new tokens) K/V bytes. :meth:`Edits.merge` writes only the anchors whose
+Eviction frees the evicted slots and rewrites only the tables: at decode the surviving K/V never
+move, so an evicting decode step writes O(new tokens) K/V bytes; a prompt-time eviction packs what it
+keeps into one run of slots per row (:mod:`~vlkv.runtime.kv.packing`, ``VLKV_PACK=0``: off). :meth:`Edits.merge` writes only the anchors whose
 value changed. A decode-time eviction (``recycle``) of a few entries keeps their slots for the next
 appends (:class:`~vlkv.runtime.kv.spares.SpareSlots`) instead of a pool release now and an
 allocation next step.
@@ -169,11 +170,14 @@ class Edits(EntryTable):
             else:
                 holes = None
         before = self.host_lengths()
-        held = held_slots(self.slots, before) if holes is None and self.holes is None else None
         keeps = keep_len.tolist()  # one read here, none per later read
         # a prompt's eviction (or any dropping more than a decode step's few) packs what it keeps
-        if held is None or not self._packs(before, keeps, recycle) or not packable(self, held):
-            held = None
+        held = None
+        if holes is None and self.holes is None and self._packs(before, keeps, recycle):
+            held = held_slots(self.slots, before)
+            if not packable(self, held):
+                held = None
+        if held is None:
             self._release(~kept)
         meta = self._take(index, index.shape[2] + spare)
         if holes is not None:

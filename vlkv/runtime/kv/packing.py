@@ -44,7 +44,10 @@ def packable(layer, held: Tensor) -> bool:
         return False
     if held.numel() == 0 or layer.pool.capacity(layer.layer) == 0:
         return False
-    return bool(layer.pool.owned_once(layer.layer, held))
+    # the pool's per-slot pre-RoPE flags do not move with the K/V: only linked layers hold such
+    # slots today, and a layer that holds one is left as it is should that change
+    pre = layer.pool.is_prerope(layer.layer, held[None]).any()
+    return bool(layer.pool.owned_once(layer.layer, held) & ~pre)
 
 
 def pack_kept(layer, held: Tensor, kept: list[int]) -> Tensor:

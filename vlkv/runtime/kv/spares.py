@@ -93,7 +93,8 @@ class SpareSlots:
     def remap(self, remap: Tensor) -> None:
         """Follow a pool compaction: ``remap (H_kv, S_old)`` maps old slot ids to new ones."""
         if self.ids is not None:
-            self.hold_run(remap.gather(1, self.ids), None)  # a compaction need not keep the run
+            ids = remap.gather(1, self.ids)
+            self.hold_run(ids, _one_run(ids))  # a compaction may keep the run (appends stay on ints)
         left = self.recycled
         if left is not None:
             self._recycled = remap.gather(1, left.reshape(left.shape[0], -1)).view(left.shape)
@@ -108,3 +109,12 @@ class SpareSlots:
             pool.release(layer, left.reshape(left.shape[0], -1))
         self._run, self._off, self.next_id = None, 0, None
         self._recycled, self._recycled_off = None, 0
+
+
+def _one_run(ids: Tensor) -> int | None:
+    """``ids (H_kv, m)``'s first id when every head holds the same consecutive ids, else None (one
+    host read; compactions are rare)."""
+    if ids.shape[1] == 0:
+        return None
+    run = ids[0, :1] + torch.arange(ids.shape[1], device=ids.device)
+    return int(ids[0, 0]) if bool((ids == run).all()) else None
