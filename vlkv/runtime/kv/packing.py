@@ -4,8 +4,8 @@ A prompt-time selection (snapkv, pyramidkv, vlcache, h2o's first eviction, ...) 
 subset of the prompt in every KV head. Left where they lie, a head's kept entries are scattered over
 the prompt's run of slots, and the fused paged read (``vlkv.plugins.paged_cpu_kernel``) reads such a
 row at ~0.6x the speed of a run (the microbenchmark in docs/benchmarks/2026-11-26-compact-cpu-x86_64/:
-the cost is the scattered memory access, not the row's slot list — a run with a few gaps reads at
-the run's speed). Packing moves the kept entries once, when the edit is applied, into the lowest of
+the cost is the scattered memory access, not the row's slot list — a run with 8 gaps reads at
+1.2–1.3x the run's time). Packing moves the kept entries once, when the edit is applied, into the lowest of
 the slots the cache held before it: sample after sample, each row's entries in table order. Where
 the cache's slots were the same ascending run in every head (a prompt's), every (sample, head) row
 becomes one run and every head the same run — which the read views in place like a full cache's.
