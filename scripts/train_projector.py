@@ -72,7 +72,8 @@ class TrainConfig:
     # cannot learn pair-specific non-linear codes; it is written exactly into the MLP when saved.
     form: str = "mlp"
     # the ridge fit's target (vlkv.eval.projector_init): "global" (every patch of a one-object scene
-    # -> its words) or "local" (patches on an object -> its words, others -> "background")
+    # -> its words), "local" (patches on an object -> its words, others -> "background") or
+    # "local-pos" (as local, plus the object's position word: "red star left")
     init_target: str = "global"
     # the ridge map's hidden units: "unit" RMS pre-activations, or "raw" principal coordinates (the
     # same function; it sets how far optimiser steps move each layer, vlkv.eval.projector_init)
