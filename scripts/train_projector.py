@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from vlkv.eval.projector_init import HIDDEN, TARGETS, AffineProjector, ridge_init
-from vlkv.eval.scene_tasks import MIXES, WHAT, Sample, training_sample
+from vlkv.eval.scene_tasks import LABELS, MIXES, WHAT, Sample, prompt_text, training_sample
 from vlkv.eval.scenes import random_scene
 
 CHECKPOINT = "checkpoint.pt"
@@ -82,6 +82,9 @@ class TrainConfig:
     # |W - W0|^2 / |W0|^2 (relative, so linear_2's ~100x smaller weights are held as firmly as
     # linear_1's). A prior around a compositional map, against pair-specific codes; 0 = off
     anchor: float = 0.0
+    # picture labels in several-picture prompts (vlkv.eval.scene_tasks.LABELS): "none" (the bare
+    # template) or "ordinal" ("The seventh picture:" before the seventh image)
+    labels: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -103,6 +106,8 @@ class TrainConfig:
             raise ValueError(f"mix must be one of {list(MIXES)}, got {self.mix!r}")
         if self.init_target not in TARGETS:
             raise ValueError(f"init_target must be one of {list(TARGETS)}, got {self.init_target!r}")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels must be one of {list(LABELS)}, got {self.labels!r}")
         if self.init_hidden not in HIDDEN:
             raise ValueError(f"init_hidden must be one of {list(HIDDEN)}, got {self.init_hidden!r}")
         if self.init_from and not Path(self.init_from).is_file():
@@ -122,14 +127,15 @@ def projector(loaded) -> torch.nn.Module:
     return loaded.model.model.multi_modal_projector
 
 
-def encode(loaded, sample: Sample, with_answer: bool = True) -> tuple[dict, int]:
+def encode(loaded, sample: Sample, with_answer: bool = True, labels: str = "none") -> tuple[dict, int]:
     """Model inputs for ``sample``'s prompt (+ answer + end of turn, + its follow-up turns), and the
     prompt's length in tokens. ``inputs["answer_mask"]`` (with answers) marks the answer tokens.
+    ``labels``: picture labels of several-picture prompts (:func:`vlkv.eval.scene_tasks.label_pictures`).
 
     Answers are tokenised on their own and appended, as generation would produce them.
     """
     tok = loaded.processor.tokenizer
-    prompt = loaded.prompt_template(sample.question, len(sample.scenes))
+    prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels)
     images = [s.image() for s in sample.scenes]
     inputs = loaded.processor(text=prompt, images=images, return_tensors="pt")
     n_prompt = inputs["input_ids"].shape[1]
@@ -153,9 +159,9 @@ def encode(loaded, sample: Sample, with_answer: bool = True) -> tuple[dict, int]
     return dict(inputs), n_prompt
 
 
-def sample_loss(loaded, sample: Sample) -> torch.Tensor:
+def sample_loss(loaded, sample: Sample, labels: str = "none") -> torch.Tensor:
     """Mean next-token cross-entropy over the answers' tokens (and ends of turn)."""
-    inputs, n_prompt = encode(loaded, sample)
+    inputs, n_prompt = encode(loaded, sample, labels=labels)
     answer_mask = inputs.pop("answer_mask")
     ids = inputs["input_ids"]
     n_after = ids.shape[1] - n_prompt
@@ -300,7 +306,7 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         total = 0.0
         for sample in batch_for(step, cfg):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-                loss = sample_loss(loaded, sample) / cfg.batch
+                loss = sample_loss(loaded, sample, cfg.labels) / cfg.batch
             loss.backward()
             total += loss.item()
         if cfg.anchor > 0:

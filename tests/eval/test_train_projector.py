@@ -233,6 +233,28 @@ def test_local_pos_init_fits_and_trains(tp, tmp_path):
     assert init["target"] == "local-pos" and 0 < init["r2"] <= 1
 
 
+def test_labels_reach_several_picture_training_prompts(tp, tmp_path):
+    """``labels="ordinal"`` puts "The k-th picture:" before each image of a several-picture sample's
+    prompt (a one-picture prompt is unchanged), and a run trains with it."""
+    from vlkv.eval.scene_tasks import Sample
+    from vlkv.eval.scenes import make_scene
+
+    loaded = tp.load("tiny-llava")
+    tok = loaded.processor.tokenizer
+    two = Sample((make_scene(["red circle"]), make_scene(["blue star"])), "Q?", "red", "x")
+    one = Sample((make_scene(["red circle"]),), "Q?", "red", "x")
+    plain, n_plain = tp.encode(loaded, two)
+    labelled, n_labelled = tp.encode(loaded, two, labels="ordinal")
+    assert "The second picture:" in tok.decode(labelled["input_ids"][0][:n_labelled])
+    assert n_labelled > n_plain and "picture" not in tok.decode(plain["input_ids"][0][:n_plain])
+    assert torch.equal(
+        tp.encode(loaded, one, labels="ordinal")[0]["input_ids"], tp.encode(loaded, one)[0]["input_ids"]
+    )
+    tp.train(_cfg(tp, steps=1, mix="mixed-nth", labels="ordinal"), tmp_path, quiet=True)
+    with pytest.raises(ValueError, match="labels must be one of"):
+        _cfg(tp, labels="roman")
+
+
 def test_anchor_pulls_toward_the_start_and_resumes(tp, tmp_path):
     """``anchor`` adds ``anchor * sum |W - W0|^2 / |W0|^2`` to the loss: zero at the start, logged each
     step, the start kept in the checkpoint (a resumed run matches), and the weights drift less."""
