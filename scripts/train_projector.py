@@ -9,7 +9,8 @@ recipe (``shared/spec/projector-training.md``):
 
 1. **Ridge initialisation** (:mod:`vlkv.eval.projector_init`). Frozen vision features of training
    scenes; every patch is regressed onto the mean input embedding of the object's colour word and
-   shape word (``--init-target global``), or of the object the patch shows (``local``). The map is
+   shape word (``--init-target global``), of the object the patch shows (``local``), or of that
+   object's colour, shape and position word (``local-pos``: "red star left"). The map is
    written *exactly* into the MLP: ``linear_1`` holds ± copies of the top principal directions, so
    ``gelu(z) - gelu(-z) = z`` passes them through, and ``linear_2`` holds the ridge coefficients.
 2. **LM loss** on the answer tokens of the training mix (:mod:`vlkv.eval.scene_tasks`: captions and
