@@ -59,6 +59,40 @@ def test_bad_arguments_are_one_line(capsys):
     assert "budget must be 1 without evict" in capsys.readouterr().err
     assert vqa.main(["--model", "tiny-llava", "--labels", "roman"]) == 2
     assert capsys.readouterr().err.strip().startswith("vqa: --labels must be one of none, ordinal")
+    assert vqa.main(["--model", "tiny-llava", "--groups", "multi", "triple"]) == 2
+    assert capsys.readouterr().err.strip() == "vqa: --groups must be among single, two, multi, got triple"
+
+
+def test_groups_keep_the_items_of_the_whole_set(tmp_path, monkeypatch):
+    """``--groups multi`` asks exactly the multi-picture items a run of every group asks."""
+    import json
+
+    seen = {}
+
+    def fake_evaluate(engine, items, name, budget, batch, labels):
+        seen[name] = [(i.group, i.sample.question, i.sample.answer) for i in items]
+        return {"policy": name, "budget": budget, "groups": {}, "rows": []}
+
+    monkeypatch.setattr(vqa, "evaluate", fake_evaluate)
+    monkeypatch.setattr(vqa, "format_table", lambda results: "table")
+    argv = [
+        "--model",
+        "tiny-llava",
+        "--n-single",
+        "3",
+        "--n-two",
+        "2",
+        "--n-multi",
+        "2",
+        "--counts",
+        "2",
+        "5",
+    ]
+    assert vqa.main([*argv, "--out", str(tmp_path / "a.json")]) == 0
+    every = seen.pop("full")
+    assert vqa.main([*argv, "--groups", "multi"]) == 0
+    assert seen["full"] == [item for item in every if item[0].startswith("multi-")]
+    assert len(seen["full"]) == 4 and json.loads((tmp_path / "a.json").read_text())["model"] == "tiny-llava"
 
 
 def test_runs_any_policy_on_a_tiny_model(loaded_models):

@@ -29,6 +29,7 @@ from vlkv.eval.scene_tasks import LABELS, WHAT, Sample, nth, prompt_text, two, w
 from vlkv.eval.scenes import random_scene
 
 MULTI_COUNTS = (1, 2, 5, 10)
+GROUPS = ("single", "two", "multi")  # multi-N groups go by "multi"
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-single", type=int, default=20)
     ap.add_argument("--n-two", type=int, default=20)
     ap.add_argument("--n-multi", type=int, default=6, help="questions per picture count")
+    ap.add_argument(
+        "--groups",
+        nargs="+",
+        default=list(GROUPS),
+        help="ask only these groups (single, two, multi) of the set the --n-* arguments draw: the "
+        "same items as a run of every group, which fewer --n-* would not give (one draw feeds all)",
+    )
     ap.add_argument("--counts", nargs="+", type=int, default=list(MULTI_COUNTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=4)
@@ -211,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.labels not in LABELS:
             raise ValueError(f"--labels must be one of {', '.join(LABELS)}, got {args.labels!r}")
+        bad = sorted(set(args.groups) - set(GROUPS))
+        if bad:
+            raise ValueError(f"--groups must be among {', '.join(GROUPS)}, got {', '.join(bad)}")
         items = build_set(args.n_single, args.n_two, args.n_multi, tuple(args.counts), args.seed)
+        items = [item for item in items if item.group.split("-")[0] in args.groups]
         for name in args.policies:  # a bad policy or budget fails here, not after minutes of others
             for budget in [None] if name == "full" else args.budgets:
                 make_policy(name) if budget is None else make_policy(name, budget=budget)
