@@ -288,6 +288,10 @@ MIXES: dict[str, dict[str, float]] = {
         "nth": 0.08,
         "which": 0.05,
     },
+    # "pictures": half the samples ask about the k-th of (or which of) 2-3 pictures, to teach a
+    # several-picture prompt format (e.g. --labels ordinal) from a trained projector; one- and
+    # two-object samples keep the rest from being forgotten
+    "pictures": {"single-what": 0.3, "two-turns": 0.2, "nth": 0.3, "which": 0.2},
     "turns": {"single-turns": 0.45, "two-turns": 0.35, "count-turns": 0.1, "nth": 0.05, "which": 0.05},
 }
 
