@@ -9,7 +9,8 @@ recipe (``shared/spec/projector-training.md``):
 
 1. **Ridge initialisation** (:mod:`vlkv.eval.projector_init`). Frozen vision features of training
    scenes; every patch is regressed onto the mean input embedding of the object's colour word and
-   shape word (``--init-target global``), or of the object the patch shows (``local``). The map is
+   shape word (``--init-target global``), of the object the patch shows (``local``), or of that
+   object's colour, shape and position word (``local-pos``: "red star left"). The map is
    written *exactly* into the MLP: ``linear_1`` holds ± copies of the top principal directions, so
    ``gelu(z) - gelu(-z) = z`` passes them through, and ``linear_2`` holds the ridge coefficients.
 2. **LM loss** on the answer tokens of the training mix (:mod:`vlkv.eval.scene_tasks`: captions and
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from vlkv.eval.projector_init import HIDDEN, TARGETS, AffineProjector, ridge_init
-from vlkv.eval.scene_tasks import MIXES, WHAT, Sample, training_sample
+from vlkv.eval.scene_tasks import LABELS, MIXES, WHAT, Sample, prompt_text, training_sample
 from vlkv.eval.scenes import random_scene
 
 CHECKPOINT = "checkpoint.pt"
@@ -72,7 +73,8 @@ class TrainConfig:
     # cannot learn pair-specific non-linear codes; it is written exactly into the MLP when saved.
     form: str = "mlp"
     # the ridge fit's target (vlkv.eval.projector_init): "global" (every patch of a one-object scene
-    # -> its words) or "local" (patches on an object -> its words, others -> "background")
+    # -> its words), "local" (patches on an object -> its words, others -> "background") or
+    # "local-pos" (as local, plus the object's position word: "red star left")
     init_target: str = "global"
     # the ridge map's hidden units: "unit" RMS pre-activations, or "raw" principal coordinates (the
     # same function; it sets how far optimiser steps move each layer, vlkv.eval.projector_init)
@@ -81,6 +83,9 @@ class TrainConfig:
     # |W - W0|^2 / |W0|^2 (relative, so linear_2's ~100x smaller weights are held as firmly as
     # linear_1's). A prior around a compositional map, against pair-specific codes; 0 = off
     anchor: float = 0.0
+    # picture labels in several-picture prompts (vlkv.eval.scene_tasks.LABELS): "none" (the bare
+    # template) or "ordinal" ("The seventh picture:" before the seventh image)
+    labels: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -102,6 +107,8 @@ class TrainConfig:
             raise ValueError(f"mix must be one of {list(MIXES)}, got {self.mix!r}")
         if self.init_target not in TARGETS:
             raise ValueError(f"init_target must be one of {list(TARGETS)}, got {self.init_target!r}")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels must be one of {list(LABELS)}, got {self.labels!r}")
         if self.init_hidden not in HIDDEN:
             raise ValueError(f"init_hidden must be one of {list(HIDDEN)}, got {self.init_hidden!r}")
         if self.init_from and not Path(self.init_from).is_file():
@@ -121,14 +128,15 @@ def projector(loaded) -> torch.nn.Module:
     return loaded.model.model.multi_modal_projector
 
 
-def encode(loaded, sample: Sample, with_answer: bool = True) -> tuple[dict, int]:
+def encode(loaded, sample: Sample, with_answer: bool = True, labels: str = "none") -> tuple[dict, int]:
     """Model inputs for ``sample``'s prompt (+ answer + end of turn, + its follow-up turns), and the
     prompt's length in tokens. ``inputs["answer_mask"]`` (with answers) marks the answer tokens.
+    ``labels``: picture labels of several-picture prompts (:func:`vlkv.eval.scene_tasks.label_pictures`).
 
     Answers are tokenised on their own and appended, as generation would produce them.
     """
     tok = loaded.processor.tokenizer
-    prompt = loaded.prompt_template(sample.question, len(sample.scenes))
+    prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels)
     images = [s.image() for s in sample.scenes]
     inputs = loaded.processor(text=prompt, images=images, return_tensors="pt")
     n_prompt = inputs["input_ids"].shape[1]
@@ -152,9 +160,9 @@ def encode(loaded, sample: Sample, with_answer: bool = True) -> tuple[dict, int]
     return dict(inputs), n_prompt
 
 
-def sample_loss(loaded, sample: Sample) -> torch.Tensor:
+def sample_loss(loaded, sample: Sample, labels: str = "none") -> torch.Tensor:
     """Mean next-token cross-entropy over the answers' tokens (and ends of turn)."""
-    inputs, n_prompt = encode(loaded, sample)
+    inputs, n_prompt = encode(loaded, sample, labels=labels)
     answer_mask = inputs.pop("answer_mask")
     ids = inputs["input_ids"]
     n_after = ids.shape[1] - n_prompt
@@ -299,7 +307,7 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         total = 0.0
         for sample in batch_for(step, cfg):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-                loss = sample_loss(loaded, sample) / cfg.batch
+                loss = sample_loss(loaded, sample, cfg.labels) / cfg.batch
             loss.backward()
             total += loss.item()
         if cfg.anchor > 0:

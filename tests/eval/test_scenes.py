@@ -151,3 +151,31 @@ def test_mixed_mix_keeps_one_object_captions_and_adds_two_object_ones():
 
 def test_plurals():
     assert [S.plural(s) for s in ("star", "cross", "diamond")] == ["stars", "crosses", "diamonds"]
+
+
+def test_picture_labels_name_each_picture_in_the_questions_words():
+    """``ordinal`` labels: "The seventh picture:" on the line before the seventh placeholder, only in
+    prompts of two or more pictures; ``none`` and one-picture prompts are the template's own."""
+    template = "<u>\n<image>\n<image>\n<image>\nQ?<e>"
+    labelled = T.label_pictures(template, "<image>", 3)
+    assert labelled == (
+        "<u>\nThe first picture:\n<image>\nThe second picture:\n<image>\nThe third picture:\n<image>\nQ?<e>"
+    )
+    assert T.label_pictures(template, "<image>", 3, "none") == template
+    assert T.label_pictures("<u>\n<image>\nQ?", "<image>", 1) == "<u>\n<image>\nQ?"
+    # the label holds the question's own words: "the seventh picture"
+    assert "seventh picture" in T.NTH_COLOUR.format(ordinal="seventh")
+    with pytest.raises(ValueError, match="labels must be one of"):
+        T.label_pictures(template, "<image>", 3, "numbers")
+    with pytest.raises(ValueError, match="2 image placeholder"):
+        T.label_pictures("<image><image>", "<image>", 3)
+    with pytest.raises(ValueError, match="up to 10 pictures"):
+        T.label_pictures("<image>" * 11, "<image>", 11)
+
+
+def test_prompt_text_labels_the_models_template(loaded_models):
+    loaded = loaded_models["tiny-llava"]
+    assert T.prompt_text(loaded, "Q?", 2) == loaded.prompt_template("Q?", 2)
+    assert T.prompt_text(loaded, "Q?", 1, "ordinal") == loaded.prompt_template("Q?", 1)
+    text = T.prompt_text(loaded, "Q?", 2, "ordinal")
+    assert text.count(loaded.image_placeholder) == 2 and "The second picture:" in text

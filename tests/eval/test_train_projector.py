@@ -199,6 +199,62 @@ def test_local_init_fits_and_trains(tp, tmp_path):
         _cfg(tp, init_target="other")
 
 
+def test_local_pos_targets_say_where_in_words(tp):
+    """``local-pos``: an object's patches -> the mean of its colour, shape and position word targets
+    (the same pair left and right gets two targets); background patches -> "background"; ``local``
+    keeps colour + shape only."""
+    import numpy as np
+
+    from vlkv.eval.projector_init import BACKGROUND, patch_targets, word_target
+    from vlkv.eval.scenes import make_scene
+
+    loaded = tp.load("tiny-llava")
+    scene = make_scene(["red circle", "red circle"])
+    assert [o.position for o in scene.objects] == ["left", "right"]
+    owner = np.array([-1, 0, 1, 0, -1])
+    words = {w: word_target(loaded, w, False) for w in ("red", "left", "right", BACKGROUND)}
+    circle = word_target(loaded, "circle", True)
+    pos = patch_targets(loaded, scene, owner, "local-pos")
+    assert pos.shape == (5, words["red"].shape[0])
+    torch.testing.assert_close(pos[1], (words["red"] + circle + words["left"]) / 3)
+    torch.testing.assert_close(pos[2], (words["red"] + circle + words["right"]) / 3)
+    torch.testing.assert_close(pos[3], pos[1])
+    torch.testing.assert_close(pos[0], words[BACKGROUND])
+    plain = patch_targets(loaded, scene, owner, "local")
+    torch.testing.assert_close(plain[1], (words["red"] + circle) / 2)
+    torch.testing.assert_close(plain[2], plain[1])  # without the position word, left = right
+    with pytest.raises(ValueError, match="local or local-pos"):
+        patch_targets(loaded, scene, owner, "global")
+
+
+def test_local_pos_init_fits_and_trains(tp, tmp_path):
+    tp.train(_cfg(tp, init_target="local-pos", init_images=4, steps=1, mix="mixed"), tmp_path, quiet=True)
+    init = tp.json.loads((tmp_path / tp.LOG).read_text().splitlines()[0])
+    assert init["target"] == "local-pos" and 0 < init["r2"] <= 1
+
+
+def test_labels_reach_several_picture_training_prompts(tp, tmp_path):
+    """``labels="ordinal"`` puts "The k-th picture:" before each image of a several-picture sample's
+    prompt (a one-picture prompt is unchanged), and a run trains with it."""
+    from vlkv.eval.scene_tasks import Sample
+    from vlkv.eval.scenes import make_scene
+
+    loaded = tp.load("tiny-llava")
+    tok = loaded.processor.tokenizer
+    two = Sample((make_scene(["red circle"]), make_scene(["blue star"])), "Q?", "red", "x")
+    one = Sample((make_scene(["red circle"]),), "Q?", "red", "x")
+    plain, n_plain = tp.encode(loaded, two)
+    labelled, n_labelled = tp.encode(loaded, two, labels="ordinal")
+    assert "The second picture:" in tok.decode(labelled["input_ids"][0][:n_labelled])
+    assert n_labelled > n_plain and "picture" not in tok.decode(plain["input_ids"][0][:n_plain])
+    assert torch.equal(
+        tp.encode(loaded, one, labels="ordinal")[0]["input_ids"], tp.encode(loaded, one)[0]["input_ids"]
+    )
+    tp.train(_cfg(tp, steps=1, mix="mixed-nth", labels="ordinal"), tmp_path, quiet=True)
+    with pytest.raises(ValueError, match="labels must be one of"):
+        _cfg(tp, labels="roman")
+
+
 def test_anchor_pulls_toward_the_start_and_resumes(tp, tmp_path):
     """``anchor`` adds ``anchor * sum |W - W0|^2 / |W0|^2`` to the loss: zero at the start, logged each
     step, the start kept in the checkpoint (a resumed run matches), and the weights drift less."""

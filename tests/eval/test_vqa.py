@@ -57,6 +57,42 @@ def test_bad_arguments_are_one_line(capsys):
     # a policy that cannot run at a budget fails before any policy runs
     assert vqa.main(["--model", "no-such-model", "--policies", "full", "attnpack", "--budgets", "0.5"]) == 2
     assert "budget must be 1 without evict" in capsys.readouterr().err
+    assert vqa.main(["--model", "tiny-llava", "--labels", "roman"]) == 2
+    assert capsys.readouterr().err.strip().startswith("vqa: --labels must be one of none, ordinal")
+    assert vqa.main(["--model", "tiny-llava", "--groups", "multi", "triple"]) == 2
+    assert capsys.readouterr().err.strip() == "vqa: --groups must be among single, two, multi, got triple"
+
+
+def test_groups_keep_the_items_of_the_whole_set(tmp_path, monkeypatch):
+    """``--groups multi`` asks exactly the multi-picture items a run of every group asks."""
+    import json
+
+    seen = {}
+
+    def fake_evaluate(engine, items, name, budget, batch, labels):
+        seen[name] = [(i.group, i.sample.question, i.sample.answer) for i in items]
+        return {"policy": name, "budget": budget, "groups": {}, "rows": []}
+
+    monkeypatch.setattr(vqa, "evaluate", fake_evaluate)
+    monkeypatch.setattr(vqa, "format_table", lambda results: "table")
+    argv = [
+        "--model",
+        "tiny-llava",
+        "--n-single",
+        "3",
+        "--n-two",
+        "2",
+        "--n-multi",
+        "2",
+        "--counts",
+        "2",
+        "5",
+    ]
+    assert vqa.main([*argv, "--out", str(tmp_path / "a.json")]) == 0
+    every = seen.pop("full")
+    assert vqa.main([*argv, "--groups", "multi"]) == 0
+    assert seen["full"] == [item for item in every if item[0].startswith("multi-")]
+    assert len(seen["full"]) == 4 and json.loads((tmp_path / "a.json").read_text())["model"] == "tiny-llava"
 
 
 def test_runs_any_policy_on_a_tiny_model(loaded_models):
@@ -71,6 +107,39 @@ def test_runs_any_policy_on_a_tiny_model(loaded_models):
         assert len(result["rows"]) == 4
     table = vqa.format_table([full, snap])
     assert "| full | full |" in table and "| snapkv | 0.5 |" in table and "single (n=2)" in table
+
+
+def test_picture_labels_reach_the_model_on_several_picture_prompts_only(loaded_models):
+    """``labels="ordinal"``: several-picture items get "The k-th picture:" lines (a raw prompt, so the
+    engine tokenises exactly that text); one-picture items stay the engine's own template."""
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.prompt import encode_prompt
+
+    engine = Engine(loaded_models["tiny-llava"])
+    items = vqa.build_set(n_single=1, n_two=1, n_multi=1, counts=(2,))
+    tok = engine.loaded.processor.tokenizer
+    for item in items:
+        plain, labelled = (
+            vqa._prompt(engine.loaded, item, "none"),
+            vqa._prompt(engine.loaded, item, "ordinal"),
+        )
+        assert not plain.raw
+        ids = [
+            encode_prompt(
+                p,
+                engine.loaded.processor,
+                engine.backend.adapter,
+                engine.loaded.prompt_template,
+                engine.placeholder,
+            ).input_ids
+            for p in (plain, labelled)
+        ]
+        if item.group == "multi-2":
+            assert "The second picture:" in tok.decode(ids[1]) and len(ids[1]) > len(ids[0])
+        else:
+            assert ids[0].tolist() == ids[1].tolist()
+    result = vqa.evaluate(engine, items, "full", None, labels="ordinal")
+    assert result["labels"] == "ordinal" and len(result["rows"]) == 3
 
 
 @pytest.mark.slow

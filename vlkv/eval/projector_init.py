@@ -19,6 +19,10 @@ Two targets (``target``):
   words, every other patch → the word "background". The image tokens then say *where* each object
   is through their place in the sequence, which a two-object caption ("red star and blue circle",
   left to right) needs. Object patches are weighted to half the fit, since they are ~6 % of patches.
+- ``local-pos``: as ``local``, but an object's patches → the mean of its colour, shape *and*
+  position word (``left`` / ``middle`` / ``right``), so each image token says where its object is
+  in words ("red star left") instead of only through its place in the row-major patch sequence, in
+  which the patches of a left and a right object interleave row by row.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from vlkv.eval.scenes import SIZE, Scene, random_scene
 
-TARGETS = ("global", "local")
+TARGETS = ("global", "local", "local-pos")
 HIDDEN = ("unit", "raw")
 BACKGROUND = "background"
 
@@ -43,8 +47,27 @@ def word_target(loaded, word: str, leading_space: bool) -> torch.Tensor:
     return embed[ids].float().mean(0)
 
 
-def object_target(loaded, obj) -> torch.Tensor:
-    return (word_target(loaded, obj.colour, False) + word_target(loaded, obj.shape, True)) / 2
+def object_target(loaded, obj, with_position: bool = False) -> torch.Tensor:
+    """Mean of the colour word's and shape word's targets (and the position word's); ``(hidden,)``.
+
+    The position word is taken as an answer starts with it ("Where is the red star?" → "left").
+    """
+    words = [word_target(loaded, obj.colour, False), word_target(loaded, obj.shape, True)]
+    if with_position:
+        words.append(word_target(loaded, obj.position, False))
+    return torch.stack(words).mean(0)
+
+
+def patch_targets(loaded, scene: Scene, owner: np.ndarray, target: str) -> torch.Tensor:
+    """Each patch's regression target for a ``local``/``local-pos`` fit; ``(patches, hidden)``.
+
+    ``owner``: :func:`patch_objects`'s ``(patches,)`` object index per patch (``-1``: background).
+    """
+    if target not in ("local", "local-pos"):
+        raise ValueError(f"patch targets are for local or local-pos, got {target!r}")
+    background = word_target(loaded, BACKGROUND, False)
+    objects = [object_target(loaded, o, target == "local-pos") for o in scene.objects]
+    return torch.stack([background, *objects])[torch.as_tensor(owner + 1)]
 
 
 def patch_objects(scene: Scene, image_processor, grid: int) -> np.ndarray:
@@ -87,7 +110,6 @@ def ridge_init(
     captured: list[torch.Tensor] = []
     hook = proj.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach().float()))
     rng = np.random.default_rng([seed, 1_000_003])
-    background = word_target(loaded, BACKGROUND, False)
     feats, targets, weights = [], [], []
     try:
         for i in range(n_images):
@@ -104,8 +126,7 @@ def ridge_init(
                 w = torch.ones(n)
             else:
                 owner = patch_objects(scene, loaded.processor.image_processor, int(round(n**0.5)))
-                options = torch.stack([background] + [object_target(loaded, o) for o in scene.objects])
-                y = options[torch.as_tensor(owner + 1)]
+                y = patch_targets(loaded, scene, owner, target)
                 on = torch.as_tensor(owner >= 0)
                 # object patches and background patches each carry half of the image's weight
                 w = torch.where(on, 0.5 / max(1, int(on.sum())), 0.5 / max(1, int((~on).sum()))) * n

@@ -25,6 +25,12 @@ ON_THE = "What is on the {position}?"
 NTH_COLOUR = "What colour is the shape in the {ordinal} picture?"
 NTH_WHAT = "What is in the {ordinal} picture?"
 WHICH_HAS = "Which picture has {count} {shapes}?"
+# Picture labels: how each picture of a several-picture prompt is introduced (``"none"``: the bare
+# template, one placeholder per line). ``"ordinal"`` writes "The seventh picture:" on the line before
+# the seventh image, the question's own words, so the LM can find "the seventh picture" (and answer
+# "which picture") by matching text instead of counting 256-token image spans.
+LABELS = ("none", "ordinal")
+PICTURE_LABEL = "The {ordinal} picture:\n"
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,34 @@ class Sample:
             raise ValueError("scenes must hold at least one scene")
         if not self.answer:
             raise ValueError("answer must not be empty")
+
+
+def label_pictures(prompt: str, placeholder: str, n_images: int, labels: str = "ordinal") -> str:
+    """``prompt`` (a formatted template) with a label line before each image placeholder.
+
+    Only prompts of two or more pictures are labelled (one picture needs no name, so one-image
+    prompts stay the template's own); ``labels="none"`` returns ``prompt`` unchanged.
+    """
+    if labels not in LABELS:
+        raise ValueError(f"labels must be one of {list(LABELS)}, got {labels!r}")
+    parts = prompt.split(placeholder)
+    if len(parts) != n_images + 1:
+        raise ValueError(f"prompt has {len(parts) - 1} image placeholder(s), expected {n_images}")
+    if labels == "none" or n_images < 2:
+        return prompt
+    if n_images > len(ORDINALS):
+        raise ValueError(f"ordinal labels go up to {len(ORDINALS)} pictures, got {n_images}")
+    out = parts[0]
+    for k, rest in enumerate(parts[1:]):
+        out += PICTURE_LABEL.format(ordinal=ORDINALS[k]) + placeholder + rest
+    return out
+
+
+def prompt_text(loaded, question: str, n_images: int, labels: str = "none") -> str:
+    """The model's formatted prompt for ``question`` about ``n_images`` pictures, labelled per ``labels``."""
+    return label_pictures(
+        loaded.prompt_template(question, n_images), loaded.image_placeholder, n_images, labels
+    )
 
 
 def single(rng: np.random.Generator, split: str) -> Sample:
@@ -254,6 +288,10 @@ MIXES: dict[str, dict[str, float]] = {
         "nth": 0.08,
         "which": 0.05,
     },
+    # "pictures": half the samples ask about the k-th of (or which of) 2-3 pictures, to teach a
+    # several-picture prompt format (e.g. --labels ordinal) from a trained projector; one- and
+    # two-object samples keep the rest from being forgotten
+    "pictures": {"single-what": 0.3, "two-turns": 0.2, "nth": 0.3, "which": 0.2},
     "turns": {"single-turns": 0.45, "two-turns": 0.35, "count-turns": 0.1, "nth": 0.05, "which": 0.05},
 }
 

@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from vlkv.eval.scene_tasks import WHAT, Sample, nth, two, which
+from vlkv.eval.scene_tasks import LABELS, WHAT, Sample, nth, prompt_text, two, which
 from vlkv.eval.scenes import random_scene
 
 MULTI_COUNTS = (1, 2, 5, 10)
+GROUPS = ("single", "two", "multi")  # multi-N groups go by "multi"
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,20 @@ def is_correct(answer: str, expected: str) -> bool:
     return normalise(answer) == normalise(expected)
 
 
-def evaluate(engine, items: list[VQAItem], policy_name: str, budget: float | None, batch: int = 4) -> dict:
+def evaluate(
+    engine,
+    items: list[VQAItem],
+    policy_name: str,
+    budget: float | None,
+    batch: int = 4,
+    labels: str = "none",
+) -> dict:
     """Answer every item under one policy; returns per-group accuracy/n and per-item rows.
 
     Items are batched by group (same number of pictures), ``batch`` prompts per engine call.
+    ``labels``: picture labels of several-picture prompts (:data:`vlkv.eval.scene_tasks.LABELS`).
     """
     from vlkv.runtime.policies import make_policy
-    from vlkv.runtime.prompt import Prompt
 
     rows = []
     start = time.perf_counter()
@@ -96,7 +104,7 @@ def evaluate(engine, items: list[VQAItem], policy_name: str, budget: float | Non
         members = [item for item in items if item.group == group]
         for i in range(0, len(members), batch):
             chunk = members[i : i + batch]
-            prompts = [Prompt(item.sample.question, item.images) for item in chunk]
+            prompts = [_prompt(engine.loaded, item, labels) for item in chunk]
             policy = make_policy(policy_name) if budget is None else make_policy(policy_name, budget=budget)
             result = engine.generate(prompts, policy, max_new_tokens=10)
             for item, sample in zip(chunk, result.samples, strict=True):
@@ -117,10 +125,20 @@ def evaluate(engine, items: list[VQAItem], policy_name: str, budget: float | Non
     return {
         "policy": policy_name,
         "budget": budget,
+        "labels": labels,
         "groups": groups,
         "seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
+
+
+def _prompt(loaded, item: VQAItem, labels: str):
+    from vlkv.runtime.prompt import Prompt
+
+    if labels == "none":  # the engine formats it: exactly what every other caller gets
+        return Prompt(item.sample.question, item.images)
+    text = prompt_text(loaded, item.sample.question, len(item.sample.scenes), labels)
+    return Prompt(text, item.images, raw=True)
 
 
 def format_table(results: list[dict]) -> str:
@@ -163,10 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-single", type=int, default=20)
     ap.add_argument("--n-two", type=int, default=20)
     ap.add_argument("--n-multi", type=int, default=6, help="questions per picture count")
+    ap.add_argument(
+        "--groups",
+        nargs="+",
+        default=list(GROUPS),
+        help="ask only these groups (single, two, multi) of the set the --n-* arguments draw: the "
+        "same items as a run of every group, which fewer --n-* would not give (one draw feeds all)",
+    )
     ap.add_argument("--counts", nargs="+", type=int, default=list(MULTI_COUNTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--labels",
+        default="none",
+        help=f"picture labels in several-picture prompts, one of {', '.join(LABELS)} "
+        "('ordinal': 'The seventh picture:' before the seventh image)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write every result (rows included) as JSON")
     ap.add_argument(
         "--projector",
@@ -186,7 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         from vlkv.runtime.policies import make_policy
 
+        if args.labels not in LABELS:
+            raise ValueError(f"--labels must be one of {', '.join(LABELS)}, got {args.labels!r}")
+        bad = sorted(set(args.groups) - set(GROUPS))
+        if bad:
+            raise ValueError(f"--groups must be among {', '.join(GROUPS)}, got {', '.join(bad)}")
         items = build_set(args.n_single, args.n_two, args.n_multi, tuple(args.counts), args.seed)
+        items = [item for item in items if item.group.split("-")[0] in args.groups]
         for name in args.policies:  # a bad policy or budget fails here, not after minutes of others
             for budget in [None] if name == "full" else args.budgets:
                 make_policy(name) if budget is None else make_policy(name, budget=budget)
@@ -197,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for name in args.policies:
             for budget in [None] if name == "full" else args.budgets:
-                results.append(evaluate(engine, items, name, budget, args.batch))
+                results.append(evaluate(engine, items, name, budget, args.batch, args.labels))
                 print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     except ValueError as exc:
         print(f"vqa: {str(exc).splitlines()[0]}", file=sys.stderr)
