@@ -86,6 +86,32 @@ def test_none_mpic_beyond_the_image_and_prefix_give_the_full_tokens(name, engine
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_images_stored_in_another_order_link_to_their_own_spans(name, engines, images):
+    """Records computed with the pictures reversed, linked with full reuse: every image span's first
+    layer K/V (context-free: the image's own embeddings at its own positions) equal full recompute's,
+    so each picture's record lands on its own span, rotated to its new positions."""
+    engine = engines[name]
+    store = SegmentStore(_pool(engine))
+    _linked(engine, Prompt("Describe these.", [images[1], images[0]]), LinkSpec("full-reuse"), store)
+    prompt = Prompt("Which one is brighter?", [images[0], images[1]])
+    batch, cache, _, stats = _linked(engine, prompt, LinkSpec("full-reuse"), store)
+    assert stats.hits == 2 and stats.misses == 0
+    full = engine.new_cache(batch, pool=store.pool)
+    engine.prefill(batch, make_policy("full"), full)
+    n = int(batch.lengths[0])
+    spans = batch.spans[0].image_spans
+    assert len(spans) == 2
+    (k_link, v_link), (k_full, v_full) = cache.layers[0].attention_kv(n), full.layers[0].attention_kv(n)
+    for a, b in spans:
+        torch.testing.assert_close(k_link[..., a:b, :], k_full[..., a:b, :], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v_link[..., a:b, :], v_full[..., a:b, :], rtol=1e-4, atol=1e-4)
+    # the two pictures differ, so a swapped record could not pass the check above
+    (a0, b0), (a1, b1) = spans
+    if b0 - a0 == b1 - a1:
+        assert not torch.allclose(v_full[..., a0:b0, :], v_full[..., a1:b1, :], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_a_stored_image_is_a_hit_in_any_prompt_around_it(name, engines, images):
     engine = engines[name]
     store = SegmentStore(_pool(engine))
