@@ -90,18 +90,27 @@ class Appends(EntryTable):
         return self.pool.alloc(self.layer, n)
 
     def _append_one(
-        self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
+        self,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor,
+        modality: Tensor,
+        order: Tensor | None = None,
+        sink: list | None = None,
     ) -> Tensor:
         """:meth:`append` of one new entry per sample (a decode step), in a third of its tensor ops.
 
         ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
-        ``(B, 1)``; returns ``(B,)`` past lengths.
+        ``(B, 1)``; returns ``(B,)`` past lengths. ``sink``: a list that receives the new entries'
+        ``(H_kv, B)`` slots instead of the pool write (the caller writes K/V there itself: the fused
+        append-and-read of ``vlkv/plugins/paged_append.py``); the tables are written either way.
         """
         b, dev = k.shape[0], self.device
         if b == 1:  # the one-sample path a batch view takes too: no index tensors
             past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
             orders = [None] if order is None else list(order[:, 0].to(device=dev, dtype=torch.long))
-            append_one_each([self], k, v, list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev)), orders)
+            pos, mod = list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev))
+            append_one_each([self], k, v, pos, mod, orders, sink)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
         lens = self.host_lengths()
@@ -109,9 +118,13 @@ class Appends(EntryTable):
         ids = self.spares.take_recycled()
         if ids is None:
             ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
-        self.pool.write(
-            self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
-        )
+        if sink is None:
+            self.pool.write(
+                self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
+            )
+        else:
+            sink.append(ids)
+            self.pool.count_written(ids.numel())
         # a batch moving in step writes one column of every table (a slice); a ragged one indexes
         at = (slice(None), slice(None), lens[0]) if min(lens) == lens[0] == max(lens) else None
         if at is None:
@@ -191,9 +204,12 @@ def append_one_each(
     positions: list[Tensor | list[int]],
     modality: list[Tensor | int],
     orders: list[Tensor | int | None],
+    sink: list | None = None,
 ) -> list[int]:
     """One new entry for each one-sample layer of ``rows`` (a decode step; every row on the same pool
     layer): one pool write for all of them, then each row's table column (:meth:`Appends.put_one`).
+    ``sink``: a list that receives the ``(H_kv, B)`` slots instead of the pool write (as
+    :meth:`Appends._append_one` takes it).
 
     ``k, v (B, H_kv, 1, D)`` (row ``b`` for ``rows[b]``); ``positions``, ``modality``, ``orders``: per
     row its ``P`` position components and modality code (as :meth:`Appends.put_one` takes them: device
@@ -206,9 +222,16 @@ def append_one_each(
     for r, p in zip(rows, past):
         r._reserve(p + 1)
     spare = [r.spares.take() for r in rows]
-    kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
+    kh = vh = None
+    if sink is None:
+        kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
     if all(isinstance(s, int) for s in spare):  # every row continues its run: one id per row
-        pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
+        ids = torch.tensor(spare, device=spec.device)
+        if sink is None:
+            pool.write_columns(layer, ids, kh, vh)
+        else:  # the same slot in every head: a broadcast view
+            sink.append(ids[None].expand(spec.kv_heads, ids.numel()))
+            pool.count_written(spec.kv_heads * ids.numel())
         cols: list[Tensor | int] = list(spare)
     else:
         fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
@@ -217,7 +240,12 @@ def append_one_each(
             if isinstance(s, int):
                 s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
             cols.append(next(fresh) if s is None else s)
-        pool.write(layer, torch.stack(cols, 1), kh, vh)
+        ids = torch.stack(cols, 1)
+        if sink is None:
+            pool.write(layer, ids, kh, vh)
+        else:
+            sink.append(ids)
+            pool.count_written(ids.numel())
         # a row continuing its run writes its table column from its int id (one scalar fill)
         cols = [s if isinstance(s, int) else c for s, c in zip(spare, cols)]
     for r, p, col, pos, mod, order in zip(rows, past, cols, positions, modality, orders):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vlkv.runtime.kv.appends import append_one_each
+
 
 @dataclass(frozen=True)
 class PagedHost:
@@ -83,3 +85,74 @@ def attended_entries(lengths: Tensor, open_: Tensor | None) -> Tensor:
         return lengths.double()
     visible = torch.arange(open_.shape[2], device=open_.device)[None, None, :] < lengths[:, None, None]
     return (open_ & visible).double().sum(2).mean(1)
+
+
+def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
+    """A decode layer's cache append and attention as one C++ call (``vlkv/plugins/paged_append.py``),
+    where the step and the cache allow it; None where they do not (the caller appends through
+    ``ctx.update`` and attends through the registered attention function, the reference path).
+
+    ``ctx`` is the step's context (the torch backend's ``_StepContext``), ``q (B, H, 1, D)`` post-RoPE,
+    ``k, v (B, H_kv, 1, D)`` the new entries. The tables are appended to as ``ctx.update`` does (slots,
+    positions, modality, order, lengths; the pool's slots allocated), but the K/V rows are written by the
+    kernel, which then reads every (request, KV head)'s slot row in place — the caches' own tables,
+    holes skipped, nothing copied. Returns ``(B, 1, H, D)`` (the layout the output projection takes),
+    and records what ``ctx.attend`` would have (the past lengths, the entries attended).
+
+    Taken for: one new row per request, a paged read (no selected attention, link step, low-rank
+    factors or swapped-out request), no pre-RoPE (linked) entries, no statistics wanted from this layer,
+    fp32 CPU pools, the kernel built and on (``VLKV_CPU_KERNEL`` and ``VLKV_CPU_APPEND``)."""
+    from vlkv.plugins import paged_append
+
+    if not paged_append.FUSED_APPEND or not getattr(ctx, "one_row", False):
+        return None
+    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[2] != 1:
+        return None
+    layer = ctx.cache.layers[layer_idx]
+    rows = getattr(layer, "rows", None)  # a scheduler's batch view, or None for a batch cache
+    owners = [layer] if rows is None else rows
+    if any(r.linked for r in owners) or not ctx._paged(layer, layer_idx):
+        return None
+    if any(req.wants(layer_idx) for req in ctx.requests.values()):
+        return None
+    pool = layer.pool
+    b, heads, _, dim = q.shape
+    kv_heads = pool.spec.kv_heads
+    if not paged_append.fits(pool.spec, heads, dim) or k.shape != (b, kv_heads, 1, dim) or v.shape != k.shape:
+        return None
+    inputs = ctx.inputs
+    sink: list[Tensor] = []
+    if rows is None:
+        past = layer._append_one(k, v, inputs.positions, inputs.modality, ctx.order, sink)
+        lengths = layer.lengths
+    else:
+        if any(r.batch != 1 for r in rows):
+            return None
+        host = append_one_each(
+            rows, k, v, *layer._step_rows(inputs.positions, inputs.modality, ctx.order), sink
+        )
+        past = torch.tensor(host, device=q.device)
+        lengths = past + 1
+    # read after the append: a growable pool (and a table) may have grown for it
+    k_pool, v_pool = pool.keys[layer.layer], pool.values[layer.layer]
+    tables = [r.slots for r in owners]
+    holes = [_NO_HOLES if r.holes is None else r.holes for r in owners]
+    out, attended = paged_append.append_attend(
+        q.view(b, kv_heads, heads // kv_heads, dim),
+        k,
+        v,
+        k_pool,
+        v_pool,
+        pool._prerope[layer.layer],
+        sink[0],
+        tables,
+        holes,
+        lengths,
+        scale,
+    )
+    ctx.past[layer_idx] = past
+    ctx.attended[layer_idx] = attended
+    return out.view(b, 1, heads, dim)
+
+
+_NO_HOLES = torch.empty(0, dtype=torch.bool)
