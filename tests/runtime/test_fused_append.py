@@ -46,20 +46,21 @@ def taken(monkeypatch):
     return calls
 
 
-def _decode_both(engine, prompts, steps, prepare, monkeypatch, taken):
+def _decode_both(engine, prompts, steps, prepare, monkeypatch, taken, policy=("full", {})):
     """``steps`` greedy decode steps of the same prefilled batch cache with the fused path on and off:
-    per side the logits of each step and the cache."""
+    per side the outputs of each step, the cache and the fused calls."""
     got = {}
     for on in (True, False):
         monkeypatch.setattr(paged_append, "FUSED_APPEND", on)
         batch, cache, out = prepare(engine, prompts)
-        tokens, logits = out.logits.argmax(-1), []
+        tokens, outs = out.logits.argmax(-1), []
         before = taken[0]
+        pol = make_policy(policy[0], **policy[1])
         for step in range(steps):
-            res = engine.decode(tokens, batch, make_policy("full"), cache, step + 1)
-            logits.append(res.logits)
+            res = engine.decode(tokens, batch, pol, cache, step + 1)
+            outs.append(res)
             tokens = res.logits.argmax(-1)
-        got[on] = (logits, cache, taken[0] - before)
+        got[on] = (outs, cache, taken[0] - before)
     return got
 
 
@@ -71,16 +72,29 @@ def _full(engine, prompts):
 
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
 @pytest.mark.parametrize("prepare", [_full, _holey], ids=["full", "holes"])
-def test_batch_cache_steps_equal_the_reference(name, prepare, engines, images, monkeypatch, taken):
+@pytest.mark.parametrize("policy", [("full", {}), ("h2o", {"budget": 0.7})], ids=["no-stats", "h2o-stats"])
+def test_batch_cache_steps_equal_the_reference(name, prepare, policy, engines, images, monkeypatch, taken):
+    """Steps of a batch cache (``Engine.decode``), ragged, with and without per-head holes; H2O's steps
+    want every layer's statistics (and evict from them): those equal the reference's too."""
     engine = engines[name]
     prompts = [Prompt(TEXTS[0], [images[0]]), Prompt(TEXTS[2]), Prompt(TEXTS[1], [images[1]])]  # ragged
     steps = 4
-    got = _decode_both(engine, prompts, steps, prepare, monkeypatch, taken)
+    got = _decode_both(engine, prompts, steps, prepare, monkeypatch, taken, policy)
     (fused, cache_f, calls_f), (ref, cache_r, calls_r) = got[True], got[False]
     assert calls_f == steps * engine.backend.num_layers and calls_r == 0
     for a, b in zip(fused, ref):
-        torch.testing.assert_close(a, b, **TOL)
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a.logits, b.logits, **TOL)
+        assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
+        torch.testing.assert_close(a.attended, b.attended, rtol=0, atol=0)
+        assert (a.stats is None) == (b.stats is None)
+        for sa, sb in zip(a.stats or [], b.stats or []):
+            assert (sa is None) == (sb is None)
+            if sa is not None:
+                torch.testing.assert_close(sa.colsum, sb.colsum, **TOL)
+                assert torch.equal(sa.visible, sb.visible)
+                assert (sa.below is None) == (sb.below is None)
+                if sa.below is not None:
+                    assert torch.equal(sa.below, sb.below)
     for la, lb in zip(cache_f.layers, cache_r.layers):
         assert torch.equal(la.lengths, lb.lengths) and la.host_lengths() == lb.host_lengths()
         n = la.max_length
@@ -123,11 +137,7 @@ def test_scheduler_generation_gives_the_same_tokens(name, policy, engines, image
         res = engine.generate(prompts, make_policy(kind, **kw), 6, stop_at_eos=False)
         runs[on] = ([s.token_ids for s in res.samples], taken[0] - before)
     assert runs[True][0] == runs[False][0]
-    assert runs[False][1] == 0
-    if kind == "h2o":  # every decode layer wants H2O's statistics: the reference path serves it
-        assert runs[True][1] == 0
-    else:
-        assert runs[True][1] > 0
+    assert runs[False][1] == 0 and runs[True][1] > 0
 
 
 def test_the_environment_switches_it():

@@ -90,27 +90,18 @@ class Appends(EntryTable):
         return self.pool.alloc(self.layer, n)
 
     def _append_one(
-        self,
-        k: Tensor,
-        v: Tensor,
-        positions: Tensor,
-        modality: Tensor,
-        order: Tensor | None = None,
-        sink: list | None = None,
+        self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
     ) -> Tensor:
         """:meth:`append` of one new entry per sample (a decode step), in a third of its tensor ops.
 
         ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
-        ``(B, 1)``; returns ``(B,)`` past lengths. ``sink``: a list that receives the new entries'
-        ``(H_kv, B)`` slots instead of the pool write (the caller writes K/V there itself: the fused
-        append-and-read of ``vlkv/plugins/paged_append.py``); the tables are written either way.
+        ``(B, 1)``; returns ``(B,)`` past lengths.
         """
         b, dev = k.shape[0], self.device
         if b == 1:  # the one-sample path a batch view takes too: no index tensors
             past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
             orders = [None] if order is None else list(order[:, 0].to(device=dev, dtype=torch.long))
-            pos, mod = list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev))
-            append_one_each([self], k, v, pos, mod, orders, sink)
+            append_one_each([self], k, v, list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev)), orders)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
         lens = self.host_lengths()
@@ -118,13 +109,9 @@ class Appends(EntryTable):
         ids = self.spares.take_recycled()
         if ids is None:
             ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
-        if sink is None:
-            self.pool.write(
-                self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
-            )
-        else:
-            sink.append(ids)
-            self.pool.count_written(ids.numel())
+        self.pool.write(
+            self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
+        )
         # a batch moving in step writes one column of every table (a slice); a ragged one indexes
         at = (slice(None), slice(None), lens[0]) if min(lens) == lens[0] == max(lens) else None
         if at is None:
@@ -204,12 +191,9 @@ def append_one_each(
     positions: list[Tensor | list[int]],
     modality: list[Tensor | int],
     orders: list[Tensor | int | None],
-    sink: list | None = None,
 ) -> list[int]:
     """One new entry for each one-sample layer of ``rows`` (a decode step; every row on the same pool
     layer): one pool write for all of them, then each row's table column (:meth:`Appends.put_one`).
-    ``sink``: a list that receives the ``(H_kv, B)`` slots instead of the pool write (as
-    :meth:`Appends._append_one` takes it).
 
     ``k, v (B, H_kv, 1, D)`` (row ``b`` for ``rows[b]``); ``positions``, ``modality``, ``orders``: per
     row its ``P`` position components and modality code (as :meth:`Appends.put_one` takes them: device
@@ -222,16 +206,9 @@ def append_one_each(
     for r, p in zip(rows, past):
         r._reserve(p + 1)
     spare = [r.spares.take() for r in rows]
-    kh = vh = None
-    if sink is None:
-        kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
+    kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
     if all(isinstance(s, int) for s in spare):  # every row continues its run: one id per row
-        ids = torch.tensor(spare, device=spec.device)
-        if sink is None:
-            pool.write_columns(layer, ids, kh, vh)
-        else:  # the same slot in every head: a broadcast view
-            sink.append(ids[None].expand(spec.kv_heads, ids.numel()))
-            pool.count_written(spec.kv_heads * ids.numel())
+        pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
         cols: list[Tensor | int] = list(spare)
     else:
         fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
@@ -240,14 +217,67 @@ def append_one_each(
             if isinstance(s, int):
                 s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
             cols.append(next(fresh) if s is None else s)
-        ids = torch.stack(cols, 1)
-        if sink is None:
-            pool.write(layer, ids, kh, vh)
-        else:
-            sink.append(ids)
-            pool.count_written(ids.numel())
+        pool.write(layer, torch.stack(cols, 1), kh, vh)
         # a row continuing its run writes its table column from its int id (one scalar fill)
         cols = [s if isinstance(s, int) else c for s, c in zip(spare, cols)]
     for r, p, col, pos, mod, order in zip(rows, past, cols, positions, modality, orders):
         r.put_one(p, col, pos, mod, order)
     return past
+
+
+def reserve_decode_entries(
+    owners: list[Appends], order_next: Tensor, order_rows: list[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """A decode step's append to one layer (one new entry per request) without its tensor writes: what
+    :meth:`Appends._append_one` and :func:`append_one_each` do besides writing the new column and the
+    K/V rows, which the fused append-and-read does in its C++ call (``vlkv/plugins/paged_append.py``).
+
+    ``owners``: one batch cache's layer, or a batch view's one-sample layers (all on one pool layer).
+    ``order_next (B,)``: each new entry's sequence index + 1; ``order_rows``: the same as ``()`` tensors
+    per request (split once per step). Tables grown to hold the column, slots allocated (a batch cache's
+    recycled columns, a one-sample cache's run spares, else fresh from the pool), next sequence indices,
+    running scores zeroed at the column, lengths (tensor and host copy) one longer, the pool's written
+    bytes counted. Returns ``past (B,)`` int64, each request's column (its length before), and ``ids
+    (H_kv, B)`` int64, the new entries' slots (any strides)."""
+    pool, layer = owners[0].pool, owners[0].layer
+    spec = pool.spec
+    first = owners[0]
+    if len(owners) == 1 and first.batch > 1:  # a batch cache: one allocation, one column per table
+        b = first.batch
+        lens = first.host_lengths()
+        first._reserve(max(lens) + 1)
+        ids = first.spares.take_recycled()
+        if ids is None:
+            ids = pool.alloc(layer, b)  # (H_kv, B): sample-major, as the Python append allocates
+        past = first.lengths
+        first.next_order = torch.maximum(first.next_order, order_next)
+        if first.scores:
+            at = (torch.arange(b, device=first.device), slice(None), past)
+            for s in first.scores.values():
+                s[at] = 0
+        first.set_lengths(past + 1, [n + 1 for n in lens])
+        pool.count_written(ids.numel())
+        return past, ids
+    if any(r.batch != 1 for r in owners):
+        raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
+    host = [r.host_lengths()[0] for r in owners]
+    for r, p in zip(owners, host):
+        r._reserve(p + 1)
+    spare = [r.spares.take() for r in owners]
+    if all(isinstance(s, int) for s in spare):  # every row continues its run: the same slot in every head
+        ids = torch.tensor(spare, device=spec.device)[None].expand(spec.kv_heads, len(owners))
+    else:
+        fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
+        cols = []
+        for s in spare:
+            if isinstance(s, int):
+                s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
+            cols.append(next(fresh) if s is None else s)
+        ids = torch.stack(cols, 1)
+    for r, p, nxt in zip(owners, host, order_rows):
+        r.next_order = torch.maximum(r.next_order, nxt)
+        for s in r.scores.values():
+            s.select(2, p).zero_()
+        r.set_lengths(r.lengths + 1, [p + 1])
+    pool.count_written(ids.numel())
+    return torch.tensor(host, device=spec.device), ids
