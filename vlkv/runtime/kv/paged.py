@@ -5,6 +5,10 @@ per-KV-head slot tables; :func:`paged_tables` builds those arguments from a
 :class:`~vlkv.runtime.cache.LayerKV` or a scheduler's batch view (:class:`~vlkv.runtime.kv.batch.LayerBatch`)
 without reading any K/V: holes become ``-1`` slots, and linked (pre-RoPE) entries get one cos/sin row
 each at the position their cache gives them.
+
+On fp32 CPU pools a decode layer skips both that table build and the Python append:
+:func:`fused_decode_row` does the append's host bookkeeping and hands the new rows, the caches' own tables
+and holes to one C++ call that writes and reads (``vlkv/plugins/paged_append.py``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ kept: 0.98-1.02× the HF layers' step, ~3 % of the GEMMs' time in the skinny for
 Everything else is the HF layer's own code in the HF layer's order: its RMSNorm modules, its modeling
 file's ``apply_rotary_pos_emb`` (1-D RoPE for Llama; Qwen2-VL's cos/sin already carry the M-RoPE
 sections), its activation, the cache's ``update`` and the registered attention function, the residual
-adds, its own weights. Only the layer classes in ``SKINNY_LAYERS`` (whose forward this replays) run
+adds, its own weights. A decode step on fp32 CPU pools appends and attends in one C++ call instead of
+``update`` + the attention function (``kv.paged.fused_decode_row``, ``vlkv/plugins/paged_append.py``;
+``VLKV_CPU_APPEND=0`` keeps the two). Only the layer classes in ``SKINNY_LAYERS`` (whose forward this replays) run
 here; any other layer runs the HF forward. ``VLKV_SKINNY_GEMM=0`` runs the HF layers (default on);
 ``FamilyAdapter.skinny`` switches it per adapter.
 """
