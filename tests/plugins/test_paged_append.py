@@ -197,3 +197,51 @@ def test_bad_arguments_are_refused_in_one_line():
         _call(tuple(case[:8] + [far, case[9]]), 1.0)
     with pytest.raises(ValueError, match="pos_new: one row per request"):
         NewColumns(c.positions, c.modality, c.order, c.cols, c.pos_new[:1], c.mod_new, c.ord_new)
+
+
+@pytest.mark.parametrize("probs", [False, True], ids=["out", "probs"])
+def test_a_prompt_run_then_scattered_appends_reads_as_one_softmax(probs):
+    """A row whose live slots are a long leading run (a prompt) and then scattered slots (decode appends
+    interleaved with other requests', a hole among them): the run is read as contiguous rows, the rest
+    through their slots, the two softmaxes merged. Output and probabilities equal the reference's."""
+    g = torch.Generator().manual_seed(3)
+    b, kv_heads, group, dim, slots, cap = 2, 2, 3, 64, 2000, 700
+    k_pool = torch.randn(kv_heads, slots, dim, generator=g)
+    v_pool = torch.randn(kv_heads, slots, dim, generator=g)
+    run = (200, 520)  # one request's prompt shorter than the prefix read's floor: one pass through its slots
+    past = torch.tensor([run[0] + 40, run[1] + 25])
+    table = torch.zeros(b, kv_heads, cap, dtype=torch.long)
+    holes = torch.zeros(b, kv_heads, cap, dtype=torch.bool)
+    tail = torch.randperm(slots - 1200, generator=g) + 1200
+    for i in range(b):
+        table[i, :, : run[i]] = torch.arange(i * 600, i * 600 + run[i])
+        n = int(past[i]) - run[i]
+        table[i, :, run[i] : past[i]] = tail[i * 100 : i * 100 + n]
+        holes[i, 1, run[i] + 3] = True  # a hole among the appends of one head
+    ids = torch.stack([tail[500:502], tail[502:504]])  # (H_kv, B)
+    columns = NewColumns(
+        [torch.zeros(b, kv_heads, cap, 1, dtype=torch.long)],
+        [torch.zeros(b, kv_heads, cap, dtype=torch.int8)],
+        [torch.zeros(b, kv_heads, cap, dtype=torch.long)],
+        past,
+        past[:, None] + 7,
+        torch.full((b,), 3, dtype=torch.int8),
+        past + 7,
+    )
+    q = torch.randn(b, kv_heads, group, dim, generator=g)
+    k_new = torch.randn(b, kv_heads, 1, dim, generator=g)
+    v_new = torch.randn(b, kv_heads, 1, dim, generator=g)
+    case = (q, k_new, v_new, k_pool, v_pool, ids, [table], [holes], columns, past + 1)
+    scale = 0.125
+    _, _, want, _, read = _reference(case, scale)
+    width = int(past.max()) + 1
+    got = _call(case, scale, probs_width=width if probs else None)
+    torch.testing.assert_close(got[0], want, **TOL)
+    if probs:
+        held = (read[:, :, :width] >= 0) & (torch.arange(width) < (past + 1)[:, None, None])
+        keys = k_pool[torch.arange(kv_heads)[None, :, None], read[:, :, :width].clamp_min(0)]
+        scores = torch.einsum("bhgd,bhwd->bhgw", q * scale, keys).masked_fill(
+            ~held[:, :, None], float("-inf")
+        )
+        torch.testing.assert_close(got[2], torch.softmax(scores, -1), **TOL)
+        assert torch.equal(got[3], held)

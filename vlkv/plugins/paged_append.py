@@ -47,6 +47,9 @@ _APPEND_SOURCE = r"""
 // float64, the entries each request's row attended (mean over KV heads), and with want_probs
 // probs (B, H, G, width): each query row's softmax at the table column of each live entry, 0 elsewhere,
 // and held (B, H, width) bool: the live columns.
+// the shortest leading run read as contiguous rows apart from the rest of a row's slots
+constexpr int64_t PREFIX_MIN = 256;
+
 std::vector<torch::Tensor> append_rows(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
                                        torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor prerope,
                                        torch::Tensor ids, std::vector<torch::Tensor> tables,
@@ -210,9 +213,35 @@ std::vector<torch::Tensor> append_rows(torch::Tensor q, torch::Tensor k_new, tor
         for (int64_t d = 0; d < D; ++d) qs[g * D + d] = qa[b][h][g][d] * static_cast<float>(scale);
       const int64_t t_len = live.size();
       sc.resize(t_len * G);
-      const int64_t base = run ? live.front() : 0;
-      dispatch(qs, kp + (h * S + base) * D, vp + (h * S + base) * D, o, lse, t_len, G, sc.data(), D,
-               run ? nullptr : live.data(), pr, width, pr ? col.data() : nullptr);
+      // a leading run of slots (a prompt) followed by scattered ones (decode appends): the run read as
+      // contiguous rows (the hardware prefetcher streams it; ~15% faster than through its slot list at
+      // 8k rows), the rest through their slots, the two softmaxes merged by their log-sum-exps
+      int64_t m = 1;
+      while (!run && m < t_len && live[m] == live[m - 1] + 1) ++m;
+      if (run || m < PREFIX_MIN) {
+        const int64_t base = run ? live.front() : 0;
+        dispatch(qs, kp + (h * S + base) * D, vp + (h * S + base) * D, o, lse, t_len, G, sc.data(), D,
+                 run ? nullptr : live.data(), pr, width, pr ? col.data() : nullptr);
+        continue;
+      }
+      alignas(64) float o2[16 * 256];
+      float lse2[16];
+      const int64_t base = live.front();
+      dispatch(qs, kp + (h * S + base) * D, vp + (h * S + base) * D, o, lse, m, G, sc.data(), D, nullptr, pr,
+               width, pr ? col.data() : nullptr);
+      dispatch(qs, kp + h * S * D, vp + h * S * D, o2, lse2, t_len - m, G, sc.data(), D, live.data() + m, pr,
+               width, pr ? col.data() + m : nullptr);
+      for (int64_t g = 0; g < G; ++g) {
+        const float top = std::max(lse[g], lse2[g]);
+        const float w1 = std::exp(lse[g] - top), w2 = std::exp(lse2[g] - top);
+        const float a1 = w1 / (w1 + w2), a2 = w2 / (w1 + w2);
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] = o[g * D + d] * a1 + o2[g * D + d] * a2;
+        if (pr) {
+          float* p = pr + g * width;
+          for (int64_t t = 0; t < m; ++t) p[col[t]] *= a1;
+          for (int64_t t = m; t < t_len; ++t) p[col[t]] *= a2;
+        }
+      }
     }
   });
   auto attended = torch::empty({B}, lengths.options().dtype(at::kDouble));
