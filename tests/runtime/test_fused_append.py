@@ -220,3 +220,15 @@ def test_a_fused_step_reads_each_live_entry_once_and_writes_only_the_new_ones(
         # live entries read, mean over KV heads per request: summed, the bytes the caches hold
         assert round(float(sum(a.sum() for a in attended)) * entry) == sum(r.cache.kv_bytes() for r in live)
         assert sched.pool.bytes_written - written == len(live) * engine.backend.num_layers * entry
+
+
+def test_the_fused_read_s_switch_turns_it_off_too(engines, images, monkeypatch, taken):
+    """``VLKV_CPU_KERNEL=0`` (the fused read off): the append in front of it is off as well."""
+    import vlkv.plugins.paged_cpu as paged_cpu
+
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", False)
+    engines["tiny-llava"].generate([Prompt(TEXTS[2])], make_policy("full"), 3, stop_at_eos=False)
+    assert taken[0] == 0
+    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
+    engines["tiny-llava"].generate([Prompt(TEXTS[2])], make_policy("full"), 3, stop_at_eos=False)
+    assert taken[0] > 0

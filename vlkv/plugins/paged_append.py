@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vlkv.plugins import paged_cpu, paged_cpu_kernel
+from vlkv.plugins import paged_cpu_kernel
 
 __all__ = ["FUSED_APPEND", "NewColumns", "append_attend", "fits", "kernel"]
 
-# the fused append-and-read (default on; ``VLKV_CPU_APPEND=0``: the Python append, then the read). It
-# also follows the fused read's switch (``VLKV_CPU_KERNEL=0`` / ``paged_cpu.FUSED_KERNEL``): it is
+# the fused append-and-read (default on; ``VLKV_CPU_APPEND=0``: the Python append, then the read). Its
+# caller also follows the fused read's switch (``VLKV_CPU_KERNEL=0`` / ``paged_cpu.FUSED_KERNEL``): it is
 # that read with the append in front
 FUSED_APPEND = os.environ.get("VLKV_CPU_APPEND", "1") != "0"
 
@@ -306,11 +306,11 @@ def kernel():
 
 def fits(spec, heads: int, dim: int) -> bool:
     """The fused append-and-read takes a decode step on a pool of ``spec`` (a ``PoolSpec``) with
-    ``heads`` query heads of size ``dim``: both switches on, fp32 CPU pools, GQA group and head size
-    within what the kernel reads, the kernel built (built here on the first call)."""
+    ``heads`` query heads of size ``dim``: its switch on, fp32 CPU pools, GQA group and head size within
+    what the kernel reads, the kernel built (built here on the first call). (The fused read's own switch,
+    ``paged_cpu.FUSED_KERNEL``, is the caller's to check: ``paged_cpu`` builds this module at start.)"""
     return (
         FUSED_APPEND
-        and paged_cpu.FUSED_KERNEL
         and spec.device.type == "cpu"
         and spec.dtype == torch.float32
         and heads % spec.kv_heads == 0

@@ -108,9 +108,11 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     Taken for: one new row per request, a paged read (no selected attention, link step, low-rank
     factors or swapped-out request), no pre-RoPE (linked) entries, fp32 CPU pools, the kernel built and
     on (``VLKV_CPU_KERNEL`` and ``VLKV_CPU_APPEND``)."""
-    from vlkv.plugins import paged_append
+    from vlkv.plugins import paged_append, paged_cpu
 
-    if not paged_append.FUSED_APPEND or not getattr(ctx, "one_row", False) or ctx.order is None:
+    if not (paged_append.FUSED_APPEND and paged_cpu.FUSED_KERNEL) or not getattr(ctx, "one_row", False):
+        return None
+    if ctx.order is None:
         return None
     if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[2] != 1:
         return None
