@@ -19,7 +19,10 @@ gathered, K then V: the statistics read before the kernel wrote probabilities, `
 ``--skip-matmul`` drops the configurations read without the kernel), with ``--torch-gemm`` each fused
 configuration again with the decode layers' GEMMs by torch (``VLKV_CPU_GEMM=0``: ``(W @ xᵀ)ᵀ`` instead of
 the C++ few-row GEMM of ``vlkv/plugins/skinny_gemm.py``, ``<config>+torchgemm``; the GEMM's before/after
-in one run), and transformers' ``generate`` on
+in one run), with ``--split-append`` each fused configuration again with each decode layer's cache append
+in Python and its paged read a separate call (``VLKV_CPU_APPEND=0``: the path before
+``vlkv/plugins/paged_append.py`` wrote the new entries and read the tables in one C++ call,
+``<config>+split``; its before/after in one run), and transformers' ``generate`` on
 the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
 vlkv's, so no transformers prefill either).
 
@@ -43,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+import vlkv.plugins.paged_append as paged_append
 import vlkv.plugins.paged_cpu as paged_cpu
 import vlkv.plugins.skinny_gemm as skinny_gemm
 import vlkv.runtime.models.skinny_layer as skinny_layer
@@ -213,7 +217,10 @@ def run(args) -> dict:
     plain = [] if args.skip_matmul else ["full", *pols]
     torch_gemm = [f"{c}+torchgemm" for c in (["full-kernel"] if args.kernel else []) + kernel_pols]
     torch_gemm = torch_gemm if args.torch_gemm else []
-    configs = [*plain[:1], *extra, *args.peers, *plain[1:], *kernel_pols, *halves_pols, *torch_gemm]
+    fused = (["full-kernel"] if args.kernel else []) + kernel_pols
+    split = [f"{c}+split" for c in fused] if args.split_append else []
+    configs = [*plain[:1], *extra, *args.peers, *plain[1:], *kernel_pols, *halves_pols, *torch_gemm, *split]
+    append_default = paged_append.FUSED_APPEND
     gemm_default = skinny_gemm.CPP_GEMM
     # every C++ GEMM call counted, so a row shows which GEMMs it ran (the switch is not evidence)
     cpp_calls, real_linear = [0], skinny_gemm.linear
@@ -231,8 +238,10 @@ def run(args) -> dict:
                 res = hf_steps(peer, pre, name, args.steps)
             else:
                 cpp_calls[0] = 0
-                cfg = name.removesuffix("+torchgemm")
-                skinny_gemm.CPP_GEMM = gemm_default and cfg == name
+                # "+split": the Python append and a separate paged read (the fused append's before)
+                paged_append.FUSED_APPEND = append_default and not name.endswith("+split")
+                cfg = name.removesuffix("+split").removesuffix("+torchgemm")
+                skinny_gemm.CPP_GEMM = gemm_default and cfg == name.removesuffix("+split")
                 base = cfg.removesuffix("+kernel").removesuffix("+halves")
                 pol = pols.get(base, full)
                 key = base.split("@")[0] if base in pols else None
@@ -249,6 +258,7 @@ def run(args) -> dict:
                 finally:
                     paged_cpu.FUSED_KERNEL = fused_default
                     skinny_gemm.CPP_GEMM = gemm_default
+                    paged_append.FUSED_APPEND = append_default
                 res["cpp_gemm_calls"] = cpp_calls[0] / args.steps
             if rep:
                 got[name].append(res)
@@ -283,11 +293,16 @@ def run(args) -> dict:
             "cpp_gemm_calls_per_step": rs[-1].get("cpp_gemm_calls", 0.0),  # 0: torch's GEMMs (or a peer)
             "bytes_per_step": w + kv + 2 * rs[-1]["gathered_bytes"],
         }
-        kernel_read = name.removesuffix("+torchgemm").endswith(("+kernel", "+halves")) or "full" not in got
+        base_name = name.removesuffix("+split").removesuffix("+torchgemm")
+        kernel_read = base_name.endswith(("+kernel", "+halves")) or "full" not in got
         ref = "full-kernel" if kernel_read and "full-kernel" in got else "full"
         row["speed_vs_full"] = statistics.median(
             f["step_s"] / r["step_s"] for f, r in zip(got[ref], rs, strict=True)
         )
+        if f"{name}+split" in got:  # the fused append against its before, paired per round
+            row["speed_vs_split"] = statistics.median(
+                s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}+split"], rs, strict=True)
+            )
         if fastest is not None:
             # paired within each round: the faster peer's step time / this one's, median over rounds
             row["speed_vs_fastest_peer"] = statistics.median(
@@ -308,10 +323,13 @@ def run(args) -> dict:
     same.update(
         {c: got[c][0]["tokens"] == got[c.removesuffix("+torchgemm")][0]["tokens"] for c in torch_gemm}
     )
+    # the fused append writes and reads what the Python append and the separate read did: same tokens
+    same.update({c: got[c][0]["tokens"] == got[c.removesuffix("+split")][0]["tokens"] for c in split})
     return {
         "machine": f"{cpu_name()} ({machine_name('cpu')})",
         "threads": torch.get_num_threads(),
         "cpp_gemm": gemm_default and skinny_gemm.kernel() is not None,
+        "fused_append": append_default and paged_append.kernel() is not None,
         "model": args.model,
         "dtype": "fp32",
         "batch": args.batch,
@@ -342,19 +360,21 @@ def to_markdown(res: dict) -> str:
         + f" GB/s; the bound uses {res['bandwidth_gb_s']:.1f}). "
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
         f"C++ few-row GEMM: {res.get('cpp_gemm')}. "
-        f"Same tokens (peers vs vlkv full; +kernel vs +halves; +torchgemm vs its C++-GEMM config): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
+        f"Fused decode append: {res.get('fused_append')}. "
+        f"Same tokens (peers vs vlkv full; +kernel vs +halves; +torchgemm vs its C++-GEMM config; +split vs its fused config): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
         f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
-        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratio = r.get("speed_vs_fastest_peer")
+        split = r.get("speed_vs_split")
         lines.append(
             f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
             f"| {r['speed_vs_full']:.2f}× | {'' if ratio is None else f'{ratio:.2f}×'} | {r['attn_ms']:.1f} "
             f"| {r['attn_of_bound']:.0%} | {r['kv_bytes'] / 1e6:.1f} "
-            f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} |"
+            f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} | {'' if split is None else f'{split:.2f}×'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -401,6 +421,12 @@ def main() -> None:
         action="store_true",
         help="also each fused configuration with the decode GEMMs, RMSNorms and RoPE by torch "
         "(VLKV_CPU_GEMM=0 switches the C++ GEMM and layer glue together), as '<config>+torchgemm'",
+    )
+    ap.add_argument(
+        "--split-append",
+        action="store_true",
+        help="also each fused configuration with the decode layers' cache append in Python and the paged "
+        "read a separate call (VLKV_CPU_APPEND=0, the fused append's before), as '<config>+split'",
     )
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)

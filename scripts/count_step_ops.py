@@ -1,9 +1,11 @@
 """Torch ops and host syncs of one scheduler decode step (tiny LLaVA, a batch of running requests).
 
-Usage: python scripts/count_step_ops.py [--batch 4] [--layers 2 4 8]
+Usage: python scripts/count_step_ops.py [--batch 4] [--layers 2 4 8] [--split-append]
 Prints, per policy and layer count, the ops and syncs one decode step dispatches (see
 :mod:`vlkv.runtime.op_count`), the scheduler's own share, and the syncs by module, so a change's
 effect on launch overhead is a number. The counts are the same on any device (CPU here).
+``--split-append``: each row again with the decode layers' cache append in Python and the paged read a
+separate call (``VLKV_CPU_APPEND=0``, the path before the fused append-and-read), ``"append": "split"``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 
 import torch
 
+import vlkv.plugins.paged_append as paged_append
 from vlkv.runtime.engine import Engine
 from vlkv.runtime.models.registry import LoadedModel
 from vlkv.runtime.models.tiny import TinySpec, build_tiny_llava
@@ -51,18 +54,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--split-append", action="store_true", help="also count with VLKV_CPU_APPEND=0")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
     for n in args.layers:
         engine = tiny_engine(n)
         for policy in POLICIES:
-            c = count_decode_step(engine, policy, args.batch)
-            row = {"layers": n, "policy": policy, "ops": c.ops, "syncs": c.syncs, "kinds": dict(c.kinds)}
-            row["scheduler_syncs"] = c.syncs_in(*OWN)
-            row["modules"] = dict(c.modules)
-            rows.append(row)
-            print(json.dumps(rows[-1]))
+            for split in (False, True) if args.split_append else (False,):
+                on = paged_append.FUSED_APPEND
+                paged_append.FUSED_APPEND = on and not split
+                try:
+                    c = count_decode_step(engine, policy, args.batch)
+                finally:
+                    paged_append.FUSED_APPEND = on
+                row = {"layers": n, "policy": policy, "ops": c.ops, "syncs": c.syncs, "kinds": dict(c.kinds)}
+                row["append"] = "fused" if on and not split and paged_append.kernel() is not None else "split"
+                row["scheduler_syncs"] = c.syncs_in(*OWN)
+                row["modules"] = dict(c.modules)
+                rows.append(row)
+                print(json.dumps(rows[-1]))
 
 
 if __name__ == "__main__":

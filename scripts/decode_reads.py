@@ -36,19 +36,24 @@ class DenseRead:
 class HalvesRead:
     """Inside it, statistics decode steps read as before the fused kernel wrote probabilities: the two
     halves of ``paged_probs`` (probabilities, then P·V, per-head tables gathered), while steps without
-    statistics keep the fused read (the "before" of ``--stats-halves``)."""
+    statistics keep the fused read (the "before" of ``--stats-halves``). The fused append-and-read
+    (``paged_append``, which writes probabilities too) is off inside: every step appends in Python."""
 
     def __enter__(self):
+        import vlkv.plugins.paged_append as paged_append
         import vlkv.plugins.paged_probs as paged_probs
 
-        self.real = paged_probs.fused_decode_probs
+        self.real, self.append = paged_probs.fused_decode_probs, paged_append.FUSED_APPEND
         paged_probs.fused_decode_probs = lambda *args, **kwargs: None
+        paged_append.FUSED_APPEND = False
         return self
 
     def __exit__(self, *exc):
+        import vlkv.plugins.paged_append as paged_append
         import vlkv.plugins.paged_probs as paged_probs
 
         paged_probs.fused_decode_probs = self.real
+        paged_append.FUSED_APPEND = self.append
 
 
 # a statistics decode step's paged reads (``paged_probs``): timed with ``ops.paged_attention``
@@ -56,16 +61,19 @@ _PROBS_CALLS = ("fused_decode_probs", "paged_decode_probs", "paged_decode_out")
 
 
 class AttnTimer:
-    """Inside it, the wall time of the decode steps' paged attention calls (``ops.paged_attention`` and a
-    statistics step's ``paged_probs`` calls: the K/V read itself, every layer) adds up in ``seconds``; 0
-    for a step that reads no paged call (the dense read)."""
+    """Inside it, the wall time of the decode steps' paged attention calls (``ops.paged_attention``, a
+    statistics step's ``paged_probs`` calls, the fused append-and-read ``paged_append.append_attend``: the
+    K/V read itself, every layer; the fused call's few-row write included) adds up in ``seconds``; 0 for a
+    step that reads no paged call (the dense read)."""
 
     def __enter__(self):
         import vlkv.plugins as plugins
         import vlkv.plugins.ops as ops
+        import vlkv.plugins.paged_append as paged_append
         import vlkv.plugins.paged_probs as paged_probs
 
         self.seconds, self.real = 0.0, ops.paged_attention
+        self.fused = paged_append.append_attend
         self.probs = {name: getattr(paged_probs, name) for name in _PROBS_CALLS}
 
         def timer(fn):
@@ -80,6 +88,7 @@ class AttnTimer:
 
         timed = timer(self.real)
         ops.paged_attention = timed
+        paged_append.append_attend = timer(self.fused)
         for name, fn in self.probs.items():
             setattr(paged_probs, name, timer(fn))
         self.cached = vars(plugins).get("paged_attention")
@@ -90,9 +99,11 @@ class AttnTimer:
     def __exit__(self, *exc):
         import vlkv.plugins as plugins
         import vlkv.plugins.ops as ops
+        import vlkv.plugins.paged_append as paged_append
         import vlkv.plugins.paged_probs as paged_probs
 
         ops.paged_attention = self.real
+        paged_append.append_attend = self.fused
         for name, fn in self.probs.items():
             setattr(paged_probs, name, fn)
         if self.cached is not None:

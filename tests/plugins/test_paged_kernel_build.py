@@ -78,14 +78,19 @@ def test_a_first_build_says_so_on_stderr_and_a_cached_one_is_silent(monkeypatch,
 
 
 def test_a_cpu_fp32_engine_builds_the_kernel_at_start(engines, monkeypatch):
+    import vlkv.plugins.paged_append as paged_append
     from vlkv.runtime.torch_backend import TorchBackend
 
-    calls = []
+    calls, appends = [], []
     monkeypatch.setattr(kernel, "kernel", lambda: calls.append(1) or object())
+    monkeypatch.setattr(paged_append, "kernel", lambda: appends.append(1) or object())
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
     be = engines["tiny-llava"].backend
     fresh = TorchBackend(be.model, be.adapter.family, be.adapter.image_token_id)
-    assert fresh.fused_cpu_read and calls == [1]
+    assert fresh.fused_cpu_read and calls == [1] and appends == [1]  # the decode append in front of it too
+    monkeypatch.setattr(paged_append, "FUSED_APPEND", False)
+    assert paged_cpu.warm_up("cpu", torch.float32) and calls == [1, 1] and appends == [1]  # append off
+    calls.pop()
     assert paged_cpu.warm_up("cpu", torch.bfloat16) is False and calls == [1]  # not for a bf16 model
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", False)
     assert paged_cpu.warm_up("cpu", torch.float32) is False and calls == [1]  # off: nothing built

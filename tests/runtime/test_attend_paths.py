@@ -222,6 +222,15 @@ def test_h2o_decode_statistics_equal_the_reference_path(engines, images, monkeyp
             return got
 
         monkeypatch.setattr(paged_probs, name, counted)
+    # the fused append-and-read (the default where its kernel builds) reads the tables with probabilities
+    import vlkv.plugins.paged_append as paged_append
+
+    real_fused = paged_append.append_attend
+    monkeypatch.setattr(
+        paged_append,
+        "append_attend",
+        lambda *a, **kw: paged_calls.append(kw["probs_width"] is not None) or real_fused(*a, **kw),
+    )
     paged_logits, paged_scores = run()
     assert any(paged_calls)  # the one-row statistics read through the slot tables (the default)
     # the same one-row statistics over dense K/V (the read before paged reads)

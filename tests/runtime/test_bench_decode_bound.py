@@ -143,3 +143,28 @@ def test_torch_gemm_rows_are_the_c_plus_plus_gemm_s_before_and_after(tmp_path):
     for name in ("full-kernel", "snapkv@0.5+kernel"):
         assert rows[name]["cpp_gemm_calls_per_step"] > 0, name
         assert rows[name + "+torchgemm"]["cpp_gemm_calls_per_step"] == 0, name
+
+
+def test_split_append_rows_are_the_fused_append_s_before_and_after(tmp_path):
+    """``--split-append`` adds each fused configuration again with the Python append and a separate
+    paged read (``VLKV_CPU_APPEND=0``): the same greedy tokens, both timed in the same rounds, the
+    fused rows' paired ratio against them reported, their attention time counted (the fused call)."""
+    out, md = tmp_path / "s.json", tmp_path / "s.md"
+    cmd = [
+        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "--budgets", "0.5",
+        "--peers", "--kernel", "--kernel-policies", "--skip-matmul", "--split-append", "--buffer-mib", "16",
+        "--json", str(out), "--md", str(md),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    want = ["full-kernel", "h2o@0.5+kernel", "full-kernel+split", "h2o@0.5+kernel+split"]
+    assert sorted(rows) == sorted(want)
+    assert res["fused_append"] is True
+    assert res["peers_same_tokens"] == {"full-kernel+split": True, "h2o@0.5+kernel+split": True}
+    for name in ("full-kernel", "h2o@0.5+kernel"):
+        assert rows[name]["speed_vs_split"] > 0 and rows[name]["attn_ms"] > 0
+        assert rows[name]["ops_per_step"] < rows[name + "+split"]["ops_per_step"]  # the ops it removes
+        assert "speed_vs_split" not in rows[name + "+split"]
+    assert "vs +split" in md.read_text()

@@ -27,6 +27,16 @@ from vlkv.runtime.torch_backend import _StepContext
 TEXTS = ["Describe the picture.", "What is in the corner of this image?", "Hi.", "Tell me about the colors."]
 
 
+@pytest.fixture(autouse=True)
+def separate_read(monkeypatch):
+    """These tests count the separate paged read (``ops.paged_attention`` and its CPU plan): the fused
+    append-and-read, which replaces it where it can, is off here (tests/runtime/test_fused_append.py
+    counts what it reads and checks it against this path)."""
+    import vlkv.plugins.paged_append as paged_append
+
+    monkeypatch.setattr(paged_append, "FUSED_APPEND", False)
+
+
 @pytest.fixture
 def counts(monkeypatch):
     """Bytes gathered by ``KVPool.read`` and by the CPU form's gathers; the tables of every paged call."""

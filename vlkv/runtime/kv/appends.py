@@ -223,3 +223,61 @@ def append_one_each(
     for r, p, col, pos, mod, order in zip(rows, past, cols, positions, modality, orders):
         r.put_one(p, col, pos, mod, order)
     return past
+
+
+def reserve_decode_entries(
+    owners: list[Appends], order_next: Tensor, order_rows: list[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """A decode step's append to one layer (one new entry per request) without its tensor writes: what
+    :meth:`Appends._append_one` and :func:`append_one_each` do besides writing the new column and the
+    K/V rows, which the fused append-and-read does in its C++ call (``vlkv/plugins/paged_append.py``).
+
+    ``owners``: one batch cache's layer, or a batch view's one-sample layers (all on one pool layer).
+    ``order_next (B,)``: each new entry's sequence index + 1; ``order_rows``: the same as ``()`` tensors
+    per request (split once per step). Tables grown to hold the column, slots allocated (a batch cache's
+    recycled columns, a one-sample cache's run spares, else fresh from the pool), next sequence indices,
+    running scores zeroed at the column, lengths (tensor and host copy) one longer, the pool's written
+    bytes counted. Returns ``past (B,)`` int64, each request's column (its length before), and ``ids
+    (H_kv, B)`` int64, the new entries' slots (any strides)."""
+    pool, layer = owners[0].pool, owners[0].layer
+    spec = pool.spec
+    first = owners[0]
+    if len(owners) == 1 and first.batch > 1:  # a batch cache: one allocation, one column per table
+        b = first.batch
+        lens = first.host_lengths()
+        first._reserve(max(lens) + 1)
+        ids = first.spares.take_recycled()
+        if ids is None:
+            ids = pool.alloc(layer, b)  # (H_kv, B): sample-major, as the Python append allocates
+        past = first.lengths
+        first.next_order = torch.maximum(first.next_order, order_next)
+        if first.scores:
+            at = (torch.arange(b, device=first.device), slice(None), past)
+            for s in first.scores.values():
+                s[at] = 0
+        first.set_lengths(past + 1, [n + 1 for n in lens])
+        pool.count_written(ids.numel())
+        return past, ids
+    if any(r.batch != 1 for r in owners):
+        raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
+    host = [r.host_lengths()[0] for r in owners]
+    for r, p in zip(owners, host):
+        r._reserve(p + 1)
+    spare = [r.spares.take() for r in owners]
+    if all(isinstance(s, int) for s in spare):  # every row continues its run: the same slot in every head
+        ids = torch.tensor(spare, device=spec.device)[None].expand(spec.kv_heads, len(owners))
+    else:
+        fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
+        cols = []
+        for s in spare:
+            if isinstance(s, int):
+                s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
+            cols.append(next(fresh) if s is None else s)
+        ids = torch.stack(cols, 1)
+    for r, p, nxt in zip(owners, host, order_rows):
+        r.next_order = torch.maximum(r.next_order, nxt)
+        for s in r.scores.values():
+            s.select(2, p).zero_()
+        r.set_lengths(r.lengths + 1, [p + 1])
+    pool.count_written(ids.numel())
+    return torch.tensor(host, device=spec.device), ids

@@ -295,6 +295,11 @@ class KVPool:
         self._prerope[layer].scatter_(1, ids, prerope)
         self.bytes_written += n * self.spec.entry_bytes // self.spec.kv_heads
 
+    def count_written(self, rows: int) -> None:
+        """Count ``rows`` single-head K + V rows written by a caller that wrote them into :attr:`keys` /
+        :attr:`values` itself (the fused decode append; its pre-RoPE flags cleared there too)."""
+        self.bytes_written += rows * self.spec.entry_bytes // self.spec.kv_heads
+
     def write_columns(self, layer: int, ids: Tensor, k: Tensor, v: Tensor) -> None:
         """Store ``k, v (H_kv, n, D)`` at slots ``ids (n,)``, the same slot in every head (decode
         appends that continue their runs): one copy per store along the slot axis, no flat index."""

@@ -25,7 +25,9 @@ kept: 0.98-1.02× the HF layers' step, ~3 % of the GEMMs' time in the skinny for
 Everything else is the HF layer's own code in the HF layer's order: its RMSNorm modules, its modeling
 file's ``apply_rotary_pos_emb`` (1-D RoPE for Llama; Qwen2-VL's cos/sin already carry the M-RoPE
 sections), its activation, the cache's ``update`` and the registered attention function, the residual
-adds, its own weights. Only the layer classes in ``SKINNY_LAYERS`` (whose forward this replays) run
+adds, its own weights. A decode step on fp32 CPU pools appends and attends in one C++ call instead of
+``update`` + the attention function (``kv.paged.fused_decode_row``, ``vlkv/plugins/paged_append.py``;
+``VLKV_CPU_APPEND=0`` keeps the two). Only the layer classes in ``SKINNY_LAYERS`` (whose forward this replays) run
 here; any other layer runs the HF forward. ``VLKV_SKINNY_GEMM=0`` runs the HF layers (default on);
 ``FamilyAdapter.skinny`` switches it per adapter.
 """
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlkv.plugins import layer_glue, skinny_gemm
+from vlkv.runtime.kv.paged import fused_decode_row
 
 # decoder layer classes whose forward is norm → attention(q/k/v, RoPE, cache, o) → residual → norm →
 # mlp(down(act(gate) * up)) → residual, with attention kwargs limited to the cache and the mask
@@ -126,12 +129,20 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     else:
         q, k = _rotary(attn)(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    if ctx is not None:
-        k, v = ctx.update(k, v, attn.layer_idx, kwargs={})
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
-    if attend is None:
-        raise ValueError(f"no attention function registered as {attn.config._attn_implementation!r}")
-    out, _ = attend(attn, q, k, v, ctx, dropout=0.0, scaling=attn.scaling)
+    # a decode step's append and paged read as one C++ call where the step allows it (fp32 CPU, no
+    # statistics from this layer...); else the cache's update and the registered attention function
+    out = (
+        None
+        if ctx is None or not hasattr(ctx, "one_row")
+        else fused_decode_row(ctx, attn.layer_idx, q, k, v, attn.scaling)
+    )
+    if out is None:
+        if ctx is not None:
+            k, v = ctx.update(k, v, attn.layer_idx, kwargs={})
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
+        if attend is None:
+            raise ValueError(f"no attention function registered as {attn.config._attn_implementation!r}")
+        out, _ = attend(attn, q, k, v, ctx, dropout=0.0, scaling=attn.scaling)
     hidden = residual + _proj(attn.o_proj, out.reshape(*shape, -1).contiguous())
     residual = hidden
     h = _norm(layer.post_attention_layernorm, hidden, glue)
