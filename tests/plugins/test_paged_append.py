@@ -195,6 +195,14 @@ def test_bad_arguments_are_refused_in_one_line():
     far = NewColumns(c.positions, c.modality, c.order, c.cols + 100, c.pos_new, c.mod_new, c.ord_new)
     with pytest.raises(RuntimeError, match="column .* outside request 0"):
         _call(tuple(case[:8] + [far, case[9]]), 1.0)
+    # a strided cols (the same values) would be read through its raw pointer: refused, nothing written
+    strided = torch.stack([c.cols, c.cols], 1)[:, 0]
+    assert torch.equal(strided, c.cols) and not strided.is_contiguous()
+    pools = [case[3].clone(), case[4].clone()]
+    loose = NewColumns(c.positions, c.modality, c.order, strided, c.pos_new, c.mod_new, c.ord_new)
+    with pytest.raises(RuntimeError, match="contiguous pools, prerope, lengths and cols"):
+        _call(tuple(case[:8] + [loose, case[9]]), 1.0)
+    assert torch.equal(case[3], pools[0]) and torch.equal(case[4], pools[1])
     with pytest.raises(ValueError, match="pos_new: one row per request"):
         NewColumns(c.positions, c.modality, c.order, c.cols, c.pos_new[:1], c.mod_new, c.ord_new)
 

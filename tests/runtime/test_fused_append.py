@@ -5,8 +5,8 @@ What must hold: the fused path is taken on every decode layer it can serve (coun
 or off the caches hold the same K/V bytes at the same slots, the same tables and lengths, the logits
 agree within fp32 rounding and greedy tokens are equal: batch caches (``Engine.decode``) and a
 scheduler's batch views (``Engine.generate``), tiny LLaVA (1-D RoPE) and tiny Qwen2-VL (M-RoPE), a full
-cache, per-head tables and holes (KVzip's per-head budgets), a statistics policy (H2O: its layers fall
-back while they want statistics), ragged lengths. ``VLKV_CPU_APPEND=0`` turns it off; without a
+cache, per-head tables and holes (KVzip's per-head budgets), a statistics policy (H2O: the fused call
+also returns the probabilities it wants), ragged lengths. ``VLKV_CPU_APPEND=0`` turns it off; without a
 compiler it is never taken.
 """
 
@@ -68,6 +68,33 @@ def _full(engine, prompts):
     batch = engine.encode(prompts)
     cache = engine.new_cache(batch)
     return batch, cache, engine.prefill(batch, make_policy("full"), cache)
+
+
+def _snapkv_packed(engine, prompts):
+    """A SnapKV prefill at budget 0.5 (per-head kept sets, packed into one run per row)."""
+    batch = engine.encode(prompts)
+    cache = engine.new_cache(batch)
+    return batch, cache, engine.prefill(batch, make_policy("snapkv", budget=0.5), cache)
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+@pytest.mark.parametrize("prepare", [_full, _snapkv_packed], ids=["full", "snapkv-packed"])
+def test_long_rows_read_as_a_run_then_appends_equal_the_reference(
+    name, prepare, engines, images, monkeypatch, taken
+):
+    """Rows longer than the kernel's leading-run threshold (``PREFIX_MIN``), whole or packed after a
+    SnapKV prefill: the fused read takes the run as contiguous rows and the appends through their
+    slots, merged by their log-sum-exps; logits and tokens equal the reference path's."""
+    engine = engines[name]
+    long_text = " ".join(["the red square sits left of a blue circle"] * 80)
+    prompts = [Prompt(long_text, [images[0]]), Prompt(long_text + " Why?")]
+    got = _decode_both(engine, prompts, 4, prepare, monkeypatch, taken)
+    (fused, cache_f, calls_f), (ref, _, calls_r) = got[True], got[False]
+    assert calls_f == 4 * engine.backend.num_layers and calls_r == 0
+    assert min(cache_f.layers[0].host_lengths()) > 256
+    for a, b in zip(fused, ref):
+        torch.testing.assert_close(a.logits, b.logits, **TOL)
+        assert torch.equal(a.logits.argmax(-1), b.logits.argmax(-1))
 
 
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])

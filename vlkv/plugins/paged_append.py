@@ -76,8 +76,12 @@ std::vector<torch::Tensor> append_rows(torch::Tensor q, torch::Tensor k_new, tor
                   mod_new.scalar_type() == at::kChar && ord_new.scalar_type() == at::kLong,
               "append_rows: int64 cols, pos_new, ord_new; int8 mod_new");
   TORCH_CHECK(G <= 16 && D <= 256 && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  prerope.is_contiguous() && lengths.is_contiguous(),
-              "append_rows: G <= 16, D <= 256, contiguous pools, prerope and lengths");
+                  prerope.is_contiguous() && lengths.is_contiguous() && cols.is_contiguous(),
+              "append_rows: G <= 16, D <= 256, contiguous pools, prerope, lengths and cols");
+  TORCH_CHECK(q.is_cpu() && k_new.is_cpu() && v_new.is_cpu() && k_pool.is_cpu() && v_pool.is_cpu() &&
+                  prerope.is_cpu() && ids.is_cpu() && cols.is_cpu() && lengths.is_cpu() && pos_new.is_cpu() &&
+                  mod_new.is_cpu() && ord_new.is_cpu(),
+              "append_rows: every tensor on the CPU");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_new.scalar_type() == at::kFloat &&
                   v_new.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat &&
                   v_pool.scalar_type() == at::kFloat && prerope.scalar_type() == at::kBool &&

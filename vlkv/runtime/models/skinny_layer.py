@@ -129,8 +129,9 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     else:
         q, k = _rotary(attn)(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    # a decode step's append and paged read as one C++ call where the step allows it (fp32 CPU, no
-    # statistics from this layer...); else the cache's update and the registered attention function
+    # a decode step's append and paged read as one C++ call where the step allows it (fp32 CPU pool,
+    # one new row per request, no pre-RoPE or low-rank entries; statistics come from the same read);
+    # else the cache's update and the registered attention function
     out = (
         None
         if ctx is None or not hasattr(ctx, "one_row")
