@@ -113,26 +113,30 @@ def test_packed_rows_stay_runs_through_a_pool_compaction_and_take_appends():
     _same_entries(packed, plain)
 
 
+def _one_request(n: int, reserve: int, seed: int) -> LayerKV:
+    """A one-sample cache on a growable pool holding an ``n``-entry prompt and ``reserve`` spare slots as
+    one run (a scheduler request's ``run_reserve``), a score."""
+    layer = LayerKV.empty(1, H, D, P, torch.float32, "cpu")
+    layer.run_reserve = reserve
+    g = torch.Generator().manual_seed(seed)
+    layer.append(
+        torch.randn(1, H, n, D, generator=g),
+        torch.randn(1, H, n, D, generator=g),
+        torch.randint(0, 50, (1, n, P), generator=g),
+        torch.zeros(1, n, dtype=torch.int8),
+        torch.tensor([n]),
+    )
+    layer.scores["s"] = torch.rand(1, H, layer.capacity, generator=g)
+    return layer
+
+
 def test_a_request_with_run_spares_stays_one_run_through_its_appends():
     """A one-sample cache on a growable pool holding its prompt and spare slots as one run (a
     scheduler request's ``run_reserve``): packed, the spares move right after the packed run, the
     decode appends continue it (one run), the pool holds what the unpacked cache holds, and the
     entries equal the unpacked cache's."""
     n, keep, reserve = 9, 4, 3
-    layers = []
-    for _ in range(2):
-        layer = LayerKV.empty(1, H, D, P, torch.float32, "cpu")
-        layer.run_reserve = reserve
-        g = torch.Generator().manual_seed(8)
-        layer.append(
-            torch.randn(1, H, n, D, generator=g),
-            torch.randn(1, H, n, D, generator=g),
-            torch.randint(0, 50, (1, n, P), generator=g),
-            torch.zeros(1, n, dtype=torch.int8),
-            torch.tensor([n]),
-        )
-        layers.append(layer)
-    packed, plain = layers
+    packed, plain = _one_request(n, reserve, 8), _one_request(n, reserve, 8)
     assert packed.spares.next_id == n  # the spares continue the prompt's run
     index = _per_head_keep((n,), [keep], 9)
     _select(packed, index, [keep], True)
@@ -149,21 +153,6 @@ def test_a_request_with_run_spares_stays_one_run_through_its_appends():
     n2 = packed.max_length
     for x, y in zip(packed.attention_kv(n2), plain.attention_kv(n2)):
         assert torch.equal(x, y)
-
-
-def _one_request(n: int, reserve: int, seed: int) -> LayerKV:
-    layer = LayerKV.empty(1, H, D, P, torch.float32, "cpu")
-    layer.run_reserve = reserve
-    g = torch.Generator().manual_seed(seed)
-    layer.append(
-        torch.randn(1, H, n, D, generator=g),
-        torch.randn(1, H, n, D, generator=g),
-        torch.randint(0, 50, (1, n, P), generator=g),
-        torch.zeros(1, n, dtype=torch.int8),
-        torch.tensor([n]),
-    )
-    layer.scores["s"] = torch.rand(1, H, layer.capacity, generator=g)
-    return layer
 
 
 def test_a_compaction_after_packing_keeps_the_spares_run():

@@ -211,18 +211,26 @@ def append_one_each(
         pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
         cols: list[Tensor | int] = list(spare)
     else:
-        fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
-        cols = []
-        for s in spare:
-            if isinstance(s, int):
-                s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
-            cols.append(next(fresh) if s is None else s)
-        pool.write(layer, torch.stack(cols, 1), kh, vh)
+        ids = _row_slots(pool, layer, spare)
+        pool.write(layer, ids, kh, vh)
         # a row continuing its run writes its table column from its int id (one scalar fill)
-        cols = [s if isinstance(s, int) else c for s, c in zip(spare, cols)]
+        cols = [s if isinstance(s, int) else ids[:, i] for i, s in enumerate(spare)]
     for r, p, col, pos, mod, order in zip(rows, past, cols, positions, modality, orders):
         r.put_one(p, col, pos, mod, order)
     return past
+
+
+def _row_slots(pool, layer: int, spare: list) -> Tensor:
+    """``(H_kv, B)`` the slots of one new entry per one-sample row: its run spare (an int, the same in
+    every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation."""
+    spec = pool.spec
+    fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
+    cols = []
+    for s in spare:
+        if isinstance(s, int):
+            s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
+        cols.append(next(fresh) if s is None else s)
+    return torch.stack(cols, 1)
 
 
 def reserve_decode_entries(
@@ -267,13 +275,7 @@ def reserve_decode_entries(
     if all(isinstance(s, int) for s in spare):  # every row continues its run: the same slot in every head
         ids = torch.tensor(spare, device=spec.device)[None].expand(spec.kv_heads, len(owners))
     else:
-        fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
-        cols = []
-        for s in spare:
-            if isinstance(s, int):
-                s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
-            cols.append(next(fresh) if s is None else s)
-        ids = torch.stack(cols, 1)
+        ids = _row_slots(pool, layer, spare)
     for r, p, nxt in zip(owners, host, order_rows):
         r.next_order = torch.maximum(r.next_order, nxt)
         for s in r.scores.values():
