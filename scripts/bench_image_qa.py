@@ -18,7 +18,8 @@ gives the same answer word for word.
 
 ``--scene "red circle" "blue square"``: one procedural scene (``vlkv.eval.scenes``, the trained
 ``smollm2-llava`` projector's domain) instead of photos, asked 8 questions whose answers are known
-(:func:`scene_questions`); the uncompressed record's own accuracy is reported beside.
+(:func:`scene_questions`); the uncompressed record's own accuracy is reported beside. ``--scenes K``:
+``K`` such scenes of held-out colour–shape pairs (:func:`heldout_scenes`), 8 questions each.
 """
 
 from __future__ import annotations
@@ -83,6 +84,26 @@ def scene_questions(names: list[str]) -> list[tuple[str, str]]:
         (t.WHERE.format(name=names[0]), "left"),
         (t.WHERE.format(name=names[1]), "right"),
     ]
+
+
+def heldout_scenes(k: int, seed: int = 0) -> list[list[str]]:
+    """``k`` two-object scenes of held-out colour–shape pairs (never drawn in training), two different
+    shapes each, drawn from ``seed``: ``[["red star", "green circle"], ...]``."""
+    import numpy as np
+
+    from vlkv.eval.scenes import pairs
+
+    if k < 1:
+        raise SystemExit(f"error: --scenes must be >= 1, got {k}")
+    held = pairs("heldout")
+    rng = np.random.default_rng(seed)
+    out: list[list[str]] = []
+    while len(out) < k:
+        i, j = rng.choice(len(held), 2, replace=False)
+        (lc, ls), (rc, rs) = held[i], held[j]
+        if ls != rs:
+            out.append([f"{lc} {ls}", f"{rc} {rs}"])
+    return out
 
 
 def _answer_mask(answers: torch.Tensor, eos: set[int]) -> torch.Tensor:
@@ -248,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--scene", nargs="+", default=None, help="one procedural scene of two objects instead of photos"
     )
+    ap.add_argument(
+        "--scenes", type=int, default=None, help="K procedural two-object scenes of held-out pairs (seed 0)"
+    )
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="cost clock (cpu: CPU time)")
     add_device_args(ap)
     args = ap.parse_args(argv)
@@ -261,20 +285,27 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(load_for_bench(args.model, args.device, args.dtype))
     args.extra_meta = _weights_id(engine)
-    truth = None
-    if args.scene:
+    if args.scene and args.scenes:
+        raise SystemExit("error: give --scene or --scenes, not both")
+    # records: (name, image, questions, known answers or None)
+    if args.scene or args.scenes:
         from vlkv.eval.scenes import make_scene
 
-        qa = scene_questions(args.scene)[: args.questions]
-        questions, truth = [q for q, _ in qa], [a for _, a in qa]
-        records = [(f"scene: {' + '.join(args.scene)}", make_scene(args.scene).image())]
+        scenes = [args.scene] if args.scene else heldout_scenes(args.scenes)
+        records = []
+        for i, names in enumerate(scenes):
+            qa = scene_questions(names)[: args.questions]
+            image = make_scene(names, seed=i).image()
+            records.append((f"scene: {' + '.join(names)}", image, [q for q, _ in qa], [a for _, a in qa]))
     else:
         questions = QUESTIONS[: args.questions]
-        records = list(zip(args.photos, real_photos(args.photos)))
+        records = [(n, im, questions, None) for n, im in zip(args.photos, real_photos(args.photos))]
+    questions = records[0][2]
+    right, asked = 0, 0
     per: dict[str, dict[str, list]] = {}
     cost: dict[str, list[float]] = {}
     done: list[str] = []
-    for name, image in records:
+    for name, image, questions, truth in records:
         ctx, suffixes, collate = _record(engine, image, questions)
         answers = [
             torch.tensor(s.token_ids)
@@ -286,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
             from vlkv.eval.vqa import is_correct
 
             said = [engine.tokenizer.decode(a.tolist()) for a in answers]
-            args.extra_meta["full_answers"] = said
-            args.extra_meta["full_accuracy"] = sum(map(is_correct, said, truth)) / len(truth)
+            right, asked = right + sum(map(is_correct, said, truth)), asked + len(truth)
+            args.extra_meta.setdefault("full_answers", {})[name] = said
+            args.extra_meta["full_accuracy"] = right / asked
         mask = _answer_mask(torch.stack(answers), engine.eos_ids).double()  # (Q, A)
         rows = [torch.cat([s, a]) for s, a in zip(suffixes, answers)]
         starts = [s.shape[0] - 1 for s in suffixes]  # the row predicting the first answer token

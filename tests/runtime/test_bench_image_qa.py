@@ -11,7 +11,7 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_image_qa.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
-from bench_image_qa import CONFIGS, _answer_mask, _over_answer, scene_questions  # noqa: E402
+from bench_image_qa import CONFIGS, _answer_mask, _over_answer, heldout_scenes, scene_questions  # noqa: E402
 
 
 def test_scene_questions_are_eight_with_their_answers():
@@ -41,3 +41,17 @@ def test_the_fp32_configs_pin_the_earlier_default():
     assert CONFIGS["kvgrad-replay-fp32"] == ("kvgrad", {"attn_grad": "full", "replay_dtype": "model"})
     assert CONFIGS["kvzip-replay-fp32"] == ("kvzip", {"replay_dtype": "model"})
     assert CONFIGS["kvgrad-replay"] == ("kvgrad", {})  # the policy's default, whatever it is
+
+
+def test_heldout_scenes_are_two_held_out_objects_of_different_shapes():
+    from vlkv.eval.scenes import HELD_OUT
+
+    scenes = heldout_scenes(6)
+    assert len(scenes) == 6 and scenes == heldout_scenes(6)  # drawn from a fixed seed
+    assert heldout_scenes(6, seed=1) != scenes
+    for names in scenes:
+        (lc, ls), (rc, rs) = (n.split() for n in names)
+        assert (lc, ls) in HELD_OUT and (rc, rs) in HELD_OUT and ls != rs
+        assert len(scene_questions(names)) == 8  # every scene takes the eight questions
+    with pytest.raises(SystemExit, match="--scenes must be >= 1"):
+        heldout_scenes(0)
