@@ -69,8 +69,9 @@ def reference(engine, prompts, new_tokens: int):
     return full_reference(engine, prompts, new_tokens)
 
 
-def run_group(engine, items, specs, budgets, new_tokens: int, batch: int) -> list[dict]:
-    """Rows ``{spec, budget, accuracy, kl, top1, n}`` for one group of items (same picture count)."""
+def run_group(engine, items, specs, budgets, new_tokens: int, batch: int, on_row=None) -> list[dict]:
+    """Rows ``{spec, budget, accuracy, kl, top1, n}`` for one group of items (same picture count);
+    ``on_row(rows)`` after each one (a stopped run keeps what it measured)."""
     from vlkv.eval.metrics import kl_divergence, top1_agreement
     from vlkv.eval.teacher_forcing import forced_logits
     from vlkv.eval.vqa import is_correct
@@ -107,6 +108,8 @@ def run_group(engine, items, specs, budgets, new_tokens: int, batch: int) -> lis
                 f"top1 {rows[-1]['top1']:.3f} ({rows[-1]['seconds']} s)",
                 flush=True,
             )
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -182,13 +185,20 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": args.new_tokens,
         "groups": {},
     }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(group: str, rows: list[dict]) -> None:
+        res["groups"][group] = rows
+        args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+        args.out.with_suffix(".md").write_text(to_markdown(res) + "\n")
+
     for group in dict.fromkeys(it.group for it in items):
         members = [it for it in items if it.group == group]
         print(f"{group}: {len(members)} questions", flush=True)
-        res["groups"][group] = run_group(engine, members, specs, args.budgets, args.new_tokens, args.batch)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    args.out.with_suffix(".md").write_text(to_markdown(res) + "\n")
+        rows = run_group(
+            engine, members, specs, args.budgets, args.new_tokens, args.batch, lambda r, g=group: write(g, r)
+        )
+        write(group, rows)
     print(to_markdown(res))
     return 0
 
