@@ -79,6 +79,14 @@ class Appends(EntryTable):
         self.set_lengths(past + new_len, [p + n for p, n in zip(past_host, new_len.tolist())])
         return past
 
+    def _tables(self) -> tuple:
+        """The per-entry tables as they are now (growing them replaces them: a reservation's mark)."""
+        return self.slots, self.positions, self.modality, self.order, self.scores, self.holes
+
+    def _restore_tables(self, tables: tuple) -> None:
+        """Put back tables :meth:`_tables` returned."""
+        self.slots, self.positions, self.modality, self.order, self.scores, self.holes = tables
+
     def _alloc_prompt(self, n: int, past: Tensor) -> Tensor:
         """``(H_kv, n)`` slots for a step's new entries: with ``run_reserve`` on a fresh one-sample
         cache of a growable pool, the first ``n`` of one run whose rest the spares hold."""
@@ -211,7 +219,7 @@ def append_one_each(
         pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
         cols: list[Tensor | int] = list(spare)
     else:
-        ids = _row_slots(pool, layer, spare)
+        ids = _row_slots(pool, layer, spare)[0]
         pool.write(layer, ids, kh, vh)
         # a row continuing its run writes its table column from its int id (one scalar fill)
         cols = [s if isinstance(s, int) else ids[:, i] for i, s in enumerate(spare)]
@@ -220,22 +228,60 @@ def append_one_each(
     return past
 
 
-def _row_slots(pool, layer: int, spare: list) -> Tensor:
+def _row_slots(pool, layer: int, spare: list) -> tuple[Tensor, Tensor]:
     """``(H_kv, B)`` the slots of one new entry per one-sample row: its run spare (an int, the same in
-    every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation."""
+    every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation; and
+    the ``(H_kv, m)`` fresh ones (what :meth:`KVPool.unalloc` takes back)."""
     spec = pool.spec
-    fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
+    fresh = pool.alloc(layer, sum(s is None for s in spare))
+    left = iter(fresh.unbind(1))
     cols = []
     for s in spare:
         if isinstance(s, int):
             s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
-        cols.append(next(fresh) if s is None else s)
-    return torch.stack(cols, 1)
+        cols.append(next(left) if s is None else s)
+    return torch.stack(cols, 1), fresh
+
+
+class DecodeReservation:
+    """A decode step's append to one layer, reserved on the host (:func:`reserve_decode_entries`) and
+    not yet written: ``past (B,)`` int64, each request's new column (its length before), ``ids (H_kv,
+    B)`` int64, the new entries' slots (any strides).
+
+    Until the write succeeds the append can be taken back: :meth:`cancel` puts every owner's lengths,
+    tables, sequence indices and spares, and the pool's free slots, references and byte count back as
+    they were (the fused call's checks run in C++, some after it wrote the rows: a failure there must
+    not leave the layer half-appended, its lengths counting entries whose K/V were never written).
+    """
+
+    def __init__(self, owners: list[Appends]):
+        self.owners = owners
+        self.pool, self.layer = owners[0].pool, owners[0].layer
+        self._written = self.pool.bytes_written
+        # per owner what the reservation replaces (it assigns new tensors; it writes in place only
+        # at the new column, past every length) and where its spares stand
+        self._marks = [
+            (r.lengths, r.host_lengths(), r.next_order, r._tables(), r.spares.mark()) for r in owners
+        ]
+        self._fresh: Tensor | None = None  # slots taken from the pool's free stacks
+        self.past: Tensor | None = None
+        self.ids: Tensor | None = None
+
+    def cancel(self) -> None:
+        """Take the reservation back (the write failed): the layer as it was before it."""
+        for r, (lengths, host, next_order, tables, spares) in zip(self.owners, self._marks):
+            r.set_lengths(lengths, host)
+            r.next_order = next_order
+            r._restore_tables(tables)
+            r.spares.rewind(spares)
+        if self._fresh is not None:
+            self.pool.unalloc(self.layer, self._fresh)
+        self.pool.bytes_written = self._written
 
 
 def reserve_decode_entries(
     owners: list[Appends], order_next: Tensor, order_rows: list[Tensor]
-) -> tuple[Tensor, Tensor]:
+) -> DecodeReservation:
     """A decode step's append to one layer (one new entry per request) without its tensor writes: what
     :meth:`Appends._append_one` and :func:`append_one_each` do besides writing the new column and the
     K/V rows, which the fused append-and-read does in its C++ call (``vlkv/plugins/paged_append.py``).
@@ -245,9 +291,23 @@ def reserve_decode_entries(
     per request (split once per step). Tables grown to hold the column, slots allocated (a batch cache's
     recycled columns, a one-sample cache's run spares, else fresh from the pool), next sequence indices,
     running scores zeroed at the column, lengths (tensor and host copy) one longer, the pool's written
-    bytes counted. Returns ``past (B,)`` int64, each request's column (its length before), and ``ids
-    (H_kv, B)`` int64, the new entries' slots (any strides)."""
-    pool, layer = owners[0].pool, owners[0].layer
+    bytes counted. Returns the :class:`DecodeReservation` (its ``past`` and ``ids``); the caller
+    cancels it where the write fails. A failure here (a fixed pool out of slots) leaves nothing changed.
+    """
+    if len(owners) != 1 and any(r.batch != 1 for r in owners):
+        raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
+    res = DecodeReservation(owners)
+    try:
+        _reserve_into(res, order_next, order_rows)
+    except BaseException:
+        res.cancel()
+        raise
+    return res
+
+
+def _reserve_into(res: DecodeReservation, order_next: Tensor, order_rows: list[Tensor]) -> None:
+    """:func:`reserve_decode_entries`'s work, recorded in ``res`` as it goes (what to take back)."""
+    owners, pool, layer = res.owners, res.pool, res.layer
     spec = pool.spec
     first = owners[0]
     if len(owners) == 1 and first.batch > 1:  # a batch cache: one allocation, one column per table
@@ -256,7 +316,7 @@ def reserve_decode_entries(
         first._reserve(max(lens) + 1)
         ids = first.spares.take_recycled()
         if ids is None:
-            ids = pool.alloc(layer, b)  # (H_kv, B): sample-major, as the Python append allocates
+            ids = res._fresh = pool.alloc(layer, b)  # (H_kv, B): sample-major, as the Python append allocates
         past = first.lengths
         first.next_order = torch.maximum(first.next_order, order_next)
         if first.scores:
@@ -265,9 +325,8 @@ def reserve_decode_entries(
                 s[at] = 0
         first.set_lengths(past + 1, [n + 1 for n in lens])
         pool.count_written(ids.numel())
-        return past, ids
-    if any(r.batch != 1 for r in owners):
-        raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
+        res.past, res.ids = past, ids
+        return
     host = [r.host_lengths()[0] for r in owners]
     for r, p in zip(owners, host):
         r._reserve(p + 1)
@@ -275,11 +334,11 @@ def reserve_decode_entries(
     if all(isinstance(s, int) for s in spare):  # every row continues its run: the same slot in every head
         ids = torch.tensor(spare, device=spec.device)[None].expand(spec.kv_heads, len(owners))
     else:
-        ids = _row_slots(pool, layer, spare)
+        ids, res._fresh = _row_slots(pool, layer, spare)
     for r, p, nxt in zip(owners, host, order_rows):
         r.next_order = torch.maximum(r.next_order, nxt)
         for s in r.scores.values():
             s.select(2, p).zero_()
         r.set_lengths(r.lengths + 1, [p + 1])
     pool.count_written(ids.numel())
-    return torch.tensor(host, device=spec.device), ids
+    res.past, res.ids = torch.tensor(host, device=spec.device), ids

@@ -129,7 +129,8 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     if not paged_append.fits(pool.spec, heads, dim) or k.shape != (b, kv_heads, 1, dim) or v.shape != k.shape:
         return None
     new = _step_columns(ctx)
-    past, ids = reserve_decode_entries(owners, new["order_next"], new["order_rows"])
+    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"])
+    past, ids = res.past, res.ids
     # read after the append: a growable pool (and a table) may have grown for it
     k_pool, v_pool = pool.keys[layer.layer], pool.values[layer.layer]
     columns = paged_append.NewColumns(
@@ -144,21 +145,27 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     # statistics wanted from this layer (H2O every step...): the kernel writes the probabilities too
     wanted = [name for name, req in ctx.requests.items() if req.wants(layer_idx)]
     width = max(r.max_length for r in owners) if wanted else None
-    got = paged_append.append_attend(
-        q.view(b, kv_heads, heads // kv_heads, dim),
-        k,
-        v,
-        k_pool,
-        v_pool,
-        pool._prerope[layer.layer],
-        ids,
-        [r.slots for r in owners],
-        [_NO_HOLES if r.holes is None else r.holes for r in owners],
-        columns,
-        past + 1 if rows is not None else layer.lengths,
-        scale,
-        probs_width=width,
-    )
+    try:
+        got = paged_append.append_attend(
+            q.view(b, kv_heads, heads // kv_heads, dim),
+            k,
+            v,
+            k_pool,
+            v_pool,
+            pool._prerope[layer.layer],
+            ids,
+            [r.slots for r in owners],
+            [_NO_HOLES if r.holes is None else r.holes for r in owners],
+            columns,
+            past + 1 if rows is not None else layer.lengths,
+            scale,
+            probs_width=width,
+        )
+    except BaseException:
+        # refused (some checks run after the rows are written) or interrupted: the layer as it was,
+        # not counting entries whose K/V may be missing
+        res.cancel()
+        raise
     if wanted:
         # every column of every row held (no holes, every request as long as the widest): no mask
         full = all(r.holes is None and min(r.host_lengths()) == width for r in owners)

@@ -201,6 +201,18 @@ class KVPool:
         self._prerope[layer].scatter_(1, ids, False)
         return ids
 
+    def unalloc(self, layer: int, ids: Tensor) -> None:
+        """Take back ``ids (H_kv, n)``, the slots :meth:`alloc` just handed out, nothing allocated or
+        freed in the layer since (an append whose write failed): they still lie above each head's stack
+        top, in order, so the top moves back over them, and their references drop to none. A layer
+        grown for them stays grown (its new slots free)."""
+        n = ids.shape[1]
+        if n == 0:
+            return
+        self._refs[layer].scatter_(1, ids, 0)
+        self._nfree[layer] = self._nfree[layer] + n
+        self._nfree_host[layer] = [f + n for f in self._nfree_host[layer]]
+
     def alloc_run(self, layer: int, n: int) -> Tensor:
         """``(H_kv, n)`` ids ``c … c+n−1``, the same run in every head, one reference each.
 
