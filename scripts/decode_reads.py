@@ -23,14 +23,14 @@ class DenseRead:
     def __enter__(self):
         from vlkv.runtime.torch_backend import _StepContext
 
-        self.real = _StepContext._paged
-        _StepContext._paged = lambda self, layer, i: False
+        self.real = _StepContext.reads_paged
+        _StepContext.reads_paged = lambda self, layer, i: False
         return self
 
     def __exit__(self, *exc):
         from vlkv.runtime.torch_backend import _StepContext
 
-        _StepContext._paged = self.real
+        _StepContext.reads_paged = self.real
 
 
 class HalvesRead:

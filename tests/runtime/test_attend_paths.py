@@ -234,7 +234,7 @@ def test_h2o_decode_statistics_equal_the_reference_path(engines, images, monkeyp
     paged_logits, paged_scores = run()
     assert any(paged_calls)  # the one-row statistics read through the slot tables (the default)
     # the same one-row statistics over dense K/V (the read before paged reads)
-    monkeypatch.setattr(tb._StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(tb._StepContext, "reads_paged", lambda self, layer, i: False)
     calls = []
     real = tb._one_row_probs
     monkeypatch.setattr(tb, "_one_row_probs", lambda *a: calls.append(1) or real(*a))

@@ -1,4 +1,4 @@
-"""A decode layer's append and paged read as one C++ call (``kv.paged.fused_decode_row``) against the
+"""A decode layer's append and paged read as one C++ call (``vlkv.runtime.fused_append.fused_decode_row``) against the
 reference path (``ctx.update``'s Python append, then the registered attention function's paged read).
 
 What must hold: the fused path is taken on every decode layer it can serve (counted), and with it on

@@ -1,4 +1,4 @@
-"""A fused decode append (``kv.paged.fused_decode_row``) that fails leaves its layer as it was.
+"""A fused decode append (``vlkv.runtime.fused_append.fused_decode_row``) that fails leaves its layer as it was.
 
 The host side of the append (tables grown, slots taken from the spares or the pool, lengths, sequence
 indices) runs before the C++ call that writes the K/V rows and the tables' new column. Where that call

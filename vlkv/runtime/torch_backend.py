@@ -67,6 +67,9 @@ class _StepContext:
         # the CPU paged read's plan of the last table read: the layers of a cache usually share one
         # table in a step, so the plan (runs, gathered rows, masks) is built once, not per layer
         self.cpu_plan = None
+        # the values a fused decode append writes into every layer's new column, split once per step
+        # (``attention_rows.fused_decode_row``): (inputs, order, columns), or None
+        self.new_columns: tuple | None = None
         # a prefill into an empty cache with no padded rows can take SDPA's is_causal path
         self.plain = (
             q > 1
@@ -102,16 +105,14 @@ class _StepContext:
         self.past[layer_idx] = layer.append(
             k, v, self.inputs.positions, self.inputs.modality, self.inputs.new_len, self.order
         )
-        if self._paged(layer, layer_idx):
+        if self.reads_paged(layer, layer_idx):
             # a plain decode step reads K/V where they lie, through the slot tables: no gathered copy
             self.paged[layer_idx] = paged_tables(layer)
             return layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
         # post-RoPE factors: a decode step attends to them in the rank space (attend), unrebuilt
         return layer.attention_kv(view=True, fill=not self._rank_space(layer))
 
-    def _put_one_row_stats(
-        self, layer_idx: int, wanted: list[str], probs: Tensor, vis: Tensor | None
-    ) -> None:
+    def put_one_row_stats(self, layer_idx: int, wanted: list[str], probs: Tensor, vis: Tensor | None) -> None:
         """Each wanted request's statistics of this layer from a decode step's one softmax row per head
         (``probs (B, H_kv, G, S)`` float32, ``vis`` its visibility mask or None)."""
         for name in wanted:
@@ -121,7 +122,7 @@ class _StepContext:
             else:
                 self.stats[layer_idx] = st
 
-    def _paged(self, layer, layer_idx: int) -> bool:
+    def reads_paged(self, layer, layer_idx: int) -> bool:
         """This layer's decode attention reads the pool through the tables (``ops.paged_attention``, or
         ``paged_probs`` when statistics are wanted): one new row per sample, dense entries (shared
         pre-RoPE keys are rotated on read; no low-rank factors), no selected attention or link step."""
@@ -166,7 +167,7 @@ class _StepContext:
                 getattr(self, "cpu_plan", None),
             )
             if wanted:
-                self._put_one_row_stats(layer_idx, wanted, probs, vis)
+                self.put_one_row_stats(layer_idx, wanted, probs, vis)
             return out.transpose(1, 2).contiguous()
         index = self.inputs.attend[layer_idx] if self.inputs.attend is not None else None
         # per-head holes (heads with their own budgets): False where a head must not attend
@@ -183,7 +184,7 @@ class _StepContext:
             layer = self.cache.layers[layer_idx]
             if self._rank_space(layer):
                 out, probs, vis = _rank_space_one_row(q, k, v, scale, past, open_, layer)
-                self._put_one_row_stats(layer_idx, wanted, probs, vis)
+                self.put_one_row_stats(layer_idx, wanted, probs, vis)
                 return out.transpose(1, 2).contiguous()
             if wanted and getattr(self, "one_row", False):
                 # a decode step's statistics are one softmax row per head: a few tensor ops, not the
@@ -196,7 +197,7 @@ class _StepContext:
                     out = self._attend_full(q, k, v, scale, past, new_len, open_)
                 else:
                     out = _one_row_out(probs, v, q)
-                self._put_one_row_stats(layer_idx, wanted, probs, vis)
+                self.put_one_row_stats(layer_idx, wanted, probs, vis)
                 return out.transpose(1, 2).contiguous()
             out = self._attend_full(q, k, v, scale, past, new_len, open_)
             selected = None

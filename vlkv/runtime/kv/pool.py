@@ -292,6 +292,11 @@ class KVPool:
         """``(B, H_kv, n)`` bool for slot ids ``ids (B, H_kv, n)``: the key is stored before RoPE."""
         return self._prerope[layer][self._heads[None, :, None], ids]
 
+    def prerope_flags(self, layer: int) -> Tensor:
+        """``(H_kv, S)`` bool, the layer's pre-RoPE flags themselves (no copy): for a writer that clears
+        them at the slots it writes (the fused decode append)."""
+        return self._prerope[layer]
+
     def write(self, layer: int, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False) -> None:
         """Store ``k, v (H_kv, n, D)`` at slots ``ids (H_kv, n)`` (the same count in every head)."""
         keys, values = self.keys[layer], self.values[layer]
