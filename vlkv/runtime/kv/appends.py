@@ -112,35 +112,53 @@ class Appends(EntryTable):
             append_one_each([self], k, v, list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev)), orders)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
-        lens = self.host_lengths()
-        self._reserve(max(lens) + 1)
-        ids = self.spares.take_recycled()
-        if ids is None:
-            ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
+        lens, ids, _ = self._decode_slots()
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
-        # a batch moving in step writes one column of every table (a slice); a ragged one indexes
-        at = (slice(None), slice(None), lens[0]) if min(lens) == lens[0] == max(lens) else None
-        if at is None:
-            bi = torch.arange(b, device=dev)
-            at = (bi, slice(None), past)
+        at = self._decode_column(lens, past)
         self.slots[at] = ids.t()
         self.positions[at] = positions.to(dev)[:, 0, None, :].to(torch.long)
         self.modality[at] = modality.to(dev).to(torch.int8)
         if order is None:
             self.order[at] = self.next_order[:, None]
-            self.next_order = self.next_order + 1
+            next_order = self.next_order + 1
         else:
             order = order.to(device=dev, dtype=torch.long)[:, 0]
             self.order[at] = order[:, None]
-            self.next_order = torch.maximum(self.next_order, order + 1)
-        for s in self.scores.values():
-            s[at] = 0
+            next_order = torch.maximum(self.next_order, order + 1)
         if self.holes is not None:
             self.holes[at] = False
-        self.set_lengths(past + 1, [n + 1 for n in lens])
+        self._decode_advance(at, past, lens, next_order)
         return past
+
+    # A batch cache's decode append in three host-side parts, shared by the Python append above and the
+    # fused one (:func:`reserve_decode_entries`, whose C++ call writes the rows and the column between)
+    def _decode_slots(self) -> tuple[list[int], Tensor, bool]:
+        """Tables grown for one more column and the new entries' ``ids (H_kv, B)`` (sample-major, as the
+        general path allocates): the recycled columns of decode evictions, else fresh from the pool.
+        Returns the host lengths before, the ids and whether they came from the pool."""
+        lens = self.host_lengths()
+        self._reserve(max(lens) + 1)
+        ids = self.spares.take_recycled()
+        if ids is not None:
+            return lens, ids, False
+        return lens, self.pool.alloc(self.layer, self.batch), True
+
+    def _decode_column(self, lens: list[int], past: Tensor) -> tuple:
+        """The index of each sample's new column (``past (B,)``, ``lens`` its host copy): a batch moving
+        in step writes one column of every table (a slice); a ragged one indexes."""
+        if min(lens) == lens[0] == max(lens):
+            return slice(None), slice(None), lens[0]
+        return torch.arange(self.batch, device=self.device), slice(None), past
+
+    def _decode_advance(self, at: tuple, past: Tensor, lens: list[int], next_order: Tensor) -> None:
+        """After the new column (``at``): its running scores zeroed, the next sequence indices, every
+        sample one entry longer."""
+        self.next_order = next_order
+        for s in self.scores.values():
+            s[at] = 0
+        self.set_lengths(past + 1, [n + 1 for n in lens])
 
     def put_one(
         self,
@@ -177,10 +195,14 @@ class Appends(EntryTable):
                 self.next_order = torch.maximum(self.next_order, order + 1)
             else:
                 self.next_order = self.next_order.clamp(min=order + 1)
-        for s in self.scores.values():
-            s.select(2, p).zero_()
         if self.holes is not None:
             self.holes.select(2, p).fill_(False)
+        self._advance_one(p)
+
+    def _advance_one(self, p: int) -> None:
+        """After a one-sample cache's new column ``p``: its running scores zeroed, one entry longer."""
+        for s in self.scores.values():
+            s.select(2, p).zero_()
         self.set_lengths(self.lengths + 1, [p + 1])
 
 
@@ -210,10 +232,7 @@ def append_one_each(
     """
     pool, layer = rows[0].pool, rows[0].layer
     spec = pool.spec
-    past = [r.host_lengths()[0] for r in rows]  # kept on the host: no read back per row and layer
-    for r, p in zip(rows, past):
-        r._reserve(p + 1)
-    spare = [r.spares.take() for r in rows]
+    past, spare = _row_spares(rows)
     kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
     if all(isinstance(s, int) for s in spare):  # every row continues its run: one id per row
         pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
@@ -226,6 +245,15 @@ def append_one_each(
     for r, p, col, pos, mod, order in zip(rows, past, cols, positions, modality, orders):
         r.put_one(p, col, pos, mod, order)
     return past
+
+
+def _row_spares(rows: list[Appends]) -> tuple[list[int], list[Tensor | int | None]]:
+    """Each one-sample row's length (kept on the host: no read back per row and layer) and its next
+    run spare (:meth:`SpareSlots.take`), its tables grown for one more column."""
+    past = [r.host_lengths()[0] for r in rows]
+    for r, p in zip(rows, past):
+        r._reserve(p + 1)
+    return past, [r.spares.take() for r in rows]
 
 
 def _row_slots(pool, layer: int, spare: list) -> tuple[Tensor, Tensor]:
@@ -282,9 +310,10 @@ class DecodeReservation:
 def reserve_decode_entries(
     owners: list[Appends], order_next: Tensor, order_rows: list[Tensor]
 ) -> DecodeReservation:
-    """A decode step's append to one layer (one new entry per request) without its tensor writes: what
-    :meth:`Appends._append_one` and :func:`append_one_each` do besides writing the new column and the
-    K/V rows, which the fused append-and-read does in its C++ call (``vlkv/plugins/paged_append.py``).
+    """A decode step's append to one layer (one new entry per request) without its tensor writes: the
+    host parts :meth:`Appends._append_one` and :func:`append_one_each` run around writing the new column
+    and the K/V rows (the same helpers), which the fused append-and-read does in its C++ call
+    (``vlkv/plugins/paged_append.py``).
 
     ``owners``: one batch cache's layer, or a batch view's one-sample layers (all on one pool layer).
     ``order_next (B,)``: each new entry's sequence index + 1; ``order_rows``: the same as ``()`` tensors
@@ -311,34 +340,22 @@ def _reserve_into(res: DecodeReservation, order_next: Tensor, order_rows: list[T
     spec = pool.spec
     first = owners[0]
     if len(owners) == 1 and first.batch > 1:  # a batch cache: one allocation, one column per table
-        b = first.batch
-        lens = first.host_lengths()
-        first._reserve(max(lens) + 1)
-        ids = first.spares.take_recycled()
-        if ids is None:
-            ids = res._fresh = pool.alloc(layer, b)  # (H_kv, B): sample-major, as the Python append allocates
-        past = first.lengths
-        first.next_order = torch.maximum(first.next_order, order_next)
-        if first.scores:
-            at = (torch.arange(b, device=first.device), slice(None), past)
-            for s in first.scores.values():
-                s[at] = 0
-        first.set_lengths(past + 1, [n + 1 for n in lens])
+        lens, ids, fresh = first._decode_slots()
+        if fresh:
+            res._fresh = ids
+        past = first.lengths  # set_lengths below gives the layer a new tensor: this one stays as it is
+        at = first._decode_column(lens, past) if first.scores else None
+        first._decode_advance(at, past, lens, torch.maximum(first.next_order, order_next))
         pool.count_written(ids.numel())
         res.past, res.ids = past, ids
         return
-    host = [r.host_lengths()[0] for r in owners]
-    for r, p in zip(owners, host):
-        r._reserve(p + 1)
-    spare = [r.spares.take() for r in owners]
+    host, spare = _row_spares(owners)
     if all(isinstance(s, int) for s in spare):  # every row continues its run: the same slot in every head
         ids = torch.tensor(spare, device=spec.device)[None].expand(spec.kv_heads, len(owners))
     else:
         ids, res._fresh = _row_slots(pool, layer, spare)
     for r, p, nxt in zip(owners, host, order_rows):
         r.next_order = torch.maximum(r.next_order, nxt)
-        for s in r.scores.values():
-            s.select(2, p).zero_()
-        r.set_lengths(r.lengths + 1, [p + 1])
+        r._advance_one(p)
     pool.count_written(ids.numel())
     res.past, res.ids = torch.tensor(host, device=spec.device), ids
