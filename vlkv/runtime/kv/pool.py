@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from vlkv.runtime.kv.pool_spec import PoolFull, PoolSpec
+
+__all__ = ["COMPACT_FREE_FRACTION", "COMPACT_MIN_SLOTS", "GROW_SLOTS", "KVPool", "PoolFull", "PoolSpec"]
 
 # growable pools: compact a layer when more than this fraction of its slots is free ...
 COMPACT_FREE_FRACTION = 0.5
@@ -34,52 +37,6 @@ COMPACT_FREE_FRACTION = 0.5
 COMPACT_MIN_SLOTS = 256
 # growable pools grow a layer by at least this many slots (amortises decode appends)
 GROW_SLOTS = 32
-
-
-class PoolFull(RuntimeError):
-    """A fixed-size pool has fewer free slots in a layer than a write needs."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PoolSpec:
-    """The shape of every layer's slots.
-
-    Attributes:
-        num_layers: decoder layers. kv_heads: KV heads per layer. head_dim: D.
-        dtype: K/V storage dtype. device: where the K/V tensors (and slot tables) live.
-    """
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        object.__setattr__(self, "device", torch.device(self.device))
-
-    @classmethod
-    def for_backend(cls, backend) -> PoolSpec:
-        """The layout of a backend's model (layers, KV heads, head size, dtype, device)."""
-        return cls(
-            num_layers=backend.num_layers,
-            kv_heads=backend.num_kv_heads,
-            head_dim=backend.head_dim,
-            dtype=backend.dtype,
-            device=backend.device,
-        )
-
-    @property
-    def entry_bytes(self) -> int:
-        """K + V bytes of one token in one layer (all KV heads)."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
-
-    def slots_for_bytes(self, nbytes: int) -> int:
-        """Slots per layer a pool of ``nbytes`` K/V bytes holds."""
-        return nbytes // (self.entry_bytes * self.num_layers)
 
 
 class KVPool:
