@@ -23,7 +23,7 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     where the step and the cache allow it; None where they do not (the caller appends through
     ``ctx.update`` and attends through the registered attention function, the reference path).
 
-    ``ctx`` is the step's context (the torch backend's ``_StepContext``; read through its public
+    ``ctx`` is the step's :class:`~vlkv.runtime.step_context.StepContext` (read through its public
     ``cache``, ``inputs``, ``order``, ``one_row``, ``reads_paged``, ``requests``, ``put_one_row_stats``,
     ``past``, ``attended``, ``new_columns``), ``q (B, H, 1, D)`` post-RoPE,
     ``k, v (B, H_kv, 1, D)`` the new entries. The host side of the append (tables grown, slots
