@@ -232,13 +232,19 @@ def append_one_each(
     """
     pool, layer = rows[0].pool, rows[0].layer
     spec = pool.spec
+    marks = [r.spares.mark() for r in rows]
     past, spare = _row_spares(rows)
     kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
     if all(isinstance(s, int) for s in spare):  # every row continues its run: one id per row
         pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
         cols: list[Tensor | int] = list(spare)
     else:
-        ids = _row_slots(pool, layer, spare)[0]
+        try:
+            ids = _row_slots(pool, layer, spare)[0]
+        except BaseException:  # a fixed pool out of slots: the spares taken stay held, none is lost
+            for r, m in zip(rows, marks):
+                r.spares.rewind(m)
+            raise
         pool.write(layer, ids, kh, vh)
         # a row continuing its run writes its table column from its int id (one scalar fill)
         cols = [s if isinstance(s, int) else ids[:, i] for i, s in enumerate(spare)]
