@@ -79,13 +79,22 @@ class Appends(EntryTable):
         self.set_lengths(past + new_len, [p + n for p, n in zip(past_host, new_len.tolist())])
         return past
 
-    def _tables(self) -> tuple:
-        """The per-entry tables as they are now (growing them replaces them: a reservation's mark)."""
-        return self.slots, self.positions, self.modality, self.order, self.scores, self.holes
+    def _mark(self) -> tuple:
+        """What a decode reservation replaces, as it is now: the lengths and their host copy (no read
+        back), the next sequence indices and the per-entry tables (growing them replaces them). It
+        assigns new tensors to all of them and writes in place only at the new column, past every
+        length, so :meth:`_restore` of this mark undoes it."""
+        return (
+            self._lengths, self._host, self.next_order,
+            self.slots, self.positions, self.modality, self.order, self.scores, self.holes,
+        )  # fmt: skip
 
-    def _restore_tables(self, tables: tuple) -> None:
-        """Put back tables :meth:`_tables` returned."""
-        self.slots, self.positions, self.modality, self.order, self.scores, self.holes = tables
+    def _restore(self, mark: tuple) -> None:
+        """Put back what :meth:`_mark` returned."""
+        (
+            self._lengths, self._host, self.next_order,
+            self.slots, self.positions, self.modality, self.order, self.scores, self.holes,
+        ) = mark  # fmt: skip
 
     def _alloc_prompt(self, n: int, past: Tensor) -> Tensor:
         """``(H_kv, n)`` slots for a step's new entries: with ``run_reserve`` on a fresh one-sample
@@ -292,21 +301,16 @@ class DecodeReservation:
         self.owners = owners
         self.pool, self.layer = owners[0].pool, owners[0].layer
         self._written = self.pool.bytes_written
-        # per owner what the reservation replaces (it assigns new tensors; it writes in place only
-        # at the new column, past every length) and where its spares stand
-        self._marks = [
-            (r.lengths, r.host_lengths(), r.next_order, r._tables(), r.spares.mark()) for r in owners
-        ]
+        # per owner what the reservation replaces and where its spares stand
+        self._marks = [(r._mark(), r.spares.mark()) for r in owners]
         self._fresh: Tensor | None = None  # slots taken from the pool's free stacks
         self.past: Tensor | None = None
         self.ids: Tensor | None = None
 
     def cancel(self) -> None:
         """Take the reservation back (the write failed): the layer as it was before it."""
-        for r, (lengths, host, next_order, tables, spares) in zip(self.owners, self._marks):
-            r.set_lengths(lengths, host)
-            r.next_order = next_order
-            r._restore_tables(tables)
+        for r, (mark, spares) in zip(self.owners, self._marks):
+            r._restore(mark)
             r.spares.rewind(spares)
         if self._fresh is not None:
             self.pool.unalloc(self.layer, self._fresh)
