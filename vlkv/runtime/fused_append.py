@@ -58,31 +58,30 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     if not paged_append.fits(pool.spec, heads, dim) or k.shape != (b, kv_heads, 1, dim) or v.shape != k.shape:
         return None
     new = _step_columns(ctx)
-    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"])
-    past, ids = res.past, res.ids
-    # read after the append: a growable pool (and a table) may have grown for it
-    k_pool, v_pool = pool.keys[layer.layer], pool.values[layer.layer]
-    columns = paged_append.NewColumns(
-        [r.positions for r in owners],
-        [r.modality for r in owners],
-        [r.order for r in owners],
-        past,
-        new["positions"],
-        new["modality"],
-        new["order"],
-    )
     # statistics wanted from this layer (H2O every step...): the kernel writes the probabilities too
     wanted = [name for name, req in ctx.requests.items() if req.wants(layer_idx)]
-    width = max(r.max_length for r in owners) if wanted else None
-    try:
+    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"])
+    try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
+        past = res.past
+        width = max(r.max_length for r in owners) if wanted else None
+        columns = paged_append.NewColumns(
+            [r.positions for r in owners],
+            [r.modality for r in owners],
+            [r.order for r in owners],
+            past,
+            new["positions"],
+            new["modality"],
+            new["order"],
+        )
+        # the pool's tensors read after the reservation: a growable pool may have grown for it
         got = paged_append.append_attend(
             q.view(b, kv_heads, heads // kv_heads, dim),
             k,
             v,
-            k_pool,
-            v_pool,
+            pool.keys[layer.layer],
+            pool.values[layer.layer],
             pool.prerope_flags(layer.layer),
-            ids,
+            res.ids,
             [r.slots for r in owners],
             [_NO_HOLES if r.holes is None else r.holes for r in owners],
             columns,
@@ -91,8 +90,8 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
             probs_width=width,
         )
     except BaseException:
-        # refused (some checks run after the rows are written) or interrupted: the layer as it was,
-        # not counting entries whose K/V may be missing
+        # refused (some of the kernel's checks run after it wrote the rows) or interrupted: the layer
+        # as it was, not counting entries whose K/V may be missing
         res.cancel()
         raise
     if wanted:
