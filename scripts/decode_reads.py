@@ -21,16 +21,16 @@ class DenseRead:
     into a padded scratch copy (``KVPool.read``), then attention over it (the "before" of the issue)."""
 
     def __enter__(self):
-        from vlkv.runtime.torch_backend import _StepContext
+        from vlkv.runtime.step_context import StepContext
 
-        self.real = _StepContext._paged
-        _StepContext._paged = lambda self, layer, i: False
+        self.real = StepContext.reads_paged
+        StepContext.reads_paged = lambda self, layer, i: False
         return self
 
     def __exit__(self, *exc):
-        from vlkv.runtime.torch_backend import _StepContext
+        from vlkv.runtime.step_context import StepContext
 
-        _StepContext._paged = self.real
+        StepContext.reads_paged = self.real
 
 
 class HalvesRead:

@@ -78,19 +78,35 @@ def test_a_first_build_says_so_on_stderr_and_a_cached_one_is_silent(monkeypatch,
 
 
 def test_a_cpu_fp32_engine_builds_the_kernel_at_start(engines, monkeypatch):
-    import vlkv.plugins.paged_append as paged_append
     from vlkv.runtime.torch_backend import TorchBackend
 
-    calls, appends = [], []
+    calls = []
     monkeypatch.setattr(kernel, "kernel", lambda: calls.append(1) or object())
-    monkeypatch.setattr(paged_append, "kernel", lambda: appends.append(1) or object())
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
     be = engines["tiny-llava"].backend
     fresh = TorchBackend(be.model, be.adapter.family, be.adapter.image_token_id)
-    assert fresh.fused_cpu_read and calls == [1] and appends == [1]  # the decode append in front of it too
-    monkeypatch.setattr(paged_append, "FUSED_APPEND", False)
-    assert paged_cpu.warm_up("cpu", torch.float32) and calls == [1, 1] and appends == [1]  # append off
-    calls.pop()
+    assert fresh.fused_cpu_read and calls == [1]  # the decode append is in the same extension
     assert paged_cpu.warm_up("cpu", torch.bfloat16) is False and calls == [1]  # not for a bf16 model
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", False)
     assert paged_cpu.warm_up("cpu", torch.float32) is False and calls == [1]  # off: nothing built
+
+
+def test_the_read_and_the_decode_append_are_one_build(monkeypatch):
+    """One extension exports the read's entry points and the decode append's: one compile (about a
+    minute) at first start, not two, and the append's kernel is the read's module."""
+    import torch.utils.cpp_extension as ext
+
+    import vlkv.plugins.paged_append as paged_append
+
+    built = []
+    monkeypatch.setattr(
+        ext, "load_inline", lambda name, **kw: built.append((name, kw["functions"])) or object()
+    )
+    monkeypatch.setattr(kernel, "_BUILT", [])  # as in a fresh process: nothing tried yet
+    mod = paged_append.kernel()
+    assert kernel.kernel() is mod and paged_append.kernel() is mod
+    assert built == [(kernel.build_name(), ["segments", "table_rows", "table_rows_probs", "append_rows"])]
+    monkeypatch.undo()
+    real = kernel.kernel()  # the real extension (cached): every entry point is there
+    assert real is paged_append.kernel()
+    assert all(hasattr(real, f) for f in ("segments", "table_rows", "table_rows_probs", "append_rows"))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.prompt import Prompt
-from vlkv.runtime.torch_backend import _StepContext
+from vlkv.runtime.step_context import StepContext
 
 RTOL, ATOL = 1e-5, 1e-6  # float32; the paths differ only in summation order
 
@@ -38,7 +38,7 @@ def test_plain_prefill_is_causal_path(t):
     q, k, v = _qkv(2, 6, 2, t, t)
     past, new_len = torch.zeros(2, dtype=torch.long), torch.full((2,), t)
     ctx = SimpleNamespace(plain=t > 1)
-    got = _StepContext._attend_full(ctx, q, k, v, 0.25, past, new_len)
+    got = StepContext._attend_full(ctx, q, k, v, 0.25, past, new_len)
     torch.testing.assert_close(got, masked_reference(q, k, v, 0.25, past, new_len), rtol=RTOL, atol=ATOL)
 
 
@@ -48,7 +48,7 @@ def test_decode_folds_query_heads(s):
     # ragged caches: sample 1 holds fewer entries than the widest, sample 2 adds nothing this step
     past = torch.tensor([s - 1, max(s // 2 - 1, 0), s - 1])
     new_len = torch.tensor([1, 1, 0 if s > 1 else 1])
-    got = _StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
+    got = StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
     want = masked_reference(q, k, v, 0.3, past, new_len)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, equal_nan=True)
 
@@ -56,7 +56,7 @@ def test_decode_folds_query_heads(s):
 def test_padded_prefill_keeps_the_mask():
     q, k, v = _qkv(2, 6, 2, 9, 9)
     past, new_len = torch.zeros(2, dtype=torch.long), torch.tensor([9, 4])
-    got = _StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.25, past, new_len)
+    got = StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.25, past, new_len)
     want = masked_reference(q, k, v, 0.25, past, new_len)
     torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(got[1, :, :4], want[1, :, :4], rtol=RTOL, atol=ATOL)
@@ -102,11 +102,11 @@ def test_plain_flag_reads_cache_and_padding():
     full = StepInputs(
         ids, torch.zeros(2, 5, 1, dtype=torch.long), torch.zeros(2, 5, dtype=torch.int8), torch.tensor([5, 5])
     )
-    assert _StepContext(cache, full, None).plain
+    assert StepContext(cache, full, None).plain
     padded = StepInputs(ids, full.positions, full.modality, torch.tensor([5, 3]))
-    assert not _StepContext(cache, padded, None).plain
+    assert not StepContext(cache, padded, None).plain
     cache.layers[0].lengths = torch.tensor([0, 2])
-    assert not _StepContext(cache, full, None).plain
+    assert not StepContext(cache, full, None).plain
 
 
 @pytest.mark.parametrize("s", [1, 7, 300])
@@ -192,7 +192,7 @@ def test_decode_output_from_the_statistics_probabilities(dtype, holes):
 def test_h2o_decode_statistics_equal_the_reference_path(engines, images, monkeypatch):
     """End to end: H2O's logits and running scores over several decode steps are the same whether
     the step takes the one-row statistics or the general statistics pass."""
-    import vlkv.runtime.torch_backend as tb
+    import vlkv.runtime.step_context as sc
     from vlkv.runtime.policies import make_policy
 
     engine = engines["tiny-llava"]
@@ -234,22 +234,22 @@ def test_h2o_decode_statistics_equal_the_reference_path(engines, images, monkeyp
     paged_logits, paged_scores = run()
     assert any(paged_calls)  # the one-row statistics read through the slot tables (the default)
     # the same one-row statistics over dense K/V (the read before paged reads)
-    monkeypatch.setattr(tb._StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(sc.StepContext, "reads_paged", lambda self, layer, i: False)
     calls = []
-    real = tb._one_row_probs
-    monkeypatch.setattr(tb, "_one_row_probs", lambda *a: calls.append(1) or real(*a))
+    real = sc._one_row_probs
+    monkeypatch.setattr(sc, "_one_row_probs", lambda *a: calls.append(1) or real(*a))
     row_logits, row_scores = run()
     assert calls  # the one-row statistics were taken
     torch.testing.assert_close(paged_logits, row_logits, rtol=1e-5, atol=1e-5)
     for a, b in zip(paged_scores, row_scores):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    old_attend = tb._StepContext.attend
+    old_attend = sc.StepContext.attend
 
     def attend(self, *args):
         self.one_row = False  # the separate statistics pass
         return old_attend(self, *args)
 
-    monkeypatch.setattr(tb._StepContext, "attend", attend)
+    monkeypatch.setattr(sc.StepContext, "attend", attend)
     calls.clear()
     plain_logits, plain_scores = run()
     assert not calls
@@ -277,9 +277,9 @@ def test_decode_reads_sdpa_outputs_of_any_layout(s, ragged, monkeypatch):
     q, k, v = _qkv(3, 6, 2, 1, s)
     past = torch.tensor([s - 1, max(s // 2 - 1, 0) if ragged else s - 1, s - 1])
     new_len = torch.ones(3, dtype=torch.long)
-    want = _StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
+    want = StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
     monkeypatch.setattr(F, "scaled_dot_product_attention", _cuda_layout_sdpa(F.scaled_dot_product_attention))
-    got = _StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
+    got = StepContext._attend_full(SimpleNamespace(plain=False), q, k, v, 0.3, past, new_len)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

@@ -1,4 +1,4 @@
-"""A decode layer's append and paged read as one C++ call (``kv.paged.fused_decode_row``) against the
+"""A decode layer's append and paged read as one C++ call (``vlkv.runtime.fused_append.fused_decode_row``) against the
 reference path (``ctx.update``'s Python append, then the registered attention function's paged read).
 
 What must hold: the fused path is taken on every decode layer it can serve (counted), and with it on
@@ -181,13 +181,16 @@ def test_the_environment_switches_it():
 
 
 def test_without_a_compiler_the_reference_path_runs(engines, images, monkeypatch, taken):
-    monkeypatch.setattr(paged_append, "_BUILT", [None])  # as where the build failed (it warned once)
+    import vlkv.plugins.paged_cpu_kernel as paged_cpu_kernel
+
+    # as where the build failed (it warned once): no fused read, no fused append (one extension)
+    monkeypatch.setattr(paged_cpu_kernel, "_BUILT", [None])
     assert paged_append.kernel() is None
     engine = engines["tiny-llava"]
     prompts = [Prompt(TEXTS[0], [images[0]]), Prompt(TEXTS[2])]
     res = engine.generate(prompts, make_policy("full"), 4, stop_at_eos=False)
     assert taken[0] == 0
-    monkeypatch.setattr(paged_append, "_BUILT", [])
+    monkeypatch.setattr(paged_cpu_kernel, "_BUILT", [])
     assert [s.token_ids for s in res.samples] == [
         s.token_ids for s in engine.generate(prompts, make_policy("full"), 4, stop_at_eos=False).samples
     ]

@@ -18,7 +18,7 @@ from vlkv.runtime.kv import pool as pool_mod
 from vlkv.runtime.kv.batch import CacheBatch
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
-from vlkv.runtime.torch_backend import _StepContext
+from vlkv.runtime.step_context import StepContext
 
 TEXT = "The cat sat on the mat while the dog slept by the warm fire all night long."
 
@@ -53,7 +53,7 @@ def test_attention_and_stats_skip_each_heads_holes(nq):
     open_ = torch.rand(b, hkv, s) > 0.35
     open_[:, :, 0] = True  # every row sees at least one key
     ctx = SimpleNamespace(plain=False)
-    got = _StepContext._attend_full(ctx, q, k, v, 0.3, past, new_len, open_)
+    got = StepContext._attend_full(ctx, q, k, v, 0.3, past, new_len, open_)
     want, colsum = _reference_attention(q, k, v, 0.3, past, new_len, open_)
     rows = torch.arange(nq)[None, :] < new_len[:, None]
     for s_ in range(b):

@@ -22,7 +22,7 @@ from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.request import Request
 from vlkv.runtime.scheduler import Scheduler
-from vlkv.runtime.torch_backend import _StepContext
+from vlkv.runtime.step_context import StepContext
 
 TEXTS = ["Describe the picture.", "What is in the corner of this image?", "Hi.", "Tell me about the colors."]
 
@@ -116,7 +116,7 @@ def test_paged_tokens_equal_the_dense_read(name, engines, images, monkeypatch, c
     prompts = [Prompt(t, [images[i % 2]] if i < 2 else []) for i, t in enumerate(TEXTS)]
     got = engine.generate(prompts, make_policy("full"), 8, stop_at_eos=False)
     assert counts.calls  # the decode steps read paged
-    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(StepContext, "reads_paged", lambda self, layer, i: False)
     want = engine.generate(prompts, make_policy("full"), 8, stop_at_eos=False)
     assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
 
@@ -130,7 +130,7 @@ def test_paged_read_skips_each_heads_holes(engines, images, monkeypatch, counts)
     got = _next_logits(engine, batch, cache, tokens)
     assert counts.calls and any(bool((t < 0).any()) for _, t, _, _ in counts.calls)  # holes reached the op
     assert counts.pool_read == 0
-    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(StepContext, "reads_paged", lambda self, layer, i: False)
     batch, cache, out = _holey(engine, prompts, seed=5)
     torch.testing.assert_close(got, _next_logits(engine, batch, cache, tokens), atol=1e-5, rtol=1e-5)
 
@@ -153,7 +153,7 @@ def test_linked_pre_rope_entries_are_rotated_by_the_paged_read(name, engines, im
     logits = engine.decode(token, batch, make_policy("full"), cache, 1).logits
     assert counts.calls and counts.rotated > 0  # a linked decode step reads paged, rotating on read
     got = _decode(engine, batch, cache, out, 4)[1:]  # more steps, the same on both sides
-    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(StepContext, "reads_paged", lambda self, layer, i: False)
     batch, cache, out, _ = _linked(engine, again, LinkSpec("mpic", 2), store)
     want = engine.decode(token, batch, make_policy("full"), cache, 1).logits
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
@@ -185,7 +185,7 @@ def test_statistics_steps_read_paged_and_equal_the_dense_read(
     prompts = [Prompt(t, [images[i % 2]] if i < 2 else []) for i, t in enumerate(TEXTS)]
     got = engine.generate(prompts, make_policy("h2o", budget=budget), 8, stop_at_eos=False)
     assert seen and all(seen)  # the statistics came from the paged probabilities (the kernel's, when on)
-    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(StepContext, "reads_paged", lambda self, layer, i: False)
     want = engine.generate(prompts, make_policy("h2o", budget=budget), 8, stop_at_eos=False)
     assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
     assert got.kv_bytes_used == want.kv_bytes_used
@@ -223,7 +223,7 @@ def test_a_decode_step_plans_its_cpu_read_once_per_table(fixed, engines, images,
         assert distinct == 1  # a full cache: every layer holds the same tables, one plan per step
     sched.run()
     got = [list(r.tokens) for r in reqs]
-    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(StepContext, "reads_paged", lambda self, layer, i: False)
     want = engine.generate([r.prompt for r in reqs], make_policy("full"), 6, stop_at_eos=False)
     assert got == [s.token_ids for s in want.samples]
 
@@ -287,7 +287,7 @@ def test_a_per_head_decode_step_reads_only_the_live_entries(policy, engines, ima
     assert per_head  # the policy really left per-head tables
     sched.run()
     got = [list(r.tokens) for r in reqs]
-    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(StepContext, "reads_paged", lambda self, layer, i: False)
     want = engine.generate([r.prompt for r in reqs], make_policy(name, **kw), 6, stop_at_eos=False)
     assert got == [s.token_ids for s in want.samples]
 
@@ -350,7 +350,7 @@ def test_a_statistics_decode_step_gathers_no_kv(policy, engines, images, monkeyp
     assert stats_steps  # the policy's statistics steps went through the kernel
     sched.run()
     got = [list(r.tokens) for r in reqs]
-    monkeypatch.setattr(_StepContext, "_paged", lambda self, layer, i: False)
+    monkeypatch.setattr(StepContext, "reads_paged", lambda self, layer, i: False)
     want = engine.generate([r.prompt for r in reqs], make_policy(name, **kw), 6, stop_at_eos=False)
     assert got == [s.token_ids for s in want.samples]
 

@@ -271,18 +271,13 @@ def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
     not as a 0.5–2 min stall of the first decode step. True when the kernel will read this model's
     decode steps; False when it is off, not for this device/dtype, or cannot be built (one warning,
     then the matmul read). The decode layers' few-row GEMM (``skinny_gemm``) and RMSNorm / RoPE (``layer_glue``) are built here
-    too, and with the fused read the decode append in front of it (``paged_append``, ``VLKV_CPU_APPEND``)."""
+    too; the fused read's extension holds the decode append in front of it (``paged_append``)."""
     if skinny_gemm.warm_up(device, dtype):
         layer_glue.kernel()  # the decode layers' RMSNorm / RoPE, switched with the GEMM
     if not FUSED_KERNEL or torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
-    if paged_cpu_kernel.kernel() is None:
-        return False
-    from vlkv.plugins import paged_append  # the read with the decode append in front (its own build)
-
-    if paged_append.FUSED_APPEND:
-        paged_append.kernel()
-    return True
+    # one extension holds the read and the decode append in front of it (``paged_append``)
+    return paged_cpu_kernel.kernel() is not None
 
 
 def _attend_rows(

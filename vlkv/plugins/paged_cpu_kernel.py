@@ -24,6 +24,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from vlkv.plugins.paged_append_cpp import APPEND_SOURCE
+
 __all__ = ["MAX_DIM", "MAX_ROWS", "kernel", "segments_attention", "table_attention", "table_attention_probs"]
 
 # head sizes 64 and 128 are compiled unrolled; any other up to MAX_DIM runs a generic loop
@@ -280,6 +282,10 @@ std::vector<torch::Tensor> table_rows_probs(torch::Tensor q, torch::Tensor k, to
 }
 """
 
+# one extension: the read above and the decode append in front of it (``paged_append``): one build
+_EXTENSION = _SOURCE + APPEND_SOURCE
+_FUNCTIONS = ["segments", "table_rows", "table_rows_probs", "append_rows"]
+
 _LOCK = threading.Lock()
 _BUILT: list = []  # [module or None] once a build was tried
 
@@ -305,7 +311,7 @@ def cpu_flags() -> str:
     return f"{platform.machine()}|{model or platform.processor()}|{flags}"
 
 
-def build_name(source: str = _SOURCE, prefix: str = "vlkv_paged_cpu_kernel") -> str:
+def build_name(source: str = _EXTENSION, prefix: str = "vlkv_paged_cpu_kernel") -> str:
     """An extension's name (and torch's build folder): keyed by its source, the compile flags and
     :func:`cpu_flags`, so a home shared by machines with other CPUs never loads a binary built for
     instructions this CPU lacks (each CPU kind builds and caches its own)."""
@@ -355,17 +361,13 @@ def load_extension(built: list, name: str, source: str, functions: list[str], wh
 
 
 def kernel():
-    """The compiled extension module, built on the first call (None, with one warning, when it cannot
-    be built here: the caller keeps the matmul read)."""
+    """The compiled extension module (the read's entry points and the decode append's ``append_rows``),
+    built on the first call (None, with one warning, when it cannot be built here: the caller keeps the
+    matmul read, and the Python append)."""
     if _BUILT:  # every decode read asks: no hashing, no /proc/cpuinfo read after the first
         return _BUILT[0]
     return load_extension(
-        _BUILT,
-        build_name(),
-        _SOURCE,
-        ["segments", "table_rows", "table_rows_probs"],
-        "fused CPU decode kernel",
-        "using matmuls",
+        _BUILT, build_name(), _EXTENSION, _FUNCTIONS, "fused CPU decode kernel", "using matmuls"
     )
 
 

@@ -440,3 +440,41 @@ def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end, i
     for layer in (fast, slow):
         layer.append(k, v, pos, mod, torch.ones(B, dtype=torch.long))
     _same_valid(fast, slow)
+
+
+def test_a_full_fixed_pool_keeps_the_spares_a_decode_append_took():
+    """A batch view's decode append on a fixed pool: one row continues its held spares, the other needs
+    a fresh slot and the pool has none. ``PoolFull`` propagates, nothing is appended, and the first
+    row's spares are still held (taken, then lost, they were referenced slots nobody could release);
+    with a slot freed the append then takes the same spare."""
+    from vlkv.runtime.kv.appends import append_one_each
+    from vlkv.runtime.kv.pool import KVPool, PoolFull, PoolSpec
+
+    spec = PoolSpec(num_layers=1, kv_heads=H, head_dim=D, dtype=torch.float32, device="cpu")
+    pool = KVPool(spec, 8, grow=False)
+    rows = [LayerKV(pool, 0, 1, P) for _ in range(2)]
+    g = torch.Generator().manual_seed(3)
+    for r in rows:
+        r.append(
+            torch.randn(1, H, 2, D, generator=g),
+            torch.randn(1, H, 2, D, generator=g),
+            torch.zeros(1, 2, P, dtype=torch.long),
+            torch.zeros(1, 2, dtype=torch.int8),
+            torch.tensor([2]),
+        )
+    rows[0].spares.hold_run(pool.alloc(0, 2), None)  # two held spares (not one run: tensor ids)
+    filler = pool.alloc(0, pool.free_slots(0))  # the pool is full
+    held, used = rows[0].spare_ids.clone(), pool.used_slots(0)
+    k, v = torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g)
+    args = ([torch.zeros(P, dtype=torch.long)] * 2, [3, 3], [None, None])
+    with pytest.raises(PoolFull):
+        append_one_each(rows, k, v, *args)
+    assert torch.equal(rows[0].spare_ids, held) and pool.used_slots(0) == used
+    assert [r.host_lengths() for r in rows] == [[2], [2]]
+    pool.release(0, filler[:, :1])
+    append_one_each(rows, k, v, *args)
+    assert torch.equal(rows[0].slots[0, :, 2], held[:, 0]) and rows[0].spare_ids.shape[1] == 1
+    for r in rows:
+        r.release()
+    pool.release(0, filler[:, 1:])
+    assert pool.used_slots(0) == 0

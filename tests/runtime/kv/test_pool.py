@@ -196,3 +196,28 @@ def test_column_write_equals_the_per_head_write(dtype):
     assert torch.equal(a.keys[0], b.keys[0]) and torch.equal(a.values[0], b.values[0])
     assert torch.equal(a._prerope[0], b._prerope[0]) and not bool(a._prerope[0][:, 7].any())
     assert bool(a._prerope[0][:, 2].all()) and a.bytes_written == b.bytes_written
+
+
+@pytest.mark.parametrize("grow", [False, True], ids=["fixed", "grown"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["even-heads", "ragged-heads"])
+def test_unalloc_takes_back_the_slots_alloc_just_handed_out(grow, ragged):
+    """``alloc`` then ``unalloc`` (a decode append whose write failed): the free stacks, free counts and
+    references are as before (a growable pool grown for the allocation keeps its new, free slots), and
+    the next allocation hands out the same ids. Ragged heads (a shared record's slots freed in one head)
+    take ``alloc``'s gather path."""
+    pool = KVPool(SPEC, 0 if grow else 16, grow=grow)
+    held = pool.alloc(0, 6)
+    pool.alloc(0, pool.free_slots(0) - (2 if grow else 6))  # a growable pool: 5 needs more room
+    if ragged:
+        pool.release(0, torch.tensor([held[0, 1].item()]), heads=torch.tensor([0]))
+    free, refs = [list(pool._nfree_host[0])], pool._refs[0].clone()
+    ids = pool.alloc(0, 5)  # a growable pool grows for it
+    pool.unalloc(0, ids)
+    cap = refs.shape[1]
+    assert torch.equal(pool._refs[0][:, :cap], refs) and not pool._refs[0][:, cap:].any()
+    grown = pool.capacity(0) - cap
+    assert grown > 0 if grow else grown == 0
+    assert [[f - grown for f in pool._nfree_host[0]]] == free and pool._nfree[0].tolist() == pool._nfree_host[
+        0
+    ]
+    assert torch.equal(pool.alloc(0, 5), ids)

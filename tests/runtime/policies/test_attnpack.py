@@ -173,7 +173,7 @@ def test_path_b_equals_reconstructing_the_same_factors(evict, engines, images, m
     import copy
 
     import vlkv.runtime.kv.lowrank as lowrank
-    import vlkv.runtime.torch_backend as tb
+    from vlkv.runtime.step_context import StepContext
 
     engine = engines["tiny-llava"]
     prompts = _prompts(images)
@@ -199,7 +199,7 @@ def test_path_b_equals_reconstructing_the_same_factors(evict, engines, images, m
     pol_b = copy.deepcopy(policy)
     got, got_scores = steps(cache, pol_b)
     assert not fills  # the dense image K/V were never rebuilt
-    monkeypatch.setattr(tb._StepContext, "_rank_space", lambda self, layer: False)
+    monkeypatch.setattr(StepContext, "_rank_space", lambda self, layer: False)
     want, want_scores = steps(other, copy.deepcopy(policy))
     assert fills
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

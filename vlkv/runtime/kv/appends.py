@@ -79,6 +79,23 @@ class Appends(EntryTable):
         self.set_lengths(past + new_len, [p + n for p, n in zip(past_host, new_len.tolist())])
         return past
 
+    def _mark(self) -> tuple:
+        """What a decode reservation replaces, as it is now: the lengths and their host copy (no read
+        back), the next sequence indices and the per-entry tables (growing them replaces them). It
+        assigns new tensors to all of them and writes in place only at the new column, past every
+        length, so :meth:`_restore` of this mark undoes it."""
+        return (
+            self._lengths, self._host, self.next_order,
+            self.slots, self.positions, self.modality, self.order, self.scores, self.holes,
+        )  # fmt: skip
+
+    def _restore(self, mark: tuple) -> None:
+        """Put back what :meth:`_mark` returned."""
+        (
+            self._lengths, self._host, self.next_order,
+            self.slots, self.positions, self.modality, self.order, self.scores, self.holes,
+        ) = mark  # fmt: skip
+
     def _alloc_prompt(self, n: int, past: Tensor) -> Tensor:
         """``(H_kv, n)`` slots for a step's new entries: with ``run_reserve`` on a fresh one-sample
         cache of a growable pool, the first ``n`` of one run whose rest the spares hold."""
@@ -104,35 +121,53 @@ class Appends(EntryTable):
             append_one_each([self], k, v, list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev)), orders)
             return past
         past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
-        lens = self.host_lengths()
-        self._reserve(max(lens) + 1)
-        ids = self.spares.take_recycled()
-        if ids is None:
-            ids = self.pool.alloc(self.layer, b)  # (H_kv, B): sample-major, as the general path allocates
+        lens, ids, _ = self._decode_slots()
         self.pool.write(
             self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
         )
-        # a batch moving in step writes one column of every table (a slice); a ragged one indexes
-        at = (slice(None), slice(None), lens[0]) if min(lens) == lens[0] == max(lens) else None
-        if at is None:
-            bi = torch.arange(b, device=dev)
-            at = (bi, slice(None), past)
+        at = self._decode_column(lens, past)
         self.slots[at] = ids.t()
         self.positions[at] = positions.to(dev)[:, 0, None, :].to(torch.long)
         self.modality[at] = modality.to(dev).to(torch.int8)
         if order is None:
             self.order[at] = self.next_order[:, None]
-            self.next_order = self.next_order + 1
+            next_order = self.next_order + 1
         else:
             order = order.to(device=dev, dtype=torch.long)[:, 0]
             self.order[at] = order[:, None]
-            self.next_order = torch.maximum(self.next_order, order + 1)
-        for s in self.scores.values():
-            s[at] = 0
+            next_order = torch.maximum(self.next_order, order + 1)
         if self.holes is not None:
             self.holes[at] = False
-        self.set_lengths(past + 1, [n + 1 for n in lens])
+        self._decode_advance(at, past, lens, next_order)
         return past
+
+    # A batch cache's decode append in three host-side parts, shared by the Python append above and the
+    # fused one (:func:`reserve_decode_entries`, whose C++ call writes the rows and the column between)
+    def _decode_slots(self) -> tuple[list[int], Tensor, bool]:
+        """Tables grown for one more column and the new entries' ``ids (H_kv, B)`` (sample-major, as the
+        general path allocates): the recycled columns of decode evictions, else fresh from the pool.
+        Returns the host lengths before, the ids and whether they came from the pool."""
+        lens = self.host_lengths()
+        self._reserve(max(lens) + 1)
+        ids = self.spares.take_recycled()
+        if ids is not None:
+            return lens, ids, False
+        return lens, self.pool.alloc(self.layer, self.batch), True
+
+    def _decode_column(self, lens: list[int], past: Tensor) -> tuple:
+        """The index of each sample's new column (``past (B,)``, ``lens`` its host copy): a batch moving
+        in step writes one column of every table (a slice); a ragged one indexes."""
+        if min(lens) == lens[0] == max(lens):
+            return slice(None), slice(None), lens[0]
+        return torch.arange(self.batch, device=self.device), slice(None), past
+
+    def _decode_advance(self, at: tuple, past: Tensor, lens: list[int], next_order: Tensor) -> None:
+        """After the new column (``at``): its running scores zeroed, the next sequence indices, every
+        sample one entry longer."""
+        self.next_order = next_order
+        for s in self.scores.values():
+            s[at] = 0
+        self.set_lengths(past + 1, [n + 1 for n in lens])
 
     def put_one(
         self,
@@ -169,10 +204,14 @@ class Appends(EntryTable):
                 self.next_order = torch.maximum(self.next_order, order + 1)
             else:
                 self.next_order = self.next_order.clamp(min=order + 1)
-        for s in self.scores.values():
-            s.select(2, p).zero_()
         if self.holes is not None:
             self.holes.select(2, p).fill_(False)
+        self._advance_one(p)
+
+    def _advance_one(self, p: int) -> None:
+        """After a one-sample cache's new column ``p``: its running scores zeroed, one entry longer."""
+        for s in self.scores.values():
+            s.select(2, p).zero_()
         self.set_lengths(self.lengths + 1, [p + 1])
 
 
@@ -202,16 +241,19 @@ def append_one_each(
     """
     pool, layer = rows[0].pool, rows[0].layer
     spec = pool.spec
-    past = [r.host_lengths()[0] for r in rows]  # kept on the host: no read back per row and layer
-    for r, p in zip(rows, past):
-        r._reserve(p + 1)
-    spare = [r.spares.take() for r in rows]
+    marks = [r.spares.mark() for r in rows]
+    past, spare = _row_spares(rows)
     kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
     if all(isinstance(s, int) for s in spare):  # every row continues its run: one id per row
         pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
         cols: list[Tensor | int] = list(spare)
     else:
-        ids = _row_slots(pool, layer, spare)
+        try:
+            ids = _row_slots(pool, layer, spare)[0]
+        except BaseException:  # a fixed pool out of slots: the spares taken stay held, none is lost
+            for r, m in zip(rows, marks):
+                r.spares.rewind(m)
+            raise
         pool.write(layer, ids, kh, vh)
         # a row continuing its run writes its table column from its int id (one scalar fill)
         cols = [s if isinstance(s, int) else ids[:, i] for i, s in enumerate(spare)]
@@ -220,66 +262,110 @@ def append_one_each(
     return past
 
 
-def _row_slots(pool, layer: int, spare: list) -> Tensor:
+def _row_spares(rows: list[Appends]) -> tuple[list[int], list[Tensor | int | None]]:
+    """Each one-sample row's length (kept on the host: no read back per row and layer) and its next
+    run spare (:meth:`SpareSlots.take`), its tables grown for one more column."""
+    past = [r.host_lengths()[0] for r in rows]
+    for r, p in zip(rows, past):
+        r._reserve(p + 1)
+    return past, [r.spares.take() for r in rows]
+
+
+def _row_slots(pool, layer: int, spare: list) -> tuple[Tensor, Tensor]:
     """``(H_kv, B)`` the slots of one new entry per one-sample row: its run spare (an int, the same in
-    every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation."""
+    every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation; and
+    the ``(H_kv, m)`` fresh ones (what :meth:`KVPool.unalloc` takes back)."""
     spec = pool.spec
-    fresh = iter(pool.alloc(layer, sum(s is None for s in spare)).unbind(1))
+    fresh = pool.alloc(layer, sum(s is None for s in spare))
+    left = iter(fresh.unbind(1))
     cols = []
     for s in spare:
         if isinstance(s, int):
             s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
-        cols.append(next(fresh) if s is None else s)
-    return torch.stack(cols, 1)
+        cols.append(next(left) if s is None else s)
+    return torch.stack(cols, 1), fresh
+
+
+class DecodeReservation:
+    """A decode step's append to one layer, reserved on the host (:func:`reserve_decode_entries`) and
+    not yet written: ``past (B,)`` int64, each request's new column (its length before), ``ids (H_kv,
+    B)`` int64, the new entries' slots (any strides).
+
+    Until the write succeeds the append can be taken back: :meth:`cancel` puts every owner's lengths,
+    tables, sequence indices and spares, and the pool's free slots, references and byte count back as
+    they were (the fused call's checks run in C++, some after it wrote the rows: a failure there must
+    not leave the layer half-appended, its lengths counting entries whose K/V were never written).
+    """
+
+    def __init__(self, owners: list[Appends]):
+        self.owners = owners
+        self.pool, self.layer = owners[0].pool, owners[0].layer
+        self._written = self.pool.bytes_written
+        # per owner what the reservation replaces and where its spares stand
+        self._marks = [(r._mark(), r.spares.mark()) for r in owners]
+        self._fresh: Tensor | None = None  # slots taken from the pool's free stacks
+        self.past: Tensor | None = None
+        self.ids: Tensor | None = None
+
+    def cancel(self) -> None:
+        """Take the reservation back (the write failed): the layer as it was before it."""
+        for r, (mark, spares) in zip(self.owners, self._marks):
+            r._restore(mark)
+            r.spares.rewind(spares)
+        if self._fresh is not None:
+            self.pool.unalloc(self.layer, self._fresh)
+        self.pool.bytes_written = self._written
 
 
 def reserve_decode_entries(
     owners: list[Appends], order_next: Tensor, order_rows: list[Tensor]
-) -> tuple[Tensor, Tensor]:
-    """A decode step's append to one layer (one new entry per request) without its tensor writes: what
-    :meth:`Appends._append_one` and :func:`append_one_each` do besides writing the new column and the
-    K/V rows, which the fused append-and-read does in its C++ call (``vlkv/plugins/paged_append.py``).
+) -> DecodeReservation:
+    """A decode step's append to one layer (one new entry per request) without its tensor writes: the
+    host parts :meth:`Appends._append_one` and :func:`append_one_each` run around writing the new column
+    and the K/V rows (the same helpers), which the fused append-and-read does in its C++ call
+    (``vlkv/plugins/paged_append.py``).
 
     ``owners``: one batch cache's layer, or a batch view's one-sample layers (all on one pool layer).
     ``order_next (B,)``: each new entry's sequence index + 1; ``order_rows``: the same as ``()`` tensors
     per request (split once per step). Tables grown to hold the column, slots allocated (a batch cache's
     recycled columns, a one-sample cache's run spares, else fresh from the pool), next sequence indices,
     running scores zeroed at the column, lengths (tensor and host copy) one longer, the pool's written
-    bytes counted. Returns ``past (B,)`` int64, each request's column (its length before), and ``ids
-    (H_kv, B)`` int64, the new entries' slots (any strides)."""
-    pool, layer = owners[0].pool, owners[0].layer
+    bytes counted. Returns the :class:`DecodeReservation` (its ``past`` and ``ids``); the caller
+    cancels it where the write fails. A failure here (a fixed pool out of slots) leaves nothing changed.
+    """
+    if len(owners) != 1 and any(r.batch != 1 for r in owners):
+        raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
+    res = DecodeReservation(owners)
+    try:
+        _reserve_into(res, order_next, order_rows)
+    except BaseException:
+        res.cancel()
+        raise
+    return res
+
+
+def _reserve_into(res: DecodeReservation, order_next: Tensor, order_rows: list[Tensor]) -> None:
+    """:func:`reserve_decode_entries`'s work, recorded in ``res`` as it goes (what to take back)."""
+    owners, pool, layer = res.owners, res.pool, res.layer
     spec = pool.spec
     first = owners[0]
     if len(owners) == 1 and first.batch > 1:  # a batch cache: one allocation, one column per table
-        b = first.batch
-        lens = first.host_lengths()
-        first._reserve(max(lens) + 1)
-        ids = first.spares.take_recycled()
-        if ids is None:
-            ids = pool.alloc(layer, b)  # (H_kv, B): sample-major, as the Python append allocates
-        past = first.lengths
-        first.next_order = torch.maximum(first.next_order, order_next)
-        if first.scores:
-            at = (torch.arange(b, device=first.device), slice(None), past)
-            for s in first.scores.values():
-                s[at] = 0
-        first.set_lengths(past + 1, [n + 1 for n in lens])
+        lens, ids, fresh = first._decode_slots()
+        if fresh:
+            res._fresh = ids
+        past = first.lengths  # set_lengths below gives the layer a new tensor: this one stays as it is
+        at = first._decode_column(lens, past) if first.scores else None
+        first._decode_advance(at, past, lens, torch.maximum(first.next_order, order_next))
         pool.count_written(ids.numel())
-        return past, ids
-    if any(r.batch != 1 for r in owners):
-        raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
-    host = [r.host_lengths()[0] for r in owners]
-    for r, p in zip(owners, host):
-        r._reserve(p + 1)
-    spare = [r.spares.take() for r in owners]
+        res.past, res.ids = past, ids
+        return
+    host, spare = _row_spares(owners)
     if all(isinstance(s, int) for s in spare):  # every row continues its run: the same slot in every head
         ids = torch.tensor(spare, device=spec.device)[None].expand(spec.kv_heads, len(owners))
     else:
-        ids = _row_slots(pool, layer, spare)
+        ids, res._fresh = _row_slots(pool, layer, spare)
     for r, p, nxt in zip(owners, host, order_rows):
         r.next_order = torch.maximum(r.next_order, nxt)
-        for s in r.scores.values():
-            s.select(2, p).zero_()
-        r.set_lengths(r.lengths + 1, [p + 1])
+        r._advance_one(p)
     pool.count_written(ids.numel())
-    return torch.tensor(host, device=spec.device), ids
+    res.past, res.ids = torch.tensor(host, device=spec.device), ids

@@ -7,8 +7,8 @@ without reading any K/V: holes become ``-1`` slots, and linked (pre-RoPE) entrie
 each at the position their cache gives them.
 
 On fp32 CPU pools a decode layer skips both that table build and the Python append:
-:func:`fused_decode_row` does the append's host bookkeeping and hands the new rows, the caches' own tables
-and holes to one C++ call that writes and reads (``vlkv/plugins/paged_append.py``).
+``vlkv.runtime.fused_append.fused_decode_row`` hands the new rows, the caches' own tables and holes to
+one C++ call that writes and reads (``vlkv/plugins/paged_append.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from vlkv.runtime.kv.appends import reserve_decode_entries
 
 
 @dataclass(frozen=True)
@@ -89,104 +87,3 @@ def attended_entries(lengths: Tensor, open_: Tensor | None) -> Tensor:
         return lengths.double()
     visible = torch.arange(open_.shape[2], device=open_.device)[None, None, :] < lengths[:, None, None]
     return (open_ & visible).double().sum(2).mean(1)
-
-
-def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
-    """A decode layer's cache append and attention as one C++ call (``vlkv/plugins/paged_append.py``),
-    where the step and the cache allow it; None where they do not (the caller appends through
-    ``ctx.update`` and attends through the registered attention function, the reference path).
-
-    ``ctx`` is the step's context (the torch backend's ``_StepContext``), ``q (B, H, 1, D)`` post-RoPE,
-    ``k, v (B, H_kv, 1, D)`` the new entries. The host side of the append (tables grown, slots
-    allocated, lengths and sequence indices advanced: :func:`~vlkv.runtime.kv.appends.reserve_decode_entries`)
-    runs here; the kernel writes the K/V rows and the tables' new column, then reads every (request, KV
-    head)'s slot row in place — the caches' own tables, holes skipped, nothing copied. Returns
-    ``(B, 1, H, D)`` (the layout the output projection takes) and records what ``ctx.attend`` would
-    have: the past lengths, the entries attended, and the statistics wanted from this layer (the kernel
-    writes the probabilities from the same read).
-
-    Taken for: one new row per request, a paged read (no selected attention, link step, low-rank
-    factors or swapped-out request), no pre-RoPE (linked) entries, fp32 CPU pools, the kernel built and
-    on (``VLKV_CPU_KERNEL`` and ``VLKV_CPU_APPEND``)."""
-    from vlkv.plugins import paged_append, paged_cpu
-
-    if not (paged_append.FUSED_APPEND and paged_cpu.FUSED_KERNEL) or not getattr(ctx, "one_row", False):
-        return None
-    if ctx.order is None:
-        return None
-    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[2] != 1:
-        return None
-    layer = ctx.cache.layers[layer_idx]
-    rows = getattr(layer, "rows", None)  # a scheduler's batch view, or None for a batch cache
-    owners = [layer] if rows is None else rows
-    if any(r.linked for r in owners) or not ctx._paged(layer, layer_idx):
-        return None
-    if rows is not None and any(r.batch != 1 for r in rows):
-        return None
-    pool = layer.pool
-    b, heads, _, dim = q.shape
-    kv_heads = pool.spec.kv_heads
-    if not paged_append.fits(pool.spec, heads, dim) or k.shape != (b, kv_heads, 1, dim) or v.shape != k.shape:
-        return None
-    new = _step_columns(ctx)
-    past, ids = reserve_decode_entries(owners, new["order_next"], new["order_rows"])
-    # read after the append: a growable pool (and a table) may have grown for it
-    k_pool, v_pool = pool.keys[layer.layer], pool.values[layer.layer]
-    columns = paged_append.NewColumns(
-        [r.positions for r in owners],
-        [r.modality for r in owners],
-        [r.order for r in owners],
-        past,
-        new["positions"],
-        new["modality"],
-        new["order"],
-    )
-    # statistics wanted from this layer (H2O every step...): the kernel writes the probabilities too
-    wanted = [name for name, req in ctx.requests.items() if req.wants(layer_idx)]
-    width = max(r.max_length for r in owners) if wanted else None
-    got = paged_append.append_attend(
-        q.view(b, kv_heads, heads // kv_heads, dim),
-        k,
-        v,
-        k_pool,
-        v_pool,
-        pool._prerope[layer.layer],
-        ids,
-        [r.slots for r in owners],
-        [_NO_HOLES if r.holes is None else r.holes for r in owners],
-        columns,
-        past + 1 if rows is not None else layer.lengths,
-        scale,
-        probs_width=width,
-    )
-    if wanted:
-        # every column of every row held (no holes, every request as long as the widest): no mask
-        full = all(r.holes is None and min(r.host_lengths()) == width for r in owners)
-        ctx._put_one_row_stats(layer_idx, wanted, got[2], None if full else got[3][:, :, None, :])
-    ctx.past[layer_idx] = past
-    ctx.attended[layer_idx] = got[1]
-    return got[0].view(b, 1, heads, dim)
-
-
-def _step_columns(ctx) -> dict:
-    """What every layer's new column gets in this step, split once per step (kept on the context while
-    its inputs and orders are the same objects): ``positions (B, P)`` int64, ``modality (B,)`` int8,
-    ``order (B,)`` int64, ``order_next`` = order + 1 and its ``order_rows`` per request."""
-    inputs, order = ctx.inputs, ctx.order
-    memo = ctx.__dict__.get("_fused_columns")
-    if memo is not None and memo[0] is inputs and memo[1] is order:
-        return memo[2]
-    ord_new = order[:, 0].to(torch.long)
-    nxt = ord_new + 1
-    cols = {
-        "positions": inputs.positions[:, 0].to(torch.long),
-        "modality": inputs.modality[:, 0].to(torch.int8),
-        "order": ord_new,
-        "order_next": nxt,
-        "order_rows": list(nxt),
-    }
-    ctx.__dict__["_fused_columns"] = (inputs, order, cols)
-    return cols
-
-
-_NO_HOLES = torch.empty(0, dtype=torch.bool)

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from vlkv.runtime.kv.pool_spec import PoolFull, PoolSpec
+
+__all__ = ["COMPACT_FREE_FRACTION", "COMPACT_MIN_SLOTS", "GROW_SLOTS", "KVPool", "PoolFull", "PoolSpec"]
 
 # growable pools: compact a layer when more than this fraction of its slots is free ...
 COMPACT_FREE_FRACTION = 0.5
@@ -34,52 +37,6 @@ COMPACT_FREE_FRACTION = 0.5
 COMPACT_MIN_SLOTS = 256
 # growable pools grow a layer by at least this many slots (amortises decode appends)
 GROW_SLOTS = 32
-
-
-class PoolFull(RuntimeError):
-    """A fixed-size pool has fewer free slots in a layer than a write needs."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PoolSpec:
-    """The shape of every layer's slots.
-
-    Attributes:
-        num_layers: decoder layers. kv_heads: KV heads per layer. head_dim: D.
-        dtype: K/V storage dtype. device: where the K/V tensors (and slot tables) live.
-    """
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "kv_heads", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        object.__setattr__(self, "device", torch.device(self.device))
-
-    @classmethod
-    def for_backend(cls, backend) -> PoolSpec:
-        """The layout of a backend's model (layers, KV heads, head size, dtype, device)."""
-        return cls(
-            num_layers=backend.num_layers,
-            kv_heads=backend.num_kv_heads,
-            head_dim=backend.head_dim,
-            dtype=backend.dtype,
-            device=backend.device,
-        )
-
-    @property
-    def entry_bytes(self) -> int:
-        """K + V bytes of one token in one layer (all KV heads)."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
-
-    def slots_for_bytes(self, nbytes: int) -> int:
-        """Slots per layer a pool of ``nbytes`` K/V bytes holds."""
-        return nbytes // (self.entry_bytes * self.num_layers)
 
 
 class KVPool:
@@ -201,6 +158,18 @@ class KVPool:
         self._prerope[layer].scatter_(1, ids, False)
         return ids
 
+    def unalloc(self, layer: int, ids: Tensor) -> None:
+        """Take back ``ids (H_kv, n)``, the slots :meth:`alloc` just handed out, nothing allocated or
+        freed in the layer since (an append whose write failed): they still lie above each head's stack
+        top, in order, so the top moves back over them, and their references drop to none. A layer
+        grown for them stays grown (its new slots free)."""
+        n = ids.shape[1]
+        if n == 0:
+            return
+        self._refs[layer].scatter_(1, ids, 0)
+        self._nfree[layer] = self._nfree[layer] + n
+        self._nfree_host[layer] = [f + n for f in self._nfree_host[layer]]
+
     def alloc_run(self, layer: int, n: int) -> Tensor:
         """``(H_kv, n)`` ids ``c … c+n−1``, the same run in every head, one reference each.
 
@@ -279,6 +248,11 @@ class KVPool:
     def is_prerope(self, layer: int, ids: Tensor) -> Tensor:
         """``(B, H_kv, n)`` bool for slot ids ``ids (B, H_kv, n)``: the key is stored before RoPE."""
         return self._prerope[layer][self._heads[None, :, None], ids]
+
+    def prerope_flags(self, layer: int) -> Tensor:
+        """``(H_kv, S)`` bool, the layer's pre-RoPE flags themselves (no copy): for a writer that clears
+        them at the slots it writes (the fused decode append)."""
+        return self._prerope[layer]
 
     def write(self, layer: int, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False) -> None:
         """Store ``k, v (H_kv, n, D)`` at slots ``ids (H_kv, n)`` (the same count in every head)."""

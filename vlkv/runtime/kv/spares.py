@@ -67,6 +67,15 @@ class SpareSlots:
             return self.next_id - 1
         return self._run[:, self._off - 1]
 
+    def mark(self) -> tuple[int, int | None, int]:
+        """Where the takes stand (for :meth:`rewind`)."""
+        return self._off, self.next_id, self._recycled_off
+
+    def rewind(self, mark: tuple[int, int | None, int]) -> None:
+        """Hand back every spare taken since :meth:`mark` returned ``mark`` (an append whose write
+        failed), nothing else changed since: they are the next ones taken again."""
+        self._off, self.next_id, self._recycled_off = mark
+
     def take_recycled(self) -> Tensor | None:
         """``(H_kv, B)`` the next recycled slots of a batch cache, or None."""
         r = self.recycled

@@ -26,7 +26,7 @@ Everything else is the HF layer's own code in the HF layer's order: its RMSNorm 
 file's ``apply_rotary_pos_emb`` (1-D RoPE for Llama; Qwen2-VL's cos/sin already carry the M-RoPE
 sections), its activation, the cache's ``update`` and the registered attention function, the residual
 adds, its own weights. A decode step on fp32 CPU pools appends and attends in one C++ call instead of
-``update`` + the attention function (``kv.paged.fused_decode_row``, ``vlkv/plugins/paged_append.py``;
+``update`` + the attention function (``vlkv/runtime/fused_append.py``, ``vlkv/plugins/paged_append.py``;
 ``VLKV_CPU_APPEND=0`` keeps the two). Only the layer classes in ``SKINNY_LAYERS`` (whose forward this replays) run
 here; any other layer runs the HF forward. ``VLKV_SKINNY_GEMM=0`` runs the HF layers (default on);
 ``FamilyAdapter.skinny`` switches it per adapter.
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlkv.plugins import layer_glue, skinny_gemm
-from vlkv.runtime.kv.paged import fused_decode_row
+from vlkv.runtime.fused_append import fused_decode_row
 
 # decoder layer classes whose forward is norm → attention(q/k/v, RoPE, cache, o) → residual → norm →
 # mlp(down(act(gate) * up)) → residual, with attention kwargs limited to the cache and the mask
