@@ -42,7 +42,8 @@ def env_switch(name: str) -> bool:
 # VLKV_CPU_GEMM=0: the skinny layers' GEMMs go back to torch's ``(W @ xᵀ)ᵀ`` / ``F.linear``
 CPP_GEMM = env_switch("VLKV_CPU_GEMM")
 
-_SOURCE = r"""
+# the few-row kernels (``gemm_rows``), without an entry point: ``decode_layer`` compiles them too
+_KERNELS = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #ifdef __AVX512F__
@@ -125,6 +126,28 @@ static void by_block(const float* x, const float* w, const float* b, float* y, i
   else rows_block<R, 2, 2>(x, w, b, y, n0, n1, K, N);
 }
 
+// y (R, N) = x (R, K) @ w (N, K)^T (+ b) for 1 <= R <= 8 rows, raw fp32 row-major buffers: the output
+// rows split over torch's threads (the entry point below and the fused decode layer call this)
+static void gemm_rows(const float* xp, const float* wp, const float* bp, float* yp, int64_t R, int64_t K,
+                      int64_t N) {
+  // a thread's share is at least ~256 KB of weights (fewer: the fork costs more than it saves)
+  const int64_t grain = std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(K, 1) + 15) & ~int64_t(15));
+  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
+    switch (R) {
+      case 1: return by_block<1>(xp, wp, bp, yp, lo, hi, K, N);
+      case 2: return by_block<2>(xp, wp, bp, yp, lo, hi, K, N);
+      case 3: return by_block<3>(xp, wp, bp, yp, lo, hi, K, N);
+      case 4: return by_block<4>(xp, wp, bp, yp, lo, hi, K, N);
+      case 5: return by_block<5>(xp, wp, bp, yp, lo, hi, K, N);
+      case 6: return by_block<6>(xp, wp, bp, yp, lo, hi, K, N);
+      case 7: return by_block<7>(xp, wp, bp, yp, lo, hi, K, N);
+      default: return by_block<8>(xp, wp, bp, yp, lo, hi, K, N);
+    }
+  });
+}
+"""
+
+_ENTRY = r"""
 // x (..., K) fp32 contiguous with R <= 8 rows in all; w (N, K) fp32 contiguous; bias (N,) fp32 or None.
 // Returns y (..., N) = x @ w^T (+ bias): the caller's shape, no reshapes around the call.
 torch::Tensor gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -144,26 +167,13 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
   auto shape = x.sizes().vec();
   shape.back() = N;
   auto y = torch::empty(shape, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // a thread's share is at least ~256 KB of weights (fewer: the fork costs more than it saves)
-  const int64_t grain = std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(K, 1) + 15) & ~int64_t(15));
-  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
-    switch (R) {
-      case 1: return by_block<1>(xp, wp, bp, yp, lo, hi, K, N);
-      case 2: return by_block<2>(xp, wp, bp, yp, lo, hi, K, N);
-      case 3: return by_block<3>(xp, wp, bp, yp, lo, hi, K, N);
-      case 4: return by_block<4>(xp, wp, bp, yp, lo, hi, K, N);
-      case 5: return by_block<5>(xp, wp, bp, yp, lo, hi, K, N);
-      case 6: return by_block<6>(xp, wp, bp, yp, lo, hi, K, N);
-      case 7: return by_block<7>(xp, wp, bp, yp, lo, hi, K, N);
-      default: return by_block<8>(xp, wp, bp, yp, lo, hi, K, N);
-    }
-  });
+  gemm_rows(x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), R, K, N);
   return y;
 }
 """
+
+# the whole extension: the kernels (shared with ``decode_layer``) and this module's entry point
+_SOURCE = _KERNELS + _ENTRY
 
 _BUILT: list = []  # [module or None] once a build was tried
 
