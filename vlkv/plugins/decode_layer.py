@@ -47,7 +47,7 @@ _ENTRY = r"""
 
 // weights must be fp32 contiguous CPU tensors: anything else is refused (the caller's reference path)
 static bool usable(const torch::Tensor& t) {
-  return t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_cuda() &&
+  return t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.is_cpu() &&
          !(at::GradMode::is_enabled() && t.requires_grad());
 }
 
@@ -71,13 +71,14 @@ std::vector<torch::Tensor> layer_pre(torch::Tensor hidden, torch::Tensor norm_w,
                                      c10::optional<torch::Tensor> bq, torch::Tensor wk,
                                      c10::optional<torch::Tensor> bk, torch::Tensor wv,
                                      c10::optional<torch::Tensor> bv, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && !hidden.is_cuda(),
+  TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.is_cpu(),
               "layer_pre: float32 contiguous CPU hidden (B, S, E)");
   const int64_t B = hidden.size(0), S = hidden.size(1), E = hidden.size(2), R = B * S;
   TORCH_CHECK(R >= 1 && R <= 8, "layer_pre: 1 <= B * S <= 8 rows, got ", R);
   TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(0) == B && cos.size(1) == S &&
-                  cos.size(2) % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "layer_pre: float32 cos and sin (B, S, D), D even");
+                  cos.size(2) % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_cpu() && sin.is_cpu(),
+              "layer_pre: float32 CPU cos and sin (B, S, D), D even");
   const int64_t D = cos.size(2);
   if (!usable(norm_w) || !usable(wq) || !usable(wk) || !usable(wv)) return {};
   TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == E && wq.dim() == 2 && wk.dim() == 2 && wv.dim() == 2 &&
@@ -110,12 +111,12 @@ std::vector<torch::Tensor> layer_post(torch::Tensor attn, torch::Tensor residual
                                       c10::optional<torch::Tensor> bu, torch::Tensor wd,
                                       c10::optional<torch::Tensor> bd) {
   TORCH_CHECK(residual.dim() == 3 && residual.scalar_type() == at::kFloat && residual.is_contiguous() &&
-                  !residual.is_cuda(),
+                  residual.is_cpu(),
               "layer_post: float32 contiguous CPU residual (B, S, E)");
   const int64_t B = residual.size(0), S = residual.size(1), E = residual.size(2), R = B * S;
   TORCH_CHECK(R >= 1 && R <= 8, "layer_post: 1 <= B * S <= 8 rows, got ", R);
   TORCH_CHECK(attn.dim() == 4 && attn.size(0) == B && attn.size(1) == S && attn.scalar_type() == at::kFloat &&
-                  !attn.is_cuda(),
+                  attn.is_cpu(),
               "layer_post: float32 CPU attention output (B, S, H, D)");
   const int64_t A = attn.size(2) * attn.size(3);
   if (!usable(wo) || !usable(norm_w) || !usable(wg) || !usable(wu) || !usable(wd)) return {};
