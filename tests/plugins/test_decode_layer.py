@@ -315,3 +315,33 @@ def test_generation_with_and_without_the_fused_layer_gives_the_same_tokens(name,
     layers = len(engine.backend.adapter.layers)
     # every decode step (7 of the 8 tokens, 3 rows) ran both calls in every layer
     assert calls.count("pre") >= 7 * layers and calls.count("post") == calls.count("pre")
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_smollm2_llava_fused_decode_layer_gives_the_same_tokens(monkeypatch):
+    """The real-weight decoder at 4 decode rows: the fused decode layer (``decode_layer``: two C++ calls
+    per layer outside attention, the default) and the skinny layer's separate calls
+    (``VLKV_CPU_LAYER=0``) decode the same greedy tokens, and the fused calls ran in every layer."""
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.models.photos import real_photos
+    from vlkv.runtime.policies import make_policy
+    from vlkv.runtime.prompt import Prompt
+
+    engine = Engine(load_model("smollm2-llava"))
+    photos = real_photos()
+    prompts = [
+        Prompt("Describe this picture.", [photos[0]]),
+        Prompt("The capital of France is"),
+        Prompt("What is in the image? Answer in one sentence.", [photos[1]]),
+        Prompt("Write one sentence about lighthouses."),
+    ]
+    monkeypatch.setattr(decode_layer, "FUSED_LAYER", False)
+    want = engine.generate(prompts, make_policy("full"), 12, stop_at_eos=False)
+    monkeypatch.setattr(decode_layer, "FUSED_LAYER", True)
+    calls = []
+    real_pre = decode_layer.pre
+    monkeypatch.setattr(decode_layer, "pre", lambda *a: (calls.append(1), real_pre(*a))[1])
+    got = engine.generate(prompts, make_policy("full"), 12, stop_at_eos=False)
+    assert [s.token_ids for s in got.samples] == [s.token_ids for s in want.samples]
+    assert len(calls) >= 11 * len(engine.backend.adapter.layers)  # every decode step, every layer
