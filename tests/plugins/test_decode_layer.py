@@ -221,6 +221,29 @@ def test_weights_not_fp32_are_refused():
         assert decode_layer.post(layer, torch.randn(2, 1, 4, 32), hidden) is None
 
 
+def test_a_parametrized_weight_is_refused(monkeypatch):
+    """A weight computed by a parametrization (no ``weight`` parameter of its own) is not streamed: the
+    reference path runs, through the module's computed weight."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    layer, rotary = _llama(bias=False)
+    hidden, cos_sin = _llama_inputs(layer, rotary, 3, 1)
+    parametrize.register_parametrization(layer.self_attn.v_proj, "weight", Doubled())
+    parametrize.register_parametrization(layer.mlp.gate_proj, "weight", Doubled())
+    with torch.no_grad():
+        assert decode_layer.pre(layer, hidden, *cos_sin) is None
+        assert decode_layer.post(layer, torch.randn(3, 1, 4, 32), hidden) is None
+        got, want, _ = _on_and_off(layer, hidden, cos_sin, monkeypatch)
+        torch.testing.assert_close(
+            got, layer(hidden, attention_mask=None, position_embeddings=cos_sin), **TOL
+        )
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def test_the_raw_kernel_refuses_in_one_line():
     mod = decode_layer.kernel()
     w = torch.randn(64, 16)

@@ -180,12 +180,28 @@ def warm_up() -> bool:
     return FUSED_LAYER and skinny_gemm.CPP_GEMM and kernel() is not None
 
 
+def _parts(layer: nn.Module) -> tuple[nn.Module, nn.Module, dict, dict]:
+    """``layer``'s attention and MLP modules and their submodule dicts, read from the modules' own
+    dicts: ``nn.Module.__getattr__`` costs ~1-3 µs a name, ~25 names per layer and step (the dicts are
+    the modules' live state: a replaced submodule or parameter is seen)."""
+    mods = layer._modules
+    attn, mlp = mods["self_attn"], mods["mlp"]
+    return attn, mlp, attn._modules, mlp._modules
+
+
+def _wb(linear: nn.Module) -> tuple[Tensor | None, Tensor | None]:
+    """A projection's weight and bias as registered (None where it keeps no ``weight`` parameter, e.g.
+    a parametrized one: refused)."""
+    params = linear._parameters
+    return params.get("weight"), params.get("bias")
+
+
 def fits(layer: nn.Module, hidden: Tensor, cos: Tensor) -> bool:
     """:func:`pre` / :func:`post` take ``layer`` over ``hidden (B, S, E)``: the switches on, the extension
     built, 1 to ``MAX_ROWS`` fp32 CPU rows with ``cos (B, S, D)``, no gradient wanted through
     ``hidden``, the layer's norms ``layer_glue.NORMS`` and its activation SiLU (the weights' own
     checks are the C++ side's)."""
-    return (
+    if not (
         FUSED_LAYER
         and skinny_gemm.CPP_GEMM
         and hidden.dim() == 3
@@ -194,52 +210,48 @@ def fits(layer: nn.Module, hidden: Tensor, cos: Tensor) -> bool:
         and hidden.dtype is cos.dtype is torch.float32
         and cos.dim() == 3
         and not (hidden.requires_grad and torch.is_grad_enabled())
-        and type(layer.input_layernorm).__name__ in layer_glue.NORMS
-        and type(layer.post_attention_layernorm).__name__ in layer_glue.NORMS
-        and type(layer.mlp.act_fn).__name__ in SILU
         and (_BUILT[0] if _BUILT else kernel()) is not None
+    ):
+        return False
+    mods = layer._modules
+    norms = layer_glue.NORMS
+    return (
+        type(mods["input_layernorm"]).__name__ in norms
+        and type(mods["post_attention_layernorm"]).__name__ in norms
+        and type(mods["mlp"]._modules["act_fn"]).__name__ in SILU
     )
 
 
 def pre(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     """The layer's input RMSNorm, q/k/v projections and RoPE over ``hidden (B, S, E)`` with ``cos``/``sin
     (B, S, D)``: ``q (B, Hq, S, D)``, ``k``/``v (B, Hk, S, D)`` (the HF layer's post-transpose layouts),
-    or None where the C++ side refuses a weight (check :func:`fits` first)."""
-    attn, norm = layer.self_attn, layer.input_layernorm
-    qp, kp, vp = attn.q_proj, attn.k_proj, attn.v_proj
-    got = kernel().layer_pre(
-        hidden if hidden.is_contiguous() else hidden.contiguous(),
-        norm.weight,
-        norm.variance_epsilon,
-        qp.weight,
-        qp.bias,
-        kp.weight,
-        kp.bias,
-        vp.weight,
-        vp.bias,
-        cos,
-        sin,
-    )
+    or None where a weight is refused (check :func:`fits` first)."""
+    _, _, am, _ = _parts(layer)
+    norm = layer._modules["input_layernorm"]
+    (wq, bq), (wk, bk), (wv, bv) = _wb(am["q_proj"]), _wb(am["k_proj"]), _wb(am["v_proj"])
+    wn = norm._parameters.get("weight")
+    if wq is None or wk is None or wv is None or wn is None:
+        return None
+    x = hidden if hidden.is_contiguous() else hidden.contiguous()
+    got = kernel().layer_pre(x, wn, norm.variance_epsilon, wq, bq, wk, bk, wv, bv, cos, sin)
     return tuple(got) if got else None
 
 
 def post(layer: nn.Module, out: Tensor, residual: Tensor) -> Tensor | None:
     """The layer after attention: ``out (B, S, Hq, D)`` (the attention output, any strides) through the o
     projection onto ``residual (B, S, E)``, then the MLP block: the next hidden ``(B, S, E)``, or None
-    where the C++ side refuses a weight (check :func:`fits` first)."""
-    o, norm, mlp = layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp
-    got = kernel().layer_post(
-        out,
-        residual if residual.is_contiguous() else residual.contiguous(),
-        o.weight,
-        o.bias,
-        norm.weight,
-        norm.variance_epsilon,
-        mlp.gate_proj.weight,
-        mlp.gate_proj.bias,
-        mlp.up_proj.weight,
-        mlp.up_proj.bias,
-        mlp.down_proj.weight,
-        mlp.down_proj.bias,
+    where a weight is refused (check :func:`fits` first)."""
+    _, _, am, mm = _parts(layer)
+    norm = layer._modules["post_attention_layernorm"]
+    (wo, bo), (wg, bg), (wu, bu), (wd, bd) = (
+        _wb(am["o_proj"]),
+        _wb(mm["gate_proj"]),
+        _wb(mm["up_proj"]),
+        _wb(mm["down_proj"]),
     )
+    wn = norm._parameters.get("weight")
+    if wo is None or wg is None or wu is None or wd is None or wn is None:
+        return None
+    r = residual if residual.is_contiguous() else residual.contiguous()
+    got = kernel().layer_post(out, r, wo, bo, wn, norm.variance_epsilon, wg, bg, wu, bu, wd, bd)
     return got[0] if got else None

@@ -114,13 +114,17 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     layer's ``position_embeddings`` would be."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    attn, mlp = layer.self_attn, layer.mlp
+    # submodules from the modules' own dicts: nn.Module.__getattr__ costs ~1-3 µs a name, per layer
+    # and step (decode_layer reads its weights the same way)
+    attn = layer._modules["self_attn"]
     shape = hidden.shape[:-1]
     hd = attn.head_dim
     residual = hidden
     # the C++ norms / RoPE above the C++ GEMM's weight floor (a tiny test model's layers keep the HF
     # ops bit for bit); they take up to layer_glue.MAX_ROWS rows, the GEMM up to skinny_gemm.MAX_ROWS
-    glue = attn.q_proj.weight.numel() >= SKINNY_MIN_WEIGHT
+    q_proj = attn._modules["q_proj"]
+    q_weight = q_proj._parameters.get("weight")
+    glue = (q_proj.weight if q_weight is None else q_weight).numel() >= SKINNY_MIN_WEIGHT
     cos, sin = cos_sin
     # a decode step's few rows: the norm, q/k/v GEMMs and RoPE as one C++ call, and everything after
     # attention as another (decode_layer; VLKV_CPU_LAYER=0 or a refused weight: the calls below)
@@ -159,4 +163,5 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     hidden = residual + _proj(attn.o_proj, out.reshape(*shape, -1).contiguous())
     residual = hidden
     h = _norm(layer.post_attention_layernorm, hidden, glue)
+    mlp = layer.mlp
     return residual + _proj(mlp.down_proj, mlp.act_fn(_proj(mlp.gate_proj, h)) * _proj(mlp.up_proj, h))
