@@ -158,6 +158,43 @@ def test_qwen2_vl_pre_and_post_equal_the_hf_layer(rows, q, monkeypatch):
             assert calls == ["pre", "post"]
 
 
+def test_threads_split_outputs_not_sums(monkeypatch):
+    """At smollm2-llava's shapes (576 hidden, 9/3 heads of 64, 1536 MLP) the GEMMs' output rows are split
+    over 2 threads — the q/k/v and the gate/up products each one parallel region —: every output is
+    still one thread's sum in one order, so 2 threads give the 1-thread result bit for bit, and both
+    equal the HF layer."""
+    cfg = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        attention_bias=True,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(3)
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05)
+    hidden = torch.randn(4, 1, 576)
+    cos_sin = LlamaRotaryEmbedding(cfg)(hidden, torch.arange(4)[:, None] + 300)
+    assert decode_layer.fits(layer, hidden, cos_sin[0])
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                got[n] = layer_forward(layer, hidden, None, cos_sin)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[1], got[2])
+    with torch.no_grad():
+        want = layer(hidden, attention_mask=None, position_embeddings=cos_sin)
+    torch.testing.assert_close(got[2], want, **TOL)
+
+
 def test_what_it_cannot_take_runs_the_reference_path(monkeypatch):
     layer, rotary = _llama(bias=True)
     hidden, (cos, sin) = _llama_inputs(layer, rotary, 4, 1)

@@ -14,7 +14,8 @@ two residual adds — each a few µs of Python and dispatch for a few hundred fl
   + residual; returns the next hidden ``(B, S, hidden)``.
 
 Same code, same formulas: the GEMMs are ``skinny_gemm``'s kernels (every weight streamed once for all
-the step's rows), the norms and RoPE ``layer_glue``'s loops (their C++ text compiled into this
+the step's rows; with several threads the q/k/v products share one parallel region, the gate/up
+products another: 4 forks per layer instead of 7, each output still one thread's sum), the norms and RoPE ``layer_glue``'s loops (their C++ text compiled into this
 extension: one build machinery, ``paged_cpu_kernel.load_extension``), SiLU is ``at::silu_`` (torch's
 own kernel), the products and adds single fp32 operations. So a layer here equals the skinny layer
 it replaces (``VLKV_CPU_LAYER=0``: the reference) to fp32 rounding — measured bit-equal on this VM,
@@ -90,15 +91,19 @@ std::vector<torch::Tensor> layer_pre(torch::Tensor hidden, torch::Tensor norm_w,
   auto c = cos.contiguous(), s = sin.contiguous();
   auto o = hidden.options();
   auto q = heads_view(B, S, NQ / D, D, o), k = heads_view(B, S, NK / D, D, o), v = heads_view(B, S, NK / D, D, o);
-  thread_local std::vector<float> h, lin;
+  thread_local std::vector<float> h, ql, kl;
   h.resize(R * E);
-  lin.resize(R * std::max(NQ, NK));
+  ql.resize(R * NQ);
+  kl.resize(R * NK);
   rms_rows(hidden.data_ptr<float>(), norm_w.data_ptr<float>(), eps, h.data(), R, E);
-  gemm_rows(h.data(), wq.data_ptr<float>(), bias_ptr(bq), lin.data(), R, E, NQ);
-  rope_one(lin.data(), c.data_ptr<float>(), s.data_ptr<float>(), q.data_ptr<float>(), R, NQ / D, D);
-  gemm_rows(h.data(), wk.data_ptr<float>(), bias_ptr(bk), lin.data(), R, E, NK);
-  rope_one(lin.data(), c.data_ptr<float>(), s.data_ptr<float>(), k.data_ptr<float>(), R, NK / D, D);
-  gemm_rows(h.data(), wv.data_ptr<float>(), bias_ptr(bv), v.data_ptr<float>(), R, E, NK);
+  // the three products as one parallel region; v straight into its output
+  gemm_rows_multi<3>(h.data(),
+                     {Product{wq.data_ptr<float>(), bias_ptr(bq), ql.data(), NQ},
+                      Product{wk.data_ptr<float>(), bias_ptr(bk), kl.data(), NK},
+                      Product{wv.data_ptr<float>(), bias_ptr(bv), v.data_ptr<float>(), NK}},
+                     R, E);
+  rope_one(ql.data(), c.data_ptr<float>(), s.data_ptr<float>(), q.data_ptr<float>(), R, NQ / D, D);
+  rope_one(kl.data(), c.data_ptr<float>(), s.data_ptr<float>(), k.data_ptr<float>(), R, NK / D, D);
   return {q, k, v};
 }
 
@@ -141,8 +146,9 @@ std::vector<torch::Tensor> layer_post(torch::Tensor attn, torch::Tensor residual
   // the MLP block: h + down(silu(gate(n)) * up(n)), n = rms_norm(h); SiLU by torch's own kernel
   rms_rows(hp, norm_w.data_ptr<float>(), eps, n.data(), R, E);
   float* gp = gate.data_ptr<float>();
-  gemm_rows(n.data(), wg.data_ptr<float>(), bias_ptr(bg), gp, R, E, I);
-  gemm_rows(n.data(), wu.data_ptr<float>(), bias_ptr(bu), up.data(), R, E, I);
+  gemm_rows_multi<2>(
+      n.data(), {Product{wg.data_ptr<float>(), bias_ptr(bg), gp, I}, Product{wu.data_ptr<float>(), bias_ptr(bu), up.data(), I}},
+      R, E);
   at::silu_(gate);
   for (int64_t i = 0; i < R * I; ++i) gp[i] = gp[i] * up[i];
   gemm_rows(gp, wd.data_ptr<float>(), bias_ptr(bd), t.data(), R, I, E);

@@ -46,6 +46,7 @@ CPP_GEMM = env_switch("VLKV_CPU_GEMM")
 _KERNELS = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <array>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -126,22 +127,55 @@ static void by_block(const float* x, const float* w, const float* b, float* y, i
   else rows_block<R, 2, 2>(x, w, b, y, n0, n1, K, N);
 }
 
+// y[:, n0:n1] of y (R, N) = x (R, K) @ w (N, K)^T (+ b), 1 <= R <= 8: the register blocking for R rows
+static void rows_range(const float* xp, const float* wp, const float* bp, float* yp, int64_t n0, int64_t n1,
+                       int64_t R, int64_t K, int64_t N) {
+  switch (R) {
+    case 1: return by_block<1>(xp, wp, bp, yp, n0, n1, K, N);
+    case 2: return by_block<2>(xp, wp, bp, yp, n0, n1, K, N);
+    case 3: return by_block<3>(xp, wp, bp, yp, n0, n1, K, N);
+    case 4: return by_block<4>(xp, wp, bp, yp, n0, n1, K, N);
+    case 5: return by_block<5>(xp, wp, bp, yp, n0, n1, K, N);
+    case 6: return by_block<6>(xp, wp, bp, yp, n0, n1, K, N);
+    case 7: return by_block<7>(xp, wp, bp, yp, n0, n1, K, N);
+    default: return by_block<8>(xp, wp, bp, yp, n0, n1, K, N);
+  }
+}
+
+// a thread's share is at least ~256 KB of weights (fewer: the fork costs more than it saves)
+static int64_t rows_grain(int64_t K) {
+  return std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(K, 1) + 15) & ~int64_t(15));
+}
+
 // y (R, N) = x (R, K) @ w (N, K)^T (+ b) for 1 <= R <= 8 rows, raw fp32 row-major buffers: the output
-// rows split over torch's threads (the entry point below and the fused decode layer call this)
+// rows split over torch's threads (the entry point below and the fused decode layer call this). Each
+// output is one thread's, summed in one order: the result does not depend on the thread count.
 static void gemm_rows(const float* xp, const float* wp, const float* bp, float* yp, int64_t R, int64_t K,
                       int64_t N) {
-  // a thread's share is at least ~256 KB of weights (fewer: the fork costs more than it saves)
-  const int64_t grain = std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(K, 1) + 15) & ~int64_t(15));
-  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
-    switch (R) {
-      case 1: return by_block<1>(xp, wp, bp, yp, lo, hi, K, N);
-      case 2: return by_block<2>(xp, wp, bp, yp, lo, hi, K, N);
-      case 3: return by_block<3>(xp, wp, bp, yp, lo, hi, K, N);
-      case 4: return by_block<4>(xp, wp, bp, yp, lo, hi, K, N);
-      case 5: return by_block<5>(xp, wp, bp, yp, lo, hi, K, N);
-      case 6: return by_block<6>(xp, wp, bp, yp, lo, hi, K, N);
-      case 7: return by_block<7>(xp, wp, bp, yp, lo, hi, K, N);
-      default: return by_block<8>(xp, wp, bp, yp, lo, hi, K, N);
+  at::parallel_for(0, N, rows_grain(K), [&](int64_t lo, int64_t hi) { rows_range(xp, wp, bp, yp, lo, hi, R, K, N); });
+}
+
+// one of several products over the same x rows: y (R, N) = x @ w (N, K)^T (+ b)
+struct Product {
+  const float* w;
+  const float* b;
+  float* y;
+  int64_t N;
+};
+
+// several products over the same x (R, K) rows as one parallel region: their output rows, end to end,
+// split over torch's threads together (one fork and join instead of one per product, and a small
+// weight's rows shared out with the others'); each output as gemm_rows computes it
+template <size_t G>
+static void gemm_rows_multi(const float* xp, const std::array<Product, G>& ps, int64_t R, int64_t K) {
+  int64_t total = 0;
+  for (const auto& p : ps) total += p.N;
+  at::parallel_for(0, total, rows_grain(K), [&](int64_t lo, int64_t hi) {
+    int64_t base = 0;
+    for (const auto& p : ps) {
+      const int64_t a = std::max(lo, base), b = std::min(hi, base + p.N);
+      if (a < b) rows_range(xp, p.w, p.b, p.y, a - base, b - base, R, K, p.N);
+      base += p.N;
     }
   });
 }
