@@ -112,8 +112,6 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     ``ctx`` is the step's cache and mask (the runtime passes one object as both; None: no cache, the
     attention function's own causal mask), ``cos_sin`` the ``(B, q, head_dim)`` rotary tables the
     layer's ``position_embeddings`` would be."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     # submodules from the modules' own dicts: nn.Module.__getattr__ costs ~1-3 µs a name, per layer
     # and step (decode_layer reads its weights the same way)
     attn = layer._modules["self_attn"]
@@ -151,6 +149,8 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
         else fused_decode_row(ctx, attn.layer_idx, q, k, v, attn.scaling)
     )
     if out is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # here: not a decode step's cost
+
         if ctx is not None:
             k, v = ctx.update(k, v, attn.layer_idx, kwargs={})
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
