@@ -30,6 +30,7 @@ import torch
 
 import vlkv.plugins.decode_layer as decode_layer
 import vlkv.plugins.paged_cpu as paged_cpu
+import vlkv.plugins.weight_pages as weight_pages
 import vlkv.runtime.models.skinny_layer as skinny_layer
 from vlkv.runtime.models.skinny_layer import layer_forward
 from vlkv.runtime.op_count import count_ops
@@ -47,8 +48,17 @@ def _switch(on: bool):
     decode_layer.FUSED_LAYER = on
 
 
-def layers_only(engine, batch: int, reps: int, repeats: int) -> dict:
-    """Every decoder layer over ``batch`` fresh rows (no cache), fused vs separate calls, interleaved."""
+def _setup(name: str, moved) -> None:
+    """A configuration's switches: ``+calls`` the separate calls; ``+huge`` the weights in huge pages
+    (``weight_pages``; every other configuration reads them where the checkpoint put them)."""
+    _switch(not name.endswith("+calls"))
+    if moved is not None:
+        weight_pages.restore(moved, huge=name.endswith("+huge"))
+
+
+def layers_only(engine, batch: int, reps: int, repeats: int, moved=None) -> dict:
+    """Every decoder layer over ``batch`` fresh rows (no cache), fused vs separate calls (and, with
+    ``moved``, fused on huge-page weights), interleaved."""
     ad = engine.backend.adapter
     torch.manual_seed(0)
     hidden = torch.randn(batch, 1, ad.text_config.hidden_size)
@@ -61,25 +71,38 @@ def layers_only(engine, batch: int, reps: int, repeats: int) -> dict:
             h = layer_forward(layer, h, None, cos_sin)
         return h
 
-    times: dict[str, list[float]] = {"fused": [], "calls": []}
+    names = ["fused", "fused+calls", *(["fused+huge"] if moved is not None else [])]
+    times: dict[str, list[float]] = {n: [] for n in names}
     outs, ops = {}, {}
     with torch.no_grad():
         for rep in range(repeats + 1):  # round 0 warms up
-            for name in ("fused", "calls") if rep % 2 else ("calls", "fused"):
-                _switch(name == "fused")
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                _setup(name, moved)
                 t0 = time.perf_counter()
                 for _ in range(reps):
                     outs[name] = run()
                 if rep:
                     times[name].append((time.perf_counter() - t0) / reps)
-        for name in ("fused", "calls"):
-            _switch(name == "fused")
+        for name in ("fused", "fused+calls"):
+            _setup(name, moved)
             with count_ops() as c:
                 run()
-            ops[name] = c.ops
-    _switch(True)
+            ops[name.removeprefix("fused+")] = c.ops
+    _setup("fused", moved)
+    times["calls"] = times.pop("fused+calls")
+    outs["calls"] = outs.pop("fused+calls")
     ratio = [c / f for c, f in zip(times["calls"], times["fused"], strict=True)]
+    huge = {}
+    if moved is not None:
+        h = [f / g for f, g in zip(times["fused"], times["fused+huge"], strict=True)]
+        huge = {
+            "huge_ms": 1e3 * statistics.median(times["fused+huge"]),
+            "huge_speedup": statistics.median(h),
+            "huge_speedup_range": [min(h), max(h)],
+            "huge_bit_equal": bool(torch.equal(outs["fused+huge"], outs["fused"])),
+        }
     return {
+        **huge,
         "layers": len(ad.layers),
         "rows": batch,
         "fused_ms": 1e3 * statistics.median(times["fused"]),
@@ -92,12 +115,13 @@ def layers_only(engine, batch: int, reps: int, repeats: int) -> dict:
     }
 
 
-def decode_steps(engine, args) -> dict:
+def decode_steps(engine, args, moved=None) -> dict:
     pols = {f"{n}@{b}": make_policy(n, budget=b) for n in args.policies for b in args.budgets}
     before = read_bandwidth(args.buffer_mib)
     pre = Prefilled(engine, args.model, args.tokens, args.batch, pols)
     w = weight_bytes(engine)
-    configs = [c for base in ["full", *pols] for c in (base, f"{base}+calls")]
+    extra = ("+huge",) if moved is not None else ()
+    configs = [c for base in ["full", *pols] for c in (base, f"{base}+calls", *(base + e for e in extra))]
     got: dict[str, list[dict]] = {c: [] for c in configs}
     fused_default = paged_cpu.FUSED_KERNEL
     paged_cpu.FUSED_KERNEL = True  # the fused C++ paged read for every configuration
@@ -105,8 +129,8 @@ def decode_steps(engine, args) -> dict:
         for rep in range(args.repeats + 1):  # round 0 warms up
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             for name in order:
-                base = name.removesuffix("+calls")
-                _switch(not name.endswith("+calls"))
+                base = name.removesuffix("+calls").removesuffix("+huge")
+                _setup(name, moved)
                 key = base.split("@")[0] if base in pols else None
                 res = vlkv_steps(pre, pols.get(base, make_policy("full")), args.steps, key)
                 if rep:
@@ -114,7 +138,7 @@ def decode_steps(engine, args) -> dict:
                 print(f"  round {rep}: {name} {1e3 * res['step_s']:.1f} ms/step", flush=True)
     finally:
         paged_cpu.FUSED_KERNEL = fused_default
-        _switch(True)
+        _setup("fused", moved)
     after = read_bandwidth(args.buffer_mib)
     bandwidth = max(before, after)
     rows = []
@@ -132,7 +156,13 @@ def decode_steps(engine, args) -> dict:
             "of_bound": 1e3 * (w + kv) / bandwidth / step_ms,
             "ops_per_step": getattr(ops, "ops", ops),
         }
-        if not name.endswith("+calls"):
+        if name.endswith("+huge"):
+            base = name.removesuffix("+huge")
+            ratio = [b["step_s"] / r["step_s"] for b, r in zip(got[base], rs, strict=True)]
+            row["speed_vs_mapped"] = statistics.median(ratio)
+            row["speed_vs_mapped_range"] = [min(ratio), max(ratio)]
+            row["same_tokens"] = rs[0]["tokens"] == got[base][0]["tokens"]
+        elif not name.endswith("+calls"):
             ratio = [c["step_s"] / r["step_s"] for c, r in zip(got[f"{name}+calls"], rs, strict=True)]
             row["speed_vs_calls"] = statistics.median(ratio)
             row["speed_vs_calls_range"] = [min(ratio), max(ratio)]
@@ -151,6 +181,12 @@ def report(res: dict) -> str:
         f"({lo['speedup_range'][0]:.2f}–{lo['speedup_range'][1]:.2f}); aten ops {lo['ops']['fused']} vs "
         f"{lo['ops']['calls']}; outputs bit-equal: {lo['bit_equal']} (max |diff| {lo['max_abs_diff']:.2e})",
     ]
+    if "huge_ms" in lo:
+        lines.append(
+            f"\nWeights in huge pages (`weight_pages`, {res['huge_mib']:.0f} MiB moved): fused {lo['huge_ms']:.2f} ms, "
+            f"**{lo['huge_speedup']:.2f}×** the mapped weights ({lo['huge_speedup_range'][0]:.2f}–"
+            f"{lo['huge_speedup_range'][1]:.2f}); bit-equal: {lo['huge_bit_equal']}"
+        )
     if "decode" in res:
         d = res["decode"]
         bw = d["bandwidth_gbs"]
@@ -162,9 +198,11 @@ def report(res: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in d["rows"]:
+            key = "speed_vs_calls" if "speed_vs_calls" in r else "speed_vs_mapped"
             vs = (
-                f"**{r['speed_vs_calls']:.2f}×** ({r['speed_vs_calls_range'][0]:.2f}–{r['speed_vs_calls_range'][1]:.2f})"
-                if "speed_vs_calls" in r
+                f"**{r[key]:.2f}×** ({r[key + '_range'][0]:.2f}–{r[key + '_range'][1]:.2f})"
+                + (" vs mapped" if key == "speed_vs_mapped" else "")
+                if key in r
                 else ""
             )
             lines.append(
@@ -187,6 +225,7 @@ def main() -> None:
     ap.add_argument("--buffer-mib", type=int, default=1024)
     ap.add_argument("--layers-only", action="store_true", help="skip the prefill and the decode steps")
     ap.add_argument("--tiny", action="store_true", help="tiny-llava, a few seconds")
+    ap.add_argument("--huge", action="store_true", help="also each fused configuration on huge-page weights")
     ap.add_argument("--json")
     ap.add_argument("--md")
     add_threads_arg(ap)
@@ -204,16 +243,21 @@ def main() -> None:
     from vlkv.runtime.engine import Engine
 
     engine = Engine(load_for_bench(args.model, "cpu", "fp32"))
+    ad = engine.backend.adapter
+    moved = weight_pages.move([ad.layers, ad.norm, ad.lm_head]) if args.huge else None
+    if moved is not None:
+        weight_pages.restore(moved)  # the checkpoint's mapping unless a configuration asks
     res = {
         "machine": f"{cpu_name()} ({machine_name('cpu')})",
         "threads": torch.get_num_threads(),
         "model": args.model,
         "tokens": args.tokens,
         "batch": args.batch,
-        "layers_only": layers_only(engine, args.batch, args.layer_reps, args.repeats),
+        "huge_mib": moved.bytes / 2**20 if moved is not None else 0.0,
+        "layers_only": layers_only(engine, args.batch, args.layer_reps, args.repeats, moved),
     }
     if not args.layers_only:
-        res["decode"] = decode_steps(engine, args)
+        res["decode"] = decode_steps(engine, args, moved)
     write_report(report(res), res, args)
 
 
