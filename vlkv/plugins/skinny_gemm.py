@@ -4,9 +4,11 @@ A decode step multiplies the batch's few rows by every weight matrix, so its GEM
 once and do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic. MKL's
 ``F.linear`` and even the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at
 ~9-15 GB/s at 4 rows where a plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread).
-This kernel reads ``W (N, K)`` row after row, contiguously, ``NB`` weight rows at a time, and dots each
-with all ``x`` rows at once (``x`` stays in L1/L2; the ``NB × rows`` accumulators stay in registers),
-one weight byte loaded once. Vectorised over ``K`` with the compiler's vector extension (AVX-512 or
+This kernel reads ``W (N, K)`` row after row, contiguously, ``NB`` weight rows at a time (3-8 rows;
+1-2 rows: one weight row at a time, a single stream like a plain sum's, 87-105 % of its bandwidth), and
+dots each with all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one
+weight byte loaded once; every output is one vector accumulator over ``K`` in order, whatever the form
+(a row's result does not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or
 AVX2 through ``-march=native``), threads over blocks of output rows with ``at::parallel_for``
 (``torch.get_num_threads()``). fp32 only; it sums each dot product in another order than
 ``F.linear`` (fp32 rounding, ~1e-6 relative), so it is tested against ``F.linear`` with explicit
