@@ -87,3 +87,30 @@ def test_nothing_moves_without_the_extension(monkeypatch):
 def test_moved_checks_its_lists():
     with pytest.raises(ValueError, match="params, before and slots differ in length: 1, 0, 0"):
         weight_pages.Moved([torch.nn.Parameter(torch.zeros(1))], [], [])
+
+
+def test_place_takes_cpu_fp32_models_and_the_switch(monkeypatch):
+    """``place`` at engine start: a CPU fp32 model's decoder layers, final norm and output head (the
+    tiny model's embedding, tied or not, is not asked for); another device or dtype, or the switch off:
+    nothing moves."""
+    from vlkv.runtime.models.registry import load_model
+    from vlkv.runtime.torch_backend import TorchBackend
+
+    loaded = load_model("tiny-llava")
+    ad = TorchBackend(loaded.model, loaded.family, loaded.image_token_id).adapter
+    monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", False)
+    assert weight_pages.place(ad, "cpu", torch.float32).params == []
+    monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", True)
+    assert weight_pages.place(ad, "cpu", torch.bfloat16).params == []
+    assert weight_pages.place(ad, "meta", torch.float32).params == []
+    head = ad.lm_head.weight
+    moved = weight_pages.place(ad, "cpu", torch.float32)
+    assert any(p is head for p in moved.params)
+    want = {
+        id(p)
+        for m in (ad.layers, ad.norm, ad.lm_head)
+        for p in m.parameters()
+        if p.numel() >= weight_pages.MIN_ELEMENTS
+    }
+    assert {id(p) for p in moved.params} == want
+    weight_pages.restore(moved)

@@ -4,13 +4,15 @@ A decode step streams every weight once; the few-row GEMM (``skinny_gemm``) read
 side by side, and a checkpoint's weights are memory-mapped from its file in 4 KiB pages: each 4 KiB of a
 0.54 GB step (smollm2-llava) takes its own TLB entry. Copied into 2 MiB-aligned anonymous memory advised
 to huge pages (``MADV_HUGEPAGE``; the VM's THP mode is ``madvise``), the same products read the same bytes
-through ~512× fewer entries: measured on the 2-core EPYC VM, 1 thread, 4 rows, the GEMMs read 5-7 points
-more of a plain sum's bandwidth (docs/benchmarks/2026-11-26-layer-cpu-x86_64/).
+through ~512× fewer entries: measured on the 2-core EPYC VM, 1 thread, 4 rows, smollm2-llava's decoder
+layers alone 1.07-1.15×, a decode step 1.05-1.11×, bit-equal (docs/benchmarks/2026-11-26-layer-cpu-x86_64/).
 
-:func:`move` copies the parameters of the given modules (fp32, CPU, contiguous, at least
-``MIN_ELEMENTS``; tied parameters once) into one such buffer and points each parameter's ``.data`` at its
-slice — the same values, the same ``Parameter`` objects, so the model and every path that reads it are
-unchanged; :func:`restore` points them back. Without the C++ extension (no compiler) nothing moves.
+:func:`move` copies the parameters of the given modules (fp32, CPU, contiguous, at least ``MIN_ELEMENTS``;
+tied parameters once) into one such buffer and points each parameter's ``.data`` at its slice — the same
+values, the same ``Parameter`` objects, so the model and every path that reads it are unchanged;
+:func:`restore` points them back. :func:`place` is the engine-start form (a CPU fp32 model's decoder
+layers, final norm and output head; ``VLKV_CPU_HUGE_WEIGHTS=0`` leaves them). Without the C++ extension
+(no compiler) nothing moves.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from vlkv.plugins import decode_layer
+from vlkv.plugins import decode_layer, skinny_gemm
 
-__all__ = ["MIN_ELEMENTS", "Moved", "move", "restore"]
+__all__ = ["HUGE_WEIGHTS", "MIN_ELEMENTS", "Moved", "move", "place", "restore"]
+
+# VLKV_CPU_HUGE_WEIGHTS=0: :func:`place` leaves the weights where the checkpoint put them
+HUGE_WEIGHTS = skinny_gemm.env_switch("VLKV_CPU_HUGE_WEIGHTS")
 
 # below this a weight is not worth a slot (norm weights, biases): they stay where they are
 MIN_ELEMENTS = 1 << 14
@@ -85,3 +90,12 @@ def restore(moved: Moved, huge: bool = False) -> None:
     again (a benchmark's two configurations in one run)."""
     for p, t in zip(moved.params, moved.slots if huge else moved.before):
         p.data = t
+
+
+def place(adapter, device: torch.device | str, dtype: torch.dtype) -> Moved:
+    """At engine start: the decoder layers', final norm's and output head's weights of a CPU fp32 model
+    (``adapter``: a ``FamilyAdapter``) moved into huge pages (:func:`move`), unless
+    ``VLKV_CPU_HUGE_WEIGHTS=0``; on another device or dtype nothing moves."""
+    if not HUGE_WEIGHTS or torch.device(device).type != "cpu" or dtype != torch.float32:
+        return Moved()
+    return move([adapter.layers, adapter.norm, adapter.lm_head])
