@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vlkv.plugins import decode_layer, layer_glue, skinny_gemm
+import vlkv.plugins.decode_layer as decode_layer
+from vlkv.plugins import layer_glue, skinny_gemm
 from vlkv.runtime.kv.paged import fused_decode_row
 
 # decoder layer classes whose forward is norm → attention(q/k/v, RoPE, cache, o) → residual → norm →
