@@ -43,6 +43,21 @@ def test_kernel_equals_f_linear(rows, n, k, bias):
     torch.testing.assert_close(got, F.linear(x, w, b), **TOL)
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_row_count_sums_alike(n, k, bias):
+    """1-2 rows stream the weight row after row, 3-8 rows read it in register blocks of weight rows:
+    each output is still one vector accumulator over K in order, so a row's result does not depend on
+    how many rows share the call (bit for bit)."""
+    torch.manual_seed(n + k)
+    x, w = torch.randn(gemm.MAX_ROWS, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    mod = gemm.kernel()
+    alone = torch.cat([mod.gemm(x[r : r + 1].contiguous(), w, b) for r in range(gemm.MAX_ROWS)])
+    for rows in range(2, gemm.MAX_ROWS + 1):
+        assert torch.equal(mod.gemm(x[:rows].contiguous(), w, b), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_threads_split_output_rows_exactly(threads):
     """Each output row is one thread's dot product: the result is the same bits at any thread count."""

@@ -28,20 +28,13 @@ NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen2VLRMSNorm"})
 # skinny_gemm.MAX_ROWS rows, are torch's); longer chunks keep the HF modules
 MAX_ROWS = 64
 
-_SOURCE = r"""
+# the row loops (``rms_rows``, ``rope_one``), without entry points: ``decode_layer`` compiles them too
+_KERNELS = r"""
 #include <torch/extension.h>
 #include <cmath>
 
-// x (..., K) fp32 contiguous, w (K,) fp32: y[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)) per row r
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1) && x.scalar_type() == at::kFloat &&
-                  w.scalar_type() == at::kFloat && x.is_contiguous() && w.is_contiguous(),
-              "rms_norm: float32 contiguous x (..., K) and weight (K,)");
-  const int64_t K = x.size(-1), R = K ? x.numel() / K : 0;
-  auto y = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// y[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)) for R rows of K floats (raw row-major buffers)
+static void rms_rows(const float* xp, const float* wp, double eps, float* yp, int64_t R, int64_t K) {
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = xp + r * K;
     float s = 0.f;
@@ -52,11 +45,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 #pragma omp simd
     for (int64_t k = 0; k < K; ++k) yr[k] = wp[k] * (xr[k] * inv);
   }
-  return y;
 }
 
-// q (B, S, Hq, D), k (B, S, Hk, D) fp32 contiguous; cos, sin (B, S, D) fp32 contiguous. Returns
-// x * cos + rotate_half(x) * sin for each, rotate_half(x) = cat(-x[D/2:], x[:D/2]).
+// x (BS, H, D) rows with cos, sin (BS, D): o = x * cos + rotate_half(x) * sin,
+// rotate_half(x) = cat(-x[D/2:], x[:D/2]) (raw row-major buffers)
 static void rope_one(const float* x, const float* c, const float* s, float* o, int64_t BS, int64_t H,
                      int64_t D) {
   const int64_t h2 = D / 2;
@@ -73,7 +65,22 @@ static void rope_one(const float* x, const float* c, const float* s, float* o, i
     }
   }
 }
+"""
 
+_ENTRY = r"""
+// x (..., K) fp32 contiguous, w (K,) fp32: y[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)) per row r
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && w.dim() == 1 && w.size(0) == x.size(-1) && x.scalar_type() == at::kFloat &&
+                  w.scalar_type() == at::kFloat && x.is_contiguous() && w.is_contiguous(),
+              "rms_norm: float32 contiguous x (..., K) and weight (K,)");
+  const int64_t K = x.size(-1), R = K ? x.numel() / K : 0;
+  auto y = torch::empty_like(x);
+  rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), eps, y.data_ptr<float>(), R, K);
+  return y;
+}
+
+// q (B, S, Hq, D), k (B, S, Hk, D) fp32 contiguous; cos, sin (B, S, D) fp32 contiguous. Returns
+// x * cos + rotate_half(x) * sin for each.
 std::vector<torch::Tensor> rope(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 3 && sin.sizes() == cos.sizes() &&
                   q.size(0) == cos.size(0) && q.size(1) == cos.size(1) && k.size(0) == q.size(0) &&
@@ -94,6 +101,9 @@ std::vector<torch::Tensor> rope(torch::Tensor q, torch::Tensor k, torch::Tensor 
   return {qo, ko};
 }
 """
+
+# the whole extension: the row loops (shared with ``decode_layer``) and this module's entry points
+_SOURCE = _KERNELS + _ENTRY
 
 _BUILT: list = []  # [module or None] once a build was tried
 

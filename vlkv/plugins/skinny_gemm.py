@@ -4,9 +4,11 @@ A decode step multiplies the batch's few rows by every weight matrix, so its GEM
 once and do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic. MKL's
 ``F.linear`` and even the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at
 ~9-15 GB/s at 4 rows where a plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread).
-This kernel reads ``W (N, K)`` row after row, contiguously, ``NB`` weight rows at a time, and dots each
-with all ``x`` rows at once (``x`` stays in L1/L2; the ``NB × rows`` accumulators stay in registers),
-one weight byte loaded once. Vectorised over ``K`` with the compiler's vector extension (AVX-512 or
+This kernel reads ``W (N, K)`` row after row, contiguously, ``NB`` weight rows at a time (3-8 rows;
+1-2 rows: one weight row at a time, a single stream like a plain sum's, 87-105 % of its bandwidth), and
+dots each with all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one
+weight byte loaded once; every output is one vector accumulator over ``K`` in order, whatever the form
+(a row's result does not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or
 AVX2 through ``-march=native``), threads over blocks of output rows with ``at::parallel_for``
 (``torch.get_num_threads()``). fp32 only; it sums each dot product in another order than
 ``F.linear`` (fp32 rounding, ~1e-6 relative), so it is tested against ``F.linear`` with explicit
@@ -42,9 +44,11 @@ def env_switch(name: str) -> bool:
 # VLKV_CPU_GEMM=0: the skinny layers' GEMMs go back to torch's ``(W @ xᵀ)ᵀ`` / ``F.linear``
 CPP_GEMM = env_switch("VLKV_CPU_GEMM")
 
-_SOURCE = r"""
+# the few-row kernels (``gemm_rows``), without an entry point: ``decode_layer`` compiles them too
+_KERNELS = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <array>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -115,16 +119,98 @@ static void rows_block(const float* __restrict x, const float* __restrict w, con
   if (NB > 1 && n < n1) rows_block<R, 1, 0>(x, w, b, y, n, n1, K, N);
 }
 
-// weight rows per register block: R * NB accumulators + R x vectors + NB weight vectors within the
-// 32 (AVX-512) vector registers
+// 1-2 rows: the weight read as one stream, row after row (what a plain sum reads), each weight row
+// dotted with the R x rows before the next: the same per-output sums as rows_block (one vector
+// accumulator over K in order, then hsum, the tail, the bias: bit-equal results). Measured on the
+// 2-core EPYC VM, 1 thread, weights far apart in memory: 1 row 35-39 GB/s where rows_block's NB
+// interleaved row streams read 30-32 (a plain sum: 34-39), 2 rows +5-14 %; at 4 rows it is no faster
+// (the R FMAs per weight vector bind), and software prefetch made it slower.
+template <int R>
+static void rows_stream(const float* __restrict x, const float* __restrict w, const float* __restrict b,
+                        float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    v16 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = v16{};
+    for (int64_t k = 0; k < K16; k += 16) {
+      v16 wv = *(const vu*)(wr + k);
+      PIN(wv);
+      for (int r = 0; r < R; ++r) acc[r] += wv * *(const vu*)(x + r * K + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[r]);
+      for (int64_t k = K16; k < K; ++k) s += wr[k] * x[r * K + k];
+      y[r * N + n] = b ? s + b[n] : s;
+    }
+  }
+}
+
+// 3-8 rows: weight rows per register block: R * NB accumulators + R x vectors + NB weight vectors
+// within the 32 (AVX-512) vector registers
 template <int R>
 static void by_block(const float* x, const float* w, const float* b, float* y, int64_t n0, int64_t n1,
                      int64_t K, int64_t N) {
-  if constexpr (R <= 2) rows_block<R, 8, 1>(x, w, b, y, n0, n1, K, N);
+  if constexpr (R <= 2) rows_stream<R>(x, w, b, y, n0, n1, K, N);
   else if constexpr (R <= 4) rows_block<R, 4, 1>(x, w, b, y, n0, n1, K, N);
   else rows_block<R, 2, 2>(x, w, b, y, n0, n1, K, N);
 }
 
+// y[:, n0:n1] of y (R, N) = x (R, K) @ w (N, K)^T (+ b), 1 <= R <= 8: the register blocking for R rows
+static void rows_range(const float* xp, const float* wp, const float* bp, float* yp, int64_t n0, int64_t n1,
+                       int64_t R, int64_t K, int64_t N) {
+  switch (R) {
+    case 1: return by_block<1>(xp, wp, bp, yp, n0, n1, K, N);
+    case 2: return by_block<2>(xp, wp, bp, yp, n0, n1, K, N);
+    case 3: return by_block<3>(xp, wp, bp, yp, n0, n1, K, N);
+    case 4: return by_block<4>(xp, wp, bp, yp, n0, n1, K, N);
+    case 5: return by_block<5>(xp, wp, bp, yp, n0, n1, K, N);
+    case 6: return by_block<6>(xp, wp, bp, yp, n0, n1, K, N);
+    case 7: return by_block<7>(xp, wp, bp, yp, n0, n1, K, N);
+    default: return by_block<8>(xp, wp, bp, yp, n0, n1, K, N);
+  }
+}
+
+// a thread's share is at least ~256 KB of weights (fewer: the fork costs more than it saves)
+static int64_t rows_grain(int64_t K) {
+  return std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(K, 1) + 15) & ~int64_t(15));
+}
+
+// y (R, N) = x (R, K) @ w (N, K)^T (+ b) for 1 <= R <= 8 rows, raw fp32 row-major buffers: the output
+// rows split over torch's threads (the entry point below and the fused decode layer call this). Each
+// output is one thread's, summed in one order: the result does not depend on the thread count.
+static void gemm_rows(const float* xp, const float* wp, const float* bp, float* yp, int64_t R, int64_t K,
+                      int64_t N) {
+  at::parallel_for(0, N, rows_grain(K), [&](int64_t lo, int64_t hi) { rows_range(xp, wp, bp, yp, lo, hi, R, K, N); });
+}
+
+// one of several products over the same x rows: y (R, N) = x @ w (N, K)^T (+ b)
+struct Product {
+  const float* w;
+  const float* b;
+  float* y;
+  int64_t N;
+};
+
+// several products over the same x (R, K) rows as one parallel region: their output rows, end to end,
+// split over torch's threads together (one fork and join instead of one per product, and a small
+// weight's rows shared out with the others'); each output as gemm_rows computes it
+template <size_t G>
+static void gemm_rows_multi(const float* xp, const std::array<Product, G>& ps, int64_t R, int64_t K) {
+  int64_t total = 0;
+  for (const auto& p : ps) total += p.N;
+  at::parallel_for(0, total, rows_grain(K), [&](int64_t lo, int64_t hi) {
+    int64_t base = 0;
+    for (const auto& p : ps) {
+      const int64_t a = std::max(lo, base), b = std::min(hi, base + p.N);
+      if (a < b) rows_range(xp, p.w, p.b, p.y, a - base, b - base, R, K, p.N);
+      base += p.N;
+    }
+  });
+}
+"""
+
+_ENTRY = r"""
 // x (..., K) fp32 contiguous with R <= 8 rows in all; w (N, K) fp32 contiguous; bias (N,) fp32 or None.
 // Returns y (..., N) = x @ w^T (+ bias): the caller's shape, no reshapes around the call.
 torch::Tensor gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -144,26 +230,13 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
   auto shape = x.sizes().vec();
   shape.back() = N;
   auto y = torch::empty(shape, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // a thread's share is at least ~256 KB of weights (fewer: the fork costs more than it saves)
-  const int64_t grain = std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(K, 1) + 15) & ~int64_t(15));
-  at::parallel_for(0, N, grain, [&](int64_t lo, int64_t hi) {
-    switch (R) {
-      case 1: return by_block<1>(xp, wp, bp, yp, lo, hi, K, N);
-      case 2: return by_block<2>(xp, wp, bp, yp, lo, hi, K, N);
-      case 3: return by_block<3>(xp, wp, bp, yp, lo, hi, K, N);
-      case 4: return by_block<4>(xp, wp, bp, yp, lo, hi, K, N);
-      case 5: return by_block<5>(xp, wp, bp, yp, lo, hi, K, N);
-      case 6: return by_block<6>(xp, wp, bp, yp, lo, hi, K, N);
-      case 7: return by_block<7>(xp, wp, bp, yp, lo, hi, K, N);
-      default: return by_block<8>(xp, wp, bp, yp, lo, hi, K, N);
-    }
-  });
+  gemm_rows(x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), R, K, N);
   return y;
 }
 """
+
+# the whole extension: the kernels (shared with ``decode_layer``) and this module's entry point
+_SOURCE = _KERNELS + _ENTRY
 
 _BUILT: list = []  # [module or None] once a build was tried
 
@@ -181,10 +254,18 @@ def kernel():
 
 def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Build (or load) the kernel now, where a CPU fp32 model will decode with it (engine start, not a
-    stall of the first decode step). True when it will run this model's few-row GEMMs."""
+    stall of the first decode step), and the fused decode layer (``decode_layer``) where it is on. True
+    when it will run this model's few-row GEMMs."""
     if not CPP_GEMM or torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
-    return kernel() is not None
+    if kernel() is None:
+        return False
+    # the decode layer's two calls compile these kernels too (its own build; imported here, not at the
+    # top: it imports this module)
+    from vlkv.plugins import decode_layer
+
+    decode_layer.warm_up()
+    return True
 
 
 def fits(x: Tensor, weight: Tensor, rows: int, bias: Tensor | None = None) -> bool:

@@ -16,7 +16,9 @@ Where it builds (a C++ compiler), ``vlkv/plugins/skinny_gemm.py`` computes these
 ``(W @ xᵀ)ᵀ`` reads 17-21 GB/s and ``F.linear`` 9-23 GB/s on the quiet 2-core EPYC VM, 1 thread;
 docs/benchmarks/2026-11-26-decode-bound-s5-cpu-x86_64/). ``VLKV_CPU_GEMM=0`` keeps torch's forms. With it, the RMSNorms and the rotary embedding of a decode
 step's few rows are one C++ call each (``vlkv/plugins/layer_glue.py``: the same formulas, ~40 fewer
-aten ops per layer).
+aten ops per layer). For a decode step's rows the whole layer outside attention is two C++ calls
+(``vlkv/plugins/decode_layer.py``: norm + q/k/v + RoPE, then o + residual + norm + MLP + residual;
+the same kernels and formulas; ``VLKV_CPU_LAYER=0`` keeps the separate calls, the reference).
 
 Fusing q/k/v into one GEMM and gate/up into another (weights concatenated) was measured too and not
 kept: 0.98-1.02× the HF layers' step, ~3 % of the GEMMs' time in the skinny form
@@ -40,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import vlkv.plugins.decode_layer as decode_layer
 from vlkv.plugins import layer_glue, skinny_gemm
 from vlkv.runtime.fused_append import fused_decode_row
 
@@ -110,25 +113,34 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
     ``ctx`` is the step's cache and mask (the runtime passes one object as both; None: no cache, the
     attention function's own causal mask), ``cos_sin`` the ``(B, q, head_dim)`` rotary tables the
     layer's ``position_embeddings`` would be."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    attn, mlp = layer.self_attn, layer.mlp
+    # submodules from the modules' own dicts: nn.Module.__getattr__ costs ~1-3 µs a name, per layer
+    # and step (decode_layer reads its weights the same way)
+    attn = layer._modules["self_attn"]
     shape = hidden.shape[:-1]
     hd = attn.head_dim
     residual = hidden
     # the C++ norms / RoPE above the C++ GEMM's weight floor (a tiny test model's layers keep the HF
     # ops bit for bit); they take up to layer_glue.MAX_ROWS rows, the GEMM up to skinny_gemm.MAX_ROWS
-    glue = attn.q_proj.weight.numel() >= SKINNY_MIN_WEIGHT
-    h = _norm(layer.input_layernorm, hidden, glue)
-    q = _proj(attn.q_proj, h).view(*shape, -1, hd)
-    k = _proj(attn.k_proj, h).view(*shape, -1, hd)
-    v = _proj(attn.v_proj, h).view(*shape, -1, hd).transpose(1, 2)
+    q_proj = attn._modules["q_proj"]
+    q_weight = q_proj._parameters.get("weight")
+    glue = (q_proj.weight if q_weight is None else q_weight).numel() >= SKINNY_MIN_WEIGHT
     cos, sin = cos_sin
-    if glue and layer_glue.rope_fits(q, k, cos, sin):  # one call for the ~16 ops of apply_rotary_pos_emb
-        q, k = layer_glue.rope(q, k, cos, sin)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    # a decode step's few rows: the norm, q/k/v GEMMs and RoPE as one C++ call, and everything after
+    # attention as another (decode_layer; VLKV_CPU_LAYER=0 or a refused weight: the calls below)
+    whole = glue and decode_layer.fits(layer, hidden, cos)
+    qkv = decode_layer.pre(layer, hidden, cos, sin) if whole else None
+    if qkv is not None:
+        q, k, v = qkv
     else:
-        q, k = _rotary(attn)(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        h = _norm(layer.input_layernorm, hidden, glue)
+        q = _proj(attn.q_proj, h).view(*shape, -1, hd)
+        k = _proj(attn.k_proj, h).view(*shape, -1, hd)
+        v = _proj(attn.v_proj, h).view(*shape, -1, hd).transpose(1, 2)
+        if glue and layer_glue.rope_fits(q, k, cos, sin):  # one call for the ~16 ops of apply_rotary_pos_emb
+            q, k = layer_glue.rope(q, k, cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        else:
+            q, k = _rotary(attn)(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     # a decode step's append and paged read as one C++ call where the step allows it (fp32 CPU pool,
     # one new row per request, no pre-RoPE or low-rank entries; statistics come from the same read);
     # else the cache's update and the registered attention function
@@ -138,13 +150,19 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
         else fused_decode_row(ctx, attn.layer_idx, q, k, v, attn.scaling)
     )
     if out is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # here: not a decode step's cost
+
         if ctx is not None:
             k, v = ctx.update(k, v, attn.layer_idx, kwargs={})
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
         if attend is None:
             raise ValueError(f"no attention function registered as {attn.config._attn_implementation!r}")
         out, _ = attend(attn, q, k, v, ctx, dropout=0.0, scaling=attn.scaling)
+    nxt = decode_layer.post(layer, out, residual) if whole else None
+    if nxt is not None:
+        return nxt
     hidden = residual + _proj(attn.o_proj, out.reshape(*shape, -1).contiguous())
     residual = hidden
     h = _norm(layer.post_attention_layernorm, hidden, glue)
+    mlp = layer.mlp
     return residual + _proj(mlp.down_proj, mlp.act_fn(_proj(mlp.gate_proj, h)) * _proj(mlp.up_proj, h))

@@ -1,0 +1,116 @@
+"""A model's fp32 CPU weights moved into one huge-page buffer (``vlkv/plugins/weight_pages.py``).
+
+What must hold: the same ``Parameter`` objects hold the same values afterwards (a layer's output is
+bit-equal), each moved weight is a contiguous slice of one 2 MiB-aligned buffer (64-byte aligned), tied
+weights move once, small / non-fp32 weights stay, ``restore`` points back (and forth); without the
+extension nothing moves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from vlkv.plugins import decode_layer, weight_pages
+from vlkv.runtime.models.skinny_layer import layer_forward
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    if decode_layer.kernel() is None:  # a C++ compiler is part of the CPU test environment
+        pytest.fail("the decode layer could not be built here")
+
+
+def _layer():
+    cfg = LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaDecoderLayer(cfg, layer_idx=0).eval(), LlamaRotaryEmbedding(cfg)
+
+
+def test_moved_weights_are_the_same_parameters_with_the_same_values():
+    layer, rotary = _layer()
+    hidden = torch.randn(4, 1, 576)
+    cos_sin = rotary(hidden, torch.full((4, 1), 9))
+    with torch.no_grad():
+        want = layer_forward(layer, hidden, None, cos_sin)
+    params = dict(layer.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    moved = weight_pages.move([layer])
+    assert dict(layer.named_parameters()) == params  # the same Parameter objects
+    big = {n for n, p in params.items() if p.numel() >= weight_pages.MIN_ELEMENTS}
+    assert {id(p) for p in moved.params} == {id(params[n]) for n in big}
+    assert "input_layernorm.weight" not in big  # 576 floats: stays
+    base = moved.buffer.data_ptr()
+    assert base % (2 << 20) == 0
+    for n, p in params.items():
+        assert torch.equal(p, values[n])
+        inside = base <= p.data_ptr() < base + moved.buffer.numel() * 4
+        assert inside is (n in big), n
+        if n in big:
+            assert p.is_contiguous() and p.data_ptr() % 64 == 0
+    assert moved.bytes == sum(params[n].numel() * 4 for n in big)
+    with torch.no_grad():
+        assert torch.equal(layer_forward(layer, hidden, None, cos_sin), want)
+    weight_pages.restore(moved)
+    assert all(not (base <= p.data_ptr() < base + moved.buffer.numel() * 4) for p in params.values())
+    weight_pages.restore(moved, huge=True)
+    assert all(p.data_ptr() == s.data_ptr() for p, s in zip(moved.params, moved.slots))
+    with torch.no_grad():
+        assert torch.equal(layer_forward(layer, hidden, None, cos_sin), want)
+
+
+def test_tied_weights_move_once_and_others_stay():
+    emb = torch.nn.Embedding(1000, 64)
+    head = torch.nn.Linear(64, 1000, bias=False)
+    head.weight = emb.weight  # tied, as small LMs' output heads are
+    half = torch.nn.Linear(256, 256).half()
+    moved = weight_pages.move([emb, head, half])
+    assert len(moved.params) == 1 and head.weight is emb.weight
+    assert head.weight.data_ptr() == moved.buffer.data_ptr()
+    assert half.weight.dtype == torch.float16 and moved.bytes == 1000 * 64 * 4
+
+
+def test_nothing_moves_without_the_extension(monkeypatch):
+    monkeypatch.setattr(decode_layer, "_BUILT", [None])
+    layer, _ = _layer()
+    ptrs = [p.data_ptr() for p in layer.parameters()]
+    moved = weight_pages.move([layer])
+    assert moved.params == [] and moved.buffer is None
+    assert [p.data_ptr() for p in layer.parameters()] == ptrs
+
+
+def test_moved_checks_its_lists():
+    with pytest.raises(ValueError, match="params, before and slots differ in length: 1, 0, 0"):
+        weight_pages.Moved([torch.nn.Parameter(torch.zeros(1))], [], [])
+
+
+def test_place_takes_cpu_fp32_models_and_the_switch(monkeypatch):
+    """``place`` at engine start: a CPU fp32 model's decoder layers, final norm and output head (the
+    tiny model's embedding, tied or not, is not asked for); another device or dtype, or the switch off:
+    nothing moves."""
+    from vlkv.runtime.models.registry import load_model
+    from vlkv.runtime.torch_backend import TorchBackend
+
+    loaded = load_model("tiny-llava")
+    ad = TorchBackend(loaded.model, loaded.family, loaded.image_token_id).adapter
+    monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", False)
+    assert weight_pages.place(ad, "cpu", torch.float32).params == []
+    monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", True)
+    assert weight_pages.place(ad, "cpu", torch.bfloat16).params == []
+    assert weight_pages.place(ad, "meta", torch.float32).params == []
+    head = ad.lm_head.weight
+    moved = weight_pages.place(ad, "cpu", torch.float32)
+    assert any(p is head for p in moved.params)
+    want = {
+        id(p)
+        for m in (ad.layers, ad.norm, ad.lm_head)
+        for p in m.parameters()
+        if p.numel() >= weight_pages.MIN_ELEMENTS
+    }
+    assert {id(p) for p in moved.params} == want
+    weight_pages.restore(moved)
