@@ -242,6 +242,8 @@ def main() -> None:
         sys.exit("bench_decode_layer: the decode layer could not be built here")
     from vlkv.runtime.engine import Engine
 
+    # the engine leaves the weights where the checkpoint put them: the configurations move them here
+    weight_pages.HUGE_WEIGHTS = False
     engine = Engine(load_for_bench(args.model, "cpu", "fp32"))
     ad = engine.backend.adapter
     moved = weight_pages.move([ad.layers, ad.norm, ad.lm_head]) if args.huge else None

@@ -113,4 +113,33 @@ def test_place_takes_cpu_fp32_models_and_the_switch(monkeypatch):
         if p.numel() >= weight_pages.MIN_ELEMENTS
     }
     assert {id(p) for p in moved.params} == want
-    weight_pages.restore(moved)
+
+
+def test_place_moves_an_engines_weights_once_and_for_good(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", True)
+    layer, _ = _layer()
+    adapter = SimpleNamespace(
+        layers=torch.nn.ModuleList([layer]), norm=torch.nn.Identity(), lm_head=torch.nn.Linear(576, 300)
+    )
+    weights = [adapter.layers[0].mlp.up_proj.weight, adapter.lm_head.weight]
+    values = [w.detach().clone() for w in weights]
+    moved = weight_pages.place(adapter, "cpu", torch.float32)
+    assert moved.params and not moved.before  # the checkpoint's tensors are let go
+    buffer = moved.buffer.data_ptr()
+    for w, v in zip(weights, values):
+        assert buffer <= w.data_ptr() < buffer + moved.buffer.numel() * 4 and torch.equal(w, v)
+    # a second engine over the same model: nothing copied again
+    assert weight_pages.place(adapter, "cpu", torch.float32) is moved
+    with pytest.raises(ValueError, match="placed for good"):
+        weight_pages.restore(moved)
+    # weights replaced since (a reload into the same modules): they move again
+    with torch.no_grad():
+        adapter.lm_head.weight.data = adapter.lm_head.weight.data.clone()
+    again = weight_pages.place(adapter, "cpu", torch.float32)
+    assert again is not moved and adapter.lm_head.weight.data_ptr() >= again.buffer.data_ptr()
+    # other devices, dtypes or the switch off: nothing moves
+    assert not weight_pages.place(adapter, "cpu", torch.float16).params
+    monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", False)
+    assert not weight_pages.place(SimpleNamespace(layers=torch.nn.ModuleList()), "cpu", torch.float32).params

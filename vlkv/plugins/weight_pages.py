@@ -33,6 +33,8 @@ HUGE_WEIGHTS = skinny_gemm.env_switch("VLKV_CPU_HUGE_WEIGHTS")
 MIN_ELEMENTS = 1 << 14
 # each slice starts on a 64-byte line (16 floats)
 _ALIGN = 16
+# the attribute place() leaves on the decoder layers' ModuleList: what it moved
+_PLACED = "_vlkv_weight_pages"
 
 
 @dataclass
@@ -88,6 +90,10 @@ def move(modules: list[nn.Module]) -> Moved:
 def restore(moved: Moved, huge: bool = False) -> None:
     """Point the moved parameters back at their former tensors, or (``huge``) at their huge-page slots
     again (a benchmark's two configurations in one run)."""
+    if not huge and len(moved.before) != len(moved.params):
+        raise ValueError(
+            "these weights were placed for good (weight_pages.place): there is nothing to restore"
+        )
     for p, t in zip(moved.params, moved.slots if huge else moved.before):
         p.data = t
 
@@ -98,4 +104,13 @@ def place(adapter, device: torch.device | str, dtype: torch.dtype) -> Moved:
     ``VLKV_CPU_HUGE_WEIGHTS=0``; on another device or dtype nothing moves."""
     if not HUGE_WEIGHTS or torch.device(device).type != "cpu" or dtype != torch.float32:
         return Moved()
-    return move([adapter.layers, adapter.norm, adapter.lm_head])
+    # several engines over one loaded model (the tests' shared fixtures, a server's workers): the weights
+    # move once, while they are still where the first engine put them
+    done = getattr(adapter.layers, _PLACED, None)
+    if done is not None and all(p.data.data_ptr() == t.data_ptr() for p, t in zip(done.params, done.slots)):
+        return done
+    moved = move([adapter.layers, adapter.norm, adapter.lm_head])
+    # for good: the checkpoint's tensors are let go (memory back to one copy), so there is no restore
+    moved.before.clear()
+    setattr(adapter.layers, _PLACED, moved)
+    return moved
