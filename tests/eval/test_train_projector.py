@@ -280,3 +280,141 @@ def test_anchor_pulls_toward_the_start_and_resumes(tp, tmp_path):
     assert drift(straight) < drift(free)
     with pytest.raises(ValueError, match="anchor must be >= 0"):
         _cfg(tp, anchor=-1.0)
+
+
+def _smollm2_geometry():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        do_resize=True,
+        size=SimpleNamespace(shortest_edge=256),
+        do_center_crop=True,
+        crop_size=SimpleNamespace(height=224),
+    )
+
+
+def test_thirds_columns_follow_the_scenes_positions():
+    """smollm2-llava's 16 patch columns: 5 left, 6 middle, 5 right; an object's centre column names
+    the object's own position, except within half a patch of a third's border."""
+    import numpy as np
+
+    from vlkv.eval.projector_init import column_positions, patch_centres
+    from vlkv.eval.scenes import SIZE, random_scene
+
+    cols = column_positions(_smollm2_geometry(), 16)
+    assert cols == ["left"] * 5 + ["middle"] * 6 + ["right"] * 5
+    centres, half = patch_centres(_smollm2_geometry(), 16)
+    rng, checked = np.random.default_rng(11), 0
+    for _ in range(60):
+        for obj in random_scene(rng, "train", 2).objects:
+            if min(abs(obj.cx - SIZE / 3), abs(obj.cx - 2 * SIZE / 3)) < half:
+                continue
+            assert cols[int(np.abs(centres - obj.cx).argmin())] == obj.position
+            checked += 1
+    assert checked > 80
+
+
+def test_thirds_bias_puts_each_columns_word_on_it(tp):
+    """Patch p (row-major) starts at alpha x the input embedding of its column's position word."""
+    from vlkv.eval.projector_init import column_positions, thirds_bias, word_target
+
+    loaded = tp.load("tiny-llava")
+    grid = 4  # tiny-llava: 56 px, patch 14
+    bias = thirds_bias(loaded, 0.3, grid * grid)
+    cols = column_positions(loaded.processor.image_processor, grid)
+    assert set(cols) == {"left", "middle", "right"}
+    for p in range(grid * grid):
+        torch.testing.assert_close(bias[p], 0.3 * word_target(loaded, cols[p % grid], False), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="square grid"):
+        thirds_bias(loaded, 0.3, 15)
+
+
+def test_position_bias_run_resumes_and_exports_it(tp, tmp_path):
+    """A ``thirds`` run from the ridge fit: the bias starts from geometry, trains, is in the
+    checkpoint (a stopped-and-resumed run matches bit for bit) and in the exported file."""
+    from safetensors.torch import load_file
+
+    from vlkv.eval.projector_init import thirds_bias
+    from vlkv.runtime.models.projector_position import POSITION_KEY
+
+    cfg = _cfg(tp, position_bias="thirds", position_alpha=0.5)
+    tp.train(cfg, tmp_path / "a", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "a" / tp.CHECKPOINT, weights_only=False)["projector"]
+    torch.testing.assert_close(start[POSITION_KEY], thirds_bias(tp.load(cfg.model), 0.5, 16), rtol=0, atol=0)
+    straight = tp.train(cfg, tmp_path / "a", resume=True, quiet=True)
+    assert not torch.equal(straight[POSITION_KEY], start[POSITION_KEY])  # it trains
+    tp.train(cfg, tmp_path / "b", stop_at=2, quiet=True)
+    resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    assert straight.keys() == resumed.keys() == start.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    tp.export(tmp_path / "a", tmp_path / "a.safetensors")
+    torch.testing.assert_close(load_file(tmp_path / "a.safetensors")[POSITION_KEY], straight[POSITION_KEY])
+
+
+def test_position_bias_continues_or_starts_on_another_runs_projector(tp, tmp_path):
+    """From a plain run's checkpoint the MLP is kept and the bias starts from geometry; from a
+    biased run's checkpoint the bias is kept; a plain run refuses a biased checkpoint."""
+    from vlkv.eval.projector_init import thirds_bias
+    from vlkv.runtime.models.projector_position import POSITION_KEY
+
+    plain = tp.train(_cfg(tp, steps=1), tmp_path / "plain", quiet=True)
+    cfg = _cfg(tp, position_bias="thirds", init_from=str(tmp_path / "plain" / tp.CHECKPOINT))
+    tp.train(cfg, tmp_path / "b", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "b" / tp.CHECKPOINT, weights_only=False)["projector"]
+    for key, value in plain.items():
+        torch.testing.assert_close(start[key], value, rtol=0, atol=0)
+    torch.testing.assert_close(start[POSITION_KEY], thirds_bias(tp.load(cfg.model), 0.5, 16), rtol=0, atol=0)
+    biased = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    again = _cfg(tp, position_bias="thirds", init_from=str(tmp_path / "b" / tp.CHECKPOINT))
+    tp.train(again, tmp_path / "c", stop_at=0, quiet=True)
+    kept = torch.load(tmp_path / "c" / tp.CHECKPOINT, weights_only=False)["projector"]
+    torch.testing.assert_close(kept[POSITION_KEY], biased[POSITION_KEY], rtol=0, atol=0)
+    refuse = _cfg(tp, init_from=str(tmp_path / "b" / tp.CHECKPOINT))
+    with pytest.raises(ValueError, match="holds a position bias"):
+        tp.train(refuse, tmp_path / "d", quiet=True)
+    with pytest.raises(ValueError, match="position_bias must be one of"):
+        _cfg(tp, position_bias="rows")
+    with pytest.raises(ValueError, match="needs form mlp"):
+        _cfg(tp, position_bias="thirds", form="linear")
+
+
+def test_vqa_swaps_in_a_biased_projector(tp, tmp_path):
+    """``python -m vlkv.eval.vqa --projector`` takes a biased file (or checkpoint) and installs it."""
+    from vlkv.eval.vqa import _swap_projector
+    from vlkv.runtime.models import smollm2_llava as S
+    from vlkv.runtime.models.projector_position import PositionBiasedProjector
+
+    tp.train(_cfg(tp, steps=1, position_bias="thirds"), tmp_path / "a", quiet=True)
+    tp.export(tmp_path / "a", tmp_path / "a.safetensors")
+    loaded = tp.load("tiny-llava")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(S, "NUM_IMAGE_TOKENS", 16)
+        _swap_projector(loaded, tmp_path / "a.safetensors")
+    assert isinstance(loaded.model.model.multi_modal_projector, PositionBiasedProjector)
+
+
+def test_position_lr_scale_moves_the_bias_faster_and_resumes(tp, tmp_path):
+    """``position_lr_scale`` gives the bias its own learning rate: it moves further than at 1x in the
+    same steps, the MLP's first step is the same, and a stopped-and-resumed run matches bit for bit."""
+    from vlkv.runtime.models.projector_position import POSITION_KEY
+
+    base = _cfg(tp, position_bias="thirds", steps=1)
+    start = tp.train(base, tmp_path / "s", stop_at=0, quiet=True)
+    slow = tp.train(base, tmp_path / "a", quiet=True)
+    fast_cfg = _cfg(tp, position_bias="thirds", steps=1, position_lr_scale=30.0)
+    fast = tp.train(fast_cfg, tmp_path / "b", quiet=True)
+    moved = {
+        name: (run[POSITION_KEY] - start[POSITION_KEY]).abs().max()
+        for name, run in (("1x", slow), ("30x", fast))
+    }
+    assert moved["30x"] > 10 * moved["1x"] > 0
+    torch.testing.assert_close(fast["linear_1.weight"], slow["linear_1.weight"], rtol=0, atol=0)
+    cfg = _cfg(tp, position_bias="thirds", position_lr_scale=30.0)
+    straight = tp.train(cfg, tmp_path / "c", quiet=True)
+    tp.train(cfg, tmp_path / "d", stop_at=2, quiet=True)
+    resumed = tp.train(cfg, tmp_path / "d", resume=True, quiet=True)
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="position_lr_scale must be > 0"):
+        _cfg(tp, position_lr_scale=0.0)

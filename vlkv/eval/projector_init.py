@@ -23,6 +23,9 @@ Two targets (``target``):
   position word (``left`` / ``middle`` / ``right``), so each image token says where its object is
   in words ("red star left") instead of only through its place in the row-major patch sequence, in
   which the patches of a left and a right object interleave row by row.
+
+:func:`position_start` installs the projector's separate position term instead (the ``thirds``
+start, :func:`thirds_bias`), which adds the position word on top of any of these targets.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import time
 import numpy as np
 import torch
 
-from vlkv.eval.scenes import SIZE, Scene, random_scene
+from vlkv.eval.scenes import POSITIONS, SIZE, Scene, random_scene
 
 TARGETS = ("global", "local", "local-pos")
+# the projector's learned per-patch term (vlkv.runtime.models.projector_position) and how it starts
+POSITION_BIASES = ("none", "thirds")
 HIDDEN = ("unit", "raw")
 BACKGROUND = "background"
 
@@ -75,6 +80,21 @@ def patch_objects(scene: Scene, image_processor, grid: int) -> np.ndarray:
 
     Follows the processor's resize of the shortest edge and centre crop (both optional).
     """
+    centres, half = patch_centres(image_processor, grid)
+    ys, xs = np.meshgrid(centres, centres, indexing="ij")
+    owner = np.full((grid, grid), -1)
+    for i, obj in enumerate(scene.objects):
+        # a patch whose centre is within the shape's radius (+ half a patch) shows part of it
+        reach = obj.radius + half
+        owner[(xs - obj.cx) ** 2 + (ys - obj.cy) ** 2 <= reach**2] = i
+    return owner.reshape(-1)
+
+
+def patch_centres(image_processor, grid: int) -> tuple[np.ndarray, float]:
+    """The patch centres along one side in scene pixels ``(grid,)``, and half a patch's side in them.
+
+    Follows the processor's resize of the shortest edge and centre crop (both optional).
+    """
     resize = getattr(image_processor, "size", None)
     edge = getattr(resize, "shortest_edge", None) if getattr(image_processor, "do_resize", False) else None
     scale = (edge or SIZE) / SIZE
@@ -83,13 +103,31 @@ def patch_objects(scene: Scene, image_processor, grid: int) -> np.ndarray:
     side = side or SIZE * scale
     offset = (SIZE * scale - side) / 2
     centres = (np.arange(grid) + 0.5) * side / grid + offset  # patch centres in scaled pixels
-    ys, xs = np.meshgrid(centres / scale, centres / scale, indexing="ij")  # back in scene pixels
-    owner = np.full((grid, grid), -1)
-    for i, obj in enumerate(scene.objects):
-        # a patch whose centre is within the shape's radius (+ half a patch) shows part of it
-        reach = obj.radius + 0.5 * side / grid / scale
-        owner[(xs - obj.cx) ** 2 + (ys - obj.cy) ** 2 <= reach**2] = i
-    return owner.reshape(-1)
+    return centres / scale, 0.5 * side / grid / scale
+
+
+def column_positions(image_processor, grid: int) -> list[str]:
+    """Each patch column's third of the scene's width (``left`` / ``middle`` / ``right``, the words
+    :mod:`vlkv.eval.scenes` places objects by); ``grid`` entries."""
+    centres, _ = patch_centres(image_processor, grid)
+    return [POSITIONS[min(len(POSITIONS) - 1, int(x // (SIZE / len(POSITIONS))))] for x in centres]
+
+
+@torch.no_grad()
+def thirds_bias(loaded, alpha: float, num_patches: int) -> torch.Tensor:
+    """The ``thirds`` position bias: patch ``p`` → ``alpha`` × the input embedding of its column's
+    position word, taken as an answer starts with it ("Where is the red star?" → "left");
+    ``(num_patches, hidden)``, row-major like the image tokens.
+
+    ``alpha = 0.5`` gives the word the share a colour word has in a ``local`` target (the mean of the
+    colour and shape words), added to it rather than taking a third of it as ``local-pos`` does.
+    """
+    grid = int(round(num_patches**0.5))
+    if grid * grid != num_patches:
+        raise ValueError(f"num_patches must be a square grid, got {num_patches}")
+    words = {w: word_target(loaded, w, False) for w in POSITIONS}
+    columns = torch.stack([words[w] for w in column_positions(loaded.processor.image_processor, grid)])
+    return (alpha * columns).repeat(grid, 1)  # row-major: every row has the same columns
 
 
 @torch.no_grad()
@@ -202,3 +240,38 @@ class AffineProjector(torch.nn.Module):
         mlp.linear_1.bias.copy_(b1.to(dtype))
         mlp.linear_2.weight.copy_(w2.to(dtype))
         mlp.linear_2.bias.copy_(self.bias.to(dtype))
+
+
+def image_tokens(loaded) -> int:
+    """How many tokens one image becomes in ``loaded``'s prompts (its patches)."""
+    from PIL import Image
+
+    inputs = loaded.processor(
+        text=loaded.prompt_template("", 1), images=[Image.new("RGB", (64, 64))], return_tensors="pt"
+    )
+    return int((inputs["input_ids"] == loaded.image_token_id).sum())
+
+
+def position_start(loaded, kind: str, alpha: float, state: dict | None, source: str) -> None:
+    """Install the projector ``kind`` (:data:`POSITION_BIASES`) asks for and load ``state`` into it.
+
+    ``state``: a checkpoint's projector tensors (named ``source`` in errors), or None to keep the
+    model's current MLP (after a ridge fit). ``"thirds"``: a ``state`` without a bias starts it from
+    geometry (:func:`thirds_bias` at ``alpha``), one with a bias continues it. ``"none"`` refuses a
+    ``state`` holding a bias rather than drop it.
+    """
+    from vlkv.runtime.models.projector_position import POSITION_KEY, install
+
+    if kind not in POSITION_BIASES:
+        raise ValueError(f"position bias must be one of {list(POSITION_BIASES)}, got {kind!r}")
+    proj = loaded.model.model.multi_modal_projector
+    if kind == "none":
+        if state is not None and POSITION_KEY in state:
+            raise ValueError(f"{source} holds a position bias: pass --position-bias thirds to keep it")
+        if state is not None:
+            proj.load_state_dict(state)
+        return
+    mlp = {k: v.detach().clone() for k, v in proj.state_dict().items() if k != POSITION_KEY}
+    start = {POSITION_KEY: thirds_bias(loaded, alpha, image_tokens(loaded))}
+    install(loaded.model, mlp | start | (state or {}))
+    loaded.model.model.multi_modal_projector.requires_grad_(False)  # the caller picks what trains

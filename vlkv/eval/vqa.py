@@ -158,6 +158,7 @@ def _swap_projector(loaded, path: Path) -> None:
     """Put the projector stored at ``path`` into ``loaded``'s model (for checkpoints during training)."""
     import torch
 
+    from vlkv.runtime.models.projector_position import POSITION_KEY
     from vlkv.runtime.models.smollm2_llava import PROJECTOR_KEYS, apply_projector
 
     if not path.is_file():
@@ -168,7 +169,7 @@ def _swap_projector(loaded, path: Path) -> None:
         state = load_file(path)
     else:
         state = torch.load(path, weights_only=False, map_location="cpu")["projector"]
-    if set(state) != PROJECTOR_KEYS:
+    if set(state) - {POSITION_KEY} != PROJECTOR_KEYS:
         raise ValueError(f"{path} holds {sorted(state)}, not a projector's {sorted(PROJECTOR_KEYS)}")
     apply_projector(loaded.model, state)
 

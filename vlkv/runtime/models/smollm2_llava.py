@@ -47,6 +47,7 @@ from vlkv.runtime.models.llava_assembly import (
     plain_text_config,
     seeded_projector,
 )
+from vlkv.runtime.models.projector_position import POSITION_KEY, install
 
 logger = logging.getLogger(__name__)
 
@@ -204,13 +205,15 @@ def build(
 
 
 def load_projector(path: Path | None = None, sha256: str | None = None) -> dict[str, Tensor]:
-    """The trained projector's tensors (``linear_{1,2}.{weight,bias}``), after checking the file's sha256.
+    """The trained projector's tensors (``linear_{1,2}.{weight,bias}``, optionally ``position_bias``),
+    after checking the file's sha256.
 
     ``path`` defaults to :data:`PROJECTOR_FILE`.
 
     Raises:
         ValueError: the file is missing, its checksum differs from ``sha256`` (default
-            :data:`PROJECTOR_SHA256`) or it does not hold the four tensors (one line naming it).
+            :data:`PROJECTOR_SHA256`) or it does not hold the four tensors (and optionally
+            :data:`POSITION_KEY`; one line naming it).
     """
     from safetensors.torch import load_file
 
@@ -222,7 +225,7 @@ def load_projector(path: Path | None = None, sha256: str | None = None) -> dict[
     if _sha256(path) != expected:
         raise ValueError(f"{MODEL_NAME}: trained projector file {path} is damaged (sha256 mismatch); {hint}")
     state = load_file(path)
-    if set(state) != PROJECTOR_KEYS:
+    if set(state) - {POSITION_KEY} != PROJECTOR_KEYS:
         raise ValueError(
             f"{MODEL_NAME}: trained projector file {path} holds {sorted(state)}, not {sorted(PROJECTOR_KEYS)}"
         )
@@ -232,18 +235,21 @@ def load_projector(path: Path | None = None, sha256: str | None = None) -> dict[
 def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tensor]) -> None:
     """Put ``state`` into ``model``'s projector, cast to its dtype.
 
-    New tensors are assigned rather than copied into the old ones: those may be memory-mapped from
-    the cache, which is never written in place.
+    A ``state`` with :data:`POSITION_KEY` (``(NUM_IMAGE_TOKENS, hidden)``) installs the
+    position-biased projector (:mod:`vlkv.runtime.models.projector_position`); one without it keeps
+    (or puts back) the plain MLP. New tensors are assigned rather than copied into the old ones:
+    those may be memory-mapped from the cache, which is never written in place.
     """
     proj = model.model.multi_modal_projector
-    for name, tensor in proj.state_dict().items():
-        if name in state and state[name].shape != tensor.shape:
+    shapes = {k: tuple(v.shape) for k, v in proj.state_dict().items() if k != POSITION_KEY}
+    shapes[POSITION_KEY] = (NUM_IMAGE_TOKENS, proj.linear_2.out_features)
+    for name, shape in shapes.items():
+        if name in state and tuple(state[name].shape) != shape:
             raise ValueError(
                 f"{MODEL_NAME}: projector {name} is {tuple(state[name].shape)}, the model needs "
-                f"{tuple(tensor.shape)} (made for another vision_feature_layer?)"
+                f"{shape} (made for another vision_feature_layer?)"
             )
-    dtype = proj.linear_1.weight.dtype
-    proj.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    install(model, state)
 
 
 def _build_base(
