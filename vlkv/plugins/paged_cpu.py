@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlkv.plugins import layer_glue, paged_cpu_kernel, skinny_gemm
+from vlkv.plugins import decode_layer, layer_glue, paged_cpu_kernel, skinny_gemm
 from vlkv.plugins.paged_cpu_plan import GatheredRead, InplaceGroup, PagedCpuPlan, plan_paged_cpu, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, rotate_keys
 
@@ -274,6 +274,7 @@ def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
     too; the fused read's extension holds the decode append in front of it (``paged_append``)."""
     if skinny_gemm.warm_up(device, dtype):
         layer_glue.kernel()  # the decode layers' RMSNorm / RoPE, switched with the GEMM
+        decode_layer.warm_up()  # their two fused calls, which compile the GEMM's and the glue's kernels
     if not FUSED_KERNEL or torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
     # one extension holds the read and the decode append in front of it (``paged_append``)

@@ -254,18 +254,11 @@ def kernel():
 
 def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Build (or load) the kernel now, where a CPU fp32 model will decode with it (engine start, not a
-    stall of the first decode step), and the fused decode layer (``decode_layer``) where it is on. True
-    when it will run this model's few-row GEMMs."""
+    stall of the first decode step). True when it will run this model's few-row GEMMs (the fused decode
+    layer, which compiles these kernels into its own build, is warmed by ``paged_cpu.warm_up``)."""
     if not CPP_GEMM or torch.device(device).type != "cpu" or dtype != torch.float32:
         return False
-    if kernel() is None:
-        return False
-    # the decode layer's two calls compile these kernels too (its own build; imported here, not at the
-    # top: it imports this module)
-    from vlkv.plugins import decode_layer
-
-    decode_layer.warm_up()
-    return True
+    return kernel() is not None
 
 
 def fits(x: Tensor, weight: Tensor, rows: int, bias: Tensor | None = None) -> bool:
