@@ -13,7 +13,9 @@ the ``where`` path's (tested).
 The selection before it, where every row drops its one lowest-ranked column (H2O's step), is
 :func:`lowest_columns`: one pass over every layer's running scores, in place of stacking them, masking
 the invalid and protected columns, flipping and an ``argmin`` (six passes over a copy). It compares
-integer keys of the same order, so it picks the same column (tested).
+integer keys of the same order, so it picks the same column (tested). And H2O's running attention
+(each KV head's group of query rows summed into its score table, every layer) is
+:func:`add_group_sums`, one call in place of a ``view``, ``sum``, ``narrow`` and ``add_`` per layer.
 
 Built like the other CPU kernels (``paged_cpu_kernel.load_extension``; None with one warning where it
 cannot be built: the cache keeps the per-layer torch path). Switch: ``FUSED_DROP``
@@ -29,9 +31,12 @@ from torch import Tensor
 
 from vlkv.plugins import paged_cpu_kernel
 
-__all__ = ["FUSED_DROP", "drop_columns", "kernel", "lowest_columns"]
+__all__ = ["FUSED_DROP", "MAX_GROUP_SUM", "add_group_sums", "drop_columns", "kernel", "lowest_columns"]
 
 FUSED_DROP = os.environ.get("VLKV_CPU_EVICT", "1") != "0"
+# the largest GQA group :func:`add_group_sums` takes: up to 4 rows torch's ``sum`` adds them in order
+# (bit-equal, tested); from 5 on its vectorised body and scalar tail add them in other orders
+MAX_GROUP_SUM = 4
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -141,6 +146,43 @@ torch::Tensor lowest_columns(std::vector<torch::Tensor> scores, torch::Tensor va
   });
   return out;
 }
+
+// scores: L tables (B, H, C) fp32 with contiguous columns; colsums: L (B, H * G, S_l) fp32 with unit
+// column stride, S_l <= C. Adds each KV head's group sum in place: scores[l][b, h, j] +=
+// sum over g of colsums[l][b, h * G + g, j] for j < S_l, the group summed in order from g = 0
+// (torch's ``view(B, H, G, S).sum(2)``, then ``add_``).
+void add_group_sums(std::vector<torch::Tensor> scores, std::vector<torch::Tensor> colsums, int64_t G) {
+  TORCH_CHECK(G >= 1 && scores.size() == colsums.size(), "add_group_sums: one colsum per score table, G >= 1");
+  for (size_t l = 0; l < scores.size(); ++l) {
+    const auto& t = scores[l];
+    const auto& c = colsums[l];
+    TORCH_CHECK(t.device().is_cpu() && c.device().is_cpu() && t.scalar_type() == at::kFloat &&
+                    c.scalar_type() == at::kFloat && t.dim() == 3 && c.dim() == 3 && t.stride(2) == 1 &&
+                    c.stride(2) == 1 && c.size(0) == t.size(0) && c.size(1) == t.size(1) * G &&
+                    c.size(2) <= t.size(2),
+                "add_group_sums: scores (B, H, C) and colsums (B, H * G, S <= C) fp32 on the CPU, unit column stride");
+  }
+  for (size_t l = 0; l < scores.size(); ++l) {
+    auto& t = scores[l];
+    const auto& c = colsums[l];
+    const int64_t B = t.size(0), H = t.size(1), S = c.size(2);
+    float* tp = t.data_ptr<float>();
+    const float* cp = c.data_ptr<float>();
+    at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const int64_t b = r / H, h = r % H;
+        float* dst = tp + b * t.stride(0) + h * t.stride(1);
+        const float* src = cp + b * c.stride(0) + h * G * c.stride(1);
+        const int64_t sg = c.stride(1);
+        for (int64_t j = 0; j < S; ++j) {
+          float acc = src[j];
+          for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
+          dst[j] += acc;
+        }
+      }
+    });
+  }
+}
 """
 
 _BUILT: list = []
@@ -155,7 +197,7 @@ def kernel():
         _BUILT,
         paged_cpu_kernel.build_name(_SOURCE, "vlkv_evict_rows"),
         _SOURCE,
-        ["drop_columns", "lowest_columns"],
+        ["drop_columns", "lowest_columns", "add_group_sums"],
         "CPU decode eviction",
         "closing each layer's gaps with torch ops",
     )
@@ -203,3 +245,14 @@ def lowest_columns(scores: list[Tensor], valid: Tensor, forced: Tensor | None) -
         raise RuntimeError("the CPU decode eviction kernel is not built here")
     none = torch.empty(0, dtype=torch.bool)
     return mod.lowest_columns(scores, valid, none if forced is None else forced)
+
+
+def add_group_sums(scores: list[Tensor], colsums: list[Tensor], group: int) -> None:
+    """``scores[l][:, :, :S] += colsums[l].view(B, H_kv, group, S).sum(2)`` for every layer in one
+    call (H2O's running attention, ``policies.h2o.H2OPolicy.observe``), the group summed in order,
+    as torch's ``sum`` does for ``group <= MAX_GROUP_SUM``: the same floats (tested). ``scores``: ``(B, H_kv, C)`` float32 tables,
+    ``colsums``: ``(B, H_kv · group, S)`` float32, ``S <= C``, both with unit column stride."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError("the CPU decode eviction kernel is not built here")
+    mod.add_group_sums(scores, colsums, group)

@@ -227,3 +227,63 @@ def test_lowest_columns_equals_the_ranked_argmin(s, per_head):
     assert drop_one_fused(views, valid, forced, [s - 2] * b) is None  # two drops: the stacked ranking's
     with pytest.raises(RuntimeError, match="unit column stride"):
         evict_rows.lowest_columns([torch.zeros(b, h, 2 * s)[:, :, ::2]], valid, None)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("s", [1, 7, 64, 4100])
+def test_add_group_sums_equals_the_view_sum_add(group, s):
+    """H2O's running attention by one call equals ``narrow(...).add_(view(...).sum(2))`` per layer bit
+    for bit: softmax-like rows (a few large, many tiny, exact zeros), strided score tables and
+    colsums that are views of the probabilities' ``(B, H_kv, G, W)`` layout."""
+    g = torch.Generator().manual_seed(group * 10_000 + s)
+    b, h, layers = 3, 5, 4
+    wide = [torch.rand(b, h, s + 9, generator=g) * 3 for _ in range(layers)]
+    scores = [t[:, :, : s + 4] for t in wide]  # strided rows
+    probs = [torch.rand(b, h, group, s + 2, generator=g) ** 8 for _ in range(layers)]
+    for p in probs:
+        p[:, :, :, ::5] = 0.0
+        p /= p.sum(-1, keepdim=True).clamp_min(1e-30)
+    colsums = [p[..., :s].flatten(1, 2) for p in probs]
+    want = [t.clone() for t in scores]
+    for t, c in zip(want, colsums):
+        t.narrow(2, 0, s).add_(c.view(b, h, group, s).sum(2))
+    evict_rows.add_group_sums(scores, colsums, group)
+    for t, w in zip(scores, want):
+        assert torch.equal(t, w)
+    with pytest.raises(RuntimeError, match="add_group_sums"):
+        evict_rows.add_group_sums(scores[:1], [torch.zeros(b, h * group + 1, s)], group)
+    # above MAX_GROUP_SUM torch's sum adds a group in another order: H2O keeps its torch ops
+    from vlkv.runtime.policies.h2o import _fused_observe
+
+    ctx = type("Ctx", (), {"num_kv_heads": h})()
+    wide = [torch.zeros(b, h * (evict_rows.MAX_GROUP_SUM + 1), s)] * 2
+    assert not _fused_observe([scores[0]] * 2, wide, ctx)
+    assert _fused_observe(scores[:2], colsums[:2], ctx)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_h2o_running_scores_equal_with_the_kernel_and_without(model, engines, images, monkeypatch):
+    """A batch cache's H2O score tables after the prefill and after each of 6 decode steps: equal bit
+    for bit with the one-call accumulation and eviction and with the per-layer torch ops."""
+    engine = engines[model]
+    prompts = [Prompt("Describe the picture.", [images[0]]), Prompt("What is in this image?", [images[1]])]
+    runs = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(evict_rows, "FUSED_DROP", fused)
+            policy, batch = make_policy("h2o", budget=0.5), engine.encode(prompts)
+            cache = engine.new_cache(batch)
+            got = []
+            with torch.no_grad():
+                tok = engine.prefill(batch, policy, cache).logits.argmax(-1)
+                got.append([layer.scores["h2o"][:, :, : layer.max_length].clone() for layer in cache.layers])
+                for step in range(1, 7):
+                    tok = engine.decode(tok, batch, policy, cache, step).logits.argmax(-1)
+                    got.append(
+                        [layer.scores["h2o"][:, :, : layer.max_length].clone() for layer in cache.layers]
+                    )
+            cache.release()
+            runs.append(got)
+    for step, (a, b) in enumerate(zip(*runs, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), (step, i)
