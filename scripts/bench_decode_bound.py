@@ -231,7 +231,9 @@ def run(args) -> dict:
     torch_gemm = torch_gemm if args.torch_gemm else []
     fused = (["full-kernel"] if args.kernel else []) + kernel_pols
     split = [f"{c}+split" for c in fused] if args.split_append else []
-    torch_evict = [f"{c}+torchevict" for c in kernel_pols] if args.torch_evict else []
+    # only the policies that evict while decoding have an eviction to compare
+    evicting = [c for c in kernel_pols if pols[c.removesuffix("+kernel")].evicts_during_decode]
+    torch_evict = [f"{c}+torchevict" for c in evicting] if args.torch_evict else []
     configs = [
         *plain[:1],
         *extra,
@@ -270,7 +272,7 @@ def run(args) -> dict:
                 if name.endswith("+torchevict"):  # and the kept columns by the int64 + bool sum
                     ranking.kept_but = policy_base.kept_but = old_kept_but
                 cfg = name.removesuffix("+torchevict").removesuffix("+split").removesuffix("+torchgemm")
-                skinny_gemm.CPP_GEMM = gemm_default and cfg == name.removesuffix("+split")
+                skinny_gemm.CPP_GEMM = gemm_default and not name.endswith("+torchgemm")
                 base = cfg.removesuffix("+kernel").removesuffix("+halves")
                 pol = pols.get(base, full)
                 key = base.split("@")[0] if base in pols else None

@@ -176,7 +176,7 @@ def test_torch_evict_rows_are_the_one_call_eviction_s_before_and_after(tmp_path)
     paired ratio reported on the one-call rows."""
     out, md = tmp_path / "e.json", tmp_path / "e.md"
     cmd = [
-        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "--budgets", "0.5",
+        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "snapkv", "--budgets", "0.5",
         "--peers", "--kernel", "--kernel-policies", "--skip-matmul", "--torch-evict", "--buffer-mib", "16",
         "--json", str(out), "--md", str(md),
     ]  # fmt: skip
@@ -184,9 +184,18 @@ def test_torch_evict_rows_are_the_one_call_eviction_s_before_and_after(tmp_path)
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())
     rows = {r["config"]: r for r in res["rows"]}
-    assert sorted(rows) == sorted(["full-kernel", "h2o@0.5+kernel", "h2o@0.5+kernel+torchevict"])
+    # snapkv evicts nothing while decoding: no before row
+    assert sorted(rows) == sorted(
+        ["full-kernel", "h2o@0.5+kernel", "snapkv@0.5+kernel", "h2o@0.5+kernel+torchevict"]
+    )
     assert res["fused_evict"] is True
     assert res["peers_same_tokens"] == {"h2o@0.5+kernel+torchevict": True}
     assert rows["h2o@0.5+kernel"]["speed_vs_torchevict"] > 0
+    # the same GEMMs (the C++ few-row GEMM) in both: only the eviction differs
+    assert (
+        rows["h2o@0.5+kernel+torchevict"]["cpp_gemm_calls_per_step"]
+        == rows["h2o@0.5+kernel"]["cpp_gemm_calls_per_step"]
+        > 0
+    )
     assert "speed_vs_torchevict" not in rows["h2o@0.5+kernel+torchevict"]
     assert "vs +torchevict" in md.read_text()

@@ -31,7 +31,15 @@ from torch import Tensor
 
 from vlkv.plugins import paged_cpu_kernel
 
-__all__ = ["FUSED_DROP", "MAX_GROUP_SUM", "add_group_sums", "drop_columns", "kernel", "lowest_columns"]
+__all__ = [
+    "FUSED_DROP",
+    "MAX_GROUP_SUM",
+    "add_group_sums",
+    "avl_text_step",
+    "drop_columns",
+    "kernel",
+    "lowest_columns",
+]
 
 FUSED_DROP = os.environ.get("VLKV_CPU_EVICT", "1") != "0"
 # the largest GQA group :func:`add_group_sums` takes: up to 4 rows torch's ``sum`` adds them in order
@@ -183,6 +191,62 @@ void add_group_sums(std::vector<torch::Tensor> scores, std::vector<torch::Tensor
     });
   }
 }
+
+// A-VL's decode step over its text (region code 0), every layer: regions, scores L tables (B, H, C)
+// fp32 with contiguous columns, colsums L (B, H * G, S_l) fp32 with unit column stride, widths[l]
+// <= min(S_l, C) the columns each layer holds, lengths L (B,) int64. Adds scores[l][b, h, j] +=
+// (group sum of colsum) * (regions[l][b, h, j] == 0) for j < widths[l] (the group summed in order,
+// times 1 or 0 as torch's float * bool), and returns (L, B) int64: per layer and sample the valid
+// text columns of head 0 (j < lengths[b], region 0).
+torch::Tensor avl_text_step(std::vector<torch::Tensor> regions, std::vector<torch::Tensor> scores,
+                            std::vector<torch::Tensor> colsums, std::vector<int64_t> widths,
+                            std::vector<torch::Tensor> lengths, int64_t G) {
+  const size_t L = scores.size();
+  TORCH_CHECK(G >= 1 && regions.size() == L && colsums.size() == L && widths.size() == L && lengths.size() == L,
+              "avl_text_step: one region table, colsum, width and lengths per score table, G >= 1");
+  const int64_t B = L ? scores[0].size(0) : 0;
+  for (size_t l = 0; l < L; ++l) {
+    const auto &t = scores[l], &r = regions[l], &c = colsums[l], &n = lengths[l];
+    TORCH_CHECK(t.device().is_cpu() && r.device().is_cpu() && c.device().is_cpu() && n.device().is_cpu() &&
+                    t.scalar_type() == at::kFloat && r.scalar_type() == at::kFloat && c.scalar_type() == at::kFloat &&
+                    n.scalar_type() == at::kLong && t.dim() == 3 && r.sizes() == t.sizes() && c.dim() == 3 &&
+                    n.dim() == 1 && n.is_contiguous() && t.size(0) == B && n.size(0) == B && c.size(0) == B &&
+                    c.size(1) == t.size(1) * G && t.stride(2) == 1 && r.stride(2) == 1 && c.stride(2) == 1 &&
+                    widths[l] >= 0 && widths[l] <= c.size(2) && widths[l] <= t.size(2),
+                "avl_text_step: regions / scores (B, H, C), colsums (B, H * G, S) fp32, lengths (B,) int64 "
+                "on the CPU, unit column strides, widths within S and C");
+  }
+  auto held = torch::zeros({(int64_t)L, B}, torch::dtype(torch::kLong));
+  int64_t* hp = held.data_ptr<int64_t>();
+  for (size_t l = 0; l < L; ++l) {
+    auto& t = scores[l];
+    const auto &r = regions[l], &c = colsums[l];
+    const int64_t H = t.size(1), W = widths[l];
+    const int64_t* np = lengths[l].data_ptr<int64_t>();
+    float* tp = t.data_ptr<float>();
+    const float* rp = r.data_ptr<float>();
+    const float* cp = c.data_ptr<float>();
+    at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t q = lo; q < hi; ++q) {
+        const int64_t b = q / H, h = q % H;
+        float* dst = tp + b * t.stride(0) + h * t.stride(1);
+        const float* reg = rp + b * r.stride(0) + h * r.stride(1);
+        const float* src = cp + b * c.stride(0) + h * G * c.stride(1);
+        const int64_t sg = c.stride(1);
+        int64_t count = 0;
+        for (int64_t j = 0; j < W; ++j) {
+          float acc = src[j];
+          for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
+          const bool text = reg[j] == 0.f;
+          dst[j] += acc * (text ? 1.f : 0.f);
+          count += text && j < np[b];
+        }
+        if (h == 0) hp[l * B + b] = count;
+      }
+    });
+  }
+  return held;
+}
 """
 
 _BUILT: list = []
@@ -197,7 +261,7 @@ def kernel():
         _BUILT,
         paged_cpu_kernel.build_name(_SOURCE, "vlkv_evict_rows"),
         _SOURCE,
-        ["drop_columns", "lowest_columns", "add_group_sums"],
+        ["drop_columns", "lowest_columns", "add_group_sums", "avl_text_step"],
         "CPU decode eviction",
         "closing each layer's gaps with torch ops",
     )
@@ -256,3 +320,24 @@ def add_group_sums(scores: list[Tensor], colsums: list[Tensor], group: int) -> N
     if mod is None:
         raise RuntimeError("the CPU decode eviction kernel is not built here")
     mod.add_group_sums(scores, colsums, group)
+
+
+def avl_text_step(
+    regions: list[Tensor],
+    scores: list[Tensor],
+    colsums: list[Tensor],
+    widths: list[int],
+    lengths: list[Tensor],
+    group: int,
+) -> Tensor:
+    """A-VL's decode-step text bookkeeping of every layer in one call (``policies.avl``): per layer
+    ``scores[:, :, :W] += colsum.view(B, H_kv, group, S)[..., :W].sum(2) * (regions[:, :, :W] == 0)``
+    (the running text scores; the group summed in order, ``group <= MAX_GROUP_SUM`` for torch's
+    floats) and the valid text entries of head 0 per sample (``(regions[:, 0, :W] == 0) & (j <
+    lengths)`` summed). ``regions``, ``scores``: ``(B, H_kv, C)`` float32; ``colsums``: ``(B, H_kv ·
+    group, S)`` float32; ``widths[l] <= min(S, C)``; ``lengths``: ``(B,)`` int64. Returns ``(L, B)``
+    int64 the text counts."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError("the CPU decode eviction kernel is not built here")
+    return mod.avl_text_step(regions, scores, colsums, widths, lengths, group)

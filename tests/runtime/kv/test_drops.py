@@ -287,3 +287,77 @@ def test_h2o_running_scores_equal_with_the_kernel_and_without(model, engines, im
     for step, (a, b) in enumerate(zip(*runs, strict=True)):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert torch.equal(x, y), (step, i)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("width", [0, 5, 64, 700])
+def test_avl_text_step_equals_the_masked_update_and_the_counts(group, width):
+    """A-VL's per-layer text bookkeeping by one call: the text scores (``+= group sum * (region ==
+    text)`` over the held columns) bit for bit, and head 0's valid text counts, on ragged lengths with
+    regions mixed per head."""
+    g = torch.Generator().manual_seed(group * 1000 + width)
+    b, h, layers, cap = 3, 5, 3, width + 6
+    regions = [torch.randint(0, 3, (b, h, cap), generator=g).float() for _ in range(layers)]
+    scores = [torch.rand(b, h, cap, generator=g) for _ in range(layers)]
+    probs = [torch.rand(b, h, group, width + 2, generator=g) ** 6 for _ in range(layers)]
+    colsums = [p.flatten(1, 2) for p in probs]
+    lengths = [torch.randint(0, width + 1, (b,), generator=g) for _ in range(layers)]
+    want_scores = [t.clone() for t in scores]
+    want_held = []
+    for t, r, c, n in zip(want_scores, regions, colsums, lengths):
+        is_text = r[:, :, :width] == 0
+        t[:, :, :width] += c[:, :, :width].reshape(b, h, group, width).sum(2) * is_text
+        valid = torch.arange(width)[None, :] < n[:, None]
+        want_held.append((is_text[:, 0] & valid).sum(-1))
+    held = evict_rows.avl_text_step(regions, scores, colsums, [width] * layers, lengths, group)
+    assert torch.equal(held, torch.stack(want_held))
+    for t, w in zip(scores, want_scores):
+        assert torch.equal(t, w)
+    with pytest.raises(RuntimeError, match="avl_text_step"):
+        evict_rows.avl_text_step(regions, scores, colsums, [width + 3] * layers, lengths, group)
+
+
+AVL_KW = [
+    {"budget": 0.5, "core": 0.3, "text_min": 2},
+    {"budget": 0.4, "interval": 1, "text": 0.3, "text_min": 0},
+]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("kw", AVL_KW, ids=["core", "text0.3"])
+def test_avl_keeps_the_same_state_with_the_kernel_and_without(model, kw, engines, images, monkeypatch):
+    """A batch cache under A-VL (small text floors: its decode steps evict text), 8 steps: every
+    layer's tables and scores (region, core, text score) after each step and the tokens are equal
+    with the one-call text step and with the per-layer torch ops."""
+    from vlkv.runtime.policies import avl
+
+    engine = engines[model]
+    prompts = [
+        Prompt("Describe the picture.", [images[0]]),
+        Prompt("What is in this image? Say.", [images[1]]),
+    ]
+    runs = []
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(evict_rows, "FUSED_DROP", fused)
+            calls: list[int] = []
+            real = evict_rows.avl_text_step
+            m.setattr(evict_rows, "avl_text_step", lambda *a, c=calls, f=real: c.append(1) or f(*a))
+            policy, batch = avl.AVLPolicy(**kw), engine.encode(prompts)
+            cache = engine.new_cache(batch)
+            tokens, states = [], []
+            with torch.no_grad():
+                tok = engine.prefill(batch, policy, cache).logits.argmax(-1)
+                for step in range(1, 9):
+                    tok = engine.decode(tok, batch, policy, cache, step).logits.argmax(-1)
+                    tokens.append(tok.tolist())
+                    states.append(_state(cache))
+            cache.release()
+            runs.append((tokens, states, len(calls)))
+    (got_tok, got, calls), (want_tok, want, none) = runs
+    assert calls == 8 and none == 0
+    assert got_tok == want_tok
+    lengths = [[layer["lengths"] for layer in s] for s in got]
+    assert len({str(x) for x in lengths}) > 1  # the steps changed the lengths (appends, evictions)
+    for g, w in zip(got, want, strict=True):
+        _same(g, w)
