@@ -145,9 +145,11 @@ def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle
     cols = torch.cat([job[4] for job in jobs]).view(len(jobs), *jobs[0][4].shape[:2])  # (L, B, H_kv)
     gone = evict_rows.drop_columns([layer._entry_tables() for layer in layers], cols, n - 1)
     preps = []
-    for layer, slots in zip(layers, gone):
-        sole = layer.pool.owned_once(layer.layer, slots.t())  # (H_kv, B): row h in head h
-        preps.append(UniformSelect(n, n - 1, True, None, sole, slots[:, :, None], moved=True))
+    # each layer's views by one ``unbind`` per layout, not a ``t()`` and an index per layer
+    per_head = gone.transpose(1, 2).unbind(0)  # (H_kv, B) each: row h in head h
+    for layer, heads, slots in zip(layers, per_head, gone.unsqueeze(3).unbind(0)):
+        sole = layer.pool.owned_once(layer.layer, heads)
+        preps.append(UniformSelect(n, n - 1, True, None, sole, slots, moved=True))
     host = torch.stack([p.sole for p in preps]).tolist()  # every layer's check in one read
     for p, sole in zip(preps, host):
         p.read([sole])

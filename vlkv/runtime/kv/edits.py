@@ -183,7 +183,10 @@ class Edits(EntryTable):
         if prepared.dropped is not None:
             # after the tables: a compaction the release starts remaps the new table (and clears
             # the columns past the new length, which still name the dropped slots)
-            self._drop(prepared.dropped.view(b, h, n - k), recycle, sole)
+            dropped = prepared.dropped
+            if dropped.shape != (b, h, n - k):
+                dropped = dropped.view(b, h, n - k)
+            self._drop(dropped, recycle, sole)
         return True
 
     @staticmethod
