@@ -195,9 +195,9 @@ void add_group_sums(std::vector<torch::Tensor> scores, std::vector<torch::Tensor
 // A-VL's decode step over its text (region code 0), every layer: regions, scores L tables (B, H, C)
 // fp32 with contiguous columns, colsums L (B, H * G, S_l) fp32 with unit column stride, widths[l]
 // <= min(S_l, C) the columns each layer holds, lengths L (B,) int64. Adds scores[l][b, h, j] +=
-// (group sum of colsum) * (regions[l][b, h, j] == 0) for j < widths[l] (the group summed in order,
-// times 1 or 0 as torch's float * bool), and returns (L, B) int64: per layer and sample the valid
-// text columns of head 0 (j < lengths[b], region 0).
+// (group sum of colsum) * (regions[l][b, h, j] == 0) for j < widths[l] (the group summed in order;
+// times 0 elsewhere, for attention sums >= 0 a +0.0), and returns (L, B) int64: per layer and sample
+// the valid text columns of head 0 (j < lengths[b], region 0).
 torch::Tensor avl_text_step(std::vector<torch::Tensor> regions, std::vector<torch::Tensor> scores,
                             std::vector<torch::Tensor> colsums, std::vector<int64_t> widths,
                             std::vector<torch::Tensor> lengths, int64_t G) {
@@ -235,11 +235,19 @@ torch::Tensor avl_text_step(std::vector<torch::Tensor> regions, std::vector<torc
         const int64_t sg = c.stride(1);
         int64_t count = 0;
         for (int64_t j = 0; j < W; ++j) {
+          if (reg[j] != 0.f) {
+            // torch adds sum * 0 = +0.0 here (the sums are >= 0): a no-op but for a -0.0 score, which
+            // becomes +0.0 (by its bits: -ffast-math folds float compares of signed zeros)
+            uint32_t bits;
+            std::memcpy(&bits, dst + j, 4);
+            if (bits == 0x80000000u) dst[j] = 0.f;
+            continue;
+          }
+          // a text column (A-VL's text is each row's tail: the colsums are read there only)
           float acc = src[j];
           for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
-          const bool text = reg[j] == 0.f;
-          dst[j] += acc * (text ? 1.f : 0.f);
-          count += text && j < np[b];
+          dst[j] += acc;
+          count += j < np[b];
         }
         if (h == 0) hp[l * B + b] = count;
       }

@@ -134,16 +134,21 @@ def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle
         if dropped is None or dropped.dim() != 3 or dropped.shape[2] != 1:
             return None
         lengths = layer.host_lengths()
+        if not lengths:
+            return None
         n = lengths[0] if n is None else n
-        if not lengths or min(lengths) != n or max(lengths) != n or min(k) != n - 1 or max(k) != n - 1:
+        if min(lengths) != n or max(lengths) != n or min(k) != n - 1 or max(k) != n - 1:
             return None
         if n - 1 + spare > layer.capacity:
             return None
     if evict_rows.kernel() is None:
         return None
     layers = [job[0] for job in jobs]
+    tables = [layer._entry_tables() for layer in layers]
+    if len({len(t) for t in tables}) != 1 or len({id(layer) for layer in layers}) != len(layers):
+        return None  # layers keeping different running scores, or a layer listed twice
     cols = torch.cat([job[4] for job in jobs]).view(len(jobs), *jobs[0][4].shape[:2])  # (L, B, H_kv)
-    gone = evict_rows.drop_columns([layer._entry_tables() for layer in layers], cols, n - 1)
+    gone = evict_rows.drop_columns(tables, cols, n - 1)
     preps = []
     # each layer's views by one ``unbind`` per layout, not a ``t()`` and an index per layer
     per_head = gone.transpose(1, 2).unbind(0)  # (H_kv, B) each: row h in head h
