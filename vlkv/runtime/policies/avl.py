@@ -265,7 +265,8 @@ class AVLPolicy(Policy):
             for j, i in enumerate(members):
                 layer = cache.layers[i]
                 rows = core[j * layer.batch : (j + 1) * layer.batch]
-                layer.scores[CORE][:, :, :width] = rows.expand(-1, layer.kv_heads, -1).float()
+                # bool into the float table in one pass (no float copy of the expanded rows first)
+                layer.scores[CORE].narrow(2, 0, width).copy_(rows.expand(-1, layer.kv_heads, -1))
 
     # ------------------------------------------------------------ text H2O
     def _text_budgets(
