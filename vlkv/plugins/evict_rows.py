@@ -1,7 +1,7 @@
 """A decode step's one-entry-per-row eviction of every layer as one C++ call (CPU, built on first use).
 
 H2O evicts one entry per (sample, KV head) row at every decode step, in every layer. The cache closes
-each row's gap in place (``kv.edits.Edits._shift_kept``): for the five per-entry tables (slots,
+each row's gap in place (``kv.drops.shift_kept``): for the five per-entry tables (slots,
 positions, modality, order, the running score) a ``where`` of two shifted views and a copy back, plus
 the dropped slots' gather and the first dropped column's ``min`` — about 30 aten ops per layer, ~900
 per step, each a few µs of dispatch and a pass over half of each row. :func:`drop_columns` does the
@@ -15,7 +15,8 @@ The selection before it, where every row drops its one lowest-ranked column (H2O
 the invalid and protected columns, flipping and an ``argmin`` (six passes over a copy). It compares
 integer keys of the same order, so it picks the same column (tested). And H2O's running attention
 (each KV head's group of query rows summed into its score table, every layer) is
-:func:`add_group_sums`, one call in place of a ``view``, ``sum``, ``narrow`` and ``add_`` per layer.
+:func:`add_group_sums`, one call in place of a ``view``, ``sum``, ``narrow`` and ``add_`` per layer;
+A-VL's text-score update and text counts (about 30 ops per layer and step) are :func:`avl_text_step`.
 
 Built like the other CPU kernels (``paged_cpu_kernel.load_extension``; None with one warning where it
 cannot be built: the cache keeps the per-layer torch path). Switch: ``FUSED_DROP``
@@ -57,7 +58,8 @@ _SOURCE = r"""
 // drops, in [0, k]. Moves each row's columns (cols, k] one to the left (column k keeps its value) and
 // returns the dropped slot ids (L, B, H) int64, read before the move.
 torch::Tensor drop_columns(std::vector<torch::Tensor> tables, int64_t per_layer, torch::Tensor cols, int64_t k) {
-  TORCH_CHECK(per_layer >= 1 && cols.dim() == 3 && cols.scalar_type() == at::kLong && cols.is_contiguous() &&
+  TORCH_CHECK(per_layer >= 1 && cols.device().is_cpu() && cols.dim() == 3 && cols.scalar_type() == at::kLong &&
+                  cols.is_contiguous() &&
                   (int64_t)tables.size() == cols.size(0) * per_layer && k >= 0,
               "drop_columns: cols (L, B, H) int64 contiguous, per_layer tables per layer, k >= 0");
   const int64_t L = cols.size(0), B = cols.size(1), H = cols.size(2);
@@ -116,8 +118,9 @@ static inline uint32_t rank_key(float v, bool valid, bool forced) {
 // strides; forced may be empty: none). Returns (G, B, H) int64: each row's lowest column (the
 // highest column among equals), ranked as above.
 torch::Tensor lowest_columns(std::vector<torch::Tensor> scores, torch::Tensor valid, torch::Tensor forced) {
-  TORCH_CHECK(!scores.empty() && valid.dim() == 3 && valid.scalar_type() == at::kBool,
-              "lowest_columns: one or more score tables, valid (B, 1 or H, W) bool");
+  TORCH_CHECK(!scores.empty() && valid.device().is_cpu() && valid.dim() == 3 && valid.scalar_type() == at::kBool &&
+                  (forced.numel() == 0 || forced.device().is_cpu()),
+              "lowest_columns: one or more score tables, valid / forced (B, 1 or H, W) bool on the CPU");
   const int64_t B = scores[0].size(0), H = scores[0].size(1), W = scores[0].size(2);
   const bool any_forced = forced.numel() > 0;
   TORCH_CHECK(W >= 1 && valid.size(0) == B && (valid.size(1) == 1 || valid.size(1) == H) && valid.size(2) == W &&
@@ -322,8 +325,9 @@ def lowest_columns(scores: list[Tensor], valid: Tensor, forced: Tensor | None) -
 def add_group_sums(scores: list[Tensor], colsums: list[Tensor], group: int) -> None:
     """``scores[l][:, :, :S] += colsums[l].view(B, H_kv, group, S).sum(2)`` for every layer in one
     call (H2O's running attention, ``policies.h2o.H2OPolicy.observe``), the group summed in order,
-    as torch's ``sum`` does for ``group <= MAX_GROUP_SUM``: the same floats (tested). ``scores``: ``(B, H_kv, C)`` float32 tables,
-    ``colsums``: ``(B, H_kv · group, S)`` float32, ``S <= C``, both with unit column stride."""
+    as torch's ``sum`` does for ``group <= MAX_GROUP_SUM``: the same floats (tested). ``scores``:
+    ``(B, H_kv, C)`` float32 tables, ``colsums``: ``(B, H_kv · group, S)`` float32, ``S <= C``, both
+    with unit column stride."""
     mod = kernel()
     if mod is None:
         raise RuntimeError("the CPU decode eviction kernel is not built here")
