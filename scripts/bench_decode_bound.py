@@ -22,7 +22,10 @@ the C++ few-row GEMM of ``vlkv/plugins/skinny_gemm.py``, ``<config>+torchgemm``;
 in one run), with ``--split-append`` each fused configuration again with each decode layer's cache append
 in Python and its paged read a separate call (``VLKV_CPU_APPEND=0``: the path before
 ``vlkv/plugins/paged_append.py`` wrote the new entries and read the tables in one C++ call,
-``<config>+split``; its before/after in one run), and transformers' ``generate`` on
+``<config>+split``; its before/after in one run), with ``--torch-evict`` each policy's kernel configuration
+again with its decode eviction as it was before session 7 (each layer's gap closed by torch ops,
+``VLKV_CPU_EVICT=0``, and the kept columns by an int64 + bool sum: ``<config>+kernel+torchevict``), and
+transformers' ``generate`` on
 the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
 vlkv's, so no transformers prefill either).
 
@@ -46,10 +49,13 @@ from pathlib import Path
 
 import torch
 
+import vlkv.plugins.evict_rows as evict_rows
 import vlkv.plugins.paged_append as paged_append
 import vlkv.plugins.paged_cpu as paged_cpu
 import vlkv.plugins.skinny_gemm as skinny_gemm
 import vlkv.runtime.models.skinny_layer as skinny_layer
+import vlkv.runtime.policies.base as policy_base
+import vlkv.runtime.policies.ranking as ranking
 from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.edits import apply_edits
 from vlkv.runtime.engine import Engine
@@ -192,6 +198,12 @@ def vlkv_steps(pre: Prefilled, policy, steps: int, budget_key: str | None, dense
     }
 
 
+def old_kept_but(last, s: int):
+    """``ranking.kept_but`` before session 7: an int64 + bool broadcast sum (the same values)."""
+    kept = torch.arange(s - 1, device=last.device)
+    return (kept + (kept >= last)).expand(*last.shape[:2], s - 1)
+
+
 def runtime_lines() -> int:
     """Lines of ``vlkv/runtime/`` (Python), the size the issue tracks beside the speed."""
     root = Path(__file__).resolve().parents[1] / "vlkv" / "runtime"
@@ -219,8 +231,22 @@ def run(args) -> dict:
     torch_gemm = torch_gemm if args.torch_gemm else []
     fused = (["full-kernel"] if args.kernel else []) + kernel_pols
     split = [f"{c}+split" for c in fused] if args.split_append else []
-    configs = [*plain[:1], *extra, *args.peers, *plain[1:], *kernel_pols, *halves_pols, *torch_gemm, *split]
+    # only the policies that evict while decoding have an eviction to compare
+    evicting = [c for c in kernel_pols if pols[c.removesuffix("+kernel")].evicts_during_decode]
+    torch_evict = [f"{c}+torchevict" for c in evicting] if args.torch_evict else []
+    configs = [
+        *plain[:1],
+        *extra,
+        *args.peers,
+        *plain[1:],
+        *kernel_pols,
+        *halves_pols,
+        *torch_gemm,
+        *split,
+        *torch_evict,
+    ]
     append_default = paged_append.FUSED_APPEND
+    evict_default = evict_rows.FUSED_DROP
     gemm_default = skinny_gemm.CPP_GEMM
     # every C++ GEMM call counted, so a row shows which GEMMs it ran (the switch is not evidence)
     cpp_calls, real_linear = [0], skinny_gemm.linear
@@ -240,8 +266,13 @@ def run(args) -> dict:
                 cpp_calls[0] = 0
                 # "+split": the Python append and a separate paged read (the fused append's before)
                 paged_append.FUSED_APPEND = append_default and not name.endswith("+split")
-                cfg = name.removesuffix("+split").removesuffix("+torchgemm")
-                skinny_gemm.CPP_GEMM = gemm_default and cfg == name.removesuffix("+split")
+                # "+torchevict": each layer's decode eviction by torch ops (the one-call drop's before)
+                evict_rows.FUSED_DROP = evict_default and not name.endswith("+torchevict")
+                kept_but = ranking.kept_but
+                if name.endswith("+torchevict"):  # and the kept columns by the int64 + bool sum
+                    ranking.kept_but = policy_base.kept_but = old_kept_but
+                cfg = name.removesuffix("+torchevict").removesuffix("+split").removesuffix("+torchgemm")
+                skinny_gemm.CPP_GEMM = gemm_default and not name.endswith("+torchgemm")
                 base = cfg.removesuffix("+kernel").removesuffix("+halves")
                 pol = pols.get(base, full)
                 key = base.split("@")[0] if base in pols else None
@@ -259,6 +290,8 @@ def run(args) -> dict:
                     paged_cpu.FUSED_KERNEL = fused_default
                     skinny_gemm.CPP_GEMM = gemm_default
                     paged_append.FUSED_APPEND = append_default
+                    evict_rows.FUSED_DROP = evict_default
+                    ranking.kept_but = policy_base.kept_but = kept_but
                 res["cpp_gemm_calls"] = cpp_calls[0] / args.steps
             if rep:
                 got[name].append(res)
@@ -293,7 +326,7 @@ def run(args) -> dict:
             "cpp_gemm_calls_per_step": rs[-1].get("cpp_gemm_calls", 0.0),  # 0: torch's GEMMs (or a peer)
             "bytes_per_step": w + kv + 2 * rs[-1]["gathered_bytes"],
         }
-        base_name = name.removesuffix("+split").removesuffix("+torchgemm")
+        base_name = name.removesuffix("+torchevict").removesuffix("+split").removesuffix("+torchgemm")
         kernel_read = base_name.endswith(("+kernel", "+halves")) or "full" not in got
         ref = "full-kernel" if kernel_read and "full-kernel" in got else "full"
         row["speed_vs_full"] = statistics.median(
@@ -302,6 +335,10 @@ def run(args) -> dict:
         if f"{name}+split" in got:  # the fused append against its before, paired per round
             row["speed_vs_split"] = statistics.median(
                 s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}+split"], rs, strict=True)
+            )
+        if f"{name}+torchevict" in got:  # the one-call decode eviction against its before, paired
+            row["speed_vs_torchevict"] = statistics.median(
+                s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}+torchevict"], rs, strict=True)
             )
         if fastest is not None:
             # paired within each round: the faster peer's step time / this one's, median over rounds
@@ -325,11 +362,16 @@ def run(args) -> dict:
     )
     # the fused append writes and reads what the Python append and the separate read did: same tokens
     same.update({c: got[c][0]["tokens"] == got[c.removesuffix("+split")][0]["tokens"] for c in split})
+    # the one-call eviction keeps what each layer's torch edit kept: same tokens
+    same.update(
+        {c: got[c][0]["tokens"] == got[c.removesuffix("+torchevict")][0]["tokens"] for c in torch_evict}
+    )
     return {
         "machine": f"{cpu_name()} ({machine_name('cpu')})",
         "threads": torch.get_num_threads(),
         "cpp_gemm": gemm_default and skinny_gemm.kernel() is not None,
         "fused_append": append_default and paged_append.kernel() is not None,
+        "fused_evict": evict_default and evict_rows.kernel() is not None,
         "model": args.model,
         "dtype": "fp32",
         "batch": args.batch,
@@ -360,21 +402,22 @@ def to_markdown(res: dict) -> str:
         + f" GB/s; the bound uses {res['bandwidth_gb_s']:.1f}). "
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
         f"C++ few-row GEMM: {res.get('cpp_gemm')}. "
-        f"Fused decode append: {res.get('fused_append')}. "
+        f"Fused decode append: {res.get('fused_append')}. One-call decode eviction: {res.get('fused_evict')}. "
         f"Same tokens (peers vs vlkv full; +kernel vs +halves; +torchgemm vs its C++-GEMM config; +split vs its fused config): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
         f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
-        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split | vs +torchevict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratio = r.get("speed_vs_fastest_peer")
-        split = r.get("speed_vs_split")
+        split, evict = r.get("speed_vs_split"), r.get("speed_vs_torchevict")
         lines.append(
             f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
             f"| {r['speed_vs_full']:.2f}× | {'' if ratio is None else f'{ratio:.2f}×'} | {r['attn_ms']:.1f} "
             f"| {r['attn_of_bound']:.0%} | {r['kv_bytes'] / 1e6:.1f} "
-            f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} | {'' if split is None else f'{split:.2f}×'} |"
+            f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} | {'' if split is None else f'{split:.2f}×'} "
+            f"| {'' if evict is None else f'{evict:.2f}×'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -427,6 +470,13 @@ def main() -> None:
         action="store_true",
         help="also each fused configuration with the decode layers' cache append in Python and the paged "
         "read a separate call (VLKV_CPU_APPEND=0, the fused append's before), as '<config>+split'",
+    )
+    ap.add_argument(
+        "--torch-evict",
+        action="store_true",
+        help="also each '<config>+kernel' with its decode eviction by torch ops per layer (VLKV_CPU_EVICT=0) "
+        "and the kept columns by an int64 + bool sum (the session-7 changes' before), as "
+        "'<config>+kernel+torchevict'",
     )
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)

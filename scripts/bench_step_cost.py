@@ -46,10 +46,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_common import load_for_bench, machine_name  # noqa: E402
 from bench_decode import stats_for, weight_bytes  # noqa: E402
-from bench_decode_bound import Prefilled, cpu_name, read_bandwidth  # noqa: E402
+from bench_decode_bound import Prefilled, cpu_name, old_kept_but, read_bandwidth  # noqa: E402
 from decode_reads import AttnTimer  # noqa: E402
 
+import vlkv.plugins.evict_rows as evict_rows  # noqa: E402
 import vlkv.runtime.edits as run_edits  # noqa: E402
+import vlkv.runtime.kv.drops as drops  # noqa: E402
 import vlkv.runtime.kv.edits as kv_edits  # noqa: E402
 import vlkv.runtime.kv.packing as packing  # noqa: E402
 import vlkv.runtime.policies.base as base  # noqa: E402
@@ -77,16 +79,20 @@ def before():
     """The per-step paths as they were: no dropped columns handed to the cache, found by a sort, the
     tables rebuilt instead of rewritten in place."""
     ranked, search, highest = base.rank_entries, kv_edits.unlisted, ranking._keep_highest
-    in_place = kv_edits.IN_PLACE
+    in_place, fused = drops.IN_PLACE, evict_rows.FUSED_DROP
+    evict_rows.FUSED_DROP = False  # session 7's one-call drops hand the hint too
+    kept_but = ranking.kept_but
+    ranking.kept_but = base.kept_but = old_kept_but
     base.rank_entries = lambda *a, **k: (*ranked(*a, **k)[:2], None)
     kv_edits.unlisted = lambda listed, m: torch.sort(listed, dim=2, stable=True).indices[:, :, :m]
     ranking._keep_highest = sorted_keep
-    kv_edits.IN_PLACE = False
+    drops.IN_PLACE = False
     try:
         yield
     finally:
         base.rank_entries, kv_edits.unlisted, ranking._keep_highest = ranked, search, highest
-        kv_edits.IN_PLACE = in_place
+        drops.IN_PLACE, evict_rows.FUSED_DROP = in_place, fused
+        ranking.kept_but = base.kept_but = kept_but
 
 
 def sorted_keep(ranked, keep, kmax: int):

@@ -168,3 +168,34 @@ def test_split_append_rows_are_the_fused_append_s_before_and_after(tmp_path):
         assert rows[name]["ops_per_step"] < rows[name + "+split"]["ops_per_step"]  # the ops it removes
         assert "speed_vs_split" not in rows[name + "+split"]
     assert "vs +split" in md.read_text()
+
+
+def test_torch_evict_rows_are_the_one_call_eviction_s_before_and_after(tmp_path):
+    """``--torch-evict`` adds each policy's kernel configuration again with its decode eviction by
+    torch ops per layer (``VLKV_CPU_EVICT=0``): the same greedy tokens, timed in the same rounds, the
+    paired ratio reported on the one-call rows."""
+    out, md = tmp_path / "e.json", tmp_path / "e.md"
+    cmd = [
+        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "snapkv", "--budgets", "0.5",
+        "--peers", "--kernel", "--kernel-policies", "--skip-matmul", "--torch-evict", "--buffer-mib", "16",
+        "--json", str(out), "--md", str(md),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    # snapkv evicts nothing while decoding: no before row
+    assert sorted(rows) == sorted(
+        ["full-kernel", "h2o@0.5+kernel", "snapkv@0.5+kernel", "h2o@0.5+kernel+torchevict"]
+    )
+    assert res["fused_evict"] is True
+    assert res["peers_same_tokens"] == {"h2o@0.5+kernel+torchevict": True}
+    assert rows["h2o@0.5+kernel"]["speed_vs_torchevict"] > 0
+    # the same GEMMs (the C++ few-row GEMM) in both: only the eviction differs
+    assert (
+        rows["h2o@0.5+kernel+torchevict"]["cpp_gemm_calls_per_step"]
+        == rows["h2o@0.5+kernel"]["cpp_gemm_calls_per_step"]
+        > 0
+    )
+    assert "speed_vs_torchevict" not in rows["h2o@0.5+kernel+torchevict"]
+    assert "vs +torchevict" in md.read_text()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
-import vlkv.runtime.kv.edits as kv_edits
+import vlkv.runtime.kv.drops as drops
 import vlkv.runtime.kv.packing as packing
 from vlkv.runtime.cache import LayerKV
 
@@ -420,7 +420,7 @@ def test_a_decode_eviction_near_the_end_rewrites_the_tables_in_place(near_end, i
     row drops, wherever it sits (the same tensors). Without that path (``IN_PLACE`` off) the tables
     are rebuilt. Both keep what the general path keeps, and the next append lands after the kept
     entries."""
-    monkeypatch.setattr(kv_edits, "IN_PLACE", in_place)
+    monkeypatch.setattr(drops, "IN_PLACE", in_place)
     g = torch.Generator().manual_seed(19)
     n = 7
     fast, slow = _layer(20, (n,) * B), _layer(20, (n,) * B)

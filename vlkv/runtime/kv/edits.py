@@ -10,112 +10,20 @@ allocation next step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from vlkv.runtime.kv.entries import EntryTable, gather_columns
+from vlkv.runtime.kv import drops
+from vlkv.runtime.kv.drops import RECYCLE_MAX, UniformSelect, prepare_selects, shift_kept, unlisted
+from vlkv.runtime.kv.entries import EntryTable
 from vlkv.runtime.kv.lowrank import densify
 from vlkv.runtime.kv.packing import continue_run, held_slots, pack_kept, packable
 from vlkv.runtime.kv.pool import KVPool
 from vlkv.runtime.kv.spares import SpareSlots
 
-# most slots per head a decode-time eviction hands to the cache's next appends instead of the pool
-RECYCLE_MAX = 16
-# a decode-time select dropping a few columns per row rewrites its tables in place from the first
-# column it drops (``Edits._shift_kept``); False: it rebuilds them, for tests and before/after runs
-IN_PLACE = True
-
-
-@dataclass
-class UniformSelect:
-    """A uniform :meth:`Edits.select` prepared on the device (:meth:`Edits.prepare_uniform`).
-
-    Attributes:
-        n, k: entries each sample holds and keeps.
-        in_place: a decode-time eviction of at most ``RECYCLE_MAX`` entries per row, the tables
-            keeping room for the spares: the kept columns from the first one that moves on are
-            rewritten in place (:meth:`Edits._shift_kept`); otherwise the tables are rebuilt.
-        distinct: ``()`` bool, ``index`` lists ``k`` distinct columns; None where that is known
-            (the selection named the dropped columns, or nothing is dropped).
-        sole: ``()`` bool, the dropped slots have no other holder; None where not asked (False).
-        dropped: ``(B, H_kv, n - k)`` slots the edit drops, None when none.
-        first: ``()`` int64 the first column any row drops (every column before it stays where it
-            is), None unless ``in_place``.
-        cols: ``(B, H_kv, n - k)`` the ascending columns each row drops, where known.
-        checks: ``[distinct, sole]`` read back, None until read.
-        first_col: ``first`` read back (with ``checks``), None until read or without it.
-    """
-
-    n: int
-    k: int
-    in_place: bool
-    distinct: Tensor | None
-    sole: Tensor | None
-    dropped: Tensor | None
-    first: Tensor | None = None
-    cols: Tensor | None = None
-    checks: list[bool] | None = None
-    first_col: int | None = None
-
-    def values(self) -> list[Tensor]:
-        """The device values to read back (``distinct``, ``sole``, ``first``, those not None)."""
-        return [v for v in (self.distinct, self.sole, self.first) if v is not None]
-
-    def read(self, host: list[int]) -> None:
-        """Take the checks (and the first moving column) from :meth:`values` read back."""
-        at = iter(host)
-        distinct = True if self.distinct is None else bool(next(at))
-        sole = False if self.sole is None else bool(next(at))
-        self.checks = [distinct, sole]
-        self.first_col = None if self.first is None else int(next(at))
-
-    def read_back(self) -> None:
-        """:meth:`read` this select's values alone (one transfer)."""
-        vals = self.values()
-        self.read(torch.stack(vals).tolist() if vals else [])
-
-
-def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
-    """:meth:`Edits.prepare_uniform` of many layers' selections ``(layer, index, keep_len, kept)`` or
-    ``(layer, index, keep_len, kept, dropped)`` with their checks read back in one transfer (one host
-    sync for a step's edits of every layer, not one per layer; one ``stack`` of every layer's values).
-    ``kept`` None: ``keep_len`` is read (once, for all such jobs); ``dropped``: the columns the
-    selection drops, where it knew them. Returns per job its :class:`UniformSelect`, or None where the
-    uniform path does not apply."""
-    unknown = [i for i, job in enumerate(jobs) if job[3] is None]
-    kept = [job[3] for job in jobs]
-    if unknown:
-        host = torch.cat([jobs[i][2].reshape(-1).to(jobs[0][2].device, torch.long) for i in unknown]).tolist()
-        at = 0
-        for i in unknown:
-            b = jobs[i][2].numel()
-            kept[i], at = host[at : at + b], at + b
-    preps = [
-        job[0].prepare_uniform(job[1], k, spare, recycle, job[4] if len(job) > 4 else None)
-        for job, k in zip(jobs, kept)
-    ]
-    live = [p for p in preps if p is not None]
-    vals = [v for p in live for v in p.values()]
-    host = torch.stack([v.to(vals[0].device) for v in vals]).tolist() if vals else []
-    at = 0
-    for p in live:
-        m = len(p.values())
-        p.read(host[at : at + m])
-        at += m
-    return preps
-
-
-def unlisted(listed: Tensor, m: int) -> Tensor:
-    """``(B, H_kv, m)`` ascending columns where ``listed (B, H_kv, n)`` int8 is 0 (with fewer than
-    ``m`` in a row, its tail is 0): each goes to its rank among them by a running count, one linear
-    pass, where a stable sort of the row moved every column."""
-    b, h, n = listed.shape
-    free = listed == 0
-    dest = torch.where(free, free.cumsum(2) - 1, m).clamp_(max=m)
-    cols = torch.arange(n, device=listed.device).expand(b, h, n)
-    return torch.zeros(b, h, m + 1, dtype=torch.long, device=listed.device).scatter_(2, dest, cols)[:, :, :m]
+# the decode-drop names (``kv.drops``) stay importable from here, where they lived; its switch
+# ``drops.IN_PLACE`` is read there
+__all__ = ["RECYCLE_MAX", "Edits", "UniformSelect", "prepare_selects", "unlisted"]
 
 
 class Edits(EntryTable):
@@ -215,7 +123,7 @@ class Edits(EntryTable):
         # a decode step's eviction of a few entries per row (H2O's, A-VL's, recent text) rewrites
         # the tables in place from the first column it drops; anything else rebuilds them at their
         # new width (a prompt's eviction: they shrink), packing what it keeps (``kv.packing``)
-        in_place = IN_PLACE and recycle and 0 < n - k <= RECYCLE_MAX and k + spare <= self.capacity
+        in_place = drops.IN_PLACE and recycle and 0 < n - k <= RECYCLE_MAX and k + spare <= self.capacity
         distinct = sole = cols = None
         if n > k and dropped is not None and dropped.shape[2] == n - k:
             cols = dropped.to(self.device)
@@ -261,7 +169,8 @@ class Edits(EntryTable):
         n, k, b, h = prepared.n, prepared.k, self.batch, self.kv_heads
         keeps = [k] * b
         if prepared.in_place:
-            self._shift_kept(index, prepared.first_col, k, prepared.cols)
+            if not prepared.moved:  # else one call closed every layer's gaps (``drops.prepare_selects``)
+                self._shift_kept(index, prepared.first_col, k, prepared.cols)
             self.set_lengths(keep_len.to(device=self.device, dtype=torch.long).clone(), keeps)
         else:
             before = self.host_lengths()
@@ -274,7 +183,10 @@ class Edits(EntryTable):
         if prepared.dropped is not None:
             # after the tables: a compaction the release starts remaps the new table (and clears
             # the columns past the new length, which still name the dropped slots)
-            self._drop(prepared.dropped.view(b, h, n - k), recycle, sole)
+            dropped = prepared.dropped
+            if dropped.shape != (b, h, n - k):
+                dropped = dropped.view(b, h, n - k)
+            self._drop(dropped, recycle, sole)
         return True
 
     @staticmethod
@@ -284,35 +196,8 @@ class Edits(EntryTable):
         return not recycle or any(n - k > RECYCLE_MAX for n, k in zip(before, kept))
 
     def _shift_kept(self, index: Tensor, first: int, k: int, cols: Tensor | None = None) -> None:
-        """Rewrite columns ``[first, k)`` of every table with the kept columns ``index[:, :, first:k]``
-        in place, where ``first`` is the first column any row drops (the columns before it stay).
-        A per-step eviction's victims sit about mid-table (H2O's: just before its recent window), so
-        this moves about half of each table, where gathering every kept column rewrote it whole. The
-        columns past ``k`` keep stale values (past the length: never read).
-
-        ``cols (B, H_kv, m)``: the columns each row drops, where known. With one per row (H2O's step)
-        kept column ``j`` is column ``j`` or ``j + 1``: a ``where`` of the two shifted views, no index
-        read (1.5x cheaper than the gather at 4k columns); otherwise the kept columns are gathered."""
-        if first >= k:  # every row drops only columns past its ``k`` first: nothing moves
-            return
-        # ``narrow``: one op per view, where ``t[:, :, a:b]`` dispatches a slice per dimension (this
-        # runs per table, layer and step)
-        m = k - first
-        if cols is not None and cols.shape[2] == 1:
-            later = torch.arange(first, k, device=self.device) >= cols  # (B, H_kv, k - first)
-            wide = None
-            for t in self._entry_tables():
-                if t.dim() == 3:
-                    moves = later
-                else:
-                    wide = later.unsqueeze(3) if wide is None else wide
-                    moves = wide
-                dst = t.narrow(2, first, m)
-                dst.copy_(torch.where(moves, t.narrow(2, first + 1, m), dst))
-            return
-        kept = index.narrow(2, first, m)
-        for t in self._entry_tables():
-            t.narrow(2, first, m).copy_(gather_columns(t, kept))
+        """:func:`~vlkv.runtime.kv.drops.shift_kept` of this cache's per-entry tables."""
+        shift_kept(self._entry_tables(), index, first, k, cols)
 
     def _drop(self, dropped: Tensor, recycle: bool, sole: bool | None = None) -> None:
         """Let go of the slots ``dropped (B, H_kv, m)`` this cache no longer lists: a decode-time

@@ -220,6 +220,13 @@ class AVLPolicy(Policy):
 
     def after_decode(self, cache, stats, ctx):
         layers = cache.layers
+        held = _fused_text_step(layers, stats, ctx)
+        if held is not None:  # the text scores updated, the text counted: one call for every layer
+            keep, host = self._text_budgets(cache, self.bounds(ctx), [], held=held)
+            if self.update_step(ctx.step):
+                self._refresh_cores(cache, stats)
+            texts = [None if host[i] else _text_mask(layer) for i, layer in enumerate(layers)]
+            return _edits(layers, self._text_keeps(cache, texts, keep, host))
         is_text = [layer.scores[REGION][:, :, : layer.max_length] == TEXT for layer in layers]
         # the first column holding text (in any sample and head): the columns before it gain nothing
         # from the text scores' update (x 0), so it skips them; read back with the text budgets. Found
@@ -258,18 +265,27 @@ class AVLPolicy(Policy):
             for j, i in enumerate(members):
                 layer = cache.layers[i]
                 rows = core[j * layer.batch : (j + 1) * layer.batch]
-                layer.scores[CORE][:, :, :width] = rows.expand(-1, layer.kv_heads, -1).float()
+                # bool into the float table in one pass (no float copy of the expanded rows first)
+                layer.scores[CORE].narrow(2, 0, width).copy_(rows.expand(-1, layer.kv_heads, -1))
 
     # ------------------------------------------------------------ text H2O
-    def _text_budgets(self, cache: KVCache, bounds: Tensor, texts: list[Tensor], extra: tuple | list = ()):
+    def _text_budgets(
+        self,
+        cache: KVCache,
+        bounds: Tensor,
+        texts: list[Tensor],
+        extra: tuple | list = (),
+        held: Tensor | None = None,
+    ):
         """The text entries each layer keeps: ``keep (L, B)`` and, read back in one transfer for
         every layer, per layer whether every text entry stays (``L`` ints), the counts kept
         (``L * B``) and ``extra`` (``()`` int64 each, appended). ``texts[l]``: ``(B, H_kv, S)`` bool,
-        the layer's valid text slots."""
+        the layer's valid text slots, or ``held (L, B)``: their counts in head 0, where known."""
         # text tokens processed so far (prompt + generated)
         seen = cache.processed - bounds[:, 1].to(cache.processed)
         rank = torch.round(seen.double() * self.text_share).long().clamp(min=self.text_min)
-        held = torch.stack([text[:, 0].sum(-1) for text in texts])  # (L, B)
+        if held is None:
+            held = torch.stack([text[:, 0].sum(-1) for text in texts])  # (L, B)
         rank = rank.to(held.device)
         keep = torch.minimum(rank, held)
         parts = [(held <= rank).all(1).long(), keep.reshape(-1)]
@@ -296,6 +312,43 @@ class AVLPolicy(Policy):
             kept = host[n + i * b : n + (i + 1) * b]
             out.append(~text | top_mask(score, text, k, force=recent & text, kept=kept))
         return out
+
+
+def _text_mask(layer: LayerKV) -> Tensor:
+    """``(B, H_kv, S)`` bool: the layer's valid text slots (``S`` its longest row)."""
+    width = layer.max_length
+    return (layer.scores[REGION][:, :, :width] == TEXT) & valid_slots(layer, width)
+
+
+def _fused_text_step(layers: list[LayerKV], stats, ctx) -> Tensor | None:
+    """A decode step's text-score update of every layer and its text counts ``(L, B)`` (head 0) by one
+    C++ call (``evict_rows.avl_text_step``: CPU float32, GQA groups up to ``MAX_GROUP_SUM``,
+    ``VLKV_CPU_EVICT``), or None (nothing done) where that does not apply."""
+    from vlkv.plugins import evict_rows
+
+    if not evict_rows.FUSED_DROP or len(layers) < 2:
+        return None
+    h = ctx.num_kv_heads
+    colsums = [st.colsum for st in stats]
+    if len(colsums) != len(layers) or colsums[0].shape[1] > h * evict_rows.MAX_GROUP_SUM:
+        return None
+    for layer, c in zip(layers, colsums):
+        t = layer.scores.get(TEXT_SCORE)
+        r = layer.scores.get(REGION)
+        if t is None or r is None or not (c.is_cpu and t.is_cpu and c.dtype == torch.float32):
+            return None
+        if c.dim() != 3 or c.shape[1] % h or c.shape[2] < layer.max_length or c.stride(2) != 1:
+            return None
+    if evict_rows.kernel() is None:
+        return None
+    return evict_rows.avl_text_step(
+        [layer.scores[REGION] for layer in layers],
+        [layer.scores[TEXT_SCORE] for layer in layers],
+        colsums,
+        [layer.max_length for layer in layers],
+        [layer.lengths for layer in layers],
+        colsums[0].shape[1] // h,
+    )
 
 
 def _first_true(cols: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from vlkv.runtime.backend import StatsRequest
 from vlkv.runtime.cache import KVCache, LayerKV
-from vlkv.runtime.policies.ranking import rank_entries
+from vlkv.runtime.policies.ranking import drop_one_fused, kept_but, rank_entries
 from vlkv.runtime.prompt import Spans
 
 POSITION_MODES = ("original", "compacted")
@@ -284,13 +284,19 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
         width, b = max(row), len(row)
         kept = [min(n, w) for n, w in zip(row, want)]
         keep = torch.minimum(targets[members[0]].to(first.lengths.device), first.lengths)
-        scores = torch.cat([score(i, width) for i in members])  # (G·B, H_kv, width)
         g = len(members)
+        per = [score(i, width) for i in members]  # (B, H_kv, width) each
         valid, forced = valid_slots(first, width), force(first, width, keep)
-        if g > 1:
-            valid = valid.repeat(g, 1, 1)
-            forced = None if forced is None else forced.repeat(g, 1, 1)
-        index, keep_len, dropped = rank_entries(scores, valid, keep.repeat(g), forced, kept * g)
+        # every row drops its one lowest (H2O's step): one pass over the layers' tables where they lie
+        dropped = drop_one_fused(per, valid, forced, kept)
+        if dropped is not None:
+            index, keep_len = kept_but(dropped, width), torch.minimum(keep, valid[:, 0].sum(-1)).repeat(g)
+        else:
+            scores = torch.cat(per)  # (G·B, H_kv, width)
+            if g > 1:
+                valid = valid.repeat(g, 1, 1)
+                forced = None if forced is None else forced.repeat(g, 1, 1)
+            index, keep_len, dropped = rank_entries(scores, valid, keep.repeat(g), forced, kept * g)
         # each layer's rows as views: one split per tensor, not a slice per layer and tensor
         gone = [None] * g if dropped is None else dropped.split(b)
         for i, idx, lens, cols in zip(members, index.split(b), keep_len.split(b), gone):

@@ -44,6 +44,9 @@ class H2OPolicy(ScorePolicy):
         return StatsRequest(exact_output=self.budget >= 1)
 
     def observe(self, cache, stats, ctx):
+        scores = [layer.ensure_score(SCORE) for layer in cache.layers]
+        if _fused_observe(scores, [st.colsum for st in stats], ctx):
+            return
         for layer, st in zip(cache.layers, stats):
             score = layer.ensure_score(SCORE)
             # ``narrow``: one op, where ``score[:, :, :s] +=`` dispatches six slices (per layer and step)
@@ -55,3 +58,25 @@ class H2OPolicy(ScorePolicy):
     def protect(self, layer, width, keep):
         recent = keep - torch.round(keep.double() * self.heavy_ratio).long()
         return recent_mask(layer.lengths, width, recent)
+
+
+def _fused_observe(scores: list, colsums: list, ctx) -> bool:
+    """Every layer's ``scores (B, H_kv, C)`` += its ``colsum (B, H, S)`` summed per GQA group, by one
+    C++ call (``evict_rows.add_group_sums``: CPU float32, ``VLKV_CPU_EVICT``); False (nothing done)
+    where it does not apply."""
+    from vlkv.plugins import evict_rows
+
+    if not evict_rows.FUSED_DROP or len(scores) < 2:
+        return False
+    h = ctx.num_kv_heads
+    if colsums[0].shape[1] > h * evict_rows.MAX_GROUP_SUM:
+        return False
+    for t, c in zip(scores, colsums):
+        if not (c.is_cpu and t.is_cpu and c.dtype == t.dtype == torch.float32 and c.dim() == 3):
+            return False
+        if c.stride(2) != 1 or t.stride(2) != 1 or c.shape[1] % h or c.shape[2] > t.shape[2]:
+            return False
+    if evict_rows.kernel() is None:
+        return False
+    evict_rows.add_group_sums(scores, colsums, colsums[0].shape[1] // h)
+    return True

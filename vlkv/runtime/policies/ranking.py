@@ -97,8 +97,39 @@ def _drop_one(ranked: Tensor) -> tuple[Tensor, Tensor]:
     column ``(B, H_kv, 1)``; four passes, not a selection."""
     s = ranked.shape[-1]
     last = (s - 1) - ranked.flip(-1).argmin(-1, keepdim=True)  # (B, H_kv, 1)
-    kept = torch.arange(s - 1, device=ranked.device)
-    return (kept + (kept >= last)).expand(*ranked.shape[:2], s - 1), last
+    return kept_but(last, s), last
+
+
+def kept_but(last: Tensor, s: int) -> Tensor:
+    """``(B, H_kv, s - 1)`` ascending columns of ``[0, s)`` without each row's ``last (B, H_kv, 1)``."""
+    kept = torch.arange(s - 1, device=last.device)
+    # a ``where``, not ``kept + (kept >= last)``: that int64 + bool broadcast takes torch's casting
+    # path, ~20x slower (54 vs 2.8 ms at (120, 5, 4099) on the 2-core EPYC VM; the same values)
+    return torch.where(kept >= last, kept + 1, kept).expand(*last.shape[:2], s - 1)
+
+
+def drop_one_fused(
+    scores: list[Tensor], valid: Tensor, force: Tensor | None, kept: list[int]
+) -> Tensor | None:
+    """The column each row of every ``scores[g] (B, H_kv, S)`` drops when every row drops its one
+    lowest (``kept[b] == S - 1`` for every sample, the case :func:`rank_entries` takes by
+    :func:`_drop_one`), by one C++ pass over the score tables where they lie
+    (``vlkv/plugins/evict_rows.py``: CPU float32 tables, ``VLKV_CPU_EVICT``): ``(G·B, H_kv, 1)``, the
+    same columns as :func:`rank_entries` of the stacked scores. None where that does not apply (the
+    caller ranks the stacked scores)."""
+    from vlkv.plugins import evict_rows
+
+    s = scores[0].shape[-1]
+    if not evict_rows.FUSED_DROP or s < 4 or any(k != s - 1 for k in kept):
+        return None
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in scores):
+        return None
+    if valid.device.type != "cpu" or (force is not None and force.device.type != "cpu"):
+        return None
+    if evict_rows.kernel() is None:
+        return None
+    b, h = scores[0].shape[:2]
+    return evict_rows.lowest_columns(scores, valid, force).view(len(scores) * b, h, 1)
 
 
 def _drop_lowest(ranked: Tensor, drop: Tensor, bounds: tuple[int, int] | None = None) -> Tensor:

@@ -1,0 +1,204 @@
+"""Decode-time drops: a step's eviction of a few entries per row, prepared for every layer at once.
+
+A decode step that evicts (H2O every step, A-VL's text, a recent window) drops a few columns of each
+(sample, KV head) row in every layer. :func:`prepare_selects` prepares all layers' selections
+(:meth:`~vlkv.runtime.kv.edits.Edits.prepare_uniform`) and reads every layer's checks back in one
+transfer; the layers' :meth:`~vlkv.runtime.kv.edits.Edits.select` then close each row's gap in place
+from the first column it drops (:func:`shift_kept`) instead of rebuilding the tables.
+
+Where every layer drops exactly one column per row and the columns are known (H2O's step), the gaps
+of every layer are closed by one C++ call (``vlkv/plugins/evict_rows.py``: a ``memmove`` per row,
+CPU caches, ``VLKV_CPU_EVICT=0`` off) before the per-layer selects, which then only set the lengths and
+keep the dropped slots (:attr:`UniformSelect.moved`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.kv.entries import gather_columns
+
+# most slots per head a decode-time eviction hands to the cache's next appends instead of the pool
+RECYCLE_MAX = 16
+# a decode-time select dropping a few columns per row rewrites its tables in place from the first
+# column it drops (:func:`shift_kept`); False: it rebuilds them, for tests and before/after runs
+IN_PLACE = True
+
+
+@dataclass
+class UniformSelect:
+    """A uniform :meth:`Edits.select` prepared on the device (:meth:`Edits.prepare_uniform`).
+
+    Attributes:
+        n, k: entries each sample holds and keeps.
+        in_place: a decode-time eviction of at most ``RECYCLE_MAX`` entries per row, the tables
+            keeping room for the spares: the kept columns from the first one that moves on are
+            rewritten in place (:func:`shift_kept`); otherwise the tables are rebuilt.
+        distinct: ``()`` bool, ``index`` lists ``k`` distinct columns; None where that is known
+            (the selection named the dropped columns, or nothing is dropped).
+        sole: ``()`` bool, the dropped slots have no other holder; None where not asked (False).
+        dropped: ``(B, H_kv, n - k)`` slots the edit drops, None when none.
+        first: ``()`` int64 the first column any row drops (every column before it stays where it
+            is), None unless ``in_place``.
+        cols: ``(B, H_kv, n - k)`` the ascending columns each row drops, where known.
+        checks: ``[distinct, sole]`` read back, None until read.
+        first_col: ``first`` read back (with ``checks``), None until read or without it.
+        moved: the tables' gaps are already closed (:func:`prepare_selects`' one call for every
+            layer): the select only sets the lengths and lets go of ``dropped``.
+    """
+
+    n: int
+    k: int
+    in_place: bool
+    distinct: Tensor | None
+    sole: Tensor | None
+    dropped: Tensor | None
+    first: Tensor | None = None
+    cols: Tensor | None = None
+    checks: list[bool] | None = None
+    first_col: int | None = None
+    moved: bool = False
+
+    def values(self) -> list[Tensor]:
+        """The device values to read back (``distinct``, ``sole``, ``first``, those not None)."""
+        return [v for v in (self.distinct, self.sole, self.first) if v is not None]
+
+    def read(self, host: list[int]) -> None:
+        """Take the checks (and the first moving column) from :meth:`values` read back."""
+        at = iter(host)
+        distinct = True if self.distinct is None else bool(next(at))
+        sole = False if self.sole is None else bool(next(at))
+        self.checks = [distinct, sole]
+        self.first_col = None if self.first is None else int(next(at))
+
+    def read_back(self) -> None:
+        """:meth:`read` this select's values alone (one transfer)."""
+        vals = self.values()
+        self.read(torch.stack(vals).tolist() if vals else [])
+
+
+def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
+    """:meth:`Edits.prepare_uniform` of many layers' selections ``(layer, index, keep_len, kept)`` or
+    ``(layer, index, keep_len, kept, dropped)`` with their checks read back in one transfer (one host
+    sync for a step's edits of every layer, not one per layer; one ``stack`` of every layer's values).
+    ``kept`` None: ``keep_len`` is read (once, for all such jobs); ``dropped``: the columns the
+    selection drops, where it knew them. Returns per job its :class:`UniformSelect`, or None where the
+    uniform path does not apply. Where every job drops one known column per row of a CPU cache, the
+    gaps are closed here for every layer (:func:`_drop_one_each`)."""
+    unknown = [i for i, job in enumerate(jobs) if job[3] is None]
+    kept = [job[3] for job in jobs]
+    if unknown:
+        host = torch.cat([jobs[i][2].reshape(-1).to(jobs[0][2].device, torch.long) for i in unknown]).tolist()
+        at = 0
+        for i in unknown:
+            b = jobs[i][2].numel()
+            kept[i], at = host[at : at + b], at + b
+    fused = _drop_one_each(jobs, kept, spare, recycle)
+    if fused is not None:
+        return fused
+    preps = [
+        job[0].prepare_uniform(job[1], k, spare, recycle, job[4] if len(job) > 4 else None)
+        for job, k in zip(jobs, kept)
+    ]
+    live = [p for p in preps if p is not None]
+    vals = [v for p in live for v in p.values()]
+    host = torch.stack([v.to(vals[0].device) for v in vals]).tolist() if vals else []
+    at = 0
+    for p in live:
+        m = len(p.values())
+        p.read(host[at : at + m])
+        at += m
+    return preps
+
+
+def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle: bool):
+    """Every job's :class:`UniformSelect`, its gaps already closed (``moved``), where every job is a
+    decode-time drop of exactly one known column per row (``dropped (B, H_kv, 1)``) that
+    :meth:`Edits.prepare_uniform` would rewrite in place, on CPU caches holding ``n`` entries per
+    sample and keeping ``n - 1`` in every layer: one C++ call moves every layer's tables
+    (``evict_rows.drop_columns``). None (nothing done) where any of that does not hold, the switch is
+    off or the kernel is not built."""
+    from vlkv.plugins import evict_rows
+
+    if not (evict_rows.FUSED_DROP and recycle and IN_PLACE) or len(jobs) < 2:
+        return None
+    n = None
+    for job, k in zip(jobs, kept):
+        layer = job[0]
+        dropped = job[4] if len(job) > 4 else None
+        if layer.holes is not None or layer.lowrank is not None or layer.device.type != "cpu":
+            return None
+        if dropped is None or dropped.dim() != 3 or dropped.shape[2] != 1:
+            return None
+        lengths = layer.host_lengths()
+        if not lengths:
+            return None
+        n = lengths[0] if n is None else n
+        if min(lengths) != n or max(lengths) != n or min(k) != n - 1 or max(k) != n - 1:
+            return None
+        if n - 1 + spare > layer.capacity:
+            return None
+    if evict_rows.kernel() is None:
+        return None
+    layers = [job[0] for job in jobs]
+    tables = [layer._entry_tables() for layer in layers]
+    if len({len(t) for t in tables}) != 1 or len({id(layer) for layer in layers}) != len(layers):
+        return None  # layers keeping different running scores, or a layer listed twice
+    cols = torch.cat([job[4] for job in jobs]).view(len(jobs), *jobs[0][4].shape[:2])  # (L, B, H_kv)
+    gone = evict_rows.drop_columns(tables, cols, n - 1)
+    preps = []
+    # each layer's views by one ``unbind`` per layout, not a ``t()`` and an index per layer
+    per_head = gone.transpose(1, 2).unbind(0)  # (H_kv, B) each: row h in head h
+    for layer, heads, slots in zip(layers, per_head, gone.unsqueeze(3).unbind(0)):
+        sole = layer.pool.owned_once(layer.layer, heads)
+        preps.append(UniformSelect(n, n - 1, True, None, sole, slots, moved=True))
+    host = torch.stack([p.sole for p in preps]).tolist()  # every layer's check in one read
+    for p, sole in zip(preps, host):
+        p.read([sole])
+    return preps
+
+
+def unlisted(listed: Tensor, m: int) -> Tensor:
+    """``(B, H_kv, m)`` ascending columns where ``listed (B, H_kv, n)`` int8 is 0 (with fewer than
+    ``m`` in a row, its tail is 0): each goes to its rank among them by a running count, one linear
+    pass, where a stable sort of the row moved every column."""
+    b, h, n = listed.shape
+    free = listed == 0
+    dest = torch.where(free, free.cumsum(2) - 1, m).clamp_(max=m)
+    cols = torch.arange(n, device=listed.device).expand(b, h, n)
+    return torch.zeros(b, h, m + 1, dtype=torch.long, device=listed.device).scatter_(2, dest, cols)[:, :, :m]
+
+
+def shift_kept(tables: list[Tensor], index: Tensor, first: int, k: int, cols: Tensor | None = None) -> None:
+    """Rewrite columns ``[first, k)`` of every per-entry table in ``tables`` with the kept columns
+    ``index[:, :, first:k]`` in place, where ``first`` is the first column any row drops (the columns
+    before it stay). A per-step eviction's victims sit about mid-table (H2O's: just before its recent
+    window), so this moves about half of each table, where gathering every kept column rewrote it
+    whole. The columns past ``k`` keep stale values (past the length: never read).
+
+    ``cols (B, H_kv, m)``: the columns each row drops, where known. With one per row (H2O's step)
+    kept column ``j`` is column ``j`` or ``j + 1``: a ``where`` of the two shifted views, no index
+    read (1.5x cheaper than the gather at 4k columns); otherwise the kept columns are gathered."""
+    if first >= k:  # every row drops only columns past its ``k`` first: nothing moves
+        return
+    # ``narrow``: one op per view, where ``t[:, :, a:b]`` dispatches a slice per dimension (this
+    # runs per table, layer and step)
+    m = k - first
+    if cols is not None and cols.shape[2] == 1:
+        later = torch.arange(first, k, device=index.device) >= cols  # (B, H_kv, k - first)
+        wide = None
+        for t in tables:
+            if t.dim() == 3:
+                moves = later
+            else:
+                wide = later.unsqueeze(3) if wide is None else wide
+                moves = wide
+            dst = t.narrow(2, first, m)
+            dst.copy_(torch.where(moves, t.narrow(2, first + 1, m), dst))
+        return
+    kept = index.narrow(2, first, m)
+    for t in tables:
+        t.narrow(2, first, m).copy_(gather_columns(t, kept))
