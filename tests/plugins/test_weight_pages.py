@@ -143,3 +143,20 @@ def test_place_moves_an_engines_weights_once_and_for_good(monkeypatch):
     assert not weight_pages.place(adapter, "cpu", torch.float16).params
     monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", False)
     assert not weight_pages.place(SimpleNamespace(layers=torch.nn.ModuleList()), "cpu", torch.float32).params
+
+
+def test_place_leaves_a_model_that_would_not_fit_twice(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", True)
+    head = torch.nn.Linear(576, 300)
+    adapter = SimpleNamespace(layers=torch.nn.ModuleList(), norm=torch.nn.Identity(), lm_head=head)
+    before = head.weight.data_ptr()
+    need = head.weight.numel() * 4
+    monkeypatch.setattr(weight_pages, "available_bytes", lambda: 2 * need - 1)
+    with pytest.warns(UserWarning, match="left out of huge pages"):
+        assert not weight_pages.place(adapter, "cpu", torch.float32).params
+    assert head.weight.data_ptr() == before
+    monkeypatch.setattr(weight_pages, "available_bytes", lambda: 2 * need)
+    assert weight_pages.place(adapter, "cpu", torch.float32).params == [head.weight]
+    assert weight_pages.available_bytes() is None or weight_pages.available_bytes() > 0

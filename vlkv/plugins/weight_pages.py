@@ -17,6 +17,7 @@ layers, final norm and output head; ``VLKV_CPU_HUGE_WEIGHTS=0`` leaves them). Wi
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -61,15 +62,31 @@ def _movable(p: Tensor) -> bool:
     return p.is_cpu and p.dtype is torch.float32 and p.is_contiguous() and p.numel() >= MIN_ELEMENTS
 
 
-def move(modules: list[nn.Module]) -> Moved:
-    """Copy the fp32 CPU weights of ``modules`` into one huge-page buffer (see the module docstring).
-    Returns what moved (empty where the extension is not built)."""
+def available_bytes() -> int | None:
+    """The memory the kernel says a process can still take (``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _movable_params(modules: list[nn.Module]) -> list[nn.Parameter]:
     seen: dict[int, nn.Parameter] = {}
     for m in modules:
         for p in m.parameters():
             if _movable(p.data) and id(p) not in seen:
                 seen[id(p)] = p
-    params = list(seen.values())
+    return list(seen.values())
+
+
+def move(modules: list[nn.Module]) -> Moved:
+    """Copy the fp32 CPU weights of ``modules`` into one huge-page buffer (see the module docstring).
+    Returns what moved (empty where the extension is not built)."""
+    params = _movable_params(modules)
     mod = decode_layer.kernel()
     if not params or mod is None:
         return Moved()
@@ -109,7 +126,18 @@ def place(adapter, device: torch.device | str, dtype: torch.dtype) -> Moved:
     done = getattr(adapter.layers, _PLACED, None)
     if done is not None and all(p.data.data_ptr() == t.data_ptr() for p, t in zip(done.params, done.slots)):
         return done
-    moved = move([adapter.layers, adapter.norm, adapter.lm_head])
+    modules = [adapter.layers, adapter.norm, adapter.lm_head]
+    # the copy holds a second set of the weights until the checkpoint's is let go: a model that fills most of
+    # the machine's memory (a 7B fp32 model is 28 GB) stays where it is rather than risk running out
+    need, free = sum(p.numel() * 4 for p in _movable_params(modules)), available_bytes()
+    if free is not None and 2 * need > free:
+        warnings.warn(
+            f"vlkv: weights left out of huge pages: copying {need / 2**30:.1f} GiB needs twice that free, "
+            f"{free / 2**30:.1f} GiB is available (VLKV_CPU_HUGE_WEIGHTS=0 silences this)",
+            stacklevel=2,
+        )
+        return Moved()
+    moved = move(modules)
     # for good: the checkpoint's tensors are let go (memory back to one copy), so there is no restore
     moved.before.clear()
     setattr(adapter.layers, _PLACED, moved)
