@@ -123,16 +123,7 @@ def test_skip_matmul_needs_the_kernel_configuration():
 def test_torch_gemm_rows_are_the_c_plus_plus_gemm_s_before_and_after(tmp_path):
     """``--torch-gemm`` adds each fused configuration again with the decode GEMMs by torch
     (``VLKV_CPU_GEMM=0``): the same greedy tokens, both timed in the same rounds."""
-    out = tmp_path / "g.json"
-    cmd = [
-        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "snapkv", "--budgets", "0.5",
-        "--peers", "--kernel", "--kernel-policies", "--skip-matmul", "--torch-gemm", "--buffer-mib", "16",
-        "--json", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    res = json.loads(out.read_text())
-    rows = {r["config"]: r for r in res["rows"]}
+    res, rows, _ = _tiny_before_after(tmp_path, "--policies", "snapkv", "--budgets", "0.5", "--torch-gemm")
     want = ["full-kernel", "snapkv@0.5+kernel", "full-kernel+torchgemm", "snapkv@0.5+kernel+torchgemm"]
     assert sorted(rows) == sorted(want)
     assert res["cpp_gemm"] is True
@@ -149,16 +140,7 @@ def test_split_append_rows_are_the_fused_append_s_before_and_after(tmp_path):
     """``--split-append`` adds each fused configuration again with the Python append and a separate
     paged read (``VLKV_CPU_APPEND=0``): the same greedy tokens, both timed in the same rounds, the
     fused rows' paired ratio against them reported, their attention time counted (the fused call)."""
-    out, md = tmp_path / "s.json", tmp_path / "s.md"
-    cmd = [
-        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "--budgets", "0.5",
-        "--peers", "--kernel", "--kernel-policies", "--skip-matmul", "--split-append", "--buffer-mib", "16",
-        "--json", str(out), "--md", str(md),
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    res = json.loads(out.read_text())
-    rows = {r["config"]: r for r in res["rows"]}
+    res, rows, md = _tiny_before_after(tmp_path, "--policies", "h2o", "--budgets", "0.5", "--split-append")
     want = ["full-kernel", "h2o@0.5+kernel", "full-kernel+split", "h2o@0.5+kernel+split"]
     assert sorted(rows) == sorted(want)
     assert res["fused_append"] is True
@@ -167,23 +149,16 @@ def test_split_append_rows_are_the_fused_append_s_before_and_after(tmp_path):
         assert rows[name]["speed_vs_split"] > 0 and rows[name]["attn_ms"] > 0
         assert rows[name]["ops_per_step"] < rows[name + "+split"]["ops_per_step"]  # the ops it removes
         assert "speed_vs_split" not in rows[name + "+split"]
-    assert "vs +split" in md.read_text()
+    assert "vs +split" in md
 
 
 def test_torch_evict_rows_are_the_one_call_eviction_s_before_and_after(tmp_path):
     """``--torch-evict`` adds each policy's kernel configuration again with its decode eviction by
     torch ops per layer (``VLKV_CPU_EVICT=0``): the same greedy tokens, timed in the same rounds, the
     paired ratio reported on the one-call rows."""
-    out, md = tmp_path / "e.json", tmp_path / "e.md"
-    cmd = [
-        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "h2o", "snapkv", "--budgets", "0.5",
-        "--peers", "--kernel", "--kernel-policies", "--skip-matmul", "--torch-evict", "--buffer-mib", "16",
-        "--json", str(out), "--md", str(md),
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    res = json.loads(out.read_text())
-    rows = {r["config"]: r for r in res["rows"]}
+    res, rows, md = _tiny_before_after(
+        tmp_path, "--policies", "h2o", "snapkv", "--budgets", "0.5", "--torch-evict"
+    )
     # snapkv evicts nothing while decoding: no before row
     assert sorted(rows) == sorted(
         ["full-kernel", "h2o@0.5+kernel", "snapkv@0.5+kernel", "h2o@0.5+kernel+torchevict"]
@@ -198,4 +173,17 @@ def test_torch_evict_rows_are_the_one_call_eviction_s_before_and_after(tmp_path)
         > 0
     )
     assert "speed_vs_torchevict" not in rows["h2o@0.5+kernel+torchevict"]
-    assert "vs +torchevict" in md.read_text()
+    assert "vs +torchevict" in md
+
+
+def _tiny_before_after(tmp_path, *flags: str) -> tuple[dict, dict, str]:
+    """A ``--tiny`` kernel run with ``flags`` (its before/after switch): the json, its rows by config, the md."""
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    cmd = [
+        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", *flags, "--peers", "--kernel",
+        "--kernel-policies", "--skip-matmul", "--buffer-mib", "16", "--json", str(out), "--md", str(md),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    res = json.loads(out.read_text())
+    return res, {r["config"]: r for r in res["rows"]}, md.read_text()
