@@ -9,7 +9,7 @@ two residual adds — each a few µs of Python and dispatch for a few hundred fl
 
 - :func:`pre`: input RMSNorm → q/k/v GEMMs (+ biases) → RoPE on q and k; returns q ``(B, Hq, S, D)``,
   k and v ``(B, Hk, S, D)`` as transposed views of row-major ``(B, S, H, D)`` buffers — the layouts the
-  HF layer's transposes give and ``kv.paged.fused_decode_row`` takes;
+  HF layer's transposes give and ``fused_append.fused_decode_row`` takes;
 - :func:`post`: o GEMM + residual → post-attention RMSNorm → gate/up GEMMs → SiLU(gate)·up → down GEMM
   + residual; returns the next hidden ``(B, S, hidden)``.
 

@@ -58,7 +58,7 @@ class StepContext:
         # table in a step, so the plan (runs, gathered rows, masks) is built once, not per layer
         self.cpu_plan = None
         # the values a fused decode append writes into every layer's new column, split once per step
-        # (``attention_rows.fused_decode_row``): (inputs, order, columns), or None
+        # (``fused_append.fused_decode_row``): (inputs, order, columns), or None
         self.new_columns: tuple | None = None
         # a prefill into an empty cache with no padded rows can take SDPA's is_causal path
         self.plain = (

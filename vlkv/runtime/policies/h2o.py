@@ -47,8 +47,7 @@ class H2OPolicy(ScorePolicy):
         scores = [layer.ensure_score(SCORE) for layer in cache.layers]
         if _fused_observe(scores, [st.colsum for st in stats], ctx):
             return
-        for layer, st in zip(cache.layers, stats):
-            score = layer.ensure_score(SCORE)
+        for score, st in zip(scores, stats):
             # ``narrow``: one op, where ``score[:, :, :s] +=`` dispatches six slices (per layer and step)
             score.narrow(2, 0, st.colsum.shape[-1]).add_(per_kv_head(st.colsum, ctx.num_kv_heads))
 
