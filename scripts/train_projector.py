@@ -51,6 +51,7 @@ from vlkv.eval.projector_init import (
 )
 from vlkv.eval.scene_tasks import LABELS, MIXES, WHAT, Sample, prompt_text, training_sample
 from vlkv.eval.scenes import random_scene
+from vlkv.runtime.models import lm_lora
 from vlkv.runtime.models.projector_position import POSITION_KEY
 
 CHECKPOINT = "checkpoint.pt"
@@ -106,6 +107,13 @@ class TrainConfig:
     # the bias's learning rate as a multiple of lr: at lr 1e-4 Adam moves it ~3 % in 100 steps
     # (measured, alpha 0.2), i.e. it stays where geometry put it
     position_lr_scale: float = 1.0
+    # low-rank adapters on the LM's projections (vlkv.runtime.models.lm_lora), trained with the
+    # projector: 0 = the LM stays frozen. Targets: comma-separated projection names; alpha / rank is
+    # the adapter's scale; the adapters' learning rate is lr x lm_lora_lr_scale
+    lm_lora_rank: int = 0
+    lm_lora_targets: str = "q_proj,v_proj"
+    lm_lora_alpha: float = 16.0
+    lm_lora_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -141,6 +149,11 @@ class TrainConfig:
             raise ValueError(f"position_lr_scale must be > 0, got {self.position_lr_scale}")
         if self.position_alpha < 0:
             raise ValueError(f"position_alpha must be >= 0, got {self.position_alpha}")
+        if self.lm_lora_rank < 0:
+            raise ValueError(f"lm_lora_rank must be >= 0, got {self.lm_lora_rank}")
+        if self.lm_lora_rank and (self.lm_lora_alpha <= 0 or self.lm_lora_lr_scale <= 0):
+            raise ValueError("lm_lora_alpha and lm_lora_lr_scale must be > 0")
+        lm_lora.parse_targets(self.lm_lora_targets)
         if self.init_from and not Path(self.init_from).is_file():
             raise ValueError(f"init_from {self.init_from} is not a file")
 
@@ -316,6 +329,13 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
     bias = [p for p in params if scaled and p is getattr(mlp, POSITION_KEY, None)]
     groups = [{"params": [p for p in params if not any(p is b for b in bias)], "scale": 1.0}]
     groups += [{"params": bias, "scale": cfg.position_lr_scale}] if bias else []
+    if cfg.lm_lora_rank:
+        targets = lm_lora.parse_targets(cfg.lm_lora_targets)
+        adapters = lm_lora.attach(loaded.model, cfg.lm_lora_rank, targets, cfg.lm_lora_alpha, cfg.seed)
+        if source is not None and "lm_lora" in source:  # a resume, or a phase after an adapter phase
+            lm_lora.load_raw_state(loaded.model, source["lm_lora"])
+        groups.append({"params": adapters, "scale": cfg.lm_lora_lr_scale})
+        params = params + adapters
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     if cfg.anchor > 0 and "anchor_to" not in extra:  # the starting weights, kept for a resume
         extra["anchor_to"] = [p.detach().clone() for p in params]
@@ -326,6 +346,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         if affine is not None:
             affine.write_into(mlp)
         snapshot = {"projector": mlp.state_dict(), "optimizer": opt.state_dict()}
+        if cfg.lm_lora_rank:
+            snapshot["lm_lora"] = lm_lora.raw_state(loaded.model)
         return snapshot | ({"affine": affine.state_dict()} if affine is not None else {})
 
     if ckpt is None:
@@ -391,6 +413,10 @@ def export(out: Path, dest: Path, dtype: torch.dtype = torch.float32, name: str 
 
     ckpt = torch.load(out / name, weights_only=False)
     tensors = {k: v.to(dtype).contiguous() for k, v in ckpt["projector"].items()}
+    if "lm_lora" in ckpt:  # the adapters in the shipped form, the scale folded in
+        cfg = ckpt["config"]
+        folded = lm_lora.fold(ckpt["lm_lora"], cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
+        tensors |= {k: v.to(dtype) for k, v in folded.items()}
     dest.parent.mkdir(parents=True, exist_ok=True)
     config = dict(ckpt["config"])
     if config.get("init_from"):  # the run directory's name only: no machine paths in a shipped file

@@ -158,6 +158,7 @@ def _swap_projector(loaded, path: Path) -> None:
     """Put the projector stored at ``path`` into ``loaded``'s model (for checkpoints during training)."""
     import torch
 
+    from vlkv.runtime.models import lm_lora
     from vlkv.runtime.models.projector_position import POSITION_KEY
     from vlkv.runtime.models.smollm2_llava import PROJECTOR_KEYS, apply_projector
 
@@ -168,8 +169,13 @@ def _swap_projector(loaded, path: Path) -> None:
 
         state = load_file(path)
     else:
-        state = torch.load(path, weights_only=False, map_location="cpu")["projector"]
-    if set(state) - {POSITION_KEY} != PROJECTOR_KEYS:
+        ckpt = torch.load(path, weights_only=False, map_location="cpu")
+        state = ckpt["projector"] | ({"lm_lora": ckpt["lm_lora"]} if "lm_lora" in ckpt else {})
+    if "lm_lora" in state:  # a training checkpoint's adapters, in the shipped (scale-folded) form
+        cfg = ckpt["config"]
+        lora = lm_lora.fold(state.pop("lm_lora"), cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
+        state |= lora
+    if set(lm_lora.split(state)[0]) - {POSITION_KEY} != PROJECTOR_KEYS:
         raise ValueError(f"{path} holds {sorted(state)}, not a projector's {sorted(PROJECTOR_KEYS)}")
     apply_projector(loaded.model, state)
 
@@ -228,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.policies:  # a bad policy or budget fails here, not after minutes of others
             for budget in [None] if name == "full" else args.budgets:
                 make_policy(name) if budget is None else make_policy(name, budget=budget)
-        loaded = load_model(args.model)
+        # another projector file replaces the shipped one whole, LM adapters included: start from the
+        # untouched LM, not from one the shipped file's adapters were merged into
+        base = (
+            "smollm2-llava-random" if args.projector is not None and args.model == "smollm2-llava" else None
+        )
+        loaded = load_model(base or args.model)
         if args.projector is not None:
             _swap_projector(loaded, args.projector)
         engine = Engine(loaded)

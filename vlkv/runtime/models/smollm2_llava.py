@@ -41,6 +41,7 @@ from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProces
 # The "Pil" image processor: the default one needs torchvision, which vlkv does not require.
 from transformers.models.bit.image_processing_pil_bit import BitImageProcessorPil
 
+from vlkv.runtime.models import lm_lora
 from vlkv.runtime.models.llava_assembly import (
     pad_embedding_rows,
     padded_vocab,
@@ -225,7 +226,7 @@ def load_projector(path: Path | None = None, sha256: str | None = None) -> dict[
     if _sha256(path) != expected:
         raise ValueError(f"{MODEL_NAME}: trained projector file {path} is damaged (sha256 mismatch); {hint}")
     state = load_file(path)
-    if set(state) - {POSITION_KEY} != PROJECTOR_KEYS:
+    if set(lm_lora.split(state)[0]) - {POSITION_KEY} != PROJECTOR_KEYS:
         raise ValueError(
             f"{MODEL_NAME}: trained projector file {path} holds {sorted(state)}, not {sorted(PROJECTOR_KEYS)}"
         )
@@ -237,9 +238,11 @@ def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tenso
 
     A ``state`` with :data:`POSITION_KEY` (``(NUM_IMAGE_TOKENS, hidden)``) installs the
     position-biased projector (:mod:`vlkv.runtime.models.projector_position`); one without it keeps
-    (or puts back) the plain MLP. New tensors are assigned rather than copied into the old ones:
+    (or puts back) the plain MLP. Keys ``lm_lora.*`` (:mod:`vlkv.runtime.models.lm_lora`) are low-rank
+    adapters of the language model, added into its weights. New tensors are assigned rather than copied into the old ones:
     those may be memory-mapped from the cache, which is never written in place.
     """
+    state, adapters = lm_lora.split(state)
     proj = model.model.multi_modal_projector
     shapes = {k: tuple(v.shape) for k, v in proj.state_dict().items() if k != POSITION_KEY}
     shapes[POSITION_KEY] = (NUM_IMAGE_TOKENS, proj.linear_2.out_features)
@@ -250,6 +253,8 @@ def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tenso
                 f"{shape} (made for another vision_feature_layer?)"
             )
     install(model, state)
+    if adapters:
+        lm_lora.merge(model, adapters)
 
 
 def _build_base(

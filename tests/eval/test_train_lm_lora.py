@@ -1,0 +1,86 @@
+"""scripts/train_projector.py with LM adapters (--lm-lora-rank) on the tiny LLaVA: the adapters train,
+a stopped-and-resumed run ends bit for bit where an uninterrupted one does, and the exported file
+rebuilds the trained model (projector + merged adapters) through vqa's --projector path."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_projector.py"
+
+
+@pytest.fixture(scope="module")
+def tp():
+    spec = importlib.util.spec_from_file_location("train_projector_lora", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cfg(tp, **kw):
+    base = {"model": "tiny-llava", "steps": 4, "batch": 2, "init_images": 3, "eval_every": 0}
+    return tp.TrainConfig(**base | {"lm_lora_rank": 2, "lm_lora_targets": "q_proj,o_proj"} | kw)
+
+
+def _adapters(path):
+    return torch.load(path, weights_only=False)["lm_lora"]
+
+
+def test_adapters_train_resume_and_export(tp, tmp_path):
+    from safetensors.torch import load_file
+
+    from vlkv.eval.vqa import _swap_projector
+    from vlkv.runtime.models import lm_lora
+    from vlkv.runtime.models import smollm2_llava as S
+
+    cfg = _cfg(tp)
+    straight = tp.train(cfg, tmp_path / "a", quiet=True)
+    lora = _adapters(tmp_path / "a" / tp.CHECKPOINT)
+    assert lora and any(k.endswith(".B") and v.abs().max() > 0 for k, v in lora.items())  # B left zero
+    tp.train(cfg, tmp_path / "b", stop_at=2, quiet=True)
+    resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    for key, value in _adapters(tmp_path / "b" / tp.CHECKPOINT).items():
+        torch.testing.assert_close(value, lora[key], rtol=0, atol=0)
+
+    tp.export(tmp_path / "a", tmp_path / "a.safetensors")
+    shipped = load_file(tmp_path / "a.safetensors")
+    assert {k for k in shipped if k.startswith(lm_lora.PREFIX)} == {lm_lora.PREFIX + k for k in lora}
+    # the file rebuilds the trained model: same logits as the training modules
+    trained = tp.load("tiny-llava")
+    lm_lora.attach(trained.model, 2, ("q_proj", "o_proj"), cfg.lm_lora_alpha, 0)
+    lm_lora.load_raw_state(trained.model, lora)
+    S.apply_projector(trained.model, straight)
+    for path in (tmp_path / "a.safetensors", tmp_path / "a" / tp.CHECKPOINT):
+        rebuilt = tp.load("tiny-llava")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(S, "NUM_IMAGE_TOKENS", 16)
+            _swap_projector(rebuilt, path)
+        ids = torch.randint(0, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = trained.model(input_ids=ids, use_cache=False).logits
+            got = rebuilt.model(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_phase_keeps_the_adapters(tp, tmp_path):
+    tp.train(_cfg(tp, steps=2), tmp_path / "a", quiet=True)
+    first = _adapters(tmp_path / "a" / tp.CHECKPOINT)
+    cfg = _cfg(tp, steps=1, init_from=str(tmp_path / "a" / tp.CHECKPOINT))
+    tp.train(cfg, tmp_path / "b", stop_at=0, quiet=True)
+    for key, value in _adapters(tmp_path / "b" / tp.CHECKPOINT).items():
+        torch.testing.assert_close(value, first[key], rtol=0, atol=0)
+
+
+def test_bad_adapter_settings_are_one_line(tp, tmp_path, capsys):
+    assert tp.main(["--out", str(tmp_path), "--model", "tiny-llava", "--lm-lora-rank", "-1"]) == 2
+    assert "lm_lora_rank must be >= 0" in capsys.readouterr().err
+    assert tp.main(["--out", str(tmp_path), "--lm-lora-rank", "2", "--lm-lora-targets", "qproj"]) == 2
+    assert "targets must be among" in capsys.readouterr().err
