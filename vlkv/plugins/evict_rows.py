@@ -50,7 +50,9 @@ MAX_GROUP_SUM = 4
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstring>
+#include <utility>
 
 // tables: L groups of T per-entry tables (layer l's are tables[l*T .. l*T + T), its slot table
 // (int64) first), each (B, H, C, ...) on the CPU with contiguous columns (stride(2) = the product of
@@ -139,11 +141,15 @@ torch::Tensor lowest_columns(std::vector<torch::Tensor> scores, torch::Tensor va
   const int64_t vb = valid.stride(0), vh = valid.size(1) == 1 ? 0 : valid.stride(1), vw = valid.stride(2);
   const int64_t fb = any_forced ? forced.stride(0) : 0, fw = any_forced ? forced.stride(2) : 0;
   const int64_t fh = any_forced && forced.size(1) != 1 ? forced.stride(1) : 0;
+  // each table's base and row strides read once, not per row inside the loop
+  struct Table { const float* base; int64_t sb, sh; };
+  std::vector<Table> info(G);
+  for (int64_t g = 0; g < G; ++g) info[g] = {scores[g].data_ptr<float>(), scores[g].stride(0), scores[g].stride(1)};
   at::parallel_for(0, G * B * H, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t g = r / (B * H), b = (r / H) % B, h = r % H;
-      const auto& t = scores[g];
-      const float* row = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
+      const Table& t = info[g];
+      const float* row = t.base + b * t.sb + h * t.sh;
       const bool* vr = vp + b * vb + h * vh;
       const bool* fr = fp ? fp + b * fb + h * fh : nullptr;
       uint32_t best = 0xFFFFFFFFu;
@@ -158,13 +164,72 @@ torch::Tensor lowest_columns(std::vector<torch::Tensor> scores, torch::Tensor va
   return out;
 }
 
+// The written tables of one call must not share an element: every layer's rows run in one parallel
+// region. Each table's rows apart (row-major (B, H, C) views) and the tables' byte ranges disjoint.
+static void check_apart(const std::vector<torch::Tensor>& tables, const char* what) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (const auto& t : tables) {
+    const int64_t B = t.size(0), H = t.size(1), C = t.size(2);
+    if (B == 0 || H == 0 || C == 0) continue;
+    TORCH_CHECK(t.stride(0) >= 0 && t.stride(1) >= 0 && (H == 1 || t.stride(1) >= C) &&
+                    (B == 1 || t.stride(0) >= H * t.stride(1)),
+                what, ": a table's rows must not overlap");
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const int64_t last = (B - 1) * t.stride(0) + (H - 1) * t.stride(1) + (C - 1);
+    spans.emplace_back(lo, lo + (last + 1) * t.element_size());
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i)
+    TORCH_CHECK(spans[i - 1].second <= spans[i].first, what, ": two tables share memory");
+}
+
+// Layer l's rows are [start[l], start[l + 1]) of one range over every layer (a parallel region for
+// all of them, not one per layer: a decode step calls this with ~30 layers). Returns the layer of
+// row r given the layer of an earlier row (or the first, by a search).
+static inline int64_t layer_of(const std::vector<int64_t>& start, int64_t r, int64_t l) {
+  while (r >= start[l + 1]) ++l;
+  return l;
+}
+
+// A layer's tables as raw pointers and element strides, read once before the parallel region (not
+// per row inside it): dst the score table, src its colsum (a KV head's group starting at row h * G),
+// reg its region table (A-VL; null without).
+struct Rows {
+  float* dst;
+  const float* src;
+  const float* reg;
+  int64_t H, db, dh, sb, sh, sg, rb, rh;
+};
+
+static std::vector<Rows> rows_of(const std::vector<torch::Tensor>& scores, const std::vector<torch::Tensor>& colsums,
+                                 const std::vector<torch::Tensor>& regions, int64_t G) {
+  std::vector<Rows> out(scores.size());
+  for (size_t l = 0; l < scores.size(); ++l) {
+    const auto &t = scores[l], &c = colsums[l];
+    const bool r = !regions.empty();
+    out[l] = {t.data_ptr<float>(), c.data_ptr<float>(), r ? regions[l].data_ptr<float>() : nullptr,
+              t.size(1), t.stride(0), t.stride(1), c.stride(0), G * c.stride(1), c.stride(1),
+              r ? regions[l].stride(0) : 0, r ? regions[l].stride(1) : 0};
+  }
+  return out;
+}
+
+// At least ~16k adds per task: a task per row is too small for rows of a few hundred columns.
+static inline int64_t grain_for(int64_t rows, int64_t adds) {
+  const int64_t per_row = rows ? std::max<int64_t>(1, adds / rows) : 1;
+  return std::max<int64_t>(1, 16384 / per_row);
+}
+
 // scores: L tables (B, H, C) fp32 with contiguous columns; colsums: L (B, H * G, S_l) fp32 with unit
 // column stride, S_l <= C. Adds each KV head's group sum in place: scores[l][b, h, j] +=
 // sum over g of colsums[l][b, h * G + g, j] for j < S_l, the group summed in order from g = 0
 // (torch's ``view(B, H, G, S).sum(2)``, then ``add_``).
 void add_group_sums(std::vector<torch::Tensor> scores, std::vector<torch::Tensor> colsums, int64_t G) {
   TORCH_CHECK(G >= 1 && scores.size() == colsums.size(), "add_group_sums: one colsum per score table, G >= 1");
-  for (size_t l = 0; l < scores.size(); ++l) {
+  const size_t L = scores.size();
+  std::vector<int64_t> start(L + 1, 0);
+  int64_t adds = 0;
+  for (size_t l = 0; l < L; ++l) {
     const auto& t = scores[l];
     const auto& c = colsums[l];
     TORCH_CHECK(t.device().is_cpu() && c.device().is_cpu() && t.scalar_type() == at::kFloat &&
@@ -172,27 +237,28 @@ void add_group_sums(std::vector<torch::Tensor> scores, std::vector<torch::Tensor
                     c.stride(2) == 1 && c.size(0) == t.size(0) && c.size(1) == t.size(1) * G &&
                     c.size(2) <= t.size(2),
                 "add_group_sums: scores (B, H, C) and colsums (B, H * G, S <= C) fp32 on the CPU, unit column stride");
+    start[l + 1] = start[l] + t.size(0) * t.size(1);
+    adds += t.size(0) * t.size(1) * c.size(2) * G;
   }
-  for (size_t l = 0; l < scores.size(); ++l) {
-    auto& t = scores[l];
-    const auto& c = colsums[l];
-    const int64_t B = t.size(0), H = t.size(1), S = c.size(2);
-    float* tp = t.data_ptr<float>();
-    const float* cp = c.data_ptr<float>();
-    at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r) {
-        const int64_t b = r / H, h = r % H;
-        float* dst = tp + b * t.stride(0) + h * t.stride(1);
-        const float* src = cp + b * c.stride(0) + h * G * c.stride(1);
-        const int64_t sg = c.stride(1);
-        for (int64_t j = 0; j < S; ++j) {
-          float acc = src[j];
-          for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
-          dst[j] += acc;
-        }
+  check_apart(scores, "add_group_sums");
+  const std::vector<Rows> info = rows_of(scores, colsums, {}, G);
+  const int64_t rows = start[L];
+  at::parallel_for(0, rows, grain_for(rows, adds), [&](int64_t lo, int64_t hi) {
+    int64_t l = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+    for (int64_t r = lo; r < hi; ++r) {
+      l = layer_of(start, r, l);
+      const Rows& t = info[l];
+      const int64_t S = colsums[l].size(2), q = r - start[l], b = q / t.H, h = q % t.H;
+      float* dst = t.dst + b * t.db + h * t.dh;
+      const float* src = t.src + b * t.sb + h * t.sh;
+      const int64_t sg = t.sg;
+      for (int64_t j = 0; j < S; ++j) {
+        float acc = src[j];
+        for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
+        dst[j] += acc;
       }
-    });
-  }
+    }
+  });
 }
 
 // A-VL's decode step over its text (region code 0), every layer: regions, scores L tables (B, H, C)
@@ -208,6 +274,8 @@ torch::Tensor avl_text_step(std::vector<torch::Tensor> regions, std::vector<torc
   TORCH_CHECK(G >= 1 && regions.size() == L && colsums.size() == L && widths.size() == L && lengths.size() == L,
               "avl_text_step: one region table, colsum, width and lengths per score table, G >= 1");
   const int64_t B = L ? scores[0].size(0) : 0;
+  std::vector<int64_t> start(L + 1, 0);
+  int64_t adds = 0;
   for (size_t l = 0; l < L; ++l) {
     const auto &t = scores[l], &r = regions[l], &c = colsums[l], &n = lengths[l];
     TORCH_CHECK(t.device().is_cpu() && r.device().is_cpu() && c.device().is_cpu() && n.device().is_cpu() &&
@@ -218,44 +286,45 @@ torch::Tensor avl_text_step(std::vector<torch::Tensor> regions, std::vector<torc
                     widths[l] >= 0 && widths[l] <= c.size(2) && widths[l] <= t.size(2),
                 "avl_text_step: regions / scores (B, H, C), colsums (B, H * G, S) fp32, lengths (B,) int64 "
                 "on the CPU, unit column strides, widths within S and C");
+    start[l + 1] = start[l] + B * t.size(1);
+    adds += B * t.size(1) * widths[l] * G;
   }
+  check_apart(scores, "avl_text_step");
   auto held = torch::zeros({(int64_t)L, B}, torch::dtype(torch::kLong));
   int64_t* hp = held.data_ptr<int64_t>();
-  for (size_t l = 0; l < L; ++l) {
-    auto& t = scores[l];
-    const auto &r = regions[l], &c = colsums[l];
-    const int64_t H = t.size(1), W = widths[l];
-    const int64_t* np = lengths[l].data_ptr<int64_t>();
-    float* tp = t.data_ptr<float>();
-    const float* rp = r.data_ptr<float>();
-    const float* cp = c.data_ptr<float>();
-    at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t q = lo; q < hi; ++q) {
-        const int64_t b = q / H, h = q % H;
-        float* dst = tp + b * t.stride(0) + h * t.stride(1);
-        const float* reg = rp + b * r.stride(0) + h * r.stride(1);
-        const float* src = cp + b * c.stride(0) + h * G * c.stride(1);
-        const int64_t sg = c.stride(1);
-        int64_t count = 0;
-        for (int64_t j = 0; j < W; ++j) {
-          if (reg[j] != 0.f) {
-            // torch adds sum * 0 = +0.0 here (the sums are >= 0): a no-op but for a -0.0 score, which
-            // becomes +0.0 (by its bits: -ffast-math folds float compares of signed zeros)
-            uint32_t bits;
-            std::memcpy(&bits, dst + j, 4);
-            if (bits == 0x80000000u) dst[j] = 0.f;
-            continue;
-          }
-          // a text column (A-VL's text is each row's tail: the colsums are read there only)
-          float acc = src[j];
-          for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
-          dst[j] += acc;
-          count += j < np[b];
+  const std::vector<Rows> info = rows_of(scores, colsums, regions, G);
+  std::vector<const int64_t*> np(L);
+  for (size_t l = 0; l < L; ++l) np[l] = lengths[l].data_ptr<int64_t>();
+  const int64_t rows = start[L];
+  at::parallel_for(0, rows, grain_for(rows, adds), [&](int64_t lo, int64_t hi) {
+    int64_t l = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+    for (int64_t q = lo; q < hi; ++q) {
+      l = layer_of(start, q, l);
+      const Rows& t = info[l];
+      const int64_t W = widths[l], b = (q - start[l]) / t.H, h = (q - start[l]) % t.H;
+      float* dst = t.dst + b * t.db + h * t.dh;
+      const float* reg = t.reg + b * t.rb + h * t.rh;
+      const float* src = t.src + b * t.sb + h * t.sh;
+      const int64_t sg = t.sg, nb = np[l][b];
+      int64_t count = 0;
+      for (int64_t j = 0; j < W; ++j) {
+        if (reg[j] != 0.f) {
+          // torch adds sum * 0 = +0.0 here (the sums are >= 0): a no-op but for a -0.0 score, which
+          // becomes +0.0 (by its bits: -ffast-math folds float compares of signed zeros)
+          uint32_t bits;
+          std::memcpy(&bits, dst + j, 4);
+          if (bits == 0x80000000u) dst[j] = 0.f;
+          continue;
         }
-        if (h == 0) hp[l * B + b] = count;
+        // a text column (A-VL's text is each row's tail: the colsums are read there only)
+        float acc = src[j];
+        for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
+        dst[j] += acc;
+        count += j < nb;
       }
-    });
-  }
+      if (h == 0) hp[l * B + b] = count;
+    }
+  });
   return held;
 }
 """
