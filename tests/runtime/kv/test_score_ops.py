@@ -256,3 +256,44 @@ def test_the_switch_off_runs_every_operation_in_torch(tmp_path):
     for a, e in zip(off[0], sc, strict=True):
         assert torch.equal(a, e)
     assert torch.equal(off[1], held) and torch.equal(off[2], low)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_one_parallel_region_over_every_layer_splits_inside_layers(threads, monkeypatch):
+    """With several threads the kernels' one region over every layer's rows is split inside layers
+    (45 rows in 3 layers of 15: at 2 threads tasks of 23 rows); the results equal the torch form's."""
+    b, h, layers, s, group = 3, 5, 3, 729, 4
+    g = torch.Generator().manual_seed(threads)
+    tables = [torch.rand(b, h, s + 3, generator=g) for _ in range(layers)]
+    regions = [torch.randint(0, 2, (b, h, s + 3), generator=g).float() for _ in range(layers)]
+    colsums = _sums(b, h, group, s, layers, threads)
+    lengths = [torch.tensor([s, s - 5, 3])] * layers
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, want = [t.clone() for t in tables], [t.clone() for t in tables]
+        _run(monkeypatch, True, score_ops.add_group_sums, got, colsums, h)
+        _run(monkeypatch, False, score_ops.add_group_sums, want, colsums, h)
+        held = _run(monkeypatch, True, score_ops.text_step, regions, got, colsums, [s] * layers, lengths, h)
+        ref = _run(monkeypatch, False, score_ops.text_step, regions, want, colsums, [s] * layers, lengths, h)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(held, ref)
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_the_kernels_refuse_tables_that_share_memory_in_one_line():
+    """Called directly (not through ``score_ops``, which takes torch there), the one-region kernels
+    refuse a table listed twice and overlapping rows."""
+    if evict_rows.kernel() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    t = torch.zeros(2, 3, 8)
+    sums = [torch.zeros(2, 6, 8)] * 2
+    with pytest.raises(RuntimeError, match="two tables share memory"):
+        evict_rows.add_group_sums([t, t], sums, 2)
+    with pytest.raises(RuntimeError, match="rows must not overlap"):
+        evict_rows.add_group_sums([torch.zeros(2, 1, 8).expand(2, 3, 8)], sums[:1], 2)
+    regions = [torch.ones(2, 3, 8)] * 2
+    with pytest.raises(RuntimeError, match="two tables share memory"):
+        evict_rows.avl_text_step(regions, [t, t], sums, [8, 8], [torch.tensor([8, 8])] * 2, 2)
