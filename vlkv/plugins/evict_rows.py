@@ -164,23 +164,37 @@ torch::Tensor lowest_columns(std::vector<torch::Tensor> scores, torch::Tensor va
   return out;
 }
 
-// The written tables of one call must not share an element: every layer's rows run in one parallel
-// region. Each table's rows apart (row-major (B, H, C) views) and the tables' byte ranges disjoint.
-static void check_apart(const std::vector<torch::Tensor>& tables, const char* what) {
-  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
-  for (const auto& t : tables) {
-    const int64_t B = t.size(0), H = t.size(1), C = t.size(2);
-    if (B == 0 || H == 0 || C == 0) continue;
-    TORCH_CHECK(t.stride(0) >= 0 && t.stride(1) >= 0 && (H == 1 || t.stride(1) >= C) &&
-                    (B == 1 || t.stride(0) >= H * t.stride(1)),
-                what, ": a table's rows must not overlap");
+// The tables one call writes share no memory with each other or with the tables it reads: every
+// layer's rows run in one parallel region, and the row loops take restrict pointers. Each written
+// table's rows apart (row-major (B, H, C) views); byte ranges compared, reads may overlap reads.
+static void check_apart(const std::vector<torch::Tensor>& written, const std::vector<torch::Tensor>& read,
+                        const char* what) {
+  struct Span { uintptr_t lo, hi; bool write; };
+  std::vector<Span> spans;
+  auto add = [&](const torch::Tensor& t, bool write) {
+    if (t.numel() == 0) return;
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      TORCH_CHECK(t.stride(d) >= 0, what, ": negative strides");
+      last += (t.size(d) - 1) * t.stride(d);
+    }
     const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-    const int64_t last = (B - 1) * t.stride(0) + (H - 1) * t.stride(1) + (C - 1);
-    spans.emplace_back(lo, lo + (last + 1) * t.element_size());
+    spans.push_back({lo, lo + (last + 1) * t.element_size(), write});
+  };
+  for (const auto& t : written) {
+    const int64_t B = t.size(0), H = t.size(1), C = t.size(2);
+    TORCH_CHECK(t.numel() == 0 || ((H == 1 || t.stride(1) >= C) && (B == 1 || t.stride(0) >= H * t.stride(1))),
+                what, ": a table's rows must not overlap");
+    add(t, true);
   }
-  std::sort(spans.begin(), spans.end());
-  for (size_t i = 1; i < spans.size(); ++i)
-    TORCH_CHECK(spans[i - 1].second <= spans[i].first, what, ": two tables share memory");
+  for (const auto& t : read) add(t, false);
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+  uintptr_t reach = 0, reach_written = 0;  // the furthest end of any span / any written span so far
+  for (const auto& sp : spans) {
+    TORCH_CHECK(sp.lo >= reach_written && (!sp.write || sp.lo >= reach), what, ": two tables share memory");
+    reach = std::max(reach, sp.hi);
+    if (sp.write) reach_written = std::max(reach_written, sp.hi);
+  }
 }
 
 // Layer l's rows are [start[l], start[l + 1]) of one range over every layer (a parallel region for
@@ -275,7 +289,7 @@ void add_group_sums(std::vector<torch::Tensor> scores, std::vector<torch::Tensor
     start[l + 1] = start[l] + t.size(0) * t.size(1);
     adds += t.size(0) * t.size(1) * c.size(2) * G;
   }
-  check_apart(scores, "add_group_sums");
+  check_apart(scores, colsums, "add_group_sums");
   const std::vector<Rows> info = rows_of(scores, colsums, {}, G);
   const int64_t rows = start[L];
   at::parallel_for(0, rows, grain_for(rows, adds), [&](int64_t lo, int64_t hi) {
@@ -317,7 +331,9 @@ torch::Tensor avl_text_step(std::vector<torch::Tensor> regions, std::vector<torc
     start[l + 1] = start[l] + B * t.size(1);
     adds += B * t.size(1) * widths[l] * G;
   }
-  check_apart(scores, "avl_text_step");
+  std::vector<torch::Tensor> read(regions);
+  read.insert(read.end(), colsums.begin(), colsums.end());
+  check_apart(scores, read, "avl_text_step");
   auto held = torch::zeros({(int64_t)L, B}, torch::dtype(torch::kLong));
   int64_t* hp = held.data_ptr<int64_t>();
   const std::vector<Rows> info = rows_of(scores, colsums, regions, G);

@@ -297,3 +297,26 @@ def test_the_kernels_refuse_tables_that_share_memory_in_one_line():
     regions = [torch.ones(2, 3, 8)] * 2
     with pytest.raises(RuntimeError, match="two tables share memory"):
         evict_rows.avl_text_step(regions, [t, t], sums, [8, 8], [torch.tensor([8, 8])] * 2, 2)
+    # a written table inside a table it reads (the colsum's buffer; restrict pointers must not alias)
+    buf = torch.zeros(2, 6, 8)
+    with pytest.raises(RuntimeError, match="two tables share memory"):
+        evict_rows.add_group_sums([buf[:, :3]], [buf], 2)
+    with pytest.raises(RuntimeError, match="two tables share memory"):
+        evict_rows.avl_text_step([t], [buf[:, 3:]], [buf], [8], [torch.tensor([8, 8])], 2)
+    # tables it only reads may share memory (one regions table for two layers)
+    evict_rows.avl_text_step(regions, [t, torch.zeros(2, 3, 8)], sums, [8, 8], [torch.tensor([8, 8])] * 2, 2)
+
+
+def test_tables_sharing_memory_with_what_they_read_take_torch(monkeypatch):
+    """A score table that is a view of its own colsum's buffer: ``score_ops`` runs the torch form (the
+    kernel would refuse it), which reads the colsum before it writes."""
+    if evict_rows.kernel() is None:
+        pytest.skip("no C++ compiler for the CPU kernel")
+    monkeypatch.setattr(evict_rows, "FUSED_DROP", True)
+    spy = _Spy(evict_rows.kernel())
+    monkeypatch.setattr(evict_rows, "kernel", lambda: spy)
+    buf = torch.rand(2, 6, 8, generator=torch.Generator().manual_seed(1))
+    want = buf[:, :3].clone().add_(buf.view(2, 3, 2, 8).sum(2))
+    score_ops.add_group_sums([buf[:, :3]], [buf], 3)
+    assert spy.calls == []
+    assert torch.equal(buf[:, :3], want)

@@ -46,22 +46,36 @@ def _group(colsums: list[Tensor], kv_heads: int) -> int | None:
     return h // kv_heads
 
 
-def _apart(tables: list[Tensor]) -> bool:
-    """The tables ``(B, H_kv, C)`` the kernel writes share no memory and no row overlaps another (one
-    C++ parallel region writes every layer's rows at once; it refuses such tables, the torch form
-    takes them)."""
-    spans = []
-    for t in tables:
-        b, h, c = t.shape
-        if not (b and h and c):
-            continue
-        sb, sh = t.stride(0), t.stride(1)
-        if sb < 0 or sh < 0 or (h > 1 and sh < c) or (b > 1 and sb < h * sh):
+def _apart(written: list[Tensor], read: list[Tensor]) -> bool:
+    """The tables ``(B, H_kv, C)`` the kernel writes share no memory with each other or with the
+    tables it reads, and no written row overlaps another (one C++ parallel region writes every layer's
+    rows at once; it refuses such tables, the torch form takes them). Byte ranges compared, as the
+    kernel does."""
+    for t in written:
+        if t.dim() != 3:
             return False
-        start = t.data_ptr()
-        spans.append((start, start + ((b - 1) * sb + (h - 1) * sh + c) * t.element_size()))
-    spans.sort()
-    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        b, h, c = t.shape
+        if t.numel() and ((h > 1 and t.stride(1) < c) or (b > 1 and t.stride(0) < h * t.stride(1))):
+            return False
+    spans = []
+    for write, tables in ((True, written), (False, read)):
+        for t in tables:
+            if t.numel() == 0:
+                continue
+            if min(t.stride()) < 0:
+                return False
+            start = t.data_ptr()
+            last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+            spans.append((start, start + (last + 1) * t.element_size(), write))
+    spans.sort(key=lambda sp: sp[0])
+    reach = reach_written = 0  # the furthest end of any span / any written span so far
+    for lo, hi, write in spans:
+        if lo < reach_written or (write and lo < reach):
+            return False
+        reach = max(reach, hi)
+        if write:
+            reach_written = max(reach_written, hi)
+    return True
 
 
 def group_sums(colsum: Tensor, kv_heads: int) -> Tensor:
@@ -84,7 +98,7 @@ def add_group_sums(scores: list[Tensor], colsums: list[Tensor], kv_heads: int) -
         group is not None
         and all(t.dim() == 3 and c.shape[2] <= t.shape[2] for t, c in zip(scores, colsums))
         and _kernel_takes([*scores, *colsums])
-        and _apart(scores)
+        and _apart(scores, colsums)
     ):
         evict_rows.add_group_sums(scores, colsums, group)
         return
@@ -126,7 +140,7 @@ def text_step(
         and len(regions) == len(scores) == len(lengths) == len(widths)
         and all(n.is_cpu and n.dtype == torch.long for n in lengths)
         and _kernel_takes([*regions, *scores, *colsums])
-        and _apart(scores)
+        and _apart(scores, [*regions, *colsums])
     ):
         lengths = [n.contiguous() for n in lengths]
         return evict_rows.avl_text_step(regions, scores, colsums, widths, lengths, group)
