@@ -40,6 +40,7 @@ __all__ = [
     "drop_columns",
     "kernel",
     "lowest_columns",
+    "tables_apart",
 ]
 
 FUSED_DROP = os.environ.get("VLKV_CPU_EVICT", "1") != "0"
@@ -167,34 +168,47 @@ torch::Tensor lowest_columns(std::vector<torch::Tensor> scores, torch::Tensor va
 // The tables one call writes share no memory with each other or with the tables it reads: every
 // layer's rows run in one parallel region, and the row loops take restrict pointers. Each written
 // table's rows apart (row-major (B, H, C) views); byte ranges compared, reads may overlap reads.
-static void check_apart(const std::vector<torch::Tensor>& written, const std::vector<torch::Tensor>& read,
-                        const char* what) {
+// Returns what is wrong, or null.
+static const char* apart_problem(const std::vector<torch::Tensor>& written, const std::vector<torch::Tensor>& read) {
   struct Span { uintptr_t lo, hi; bool write; };
   std::vector<Span> spans;
-  auto add = [&](const torch::Tensor& t, bool write) {
-    if (t.numel() == 0) return;
-    int64_t last = 0;
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      TORCH_CHECK(t.stride(d) >= 0, what, ": negative strides");
-      last += (t.size(d) - 1) * t.stride(d);
+  spans.reserve(written.size() + read.size());
+  for (int pass = 0; pass < 2; ++pass) {
+    for (const auto& t : pass == 0 ? written : read) {
+      if (t.numel() == 0) continue;
+      if (pass == 0) {
+        if (t.dim() != 3) return "a written table is not (B, H, C)";
+        const int64_t B = t.size(0), H = t.size(1), C = t.size(2);
+        if ((H > 1 && t.stride(1) < C) || (B > 1 && t.stride(0) < H * t.stride(1))) return "a table's rows must not overlap";
+      }
+      int64_t last = 0;
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        if (t.stride(d) < 0) return "negative strides";
+        last += (t.size(d) - 1) * t.stride(d);
+      }
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+      spans.push_back({lo, lo + (last + 1) * t.element_size(), pass == 0});
     }
-    const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-    spans.push_back({lo, lo + (last + 1) * t.element_size(), write});
-  };
-  for (const auto& t : written) {
-    const int64_t B = t.size(0), H = t.size(1), C = t.size(2);
-    TORCH_CHECK(t.numel() == 0 || ((H == 1 || t.stride(1) >= C) && (B == 1 || t.stride(0) >= H * t.stride(1))),
-                what, ": a table's rows must not overlap");
-    add(t, true);
   }
-  for (const auto& t : read) add(t, false);
   std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
   uintptr_t reach = 0, reach_written = 0;  // the furthest end of any span / any written span so far
   for (const auto& sp : spans) {
-    TORCH_CHECK(sp.lo >= reach_written && (!sp.write || sp.lo >= reach), what, ": two tables share memory");
+    if (sp.lo < reach_written || (sp.write && sp.lo < reach)) return "two tables share memory";
     reach = std::max(reach, sp.hi);
     if (sp.write) reach_written = std::max(reach_written, sp.hi);
   }
+  return nullptr;
+}
+
+static void check_apart(const std::vector<torch::Tensor>& written, const std::vector<torch::Tensor>& read,
+                        const char* what) {
+  const char* problem = apart_problem(written, read);
+  TORCH_CHECK(problem == nullptr, what, ": ", problem ? problem : "");
+}
+
+// Whether the kernels below take these tables (``kv.score_ops`` asks before calling; torch otherwise).
+bool tables_apart(std::vector<torch::Tensor> written, std::vector<torch::Tensor> read) {
+  return apart_problem(written, read) == nullptr;
 }
 
 // Layer l's rows are [start[l], start[l + 1]) of one range over every layer (a parallel region for
@@ -367,7 +381,7 @@ def kernel():
         _BUILT,
         paged_cpu_kernel.build_name(_SOURCE, "vlkv_evict_rows"),
         _SOURCE,
-        ["drop_columns", "lowest_columns", "add_group_sums", "avl_text_step"],
+        ["drop_columns", "lowest_columns", "add_group_sums", "avl_text_step", "tables_apart"],
         "CPU decode eviction",
         "closing each layer's gaps with torch ops",
     )
@@ -415,6 +429,16 @@ def lowest_columns(scores: list[Tensor], valid: Tensor, forced: Tensor | None) -
         raise RuntimeError("the CPU decode eviction kernel is not built here")
     none = torch.empty(0, dtype=torch.bool)
     return mod.lowest_columns(scores, valid, none if forced is None else forced)
+
+
+def tables_apart(written: list[Tensor], read: list[Tensor]) -> bool:
+    """Whether :func:`add_group_sums` / :func:`avl_text_step` take these tables: the ``written``
+    ``(B, H_kv, C)`` tables share no memory with each other or with the ``read`` ones, no written row
+    overlaps another, no stride is negative (byte ranges compared). The kernels refuse others."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError("the CPU decode eviction kernel is not built here")
+    return mod.tables_apart(written, read)
 
 
 def add_group_sums(scores: list[Tensor], colsums: list[Tensor], group: int) -> None:

@@ -57,13 +57,15 @@ def test_avl_counts_the_region_code_the_step_counts():
 
 
 class _Spy:
-    """The extension with every entry point counted."""
+    """The extension with every entry point that does work counted (``tables_apart`` only asks)."""
 
     def __init__(self, mod):
         self.mod, self.calls = mod, []
 
     def __getattr__(self, name):
         fn = getattr(self.mod, name)
+        if name == "tables_apart":
+            return fn
 
         def call(*args):
             self.calls.append(name)

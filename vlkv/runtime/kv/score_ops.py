@@ -3,7 +3,8 @@
 A policy decides from statistics which entries to keep; how the tables it reads and updates are
 walked is the backend's business. The three steps below run over every layer at once. Each picks its
 form here, never in the policy: one C++ call over every layer's tables where they are CPU float32 and
-the kernel is built (``vlkv/plugins/evict_rows.py``; ``VLKV_CPU_EVICT=0`` off), else the torch
+the kernel is built (``vlkv/plugins/evict_rows.py``; ``VLKV_CPU_EVICT=0`` off) and takes the tables
+(the tables it writes share no memory with any other: ``evict_rows.tables_apart``), else the torch
 reference beside it. Both give the same floats and columns (tested bit for bit, ``torch.equal``):
 
 - :func:`add_group_sums`: each KV head's GQA group of attention sums added to its running score (H2O).
@@ -46,38 +47,6 @@ def _group(colsums: list[Tensor], kv_heads: int) -> int | None:
     return h // kv_heads
 
 
-def _apart(written: list[Tensor], read: list[Tensor]) -> bool:
-    """The tables ``(B, H_kv, C)`` the kernel writes share no memory with each other or with the
-    tables it reads, and no written row overlaps another (one C++ parallel region writes every layer's
-    rows at once; it refuses such tables, the torch form takes them). Byte ranges compared, as the
-    kernel does."""
-    for t in written:
-        if t.dim() != 3:
-            return False
-        b, h, c = t.shape
-        if t.numel() and ((h > 1 and t.stride(1) < c) or (b > 1 and t.stride(0) < h * t.stride(1))):
-            return False
-    spans = []
-    for write, tables in ((True, written), (False, read)):
-        for t in tables:
-            if t.numel() == 0:
-                continue
-            if min(t.stride()) < 0:
-                return False
-            start = t.data_ptr()
-            last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-            spans.append((start, start + (last + 1) * t.element_size(), write))
-    spans.sort(key=lambda sp: sp[0])
-    reach = reach_written = 0  # the furthest end of any span / any written span so far
-    for lo, hi, write in spans:
-        if lo < reach_written or (write and lo < reach):
-            return False
-        reach = max(reach, hi)
-        if write:
-            reach_written = max(reach_written, hi)
-    return True
-
-
 def group_sums(colsum: Tensor, kv_heads: int) -> Tensor:
     """``colsum (B, H, S)`` per query head → ``(B, H_kv, S)`` summed over each GQA group (in order
     from the group's first head: torch's ``sum`` over up to ``MAX_GROUP_SUM`` rows)."""
@@ -98,7 +67,7 @@ def add_group_sums(scores: list[Tensor], colsums: list[Tensor], kv_heads: int) -
         group is not None
         and all(t.dim() == 3 and c.shape[2] <= t.shape[2] for t, c in zip(scores, colsums))
         and _kernel_takes([*scores, *colsums])
-        and _apart(scores, colsums)
+        and evict_rows.tables_apart(scores, colsums)
     ):
         evict_rows.add_group_sums(scores, colsums, group)
         return
@@ -140,7 +109,7 @@ def text_step(
         and len(regions) == len(scores) == len(lengths) == len(widths)
         and all(n.is_cpu and n.dtype == torch.long for n in lengths)
         and _kernel_takes([*regions, *scores, *colsums])
-        and _apart(scores, [*regions, *colsums])
+        and evict_rows.tables_apart(scores, [*regions, *colsums])
     ):
         lengths = [n.contiguous() for n in lengths]
         return evict_rows.avl_text_step(regions, scores, colsums, widths, lengths, group)
