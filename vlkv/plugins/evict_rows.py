@@ -18,9 +18,12 @@ integer keys of the same order, so it picks the same column (tested). And H2O's 
 :func:`add_group_sums`, one call in place of a ``view``, ``sum``, ``narrow`` and ``add_`` per layer;
 A-VL's text-score update and text counts (about 30 ops per layer and step) are :func:`avl_text_step`.
 
-Built like the other CPU kernels (``paged_cpu_kernel.load_extension``; None with one warning where it
-cannot be built: the cache keeps the per-layer torch path). Switch: ``FUSED_DROP``
-(``VLKV_CPU_EVICT=0``: off).
+The last three are reached through ``vlkv/runtime/kv/score_ops.py``, which chooses between them and
+their torch references (policies never call this module). ``add_group_sums`` and ``avl_text_step``
+run every layer's rows in one parallel region (:func:`tables_apart`: the tables they write share no
+memory). The C++ lives in ``evict_rows_cpp``. Built like the other CPU kernels
+(``paged_cpu_kernel.load_extension``; None with one warning where it cannot be built: the cache keeps
+the per-layer torch path). Switch: ``FUSED_DROP`` (``VLKV_CPU_EVICT=0``: off).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from torch import Tensor
 
 from vlkv.plugins import paged_cpu_kernel
+from vlkv.plugins.evict_rows_cpp import SOURCE as _SOURCE
 
 __all__ = [
     "FUSED_DROP",
@@ -40,225 +44,13 @@ __all__ = [
     "drop_columns",
     "kernel",
     "lowest_columns",
+    "tables_apart",
 ]
 
 FUSED_DROP = os.environ.get("VLKV_CPU_EVICT", "1") != "0"
 # the largest GQA group :func:`add_group_sums` takes: up to 4 rows torch's ``sum`` adds them in order
 # (bit-equal, tested); from 5 on its vectorised body and scalar tail add them in other orders
 MAX_GROUP_SUM = 4
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cstring>
-
-// tables: L groups of T per-entry tables (layer l's are tables[l*T .. l*T + T), its slot table
-// (int64) first), each (B, H, C, ...) on the CPU with contiguous columns (stride(2) = the product of
-// the trailing sizes, those contiguous); cols (L, B, H) int64 contiguous: the one column each row
-// drops, in [0, k]. Moves each row's columns (cols, k] one to the left (column k keeps its value) and
-// returns the dropped slot ids (L, B, H) int64, read before the move.
-torch::Tensor drop_columns(std::vector<torch::Tensor> tables, int64_t per_layer, torch::Tensor cols, int64_t k) {
-  TORCH_CHECK(per_layer >= 1 && cols.device().is_cpu() && cols.dim() == 3 && cols.scalar_type() == at::kLong &&
-                  cols.is_contiguous() &&
-                  (int64_t)tables.size() == cols.size(0) * per_layer && k >= 0,
-              "drop_columns: cols (L, B, H) int64 contiguous, per_layer tables per layer, k >= 0");
-  const int64_t L = cols.size(0), B = cols.size(1), H = cols.size(2);
-  struct Table { char* base; int64_t sb, sh, inner; };
-  std::vector<Table> info(tables.size());
-  for (size_t i = 0; i < tables.size(); ++i) {
-    const auto& t = tables[i];
-    TORCH_CHECK(t.device().is_cpu() && t.dim() >= 3 && t.size(0) == B && t.size(1) == H && t.size(2) > k,
-                "drop_columns: every table (B, H, C > k, ...) on the CPU");
-    int64_t inner = 1;
-    for (int64_t d = t.dim() - 1; d >= 3; --d) {
-      TORCH_CHECK(t.stride(d) == inner, "drop_columns: a table's trailing dimensions must be contiguous");
-      inner *= t.size(d);
-    }
-    TORCH_CHECK(t.stride(2) == inner, "drop_columns: a table's columns must be contiguous");
-    // rows must not overlap (a broadcast table would be moved once per row it is seen from)
-    TORCH_CHECK((H == 1 || t.stride(1) >= t.size(2) * inner) && (B == 1 || t.stride(0) >= H * t.stride(1)),
-                "drop_columns: a table's rows must not overlap");
-    if (i % per_layer == 0)
-      TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 3, "drop_columns: each layer's first table is its int64 slot table");
-    const int64_t es = t.element_size();
-    info[i] = {static_cast<char*>(t.data_ptr()), t.stride(0) * es, t.stride(1) * es, inner * es};
-  }
-  const int64_t* cp = cols.data_ptr<int64_t>();
-  for (int64_t r = 0; r < L * B * H; ++r)
-    TORCH_CHECK(cp[r] >= 0 && cp[r] <= k, "drop_columns: a dropped column outside [0, k]");
-  auto gone = torch::empty({L, B, H}, cols.options());
-  int64_t* gp = gone.data_ptr<int64_t>();
-  at::parallel_for(0, L * B * H, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const int64_t l = r / (B * H), b = (r / H) % B, h = r % H, c = cp[r];
-      for (int64_t j = 0; j < per_layer; ++j) {
-        const Table& t = info[l * per_layer + j];
-        char* row = t.base + b * t.sb + h * t.sh;
-        if (j == 0) gp[r] = reinterpret_cast<const int64_t*>(row)[c];
-        if (c < k) std::memmove(row + c * t.inner, row + (c + 1) * t.inner, (k - c) * t.inner);
-      }
-    }
-  });
-  return gone;
-}
-
-// A total order key of a ranked score: invalid columns lowest (-inf), forced ones and NaN highest
-// (+inf), else the float's own order (-0.0 as +0.0: they compare equal). Integer keys, so the
-// build's -ffast-math cannot fold away the NaN and infinity cases.
-static inline uint32_t rank_key(float v, bool valid, bool forced) {
-  if (!valid) return 0x007FFFFFu;  // the key of -inf
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  if (forced || (bits & 0x7FFFFFFFu) > 0x7F800000u) return 0xFF800000u;  // the key of +inf
-  if (bits == 0x80000000u) bits = 0;
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
-// scores: G tensors (B, H, W) fp32 with unit column stride; valid, forced (B, 1 or H, W) bool (any
-// strides; forced may be empty: none). Returns (G, B, H) int64: each row's lowest column (the
-// highest column among equals), ranked as above.
-torch::Tensor lowest_columns(std::vector<torch::Tensor> scores, torch::Tensor valid, torch::Tensor forced) {
-  TORCH_CHECK(!scores.empty() && valid.device().is_cpu() && valid.dim() == 3 && valid.scalar_type() == at::kBool &&
-                  (forced.numel() == 0 || forced.device().is_cpu()),
-              "lowest_columns: one or more score tables, valid / forced (B, 1 or H, W) bool on the CPU");
-  const int64_t B = scores[0].size(0), H = scores[0].size(1), W = scores[0].size(2);
-  const bool any_forced = forced.numel() > 0;
-  TORCH_CHECK(W >= 1 && valid.size(0) == B && (valid.size(1) == 1 || valid.size(1) == H) && valid.size(2) == W &&
-                  (!any_forced || (forced.dim() == 3 && forced.scalar_type() == at::kBool && forced.size(0) == B &&
-                                   (forced.size(1) == 1 || forced.size(1) == H) && forced.size(2) == W)),
-              "lowest_columns: valid / forced (B, 1 or H, W) bool like the scores (B, H, W), W >= 1");
-  for (const auto& t : scores)
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 && t.size(0) == B &&
-                    t.size(1) == H && t.size(2) == W && t.stride(2) == 1,
-                "lowest_columns: every score (B, H, W) fp32 on the CPU with unit column stride");
-  const int64_t G = scores.size();
-  auto out = torch::empty({G, B, H}, torch::dtype(torch::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
-  const bool* vp = valid.data_ptr<bool>();
-  const bool* fp = any_forced ? forced.data_ptr<bool>() : nullptr;
-  const int64_t vb = valid.stride(0), vh = valid.size(1) == 1 ? 0 : valid.stride(1), vw = valid.stride(2);
-  const int64_t fb = any_forced ? forced.stride(0) : 0, fw = any_forced ? forced.stride(2) : 0;
-  const int64_t fh = any_forced && forced.size(1) != 1 ? forced.stride(1) : 0;
-  at::parallel_for(0, G * B * H, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const int64_t g = r / (B * H), b = (r / H) % B, h = r % H;
-      const auto& t = scores[g];
-      const float* row = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
-      const bool* vr = vp + b * vb + h * vh;
-      const bool* fr = fp ? fp + b * fb + h * fh : nullptr;
-      uint32_t best = 0xFFFFFFFFu;
-      int64_t at = 0;
-      for (int64_t j = 0; j < W; ++j) {
-        const uint32_t key = rank_key(row[j], vr[j * vw], fr && fr[j * fw]);
-        if (key <= best) { best = key; at = j; }
-      }
-      op[r] = at;
-    }
-  });
-  return out;
-}
-
-// scores: L tables (B, H, C) fp32 with contiguous columns; colsums: L (B, H * G, S_l) fp32 with unit
-// column stride, S_l <= C. Adds each KV head's group sum in place: scores[l][b, h, j] +=
-// sum over g of colsums[l][b, h * G + g, j] for j < S_l, the group summed in order from g = 0
-// (torch's ``view(B, H, G, S).sum(2)``, then ``add_``).
-void add_group_sums(std::vector<torch::Tensor> scores, std::vector<torch::Tensor> colsums, int64_t G) {
-  TORCH_CHECK(G >= 1 && scores.size() == colsums.size(), "add_group_sums: one colsum per score table, G >= 1");
-  for (size_t l = 0; l < scores.size(); ++l) {
-    const auto& t = scores[l];
-    const auto& c = colsums[l];
-    TORCH_CHECK(t.device().is_cpu() && c.device().is_cpu() && t.scalar_type() == at::kFloat &&
-                    c.scalar_type() == at::kFloat && t.dim() == 3 && c.dim() == 3 && t.stride(2) == 1 &&
-                    c.stride(2) == 1 && c.size(0) == t.size(0) && c.size(1) == t.size(1) * G &&
-                    c.size(2) <= t.size(2),
-                "add_group_sums: scores (B, H, C) and colsums (B, H * G, S <= C) fp32 on the CPU, unit column stride");
-  }
-  for (size_t l = 0; l < scores.size(); ++l) {
-    auto& t = scores[l];
-    const auto& c = colsums[l];
-    const int64_t B = t.size(0), H = t.size(1), S = c.size(2);
-    float* tp = t.data_ptr<float>();
-    const float* cp = c.data_ptr<float>();
-    at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r) {
-        const int64_t b = r / H, h = r % H;
-        float* dst = tp + b * t.stride(0) + h * t.stride(1);
-        const float* src = cp + b * c.stride(0) + h * G * c.stride(1);
-        const int64_t sg = c.stride(1);
-        for (int64_t j = 0; j < S; ++j) {
-          float acc = src[j];
-          for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
-          dst[j] += acc;
-        }
-      }
-    });
-  }
-}
-
-// A-VL's decode step over its text (region code 0), every layer: regions, scores L tables (B, H, C)
-// fp32 with contiguous columns, colsums L (B, H * G, S_l) fp32 with unit column stride, widths[l]
-// <= min(S_l, C) the columns each layer holds, lengths L (B,) int64. Adds scores[l][b, h, j] +=
-// (group sum of colsum) * (regions[l][b, h, j] == 0) for j < widths[l] (the group summed in order;
-// times 0 elsewhere, for attention sums >= 0 a +0.0), and returns (L, B) int64: per layer and sample
-// the valid text columns of head 0 (j < lengths[b], region 0).
-torch::Tensor avl_text_step(std::vector<torch::Tensor> regions, std::vector<torch::Tensor> scores,
-                            std::vector<torch::Tensor> colsums, std::vector<int64_t> widths,
-                            std::vector<torch::Tensor> lengths, int64_t G) {
-  const size_t L = scores.size();
-  TORCH_CHECK(G >= 1 && regions.size() == L && colsums.size() == L && widths.size() == L && lengths.size() == L,
-              "avl_text_step: one region table, colsum, width and lengths per score table, G >= 1");
-  const int64_t B = L ? scores[0].size(0) : 0;
-  for (size_t l = 0; l < L; ++l) {
-    const auto &t = scores[l], &r = regions[l], &c = colsums[l], &n = lengths[l];
-    TORCH_CHECK(t.device().is_cpu() && r.device().is_cpu() && c.device().is_cpu() && n.device().is_cpu() &&
-                    t.scalar_type() == at::kFloat && r.scalar_type() == at::kFloat && c.scalar_type() == at::kFloat &&
-                    n.scalar_type() == at::kLong && t.dim() == 3 && r.sizes() == t.sizes() && c.dim() == 3 &&
-                    n.dim() == 1 && n.is_contiguous() && t.size(0) == B && n.size(0) == B && c.size(0) == B &&
-                    c.size(1) == t.size(1) * G && t.stride(2) == 1 && r.stride(2) == 1 && c.stride(2) == 1 &&
-                    widths[l] >= 0 && widths[l] <= c.size(2) && widths[l] <= t.size(2),
-                "avl_text_step: regions / scores (B, H, C), colsums (B, H * G, S) fp32, lengths (B,) int64 "
-                "on the CPU, unit column strides, widths within S and C");
-  }
-  auto held = torch::zeros({(int64_t)L, B}, torch::dtype(torch::kLong));
-  int64_t* hp = held.data_ptr<int64_t>();
-  for (size_t l = 0; l < L; ++l) {
-    auto& t = scores[l];
-    const auto &r = regions[l], &c = colsums[l];
-    const int64_t H = t.size(1), W = widths[l];
-    const int64_t* np = lengths[l].data_ptr<int64_t>();
-    float* tp = t.data_ptr<float>();
-    const float* rp = r.data_ptr<float>();
-    const float* cp = c.data_ptr<float>();
-    at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t q = lo; q < hi; ++q) {
-        const int64_t b = q / H, h = q % H;
-        float* dst = tp + b * t.stride(0) + h * t.stride(1);
-        const float* reg = rp + b * r.stride(0) + h * r.stride(1);
-        const float* src = cp + b * c.stride(0) + h * G * c.stride(1);
-        const int64_t sg = c.stride(1);
-        int64_t count = 0;
-        for (int64_t j = 0; j < W; ++j) {
-          if (reg[j] != 0.f) {
-            // torch adds sum * 0 = +0.0 here (the sums are >= 0): a no-op but for a -0.0 score, which
-            // becomes +0.0 (by its bits: -ffast-math folds float compares of signed zeros)
-            uint32_t bits;
-            std::memcpy(&bits, dst + j, 4);
-            if (bits == 0x80000000u) dst[j] = 0.f;
-            continue;
-          }
-          // a text column (A-VL's text is each row's tail: the colsums are read there only)
-          float acc = src[j];
-          for (int64_t g = 1; g < G; ++g) acc += src[g * sg + j];
-          dst[j] += acc;
-          count += j < np[b];
-        }
-        if (h == 0) hp[l * B + b] = count;
-      }
-    });
-  }
-  return held;
-}
-"""
 
 _BUILT: list = []
 
@@ -272,7 +64,7 @@ def kernel():
         _BUILT,
         paged_cpu_kernel.build_name(_SOURCE, "vlkv_evict_rows"),
         _SOURCE,
-        ["drop_columns", "lowest_columns", "add_group_sums", "avl_text_step"],
+        ["drop_columns", "lowest_columns", "add_group_sums", "avl_text_step", "tables_apart"],
         "CPU decode eviction",
         "closing each layer's gaps with torch ops",
     )
@@ -313,7 +105,7 @@ def lowest_columns(scores: list[Tensor], valid: Tensor, forced: Tensor | None) -
     Returns:
         ``(G, B, H_kv)`` int64: per row the column of the lowest rank, the highest column among equal
         ranks (``-0.0`` equals ``0.0``) — ``(W - 1) - ranked.flip(-1).argmin(-1)`` of
-        ``policies.ranking.rank_entries``, without the stacked copy, the masks and the flip.
+        ``kv.score_ops.rank_keys`` (``kv.score_ops.lowest_columns`` calls it), without the stacked copy, the masks and the flip.
     """
     mod = kernel()
     if mod is None:
@@ -322,9 +114,19 @@ def lowest_columns(scores: list[Tensor], valid: Tensor, forced: Tensor | None) -
     return mod.lowest_columns(scores, valid, none if forced is None else forced)
 
 
+def tables_apart(written: list[Tensor], read: list[Tensor]) -> bool:
+    """Whether :func:`add_group_sums` / :func:`avl_text_step` take these tables: the ``written``
+    ``(B, H_kv, C)`` tables share no memory with each other or with the ``read`` ones, no written row
+    overlaps another, no stride is negative (byte ranges compared). The kernels refuse others."""
+    mod = kernel()
+    if mod is None:
+        raise RuntimeError("the CPU decode eviction kernel is not built here")
+    return mod.tables_apart(written, read)
+
+
 def add_group_sums(scores: list[Tensor], colsums: list[Tensor], group: int) -> None:
     """``scores[l][:, :, :S] += colsums[l].view(B, H_kv, group, S).sum(2)`` for every layer in one
-    call (H2O's running attention, ``policies.h2o.H2OPolicy.observe``), the group summed in order,
+    call (H2O's running attention, through ``kv.score_ops.add_group_sums``), the group summed in order,
     as torch's ``sum`` does for ``group <= MAX_GROUP_SUM``: the same floats (tested). ``scores``:
     ``(B, H_kv, C)`` float32 tables, ``colsums``: ``(B, H_kv · group, S)`` float32, ``S <= C``, both
     with unit column stride."""
@@ -342,7 +144,7 @@ def avl_text_step(
     lengths: list[Tensor],
     group: int,
 ) -> Tensor:
-    """A-VL's decode-step text bookkeeping of every layer in one call (``policies.avl``): per layer
+    """A-VL's decode-step text bookkeeping of every layer in one call (through ``kv.score_ops.text_step``): per layer
     ``scores[:, :, :W] += colsum.view(B, H_kv, group, S)[..., :W].sum(2) * (regions[:, :, :W] == 0)``
     (the running text scores; the group summed in order, ``group <= MAX_GROUP_SUM`` for torch's
     floats) and the valid text entries of head 0 per sample (``(regions[:, 0, :W] == 0) & (j <

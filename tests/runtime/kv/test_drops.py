@@ -87,6 +87,29 @@ def test_drop_columns_moves_strided_rows_and_refuses_bad_tables_in_one_line():
         evict_rows.drop_columns(_tables(2, 2, 3, 8, 3), torch.zeros(1, 2, 3, dtype=torch.long), 6)
 
 
+@pytest.mark.parametrize("n", [2, 9, 81])
+def test_the_torch_shift_moves_tables_of_any_rank_as_the_kernel_does(n):
+    """Tables with two trailing dims (``(B, H_kv, C, 2, 3)``) and one (``(B, H_kv, C, 3)``) beside
+    3-D ones: the torch ``where`` shift broadcasts its column mask over every trailing dim and equals
+    the C++ move bit for bit (the stale columns past ``k`` included)."""
+    layers, b, h, cap = 2, 2, 3, n + 4
+    g = torch.Generator().manual_seed(n)
+    cols = torch.randint(0, n, (layers, b, h), generator=g)
+    fast, slow = _tables(layers, b, h, cap, n), _tables(layers, b, h, cap, n)
+    for i, (f, s) in enumerate(zip(fast, slow)):
+        five = torch.randn(b, h, cap, 2, 3, generator=torch.Generator().manual_seed(i))
+        f.append(five.clone())
+        s.append(five)
+    index = torch.zeros(b, h, n - 1, dtype=torch.long)
+    for tables, c in zip(slow, cols):
+        drops.shift_kept(tables, index, int(c.min()), n - 1, c[:, :, None])
+    evict_rows.drop_columns(fast, cols, n - 1)
+    for f, s in zip(fast, slow):
+        assert f[-1].dim() == 5
+        for a, e in zip(f, s, strict=True):
+            assert torch.equal(a, e)
+
+
 def _state(cache) -> list[dict]:
     """Every layer's tables, scores, lengths and held spares (what a later step reads)."""
     out = []
@@ -200,7 +223,7 @@ def test_lowest_columns_equals_the_ranked_argmin(s, per_head):
     """Several layers' strided score views, ties (repeated values, -0.0 beside 0.0), NaN, ±inf,
     invalid columns and forced ones (per sample or per head): the same column as the stacked
     ranking's, per row."""
-    from vlkv.runtime.policies.ranking import drop_one_fused
+    from vlkv.runtime.policies.ranking import drop_one_each
 
     g = torch.Generator().manual_seed(s)
     b, h, layers = 3, 4, 5
@@ -223,8 +246,8 @@ def test_lowest_columns_equals_the_ranked_argmin(s, per_head):
         )
         got = evict_rows.lowest_columns(views, valid, force)
         assert torch.equal(got.view(layers * b, h, 1), want)
-        assert torch.equal(drop_one_fused(views, valid, force, [s - 1] * b), want)
-    assert drop_one_fused(views, valid, forced, [s - 2] * b) is None  # two drops: the stacked ranking's
+        assert torch.equal(drop_one_each(views, valid, force, [s - 1] * b), want)
+    assert drop_one_each(views, valid, forced, [s - 2] * b) is None  # two drops: the stacked ranking's
     with pytest.raises(RuntimeError, match="unit column stride"):
         evict_rows.lowest_columns([torch.zeros(b, h, 2 * s)[:, :, ::2]], valid, None)
 
@@ -252,13 +275,6 @@ def test_add_group_sums_equals_the_view_sum_add(group, s):
         assert torch.equal(t, w)
     with pytest.raises(RuntimeError, match="add_group_sums"):
         evict_rows.add_group_sums(scores[:1], [torch.zeros(b, h * group + 1, s)], group)
-    # above MAX_GROUP_SUM torch's sum adds a group in another order: H2O keeps its torch ops
-    from vlkv.runtime.policies.h2o import _fused_observe
-
-    ctx = type("Ctx", (), {"num_kv_heads": h})()
-    wide = [torch.zeros(b, h * (evict_rows.MAX_GROUP_SUM + 1), s)] * 2
-    assert not _fused_observe([scores[0]] * 2, wide, ctx)
-    assert _fused_observe(scores[:2], colsums[:2], ctx)
 
 
 @pytest.mark.parametrize("model", MODELS)

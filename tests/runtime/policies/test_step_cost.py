@@ -303,8 +303,7 @@ def test_avl_keeps_the_same_sets_as_the_per_layer_hooks(model, name, kw, engines
 @pytest.mark.parametrize("model", MODELS)
 def test_avl_running_scores_equal_the_per_layer_update(model, engines, images):
     """A batch cache, 6 decode steps: every layer's text scores, core flags and regions after each
-    step equal the per-layer hooks' bit for bit (the update skips only columns before the first text
-    column, where it adds zeros)."""
+    step equal the per-layer hooks' bit for bit."""
     engine = engines[model]
     prompts = [Prompt("Describe the picture.", [images[0]]), Prompt("What is in this image?", [images[1]])]
     kw = {"budget": 0.5, "core": 0.3, "interval": 2, "text_min": 2}
@@ -328,17 +327,6 @@ def test_avl_running_scores_equal_the_per_layer_update(model, engines, images):
             assert g.keys() == w.keys() == {avl.REGION, avl.CORE, avl.TEXT_SCORE}
             for key in g:
                 assert torch.equal(g[key], w[key]), (step, i, key)
-
-
-@pytest.mark.parametrize("n", [0, 1, 9, 81, 729])
-def test_the_first_text_column_equals_the_where_and_amin(n):
-    """A-VL's first text column (any sample and head) found from the columns holding any text equals
-    the ``where`` + ``amin`` over the whole mask it replaced, with text anywhere or nowhere."""
-    g = torch.Generator().manual_seed(n)
-    for density in (0.0, 0.01, 0.5):
-        is_text = torch.rand(3, 2, n, generator=g) < density
-        want = torch.where(is_text, torch.arange(n), n).amin() if n else torch.tensor(0)
-        assert int(avl._first_true(is_text.any(1).any(0))) == int(want), density
 
 
 def test_an_h2o_edit_dispatches_few_ops_per_layer(engines, images, monkeypatch):

@@ -189,13 +189,12 @@ def shift_kept(tables: list[Tensor], index: Tensor, first: int, k: int, cols: Te
     m = k - first
     if cols is not None and cols.shape[2] == 1:
         later = torch.arange(first, k, device=index.device) >= cols  # (B, H_kv, k - first)
-        wide = None
+        # per table rank, ``later`` with a unit dim per trailing dim (M-RoPE positions: one more)
+        moves_of = {3: later}
         for t in tables:
-            if t.dim() == 3:
-                moves = later
-            else:
-                wide = later.unsqueeze(3) if wide is None else wide
-                moves = wide
+            moves = moves_of.get(t.dim())
+            if moves is None:
+                moves = moves_of[t.dim()] = later.view(*later.shape, *([1] * (t.dim() - 3)))
             dst = t.narrow(2, first, m)
             dst.copy_(torch.where(moves, t.narrow(2, first + 1, m), dst))
         return

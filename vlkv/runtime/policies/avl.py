@@ -18,6 +18,7 @@ from torch import Tensor
 
 from vlkv.runtime.backend import AttendIndex, RowFilter, StatsRequest, StepStats
 from vlkv.runtime.cache import KVCache, LayerKV
+from vlkv.runtime.kv import score_ops
 from vlkv.runtime.policies.base import (
     LayerEdit,
     Policy,
@@ -220,27 +221,20 @@ class AVLPolicy(Policy):
 
     def after_decode(self, cache, stats, ctx):
         layers = cache.layers
-        held = _fused_text_step(layers, stats, ctx)
-        if held is not None:  # the text scores updated, the text counted: one call for every layer
-            keep, host = self._text_budgets(cache, self.bounds(ctx), [], held=held)
-            if self.update_step(ctx.step):
-                self._refresh_cores(cache, stats)
-            texts = [None if host[i] else _text_mask(layer) for i, layer in enumerate(layers)]
-            return _edits(layers, self._text_keeps(cache, texts, keep, host))
-        is_text = [layer.scores[REGION][:, :, : layer.max_length] == TEXT for layer in layers]
-        # the first column holding text (in any sample and head): the columns before it gain nothing
-        # from the text scores' update (x 0), so it skips them; read back with the text budgets. Found
-        # from the columns holding any text (passes over the bool mask, not an int64 ``where`` and
-        # ``amin`` over it: 32 layers of (4, 5, 8206) masks, 17 -> 3.7 ms on the 2-core EPYC VM)
-        firsts = [_first_true(t.any(1).any(0)) for t in is_text]
-        texts = [t & valid_slots(layer, t.shape[-1]) for t, layer in zip(is_text, layers)]
-        keep, host = self._text_budgets(cache, self.bounds(ctx), texts, firsts)
-        for layer, st, t, f in zip(layers, stats, is_text, host[-len(layers) :]):
-            width, h = t.shape[-1], layer.kv_heads
-            colsum = st.colsum[:, :, f:width]
-            layer.scores[TEXT_SCORE][:, :, f:width] += per_kv_head(colsum, h) * t[:, :, f:]
+        # the text scores updated and the text counted, every layer at once (one C++ call on CPU caches)
+        held = score_ops.text_step(
+            [layer.scores[REGION] for layer in layers],
+            [layer.scores[TEXT_SCORE] for layer in layers],
+            [st.colsum for st in stats],
+            [layer.max_length for layer in layers],
+            [layer.lengths for layer in layers],
+            ctx.num_kv_heads,
+        )
+        keep, host = self._text_budgets(cache, self.bounds(ctx), held=held)
         if self.update_step(ctx.step):
             self._refresh_cores(cache, stats)
+        # the text masks only of layers that evict text
+        texts = [None if host[i] else _text_mask(layer) for i, layer in enumerate(layers)]
         return _edits(layers, self._text_keeps(cache, texts, keep, host))
 
     def _refresh_cores(self, cache: KVCache, stats) -> None:
@@ -270,17 +264,12 @@ class AVLPolicy(Policy):
 
     # ------------------------------------------------------------ text H2O
     def _text_budgets(
-        self,
-        cache: KVCache,
-        bounds: Tensor,
-        texts: list[Tensor],
-        extra: tuple | list = (),
-        held: Tensor | None = None,
+        self, cache: KVCache, bounds: Tensor, texts: list[Tensor] | None = None, held: Tensor | None = None
     ):
         """The text entries each layer keeps: ``keep (L, B)`` and, read back in one transfer for
-        every layer, per layer whether every text entry stays (``L`` ints), the counts kept
-        (``L * B``) and ``extra`` (``()`` int64 each, appended). ``texts[l]``: ``(B, H_kv, S)`` bool,
-        the layer's valid text slots, or ``held (L, B)``: their counts in head 0, where known."""
+        every layer, per layer whether every text entry stays (``L`` ints) and the counts kept
+        (``L * B``). ``texts[l]``: ``(B, H_kv, S)`` bool, the layer's valid text slots, or ``held
+        (L, B)``: their counts in head 0, where known."""
         # text tokens processed so far (prompt + generated)
         seen = cache.processed - bounds[:, 1].to(cache.processed)
         rank = torch.round(seen.double() * self.text_share).long().clamp(min=self.text_min)
@@ -288,10 +277,7 @@ class AVLPolicy(Policy):
             held = torch.stack([text[:, 0].sum(-1) for text in texts])  # (L, B)
         rank = rank.to(held.device)
         keep = torch.minimum(rank, held)
-        parts = [(held <= rank).all(1).long(), keep.reshape(-1)]
-        if extra:
-            parts.append(torch.stack(list(extra)).to(held.device, torch.long))
-        return keep, torch.cat(parts).tolist()
+        return keep, torch.cat([(held <= rank).all(1).long(), keep.reshape(-1)]).tolist()
 
     def _text_keeps(self, cache: KVCache, texts: list[Tensor], keep: Tensor, host: list[int]):
         """Per layer, ``(B, H_kv, S)`` bool: every non-text slot plus the text entries the H2O budget
@@ -318,44 +304,6 @@ def _text_mask(layer: LayerKV) -> Tensor:
     """``(B, H_kv, S)`` bool: the layer's valid text slots (``S`` its longest row)."""
     width = layer.max_length
     return (layer.scores[REGION][:, :, :width] == TEXT) & valid_slots(layer, width)
-
-
-def _fused_text_step(layers: list[LayerKV], stats, ctx) -> Tensor | None:
-    """A decode step's text-score update of every layer and its text counts ``(L, B)`` (head 0) by one
-    C++ call (``evict_rows.avl_text_step``: CPU float32, GQA groups up to ``MAX_GROUP_SUM``,
-    ``VLKV_CPU_EVICT``), or None (nothing done) where that does not apply."""
-    from vlkv.plugins import evict_rows
-
-    if not evict_rows.FUSED_DROP or len(layers) < 2:
-        return None
-    h = ctx.num_kv_heads
-    colsums = [st.colsum for st in stats]
-    if len(colsums) != len(layers) or colsums[0].shape[1] > h * evict_rows.MAX_GROUP_SUM:
-        return None
-    for layer, c in zip(layers, colsums):
-        t = layer.scores.get(TEXT_SCORE)
-        r = layer.scores.get(REGION)
-        if t is None or r is None or not (c.is_cpu and t.is_cpu and c.dtype == torch.float32):
-            return None
-        if c.dim() != 3 or c.shape[1] % h or c.shape[2] < layer.max_length or c.stride(2) != 1:
-            return None
-    if evict_rows.kernel() is None:
-        return None
-    return evict_rows.avl_text_step(
-        [layer.scores[REGION] for layer in layers],
-        [layer.scores[TEXT_SCORE] for layer in layers],
-        colsums,
-        [layer.max_length for layer in layers],
-        [layer.lengths for layer in layers],
-        colsums[0].shape[1] // h,
-    )
-
-
-def _first_true(cols: Tensor) -> Tensor:
-    """``()`` int64: the first True of ``cols (S,)`` bool, ``S`` when none."""
-    if cols.shape[0] == 0:
-        return torch.zeros((), dtype=torch.long, device=cols.device)
-    return torch.where(cols.any(), cols.to(torch.uint8).argmax(), cols.shape[0])
 
 
 def _store(layer: LayerKV, name: str, values: Tensor) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from vlkv.runtime.backend import StatsRequest
 from vlkv.runtime.cache import KVCache, LayerKV
-from vlkv.runtime.policies.ranking import drop_one_fused, kept_but, rank_entries
+from vlkv.runtime.policies.ranking import drop_one_each, kept_but, rank_entries
 from vlkv.runtime.prompt import Spans
 
 POSITION_MODES = ("original", "compacted")
@@ -288,7 +288,7 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
         per = [score(i, width) for i in members]  # (B, H_kv, width) each
         valid, forced = valid_slots(first, width), force(first, width, keep)
         # every row drops its one lowest (H2O's step): one pass over the layers' tables where they lie
-        dropped = drop_one_fused(per, valid, forced, kept)
+        dropped = drop_one_each(per, valid, forced, kept)
         if dropped is not None:
             index, keep_len = kept_but(dropped, width), torch.minimum(keep, valid[:, 0].sum(-1)).repeat(g)
         else:

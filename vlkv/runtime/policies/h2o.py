@@ -8,7 +8,8 @@ from typing import ClassVar
 import torch
 
 from vlkv.runtime.backend import StatsRequest
-from vlkv.runtime.policies.base import check_range, per_kv_head, recent_mask
+from vlkv.runtime.kv import score_ops
+from vlkv.runtime.policies.base import check_range, recent_mask
 from vlkv.runtime.policies.scorer import ScorePolicy
 
 SCORE = "h2o"
@@ -45,11 +46,7 @@ class H2OPolicy(ScorePolicy):
 
     def observe(self, cache, stats, ctx):
         scores = [layer.ensure_score(SCORE) for layer in cache.layers]
-        if _fused_observe(scores, [st.colsum for st in stats], ctx):
-            return
-        for score, st in zip(scores, stats):
-            # ``narrow``: one op, where ``score[:, :, :s] +=`` dispatches six slices (per layer and step)
-            score.narrow(2, 0, st.colsum.shape[-1]).add_(per_kv_head(st.colsum, ctx.num_kv_heads))
+        score_ops.add_group_sums(scores, [st.colsum for st in stats], ctx.num_kv_heads)
 
     def score(self, layer, stats, ctx):
         return layer.scores[SCORE]  # (B, H_kv, capacity)
@@ -57,25 +54,3 @@ class H2OPolicy(ScorePolicy):
     def protect(self, layer, width, keep):
         recent = keep - torch.round(keep.double() * self.heavy_ratio).long()
         return recent_mask(layer.lengths, width, recent)
-
-
-def _fused_observe(scores: list, colsums: list, ctx) -> bool:
-    """Every layer's ``scores (B, H_kv, C)`` += its ``colsum (B, H, S)`` summed per GQA group, by one
-    C++ call (``evict_rows.add_group_sums``: CPU float32, ``VLKV_CPU_EVICT``); False (nothing done)
-    where it does not apply."""
-    from vlkv.plugins import evict_rows
-
-    if not evict_rows.FUSED_DROP or len(scores) < 2:
-        return False
-    h = ctx.num_kv_heads
-    if colsums[0].shape[1] > h * evict_rows.MAX_GROUP_SUM:
-        return False
-    for t, c in zip(scores, colsums):
-        if not (c.is_cpu and t.is_cpu and c.dtype == t.dtype == torch.float32 and c.dim() == 3):
-            return False
-        if c.stride(2) != 1 or t.stride(2) != 1 or c.shape[1] % h or c.shape[2] > t.shape[2]:
-            return False
-    if evict_rows.kernel() is None:
-        return False
-    evict_rows.add_group_sums(scores, colsums, colsums[0].shape[1] // h)
-    return True

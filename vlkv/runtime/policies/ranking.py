@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from vlkv.runtime.kv import score_ops
+
 
 def top_entries(
     scores: Tensor, valid: Tensor, keep: Tensor, force: Tensor | None = None, kept: list[int] | None = None
@@ -45,10 +47,7 @@ def rank_entries(
     keep = torch.minimum(keep, valid[:, 0].sum(-1))
     # a NaN score ranks as +inf (kept, like a forced slot): the partial selections below compare
     # with == and <, which NaN fails, and a full sort ranks NaN highest anyway
-    ranked = scores.float().nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
-    ranked = ranked.masked_fill(~valid, float("-inf"))
-    if force is not None:
-        ranked = ranked.masked_fill(force.expand(b, h, s) & valid, float("inf"))
+    ranked = score_ops.rank_keys(scores, valid, None if force is None else force.expand(b, h, s))
     drop = s - keep
     if kept is None:  # the bounds every shape below needs, in one read back
         kmin, kmax = torch.stack([keep.min(), keep.max()]).tolist() if b else (s, 0)
@@ -108,28 +107,18 @@ def kept_but(last: Tensor, s: int) -> Tensor:
     return torch.where(kept >= last, kept + 1, kept).expand(*last.shape[:2], s - 1)
 
 
-def drop_one_fused(
+def drop_one_each(
     scores: list[Tensor], valid: Tensor, force: Tensor | None, kept: list[int]
 ) -> Tensor | None:
     """The column each row of every ``scores[g] (B, H_kv, S)`` drops when every row drops its one
-    lowest (``kept[b] == S - 1`` for every sample, the case :func:`rank_entries` takes by
-    :func:`_drop_one`), by one C++ pass over the score tables where they lie
-    (``vlkv/plugins/evict_rows.py``: CPU float32 tables, ``VLKV_CPU_EVICT``): ``(G·B, H_kv, 1)``, the
-    same columns as :func:`rank_entries` of the stacked scores. None where that does not apply (the
-    caller ranks the stacked scores)."""
-    from vlkv.plugins import evict_rows
-
+    lowest (``kept[b] == S - 1`` for every sample: the case :func:`rank_entries` takes by
+    :func:`_drop_one`), read from the score tables where they lie (``kv.score_ops.lowest_columns``):
+    ``(G·B, H_kv, 1)``, the same columns as :func:`rank_entries` of the stacked scores. None where
+    rows drop other counts (the caller ranks the stacked scores)."""
     s = scores[0].shape[-1]
-    if not evict_rows.FUSED_DROP or s < 4 or any(k != s - 1 for k in kept):
+    if s < 4 or any(k != s - 1 for k in kept):
         return None
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 or t.stride(-1) != 1 for t in scores):
-        return None
-    if valid.device.type != "cpu" or (force is not None and force.device.type != "cpu"):
-        return None
-    if evict_rows.kernel() is None:
-        return None
-    b, h = scores[0].shape[:2]
-    return evict_rows.lowest_columns(scores, valid, force).view(len(scores) * b, h, 1)
+    return score_ops.lowest_columns(scores, valid, force)
 
 
 def _drop_lowest(ranked: Tensor, drop: Tensor, bounds: tuple[int, int] | None = None) -> Tensor:
