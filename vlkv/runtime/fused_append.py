@@ -58,7 +58,10 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     if not paged_append.fits(pool.spec, heads, dim) or k.shape != (b, kv_heads, 1, dim) or v.shape != k.shape:
         return None
     new = _step_columns(ctx)
-    # statistics wanted from this layer (H2O every step...): the kernel writes the probabilities too
+    # statistics wanted from this layer (H2O every step...): the kernel writes the probabilities too.
+    # ``exact_output`` (budget 1) needs nothing more: the call's output is the same bits with or without
+    # probabilities, the plain step of this path (test_fused_append_exact.py); sending exact requests
+    # to the separate read instead would differ from the full cache's fused step in the last bits
     wanted = [name for name, req in ctx.requests.items() if req.wants(layer_idx)]
     res = reserve_decode_entries(owners, new["order_next"], new["order_rows"])
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
