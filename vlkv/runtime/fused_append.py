@@ -4,7 +4,7 @@ The reference path of a decode layer appends its new K/V through the step contex
 Python append, ``kv/appends.py``) and then attends through the registered attention function (the
 paged read, ``attention_rows._paged_one_row``): ~60 tensor ops per layer around one kernel.
 :func:`fused_decode_row` does the append's host bookkeeping here
-(:func:`~vlkv.runtime.kv.appends.reserve_decode_entries`) and hands the new rows, the caches' own tables
+(:func:`~vlkv.runtime.kv.reservation.reserve_decode_entries`) and hands the new rows, the caches' own tables
 and holes to one C++ call that writes and reads (``vlkv/plugins/paged_append.py``); if that call fails
 the reservation is taken back, so a layer is appended whole or not at all. The skinny decoder layer
 (``models/skinny_layer.py``) calls it in place of ``update`` + the attention function.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vlkv.runtime.kv.appends import reserve_decode_entries
+from vlkv.runtime.kv.reservation import reserve_decode_entries
 
 
 def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
@@ -27,7 +27,7 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     ``cache``, ``inputs``, ``order``, ``one_row``, ``reads_paged``, ``requests``, ``put_one_row_stats``,
     ``past``, ``attended``, ``new_columns``), ``q (B, H, 1, D)`` post-RoPE,
     ``k, v (B, H_kv, 1, D)`` the new entries. The host side of the append (tables grown, slots
-    allocated, lengths and sequence indices advanced: :func:`~vlkv.runtime.kv.appends.reserve_decode_entries`)
+    allocated, lengths and sequence indices advanced: :func:`~vlkv.runtime.kv.reservation.reserve_decode_entries`)
     runs here; the kernel writes the K/V rows and the tables' new column, then reads every (request, KV
     head)'s slot row in place — the caches' own tables, holes skipped, nothing copied. Returns
     ``(B, 1, H, D)`` (the layout the output projection takes) and records what ``ctx.attend`` would
