@@ -156,7 +156,8 @@ class Appends(EntryTable):
         ids = self.spares.take_recycled()
         if ids is not None:
             return lens, ids, False
-        return lens, self.pool.alloc(self.layer, self.batch), True
+        # flags: both writers (``KVPool.write``, the fused call) set the new slots' pre-RoPE flags
+        return lens, self.pool.alloc(self.layer, self.batch, flags=False), True
 
     def _decode_column(self, lens: list[int], past: Tensor) -> tuple:
         """The index of each sample's new column (``past (B,)``, ``lens`` its host copy): a batch moving
@@ -165,13 +166,15 @@ class Appends(EntryTable):
             return slice(None), slice(None), lens[0]
         return torch.arange(self.batch, device=self.device), slice(None), past
 
-    def _decode_advance(self, at: tuple, past: Tensor, lens: list[int], next_order: Tensor) -> None:
+    def _decode_advance(
+        self, at: tuple, past: Tensor, lens: list[int], next_order: Tensor, after: Tensor | None = None
+    ) -> None:
         """After the new column (``at``): its running scores zeroed, the next sequence indices, every
-        sample one entry longer."""
+        sample one entry longer (``after``: ``past + 1`` where the step computed it for every layer)."""
         self.next_order = next_order
         for s in self.scores.values():
             s[at] = 0
-        self.set_lengths(past + 1, [n + 1 for n in lens])
+        self.set_lengths(past + 1 if after is None else after, [n + 1 for n in lens])
 
     def put_one(
         self,
@@ -213,11 +216,12 @@ class Appends(EntryTable):
         if self.holes is not None:
             self.holes.select(2, p).fill_(False)
 
-    def _advance_one(self, p: int) -> None:
-        """After a one-sample cache's new column ``p``: its running scores zeroed, one entry longer."""
+    def _advance_one(self, p: int, after: Tensor | None = None) -> None:
+        """After a one-sample cache's new column ``p``: its running scores zeroed, one entry longer
+        (``after``: its ``(1,)`` new length where the step computed it for every layer)."""
         for s in self.scores.values():
             s.select(2, p).zero_()
-        self.set_lengths(self.lengths + 1, [p + 1])
+        self.set_lengths(self.lengths + 1 if after is None else after, [p + 1])
 
 
 def _put(column: Tensor, value: Tensor | int) -> None:

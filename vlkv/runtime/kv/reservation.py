@@ -13,6 +13,7 @@ layer and the pool as they were before the step.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,7 +21,14 @@ from torch import Tensor
 # ``owners`` / ``layers`` below are :class:`~vlkv.runtime.kv.appends.Appends` (layers of a cache); not
 # imported: the appends import this module
 
-__all__ = ["DecodeReservation", "next_order", "reserve_decode_entries", "undone_on_failure"]
+__all__ = [
+    "DecodeReservation",
+    "StepAdvance",
+    "advance_all",
+    "next_order",
+    "reserve_decode_entries",
+    "undone_on_failure",
+]
 
 
 class DecodeReservation:
@@ -54,6 +62,7 @@ class DecodeReservation:
         self._past: Tensor | None = None
         self._ids: Tensor | None = None
         self._at: tuple | None = None
+        self._after: Tensor | None = None
         self._cancelled = False
 
     @property
@@ -61,6 +70,13 @@ class DecodeReservation:
         if self._past is None:  # one-sample owners: built on first use (the Python append needs none)
             self._past = torch.tensor(self.host, device=self.pool.spec.device)
         return self._past
+
+    @property
+    def after(self) -> Tensor:
+        """``(B,)`` int64 lengths after the append (``past + 1``)."""
+        if self._after is None:
+            self._after = self.past + 1
+        return self._after
 
     @property
     def ids(self) -> Tensor:
@@ -98,8 +114,62 @@ def next_order(current: Tensor, after: Tensor | int | None) -> Tensor:
     return current.clamp(min=after)
 
 
+@dataclass
+class StepAdvance:
+    """One layer's lengths and next sequence indices after its decode append, computed with every other
+    layer's in a few ops for the whole step (:func:`advance_all`), where each layer's append computed
+    its own (per layer an op for its lengths and one for its next indices, per request on one-sample
+    caches).
+
+    host: the owners' host lengths it was computed from (flat, per owner its samples). orders_from:
+    per owner the ``next_order`` tensor it was computed from. past, after: ``(B,)`` int64 lengths
+    before and after. lengths, orders: per owner its new lengths and next sequence indices (views of
+    the step's tensors, one element each: no two owners share one).
+    """
+
+    host: list[int]
+    orders_from: list[Tensor]
+    past: Tensor
+    after: Tensor
+    lengths: list[Tensor]
+    orders: list[Tensor]
+
+    def holds_for(self, owners: list, host: list[int]) -> bool:
+        """Whether the owners are as they were when it was computed (nothing appended in between)."""
+        return host == self.host and all(r.next_order is o for r, o in zip(owners, self.orders_from))
+
+
+def advance_all(layers: list[list], order_next: Tensor) -> list[StepAdvance]:
+    """Per layer (its owners: a batch cache's layer, or a batch view's one-sample layers, every layer
+    with as many samples) the :class:`StepAdvance` of a decode step whose new entries take sequence
+    indices ``order_next - 1`` (``(B,)`` int64): one tensor of every layer's lengths before and after,
+    one of every layer's next indices (``max(next_order, order_next)``), split into per-owner views."""
+    dev = order_next.device
+    owners = [o for per in layers for o in per]
+    hosts = [[n for o in per for n in o.host_lengths()] for per in layers]
+    n_layers, b = len(layers), len(hosts[0])
+    past = torch.tensor(hosts, device=dev)  # (L, B)
+    after = past + 1
+    orders = torch.maximum(torch.cat([o.next_order for o in owners]).view(n_layers, b), order_next)
+    one_each = all(len(per) == b for per in layers)  # one-sample owners: a (1,) view each
+    if one_each:
+        lens, nxt = after.view(-1).split(1), orders.view(-1).split(1)
+    else:
+        lens, nxt = after.unbind(0), orders.unbind(0)
+    out, at = [], 0
+    for per, host, p, a in zip(layers, hosts, past.unbind(0), after.unbind(0)):
+        m = len(per)
+        froms = [o.next_order for o in per]
+        out.append(StepAdvance(host, froms, p, a, list(lens[at : at + m]), list(nxt[at : at + m])))
+        at += m
+    return out
+
+
 def reserve_decode_entries(
-    owners: list, order_next: Tensor | None = None, order_rows: list | None = None
+    owners: list,
+    order_next: Tensor | None = None,
+    order_rows: list | None = None,
+    ahead: StepAdvance | None = None,
 ) -> DecodeReservation:
     """A decode step's append to one layer (one new entry per request) without its tensor writes.
 
@@ -108,7 +178,8 @@ def reserve_decode_entries(
     index); ``order_rows``: one-sample owners' the same per row (``()`` tensors or ints; None, or a
     None entry: the row's next index). Tables grown to hold the column, slots allocated, next sequence
     indices, running scores zeroed at the column, lengths (tensor and host copy) one longer, the
-    pool's written bytes counted. Returns the :class:`DecodeReservation`; the caller writes the K/V
+    pool's written bytes counted (``ahead``: the lengths and next indices this step computed for every
+    layer, used where they still hold). Returns the :class:`DecodeReservation`; the caller writes the K/V
     rows and the column and cancels it where that fails. A failure here (a fixed pool out of slots)
     leaves nothing changed. Recorded in the owners' step log where :func:`undone_on_failure` set one.
     """
@@ -116,7 +187,7 @@ def reserve_decode_entries(
         raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
     res = DecodeReservation(owners)
     try:
-        _reserve_into(res, order_next, order_rows)
+        _reserve_into(res, order_next, order_rows, ahead)
     except BaseException:
         res.cancel()
         raise
@@ -126,18 +197,26 @@ def reserve_decode_entries(
     return res
 
 
-def _reserve_into(res: DecodeReservation, order_next: Tensor | None, order_rows: list | None) -> None:
+def _reserve_into(
+    res: DecodeReservation, order_next: Tensor | None, order_rows: list | None, ahead: StepAdvance | None
+) -> None:
     """:func:`reserve_decode_entries`'s work, recorded in ``res`` as it goes (what to take back)."""
     owners, pool, layer = res.owners, res.pool, res.layer
     first = owners[0]
     if len(owners) == 1 and first.batch > 1:  # a batch cache: one allocation, one column per table
+        if ahead is not None and not ahead.holds_for(owners, first.host_lengths()):
+            ahead = None
         lens, ids, fresh = first._decode_slots()
         if fresh:
             res._fresh = ids
         res.host, res._ids = lens, ids
         res._past = first.lengths  # set_lengths below gives the layer a new tensor: this one stays
         at = res.column() if first.scores else None
-        first._decode_advance(at, res._past, lens, next_order(first.next_order, order_next))
+        if ahead is None:
+            first._decode_advance(at, res._past, lens, next_order(first.next_order, order_next))
+        else:
+            res._after = ahead.after
+            first._decode_advance(at, res._past, lens, ahead.orders[0], ahead.lengths[0])
         pool.count_written(ids.numel())
         return
     res.host, res.spare = _row_spares(owners)
@@ -147,9 +226,15 @@ def _reserve_into(res: DecodeReservation, order_next: Tensor | None, order_rows:
     else:
         res._ids, res._fresh = _row_slots(pool, layer, res.spare)
         n = res._ids.numel()
-    for i, (r, p) in enumerate(zip(owners, res.host)):
-        r.next_order = next_order(r.next_order, None if order_rows is None else order_rows[i])
-        r._advance_one(p)
+    if ahead is not None and ahead.holds_for(owners, res.host):
+        res._past, res._after = ahead.past, ahead.after
+        for r, p, lens, nxt in zip(owners, res.host, ahead.lengths, ahead.orders):
+            r.next_order = nxt
+            r._advance_one(p, lens)
+    else:
+        for i, (r, p) in enumerate(zip(owners, res.host)):
+            r.next_order = next_order(r.next_order, None if order_rows is None else order_rows[i])
+            r._advance_one(p)
     pool.count_written(n if res.run is None else n * pool.spec.kv_heads)
 
 
@@ -167,7 +252,8 @@ def _row_slots(pool, layer: int, spare: list) -> tuple[Tensor, Tensor]:
     every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation; and
     the ``(H_kv, m)`` fresh ones (what :meth:`KVPool.unalloc` takes back)."""
     spec = pool.spec
-    fresh = pool.alloc(layer, sum(s is None for s in spare))
+    # flags: both writers (``KVPool.write``, the fused call) set the new slots' pre-RoPE flags
+    fresh = pool.alloc(layer, sum(s is None for s in spare), flags=False)
     left = iter(fresh.unbind(1))
     cols = []
     for s in spare:
