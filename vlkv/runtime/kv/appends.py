@@ -156,8 +156,7 @@ class Appends(EntryTable):
         ids = self.spares.take_recycled()
         if ids is not None:
             return lens, ids, False
-        # flags: both writers (``KVPool.write``, the fused call) set the new slots' pre-RoPE flags
-        return lens, self.pool.alloc(self.layer, self.batch, flags=False), True
+        return lens, self.pool.alloc(self.layer, self.batch), True
 
     def _decode_column(self, lens: list[int], past: Tensor) -> tuple:
         """The index of each sample's new column (``past (B,)``, ``lens`` its host copy): a batch moving

@@ -135,10 +135,8 @@ class KVPool:
         key = id(owner)
         self._owners[layer][key] = weakref.ref(owner, lambda _, d=self._owners[layer], k=key: d.pop(k, None))
 
-    def alloc(self, layer: int, n: int, flags: bool = True) -> Tensor:
-        """``(H_kv, n)`` int64 fresh slot ids, one reference each (ascending per head when fresh), their
-        pre-RoPE flags cleared (``flags=False``: left to the caller's write, which sets them before
-        anything reads the slots: a decode append's, one op less per layer and step)."""
+    def alloc(self, layer: int, n: int) -> Tensor:
+        """``(H_kv, n)`` int64 fresh slot ids, one reference each (ascending per head when fresh)."""
         dev = self.spec.device
         if n <= 0:
             return torch.zeros(self.spec.kv_heads, 0, dtype=torch.long, device=dev)
@@ -157,8 +155,7 @@ class KVPool:
         self._nfree[layer] = top - n
         self._nfree_host[layer] = [f - n for f in host]
         self._refs[layer].scatter_(1, ids, 1)
-        if flags:
-            self._prerope[layer].scatter_(1, ids, False)
+        self._prerope[layer].scatter_(1, ids, False)
         return ids
 
     def unalloc(self, layer: int, ids: Tensor) -> None:

@@ -252,8 +252,7 @@ def _row_slots(pool, layer: int, spare: list) -> tuple[Tensor, Tensor]:
     every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation; and
     the ``(H_kv, m)`` fresh ones (what :meth:`KVPool.unalloc` takes back)."""
     spec = pool.spec
-    # flags: both writers (``KVPool.write``, the fused call) set the new slots' pre-RoPE flags
-    fresh = pool.alloc(layer, sum(s is None for s in spare), flags=False)
+    fresh = pool.alloc(layer, sum(s is None for s in spare))
     left = iter(fresh.unbind(1))
     cols = []
     for s in spare:
