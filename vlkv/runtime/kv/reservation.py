@@ -47,6 +47,8 @@ class DecodeReservation:
     tables, sequence indices and spares, and the pool's free slots, references and byte count back as
     they were (the fused call's checks run in C++, some after it wrote the rows: a failure there must
     not leave the layer half-appended, its lengths counting entries whose K/V were never written).
+    After the write too, while nothing else changed the layer: a later layer of the same step failed
+    (:func:`undone_on_failure`); the written rows then lie in free slots, never read.
     """
 
     def __init__(self, owners: list):
