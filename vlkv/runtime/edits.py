@@ -31,8 +31,11 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
         for i, item in enumerate(edits or [])
         if isinstance(item, LayerEdit) and item.assign is None and item.holes is None
     ]
+    # an index built on first read (a per-step drop's, ``DropOneEdit``) stays unbuilt here: the one-call
+    # drop closes the gaps from the dropped columns alone; only a layer that still needs it reads it
     jobs = [
-        (cache.layers[i], edits[i].index, edits[i].keep_len, edits[i].kept, edits[i].dropped) for i in plain
+        (cache.layers[i], edits[i].built_index(), edits[i].keep_len, edits[i].kept, edits[i].dropped)
+        for i in plain
     ]
     prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
     for i, (layer, item) in enumerate(zip(cache.layers, edits or [])):
@@ -44,8 +47,9 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
             elif isinstance(edit, CutEdit):
                 layer.cut(edit.start, edit.count, recycle=spare > 0)
             elif edit.assign is None:
+                prep = prepared.get(i)
                 layer.select(
-                    edit.index,
+                    edit.built_index() if prep is not None and prep.moved else edit.index,
                     edit.keep_len,
                     spare=spare,
                     holes=edit.holes,

@@ -12,6 +12,7 @@ from vlkv.runtime.backend import StepInputs
 from vlkv.runtime.cache import KVCache, Modality
 from vlkv.runtime.edits import DECODE_SPARE
 from vlkv.runtime.kv.pool import KVPool
+from vlkv.runtime.kv.reservation import undone_on_failure
 from vlkv.runtime.policies import Policy, PolicyContext, make_policy
 from vlkv.runtime.prompt import Prompt, PromptBatch, collate, encode_prompt
 from vlkv.runtime.sampling import Sampler
@@ -211,7 +212,9 @@ class Engine:
             torch.ones(b, dtype=torch.long, device=dev),
             attend=policy.decode_attend(cache, ctx),
         )
-        out = self.backend.step(inputs, cache, policy.decode_request(cache, ctx))
+        # a layer that fails after lower layers appended: every layer's append taken back
+        with undone_on_failure(cache.layers):
+            out = self.backend.step(inputs, cache, policy.decode_request(cache, ctx))
         out.peak_kv_bytes = cache.kv_bytes()
         if usage is not None:
             usage.add(cache, out.attended)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from vlkv.runtime.kv.entries import EntryTable
 from vlkv.runtime.kv.pool import KVPool
+from vlkv.runtime.kv.reservation import next_order, reserve_decode_entries
 from vlkv.runtime.kv.spares import SpareSlots
 
 
@@ -23,6 +24,8 @@ class Appends(EntryTable):
     layer: int
     spares: SpareSlots
     run_reserve: int
+    # the step log of :func:`~vlkv.runtime.kv.reservation.undone_on_failure` while a step runs over it
+    step_log: list | None = None
 
     def append(
         self,
@@ -109,40 +112,41 @@ class Appends(EntryTable):
     def _append_one(
         self, k: Tensor, v: Tensor, positions: Tensor, modality: Tensor, order: Tensor | None = None
     ) -> Tensor:
-        """:meth:`append` of one new entry per sample (a decode step), in a third of its tensor ops.
+        """:meth:`append` of one new entry per sample (a decode step), in a third of its tensor ops: the
+        host half reserved (:func:`~vlkv.runtime.kv.reservation.reserve_decode_entries`, as the fused
+        append does), then one pool write and the new column; a failed write takes the reservation back.
 
         ``k, v (B, H_kv, 1, D)``, ``positions (B, 1, P)``, ``modality (B, 1)``, ``order`` None or
         ``(B, 1)``; returns ``(B,)`` past lengths.
         """
         b, dev = k.shape[0], self.device
         if b == 1:  # the one-sample path a batch view takes too: no index tensors
-            past = self.lengths  # returned: ``put_one`` gives the layer a new lengths tensor
+            past = self.lengths  # returned: the reservation gives the layer a new lengths tensor
             orders = [None] if order is None else list(order[:, 0].to(device=dev, dtype=torch.long))
             append_one_each([self], k, v, list(positions[:, 0].to(dev)), list(modality[:, 0].to(dev)), orders)
             return past
-        past = self.lengths.clone()  # returned: later in-place edits of ``lengths`` must not reach it
-        lens, ids, _ = self._decode_slots()
-        self.pool.write(
-            self.layer, ids, k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
-        )
-        at = self._decode_column(lens, past)
-        self.slots[at] = ids.t()
-        self.positions[at] = positions.to(dev)[:, 0, None, :].to(torch.long)
-        self.modality[at] = modality.to(dev).to(torch.int8)
-        if order is None:
-            self.order[at] = self.next_order[:, None]
-            next_order = self.next_order + 1
-        else:
-            order = order.to(device=dev, dtype=torch.long)[:, 0]
-            self.order[at] = order[:, None]
-            next_order = torch.maximum(self.next_order, order + 1)
-        if self.holes is not None:
-            self.holes[at] = False
-        self._decode_advance(at, past, lens, next_order)
-        return past
+        given = None if order is None else order.to(device=dev, dtype=torch.long)[:, 0]
+        # the column's sequence indices, read before the reservation advances ``next_order``
+        col_order = self.next_order[:, None] if given is None else given[:, None]
+        res = reserve_decode_entries([self], None if given is None else given + 1)
+        try:
+            kh, vh = k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
+            self.pool.write(self.layer, res.ids, kh, vh, count=False)
+            at = res.column()
+            self.slots[at] = res.ids.t()
+            self.positions[at] = positions.to(dev)[:, 0, None, :].to(torch.long)
+            self.modality[at] = modality.to(dev).to(torch.int8)
+            self.order[at] = col_order
+            if self.holes is not None:
+                self.holes[at] = False
+        except BaseException:
+            res.cancel()
+            raise
+        return res.past
 
-    # A batch cache's decode append in three host-side parts, shared by the Python append above and the
-    # fused one (:func:`reserve_decode_entries`, whose C++ call writes the rows and the column between)
+    # A batch cache's decode append in three host-side parts, run by its reservation
+    # (:func:`~vlkv.runtime.kv.reservation.reserve_decode_entries`) for the Python append above and the
+    # fused one (whose C++ call writes the rows and the column after it)
     def _decode_slots(self) -> tuple[list[int], Tensor, bool]:
         """Tables grown for one more column and the new entries' ``ids (H_kv, B)`` (sample-major, as the
         general path allocates): the recycled columns of decode evictions, else fresh from the pool.
@@ -161,13 +165,15 @@ class Appends(EntryTable):
             return slice(None), slice(None), lens[0]
         return torch.arange(self.batch, device=self.device), slice(None), past
 
-    def _decode_advance(self, at: tuple, past: Tensor, lens: list[int], next_order: Tensor) -> None:
+    def _decode_advance(
+        self, at: tuple, past: Tensor, lens: list[int], next_order: Tensor, after: Tensor | None = None
+    ) -> None:
         """After the new column (``at``): its running scores zeroed, the next sequence indices, every
-        sample one entry longer."""
+        sample one entry longer (``after``: ``past + 1`` where the step computed it for every layer)."""
         self.next_order = next_order
         for s in self.scores.values():
             s[at] = 0
-        self.set_lengths(past + 1, [n + 1 for n in lens])
+        self.set_lengths(past + 1 if after is None else after, [n + 1 for n in lens])
 
     def put_one(
         self,
@@ -177,11 +183,21 @@ class Appends(EntryTable):
         mod: Tensor | int,
         order: Tensor | int | None,
     ) -> None:
-        """Table writes of one new entry of this one-sample cache at column ``p`` (after
-        :meth:`_reserve`, its K/V already in the pool): ``ids`` its slots, ``(H_kv,)`` or one id for
-        every head (the run's next spare), ``pos`` its ``P`` position components (``(P,)`` on the
-        cache's device, or ints), ``mod`` its modality code and ``order`` its sequence index (each a
-        ``()`` tensor on that device or an int; ``order`` None: the next one).
+        """One new entry of this one-sample cache at column ``p`` (after :meth:`_reserve`, its K/V
+        already in the pool): its table column (:meth:`_put_column`), the next sequence index, one
+        entry longer. ``order`` None: the next index."""
+        col_order = self.next_order if order is None else order
+        self.next_order = next_order(self.next_order, None if order is None else order + 1)
+        self._put_column(p, ids, pos, mod, col_order)
+        self._advance_one(p)
+
+    def _put_column(
+        self, p: int, ids: Tensor | int, pos: Tensor | list[int], mod: Tensor | int, order: Tensor | int
+    ) -> None:
+        """Table writes of one new entry of this one-sample cache at column ``p``: ``ids`` its slots,
+        ``(H_kv,)`` or one id for every head (the run's next spare), ``pos`` its ``P`` position
+        components (``(P,)`` on the cache's device, or ints), ``mod`` its modality code and ``order``
+        its sequence index (each a ``()`` or ``(1,)`` tensor on that device, or an int); no hole.
 
         Each table's column is written through one ``select`` of the column (the cache's one sample,
         every head: a ``(1, H_kv, ...)`` view) and one fill or copy that broadcasts into it: 2 ops a
@@ -195,24 +211,16 @@ class Appends(EntryTable):
             pos if isinstance(pos, Tensor) else torch.tensor(pos, device=self.device),
         )
         _put(self.modality.select(2, p), mod)
-        if order is None:
-            self.order.select(2, p).copy_(self.next_order)
-            self.next_order = self.next_order + 1
-        else:
-            _put(self.order.select(2, p), order)
-            if isinstance(order, Tensor):
-                self.next_order = torch.maximum(self.next_order, order + 1)
-            else:
-                self.next_order = self.next_order.clamp(min=order + 1)
+        _put(self.order.select(2, p), order)
         if self.holes is not None:
             self.holes.select(2, p).fill_(False)
-        self._advance_one(p)
 
-    def _advance_one(self, p: int) -> None:
-        """After a one-sample cache's new column ``p``: its running scores zeroed, one entry longer."""
+    def _advance_one(self, p: int, after: Tensor | None = None) -> None:
+        """After a one-sample cache's new column ``p``: its running scores zeroed, one entry longer
+        (``after``: its ``(1,)`` new length where the step computed it for every layer)."""
         for s in self.scores.values():
             s.select(2, p).zero_()
-        self.set_lengths(self.lengths + 1, [p + 1])
+        self.set_lengths(self.lengths + 1 if after is None else after, [p + 1])
 
 
 def _put(column: Tensor, value: Tensor | int) -> None:
@@ -232,140 +240,32 @@ def append_one_each(
     orders: list[Tensor | int | None],
 ) -> list[int]:
     """One new entry for each one-sample layer of ``rows`` (a decode step; every row on the same pool
-    layer): one pool write for all of them, then each row's table column (:meth:`Appends.put_one`).
+    layer): the host half reserved (:func:`~vlkv.runtime.kv.reservation.reserve_decode_entries`), then
+    one pool write for all of them and each row's table column (:meth:`Appends._put_column`); a failed
+    write takes the reservation back (a fixed pool out of slots: nothing changed, no spare lost).
 
     ``k, v (B, H_kv, 1, D)`` (row ``b`` for ``rows[b]``); ``positions``, ``modality``, ``orders``: per
-    row its ``P`` position components and modality code (as :meth:`Appends.put_one` takes them: device
-    tensors need no read back) and sequence index (None: the next one).
+    row its ``P`` position components and modality code (as :meth:`Appends._put_column` takes them:
+    device tensors need no read back) and sequence index (None: the next one).
     Returns each row's length before the write.
     """
     pool, layer = rows[0].pool, rows[0].layer
-    spec = pool.spec
-    marks = [r.spares.mark() for r in rows]
-    past, spare = _row_spares(rows)
-    kh, vh = k[:, :, 0].to(spec.device).transpose(0, 1), v[:, :, 0].to(spec.device).transpose(0, 1)
-    if all(isinstance(s, int) for s in spare):  # every row continues its run: one id per row
-        pool.write_columns(layer, torch.tensor(spare, device=spec.device), kh, vh)
-        cols: list[Tensor | int] = list(spare)
-    else:
-        try:
-            ids = _row_slots(pool, layer, spare)[0]
-        except BaseException:  # a fixed pool out of slots: the spares taken stay held, none is lost
-            for r, m in zip(rows, marks):
-                r.spares.rewind(m)
-            raise
-        pool.write(layer, ids, kh, vh)
-        # a row continuing its run writes its table column from its int id (one scalar fill)
-        cols = [s if isinstance(s, int) else ids[:, i] for i, s in enumerate(spare)]
-    for r, p, col, pos, mod, order in zip(rows, past, cols, positions, modality, orders):
-        r.put_one(p, col, pos, mod, order)
-    return past
-
-
-def _row_spares(rows: list[Appends]) -> tuple[list[int], list[Tensor | int | None]]:
-    """Each one-sample row's length (kept on the host: no read back per row and layer) and its next
-    run spare (:meth:`SpareSlots.take`), its tables grown for one more column."""
-    past = [r.host_lengths()[0] for r in rows]
-    for r, p in zip(rows, past):
-        r._reserve(p + 1)
-    return past, [r.spares.take() for r in rows]
-
-
-def _row_slots(pool, layer: int, spare: list) -> tuple[Tensor, Tensor]:
-    """``(H_kv, B)`` the slots of one new entry per one-sample row: its run spare (an int, the same in
-    every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation; and
-    the ``(H_kv, m)`` fresh ones (what :meth:`KVPool.unalloc` takes back)."""
-    spec = pool.spec
-    fresh = pool.alloc(layer, sum(s is None for s in spare))
-    left = iter(fresh.unbind(1))
-    cols = []
-    for s in spare:
-        if isinstance(s, int):
-            s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
-        cols.append(next(left) if s is None else s)
-    return torch.stack(cols, 1), fresh
-
-
-class DecodeReservation:
-    """A decode step's append to one layer, reserved on the host (:func:`reserve_decode_entries`) and
-    not yet written: ``past (B,)`` int64, each request's new column (its length before), ``ids (H_kv,
-    B)`` int64, the new entries' slots (any strides).
-
-    Until the write succeeds the append can be taken back: :meth:`cancel` puts every owner's lengths,
-    tables, sequence indices and spares, and the pool's free slots, references and byte count back as
-    they were (the fused call's checks run in C++, some after it wrote the rows: a failure there must
-    not leave the layer half-appended, its lengths counting entries whose K/V were never written).
-    """
-
-    def __init__(self, owners: list[Appends]):
-        self.owners = owners
-        self.pool, self.layer = owners[0].pool, owners[0].layer
-        self._written = self.pool.bytes_written
-        # per owner what the reservation replaces and where its spares stand
-        self._marks = [(r._mark(), r.spares.mark()) for r in owners]
-        self._fresh: Tensor | None = None  # slots taken from the pool's free stacks
-        self.past: Tensor | None = None
-        self.ids: Tensor | None = None
-
-    def cancel(self) -> None:
-        """Take the reservation back (the write failed): the layer as it was before it."""
-        for r, (mark, spares) in zip(self.owners, self._marks):
-            r._restore(mark)
-            r.spares.rewind(spares)
-        if self._fresh is not None:
-            self.pool.unalloc(self.layer, self._fresh)
-        self.pool.bytes_written = self._written
-
-
-def reserve_decode_entries(
-    owners: list[Appends], order_next: Tensor, order_rows: list[Tensor]
-) -> DecodeReservation:
-    """A decode step's append to one layer (one new entry per request) without its tensor writes: the
-    host parts :meth:`Appends._append_one` and :func:`append_one_each` run around writing the new column
-    and the K/V rows (the same helpers), which the fused append-and-read does in its C++ call
-    (``vlkv/plugins/paged_append.py``).
-
-    ``owners``: one batch cache's layer, or a batch view's one-sample layers (all on one pool layer).
-    ``order_next (B,)``: each new entry's sequence index + 1; ``order_rows``: the same as ``()`` tensors
-    per request (split once per step). Tables grown to hold the column, slots allocated (a batch cache's
-    recycled columns, a one-sample cache's run spares, else fresh from the pool), next sequence indices,
-    running scores zeroed at the column, lengths (tensor and host copy) one longer, the pool's written
-    bytes counted. Returns the :class:`DecodeReservation` (its ``past`` and ``ids``); the caller
-    cancels it where the write fails. A failure here (a fixed pool out of slots) leaves nothing changed.
-    """
-    if len(owners) != 1 and any(r.batch != 1 for r in owners):
-        raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
-    res = DecodeReservation(owners)
+    # each column's sequence index, read before the reservation advances ``next_order``
+    col_orders = [r.next_order if o is None else o for r, o in zip(rows, orders)]
+    res = reserve_decode_entries(rows, None, [None if o is None else o + 1 for o in orders])
     try:
-        _reserve_into(res, order_next, order_rows)
+        dev = pool.spec.device
+        kh, vh = k[:, :, 0].to(dev).transpose(0, 1), v[:, :, 0].to(dev).transpose(0, 1)
+        if res.run is not None:  # every row continues its run: one id per row
+            pool.write_columns(layer, res.run, kh, vh, count=False)
+            cols: list[Tensor | int] = list(res.spare)
+        else:
+            pool.write(layer, res.ids, kh, vh, count=False)
+            # a row continuing its run writes its table column from its int id (one scalar fill)
+            cols = [s if isinstance(s, int) else res.ids[:, i] for i, s in enumerate(res.spare)]
+        for r, p, col, pos, mod, order in zip(rows, res.host, cols, positions, modality, col_orders):
+            r._put_column(p, col, pos, mod, order)
     except BaseException:
         res.cancel()
         raise
-    return res
-
-
-def _reserve_into(res: DecodeReservation, order_next: Tensor, order_rows: list[Tensor]) -> None:
-    """:func:`reserve_decode_entries`'s work, recorded in ``res`` as it goes (what to take back)."""
-    owners, pool, layer = res.owners, res.pool, res.layer
-    spec = pool.spec
-    first = owners[0]
-    if len(owners) == 1 and first.batch > 1:  # a batch cache: one allocation, one column per table
-        lens, ids, fresh = first._decode_slots()
-        if fresh:
-            res._fresh = ids
-        past = first.lengths  # set_lengths below gives the layer a new tensor: this one stays as it is
-        at = first._decode_column(lens, past) if first.scores else None
-        first._decode_advance(at, past, lens, torch.maximum(first.next_order, order_next))
-        pool.count_written(ids.numel())
-        res.past, res.ids = past, ids
-        return
-    host, spare = _row_spares(owners)
-    if all(isinstance(s, int) for s in spare):  # every row continues its run: the same slot in every head
-        ids = torch.tensor(spare, device=spec.device)[None].expand(spec.kv_heads, len(owners))
-    else:
-        ids, res._fresh = _row_slots(pool, layer, spare)
-    for r, p, nxt in zip(owners, host, order_rows):
-        r.next_order = torch.maximum(r.next_order, nxt)
-        r._advance_one(p)
-    pool.count_written(ids.numel())
-    res.past, res.ids = torch.tensor(host, device=spec.device), ids
+    return res.host

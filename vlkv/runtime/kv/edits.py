@@ -59,7 +59,9 @@ class Edits(EntryTable):
             kept: ``keep_len``'s values when the caller knows them on the host (no read back).
             prepared: :meth:`prepare_uniform` of this edit, its checks read (:func:`prepare_selects`).
         """
-        index, keep_len = index.to(self.device), keep_len.to(device=self.device, dtype=torch.long)
+        keep_len = keep_len.to(device=self.device, dtype=torch.long)
+        if index is not None:  # None only with ``prepared`` gaps already closed (nothing reads it)
+            index = index.to(self.device)
         if (
             holes is None
             and self.holes is None
@@ -119,7 +121,9 @@ class Edits(EntryTable):
         if not lengths or min(lengths) != max(lengths) or min(kept) != max(kept):
             return None
         n, k = lengths[0], kept[0]
-        index = index.to(self.device)
+        if index is None and n > k and (dropped is None or dropped.shape[2] != n - k):
+            return None  # the caller's index not built (``DropOneEdit``): select rebuilds with it
+        index = None if index is None else index.to(self.device)
         # a decode step's eviction of a few entries per row (H2O's, A-VL's, recent text) rewrites
         # the tables in place from the first column it drops; anything else rebuilds them at their
         # new width (a prompt's eviction: they shrink), packing what it keeps (``kv.packing``)

@@ -254,8 +254,11 @@ class KVPool:
         them at the slots it writes (the fused decode append)."""
         return self._prerope[layer]
 
-    def write(self, layer: int, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False) -> None:
-        """Store ``k, v (H_kv, n, D)`` at slots ``ids (H_kv, n)`` (the same count in every head)."""
+    def write(
+        self, layer: int, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False, count: bool = True
+    ) -> None:
+        """Store ``k, v (H_kv, n, D)`` at slots ``ids (H_kv, n)`` (the same count in every head);
+        ``count=False``: the bytes were counted already (a decode append's reservation)."""
         keys, values = self.keys[layer], self.values[layer]
         h, cap, d = keys.shape
         # rows of the flattened (H_kv·cap, D) store: index_copy_ beats 2-D advanced indexing per call
@@ -267,21 +270,24 @@ class KVPool:
         keys.view(h * cap, d).index_copy_(0, flat, k.reshape(n, -1).expand(n, d))
         values.view(h * cap, d).index_copy_(0, flat, v.reshape(n, -1).expand(n, d))
         self._prerope[layer].scatter_(1, ids, prerope)
-        self.bytes_written += n * self.spec.entry_bytes // self.spec.kv_heads
+        if count:
+            self.bytes_written += n * self.spec.entry_bytes // self.spec.kv_heads
 
     def count_written(self, rows: int) -> None:
         """Count ``rows`` single-head K + V rows written by a caller that wrote them into :attr:`keys` /
         :attr:`values` itself (the fused decode append; its pre-RoPE flags cleared there too)."""
         self.bytes_written += rows * self.spec.entry_bytes // self.spec.kv_heads
 
-    def write_columns(self, layer: int, ids: Tensor, k: Tensor, v: Tensor) -> None:
+    def write_columns(self, layer: int, ids: Tensor, k: Tensor, v: Tensor, count: bool = True) -> None:
         """Store ``k, v (H_kv, n, D)`` at slots ``ids (n,)``, the same slot in every head (decode
-        appends that continue their runs): one copy per store along the slot axis, no flat index."""
+        appends that continue their runs): one copy per store along the slot axis, no flat index;
+        ``count`` as :meth:`write`."""
         keys, values = self.keys[layer], self.values[layer]
         keys.index_copy_(1, ids, k if k.dtype == keys.dtype else k.to(keys.dtype))
         values.index_copy_(1, ids, v if v.dtype == values.dtype else v.to(values.dtype))
         self._prerope[layer].index_fill_(1, ids, False)
-        self.bytes_written += ids.numel() * self.spec.entry_bytes
+        if count:
+            self.bytes_written += ids.numel() * self.spec.entry_bytes
 
     def write_entries(
         self, layer: int, heads: Tensor, ids: Tensor, k: Tensor, v: Tensor, prerope: bool = False

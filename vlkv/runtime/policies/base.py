@@ -77,6 +77,40 @@ class LayerEdit:
                     f"holes must be shaped like index {tuple(self.index.shape)}, got {tuple(self.holes.shape)}"
                 )
 
+    def built_index(self) -> Tensor | None:
+        """``index`` where the edit holds it; None where it is built on first read (:class:`DropOneEdit`)."""
+        return self.index
+
+
+class DropOneEdit(LayerEdit):
+    """A :class:`LayerEdit` whose rows each drop one known column ``dropped (B, H_kv, 1)`` of
+    ``[0, width)`` (a per-step eviction's, H2O's). Its ``index``, every other column
+    (``(B, H_kv, width - 1)`` int64: ~20 MB a step at h2o 0.5 over 8k × 4), is built on first read:
+    the cache's one-call drop (``kv.drops``) closes the gaps from ``dropped`` alone and never reads it."""
+
+    def __init__(self, width: int, keep_len: Tensor, kept: list[int] | None, dropped: Tensor):
+        self.width = width
+        super().__init__(None, keep_len, kept=kept, dropped=dropped)
+
+    def __post_init__(self) -> None:
+        if self.dropped.dim() != 3 or self.dropped.shape[2] != 1:
+            raise ValueError(f"dropped must be (B, H_kv, 1), got {tuple(self.dropped.shape)}")
+        if self.kept is not None and len(self.kept) != self.keep_len.shape[0]:
+            raise ValueError(f"kept: one count per sample ({self.keep_len.shape[0]}), got {len(self.kept)}")
+
+    @property
+    def index(self) -> Tensor:
+        if self._index is None:
+            self._index = kept_but(self.dropped, self.width)
+        return self._index
+
+    @index.setter
+    def index(self, value: Tensor | None) -> None:
+        self._index = value
+
+    def built_index(self) -> Tensor | None:
+        return self._index
+
 
 @dataclass
 class CutEdit:
@@ -289,8 +323,8 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
         valid, forced = valid_slots(first, width), force(first, width, keep)
         # every row drops its one lowest (H2O's step): one pass over the layers' tables where they lie
         dropped = drop_one_each(per, valid, forced, kept)
-        if dropped is not None:
-            index, keep_len = kept_but(dropped, width), torch.minimum(keep, valid[:, 0].sum(-1)).repeat(g)
+        if dropped is not None:  # the kept columns built only where read (:class:`DropOneEdit`)
+            index, keep_len = None, torch.minimum(keep, valid[:, 0].sum(-1)).repeat(g)
         else:
             scores = torch.cat(per)  # (G·B, H_kv, width)
             if g > 1:
@@ -299,8 +333,12 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
             index, keep_len, dropped = rank_entries(scores, valid, keep.repeat(g), forced, kept * g)
         # each layer's rows as views: one split per tensor, not a slice per layer and tensor
         gone = [None] * g if dropped is None else dropped.split(b)
-        for i, idx, lens, cols in zip(members, index.split(b), keep_len.split(b), gone):
-            edits[i] = LayerEdit(idx, lens, kept=kept, dropped=cols)
+        rows = [None] * g if index is None else index.split(b)
+        for i, idx, lens, cols in zip(members, rows, keep_len.split(b), gone):
+            if idx is None:
+                edits[i] = DropOneEdit(width, lens, kept, cols)
+            else:
+                edits[i] = LayerEdit(idx, lens, kept=kept, dropped=cols)
     return edits
 
 
