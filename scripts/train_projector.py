@@ -114,6 +114,8 @@ class TrainConfig:
     lm_lora_targets: str = "q_proj,v_proj"
     lm_lora_alpha: float = 16.0
     lm_lora_lr_scale: float = 1.0
+    # the projector's learning rate as a multiple of lr (0: it stays as started, only adapters train)
+    projector_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -145,6 +147,8 @@ class TrainConfig:
             )
         if self.position_bias != "none" and self.form != "mlp":
             raise ValueError(f"position_bias {self.position_bias!r} needs form mlp, got {self.form!r}")
+        if self.projector_lr_scale < 0:
+            raise ValueError(f"projector_lr_scale must be >= 0, got {self.projector_lr_scale}")
         if self.position_lr_scale <= 0:
             raise ValueError(f"position_lr_scale must be > 0, got {self.position_lr_scale}")
         if self.position_alpha < 0:
@@ -327,7 +331,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
     # of one group, written before the setting existed, still resume)
     scaled = cfg.position_lr_scale != 1.0
     bias = [p for p in params if scaled and p is getattr(mlp, POSITION_KEY, None)]
-    groups = [{"params": [p for p in params if not any(p is b for b in bias)], "scale": 1.0}]
+    rest = [p for p in params if not any(p is b for b in bias)]
+    groups = [{"params": rest, "scale": cfg.projector_lr_scale}]
     groups += [{"params": bias, "scale": cfg.position_lr_scale}] if bias else []
     if cfg.lm_lora_rank:
         targets = lm_lora.parse_targets(cfg.lm_lora_targets)

@@ -84,3 +84,16 @@ def test_bad_adapter_settings_are_one_line(tp, tmp_path, capsys):
     assert "lm_lora_rank must be >= 0" in capsys.readouterr().err
     assert tp.main(["--out", str(tmp_path), "--lm-lora-rank", "2", "--lm-lora-targets", "qproj"]) == 2
     assert "targets must be among" in capsys.readouterr().err
+
+
+def test_projector_lr_scale_zero_trains_only_the_adapters(tp, tmp_path):
+    cfg = _cfg(tp, steps=2, projector_lr_scale=0.0)
+    tp.train(cfg, tmp_path / "a", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "a" / tp.CHECKPOINT, weights_only=False)["projector"]
+    end = tp.train(cfg, tmp_path / "a", resume=True, quiet=True)
+    for key, value in start.items():
+        torch.testing.assert_close(end[key], value, rtol=0, atol=0)
+    lora = _adapters(tmp_path / "a" / tp.CHECKPOINT)
+    assert any(k.endswith(".B") and v.abs().max() > 0 for k, v in lora.items())
+    with pytest.raises(ValueError, match="projector_lr_scale must be >= 0"):
+        _cfg(tp, projector_lr_scale=-1.0)
