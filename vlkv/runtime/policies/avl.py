@@ -20,6 +20,7 @@ from vlkv.runtime.backend import AttendIndex, RowFilter, StatsRequest, StepStats
 from vlkv.runtime.cache import KVCache, LayerKV
 from vlkv.runtime.kv import score_ops
 from vlkv.runtime.policies.base import (
+    DropOneEdit,
     LayerEdit,
     Policy,
     check_range,
@@ -27,7 +28,7 @@ from vlkv.runtime.policies.base import (
     recent_mask,
     valid_slots,
 )
-from vlkv.runtime.policies.ranking import top_entries
+from vlkv.runtime.policies.ranking import drop_one_each, rank_entries, top_entries
 
 REGION, CORE, TEXT_SCORE = "avl_region", "avl_core", "avl_text"  # per-entry scores
 TEXT, VISION, SYSTEM = 0, 1, 2  # region codes; appended (generated) entries start at 0 = text
@@ -231,11 +232,11 @@ class AVLPolicy(Policy):
             ctx.num_kv_heads,
         )
         keep, host = self._text_budgets(cache, self.bounds(ctx), held=held)
-        if self.update_step(ctx.step):
+        # a core as large as the secondary set is every vision entry a layer holds, which it already
+        # is (the prefill marks them all, appends add text): the refresh would rewrite the same flags
+        if self.update_step(ctx.step) and self.core_share < self.secondary_share:
             self._refresh_cores(cache, stats)
-        # the text masks only of layers that evict text
-        texts = [None if host[i] else _text_mask(layer) for i, layer in enumerate(layers)]
-        return _edits(layers, self._text_keeps(cache, texts, keep, host))
+        return self._text_evictions(cache, keep, host)
 
     def _refresh_cores(self, cache: KVCache, stats) -> None:
         """Each layer's core: the top ``STATE_CORE`` vision entries by this step's head-mean attention.
@@ -267,8 +268,8 @@ class AVLPolicy(Policy):
         self, cache: KVCache, bounds: Tensor, texts: list[Tensor] | None = None, held: Tensor | None = None
     ):
         """The text entries each layer keeps: ``keep (L, B)`` and, read back in one transfer for
-        every layer, per layer whether every text entry stays (``L`` ints) and the counts kept
-        (``L * B``). ``texts[l]``: ``(B, H_kv, S)`` bool, the layer's valid text slots, or ``held
+        every layer, per layer whether every text entry stays (``L`` ints), the counts kept
+        (``L * B``) and the counts held (``L * B``). ``texts[l]``: ``(B, H_kv, S)`` bool, the layer's valid text slots, or ``held
         (L, B)``: their counts in head 0, where known."""
         # text tokens processed so far (prompt + generated)
         seen = cache.processed - bounds[:, 1].to(cache.processed)
@@ -277,7 +278,7 @@ class AVLPolicy(Policy):
             held = torch.stack([text[:, 0].sum(-1) for text in texts])  # (L, B)
         rank = rank.to(held.device)
         keep = torch.minimum(rank, held)
-        return keep, torch.cat([(held <= rank).all(1).long(), keep.reshape(-1)]).tolist()
+        return keep, torch.cat([(held <= rank).all(1).long(), keep.reshape(-1), held.reshape(-1)]).tolist()
 
     def _text_keeps(self, cache: KVCache, texts: list[Tensor], keep: Tensor, host: list[int]):
         """Per layer, ``(B, H_kv, S)`` bool: every non-text slot plus the text entries the H2O budget
@@ -299,11 +300,57 @@ class AVLPolicy(Policy):
             out.append(~text | top_mask(score, text, k, force=recent & text, kept=kept))
         return out
 
+    def _text_evictions(self, cache: KVCache, keep: Tensor, host: list[int]) -> list[LayerEdit | None]:
+        """Per layer, a decode step's text eviction as a select edit, None where every text entry
+        stays (``keep``, ``host``: :meth:`_text_budgets`, ``host`` holding the counts held).
 
-def _text_mask(layer: LayerKV) -> Tensor:
-    """``(B, H_kv, S)`` bool: the layer's valid text slots (``S`` its longest row)."""
-    width = layer.max_length
-    return (layer.scores[REGION][:, :, :width] == TEXT) & valid_slots(layer, width)
+        The text entries are the tail ``[n - held, n)`` of every head's slots (regions follow the
+        prompt's order; appends are text), the recent ones its last, so :meth:`_text_keeps`' ranking
+        of the text alone is the ranking of every valid slot with all but the non-recent text forced
+        in, keeping ``n - held + keep``: forced slots rank highest and, among equals, the lower column
+        first, which puts the non-text slots (the lowest columns) before any text one. In that form
+        the layers holding the same lengths and counts share their masks and are ranked in one call
+        over their stacked score tables (as :func:`~vlkv.runtime.policies.base.select_top` does
+        H2O's), and where every row drops one entry (a one-sample cache's step) each edit names its
+        dropped column (:class:`DropOneEdit`): the cache then closes every layer's gap in one call."""
+        layers = cache.layers
+        n_layers, b = keep.shape
+        groups: dict[tuple, list[int]] = {}
+        for i, layer in enumerate(layers):
+            if not host[i]:
+                at = n_layers + i * b
+                key = (tuple(layer.host_lengths()), tuple(host[at : at + b]))
+                held = host[at + n_layers * b : at + n_layers * b + b]
+                groups.setdefault((*key, tuple(held)), []).append(i)
+        edits: list[LayerEdit | None] = [None] * n_layers
+        for (rows, text_kept, held), members in groups.items():
+            first, g = layers[members[0]], len(members)
+            width, dev = max(rows), layers[members[0]].lengths.device
+            kept = [n - h + k for n, h, k in zip(rows, held, text_kept)]
+            # per sample the text entries that may go: [n - held, n - recent) (torch.round's and
+            # Python's round both round half to even)
+            ends = [n - (k - round(k * self.heavy_ratio)) for n, k in zip(rows, text_kept)]
+            window = torch.tensor([[n - h for n, h in zip(rows, held)], ends], device=dev)[:, :, None]
+            j = torch.arange(width, device=dev)
+            force = ((j < window[0]) | (j >= window[1]))[:, None]  # (B, 1, width)
+            valid = valid_slots(first, width)
+            per = [layers[i].scores[TEXT_SCORE].narrow(2, 0, width) for i in members]  # (B, H_kv, width)
+            keep_len = torch.tensor(kept * g, device=dev)
+            dropped = drop_one_each(per, valid, force, kept)
+            index = None
+            if dropped is None:
+                scores = torch.cat(per) if g > 1 else per[0]
+                if g > 1:
+                    valid, force = valid.repeat(g, 1, 1), force.repeat(g, 1, 1)
+                index, _, dropped = rank_entries(scores, valid, keep_len, force, kept * g)
+            gone = [None] * g if dropped is None else dropped.split(b)
+            index = [None] * g if index is None else index.split(b)
+            for i, idx, lens, cols in zip(members, index, keep_len.split(b), gone):
+                if idx is None:
+                    edits[i] = DropOneEdit(width, lens, kept, cols)
+                else:
+                    edits[i] = LayerEdit(idx, lens, kept=kept, dropped=cols)
+        return edits
 
 
 def _store(layer: LayerKV, name: str, values: Tensor) -> None:
