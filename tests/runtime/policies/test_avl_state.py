@@ -1,0 +1,119 @@
+"""A-VL's decode step with fewer ops (issue #28, session 8: the text eviction ranked once per group of
+layers and handed its dropped columns, the core refresh skipped where it is an identity) leaves the
+whole cache as the per-layer hooks (``vlkv/runtime/policies/avl_reference.py``) leave it: after every
+decode step, every layer's lengths, per-entry tables (slots, positions, modality, order, running
+scores), holes, the K/V it reads and the pool's free slots are equal bit for bit, and so are the
+tokens. One-sample caches (a scheduler's requests: every layer's one-drop edit in one call), a batch
+cache whose rows are in step (the one-call drop over rows) and one whose rows are not (the ranking
+path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vlkv.runtime.kv.drops as drops
+import vlkv.runtime.policies.avl as avl
+from tests.runtime.policies.kept_sets import MODELS
+from vlkv.runtime.policies.avl_reference import PerLayerAVL
+from vlkv.runtime.prompt import Prompt
+
+SPECS = [
+    {"budget": 0.5, "text_min": 2},  # scripts/count_step_ops.py's avl: core = secondary
+    {"budget": 0.2, "text_min": 2},
+    {"budget": 0.5, "core": 0.3, "text_min": 2, "heavy_ratio": 0.3},
+    {"budget": 0.4, "core": 0.2, "interval": 2, "text": 0.3, "text_min": 0},
+    {"budget": 0.5, "interval": 1, "text_min": 2, "prefill_keep": 0.5, "filter_layer": 1},
+]
+STEPS = 8
+
+
+def _state(cache) -> list[dict]:
+    """Per layer, what a later step or edit can read: lengths, the valid columns of every per-entry
+    table and of the K/V read, the holes, the pool's free count."""
+    out = []
+    for layer in cache.layers:
+        n = layer.max_length
+        lengths = layer.host_lengths()
+        tables = {"slots": layer.slots, "positions": layer.positions, "modality": layer.modality}
+        tables |= {"order": layer.order} | {f"score:{k}": v for k, v in layer.scores.items()}
+        k, v = layer.attention_kv(n)
+        tables |= {"k": k, "v": v}
+        if layer.holes is not None:
+            tables["holes"] = layer.holes
+        rows = {
+            name: [t[b, :, : lengths[b]].clone() for b in range(len(lengths))] for name, t in tables.items()
+        }
+        out.append({"lengths": lengths, "free": layer.pool.free_slots(layer.layer), "rows": rows})
+    return out
+
+
+def _assert_same(got: list[dict], want: list[dict], where: str) -> None:
+    assert len(got) == len(want), where
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g["lengths"] == w["lengths"], (where, i)
+        assert g["free"] == w["free"], (where, i, "free slots")
+        assert g["rows"].keys() == w["rows"].keys(), (where, i)
+        for name in g["rows"]:
+            for b, (x, y) in enumerate(zip(g["rows"][name], w["rows"][name], strict=True)):
+                assert x.dtype == y.dtype and torch.equal(x, y), (where, i, name, b)
+
+
+def _run(engine, cls, kw: dict, prompts: list[Prompt]):
+    """Tokens and the state after the prefill and each decode step of one batch cache."""
+    policy, batch = cls(**kw), engine.encode(prompts)
+    cache = engine.new_cache(batch)
+    states, tokens = [], []
+    with torch.no_grad():
+        tok = engine.prefill(batch, policy, cache).logits.argmax(-1)
+        states.append(_state(cache))
+        for step in range(1, STEPS + 1):
+            tok = engine.decode(tok, batch, policy, cache, step).logits.argmax(-1)
+            tokens.append(tok.tolist())
+            states.append(_state(cache))
+    cache.release()
+    return tokens, states
+
+
+def _spy_one_drops(monkeypatch) -> list[int]:
+    """Layers whose gaps the one-call drop closed (:func:`drops._drop_one_each`)."""
+    seen: list[int] = []
+    fused = drops._drop_one_each
+
+    def spy(jobs, kept, spare, recycle):
+        out = fused(jobs, kept, spare, recycle)
+        seen.append(0 if out is None else len(out))
+        return out
+
+    monkeypatch.setattr(drops, "_drop_one_each", spy)
+    return seen
+
+
+def _prompts(images, kind: str) -> list[Prompt]:
+    if kind == "solo":
+        return [Prompt("Describe the picture in a few words.", [images[0]])]
+    if kind == "in-step":  # equal lengths, different images: rows drop together, different victims
+        return [Prompt("Describe the picture.", [im]) for im in images]
+    return [
+        Prompt("Describe the picture.", [images[0]]),
+        Prompt("What is in this image, and why?", [images[1]]),
+    ]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("kind", ["solo", "in-step", "ragged"])
+@pytest.mark.parametrize("kw", SPECS, ids=[",".join(f"{k}={v}" for k, v in kw.items()) for kw in SPECS])
+def test_avl_leaves_the_whole_cache_as_the_per_layer_hooks(model, kind, kw, engines, images, monkeypatch):
+    engine = engines[model]
+    prompts = _prompts(images, kind)
+    if kind == "in-step":
+        assert len({int(n) for n in engine.encode(prompts).lengths}) == 1
+    with monkeypatch.context() as m:
+        seen = _spy_one_drops(m)
+        got = _run(engine, avl.AVLPolicy, kw, prompts)
+    want = _run(engine, PerLayerAVL, kw, prompts)
+    assert got[0] == want[0], "tokens"
+    for step, (g, w) in enumerate(zip(got[1], want[1], strict=True)):
+        _assert_same(g, w, f"state {step}")
+    if kind != "ragged" and kw["text_min"] <= 2:
+        assert sum(seen) > 0, "no step took the one-call drop: the fast path would be compared on nothing"
