@@ -53,10 +53,13 @@ def top_mask(
     return hits > 0
 
 
-def mask_to_index(mask: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
+def mask_to_index(
+    mask: Tensor, width: int | None = None, counts: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``(B, h, S)`` bool → ascending slots ``(B, h, K)`` (padded with 0) and counts ``(B, h)``;
-    ``width``: the largest count when the caller read it already (else read here)."""
-    counts = mask.sum(-1)
+    ``width``: the largest count when the caller read it already (else read here); ``counts``:
+    ``mask.sum(-1)`` where the caller holds it."""
+    counts = mask.sum(-1) if counts is None else counts
     s = mask.shape[-1]
     slots = torch.where(mask, torch.arange(s, device=mask.device)[None, None, :], s)
     index = torch.sort(slots, dim=-1).values[..., : max(int(counts.max()) if width is None else width, 1)]
@@ -211,13 +214,21 @@ class AVLPolicy(Policy):
         if self.core_share >= self.secondary_share:
             # the core is every secondary entry a layer holds: no vision entry is ever idle
             return None
-        plans: list[AttendIndex | None] = []
+        used, checks = [], []
         for layer in cache.layers:
             width = layer.max_length
             valid = valid_slots(layer, width)
             idle = (layer.scores[REGION][:, :, :width] == VISION) & (layer.scores[CORE][:, :, :width] == 0)
-            used = valid & ~idle
-            plans.append(None if bool((used == valid).all()) else AttendIndex(*mask_to_index(used)))
+            mask = valid & ~idle
+            counts = mask.sum(-1)
+            used.append((mask, counts))
+            checks += [(mask == valid).all().long(), counts.max()]
+        # whether each layer reads every entry and its longest list: one read back for every layer
+        host = torch.stack(checks).tolist()
+        plans: list[AttendIndex | None] = [
+            None if host[2 * i] else AttendIndex(*mask_to_index(mask, host[2 * i + 1], counts))
+            for i, (mask, counts) in enumerate(used)
+        ]
         return plans if any(p is not None for p in plans) else None
 
     def after_decode(self, cache, stats, ctx):
