@@ -56,12 +56,12 @@ def top_mask(
 def mask_to_index(
     mask: Tensor, width: int | None = None, counts: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """``(B, h, S)`` bool → ascending slots ``(B, h, K)`` (padded with 0) and counts ``(B, h)``;
+    """``(..., h, S)`` bool → ascending slots ``(..., h, K)`` (padded with 0) and counts ``(..., h)``;
     ``width``: the largest count when the caller read it already (else read here); ``counts``:
     ``mask.sum(-1)`` where the caller holds it."""
     counts = mask.sum(-1) if counts is None else counts
     s = mask.shape[-1]
-    slots = torch.where(mask, torch.arange(s, device=mask.device)[None, None, :], s)
+    slots = torch.where(mask, torch.arange(s, device=mask.device), s)
     index = torch.sort(slots, dim=-1).values[..., : max(int(counts.max()) if width is None else width, 1)]
     return index.masked_fill(index == s, 0), counts
 
@@ -214,21 +214,35 @@ class AVLPolicy(Policy):
         if self.core_share >= self.secondary_share:
             # the core is every secondary entry a layer holds: no vision entry is ever idle
             return None
-        used, checks = [], []
-        for layer in cache.layers:
-            width = layer.max_length
-            valid = valid_slots(layer, width)
-            idle = (layer.scores[REGION][:, :, :width] == VISION) & (layer.scores[CORE][:, :, :width] == 0)
-            mask = valid & ~idle
-            counts = mask.sum(-1)
-            used.append((mask, counts))
-            checks += [(mask == valid).all().long(), counts.max()]
-        # whether each layer reads every entry and its longest list: one read back for every layer
-        host = torch.stack(checks).tolist()
-        plans: list[AttendIndex | None] = [
-            None if host[2 * i] else AttendIndex(*mask_to_index(mask, host[2 * i + 1], counts))
-            for i, (mask, counts) in enumerate(used)
-        ]
+        layers = cache.layers
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, layer in enumerate(layers):
+            groups.setdefault(tuple(layer.host_lengths()), []).append(i)
+        parts, checks = [], []
+        for members in groups.values():
+            # the layers holding the same lengths stacked (G, B, H_kv, width): one mask for them all
+            width = layers[members[0]].max_length
+            region = torch.stack([layers[i].scores[REGION].narrow(2, 0, width) for i in members])
+            core = torch.stack([layers[i].scores[CORE].narrow(2, 0, width) for i in members])
+            valid = valid_slots(layers[members[0]], width)  # (B, 1, width)
+            used = valid & ((region != VISION) | (core != 0))  # every valid entry but the idle vision
+            counts = used.sum(-1)  # (G, B, H_kv)
+            parts.append((members, used, counts))
+            checks += [(used == valid).flatten(1).all(1).long(), counts.flatten(1).max(1).values]
+        # per layer whether it reads every entry and its longest list: one read back for every layer
+        host = torch.cat(checks).tolist()
+        plans: list[AttendIndex | None] = [None] * len(layers)
+        at = 0
+        for members, used, counts in parts:
+            g = len(members)
+            everything, widths = host[at : at + g], host[at + g : at + 2 * g]
+            at += 2 * g
+            if all(everything):
+                continue
+            index = mask_to_index(used, max(widths), counts)[0]  # (G, B, H_kv, K) ascending, 0-padded
+            for j, i in enumerate(members):
+                if not everything[j]:  # each layer's list as wide as its own longest, as before
+                    plans[i] = AttendIndex(index[j].narrow(2, 0, max(widths[j], 1)), counts[j])
         return plans if any(p is not None for p in plans) else None
 
     def after_decode(self, cache, stats, ctx):
