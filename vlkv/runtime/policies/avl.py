@@ -272,19 +272,19 @@ class AVLPolicy(Policy):
         for i, layer in enumerate(cache.layers):
             groups.setdefault(tuple(layer.host_lengths()), []).append(i)
         for members in groups.values():
-            first = cache.layers[members[0]]
+            first, g = cache.layers[members[0]], len(members)
             width = first.max_length
             valid = valid_slots(first, width)
-            means = torch.cat([stats[i].colsum[:, :, :width].mean(1, keepdim=True) for i in members])
-            vision = torch.cat([cache.layers[i].scores[REGION][:, :1, :width] == VISION for i in members])
-            core = top_mask(
-                means,
-                vision & valid.repeat(len(members), 1, 1),
-                cache.policy_state[STATE_CORE].repeat(len(members)),
+            # ``narrow``: one op per view, where ``t[:, :1, :w]`` dispatches a slice per dimension
+            means = torch.cat([stats[i].colsum.narrow(2, 0, width).mean(1, keepdim=True) for i in members])
+            region = torch.cat(
+                [cache.layers[i].scores[REGION].narrow(1, 0, 1).narrow(2, 0, width) for i in members]
             )
-            for j, i in enumerate(members):
+            core = top_mask(
+                means, (region == VISION) & valid.repeat(g, 1, 1), cache.policy_state[STATE_CORE].repeat(g)
+            )
+            for i, rows in zip(members, core.split(first.batch)):
                 layer = cache.layers[i]
-                rows = core[j * layer.batch : (j + 1) * layer.batch]
                 # bool into the float table in one pass (no float copy of the expanded rows first)
                 layer.scores[CORE].narrow(2, 0, width).copy_(rows.expand(-1, layer.kv_heads, -1))
 
