@@ -117,3 +117,59 @@ def test_avl_leaves_the_whole_cache_as_the_per_layer_hooks(model, kind, kw, engi
         _assert_same(g, w, f"state {step}")
     if kind != "ragged" and kw["text_min"] <= 2:
         assert sum(seen) > 0, "no step took the one-call drop: the fast path would be compared on nothing"
+
+
+def _hook_ops(num_layers: int, kw: dict, image, monkeypatch) -> list[int]:
+    """Per decode step of one request (a one-sample cache) on a tiny LLaVA of ``num_layers`` layers:
+    the ops of A-VL's decode hooks (the read plan, the statistics' fold and edits, their
+    application to the cache)."""
+    import vlkv.runtime.edits as run_edits
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.models.registry import LoadedModel
+    from vlkv.runtime.models.tiny import TinySpec, build_tiny_llava
+    from vlkv.runtime.op_count import count_ops
+
+    model, processor = build_tiny_llava(TinySpec(num_layers=num_layers))
+    engine = Engine(LoadedModel(model.eval(), processor, "tiny-llava", "llava"))
+    policy = avl.AVLPolicy(**kw)
+    ops = [0]
+
+    def counted(fn):
+        def run(*a, **k):
+            with count_ops() as c:
+                out = fn(*a, **k)
+            ops[-1] += c.ops
+            return out
+
+        return run
+
+    for hook in ("decode_attend", "after_decode"):
+        setattr(policy, hook, counted(getattr(policy, hook)))
+    monkeypatch.setattr(run_edits, "apply_edits", counted(run_edits.apply_edits))
+    batch = engine.encode([Prompt("Describe the picture in a few words, please.", [image])])
+    cache = engine.new_cache(batch)
+    with torch.no_grad():
+        tok = engine.prefill(batch, policy, cache).logits.argmax(-1)
+        for step in range(1, STEPS + 1):
+            ops.append(0)
+            tok = engine.decode(tok, batch, policy, cache, step).logits.argmax(-1)
+    cache.release()
+    return ops[1:]
+
+
+@pytest.mark.parametrize(
+    "kw", [{"budget": 0.5, "text_min": 2}, {"budget": 0.5, "core": 0.3, "text_min": 2, "interval": 2}]
+)
+def test_avl_decode_hooks_dispatch_few_ops_per_layer(kw, images, monkeypatch):
+    """What each more layer adds to A-VL's decode hooks, step by step (2 vs 6 layers, the same steps
+    evicting): at most 16 ops per layer (7 measured without a core, 14 with one), where the per-layer
+    hooks, measured here too, cost up to 171 and 237: a bound, so the per-layer cost a decode step
+    pays 30 times at smollm2-llava's depth does not creep back."""
+    got = [_hook_ops(n, kw, images[0], monkeypatch) for n in (2, 6)]
+    with monkeypatch.context() as m:
+        m.setattr(avl, "AVLPolicy", PerLayerAVL)
+        before = [_hook_ops(n, kw, images[0], monkeypatch) for n in (2, 6)]
+    per_layer = [(b - a) / 4 for a, b in zip(*got)]
+    was = [(b - a) / 4 for a, b in zip(*before)]
+    assert max(was) > 40, "the per-layer hooks evicted nothing: the bound would be checked on nothing"
+    assert max(per_layer) <= 16, per_layer
