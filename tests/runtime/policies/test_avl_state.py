@@ -163,7 +163,7 @@ def _hook_ops(num_layers: int, kw: dict, image, monkeypatch) -> list[int]:
 def test_avl_decode_hooks_dispatch_few_ops_per_layer(kw, images, monkeypatch):
     """What each more layer adds to A-VL's decode hooks, step by step (2 vs 6 layers, the same steps
     evicting): at most 16 ops per layer (7 measured without a core, 14 with one), where the per-layer
-    hooks, measured here too, cost up to 171 and 237: a bound, so the per-layer cost a decode step
+    hooks, measured here too, cost up to 172 and 237: a bound, so the per-layer cost a decode step
     pays 30 times at smollm2-llava's depth does not creep back."""
     got = [_hook_ops(n, kw, images[0], monkeypatch) for n in (2, 6)]
     with monkeypatch.context() as m:
