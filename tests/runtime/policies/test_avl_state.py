@@ -173,3 +173,55 @@ def test_avl_decode_hooks_dispatch_few_ops_per_layer(kw, images, monkeypatch):
     was = [(b - a) / 4 for a, b in zip(*before)]
     assert max(was) > 40, "the per-layer hooks evicted nothing: the bound would be checked on nothing"
     assert max(per_layer) <= 16, per_layer
+
+
+def _text_layer(lengths: list[int], h: int, seed: int, ties: bool):
+    from vlkv.runtime.cache import LayerKV
+
+    b, n = len(lengths), max(lengths)
+    layer = LayerKV.empty(b, h, 4, 1, torch.float32, "cpu")
+    k = torch.randn(b, h, n, 4, generator=torch.Generator().manual_seed(seed))
+    pos = torch.arange(n).expand(b, n)[..., None]
+    layer.append(k, k.clone(), pos, torch.zeros(b, n, dtype=torch.int8), torch.tensor(lengths))
+    g = torch.Generator().manual_seed(seed + 1)
+    score = torch.randint(0, 3, (b, h, n), generator=g).float() if ties else torch.rand(b, h, n, generator=g)
+    if ties:
+        score[0, 0, n // 2] = float("nan")  # ranks as +inf, like a forced entry
+    layer.ensure_score(avl.TEXT_SCORE)[:, :, :n] = score
+    return layer
+
+
+@pytest.mark.parametrize("n", [9, 81, 729])
+@pytest.mark.parametrize("rows", ["in-step", "ragged"])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("heavy", [0.0, 0.5, 1.0])
+def test_text_evictions_keep_the_text_rankings_sets(n, rows, ties, heavy):
+    """``avl_text.text_evictions`` (every slot ranked, all but the non-recent text forced in, layers in
+    groups, one-drop edits) keeps per (sample, head) exactly the set of the text-only ranking it
+    replaced (``~text | top_mask(text score, text, keep, force=recent text)``), ties and a NaN included,
+    for one and several drops per row."""
+    from vlkv.runtime.policies.avl_text import text_evictions
+    from vlkv.runtime.policies.base import recent_mask, valid_slots
+
+    lengths = [n, n] if rows == "in-step" else [n, n - 4]
+    for drops_per_row in (1, 3):
+        layers = [_text_layer(lengths, 2, s, ties) for s in range(3)]
+        held = [[max(n // 2, 5)] * 2, [max(n // 2, 5)] * 2, [max(n // 3, 5), max(n // 2, 5)]]
+        keep = torch.tensor([[h - drops_per_row for h in row] for row in held])
+        host = [0, 0, 0] + keep.reshape(-1).tolist() + [h for row in held for h in row]
+        edits = text_evictions(layers, keep, host, heavy)
+        for i, (layer, edit) in enumerate(zip(layers, edits)):
+            width = layer.max_length
+            j = torch.arange(width)
+            start = torch.tensor(lengths) - torch.tensor(held[i])
+            text = ((j >= start[:, None]) & (j < torch.tensor(lengths)[:, None]))[:, None].expand(2, 2, width)
+            k = keep[i]
+            recent = recent_mask(layer.lengths, width, k - torch.round(k.double() * heavy).long())
+            score = layer.scores[avl.TEXT_SCORE][:, :, :width]
+            want = (~text | avl.top_mask(score, text, k, force=recent & text)) & valid_slots(layer, width)
+            got = torch.zeros(2, 2, width, dtype=torch.bool)
+            for b in range(2):
+                got[b].scatter_(1, edit.index[b, :, : int(edit.keep_len[b])], True)
+            assert torch.equal(got, want), (i, drops_per_row)
+            if drops_per_row == 1 and rows == "in-step" and i < 2:
+                assert edit.dropped is not None, "a one-drop step names its dropped column"

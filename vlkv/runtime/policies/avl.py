@@ -19,8 +19,8 @@ from torch import Tensor
 from vlkv.runtime.backend import AttendIndex, RowFilter, StatsRequest, StepStats
 from vlkv.runtime.cache import KVCache, LayerKV
 from vlkv.runtime.kv import score_ops
+from vlkv.runtime.policies.avl_text import TEXT_SCORE, text_evictions
 from vlkv.runtime.policies.base import (
-    DropOneEdit,
     LayerEdit,
     Policy,
     check_range,
@@ -28,9 +28,9 @@ from vlkv.runtime.policies.base import (
     recent_mask,
     valid_slots,
 )
-from vlkv.runtime.policies.ranking import drop_one_each, rank_entries, top_entries
+from vlkv.runtime.policies.ranking import top_entries
 
-REGION, CORE, TEXT_SCORE = "avl_region", "avl_core", "avl_text"  # per-entry scores
+REGION, CORE = "avl_region", "avl_core"  # per-entry scores (and avl_text.TEXT_SCORE)
 TEXT, VISION, SYSTEM = 0, 1, 2  # region codes; appended (generated) entries start at 0 = text
 LAST = "avl_last"  # extra stats request: the last prompt row
 STATE_ROWS, STATE_CORE = "avl_filter_rows", "avl_core_count"
@@ -261,7 +261,7 @@ class AVLPolicy(Policy):
         # is (the prefill marks them all, appends add text): the refresh would rewrite the same flags
         if self.update_step(ctx.step) and self.core_share < self.secondary_share:
             self._refresh_cores(cache, stats)
-        return self._text_evictions(cache, keep, host)
+        return text_evictions(cache.layers, keep, host, self.heavy_ratio)
 
     def _refresh_cores(self, cache: KVCache, stats) -> None:
         """Each layer's core: the top ``STATE_CORE`` vision entries by this step's head-mean attention.
@@ -324,58 +324,6 @@ class AVLPolicy(Policy):
             kept = host[n + i * b : n + (i + 1) * b]
             out.append(~text | top_mask(score, text, k, force=recent & text, kept=kept))
         return out
-
-    def _text_evictions(self, cache: KVCache, keep: Tensor, host: list[int]) -> list[LayerEdit | None]:
-        """Per layer, a decode step's text eviction as a select edit, None where every text entry
-        stays (``keep``, ``host``: :meth:`_text_budgets`, ``host`` holding the counts held).
-
-        The text entries are the tail ``[n - held, n)`` of every head's slots (regions follow the
-        prompt's order; appends are text), the recent ones its last, so :meth:`_text_keeps`' ranking
-        of the text alone is the ranking of every valid slot with all but the non-recent text forced
-        in, keeping ``n - held + keep``: forced slots rank highest and, among equals, the lower column
-        first, which puts the non-text slots (the lowest columns) before any text one. In that form
-        the layers holding the same lengths and counts share their masks and are ranked in one call
-        over their stacked score tables (as :func:`~vlkv.runtime.policies.base.select_top` does
-        H2O's), and where every row drops one entry (a one-sample cache's step) each edit names its
-        dropped column (:class:`DropOneEdit`): the cache then closes every layer's gap in one call."""
-        layers = cache.layers
-        n_layers, b = keep.shape
-        groups: dict[tuple, list[int]] = {}
-        for i, layer in enumerate(layers):
-            if not host[i]:
-                at = n_layers + i * b
-                key = (tuple(layer.host_lengths()), tuple(host[at : at + b]))
-                held = host[at + n_layers * b : at + n_layers * b + b]
-                groups.setdefault((*key, tuple(held)), []).append(i)
-        edits: list[LayerEdit | None] = [None] * n_layers
-        for (rows, text_kept, held), members in groups.items():
-            first, g = layers[members[0]], len(members)
-            width, dev = max(rows), layers[members[0]].lengths.device
-            kept = [n - h + k for n, h, k in zip(rows, held, text_kept)]
-            # per sample the text entries that may go: [n - held, n - recent) (torch.round's and
-            # Python's round both round half to even)
-            ends = [n - (k - round(k * self.heavy_ratio)) for n, k in zip(rows, text_kept)]
-            window = torch.tensor([[n - h for n, h in zip(rows, held)], ends], device=dev)[:, :, None]
-            j = torch.arange(width, device=dev)
-            force = ((j < window[0]) | (j >= window[1]))[:, None]  # (B, 1, width)
-            valid = valid_slots(first, width)
-            per = [layers[i].scores[TEXT_SCORE].narrow(2, 0, width) for i in members]  # (B, H_kv, width)
-            keep_len = torch.tensor(kept * g, device=dev)
-            dropped = drop_one_each(per, valid, force, kept)
-            index = None
-            if dropped is None:
-                scores = torch.cat(per) if g > 1 else per[0]
-                if g > 1:
-                    valid, force = valid.repeat(g, 1, 1), force.repeat(g, 1, 1)
-                index, _, dropped = rank_entries(scores, valid, keep_len, force, kept * g)
-            gone = [None] * g if dropped is None else dropped.split(b)
-            index = [None] * g if index is None else index.split(b)
-            for i, idx, lens, cols in zip(members, index, keep_len.split(b), gone):
-                if idx is None:
-                    edits[i] = DropOneEdit(width, lens, kept, cols)
-                else:
-                    edits[i] = LayerEdit(idx, lens, kept=kept, dropped=cols)
-        return edits
 
 
 def _store(layer: LayerKV, name: str, values: Tensor) -> None:
