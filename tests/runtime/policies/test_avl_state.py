@@ -209,7 +209,7 @@ def test_text_evictions_keep_the_text_rankings_sets(n, rows, ties, heavy):
         held = [[max(n // 2, 5)] * 2, [max(n // 2, 5)] * 2, [max(n // 3, 5), max(n // 2, 5)]]
         keep = torch.tensor([[h - drops_per_row for h in row] for row in held])
         host = [0, 0, 0] + keep.reshape(-1).tolist() + [h for row in held for h in row]
-        edits = text_evictions(layers, keep, host, heavy)
+        edits = text_evictions(layers, keep, torch.tensor(held), host, heavy)
         for i, (layer, edit) in enumerate(zip(layers, edits)):
             width = layer.max_length
             j = torch.arange(width)

@@ -261,7 +261,7 @@ class AVLPolicy(Policy):
         # is (the prefill marks them all, appends add text): the refresh would rewrite the same flags
         if self.update_step(ctx.step) and self.core_share < self.secondary_share:
             self._refresh_cores(cache, stats)
-        return text_evictions(cache.layers, keep, host, self.heavy_ratio)
+        return text_evictions(cache.layers, keep, held, host, self.heavy_ratio)
 
     def _refresh_cores(self, cache: KVCache, stats) -> None:
         """Each layer's core: the top ``STATE_CORE`` vision entries by this step's head-mean attention.

@@ -18,10 +18,11 @@ TEXT_SCORE = "avl_text"  # per-entry score: each text entry's accumulated attent
 
 
 def text_evictions(
-    layers: list[LayerKV], keep: Tensor, host: list[int], heavy_ratio: float
+    layers: list[LayerKV], keep: Tensor, counts: Tensor, host: list[int], heavy_ratio: float
 ) -> list[LayerEdit | None]:
     """Per layer, a decode step's text eviction as a select edit, None where every text entry
-    stays (``keep (L, B)``, ``host``: :meth:`AVLPolicy._text_budgets`, holding the counts held;
+    stays (``keep (L, B)`` int64 text entries each keeps, ``counts (L, B)`` int64 text entries each
+    holds, ``host``: :meth:`AVLPolicy._text_budgets`' read back, holding both;
     ``heavy_ratio``: the heavy-hitter share of each text budget, the rest recent).
 
     The text entries are the tail ``[n - held, n)`` of every head's slots (regions follow the
@@ -44,17 +45,18 @@ def text_evictions(
     edits: list[LayerEdit | None] = [None] * n_layers
     for (rows, text_kept, held), members in groups.items():
         first, g = layers[members[0]], len(members)
-        width, dev = max(rows), layers[members[0]].lengths.device
+        width = max(rows)
         kept = [n - h + k for n, h, k in zip(rows, held, text_kept)]
-        # per sample the text entries that may go: [n - held, n - recent) (torch.round's and
-        # Python's round both round half to even)
-        ends = [n - (k - round(k * heavy_ratio)) for n, k in zip(rows, text_kept)]
-        window = torch.tensor([[n - h for n, h in zip(rows, held)], ends], device=dev)[:, :, None]
-        j = torch.arange(width, device=dev)
-        force = ((j < window[0]) | (j >= window[1]))[:, None]  # (B, 1, width)
+        # per sample the text entries that may go: [n - held, n - recent), from the device values (a
+        # tensor made from host values would wait for the device on a GPU)
+        k, n = keep[members[0]], first.lengths
+        start = n - counts[members[0]].to(n)
+        end = n - (k - torch.round(k.double() * heavy_ratio).long())
+        j = torch.arange(width, device=n.device)
+        force = ((j < start[:, None]) | (j >= end[:, None]))[:, None]  # (B, 1, width)
         valid = valid_slots(first, width)
         per = [layers[i].scores[TEXT_SCORE].narrow(2, 0, width) for i in members]  # (B, H_kv, width)
-        keep_len = torch.tensor(kept * g, device=dev)
+        keep_len = (start + k).repeat(g)
         dropped = drop_one_each(per, valid, force, kept)
         index = None
         if dropped is None:
