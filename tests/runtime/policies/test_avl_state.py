@@ -225,3 +225,38 @@ def test_text_evictions_keep_the_text_rankings_sets(n, rows, ties, heavy):
             assert torch.equal(got, want), (i, drops_per_row)
             if drops_per_row == 1 and rows == "in-step" and i < 2:
                 assert edit.dropped is not None, "a one-drop step names its dropped column"
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(
+    "kw", SPECS[:3], ids=[",".join(f"{k}={v}" for k, v in kw.items()) for kw in SPECS[:3]]
+)
+def test_scheduler_requests_hold_the_per_layer_hooks_caches(model, kw, engines, images):
+    """Three requests sharing a scheduler's pool (one-sample caches, the serving path): after every
+    step each running request's whole cache and the pool's free slots equal the per-layer hooks',
+    and so do the tokens."""
+    from vlkv.runtime.request import Request
+    from vlkv.runtime.scheduler import Scheduler
+
+    prompts = [
+        Prompt("Describe the picture.", [images[0]]),
+        Prompt("What differs between these two?", [images[1], images[2]]),
+        Prompt("Write a short poem about caches."),
+    ]
+    runs = []
+    for cls in (avl.AVLPolicy, PerLayerAVL):
+        sched = Scheduler(engines[model])
+        reqs = [Request(p, cls(**kw), STEPS, stop_at_eos=False) for p in prompts]
+        for r in reqs:
+            sched.submit(r)
+        states = []
+        while sched.running or sched.waiting:
+            sched.step()
+            states.append([_state(r.cache) for r in reqs if r.cache is not None and r in sched.running])
+        runs.append(([r.tokens for r in reqs], states))
+    assert runs[0][0] == runs[1][0], "tokens"
+    assert len(runs[0][1]) == len(runs[1][1])
+    for step, (got, want) in enumerate(zip(runs[0][1], runs[1][1])):
+        assert len(got) == len(want), step
+        for g, w in zip(got, want):
+            _assert_same(g, w, f"step {step}")
