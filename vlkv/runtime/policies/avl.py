@@ -19,6 +19,7 @@ from torch import Tensor
 from vlkv.runtime.backend import AttendIndex, RowFilter, StatsRequest, StepStats
 from vlkv.runtime.cache import KVCache, LayerKV
 from vlkv.runtime.kv import score_ops
+from vlkv.runtime.policies.avl_text import TEXT_SCORE, text_evictions
 from vlkv.runtime.policies.base import (
     LayerEdit,
     Policy,
@@ -29,7 +30,7 @@ from vlkv.runtime.policies.base import (
 )
 from vlkv.runtime.policies.ranking import top_entries
 
-REGION, CORE, TEXT_SCORE = "avl_region", "avl_core", "avl_text"  # per-entry scores
+REGION, CORE = "avl_region", "avl_core"  # per-entry scores (and avl_text.TEXT_SCORE)
 TEXT, VISION, SYSTEM = 0, 1, 2  # region codes; appended (generated) entries start at 0 = text
 LAST = "avl_last"  # extra stats request: the last prompt row
 STATE_ROWS, STATE_CORE = "avl_filter_rows", "avl_core_count"
@@ -52,12 +53,15 @@ def top_mask(
     return hits > 0
 
 
-def mask_to_index(mask: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
-    """``(B, h, S)`` bool → ascending slots ``(B, h, K)`` (padded with 0) and counts ``(B, h)``;
-    ``width``: the largest count when the caller read it already (else read here)."""
-    counts = mask.sum(-1)
+def mask_to_index(
+    mask: Tensor, width: int | None = None, counts: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(..., h, S)`` bool → ascending slots ``(..., h, K)`` (padded with 0) and counts ``(..., h)``;
+    ``width``: the largest count when the caller read it already (else read here); ``counts``:
+    ``mask.sum(-1)`` where the caller holds it."""
+    counts = mask.sum(-1) if counts is None else counts
     s = mask.shape[-1]
-    slots = torch.where(mask, torch.arange(s, device=mask.device)[None, None, :], s)
+    slots = torch.where(mask, torch.arange(s, device=mask.device), s)
     index = torch.sort(slots, dim=-1).values[..., : max(int(counts.max()) if width is None else width, 1)]
     return index.masked_fill(index == s, 0), counts
 
@@ -210,13 +214,35 @@ class AVLPolicy(Policy):
         if self.core_share >= self.secondary_share:
             # the core is every secondary entry a layer holds: no vision entry is ever idle
             return None
-        plans: list[AttendIndex | None] = []
-        for layer in cache.layers:
-            width = layer.max_length
-            valid = valid_slots(layer, width)
-            idle = (layer.scores[REGION][:, :, :width] == VISION) & (layer.scores[CORE][:, :, :width] == 0)
-            used = valid & ~idle
-            plans.append(None if bool((used == valid).all()) else AttendIndex(*mask_to_index(used)))
+        layers = cache.layers
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, layer in enumerate(layers):
+            groups.setdefault(tuple(layer.host_lengths()), []).append(i)
+        parts, checks = [], []
+        for members in groups.values():
+            # the layers holding the same lengths stacked (G, B, H_kv, width): one mask for them all
+            width = layers[members[0]].max_length
+            region = torch.stack([layers[i].scores[REGION].narrow(2, 0, width) for i in members])
+            core = torch.stack([layers[i].scores[CORE].narrow(2, 0, width) for i in members])
+            valid = valid_slots(layers[members[0]], width)  # (B, 1, width)
+            used = valid & ((region != VISION) | (core != 0))  # every valid entry but the idle vision
+            counts = used.sum(-1)  # (G, B, H_kv)
+            parts.append((members, used, counts))
+            checks += [(used == valid).flatten(1).all(1).long(), counts.flatten(1).max(1).values]
+        # per layer whether it reads every entry and its longest list: one read back for every layer
+        host = torch.cat(checks).tolist()
+        plans: list[AttendIndex | None] = [None] * len(layers)
+        at = 0
+        for members, used, counts in parts:
+            g = len(members)
+            everything, widths = host[at : at + g], host[at + g : at + 2 * g]
+            at += 2 * g
+            if all(everything):
+                continue
+            index = mask_to_index(used, max(widths), counts)[0]  # (G, B, H_kv, K) ascending, 0-padded
+            for j, i in enumerate(members):
+                if not everything[j]:  # each layer's list as wide as its own longest, as before
+                    plans[i] = AttendIndex(index[j].narrow(2, 0, max(widths[j], 1)), counts[j])
         return plans if any(p is not None for p in plans) else None
 
     def after_decode(self, cache, stats, ctx):
@@ -231,11 +257,11 @@ class AVLPolicy(Policy):
             ctx.num_kv_heads,
         )
         keep, host = self._text_budgets(cache, self.bounds(ctx), held=held)
-        if self.update_step(ctx.step):
+        # a core as large as the secondary set is every vision entry a layer holds, which it already
+        # is (the prefill marks them all, appends add text): the refresh would rewrite the same flags
+        if self.update_step(ctx.step) and self.core_share < self.secondary_share:
             self._refresh_cores(cache, stats)
-        # the text masks only of layers that evict text
-        texts = [None if host[i] else _text_mask(layer) for i, layer in enumerate(layers)]
-        return _edits(layers, self._text_keeps(cache, texts, keep, host))
+        return text_evictions(cache.layers, keep, held, host, self.heavy_ratio)
 
     def _refresh_cores(self, cache: KVCache, stats) -> None:
         """Each layer's core: the top ``STATE_CORE`` vision entries by this step's head-mean attention.
@@ -246,19 +272,19 @@ class AVLPolicy(Policy):
         for i, layer in enumerate(cache.layers):
             groups.setdefault(tuple(layer.host_lengths()), []).append(i)
         for members in groups.values():
-            first = cache.layers[members[0]]
+            first, g = cache.layers[members[0]], len(members)
             width = first.max_length
             valid = valid_slots(first, width)
-            means = torch.cat([stats[i].colsum[:, :, :width].mean(1, keepdim=True) for i in members])
-            vision = torch.cat([cache.layers[i].scores[REGION][:, :1, :width] == VISION for i in members])
-            core = top_mask(
-                means,
-                vision & valid.repeat(len(members), 1, 1),
-                cache.policy_state[STATE_CORE].repeat(len(members)),
+            # ``narrow``: one op per view, where ``t[:, :1, :w]`` dispatches a slice per dimension
+            means = torch.cat([stats[i].colsum.narrow(2, 0, width).mean(1, keepdim=True) for i in members])
+            region = torch.cat(
+                [cache.layers[i].scores[REGION].narrow(1, 0, 1).narrow(2, 0, width) for i in members]
             )
-            for j, i in enumerate(members):
+            core = top_mask(
+                means, (region == VISION) & valid.repeat(g, 1, 1), cache.policy_state[STATE_CORE].repeat(g)
+            )
+            for i, rows in zip(members, core.split(first.batch)):
                 layer = cache.layers[i]
-                rows = core[j * layer.batch : (j + 1) * layer.batch]
                 # bool into the float table in one pass (no float copy of the expanded rows first)
                 layer.scores[CORE].narrow(2, 0, width).copy_(rows.expand(-1, layer.kv_heads, -1))
 
@@ -267,8 +293,8 @@ class AVLPolicy(Policy):
         self, cache: KVCache, bounds: Tensor, texts: list[Tensor] | None = None, held: Tensor | None = None
     ):
         """The text entries each layer keeps: ``keep (L, B)`` and, read back in one transfer for
-        every layer, per layer whether every text entry stays (``L`` ints) and the counts kept
-        (``L * B``). ``texts[l]``: ``(B, H_kv, S)`` bool, the layer's valid text slots, or ``held
+        every layer, per layer whether every text entry stays (``L`` ints), the counts kept
+        (``L * B``) and the counts held (``L * B``). ``texts[l]``: ``(B, H_kv, S)`` bool, the layer's valid text slots, or ``held
         (L, B)``: their counts in head 0, where known."""
         # text tokens processed so far (prompt + generated)
         seen = cache.processed - bounds[:, 1].to(cache.processed)
@@ -277,7 +303,7 @@ class AVLPolicy(Policy):
             held = torch.stack([text[:, 0].sum(-1) for text in texts])  # (L, B)
         rank = rank.to(held.device)
         keep = torch.minimum(rank, held)
-        return keep, torch.cat([(held <= rank).all(1).long(), keep.reshape(-1)]).tolist()
+        return keep, torch.cat([(held <= rank).all(1).long(), keep.reshape(-1), held.reshape(-1)]).tolist()
 
     def _text_keeps(self, cache: KVCache, texts: list[Tensor], keep: Tensor, host: list[int]):
         """Per layer, ``(B, H_kv, S)`` bool: every non-text slot plus the text entries the H2O budget
@@ -298,12 +324,6 @@ class AVLPolicy(Policy):
             kept = host[n + i * b : n + (i + 1) * b]
             out.append(~text | top_mask(score, text, k, force=recent & text, kept=kept))
         return out
-
-
-def _text_mask(layer: LayerKV) -> Tensor:
-    """``(B, H_kv, S)`` bool: the layer's valid text slots (``S`` its longest row)."""
-    width = layer.max_length
-    return (layer.scores[REGION][:, :, :width] == TEXT) & valid_slots(layer, width)
 
 
 def _store(layer: LayerKV, name: str, values: Tensor) -> None:

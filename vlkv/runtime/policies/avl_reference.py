@@ -1,9 +1,9 @@
 """A-VL's decode and prefill hooks as they were before their checks were read once for every layer
 (session 5, issue #28): one read back per layer for the text budget, one per layer for the edit, one
-ranking per layer for the core refresh. The reference the fused hooks are tested against
-(``tests/runtime/policies/test_step_cost.py``) and measured against (``scripts/bench_step_cost.py``);
-in the package so that neither the script nor the tests import the other's tree. Not a registered
-policy."""
+ranking per layer for the core refresh, one read back per layer for a core-only step's read. The
+reference the fused hooks are tested against (``tests/runtime/policies/test_step_cost.py``,
+``test_avl_state.py``) and measured against (``scripts/bench_step_cost.py``); in the package so that
+neither the script nor the tests import the other's tree. Not a registered policy."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vlkv.runtime.backend import AttendIndex
 from vlkv.runtime.policies.avl import (
     CORE,
     LAST,
@@ -73,6 +74,18 @@ class PerLayerAVL(AVLPolicy):
                 layer.scores[CORE][:, :, :width] = core.expand(-1, h, -1).float()
             edits.append(_edit(layer, self._text_keep(layer, cache, bounds)))
         return edits
+
+    def decode_attend(self, cache, ctx):
+        if self.interval < 0 or self.update_step(ctx.step) or self.core_share >= self.secondary_share:
+            return None
+        plans = []
+        for layer in cache.layers:
+            width = layer.max_length
+            valid = valid_slots(layer, width)
+            idle = (layer.scores[REGION][:, :, :width] == VISION) & (layer.scores[CORE][:, :, :width] == 0)
+            used = valid & ~idle
+            plans.append(None if bool((used == valid).all()) else AttendIndex(*mask_to_index(used)))
+        return plans if any(p is not None for p in plans) else None
 
     def _text_keep(self, layer, cache, bounds: Tensor) -> Tensor:
         width = layer.max_length
