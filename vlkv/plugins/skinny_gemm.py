@@ -4,9 +4,9 @@ A decode step multiplies the batch's few rows by every weight matrix, so its GEM
 once and do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic. MKL's
 ``F.linear`` and even the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at
 ~9-15 GB/s at 4 rows where a plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread).
-This kernel reads ``W (N, K)`` row after row, contiguously, 2 weight rows at a time with the lines 8 KiB
-ahead asked for (3-8 rows; at 4 rows 92-98 % of a plain read where K = 576 and 76 % for the 1,536-wide
-down projection, huge-page weights, 1 thread; 1-2 rows: one weight row at a time, a single stream like a plain sum's, 87-105 % of its bandwidth), and
+This kernel reads ``W (N, K)`` row after row, contiguously — one weight row at a time for 1-4 rows, two
+for 5-8 — and asks for the lines 8 KiB ahead itself (at 4 rows 89-108 % of a plain read of the same
+bytes, 1.13-1.27× session 7's blocks by median: ``bench_skinny_gemm.py``, huge-page weights, 1 thread), and
 dots each with all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one
 weight byte loaded once; every output is one vector accumulator over ``K`` in order, whatever the form
 (a row's result does not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or
@@ -82,12 +82,14 @@ static inline float hsum(v16 v) {
 // hardware prefetcher alone keeps too few lines in flight behind this much arithmetic (4 rows: ~17-22
 // GB/s against the 38-42 GB/s a plain sum reads on the 2-core EPYC VM), so the line AHEAD floats past
 // the block being read is asked for, NB lines per K step (the rate the block is consumed at). Measured
-// there (1 thread, huge-page weights, 4 rows): 8 KiB ahead 36-41 GB/s on smollm2-llava's 576-wide
-// shapes, 2 KiB 25-30, 32 KiB 28-33; session 7's form (4 weight rows, the next block ahead): 33-36.
+// there (1 thread, huge-page weights, 4 rows, 2 weight rows per block): 8 KiB ahead 36-41 GB/s on
+// smollm2-llava's 576-wide shapes, 2 KiB ~30, 32 KiB ~32; session 7's form (4 weight rows, the next
+// block ahead): 33-36.
 constexpr int64_t AHEAD = 2048;
 
-// the session-7 form (4 weight rows per block at 3-4 rows, the next block prefetched, nothing asked for
-// at a range's start): kept, bit-equal, for benchmarks' before/after in one process (set_gemm_form)
+// the session-7 form (1-2 rows: one stream, no software prefetch; 3-4 rows: 4 weight rows per block, the
+// next block prefetched; nothing asked for at a range's start): kept, bit-equal, for benchmarks'
+// before/after in one process (set_gemm_form)
 static int g_form = 0;
 
 // the first `n` floats at p asked for at once: a range's start, which no earlier block asked for
@@ -103,7 +105,8 @@ static void lead_lines(const float* p, int64_t n) {
 // K in order, whatever NB and ahead: the forms are bit-equal.
 template <int R, int NB>
 static void rows_block(const float* __restrict x, const float* __restrict w, const float* __restrict b,
-                       float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t ahead) {
+                       float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t ahead,
+                       int64_t xahead) {
   const int64_t K16 = K & ~int64_t(15);
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
@@ -120,6 +123,11 @@ static void rows_block(const float* __restrict x, const float* __restrict w, con
       if (pf)
 #pragma GCC unroll 16
         for (int j = 0; j < NB; ++j) __builtin_prefetch(at + k * NB + 16 * j, 0, 3);
+      if (xahead) {  // x's lines xahead floats on (wrapping: the next weight row reads x from its start)
+        const int64_t kx = k + xahead < K16 ? k + xahead : k + xahead - K16;
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) __builtin_prefetch(x + r * K + kx, 0, 3);
+      }
       v16 xv[R];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
@@ -146,15 +154,13 @@ static void rows_block(const float* __restrict x, const float* __restrict w, con
         y[r * N + n + j] = b ? s + b[n + j] : s;
       }
   }
-  if (NB > 1 && n < n1) rows_block<R, 1>(x, w, b, y, n, n1, K, N, 0);
+  if (NB > 1 && n < n1) rows_block<R, 1>(x, w, b, y, n, n1, K, N, 0, 0);
 }
 
-// 1-2 rows: the weight read as one stream, row after row (what a plain sum reads), each weight row
-// dotted with the R x rows before the next: the same per-output sums as rows_block (one vector
-// accumulator over K in order, then hsum, the tail, the bias: bit-equal results). Measured on the
-// 2-core EPYC VM, 1 thread, weights far apart in memory: 1 row 35-39 GB/s where rows_block's NB
-// interleaved row streams read 30-32 (a plain sum: 34-39), 2 rows +5-14 %; at 4 rows it is no faster
-// (the R FMAs per weight vector bind), and software prefetch made it slower.
+// session 7's 1-2 rows (kept for the benchmarks' before): the weight read as one stream, row after row,
+// each weight row dotted with the R x rows before the next, no software prefetch — rows_block<R, 1> with
+// ahead = 0, bit-equal. (Session 7 measured software prefetch slower here: that was a prefetch of the
+// next block, not of the lines AHEAD floats on.)
 template <int R>
 static void rows_stream(const float* __restrict x, const float* __restrict w, const float* __restrict b,
                         float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
@@ -176,22 +182,29 @@ static void rows_stream(const float* __restrict x, const float* __restrict w, co
   }
 }
 
-// 3-8 rows: 2 weight rows per block (R * 2 accumulators + R x vectors + 2 weight vectors within the
-// 32 AVX-512 registers), the lines AHEAD floats on prefetched. On the 2-core EPYC VM (1 thread,
-// huge-page weights) 2 rows per block read 1.05-1.15x faster than 3-4 (fewer streams side by side
-// for the same lines in flight), bit-equal. g_form == 1: session 7's blocks (benchmarks' before).
+// x's lines asked for XAHEAD floats ahead where x is larger than X_L1 bytes: the weights streaming
+// through L1 evict x's lines between two weight rows (smollm2-llava's down projection, K = 1,536: at 4
+// rows 30 -> 35 GB/s on the 2-core EPYC VM); where x fits (K = 576) the extra prefetches cost more
+constexpr int64_t XAHEAD = 128, X_L1 = 16 << 10;
+
+// 1-4 rows: one weight row at a time (one stream, lines AHEAD floats on prefetched): on the 2-core
+// EPYC VM (1 thread, huge-page weights) at 4 rows 1.1-1.2x session 7's 4 weight rows per block (medians),
+// 88-97 % of a plain read where K = 576; at 1-2 rows 1.03-1.1x session 7's stream without the prefetch.
+// 5-8 rows: 2 weight rows per block (its R x vectors loaded once for both), the same prefetch. Bit-equal
+// whatever the form. g_form == 1: session 7's (the stream at 1-2 rows, blocks at 3-8; benchmarks' before).
 template <int R>
 static void by_block(const float* x, const float* w, const float* b, float* y, int64_t n0, int64_t n1,
                      int64_t K, int64_t N) {
-  if constexpr (R <= 2) {
-    rows_stream<R>(x, w, b, y, n0, n1, K, N);
-  } else if (g_form == 1) {
-    if constexpr (R <= 4) rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K);
-    else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, 4 * K);
-  } else {
-    lead_lines(w + n0 * K, std::min(AHEAD, (n1 - n0) * K));
-    rows_block<R, 2>(x, w, b, y, n0, n1, K, N, AHEAD);
+  if (g_form == 1) {
+    if constexpr (R <= 2) rows_stream<R>(x, w, b, y, n0, n1, K, N);
+    else if constexpr (R <= 4) rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K, 0);
+    else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, 4 * K, 0);
+    return;
   }
+  lead_lines(w + n0 * K, std::min(AHEAD, (n1 - n0) * K));
+  const int64_t xa = R * K * 4 > X_L1 && (K & ~int64_t(15)) > XAHEAD ? XAHEAD : 0;
+  if constexpr (R <= 4) rows_block<R, 1>(x, w, b, y, n0, n1, K, N, AHEAD, xa);
+  else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, AHEAD, 0);
 }
 
 static_assert(VLKV_MAX_ROWS == 8, "rows_range dispatches 1..8 rows: extend it with MAX_ROWS");
