@@ -184,14 +184,18 @@ static void rows_stream(const float* __restrict x, const float* __restrict w, co
 
 // x's lines asked for XAHEAD floats ahead where x is larger than X_L1 bytes: the weights streaming
 // through L1 evict x's lines between two weight rows (smollm2-llava's down projection, K = 1,536: at 4
-// rows 30 -> 35 GB/s on the 2-core EPYC VM); where x fits (K = 576) the extra prefetches cost more
-constexpr int64_t XAHEAD = 128, X_L1 = 16 << 10;
+// rows 29-30 -> 34-35 GB/s on the 2-core EPYC VM); where x fits (K = 576) the extra prefetches cost
+// more. Beyond X_BLOCK bytes x is read from L2 at every weight row: 3-4 rows go back to 4 weight rows
+// per block, each x load shared by 4 (a Qwen2-VL-2B-sized down projection, K = 8,960, at 4 rows: one
+// row at a time 12-13 GB/s, 4 per block 23-26).
+constexpr int64_t XAHEAD = 128, X_L1 = 16 << 10, X_BLOCK = 32 << 10;
 
 // 1-4 rows: one weight row at a time (one stream, lines AHEAD floats on prefetched): on the 2-core
-// EPYC VM (1 thread, huge-page weights) at 4 rows 1.1-1.2x session 7's 4 weight rows per block (medians),
-// 88-97 % of a plain read where K = 576; at 1-2 rows 1.03-1.1x session 7's stream without the prefetch.
-// 5-8 rows: 2 weight rows per block (its R x vectors loaded once for both), the same prefetch. Bit-equal
-// whatever the form. g_form == 1: session 7's (the stream at 1-2 rows, blocks at 3-8; benchmarks' before).
+// EPYC VM (1 thread, huge-page weights) at 4 rows 1.1-1.3x session 7's 4 weight rows per block (medians),
+// 89-108 % of a plain read; at 1-2 rows 1.03-1.1x session 7's stream without the prefetch. 5-8 rows
+// (and 3-4 rows whose x exceeds X_BLOCK): weight rows in blocks (each x vector loaded once per block),
+// the same prefetch. Bit-equal whatever the form. g_form == 1: session 7's (the stream at 1-2 rows,
+// blocks at 3-8; benchmarks' before).
 template <int R>
 static void by_block(const float* x, const float* w, const float* b, float* y, int64_t n0, int64_t n1,
                      int64_t K, int64_t N) {
@@ -201,8 +205,11 @@ static void by_block(const float* x, const float* w, const float* b, float* y, i
     else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, 4 * K, 0);
     return;
   }
+  const int64_t xbytes = R * K * 4;
+  if (R >= 3 && R <= 4 && xbytes > X_BLOCK) return rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K, 0);
   lead_lines(w + n0 * K, std::min(AHEAD, (n1 - n0) * K));
-  const int64_t xa = R * K * 4 > X_L1 && (K & ~int64_t(15)) > XAHEAD ? XAHEAD : 0;
+  // (at 1-2 rows x's prefetch measured no better: 1 row equal, 2 rows of K = 8,960 slower)
+  const int64_t xa = R >= 3 && xbytes > X_L1 && (K & ~int64_t(15)) > XAHEAD ? XAHEAD : 0;
   if constexpr (R <= 4) rows_block<R, 1>(x, w, b, y, n0, n1, K, N, AHEAD, xa);
   else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, AHEAD, 0);
 }
