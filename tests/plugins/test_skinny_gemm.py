@@ -61,10 +61,10 @@ def test_every_row_count_sums_alike(n, k, bias):
 @pytest.mark.parametrize("rows", range(1, gemm.MAX_ROWS + 1))
 @pytest.mark.parametrize("n,k", [(37, 100), (576, 577), (4099, 576), (576, 1536), (3, 7), (37, 8960)])
 def test_session_7_form_gives_the_same_bits(rows, n, k):
-    """The kernel's forms — one weight row at a time (1-4 rows) or two (5-8), lines 8 KiB ahead where the
-    weight is larger than that, x's lines ahead where x outgrows L1 (K = 1,536 at 3-4 rows), 4 rows per
-    block where x is larger still (K = 8,960) — against session 7's (``set_gemm_form(1)``, the benchmarks'
-    before): each output is one vector accumulator over K in order either way, so the bits are equal."""
+    """The kernel's forms — one weight row at a time (1-2 rows) or two (3-8), lines 8 KiB ahead where the
+    weight is larger than that, 4 rows per block where x exceeds 32 KiB at 3-4 rows (K = 8,960) — against
+    session 7's (``set_gemm_form(1)``, the benchmarks' before): each output is one vector accumulator over
+    K in order either way, so the bits are equal."""
     torch.manual_seed(rows + n + k)
     x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     mod = gemm.kernel()

@@ -4,9 +4,9 @@ A decode step multiplies the batch's few rows by every weight matrix, so its GEM
 once and do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic. MKL's
 ``F.linear`` and even the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at
 ~9-15 GB/s at 4 rows where a plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread).
-This kernel reads ``W (N, K)`` row after row, contiguously — one weight row at a time for 1-4 rows, two
-for 5-8 — and asks for the lines 8 KiB ahead itself (at 4 rows 89-108 % of a plain read of the same
-bytes, 1.13-1.27× session 7's blocks by median: ``bench_skinny_gemm.py``, huge-page weights, 1 thread), and
+This kernel reads ``W (N, K)`` row after row, contiguously — one weight row at a time for 1-2 rows, two
+side by side for 3-8 — and asks for the lines 8 KiB ahead itself (session 8: at 4 rows 92-98 % of a
+plain read of the same bytes where K = 576 on the 2-core EPYC VM, huge-page weights, 1 thread), and
 dots each with all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one
 weight byte loaded once; every output is one vector accumulator over ``K`` in order, whatever the form
 (a row's result does not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or
@@ -105,8 +105,7 @@ static void lead_lines(const float* p, int64_t n) {
 // K in order, whatever NB and ahead: the forms are bit-equal.
 template <int R, int NB>
 static void rows_block(const float* __restrict x, const float* __restrict w, const float* __restrict b,
-                       float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t ahead,
-                       int64_t xahead) {
+                       float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t ahead) {
   const int64_t K16 = K & ~int64_t(15);
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
@@ -123,11 +122,6 @@ static void rows_block(const float* __restrict x, const float* __restrict w, con
       if (pf)
 #pragma GCC unroll 16
         for (int j = 0; j < NB; ++j) __builtin_prefetch(at + k * NB + 16 * j, 0, 3);
-      if (xahead) {  // x's lines xahead floats on (wrapping: the next weight row reads x from its start)
-        const int64_t kx = k + xahead < K16 ? k + xahead : k + xahead - K16;
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) __builtin_prefetch(x + r * K + kx, 0, 3);
-      }
       v16 xv[R];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
@@ -154,7 +148,7 @@ static void rows_block(const float* __restrict x, const float* __restrict w, con
         y[r * N + n + j] = b ? s + b[n + j] : s;
       }
   }
-  if (NB > 1 && n < n1) rows_block<R, 1>(x, w, b, y, n, n1, K, N, 0, 0);
+  if (NB > 1 && n < n1) rows_block<R, 1>(x, w, b, y, n, n1, K, N, 0);
 }
 
 // session 7's 1-2 rows (kept for the benchmarks' before): the weight read as one stream, row after row,
@@ -182,36 +176,32 @@ static void rows_stream(const float* __restrict x, const float* __restrict w, co
   }
 }
 
-// x's lines asked for XAHEAD floats ahead where x is larger than X_L1 bytes: the weights streaming
-// through L1 evict x's lines between two weight rows (smollm2-llava's down projection, K = 1,536: at 4
-// rows 29-30 -> 34-35 GB/s on the 2-core EPYC VM); where x fits (K = 576) the extra prefetches cost
-// more. Beyond X_BLOCK bytes x is read from L2 at every weight row: 3-4 rows go back to 4 weight rows
-// per block, each x load shared by 4 (a Qwen2-VL-2B-sized down projection, K = 8,960, at 4 rows: one
-// row at a time 12-13 GB/s, 4 per block 23-26).
-constexpr int64_t XAHEAD = 128, X_L1 = 16 << 10, X_BLOCK = 32 << 10;
+// 3-4 rows whose x exceeds X_BLOCK bytes keep session 7's 4 weight rows per block (each x load shared by
+// 4): fewer rows per block load x from L2 at every weight row (a Qwen2-VL-2B-sized down projection,
+// K = 8,960, at 4 rows: one row at a time 12-13 GB/s, 4 per block 23-26 on the 2-core EPYC VM)
+constexpr int64_t X_BLOCK = 32 << 10;
 
-// 1-4 rows: one weight row at a time (one stream, lines AHEAD floats on prefetched): on the 2-core
-// EPYC VM (1 thread, huge-page weights) at 4 rows 1.1-1.3x session 7's 4 weight rows per block (medians),
-// 89-108 % of a plain read; at 1-2 rows 1.03-1.1x session 7's stream without the prefetch. 5-8 rows
-// (and 3-4 rows whose x exceeds X_BLOCK): weight rows in blocks (each x vector loaded once per block),
-// the same prefetch. Bit-equal whatever the form. g_form == 1: session 7's (the stream at 1-2 rows,
-// blocks at 3-8; benchmarks' before).
+// 1-2 rows: one weight row at a time (one stream), the lines AHEAD floats on prefetched (1.03-1.19x
+// session 7's stream in bench_skinny_gemm.py). 3-8 rows: 2 weight rows per block (each x vector loaded
+// once for both), the same prefetch; 3-4 rows whose x exceeds X_BLOCK: session 7's 4 rows per block.
+// One row at a time read faster at 3-4 rows alone (a ring of weight copies) but slower inside a decode
+// step, where each layer's attention reads the K/V pool between the products: smollm2-llava's 30
+// layers at 4 rows with a 3 MB read between pre and post (1 thread, loaded VM), pre + post 15.5 ms one
+// row at a time, 14.4-14.8 session 7's, 14.3-14.4 2 rows per block (x's lines prefetched too: no
+// better). Bit-equal whatever the form. g_form == 1: session 7's (the benchmarks' before).
 template <int R>
 static void by_block(const float* x, const float* w, const float* b, float* y, int64_t n0, int64_t n1,
                      int64_t K, int64_t N) {
   if (g_form == 1) {
     if constexpr (R <= 2) rows_stream<R>(x, w, b, y, n0, n1, K, N);
-    else if constexpr (R <= 4) rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K, 0);
-    else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, 4 * K, 0);
+    else if constexpr (R <= 4) rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K);
+    else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, 4 * K);
     return;
   }
-  const int64_t xbytes = R * K * 4;
-  if (R >= 3 && R <= 4 && xbytes > X_BLOCK) return rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K, 0);
+  if (R >= 3 && R <= 4 && R * K * 4 > X_BLOCK) return rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K);
   lead_lines(w + n0 * K, std::min(AHEAD, (n1 - n0) * K));
-  // (at 1-2 rows x's prefetch measured no better: 1 row equal, 2 rows of K = 8,960 slower)
-  const int64_t xa = R >= 3 && xbytes > X_L1 && (K & ~int64_t(15)) > XAHEAD ? XAHEAD : 0;
-  if constexpr (R <= 4) rows_block<R, 1>(x, w, b, y, n0, n1, K, N, AHEAD, xa);
-  else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, AHEAD, 0);
+  if constexpr (R <= 2) rows_block<R, 1>(x, w, b, y, n0, n1, K, N, AHEAD);
+  else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, AHEAD);
 }
 
 static_assert(VLKV_MAX_ROWS == 8, "rows_range dispatches 1..8 rows: extend it with MAX_ROWS");
