@@ -187,7 +187,7 @@ constexpr int64_t X_BLOCK = 32 << 10;
 // One row at a time read faster at 3-4 rows alone (a ring of weight copies) but slower inside a decode
 // step, where each layer's attention reads the K/V pool between the products: smollm2-llava's 30
 // layers at 4 rows with a 3 MB read between pre and post (1 thread, loaded VM), pre + post 15.5 ms one
-// row at a time, 14.4-14.8 session 7's, 14.3-14.4 2 rows per block (x's lines prefetched too: no
+// row at a time, 14.4-14.8 session 7's, 13.8-14.4 2 rows per block (x's lines prefetched too: no
 // better). Bit-equal whatever the form. g_form == 1: session 7's (the benchmarks' before).
 template <int R>
 static void by_block(const float* x, const float* w, const float* b, float* y, int64_t n0, int64_t n1,
