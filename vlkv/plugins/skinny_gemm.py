@@ -177,8 +177,8 @@ static void rows_stream(const float* __restrict x, const float* __restrict w, co
 }
 
 // 3-4 rows whose x exceeds X_BLOCK bytes keep session 7's 4 weight rows per block (each x load shared by
-// 4): fewer rows per block load x from L2 at every weight row (a Qwen2-VL-2B-sized down projection,
-// K = 8,960, at 4 rows: one row at a time 12-13 GB/s, 4 per block 23-26 on the 2-core EPYC VM)
+// 4): fewer rows per block load x from L2 more often (a Qwen2-VL-2B-sized down projection, K = 8,960,
+// at 4 rows: one row at a time 12-13 GB/s, 2 per block ~19, 4 per block 23-26 on the 2-core EPYC VM)
 constexpr int64_t X_BLOCK = 32 << 10;
 
 // 1-2 rows: one weight row at a time (one stream), the lines AHEAD floats on prefetched (1.03-1.19x
