@@ -24,8 +24,9 @@ in Python and its paged read a separate call (``VLKV_CPU_APPEND=0``: the path be
 ``vlkv/plugins/paged_append.py`` wrote the new entries and read the tables in one C++ call,
 ``<config>+split``; its before/after in one run), with ``--torch-evict`` each policy's kernel configuration
 again with its decode eviction as it was before session 7 (each layer's gap closed by torch ops,
-``VLKV_CPU_EVICT=0``, and the kept columns by an int64 + bool sum: ``<config>+kernel+torchevict``), and
-transformers' ``generate`` on
+``VLKV_CPU_EVICT=0``, and the kept columns by an int64 + bool sum: ``<config>+kernel+torchevict``), with
+``--gemm-s7`` each fused configuration again with the few-row GEMMs in their session-7 form (4 weight rows
+per block, the next block prefetched; bit-equal: ``<config>+gemms7``), and transformers' ``generate`` on
 the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
 vlkv's, so no transformers prefill either).
 
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+import vlkv.plugins.decode_layer as decode_layer
 import vlkv.plugins.evict_rows as evict_rows
 import vlkv.plugins.paged_append as paged_append
 import vlkv.plugins.paged_cpu as paged_cpu
@@ -72,6 +74,8 @@ BUDGETS = (0.5, 0.2, 0.1)
 # per-head caches (issue #30: per-head budgets that pay off at decode): ``--policies kvzip kvgrad snapkv
 # --budgets 0.5 0.25 0.1 --kernel --kernel-policies``
 HEADS_POLICIES = ("kvzip", "kvgrad", "snapkv")
+# a before configuration's suffix: the same configuration with one piece as it was
+BEFORE = ("+torchevict", "+split", "+torchgemm", "+gemms7")
 TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 1, "buffer_mib": 64}
 
 
@@ -204,6 +208,20 @@ def old_kept_but(last, s: int):
     return (kept + (kept >= last)).expand(*last.shape[:2], s - 1)
 
 
+def base_config(name: str) -> str:
+    """The configuration a before row repeats (its :data:`BEFORE` suffix removed)."""
+    for suffix in BEFORE:
+        name = name.removesuffix(suffix)
+    return name
+
+
+def set_gemm_form(form: int) -> None:
+    """The few-row GEMMs' form in both extensions that compile them (0: current, 1: session 7's)."""
+    for mod in (skinny_gemm.kernel(), decode_layer.kernel()):
+        if mod is not None:
+            mod.set_gemm_form(form)
+
+
 def runtime_lines() -> int:
     """Lines of ``vlkv/runtime/`` (Python), the size the issue tracks beside the speed."""
     root = Path(__file__).resolve().parents[1] / "vlkv" / "runtime"
@@ -231,6 +249,7 @@ def run(args) -> dict:
     torch_gemm = torch_gemm if args.torch_gemm else []
     fused = (["full-kernel"] if args.kernel else []) + kernel_pols
     split = [f"{c}+split" for c in fused] if args.split_append else []
+    gemm_s7 = [f"{c}+gemms7" for c in fused] if args.gemm_s7 else []
     # only the policies that evict while decoding have an eviction to compare
     evicting = [c for c in kernel_pols if pols[c.removesuffix("+kernel")].evicts_during_decode]
     torch_evict = [f"{c}+torchevict" for c in evicting] if args.torch_evict else []
@@ -244,6 +263,7 @@ def run(args) -> dict:
         *torch_gemm,
         *split,
         *torch_evict,
+        *gemm_s7,
     ]
     append_default = paged_append.FUSED_APPEND
     evict_default = evict_rows.FUSED_DROP
@@ -271,7 +291,8 @@ def run(args) -> dict:
                 kept_but = ranking.kept_but
                 if name.endswith("+torchevict"):  # and the kept columns by the int64 + bool sum
                     ranking.kept_but = policy_base.kept_but = old_kept_but
-                cfg = name.removesuffix("+torchevict").removesuffix("+split").removesuffix("+torchgemm")
+                cfg = base_config(name)
+                set_gemm_form(1 if name.endswith("+gemms7") else 0)  # "+gemms7": session 7's GEMM blocks
                 skinny_gemm.CPP_GEMM = gemm_default and not name.endswith("+torchgemm")
                 base = cfg.removesuffix("+kernel").removesuffix("+halves")
                 pol = pols.get(base, full)
@@ -292,6 +313,7 @@ def run(args) -> dict:
                     paged_append.FUSED_APPEND = append_default
                     evict_rows.FUSED_DROP = evict_default
                     ranking.kept_but = policy_base.kept_but = kept_but
+                    set_gemm_form(0)
                 res["cpp_gemm_calls"] = cpp_calls[0] / args.steps
             if rep:
                 got[name].append(res)
@@ -326,20 +348,19 @@ def run(args) -> dict:
             "cpp_gemm_calls_per_step": rs[-1].get("cpp_gemm_calls", 0.0),  # 0: torch's GEMMs (or a peer)
             "bytes_per_step": w + kv + 2 * rs[-1]["gathered_bytes"],
         }
-        base_name = name.removesuffix("+torchevict").removesuffix("+split").removesuffix("+torchgemm")
+        base_name = base_config(name)
         kernel_read = base_name.endswith(("+kernel", "+halves")) or "full" not in got
         ref = "full-kernel" if kernel_read and "full-kernel" in got else "full"
         row["speed_vs_full"] = statistics.median(
             f["step_s"] / r["step_s"] for f, r in zip(got[ref], rs, strict=True)
         )
-        if f"{name}+split" in got:  # the fused append against its before, paired per round
-            row["speed_vs_split"] = statistics.median(
-                s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}+split"], rs, strict=True)
-            )
-        if f"{name}+torchevict" in got:  # the one-call decode eviction against its before, paired
-            row["speed_vs_torchevict"] = statistics.median(
-                s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}+torchevict"], rs, strict=True)
-            )
+        # against its before rows (the fused append, the one-call eviction, the GEMM's session-7 form),
+        # paired per round: speed_vs_split / speed_vs_torchevict / speed_vs_gemms7
+        for suffix in ("+split", "+torchevict", "+gemms7"):
+            if f"{name}{suffix}" in got:
+                row[f"speed_vs_{suffix[1:]}"] = statistics.median(
+                    s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}{suffix}"], rs, strict=True)
+                )
         if fastest is not None:
             # paired within each round: the faster peer's step time / this one's, median over rounds
             row["speed_vs_fastest_peer"] = statistics.median(
@@ -356,15 +377,14 @@ def run(args) -> dict:
         if args.kernel_policies and args.stats_halves
         else {}
     )
-    # the C++ GEMM sums in another order than torch: greedy tokens must not move
+    # each before row decodes its configuration's tokens: the C++ GEMM sums in another order than torch
+    # (tokens must not move), the fused append writes and reads what the Python append and the separate
+    # read did, the one-call eviction keeps what each layer's torch edit kept, the GEMM's forms are bit-equal
     same.update(
-        {c: got[c][0]["tokens"] == got[c.removesuffix("+torchgemm")][0]["tokens"] for c in torch_gemm}
-    )
-    # the fused append writes and reads what the Python append and the separate read did: same tokens
-    same.update({c: got[c][0]["tokens"] == got[c.removesuffix("+split")][0]["tokens"] for c in split})
-    # the one-call eviction keeps what each layer's torch edit kept: same tokens
-    same.update(
-        {c: got[c][0]["tokens"] == got[c.removesuffix("+torchevict")][0]["tokens"] for c in torch_evict}
+        {
+            c: got[c][0]["tokens"] == got[base_config(c)][0]["tokens"]
+            for c in (*torch_gemm, *split, *torch_evict, *gemm_s7)
+        }
     )
     return {
         "machine": f"{cpu_name()} ({machine_name('cpu')})",
@@ -406,18 +426,18 @@ def to_markdown(res: dict) -> str:
         f"Same tokens (peers vs vlkv full; +kernel vs +halves; +torchgemm vs its C++-GEMM config; +split vs its fused config): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
         f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
-        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split | vs +torchevict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split | vs +torchevict | vs +gemms7 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratio = r.get("speed_vs_fastest_peer")
-        split, evict = r.get("speed_vs_split"), r.get("speed_vs_torchevict")
+        split, evict, s7 = r.get("speed_vs_split"), r.get("speed_vs_torchevict"), r.get("speed_vs_gemms7")
         lines.append(
             f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
             f"| {r['speed_vs_full']:.2f}× | {'' if ratio is None else f'{ratio:.2f}×'} | {r['attn_ms']:.1f} "
             f"| {r['attn_of_bound']:.0%} | {r['kv_bytes'] / 1e6:.1f} "
             f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} | {'' if split is None else f'{split:.2f}×'} "
-            f"| {'' if evict is None else f'{evict:.2f}×'} |"
+            f"| {'' if evict is None else f'{evict:.2f}×'} | {'' if s7 is None else f'{s7:.2f}×'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -477,6 +497,12 @@ def main() -> None:
         help="also each '<config>+kernel' with its decode eviction by torch ops per layer (VLKV_CPU_EVICT=0) "
         "and the kept columns by an int64 + bool sum (the session-7 changes' before), as "
         "'<config>+kernel+torchevict'",
+    )
+    ap.add_argument(
+        "--gemm-s7",
+        action="store_true",
+        help="also each fused configuration with the few-row GEMMs in their session-7 form (bit-equal), "
+        "as '<config>+gemms7'",
     )
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)

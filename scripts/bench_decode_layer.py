@@ -30,6 +30,7 @@ import torch
 
 import vlkv.plugins.decode_layer as decode_layer
 import vlkv.plugins.paged_cpu as paged_cpu
+import vlkv.plugins.skinny_gemm as skinny_gemm
 import vlkv.plugins.weight_pages as weight_pages
 import vlkv.runtime.models.skinny_layer as skinny_layer
 from vlkv.runtime.models.skinny_layer import layer_forward
@@ -50,28 +51,43 @@ def _switch(on: bool):
 
 def _setup(name: str, moved) -> None:
     """A configuration's switches: ``+calls`` the separate calls; ``+huge`` the weights in huge pages
-    (``weight_pages``; every other configuration reads them where the checkpoint put them)."""
+    (``weight_pages``; every other configuration reads them where the checkpoint put them); ``+gemms7``
+    the few-row GEMMs in session 7's form (both extensions that compile them; bit-equal)."""
     _switch(not name.endswith("+calls"))
+    for mod in (skinny_gemm.kernel(), decode_layer.kernel()):
+        if mod is not None:
+            mod.set_gemm_form(1 if name.endswith("+gemms7") else 0)
     if moved is not None:
-        weight_pages.restore(moved, huge=name.endswith("+huge"))
+        weight_pages.restore(moved, huge="+huge" in name)
 
 
-def layers_only(engine, batch: int, reps: int, repeats: int, moved=None) -> dict:
+def layers_only(
+    engine, batch: int, reps: int, repeats: int, moved=None, gemm_s7: bool = False, read_mib: int = 0
+) -> dict:
     """Every decoder layer over ``batch`` fresh rows (no cache), fused vs separate calls (and, with
-    ``moved``, fused on huge-page weights), interleaved."""
+    ``moved``, fused on huge-page weights; with ``gemm_s7``, fused with session 7's GEMM form),
+    interleaved; ``read_mib``: a ``sum`` over that many MiB after each layer, standing in for its
+    attention's read of the K/V pool (the weight streams restart cold, as in a decode step)."""
     ad = engine.backend.adapter
     torch.manual_seed(0)
     hidden = torch.randn(batch, 1, ad.text_config.hidden_size)
     pos = torch.full((batch, 1, engine.backend.pos_dims), 8192, dtype=torch.long)
     cos_sin = ad.rotary(hidden, pos)
 
+    gap = torch.ones(read_mib * 2**18) if read_mib else None
+
     def run() -> torch.Tensor:
         h = hidden
         for layer in ad.layers:
             h = layer_forward(layer, h, None, cos_sin)
+            if gap is not None:
+                gap.sum()
         return h
 
     names = ["fused", "fused+calls", *(["fused+huge"] if moved is not None else [])]
+    # session 7's GEMM form on the weights the engine reads: huge pages where they were moved
+    s7_base = "fused+huge" if moved is not None else "fused"
+    names += [f"{s7_base}+gemms7"] if gemm_s7 else []
     times: dict[str, list[float]] = {n: [] for n in names}
     outs, ops = {}, {}
     with torch.no_grad():
@@ -101,8 +117,18 @@ def layers_only(engine, batch: int, reps: int, repeats: int, moved=None) -> dict
             "huge_speedup_range": [min(h), max(h)],
             "huge_bit_equal": bool(torch.equal(outs["fused+huge"], outs["fused"])),
         }
+    if gemm_s7:
+        g = [s / f for f, s in zip(times[s7_base], times[f"{s7_base}+gemms7"], strict=True)]
+        huge |= {
+            "gemm_s7_on": s7_base,
+            "gemm_s7_ms": 1e3 * statistics.median(times[f"{s7_base}+gemms7"]),
+            "gemm_s7_speedup": statistics.median(g),
+            "gemm_s7_speedup_range": [min(g), max(g)],
+            "gemm_s7_bit_equal": bool(torch.equal(outs[f"{s7_base}+gemms7"], outs["fused"])),
+        }
     return {
         **huge,
+        "read_mib": read_mib,
         "layers": len(ad.layers),
         "rows": batch,
         "fused_ms": 1e3 * statistics.median(times["fused"]),
@@ -187,6 +213,13 @@ def report(res: dict) -> str:
             f"**{lo['huge_speedup']:.2f}×** the mapped weights ({lo['huge_speedup_range'][0]:.2f}–"
             f"{lo['huge_speedup_range'][1]:.2f}); bit-equal: {lo['huge_bit_equal']}"
         )
+    if "gemm_s7_ms" in lo:
+        lines.append(
+            f"\nThe few-row GEMMs in session 7's form ({lo['gemm_s7_on']}, a {lo['read_mib']} MiB read after each layer): "
+            f"{lo['gemm_s7_ms']:.2f} ms, the current form **{lo['gemm_s7_speedup']:.2f}×** that "
+            f"({lo['gemm_s7_speedup_range'][0]:.2f}–{lo['gemm_s7_speedup_range'][1]:.2f}); bit-equal: "
+            f"{lo['gemm_s7_bit_equal']}"
+        )
     if "decode" in res:
         d = res["decode"]
         bw = d["bandwidth_gbs"]
@@ -226,6 +259,15 @@ def main() -> None:
     ap.add_argument("--layers-only", action="store_true", help="skip the prefill and the decode steps")
     ap.add_argument("--tiny", action="store_true", help="tiny-llava, a few seconds")
     ap.add_argument("--huge", action="store_true", help="also each fused configuration on huge-page weights")
+    ap.add_argument(
+        "--gemm-s7", action="store_true", help="layers only: also the fused layer with session 7's GEMM form"
+    )
+    ap.add_argument(
+        "--read-mib",
+        type=int,
+        default=0,
+        help="layers only: MiB read after each layer (its attention's stand-in)",
+    )
     ap.add_argument("--json")
     ap.add_argument("--md")
     add_threads_arg(ap)
@@ -236,6 +278,8 @@ def main() -> None:
         args.layer_reps = 2
         # tiny-llava's weights are below the skinny layer's floor: lowered, so its layers take the C++ path
         skinny_layer.SKINNY_MIN_WEIGHT = 0
+    if args.read_mib < 0:
+        ap.error(f"--read-mib must be >= 0, got {args.read_mib}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if decode_layer.kernel() is None:
@@ -256,7 +300,9 @@ def main() -> None:
         "tokens": args.tokens,
         "batch": args.batch,
         "huge_mib": moved.bytes / 2**20 if moved is not None else 0.0,
-        "layers_only": layers_only(engine, args.batch, args.layer_reps, args.repeats, moved),
+        "layers_only": layers_only(
+            engine, args.batch, args.layer_reps, args.repeats, moved, args.gemm_s7, args.read_mib
+        ),
     }
     if not args.layers_only:
         res["decode"] = decode_steps(engine, args, moved)

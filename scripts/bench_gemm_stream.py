@@ -1,8 +1,9 @@
 """The few-row GEMM's 1-2 row forms in one run: weight rows in register blocks (before) vs one stream.
 
 ``skinny_gemm`` reads a weight for 1-2 rows as one stream, row after row (``rows_stream``); before, as for
-3-8 rows, in blocks of 8 weight rows read side by side (``rows_block<R, 8, 1>``, a prefetch one block
-ahead). Both compute every output alike (bit-equal, checked here). This builds both from the kernel's own
+3-8 rows, in blocks of 8 weight rows read side by side (``rows_block<R, 8>``, a prefetch one block
+ahead). (Since session 8 the kernel's own 1-2 row form is ``rows_block<R, 1>`` with lines 8 KiB ahead:
+``bench_skinny_gemm.py``'s ``kernel`` vs ``kernel-s7``.) Both compute every output alike (bit-equal, checked here). This builds both from the kernel's own
 C++ text and times them beside a ``sum`` of the same bytes, interleaved and rotated per round, over
 copies of each weight 2 MiB apart and visited out of order (``bench_skinny_gemm.ring``): GB/s at the best
 and the median of ``--rounds``.
@@ -34,8 +35,8 @@ torch::Tensor gemm_form(torch::Tensor x, torch::Tensor w, bool blocked) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (blocked) {
-    if (R == 1) rows_block<1, 8, 1>(xp, wp, nullptr, yp, 0, N, K, N);
-    else rows_block<2, 8, 1>(xp, wp, nullptr, yp, 0, N, K, N);
+    if (R == 1) rows_block<1, 8>(xp, wp, nullptr, yp, 0, N, K, N, 8 * K);
+    else rows_block<2, 8>(xp, wp, nullptr, yp, 0, N, K, N, 8 * K);
   } else {
     if (R == 1) rows_stream<1>(xp, wp, nullptr, yp, 0, N, K, N);
     else rows_stream<2>(xp, wp, nullptr, yp, 0, N, K, N);

@@ -2,12 +2,15 @@
 
 For each shape ``(N, K)`` (the 30 layers' q/o 576×576, k/v 192×576, gate/up 1536×576, down 576×1536,
 the 49152×576 output head) and each row count, times ``F.linear`` (``x @ Wᵀ``, the HF layers),
-``(W @ xᵀ)ᵀ`` (``skinny_layer``'s torch form), the C++ kernel (``vlkv/plugins/skinny_gemm.py``) and a
+``(W @ xᵀ)ᵀ`` (``skinny_layer``'s torch form), the C++ kernel (``vlkv/plugins/skinny_gemm.py``), the
+same kernel in its session-7 form (``kernel-s7``: 4 weight rows per block at 3-4 rows, the next block
+prefetched; bit-equal, checked; its two form switches around the call add well under 1 µs) and a
 STREAM-like ``W.sum()`` (a read of the same bytes at the machine's read bandwidth), interleaved and
 rotated per round, one product per form per round over a ring of weight copies larger than the L3
 cache (every product reads its weight from memory, as a decode step does). Reports the best (the
 shared VM's preemptions only add time) and the median µs per product, and GB/s of weight read at the
-best; ``kernel ÷ sum`` is the fraction of the read bandwidth the kernel reaches.
+best; ``kernel ÷ sum`` is the fraction of the read bandwidth the kernel reaches. ``--huge``: the ring in
+huge pages (``weight_pages``' buffer), as the engine places a model's weights.
 
     python scripts/bench_skinny_gemm.py --threads 1 2 --rows 1 2 4 8 --md out.md --json out.json
 """
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlkv.plugins import skinny_gemm  # noqa: E402
+from vlkv.plugins import skinny_gemm, weight_pages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import machine_name  # noqa: E402
@@ -45,18 +48,30 @@ FORMS = {
     "F.linear": lambda x, w: F.linear(x, w),
     "(W@xT)T": lambda x, w: torch.mm(w, x.t()).t().contiguous(),
     "kernel": lambda x, w: skinny_gemm.kernel().gemm(x, w, None),
+    "kernel-s7": lambda x, w: s7_gemm(x, w),
     "sum": lambda x, w: w.sum(),
 }
 
 
-def ring(n: int, k: int, ring_mib: int) -> list[torch.Tensor]:
+def s7_gemm(x, w):
+    """The kernel in its session-7 form (the before of this session's prefetch), the form put back after."""
+    mod = skinny_gemm.kernel()
+    mod.set_gemm_form(1)
+    try:
+        return mod.gemm(x, w, None)
+    finally:
+        mod.set_gemm_form(0)
+
+
+def ring(n: int, k: int, ring_mib: int, huge: bool = False) -> list[torch.Tensor]:
     """Copies of an ``(n, k)`` weight whose total passes ``ring_mib`` (each read from memory), 2 MiB apart
     and visited out of order (:func:`ring_at`): copies end to end, read in turn, let the hardware
     prefetcher run from one read into the next copy — the form timed after ``sum`` (the most regular
-    stream) read up to 2× faster than memory allows."""
+    stream) read up to 2× faster than memory allows. ``huge``: one huge-page buffer (``weight_pages``)."""
     copies = max(2, -(-ring_mib * 2**20 // (n * k * 4))) | 1
     gap = 2**20 // 2  # floats: 2 MiB
-    big = torch.randn(copies * (n * k + gap))
+    total = copies * (n * k + gap)
+    big = weight_pages.kernel().huge_buffer(total).normal_() if huge else torch.randn(total)
     return [big[i * (n * k + gap) : i * (n * k + gap) + n * k].view(n, k) for i in range(copies)]
 
 
@@ -78,17 +93,19 @@ def run(args) -> dict:
         "threads": {},
         "ring_mib": args.ring_mib,
         "rounds": args.rounds,
+        "huge": args.huge,
     }
     for threads in args.threads:
         torch.set_num_threads(threads)
         rows_out = {}
         for name in args.shapes:
             n, k = SHAPES[name]
-            ws = ring(n, k, args.ring_mib)
+            ws = ring(n, k, args.ring_mib, args.huge)
             for rows in args.rows:
                 x = torch.randn(rows, k)
                 want = F.linear(x, ws[0])
                 torch.testing.assert_close(FORMS["kernel"](x, ws[0]), want, rtol=1e-4, atol=1e-4)
+                assert torch.equal(FORMS["kernel"](x, ws[0]), FORMS["kernel-s7"](x, ws[0]))  # bit-equal forms
                 times = {f: [] for f in FORMS}
                 order = list(FORMS)
                 at = 0
@@ -120,16 +137,18 @@ def to_markdown(res: dict) -> str:
     for threads, rows in res["threads"].items():
         out += [
             f"\n### {threads} thread(s): GB/s of weight read at the best of {res['rounds']} rounds (µs per product: best / median)\n",
-            "| shape × rows | F.linear | (W@xᵀ)ᵀ | kernel | sum (read) | kernel ÷ sum | kernel vs F.linear | kernel vs (W@xᵀ)ᵀ |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| shape × rows | F.linear | (W@xᵀ)ᵀ | kernel | kernel-s7 | sum (read) | kernel ÷ sum | kernel-s7 ÷ sum "
+            "| kernel vs kernel-s7 (median) | kernel vs F.linear | kernel vs (W@xᵀ)ᵀ |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for key, v in rows.items():
             g, ms, md = v["gbps"], v["us_best"], v["us_median"]
             out.append(
                 f"| {key} | {g['F.linear']} ({ms['F.linear']} / {md['F.linear']}) | "
                 f"{g['(W@xT)T']} ({ms['(W@xT)T']} / {md['(W@xT)T']}) | "
-                f"**{g['kernel']}** ({ms['kernel']} / {md['kernel']}) | {g['sum']} | {g['kernel'] / g['sum']:.0%} | "
-                f"{ms['F.linear'] / ms['kernel']:.2f}× | {ms['(W@xT)T'] / ms['kernel']:.2f}× |"
+                f"**{g['kernel']}** ({ms['kernel']} / {md['kernel']}) | {g['kernel-s7']} ({ms['kernel-s7']} / "
+                f"{md['kernel-s7']}) | {g['sum']} | {g['kernel'] / g['sum']:.0%} | {g['kernel-s7'] / g['sum']:.0%} | "
+                f"{md['kernel-s7'] / md['kernel']:.2f}× | {ms['F.linear'] / ms['kernel']:.2f}× | {ms['(W@xT)T'] / ms['kernel']:.2f}× |"
             )
     return "\n".join(out) + "\n"
 
@@ -143,6 +162,7 @@ def main() -> None:
     ap.add_argument(
         "--ring-mib", type=int, default=96, help="weight copies cycled per shape (> the L3 cache)"
     )
+    ap.add_argument("--huge", action="store_true", help="the weight copies in huge pages (weight_pages)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args()

@@ -27,6 +27,19 @@ def test_bench_decode_layer_tiny(tmp_path):
     assert "| full+calls |" in md.read_text()
 
 
+def test_bench_decode_layer_gemm_s7_layers_only(tmp_path):
+    """``--gemm-s7 --read-mib``: the layers alone again with session 7's GEMM form, a read after each
+    layer; bit-equal, a paired ratio."""
+    out = tmp_path / "l.json"
+    cmd = [sys.executable, str(SCRIPTS / "bench_decode_layer.py"), "--tiny", "--threads", "1", "--layers-only",
+           "--gemm-s7", "--read-mib", "1", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lo = json.loads(out.read_text())["layers_only"]
+    assert lo["gemm_s7_bit_equal"] and lo["gemm_s7_speedup"] > 0 and lo["read_mib"] == 1
+    assert "decode" not in json.loads(out.read_text())
+
+
 def test_bench_gemm_stream_one_shape(tmp_path):
     out, md = tmp_path / "g.json", tmp_path / "g.md"
     cmd = [sys.executable, str(SCRIPTS / "bench_gemm_stream.py"), "--rows", "1", "2", "--rounds", "3",

@@ -4,7 +4,7 @@ What must hold: ``y = x @ Wᵀ (+ b)`` equals ``F.linear`` within fp32 rounding 
 in another order) for 1-8 rows over shapes that hit its blocks' edges (odd K: the scalar tail; N not a
 multiple of its weight-row block: the one-row tail); inputs it cannot take are refused with one line
 (raw kernel) or routed to torch (``fits`` False); without a compiler it warns once and ``fits`` is False;
-``VLKV_CPU_GEMM`` switches it.
+``VLKV_CPU_GEMM`` switches it; its session-7 form (the benchmarks' before) gives the same bits.
 """
 
 from __future__ import annotations
@@ -56,6 +56,40 @@ def test_every_row_count_sums_alike(n, k, bias):
     alone = torch.cat([mod.gemm(x[r : r + 1].contiguous(), w, b) for r in range(gemm.MAX_ROWS)])
     for rows in range(2, gemm.MAX_ROWS + 1):
         assert torch.equal(mod.gemm(x[:rows].contiguous(), w, b), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("rows", range(1, gemm.MAX_ROWS + 1))
+@pytest.mark.parametrize("n,k", [(37, 100), (576, 577), (4099, 576), (576, 1536), (3, 7), (37, 8960)])
+def test_session_7_form_gives_the_same_bits(rows, n, k):
+    """The kernel's forms — one weight row at a time (1-2 rows) or two (3-8), lines 8 KiB ahead where the
+    weight is larger than that, 4 rows per block where x exceeds 32 KiB at 3-4 rows (K = 8,960) — against
+    session 7's (``set_gemm_form(1)``, the benchmarks' before): each output is one vector accumulator over
+    K in order either way, so the bits are equal."""
+    torch.manual_seed(rows + n + k)
+    x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    mod = gemm.kernel()
+    now = mod.gemm(x, w, b)
+    mod.set_gemm_form(1)
+    try:
+        before = mod.gemm(x, w, b)
+    finally:
+        mod.set_gemm_form(0)
+    assert torch.equal(now, before)
+    torch.testing.assert_close(now, F.linear(x, w, b), **TOL)
+
+
+def test_the_form_switch_takes_two_forms():
+    with pytest.raises(
+        RuntimeError, match=r"set_gemm_form: 0 \(current\) or 1 \(session 7's blocks\), got 2"
+    ):
+        gemm.kernel().set_gemm_form(2)
+
+
+def test_max_rows_is_the_kernels_row_limit():
+    """One source of truth: the C++ text's row limit is ``MAX_ROWS`` (the decode layer compiles it too)."""
+    assert gemm._KERNELS.startswith(f"#define VLKV_MAX_ROWS {gemm.MAX_ROWS}\n")
+    with pytest.raises(RuntimeError, match=f"1 <= R <= {gemm.MAX_ROWS} rows"):
+        gemm.kernel().gemm(torch.randn(gemm.MAX_ROWS + 1, 40), torch.randn(50, 40), None)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

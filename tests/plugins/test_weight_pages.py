@@ -19,8 +19,8 @@ from vlkv.runtime.models.skinny_layer import layer_forward
 
 @pytest.fixture(autouse=True)
 def _built():
-    if decode_layer.kernel() is None:  # a C++ compiler is part of the CPU test environment
-        pytest.fail("the decode layer could not be built here")
+    if weight_pages.kernel() is None:  # a C++ compiler is part of the CPU test environment
+        pytest.fail("the huge-page buffer could not be built here")
 
 
 def _layer():
@@ -76,12 +76,42 @@ def test_tied_weights_move_once_and_others_stay():
 
 
 def test_nothing_moves_without_the_extension(monkeypatch):
-    monkeypatch.setattr(decode_layer, "_BUILT", [None])
+    monkeypatch.setattr(weight_pages, "_BUILT", [None])
     layer, _ = _layer()
     ptrs = [p.data_ptr() for p in layer.parameters()]
     moved = weight_pages.move([layer])
     assert moved.params == [] and moved.buffer is None
     assert [p.data_ptr() for p in layer.parameters()] == ptrs
+
+
+def test_moving_needs_no_fused_decode_layer(monkeypatch):
+    """The buffer is this module's own extension: with the fused layer off (``VLKV_CPU_LAYER=0``) or not
+    buildable, the weights still move, and nothing asks for the decode layer's build."""
+
+    def no_layer():
+        raise AssertionError("weight_pages asked for the decode layer's extension")
+
+    monkeypatch.setattr(decode_layer, "kernel", no_layer)
+    monkeypatch.setattr(decode_layer, "FUSED_LAYER", False)
+    layer, _ = _layer()
+    moved = weight_pages.move([layer])
+    assert moved.buffer is not None and len(moved.params) == 7  # q/k/v/o, gate/up/down
+    weight_pages.restore(moved)
+    assert "decode_layer" not in vars(weight_pages)  # not even imported
+
+
+def test_place_lists_the_movable_parameters_once(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(weight_pages, "HUGE_WEIGHTS", True)
+    layer, _ = _layer()
+    adapter = SimpleNamespace(
+        layers=torch.nn.ModuleList([layer]), norm=torch.nn.Identity(), lm_head=torch.nn.Linear(576, 300)
+    )
+    real, calls = weight_pages._movable_params, []
+    monkeypatch.setattr(weight_pages, "_movable_params", lambda mods: (calls.append(1), real(mods))[1])
+    moved = weight_pages.place(adapter, "cpu", torch.float32)
+    assert calls == [1] and len(moved.params) == 8  # the layer's 7 projections and the head
 
 
 def test_moved_checks_its_lists():

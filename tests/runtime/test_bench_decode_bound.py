@@ -187,3 +187,17 @@ def _tiny_before_after(tmp_path, *flags: str) -> tuple[dict, dict, str]:
     assert done.returncode == 0, done.stderr
     res = json.loads(out.read_text())
     return res, {r["config"]: r for r in res["rows"]}, md.read_text()
+
+
+def test_gemm_s7_rows_are_the_gemm_form_s_before_and_after(tmp_path):
+    """``--gemm-s7`` adds each fused configuration again with the few-row GEMMs in their session-7 form
+    (both extensions' flag): the same tokens (the forms are bit-equal), the same C++ GEMM calls, timed
+    in the same rounds, the paired ratio on the current rows."""
+    res, rows, md = _tiny_before_after(tmp_path, "--policies", "snapkv", "--budgets", "0.5", "--gemm-s7")
+    want = ["full-kernel", "snapkv@0.5+kernel", "full-kernel+gemms7", "snapkv@0.5+kernel+gemms7"]
+    assert sorted(rows) == sorted(want)
+    assert res["peers_same_tokens"] == {"full-kernel+gemms7": True, "snapkv@0.5+kernel+gemms7": True}
+    for name in ("full-kernel", "snapkv@0.5+kernel"):
+        assert rows[name]["speed_vs_gemms7"] > 0 and "speed_vs_gemms7" not in rows[name + "+gemms7"]
+        assert rows[name + "+gemms7"]["cpp_gemm_calls_per_step"] == rows[name]["cpp_gemm_calls_per_step"]
+    assert "vs +gemms7" in md

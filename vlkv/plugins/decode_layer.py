@@ -45,25 +45,6 @@ SILU = frozenset({"SiLU", "SiLUActivation"})
 
 _ENTRY = r"""
 #include <ATen/ATen.h>
-#include <cstdlib>
-#include <cstring>
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
-
-// n float32 zeros in memory of its own, 2 MiB aligned and (Linux) advised to transparent huge pages:
-// weights copied in are read through ~512x fewer TLB entries (weight_pages.py); freed with the tensor
-torch::Tensor huge_buffer(int64_t n) {
-  TORCH_CHECK(n >= 1, "huge_buffer: n >= 1 floats");
-  const size_t align = size_t(2) << 20, bytes = ((size_t(n) * 4 + align - 1) / align) * align;
-  void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, align, bytes) == 0 && p, "huge_buffer: could not allocate ", bytes, " bytes");
-#ifdef __linux__
-  madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
-#endif
-  std::memset(p, 0, bytes);  // fault the pages in now, as huge ones where the kernel can
-  return torch::from_blob(p, {n}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(torch::kFloat));
-}
 
 // weights must be fp32 contiguous CPU tensors: anything else is refused (the caller's reference path)
 static bool usable(const torch::Tensor& t) {
@@ -84,7 +65,7 @@ static torch::Tensor heads_view(int64_t B, int64_t S, int64_t H, int64_t D, cons
   return at::empty_strided({B, H, S, D}, {S * H * D, D, H * D, 1}, o);
 }
 
-// hidden (B, S, E) fp32 contiguous, 1 <= B * S <= 8; norm_w (E,); wq (Hq * D, E), wk and wv (Hk * D, E)
+// hidden (B, S, E) fp32 contiguous, 1 <= B * S <= VLKV_MAX_ROWS; norm_w (E,); wq (Hq * D, E), wk and wv (Hk * D, E)
 // with optional biases; cos, sin (B, S, D). Returns [q (B, Hq, S, D), k (B, Hk, S, D), v (B, Hk, S, D)]:
 // rms_norm → q/k/v GEMMs → RoPE on q and k; [] where a weight is refused.
 std::vector<torch::Tensor> layer_pre(torch::Tensor hidden, torch::Tensor norm_w, double eps, torch::Tensor wq,
@@ -94,7 +75,7 @@ std::vector<torch::Tensor> layer_pre(torch::Tensor hidden, torch::Tensor norm_w,
   TORCH_CHECK(hidden.dim() == 3 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.is_cpu(),
               "layer_pre: float32 contiguous CPU hidden (B, S, E)");
   const int64_t B = hidden.size(0), S = hidden.size(1), E = hidden.size(2), R = B * S;
-  TORCH_CHECK(R >= 1 && R <= 8, "layer_pre: 1 <= B * S <= 8 rows, got ", R);
+  TORCH_CHECK(R >= 1 && R <= VLKV_MAX_ROWS, "layer_pre: 1 <= B * S <= ", VLKV_MAX_ROWS, " rows, got ", R);
   TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(0) == B && cos.size(1) == S &&
                   cos.size(2) % 2 == 0 && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_cpu() && sin.is_cpu(),
@@ -126,7 +107,7 @@ std::vector<torch::Tensor> layer_pre(torch::Tensor hidden, torch::Tensor norm_w,
   return {q, k, v};
 }
 
-// attn (B, S, H, D) fp32 (any strides), residual (B, S, E) fp32 contiguous, 1 <= B * S <= 8; wo (E, H * D);
+// attn (B, S, H, D) fp32 (any strides), residual (B, S, E) fp32 contiguous, 1 <= B * S <= VLKV_MAX_ROWS; wo (E, H * D);
 // norm_w (E,); wg and wu (I, E); wd (E, I); optional biases. Returns [next hidden (B, S, E)]:
 // h = residual + o(attn); h + down(silu(gate(n)) * up(n)) with n = rms_norm(h); [] where a weight is refused.
 std::vector<torch::Tensor> layer_post(torch::Tensor attn, torch::Tensor residual, torch::Tensor wo,
@@ -138,7 +119,7 @@ std::vector<torch::Tensor> layer_post(torch::Tensor attn, torch::Tensor residual
                   residual.is_cpu(),
               "layer_post: float32 contiguous CPU residual (B, S, E)");
   const int64_t B = residual.size(0), S = residual.size(1), E = residual.size(2), R = B * S;
-  TORCH_CHECK(R >= 1 && R <= 8, "layer_post: 1 <= B * S <= 8 rows, got ", R);
+  TORCH_CHECK(R >= 1 && R <= VLKV_MAX_ROWS, "layer_post: 1 <= B * S <= ", VLKV_MAX_ROWS, " rows, got ", R);
   TORCH_CHECK(attn.dim() == 4 && attn.size(0) == B && attn.size(1) == S && attn.scalar_type() == at::kFloat &&
                   attn.is_cpu(),
               "layer_post: float32 CPU attention output (B, S, H, D)");
@@ -193,7 +174,7 @@ def kernel():
         _BUILT,
         name,
         _SOURCE,
-        ["layer_pre", "layer_post", "huge_buffer"],
+        ["layer_pre", "layer_post", "set_gemm_form"],
         "CPU decode layer",
         "using the skinny layer's calls",
     )
@@ -223,7 +204,7 @@ def _wb(linear: nn.Module) -> tuple[Tensor | None, Tensor | None]:
 
 def fits(layer: nn.Module, hidden: Tensor, cos: Tensor) -> bool:
     """:func:`pre` / :func:`post` take ``layer`` over ``hidden (B, S, E)``: the switches on, the extension
-    built, 1 to ``MAX_ROWS`` fp32 CPU rows with ``cos (B, S, D)``, no gradient wanted through
+    built, 1 to ``MAX_ROWS`` fp32 CPU rows with a CPU ``cos (B, S, D)``, no gradient wanted through
     ``hidden``, the layer's norms ``layer_glue.NORMS`` and its activation SiLU (the weights' own
     checks are the C++ side's)."""
     if not (
@@ -232,6 +213,7 @@ def fits(layer: nn.Module, hidden: Tensor, cos: Tensor) -> bool:
         and hidden.dim() == 3
         and 1 <= hidden.shape[0] * hidden.shape[1] <= MAX_ROWS
         and hidden.is_cpu
+        and cos.is_cpu
         and hidden.dtype is cos.dtype is torch.float32
         and cos.dim() == 3
         and not (hidden.requires_grad and torch.is_grad_enabled())

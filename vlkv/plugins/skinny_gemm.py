@@ -4,8 +4,10 @@ A decode step multiplies the batch's few rows by every weight matrix, so its GEM
 once and do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic. MKL's
 ``F.linear`` and even the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at
 ~9-15 GB/s at 4 rows where a plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread).
-This kernel reads ``W (N, K)`` row after row, contiguously, ``NB`` weight rows at a time (3-8 rows;
-1-2 rows: one weight row at a time, a single stream like a plain sum's, 87-105 % of its bandwidth), and
+This kernel reads ``W (N, K)`` row after row, contiguously — one weight row at a time for 1-2 rows, two
+side by side for 3-8 — and asks for the lines 8 KiB ahead itself (session 8, quiet 2-core EPYC VM,
+huge-page weights, 1 thread: 1.03-1.20x session 7's form by median, at 4 rows 90-99 % of a plain read
+where K = 576; inside a full-cache decode step at 8k x 4 no difference resolved), and
 dots each with all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one
 weight byte loaded once; every output is one vector accumulator over ``K`` in order, whatever the form
 (a row's result does not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or
@@ -44,8 +46,11 @@ def env_switch(name: str) -> bool:
 # VLKV_CPU_GEMM=0: the skinny layers' GEMMs go back to torch's ``(W @ xᵀ)ᵀ`` / ``F.linear``
 CPP_GEMM = env_switch("VLKV_CPU_GEMM")
 
-# the few-row kernels (``gemm_rows``), without an entry point: ``decode_layer`` compiles them too
-_KERNELS = r"""
+# the few-row kernels (``gemm_rows``), without an entry point: ``decode_layer`` compiles them too;
+# VLKV_MAX_ROWS is MAX_ROWS (every entry point's row check reads it: one source of truth)
+_KERNELS = (
+    f"#define VLKV_MAX_ROWS {MAX_ROWS}\n"
+    + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <array>
@@ -74,57 +79,83 @@ static inline float hsum(v16 v) {
 #endif
 }
 
+// how far ahead of the weight rows being read the kernel asks for lines (floats: 8 KiB). The
+// hardware prefetcher alone keeps too few lines in flight behind this much arithmetic (4 rows: ~17-22
+// GB/s against the 38-42 GB/s a plain sum reads on the 2-core EPYC VM), so the line AHEAD floats past
+// the block being read is asked for, NB lines per K step (the rate the block is consumed at). Measured
+// there (1 thread, huge-page weights, 4 rows, 2 weight rows per block): 8 KiB ahead 36-41 GB/s on
+// smollm2-llava's 576-wide shapes, 2 KiB ~30, 32 KiB ~32; session 7's form (4 weight rows, the next
+// block ahead): 33-36.
+constexpr int64_t AHEAD = 2048;
+
+// the session-7 form (1-2 rows: one stream, no software prefetch; 3-4 rows: 4 weight rows per block, the
+// next block prefetched; nothing asked for at a range's start): kept, bit-equal, for benchmarks'
+// before/after in one process (set_gemm_form)
+static int g_form = 0;
+
+// the first `n` floats at p asked for at once: a range's start, which no earlier block asked for
+static void lead_lines(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
 // y[r, n] = x[r, :] . w[n, :] (+ b[n]) for n in [n0, n1): NB weight rows at a time, each weight
 // element loaded once and multiplied into all R rows; the R * NB accumulators live in registers (the
-// empty asm pins each loaded vector in one: GCC would otherwise fold R loads of it into the FMAs).
-// The hardware prefetcher alone keeps too few lines in flight behind this much arithmetic (4 rows:
-// ~22 GB/s against the 38-40 GB/s a plain sum reads), so the block BD blocks ahead is asked for line
-// by line, spread over this block's K loop (4 rows: ~30-36 GB/s measured on the 2-core EPYC VM).
-template <int R, int NB, int BD>
+// empty asm pins each loaded vector in one: GCC would otherwise fold R loads of it into the FMAs; the
+// unroll pragmas keep GCC from leaving the accumulator array in memory, as it did for some clones:
+// 0.8x). ahead: the prefetch distance in floats (0: none). Every output is one vector accumulator over
+// K in order, whatever NB and ahead: the forms are bit-equal.
+template <int R, int NB>
 static void rows_block(const float* __restrict x, const float* __restrict w, const float* __restrict b,
-                       float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
+                       float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t ahead) {
   const int64_t K16 = K & ~int64_t(15);
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     v16 acc[NB][R];
+#pragma GCC unroll 16
     for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) acc[j][r] = v16{};
     const float* wr = w + n * K;
-    // the block BD ahead, where it lies inside the weight (a pointer past the buffer is not formed)
-    const bool pf = BD && n + (BD + 1) * NB <= N;
-    const float* ahead = pf ? wr + BD * NB * K : wr;
+    // the lines `ahead` floats on, where they lie inside the weight (a pointer past it is not formed)
+    const bool pf = ahead && (n + NB) * K + ahead <= N * K;
+    const float* at = wr + (pf ? ahead : 0);
     for (int64_t k = 0; k < K16; k += 16) {
       if (pf)
-        for (int j = 0; j < NB; ++j) __builtin_prefetch(ahead + k * NB + 16 * j, 0, 3);
+#pragma GCC unroll 16
+        for (int j = 0; j < NB; ++j) __builtin_prefetch(at + k * NB + 16 * j, 0, 3);
       v16 xv[R];
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         xv[r] = *(const vu*)(x + r * K + k);
         PIN(xv[r]);
       }
       v16 wv[NB];
+#pragma GCC unroll 16
       for (int j = 0; j < NB; ++j) {
         wv[j] = *(const vu*)(wr + j * K + k);
         PIN(wv[j]);
       }
+#pragma GCC unroll 16
       for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) acc[j][r] += wv[j] * xv[r];
     }
+#pragma GCC unroll 16
     for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         float s = hsum(acc[j][r]);
         for (int64_t k = K16; k < K; ++k) s += wr[j * K + k] * x[r * K + k];
         y[r * N + n + j] = b ? s + b[n + j] : s;
       }
   }
-  if (NB > 1 && n < n1) rows_block<R, 1, 0>(x, w, b, y, n, n1, K, N);
+  if (NB > 1 && n < n1) rows_block<R, 1>(x, w, b, y, n, n1, K, N, 0);
 }
 
-// 1-2 rows: the weight read as one stream, row after row (what a plain sum reads), each weight row
-// dotted with the R x rows before the next: the same per-output sums as rows_block (one vector
-// accumulator over K in order, then hsum, the tail, the bias: bit-equal results). Measured on the
-// 2-core EPYC VM, 1 thread, weights far apart in memory: 1 row 35-39 GB/s where rows_block's NB
-// interleaved row streams read 30-32 (a plain sum: 34-39), 2 rows +5-14 %; at 4 rows it is no faster
-// (the R FMAs per weight vector bind), and software prefetch made it slower.
+// session 7's 1-2 rows (kept for the benchmarks' before): the weight read as one stream, row after row,
+// each weight row dotted with the R x rows before the next, no software prefetch — rows_block<R, 1> with
+// ahead = 0, bit-equal. (Session 7 measured software prefetch slower here: that was a prefetch of the
+// next block, not of the lines AHEAD floats on.)
 template <int R>
 static void rows_stream(const float* __restrict x, const float* __restrict w, const float* __restrict b,
                         float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N) {
@@ -146,15 +177,35 @@ static void rows_stream(const float* __restrict x, const float* __restrict w, co
   }
 }
 
-// 3-8 rows: weight rows per register block: R * NB accumulators + R x vectors + NB weight vectors
-// within the 32 (AVX-512) vector registers
+// 3-4 rows whose x exceeds X_BLOCK bytes keep session 7's 4 weight rows per block (each x load shared by
+// 4): fewer rows per block load x from L2 more often (a Qwen2-VL-2B-sized down projection, K = 8,960,
+// at 4 rows: one row at a time 12-13 GB/s, 2 per block ~19, 4 per block 23-26 on the 2-core EPYC VM)
+constexpr int64_t X_BLOCK = 32 << 10;
+
+// 1-2 rows: one weight row at a time (one stream), the lines AHEAD floats on prefetched (1.03-1.19x
+// session 7's stream in bench_skinny_gemm.py). 3-8 rows: 2 weight rows per block (each x vector loaded
+// once for both), the same prefetch; 3-4 rows whose x exceeds X_BLOCK: session 7's 4 rows per block.
+// One row at a time read faster at 3-4 rows alone (a ring of weight copies) but slower inside a decode
+// step, where each layer's attention reads the K/V pool between the products: smollm2-llava's 30
+// layers at 4 rows with a 3 MB read between pre and post (1 thread, loaded VM), pre + post 15.5 ms one
+// row at a time, 14.4-14.8 session 7's, 13.8-14.4 2 rows per block (x's lines prefetched too: no
+// better). Bit-equal whatever the form. g_form == 1: session 7's (the benchmarks' before).
 template <int R>
 static void by_block(const float* x, const float* w, const float* b, float* y, int64_t n0, int64_t n1,
                      int64_t K, int64_t N) {
-  if constexpr (R <= 2) rows_stream<R>(x, w, b, y, n0, n1, K, N);
-  else if constexpr (R <= 4) rows_block<R, 4, 1>(x, w, b, y, n0, n1, K, N);
-  else rows_block<R, 2, 2>(x, w, b, y, n0, n1, K, N);
+  if (g_form == 1) {
+    if constexpr (R <= 2) rows_stream<R>(x, w, b, y, n0, n1, K, N);
+    else if constexpr (R <= 4) rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K);
+    else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, 4 * K);
+    return;
+  }
+  if (R >= 3 && R <= 4 && R * K * 4 > X_BLOCK) return rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K);
+  lead_lines(w + n0 * K, std::min(AHEAD, (n1 - n0) * K));
+  if constexpr (R <= 2) rows_block<R, 1>(x, w, b, y, n0, n1, K, N, AHEAD);
+  else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, AHEAD);
 }
+
+static_assert(VLKV_MAX_ROWS == 8, "rows_range dispatches 1..8 rows: extend it with MAX_ROWS");
 
 // y[:, n0:n1] of y (R, N) = x (R, K) @ w (N, K)^T (+ b), 1 <= R <= 8: the register blocking for R rows
 static void rows_range(const float* xp, const float* wp, const float* bp, float* yp, int64_t n0, int64_t n1,
@@ -174,6 +225,13 @@ static void rows_range(const float* xp, const float* wp, const float* bp, float*
 // a thread's share is at least ~256 KB of weights (fewer: the fork costs more than it saves)
 static int64_t rows_grain(int64_t K) {
   return std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(K, 1) + 15) & ~int64_t(15));
+}
+
+// 0: the kernel's form; 1: session 7's (the benchmarks' before, bit-equal). Per extension: each
+// extension compiling these kernels holds its own flag.
+void set_gemm_form(int64_t form) {
+  TORCH_CHECK(form == 0 || form == 1, "set_gemm_form: 0 (current) or 1 (session 7's blocks), got ", form);
+  g_form = int(form);
 }
 
 // y (R, N) = x (R, K) @ w (N, K)^T (+ b) for 1 <= R <= 8 rows, raw fp32 row-major buffers: the output
@@ -209,14 +267,15 @@ static void gemm_rows_multi(const float* xp, const std::array<Product, G>& ps, i
   });
 }
 """
+)
 
 _ENTRY = r"""
-// x (..., K) fp32 contiguous with R <= 8 rows in all; w (N, K) fp32 contiguous; bias (N,) fp32 or None.
+// x (..., K) fp32 contiguous with R <= VLKV_MAX_ROWS rows in all; w (N, K) fp32 contiguous; bias (N,) fp32 or None.
 // Returns y (..., N) = x @ w^T (+ bias): the caller's shape, no reshapes around the call.
 torch::Tensor gemm(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() >= 1 && w.dim() == 2 && x.size(-1) == w.size(1), "skinny gemm: x (..., K) and w (N, K)");
   const int64_t K = w.size(1), N = w.size(0), R = K ? x.numel() / K : 0;
-  TORCH_CHECK(R >= 1 && R <= 8, "skinny gemm: 1 <= R <= 8 rows of x (..., K), got ", R);
+  TORCH_CHECK(R >= 1 && R <= VLKV_MAX_ROWS, "skinny gemm: 1 <= R <= ", VLKV_MAX_ROWS, " rows of x (..., K), got ", R);
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() &&
                   w.is_contiguous() && !x.is_cuda() && !w.is_cuda(),
               "skinny gemm: float32 contiguous CPU x and w");
@@ -248,7 +307,7 @@ def kernel():
         return _BUILT[0]
     name = paged_cpu_kernel.build_name(_SOURCE, "vlkv_skinny_gemm")
     return paged_cpu_kernel.load_extension(
-        _BUILT, name, _SOURCE, ["gemm"], "skinny CPU GEMM", "using torch's matmuls"
+        _BUILT, name, _SOURCE, ["gemm", "set_gemm_form"], "skinny CPU GEMM", "using torch's matmuls"
     )
 
 

@@ -12,7 +12,8 @@ tied parameters once) into one such buffer and points each parameter's ``.data``
 values, the same ``Parameter`` objects, so the model and every path that reads it are unchanged;
 :func:`restore` points them back. :func:`place` is the engine-start form (a CPU fp32 model's decoder
 layers, final norm and output head; ``VLKV_CPU_HUGE_WEIGHTS=0`` leaves them). Without the C++ extension
-(no compiler) nothing moves.
+(no compiler) nothing moves. The buffer comes from this module's own small extension: it does not need
+(nor build) the fused decode layer's (``VLKV_CPU_LAYER=0`` still moves the weights).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from vlkv.plugins import decode_layer, skinny_gemm
+from vlkv.plugins import paged_cpu_kernel, skinny_gemm
 
 __all__ = ["HUGE_WEIGHTS", "MIN_ELEMENTS", "Moved", "move", "place", "restore"]
 
@@ -36,6 +37,42 @@ MIN_ELEMENTS = 1 << 14
 _ALIGN = 16
 # the attribute place() leaves on the decoder layers' ModuleList: what it moved
 _PLACED = "_vlkv_weight_pages"
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <cstdlib>
+#include <cstring>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+// n float32 zeros in memory of its own, 2 MiB aligned and (Linux) advised to transparent huge pages:
+// weights copied in are read through ~512x fewer TLB entries; freed with the tensor
+torch::Tensor huge_buffer(int64_t n) {
+  TORCH_CHECK(n >= 1, "huge_buffer: n >= 1 floats");
+  const size_t align = size_t(2) << 20, bytes = ((size_t(n) * 4 + align - 1) / align) * align;
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, align, bytes) == 0 && p, "huge_buffer: could not allocate ", bytes, " bytes");
+#ifdef __linux__
+  madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
+#endif
+  std::memset(p, 0, bytes);  // fault the pages in now, as huge ones where the kernel can
+  return torch::from_blob(p, {n}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(torch::kFloat));
+}
+"""
+
+_BUILT: list = []  # [module or None] once a build was tried
+
+
+def kernel():
+    """The compiled ``huge_buffer`` extension, built on the first call (None, with one warning, when it
+    cannot be built here: nothing moves)."""
+    if _BUILT:
+        return _BUILT[0]
+    name = paged_cpu_kernel.build_name(_SOURCE, "vlkv_weight_pages")
+    return paged_cpu_kernel.load_extension(
+        _BUILT, name, _SOURCE, ["huge_buffer"], "huge-page weight buffer", "weights left where they are"
+    )
 
 
 @dataclass
@@ -86,8 +123,12 @@ def _movable_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 def move(modules: list[nn.Module]) -> Moved:
     """Copy the fp32 CPU weights of ``modules`` into one huge-page buffer (see the module docstring).
     Returns what moved (empty where the extension is not built)."""
-    params = _movable_params(modules)
-    mod = decode_layer.kernel()
+    return _move(_movable_params(modules))
+
+
+def _move(params: list[nn.Parameter]) -> Moved:
+    """:func:`move` for parameters already listed (``_movable_params``: each once)."""
+    mod = kernel()
     if not params or mod is None:
         return Moved()
     sizes = [-(-p.numel() // _ALIGN) * _ALIGN for p in params]
@@ -126,10 +167,10 @@ def place(adapter, device: torch.device | str, dtype: torch.dtype) -> Moved:
     done = getattr(adapter.layers, _PLACED, None)
     if done is not None and all(p.data.data_ptr() == t.data_ptr() for p, t in zip(done.params, done.slots)):
         return done
-    modules = [adapter.layers, adapter.norm, adapter.lm_head]
+    params = _movable_params([adapter.layers, adapter.norm, adapter.lm_head])
     # the copy holds a second set of the weights until the checkpoint's is let go: a model that fills most of
     # the machine's memory (a 7B fp32 model is 28 GB) stays where it is rather than risk running out
-    need, free = sum(p.numel() * 4 for p in _movable_params(modules)), available_bytes()
+    need, free = sum(p.numel() * 4 for p in params), available_bytes()
     if free is not None and 2 * need > free:
         warnings.warn(
             f"vlkv: weights left out of huge pages: copying {need / 2**30:.1f} GiB needs twice that free, "
@@ -137,7 +178,7 @@ def place(adapter, device: torch.device | str, dtype: torch.dtype) -> Moved:
             stacklevel=2,
         )
         return Moved()
-    moved = move(modules)
+    moved = _move(params)
     # for good: the checkpoint's tensors are let go (memory back to one copy), so there is no restore
     moved.before.clear()
     setattr(adapter.layers, _PLACED, moved)
