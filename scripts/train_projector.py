@@ -158,6 +158,10 @@ class TrainConfig:
         if self.lm_lora_rank and (self.lm_lora_alpha <= 0 or self.lm_lora_lr_scale <= 0):
             raise ValueError("lm_lora_alpha and lm_lora_lr_scale must be > 0")
         lm_lora.parse_targets(self.lm_lora_targets)
+        if self.lm_lora_rank and self.anchor > 0:  # the anchor is relative to |W0|: B starts at zero
+            raise ValueError(
+                "anchor pulls toward the starting projector; it cannot be used with lm_lora_rank"
+            )
         if self.init_from and not Path(self.init_from).is_file():
             raise ValueError(f"init_from {self.init_from} is not a file")
 

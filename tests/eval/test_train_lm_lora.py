@@ -97,3 +97,30 @@ def test_projector_lr_scale_zero_trains_only_the_adapters(tp, tmp_path):
     assert any(k.endswith(".B") and v.abs().max() > 0 for k, v in lora.items())
     with pytest.raises(ValueError, match="projector_lr_scale must be >= 0"):
         _cfg(tp, projector_lr_scale=-1.0)
+
+
+def test_anchor_and_adapters_are_refused_together(tp):
+    with pytest.raises(ValueError, match="cannot be used with lm_lora_rank"):
+        _cfg(tp, anchor=1.0)
+
+
+@pytest.mark.demo
+def test_vqa_records_which_projector_file_answered(tmp_path):
+    """``python -m vlkv.eval.vqa --projector F --out J``: J names F and its sha256 (the shipped file
+    here, swapped into the untouched LM: the same answers as the model as built), so a report's
+    numbers can be traced to the weights."""
+    import json
+
+    from vlkv.eval import vqa
+    from vlkv.runtime.models import smollm2_llava as S
+
+    out = tmp_path / "vqa.json"
+    args = ["--projector", str(S.PROJECTOR_FILE), "--n-single", "2", "--n-two", "0", "--n-multi", "0"]
+    assert vqa.main(args + ["--groups", "single", "--threads", "1", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["projector"] == {"file": S.PROJECTOR_FILE.name, "sha256": S.PROJECTOR_SHA256}
+    built = tmp_path / "built.json"  # the model as built (shipped file, checksum verified): same answers
+    assert vqa.main(args[2:] + ["--groups", "single", "--threads", "1", "--out", str(built)]) == 0
+    answers = [[r["answer"] for r in json.loads(p.read_text())["results"][0]["rows"]] for p in (out, built)]
+    assert answers[0] == answers[1] and len(answers[0]) == 2
+    assert "projector" not in json.loads(built.read_text())

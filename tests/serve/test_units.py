@@ -282,9 +282,11 @@ def test_encoding_a_large_prompt_does_not_stall_a_running_stream(engines):
 
 @pytest.mark.demo
 def test_a_real_models_stream_gap_grows_by_at_most_one_step_while_encoding():
-    """The issue's bound on a real model: smollm2-llava (~45 ms steps on a quiet 2-core CPU) keeps
-    every gap within median + one step while eight 1024x1024 images and ~2,400 tokens are encoded in
-    a handler thread (measured on a quiet 2-core VM: worst 55-58 ms against a 45-47 ms median)."""
+    """The issue's bound on a real model: smollm2-llava keeps every gap within median + one step (or
+    :data:`GAP_SLACK_S`, the OS / GIL noise, where a step is shorter) while eight 1024x1024 images and
+    ~2,400 tokens are encoded in a handler thread. Steps were ~45 ms (session 6: worst 55-58 ms against
+    a 45-47 ms median); the fused decode layer made them ~18 ms, below a loaded box's noise (session 8
+    under CI load: worst 36-48 ms against 18 ms). An encode on the engine thread (180-350 ms) still fails."""
     import torch
 
     from vlkv.runtime.engine import Engine
@@ -292,7 +294,7 @@ def test_a_real_models_stream_gap_grows_by_at_most_one_step_while_encoding():
 
     torch.manual_seed(0)
     engine = Engine(load_model("smollm2-llava"))
-    _check_gaps(engine, n_images=8, settle=24, slack=0.0)
+    _check_gaps(engine, n_images=8, settle=24, slack=GAP_SLACK_S)
 
 
 def test_a_requests_unset_link_fields_keep_the_servers_settings(tmp_path):

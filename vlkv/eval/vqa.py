@@ -17,6 +17,7 @@ punctuation dropped, cut at the end of turn, and compared whole with the expecte
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -170,11 +171,10 @@ def _swap_projector(loaded, path: Path) -> None:
         state = load_file(path)
     else:
         ckpt = torch.load(path, weights_only=False, map_location="cpu")
-        state = ckpt["projector"] | ({"lm_lora": ckpt["lm_lora"]} if "lm_lora" in ckpt else {})
-    if "lm_lora" in state:  # a training checkpoint's adapters, in the shipped (scale-folded) form
-        cfg = ckpt["config"]
-        lora = lm_lora.fold(state.pop("lm_lora"), cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
-        state |= lora
+        state = dict(ckpt["projector"])
+        if "lm_lora" in ckpt:  # a training checkpoint's adapters, in the shipped (scale-folded) form
+            cfg = ckpt["config"]
+            state |= lm_lora.fold(ckpt["lm_lora"], cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
     if set(lm_lora.split(state)[0]) - {POSITION_KEY} != PROJECTOR_KEYS:
         raise ValueError(f"{path} holds {sorted(state)}, not a projector's {sorted(PROJECTOR_KEYS)}")
     apply_projector(loaded.model, state)
@@ -254,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(results))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"model": args.model, "results": results}, indent=1) + "\n")
+        record = {"model": args.model, "results": results}
+        if args.projector is not None:  # which file made these answers (its name, not a machine path)
+            digest = hashlib.sha256(args.projector.read_bytes()).hexdigest()
+            record["projector"] = {"file": args.projector.name, "sha256": digest}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

@@ -6,8 +6,8 @@ once and do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not a
 ~9-15 GB/s at 4 rows where a plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread).
 This kernel reads ``W (N, K)`` row after row, contiguously — one weight row at a time for 1-2 rows, two
 side by side for 3-8 — and asks for the lines 8 KiB ahead itself (session 8, quiet 2-core EPYC VM,
-huge-page weights, 1 thread: 1.03-1.20x session 7's form by median, at 4 rows 90-99 % of a plain read
-where K = 576; inside a full-cache decode step at 8k x 4 no difference resolved), and
+huge-page weights, 1 thread: 1.03-1.20x session 7's form by median, at 4 rows 90-121 % of a plain read
+where K = 576, above 100 % where copies hit L3; inside a full-cache decode step at 8k x 4 no difference resolved), and
 dots each with all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one
 weight byte loaded once; every output is one vector accumulator over ``K`` in order, whatever the form
 (a row's result does not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or

@@ -116,3 +116,23 @@ def test_apply_projector_merges_a_files_adapters(tiny):
     torch.testing.assert_close(w, old, rtol=0, atol=0)  # the old tensor is untouched
     for k, v in tiny.model.model.multi_modal_projector.state_dict().items():
         torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+
+
+def test_a_bad_adapter_leaves_the_model_as_it_was(tiny):
+    """A file whose later adapter does not fit changes neither earlier weights nor the projector."""
+    from vlkv.runtime.models import smollm2_llava as S
+
+    before = {n: p.detach().clone() for n, p in tiny.model.named_parameters()}
+    w = tiny.model.model.language_model.layers[0].self_attn.q_proj.weight
+    good = {"lm_lora.0.q_proj.A": torch.ones(2, w.shape[1]), "lm_lora.0.q_proj.B": torch.ones(w.shape[0], 2)}
+    bad = {
+        "lm_lora.1.q_proj.A": torch.ones(2, w.shape[1] + 1),
+        "lm_lora.1.q_proj.B": torch.ones(w.shape[0], 2),
+    }
+    proj = {k: v + 1.0 for k, v in tiny.model.model.multi_modal_projector.state_dict().items()}
+    with pytest.raises(ValueError, match="do not fit"):
+        lm_lora.merge(tiny.model, good | bad)
+    with pytest.raises(ValueError, match="do not fit"):
+        S.apply_projector(tiny.model, proj | good | bad)
+    for name, value in tiny.model.named_parameters():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)

@@ -116,7 +116,9 @@ def text_step(
     held = []
     for region, score, colsum, w, n in zip(regions, scores, colsums, widths, lengths, strict=True):
         is_text = region.narrow(2, 0, w) == TEXT
-        score.narrow(2, 0, w).add_(group_sums(colsum.narrow(2, 0, w), kv_heads) * is_text)
+        sums = group_sums(colsum.narrow(2, 0, w), kv_heads)
+        # where, not a product: an inf / NaN sum at a non-text column must add 0, as the kernel skips it
+        score.narrow(2, 0, w).add_(torch.where(is_text, sums, 0.0))
         valid = torch.arange(w, device=n.device) < n[:, None]
         held.append((is_text[:, 0] & valid).sum(-1))
     return torch.stack(held)

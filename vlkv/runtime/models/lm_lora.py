@@ -51,8 +51,9 @@ class LoRALinear(nn.Module):
         self.scale = alpha / rank
         bound = 1.0 / math.sqrt(base.in_features)
         a = (torch.rand(rank, base.in_features, generator=generator) * 2 - 1) * bound
-        self.A = nn.Parameter(a.to(base.weight.dtype))
-        self.B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype))
+        w = base.weight
+        self.A = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
+        self.B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.base(x) + (x @ self.A.t().to(x.dtype)) @ (self.B.t() * self.scale).to(x.dtype)
@@ -126,8 +127,15 @@ def merge(model, lora: dict[str, Tensor]) -> int:
 
     New weight tensors are assigned (in ``model``'s dtype, summed in float32), never written in place:
     the current ones may be memory-mapped from the build cache. Raises one line naming a key that
-    does not fit the model (unknown layer / projection, shapes, an ``A`` without its ``B``).
+    does not fit the model (unknown layer / projection, shapes, an ``A`` without its ``B``); every
+    pair is checked (:func:`plan`) before any weight changes, so a bad file leaves the model as it was.
     """
+    return apply(plan(model, lora))
+
+
+def plan(model, lora: dict[str, Tensor]) -> list[tuple[nn.Linear, Tensor, Tensor]]:
+    """Every adapter of ``lora`` checked against ``model``: ``(linear, A, B)`` on the weight's device,
+    float32; nothing in ``model`` changes. Raises as :func:`merge` does."""
     blocks = _blocks(model)
     pairs: dict[str, dict[str, Tensor]] = {}
     for key, value in lora.items():
@@ -136,17 +144,26 @@ def merge(model, lora: dict[str, Tensor]) -> int:
         if len(parts) != 3 or parts[2] not in "AB" or not parts[0].isdigit() or parts[1] not in TARGETS:
             raise ValueError(f"lm_lora: {key!r} is not lm_lora.<layer>.<projection>.<A|B>")
         pairs.setdefault(f"{parts[0]}.{parts[1]}", {})[parts[2]] = value
+    checked = []
     for name, pair in pairs.items():
         layer, proj = name.split(".")
         if set(pair) != {"A", "B"} or int(layer) >= len(blocks):
             raise ValueError(f"lm_lora: {name} needs A and B of an existing layer (the LM has {len(blocks)})")
         linear = getattr(_owner(blocks[int(layer)], proj), proj)
-        a, b = pair["A"].float(), pair["B"].float()
         w = linear.weight
+        a, b = pair["A"].to(w.device, torch.float32), pair["B"].to(w.device, torch.float32)
         if a.shape[1] != w.shape[1] or b.shape[0] != w.shape[0] or a.shape[0] != b.shape[1]:
             raise ValueError(
                 f"lm_lora: {name} A {tuple(a.shape)} / B {tuple(b.shape)} do not fit weight {tuple(w.shape)}"
             )
+        checked.append((linear, a, b))
+    return checked
+
+
+def apply(checked: list[tuple[nn.Linear, Tensor, Tensor]]) -> int:
+    """Add a :func:`plan`'s adapters into their weights (new tensors assigned); returns how many."""
+    for linear, a, b in checked:
+        w = linear.weight
         merged = (w.detach().float() + b @ a).to(w.dtype)
         linear.weight = nn.Parameter(merged, requires_grad=w.requires_grad)
-    return len(pairs)
+    return len(checked)

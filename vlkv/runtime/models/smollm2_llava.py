@@ -239,8 +239,8 @@ def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tenso
     A ``state`` with :data:`POSITION_KEY` (``(NUM_IMAGE_TOKENS, hidden)``) installs the
     position-biased projector (:mod:`vlkv.runtime.models.projector_position`); one without it keeps
     (or puts back) the plain MLP. Keys ``lm_lora.*`` (:mod:`vlkv.runtime.models.lm_lora`) are low-rank
-    adapters of the language model, added into its weights. New tensors are assigned rather than copied into the old ones:
-    those may be memory-mapped from the cache, which is never written in place.
+    adapters of the language model, added into its weights. New tensors are assigned rather than
+    copied into the old ones: those may be memory-mapped from the cache, which is never written in place.
     """
     state, adapters = lm_lora.split(state)
     proj = model.model.multi_modal_projector
@@ -252,9 +252,9 @@ def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tenso
                 f"{MODEL_NAME}: projector {name} is {tuple(state[name].shape)}, the model needs "
                 f"{shape} (made for another vision_feature_layer?)"
             )
+    planned = lm_lora.plan(model, adapters)  # every adapter checked before anything changes
     install(model, state)
-    if adapters:
-        lm_lora.merge(model, adapters)
+    lm_lora.apply(planned)
 
 
 def _build_base(
