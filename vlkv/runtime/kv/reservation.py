@@ -226,7 +226,7 @@ def _reserve_into(
         res.run = torch.tensor(res.spare, device=pool.spec.device)
         n = res.run.numel()
     else:
-        res._ids, res._fresh = _row_slots(pool, layer, res.spare)
+        res._ids = _row_slots(res, pool, layer)
         n = res._ids.numel()
     if ahead is not None and ahead.holds_for(owners, res.host):
         res._past, res._after = ahead.past, ahead.after
@@ -249,19 +249,21 @@ def _row_spares(rows: list) -> tuple[list[int], list[Tensor | int | None]]:
     return past, [r.spares.take() for r in rows]
 
 
-def _row_slots(pool, layer: int, spare: list) -> tuple[Tensor, Tensor]:
+def _row_slots(res: DecodeReservation, pool, layer: int) -> Tensor:
     """``(H_kv, B)`` the slots of one new entry per one-sample row: its run spare (an int, the same in
-    every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation; and
-    the ``(H_kv, m)`` fresh ones (what :meth:`KVPool.unalloc` takes back)."""
-    spec = pool.spec
+    every head), its held spare ids (``(H_kv,)``), or (None) fresh from the pool, one allocation,
+    recorded in ``res`` at once (the ``(H_kv, m)`` ids :meth:`KVPool.unalloc` takes back on a cancel,
+    even if building the columns then fails)."""
+    spec, spare = pool.spec, res.spare
     fresh = pool.alloc(layer, sum(s is None for s in spare))
+    res._fresh = fresh
     left = iter(fresh.unbind(1))
     cols = []
     for s in spare:
         if isinstance(s, int):
             s = torch.full((spec.kv_heads,), s, dtype=torch.long, device=spec.device)
         cols.append(next(left) if s is None else s)
-    return torch.stack(cols, 1), fresh
+    return torch.stack(cols, 1)
 
 
 @contextmanager
