@@ -74,11 +74,17 @@ class _Spy:
         return call
 
 
+def _built():
+    """The evict-rows kernel; a C++ compiler is part of the CPU test environment (``.ci/run``)."""
+    mod = evict_rows.kernel()
+    if mod is None:
+        pytest.fail("the evict-rows kernel did not build (is a C++ compiler installed?)")
+    return mod
+
+
 def _run(monkeypatch, kernel: bool, fn, *args):
     """``fn(*args)`` with the kernel on (it must be called) or off; returns the result."""
-    mod = evict_rows.kernel()
-    if kernel and mod is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
+    mod = _built() if kernel else evict_rows.kernel()
     spy = _Spy(mod)
     with monkeypatch.context() as m:
         m.setattr(evict_rows, "FUSED_DROP", kernel)
@@ -121,8 +127,7 @@ def test_add_group_sums_takes_torch_where_the_kernel_does_not(monkeypatch):
     """A group above ``MAX_GROUP_SUM`` (torch's ``sum`` adds it in another order), float16 tables
     and a table listed twice (one C++ region would race): the torch form, which adds a twice-listed
     table twice."""
-    if evict_rows.kernel() is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
+    _built()
     b, h, s = 2, 3, 17
     monkeypatch.setattr(evict_rows, "FUSED_DROP", True)
     spy = _Spy(evict_rows.kernel())
@@ -239,8 +244,7 @@ def test_the_switch_off_runs_every_operation_in_torch(tmp_path, monkeypatch):
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     off = torch.load(tmp_path / "off.pt")
-    if evict_rows.kernel() is None:
-        pytest.skip("no C++ compiler for the CPU kernel: nothing to compare the torch run with")
+    _built()
     monkeypatch.setattr(evict_rows, "FUSED_DROP", True)  # this process may run with the switch off too
     g = torch.Generator().manual_seed(7)
     sc = [torch.rand(2, 3, 40, generator=g) for _ in range(3)]
@@ -285,8 +289,7 @@ def test_one_parallel_region_over_every_layer_splits_inside_layers(threads, monk
 def test_the_kernels_refuse_tables_that_share_memory_in_one_line():
     """Called directly (not through ``score_ops``, which takes torch there), the one-region kernels
     refuse a table listed twice and overlapping rows."""
-    if evict_rows.kernel() is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
+    _built()
     t = torch.zeros(2, 3, 8)
     sums = [torch.zeros(2, 6, 8)] * 2
     with pytest.raises(RuntimeError, match="two tables share memory"):
@@ -309,8 +312,7 @@ def test_the_kernels_refuse_tables_that_share_memory_in_one_line():
 def test_tables_sharing_memory_with_what_they_read_take_torch(monkeypatch):
     """A score table that is a view of its own colsum's buffer: ``score_ops`` runs the torch form (the
     kernel would refuse it), which reads the colsum before it writes."""
-    if evict_rows.kernel() is None:
-        pytest.skip("no C++ compiler for the CPU kernel")
+    _built()
     monkeypatch.setattr(evict_rows, "FUSED_DROP", True)
     spy = _Spy(evict_rows.kernel())
     monkeypatch.setattr(evict_rows, "kernel", lambda: spy)
