@@ -11,8 +11,7 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.cache import LayerKV
-from vlkv.runtime.policies.base import DropOneEdit, LayerEdit, valid_slots
-from vlkv.runtime.policies.ranking import drop_one_each, rank_entries
+from vlkv.runtime.policies.base import LayerEdit, group_edits, rank_layers, valid_slots
 
 TEXT_SCORE = "avl_text"  # per-entry score: each text entry's accumulated attention
 
@@ -56,19 +55,7 @@ def text_evictions(
         force = ((j < start[:, None]) | (j >= end[:, None]))[:, None]  # (B, 1, width)
         valid = valid_slots(first, width)
         per = [layers[i].scores[TEXT_SCORE].narrow(2, 0, width) for i in members]  # (B, H_kv, width)
-        keep_len = (start + k).repeat(g)
-        dropped = drop_one_each(per, valid, force, kept)
-        index = None
-        if dropped is None:
-            scores = torch.cat(per) if g > 1 else per[0]
-            if g > 1:
-                valid, force = valid.repeat(g, 1, 1), force.repeat(g, 1, 1)
-            index, _, dropped = rank_entries(scores, valid, keep_len, force, kept * g)
-        gone = [None] * g if dropped is None else dropped.split(b)
-        index = [None] * g if index is None else index.split(b)
-        for i, idx, lens, cols in zip(members, index, keep_len.split(b), gone):
-            if idx is None:
-                edits[i] = DropOneEdit(width, lens, kept, cols)
-            else:
-                edits[i] = LayerEdit(idx, lens, kept=kept, dropped=cols)
+        keep_len = start + k  # (B,) every sample's entries after the step, whichever path ranks
+        index, _, dropped = rank_layers(per, valid, force, keep_len, kept, keep_len)
+        group_edits(edits, members, width, kept, index, keep_len.repeat(g), dropped)
     return edits

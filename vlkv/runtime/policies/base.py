@@ -315,31 +315,63 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
             groups.setdefault((tuple(row), tuple(want)), []).append(i)
     for (row, want), members in groups.items():
         first = cache.layers[members[0]]
-        width, b = max(row), len(row)
+        width = max(row)
         kept = [min(n, w) for n, w in zip(row, want)]
         keep = torch.minimum(targets[members[0]].to(first.lengths.device), first.lengths)
-        g = len(members)
         per = [score(i, width) for i in members]  # (B, H_kv, width) each
         valid, forced = valid_slots(first, width), force(first, width, keep)
-        # every row drops its one lowest (H2O's step): one pass over the layers' tables where they lie
-        dropped = drop_one_each(per, valid, forced, kept)
-        if dropped is not None:  # the kept columns built only where read (:class:`DropOneEdit`)
-            index, keep_len = None, torch.minimum(keep, valid[:, 0].sum(-1)).repeat(g)
-        else:
-            scores = torch.cat(per)  # (G·B, H_kv, width)
-            if g > 1:
-                valid = valid.repeat(g, 1, 1)
-                forced = None if forced is None else forced.repeat(g, 1, 1)
-            index, keep_len, dropped = rank_entries(scores, valid, keep.repeat(g), forced, kept * g)
-        # each layer's rows as views: one split per tensor, not a slice per layer and tensor
-        gone = [None] * g if dropped is None else dropped.split(b)
-        rows = [None] * g if index is None else index.split(b)
-        for i, idx, lens, cols in zip(members, rows, keep_len.split(b), gone):
-            if idx is None:
-                edits[i] = DropOneEdit(width, lens, kept, cols)
-            else:
-                edits[i] = LayerEdit(idx, lens, kept=kept, dropped=cols)
+        index, keep_len, dropped = rank_layers(per, valid, forced, keep, kept)
+        group_edits(edits, members, width, kept, index, keep_len, dropped)
     return edits
+
+
+def rank_layers(
+    per: list[Tensor],
+    valid: Tensor,
+    forced: Tensor | None,
+    keep: Tensor,
+    kept: list[int],
+    one_len: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor, Tensor | None]:
+    """One group of layers holding the same lengths and targets, ranked together.
+
+    Args:
+        per: the layers' ``(B, H_kv, width)`` scores.
+        valid: ``(B, H_kv, width)`` bool, the live slots; ``forced``: the same shape, always kept (or None).
+        keep: ``(B,)`` entries each sample keeps; ``kept``: the same on the host.
+        one_len: ``(B,)`` each sample's kept count when every row drops its one lowest (default: its
+            live entries, at most ``keep``).
+
+    Returns ``(index, keep_len, dropped)`` over the ``G·B`` stacked rows: where every row drops its one
+    lowest (H2O's step) one pass over the tables where they lie, ``index`` None (built where read,
+    :class:`DropOneEdit`) and ``keep_len`` ``one_len`` per layer; else one :func:`rank_entries` call.
+    """
+    g = len(per)
+    dropped = drop_one_each(per, valid, forced, kept)
+    if dropped is not None:
+        if one_len is None:
+            one_len = torch.minimum(keep, valid[:, 0].sum(-1))
+        return None, one_len.repeat(g), dropped
+    scores = torch.cat(per)  # (G·B, H_kv, width)
+    if g > 1:
+        valid = valid.repeat(g, 1, 1)
+        forced = None if forced is None else forced.repeat(g, 1, 1)
+    return rank_entries(scores, valid, keep.repeat(g), forced, kept * g)
+
+
+def group_edits(
+    edits: list, members: list[int], width: int, kept: list[int], index, keep_len: Tensor, dropped
+) -> None:
+    """Each member layer's edit from :func:`rank_layers`'s stacked result, into ``edits``; each layer's
+    rows as views (one split per tensor, not a slice per layer and tensor)."""
+    b = len(kept)
+    gone = [None] * len(members) if dropped is None else dropped.split(b)
+    rows = [None] * len(members) if index is None else index.split(b)
+    for i, idx, lens, cols in zip(members, rows, keep_len.split(b), gone):
+        if idx is None:
+            edits[i] = DropOneEdit(width, lens, kept, cols)
+        else:
+            edits[i] = LayerEdit(idx, lens, kept=kept, dropped=cols)
 
 
 def recent_mask(lengths: Tensor, width: int, recent: Tensor) -> Tensor:
