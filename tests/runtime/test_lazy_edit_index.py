@@ -19,6 +19,7 @@ import vlkv.plugins.evict_rows as evict_rows
 import vlkv.runtime.kv.drops as drops
 import vlkv.runtime.policies.base as base
 from tests.runtime.test_fused_append import TEXTS
+from tests.runtime.test_step_advance import _same
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.policies.base import DropOneEdit
 from vlkv.runtime.policies.ranking import kept_but
@@ -35,17 +36,6 @@ def _state(cache) -> list:
         out.append((la.lengths.clone(), la.host_lengths(), tables, la.next_order.clone(), la.spares.count()))
     pool = cache.layers[0].pool
     return [out, pool.used_bytes(), pool.bytes_written]
-
-
-def _same(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
 
 
 def _run(engine, prompts, steps: int, monkeypatch, eager: bool) -> tuple[list, list, tuple[int, int]]:
