@@ -119,6 +119,17 @@ def gpu_test_files(root: Path) -> list[str]:
     )
 
 
+# every switch of a CPU C++ kernel that builds on first use (vlkv/plugins/*: ``os.environ`` / ``env_switch``)
+CPU_KERNEL_SWITCHES = (
+    "VLKV_CPU_KERNEL",
+    "VLKV_CPU_GEMM",
+    "VLKV_CPU_LAYER",
+    "VLKV_CPU_EVICT",
+    "VLKV_CPU_APPEND",
+    "VLKV_CPU_HUGE_WEIGHTS",
+)
+
+
 def run_pytest(args, sink: Sink) -> None:
     root = HERE.parent
     files = gpu_test_files(root)
@@ -126,7 +137,12 @@ def run_pytest(args, sink: Sink) -> None:
     env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1")
     if args.device.startswith("cuda"):
         env["TRITON_INTERPRET"] = "0"  # the kernels compiled for the GPU, not interpreted
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs", *files]
+        # the GPU tests' CPU references would build the CPU C++ kernels first: ~80 s on 2 cores here, and
+        # the H200 run 4 spent its whole 150 + 170 s in them (6 tests done). The references' matmul path is
+        # checked against those kernels in CI; here the minutes go to the GPU.
+        env.update(dict.fromkeys(CPU_KERNEL_SWITCHES, "0"))
+    # -v: each test's name is written before it runs, so a part stopped at its limit names where it was
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rs", *files]
     result: dict = {"command": " ".join(cmd[1:]), "files": files}
     sink(result)
     timeout = max(10.0, args.part_budget - 5)

@@ -15,7 +15,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
 from gpu_check import BUDGETS, check_report  # noqa: E402
-from gpu_parts import DECODE_POLICIES, PROFILE_POLICIES  # noqa: E402
+from gpu_parts import CPU_KERNEL_SWITCHES, DECODE_POLICIES, PROFILE_POLICIES  # noqa: E402
 
 
 def _run(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -76,6 +76,19 @@ def test_dry_run_measures_what_it_reports(dry_run):
     # without CUDA every gpu-marked test is collected and skipped, none errors
     counts = parts["pytest"]["result"]["counts"]
     assert counts.get("skipped", 0) > 0 and not counts.get("failed") and not counts.get("error")
+
+
+def test_the_gpu_tests_turn_off_every_cpu_kernel_build():
+    # the GPU pytest part runs CPU references; a CPU C++ kernel switch left out of the list builds that
+    # extension on the lent machine first (H200 run 4: the whole part went to such builds)
+    import re
+
+    plugins = SCRIPT.parent.parent / "vlkv" / "plugins"
+    named = set()
+    for path in plugins.glob("*.py"):
+        named |= set(re.findall(r"[\"'](VLKV_CPU_[A-Z_]+)[\"']", path.read_text()))
+    assert named, "no VLKV_CPU_* switch found: the search no longer matches how switches are read"
+    assert named <= set(CPU_KERNEL_SWITCHES), sorted(named - set(CPU_KERNEL_SWITCHES))
 
 
 def test_a_part_past_its_limit_is_stopped_and_the_rest_still_run(tmp_path):
