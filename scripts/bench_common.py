@@ -1,4 +1,5 @@
-"""``--device`` / ``--dtype`` for every benchmark script, and the machine name its report quotes.
+"""``--device`` / ``--dtype`` for every benchmark script, and the machine name its report quotes, the
+CPU's name and its read bandwidth.
 
 A script adds the flags with :func:`add_device_args` and calls :func:`check_device_args` right after
 parsing: ``--device cuda`` on a machine without CUDA ends the script with one line (exit 2).
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import platform
+import time
+from pathlib import Path
 
 import torch
 
@@ -120,3 +123,27 @@ def document_prompt(engine, model: str, tokens: int):
             break
         words = max(1, round(words * tokens / n))
     return batch
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_bandwidth(mib: int, repeats: int = 7) -> float:
+    """Bytes/s of the best ``sum`` over a ``mib`` MiB float32 buffer (torch's threads)."""
+    x = torch.ones(mib * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best

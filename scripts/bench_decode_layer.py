@@ -38,9 +38,9 @@ from vlkv.runtime.op_count import count_ops
 from vlkv.runtime.policies import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_threads_arg, load_for_bench, machine_name, write_report  # noqa: E402
+from bench_common import add_threads_arg, cpu_name, load_for_bench, machine_name, read_bandwidth, write_report  # noqa: E402  # noqa: E402
 from bench_decode import weight_bytes  # noqa: E402
-from bench_decode_bound import Prefilled, cpu_name, read_bandwidth, vlkv_steps  # noqa: E402
+from decode_prefilled import Prefilled, vlkv_steps  # noqa: E402
 
 TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 2, "repeats": 1, "buffer_mib": 64}
 

@@ -26,8 +26,10 @@ import torch
 import vlkv.plugins.paged_cpu as paged_cpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import write_report  # noqa: E402
-from bench_decode_bound import cpu_name  # noqa: E402
+from bench_common import (
+    cpu_name,  # noqa: E402
+    write_report,  # noqa: E402
+)
 
 
 def tables(batch: int, heads: int, tokens: int, density: float, gen: torch.Generator):

@@ -29,9 +29,14 @@ from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_threads_arg, load_for_bench, machine_name  # noqa: E402
+from bench_common import (  # noqa: E402
+    add_threads_arg,
+    load_for_bench,
+    machine_name,
+    read_bandwidth,  # noqa: E402
+)
 from bench_decode import weight_bytes  # noqa: E402
-from bench_decode_bound import Prefilled, read_bandwidth, vlkv_steps  # noqa: E402
+from decode_prefilled import Prefilled, vlkv_steps  # noqa: E402
 
 GEMM = ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm")
 

@@ -44,9 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_common import load_for_bench, machine_name  # noqa: E402
+from bench_common import cpu_name, load_for_bench, machine_name, read_bandwidth  # noqa: E402  # noqa: E402
 from bench_decode import stats_for, weight_bytes  # noqa: E402
-from bench_decode_bound import Prefilled, cpu_name, old_kept_but, read_bandwidth  # noqa: E402
+from decode_prefilled import Prefilled, old_kept_but  # noqa: E402
 from decode_reads import AttnTimer  # noqa: E402
 
 import vlkv.plugins.evict_rows as evict_rows  # noqa: E402
