@@ -13,13 +13,13 @@ two residual adds — each a few µs of Python and dispatch for a few hundred fl
 - :func:`post`: o GEMM + residual → post-attention RMSNorm → gate/up GEMMs → SiLU(gate)·up → down GEMM
   + residual; returns the next hidden ``(B, S, hidden)``.
 
-Same code, same formulas: the GEMMs are ``skinny_gemm``'s kernels (every weight streamed once for all
-the step's rows; with several threads the q/k/v products share one parallel region, the gate/up
-products another: 4 forks per layer instead of 7, each output still one thread's sum), the norms and RoPE ``layer_glue``'s loops (their C++ text compiled into this
-extension: one build machinery, ``paged_cpu_kernel.load_extension``), SiLU is ``at::silu_`` (torch's
-own kernel), the products and adds single fp32 operations. So a layer here equals the skinny layer
-it replaces (``VLKV_CPU_LAYER=0``: the reference) to fp32 rounding — measured bit-equal on this VM,
-tested at rtol = atol = 1e-5 — and decodes the same greedy tokens.
+Same code, same formulas: the GEMMs are ``skinny_gemm``'s kernels (every weight streamed once for all the
+step's rows; with several threads the q/k/v products share one parallel region, the gate/up products another:
+4 forks per layer instead of 7, each output still one thread's sum), the norms and RoPE ``layer_glue``'s loops
+(their C++ text compiled into this extension: one build machinery, ``paged_cpu_kernel.load_extension``), SiLU
+is ``at::silu_`` (torch's own kernel), the products and adds single fp32 operations. So a layer here equals
+the skinny layer it replaces (``VLKV_CPU_LAYER=0``: the reference) to fp32 rounding — measured bit-equal on
+this VM, tested at rtol = atol = 1e-5 — and decodes the same greedy tokens.
 
 Taken for a decode step's rows (1 to ``MAX_ROWS``), fp32 CPU, no gradient wanted, a layer whose norms
 are ``layer_glue.NORMS`` and whose activation is SiLU; the C++ side refuses (returns nothing: the

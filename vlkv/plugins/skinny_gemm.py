@@ -1,21 +1,21 @@
 """A few-row CPU GEMM that streams each weight once: ``y = x @ Wᵀ`` for a decode step's 1-8 rows (C++).
 
-A decode step multiplies the batch's few rows by every weight matrix, so its GEMMs read each weight
-once and do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic. MKL's
-``F.linear`` and even the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at
-~9-15 GB/s at 4 rows where a plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread).
-This kernel reads ``W (N, K)`` row after row, contiguously — one weight row at a time for 1-2 rows, two
-side by side for 3-8 — and asks for the lines 8 KiB ahead itself (session 8, quiet 2-core EPYC VM,
-huge-page weights, 1 thread: 1.03-1.20x session 7's form by median, at 4 rows 90-121 % of a plain read
-where K = 576, above 100 % where copies hit L3; inside a full-cache decode step at 8k x 4 no difference resolved), and
-dots each with all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one
-weight byte loaded once; every output is one vector accumulator over ``K`` in order, whatever the form
-(a row's result does not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or
-AVX2 through ``-march=native``), threads over blocks of output rows with ``at::parallel_for``
-(``torch.get_num_threads()``). fp32 only; it sums each dot product in another order than
-``F.linear`` (fp32 rounding, ~1e-6 relative), so it is tested against ``F.linear`` with explicit
-tolerances and for equal greedy tokens. Built with the fused paged read's machinery
-(``paged_cpu_kernel.load_extension``: cached per CPU kind; None with one warning without a compiler).
+A decode step multiplies the batch's few rows by every weight matrix, so its GEMMs read each weight once and
+do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic. MKL's ``F.linear`` and even
+the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at ~9-15 GB/s at 4 rows where a
+plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread). This kernel reads ``W (N, K)`` row
+after row, contiguously — one weight row at a time for 1-2 rows, two side by side for 3-8 — and asks for the
+lines 8 KiB ahead itself (session 8, quiet 2-core EPYC VM, huge-page weights, 1 thread: 1.03-1.20x session 7's
+form by median, at 4 rows 90-121 % of a plain read where K = 576, above 100 % where copies hit L3; inside a
+full-cache decode step at 8k x 4 no difference resolved), and dots each with all ``x`` rows at once (``x``
+stays in L1/L2; the accumulators stay in registers), one weight byte loaded once; every output is one vector
+accumulator over ``K`` in order, whatever the form (a row's result does not depend on the rows beside it, nor
+on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or AVX2 through
+``-march=native``), threads over blocks of output rows with ``at::parallel_for``
+(``torch.get_num_threads()``). fp32 only; it sums each dot product in another order than ``F.linear`` (fp32
+rounding, ~1e-6 relative), so it is tested against ``F.linear`` with explicit tolerances and for equal greedy
+tokens. Built with the fused paged read's machinery (``paged_cpu_kernel.load_extension``: cached per CPU kind;
+None with one warning without a compiler).
 """
 
 from __future__ import annotations
