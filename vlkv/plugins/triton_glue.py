@@ -1,0 +1,96 @@
+"""Launchers of the device path's decoder-layer glue kernels (``glue_kernels.py``): one launch each for
+RMSNorm, the residual add and the post-attention RMSNorm together, RoPE over the fused q/k/v rows in
+place, and SiLU-and-multiply over the fused gate/up rows. References: ``glue_reference.py``.
+
+They replace, per decoder layer of a decode step, the ~40 aten ops of the HF glue (RMSNorm: 6 each, RoPE:
+16, the activation and product: 2, the residual add: 1) with 4 launches and 4 output allocations:
+a GPU decode step is host-bound (~12.5k ops a step at 30 layers, docs/benchmarks/2026-11-26-h200-run4/).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from vlkv.plugins.glue_kernels import rms_norm_kernel, rope_kernel, silu_mul_kernel
+from vlkv.plugins.triton_launch import check_float_dtype
+
+# the widest row one norm program reads (a row per program; LLaVA-1.5-7B: 4,096)
+MAX_NORM = 1 << 15
+
+
+def _rows(x: Tensor, name: str) -> None:
+    check_float_dtype(name, x.dtype)
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be (rows, N) with unit column stride, got {tuple(x.shape)} {x.stride()}"
+        )
+
+
+def _norm_width(x: Tensor) -> None:
+    if x.shape[1] > MAX_NORM:
+        raise ValueError(f"x: rows of {x.shape[1]} exceed the {MAX_NORM} one norm program reads")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x (R, N)``, ``weight (N,)`` contiguous, x's dtype → ``(R, N)`` (``rms_norm_reference``)."""
+    _rows(x, "x")
+    _norm_width(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[1]
+    rms_norm_kernel[(x.shape[0],)](
+        x, x, weight, out, out, n, x.stride(0), 0, out.stride(0), 0, float(eps),
+        HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n),
+    )  # fmt: skip
+    return out
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``residual + x`` and its RMSNorm, both ``(R, N)`` (``add_rms_norm_reference``)."""
+    _rows(x, "x")
+    _rows(residual, "residual")
+    _norm_width(x)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+        )
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[1]
+    rms_norm_kernel[(x.shape[0],)](
+        x, residual, weight, out, total, n, x.stride(0), residual.stride(0), out.stride(0),
+        total.stride(0), float(eps), HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n),
+    )  # fmt: skip
+    return total, out
+
+
+def rope_(x: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
+    """Rotate the first ``heads`` heads of ``x (B·Q, H_all, D)`` (unit stride on D) in place by
+    ``cos / sin (B, Q, D)`` (unit stride on D, x's dtype); returns x (``rope_reference``)."""
+    check_float_dtype("x", x.dtype)
+    rows, _, d = x.shape
+    b, q, dc = cos.shape
+    if dc != d or d % 2 or b * q != rows or sin.shape != cos.shape or x.stride(-1) != 1:
+        raise ValueError(f"rope_: x {tuple(x.shape)} and cos/sin {tuple(cos.shape)} do not match")
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise ValueError("rope_: cos/sin need unit stride on D and x's dtype")
+    if rows and heads:
+        rope_kernel[(rows, heads)](
+            x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), sin.stride(0),
+            sin.stride(1), q, d // 2, BLOCK=triton.next_power_of_2(d // 2),
+        )  # fmt: skip
+    return x
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``gate_up (R, 2·I)`` → ``silu(gate) * up`` ``(R, I)`` (``silu_mul_reference``)."""
+    _rows(gate_up, "gate_up")
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(triton.next_power_of_2(max(n, 1)), 1024)
+    if rows and n:
+        silu_mul_kernel[(rows, triton.cdiv(n, block))](
+            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
+        )
+    return out
