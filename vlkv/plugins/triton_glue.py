@@ -33,11 +33,21 @@ def _norm_width(x: Tensor) -> None:
         raise ValueError(f"x: rows of {x.shape[1]} exceed the {MAX_NORM} one norm program reads")
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``x (R, N)``, ``weight (N,)`` contiguous, x's dtype → ``(R, N)`` (``rms_norm_reference``)."""
+def _out(out: Tensor | None, shape, like: Tensor, name: str) -> Tensor:
+    """``out`` where the caller gives one (a reused buffer: one allocation fewer a launch), else new."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.stride(-1) != 1:
+        raise ValueError(f"{name}: {tuple(out.shape)} {out.dtype} given, {tuple(shape)} {like.dtype} needed")
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """``x (R, N)``, ``weight (N,)`` contiguous, x's dtype → ``(R, N)`` (``rms_norm_reference``), into
+    ``out`` where given."""
     _rows(x, "x")
     _norm_width(x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _out(out, x.shape, x, "out")
     n = x.shape[1]
     rms_norm_kernel[(x.shape[0],)](
         x, x, weight, out, out, n, x.stride(0), 0, out.stride(0), 0, float(eps),
@@ -46,8 +56,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``residual + x`` and its RMSNorm, both ``(R, N)`` (``add_rms_norm_reference``)."""
+def add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    eps: float,
+    total: Tensor | None = None,
+    out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``residual + x`` and its RMSNorm, both ``(R, N)`` (``add_rms_norm_reference``), into ``total`` and
+    ``out`` where given."""
     _rows(x, "x")
     _rows(residual, "residual")
     _norm_width(x)
@@ -55,8 +73,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
         raise ValueError(
             f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
         )
-    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total, out = _out(total, x.shape, x, "total"), _out(out, x.shape, x, "out")
     n = x.shape[1]
     rms_norm_kernel[(x.shape[0],)](
         x, residual, weight, out, total, n, x.stride(0), residual.stride(0), out.stride(0),
@@ -83,11 +100,12 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
     return x
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """``gate_up (R, 2·I)`` → ``silu(gate) * up`` ``(R, I)`` (``silu_mul_reference``)."""
+def silu_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
+    """``gate_up (R, 2·I)`` → ``silu(gate) * up`` ``(R, I)`` (``silu_mul_reference``), into ``out`` where
+    given."""
     _rows(gate_up, "gate_up")
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    out = _out(out, (rows, n), gate_up, "out")
     block = min(triton.next_power_of_2(max(n, 1)), 1024)
     if rows and n:
         silu_mul_kernel[(rows, triton.cdiv(n, block))](

@@ -8,6 +8,8 @@ next kernel starts (``combine_splits`` read it before).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 from torch import Tensor
@@ -23,7 +25,7 @@ from vlkv.plugins.triton_selected_attention import (
     tile_sizes,
 )
 
-# (device, rows, D_v) → the partial buffers (part_m, part_l, part_acc) of a launch that size
+# (thread, device, rows, D_v) → the partial buffers (part_m, part_l, part_acc) of a launch that size
 _PARTIALS: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 # sizes kept at once (a step's layers share one; batch and split count change between steps)
 _MAX_PARTIALS = 8
@@ -31,7 +33,7 @@ _MAX_PARTIALS = 8
 
 def _partials(rows: int, dim_v: int, device) -> tuple[Tensor, Tensor, Tensor]:
     """The fp32 ``(rows,)``, ``(rows,)``, ``(rows·D_v,)`` partial buffers, reused across launches."""
-    key = (device, rows, dim_v)
+    key = (threading.get_ident(), device, rows, dim_v)  # two threads' launches never share one
     got = _PARTIALS.get(key)
     if got is None:
         if len(_PARTIALS) >= _MAX_PARTIALS:
