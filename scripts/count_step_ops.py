@@ -103,17 +103,18 @@ def per_layer(rows: list[dict]) -> list[dict]:
     out = []
     keys = dict.fromkeys((r["policy"], r["append"]) for r in rows)
     for policy, append in keys:
-        got = {r["layers"]: r["ops"] for r in rows if r["policy"] == policy and r["append"] == append}
-        lo, hi = min(got), max(got)
+        mine = {r["layers"]: r for r in rows if r["policy"] == policy and r["append"] == append}
+        lo, hi = min(mine), max(mine)
         if lo == hi:
             continue
-        slope = (got[hi] - got[lo]) / (hi - lo)
+        slope = (mine[hi]["ops"] - mine[lo]["ops"]) / (hi - lo)
         out.append(
             {
                 "per_layer": slope,
                 "policy": policy,
                 "append": append,
-                "rest": got[lo] - slope * lo,
+                "rest": mine[lo]["ops"] - slope * lo,
+                "launches_per_layer": (mine[hi]["launches"] - mine[lo]["launches"]) / (hi - lo),
                 "layers": [lo, hi],
             }
         )

@@ -8,6 +8,7 @@ import torch
 
 from vlkv.plugins.glue_reference import (
     add_rms_norm_reference,
+    pool_write_reference,
     rms_norm_reference,
     rope_reference,
     silu_mul_reference,
@@ -73,6 +74,28 @@ def test_silu_mul_matches_reference(rows, n, dtype):
     g = torch.Generator().manual_seed(n)
     gu = (torch.randn(rows, 2 * n, generator=g) * 4).to(dtype)
     close(glue.silu_mul(gu), silu_mul_reference(gu), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("run", [True, False], ids=["run", "per-head"])
+def test_pool_write_matches_reference(dtype, run):
+    g = torch.Generator().manual_seed(3)
+    b, heads, d, s = 4, 2, 16, 40
+    k_pool, v_pool = (
+        torch.randn(heads, s, d, generator=g).to(dtype),
+        torch.randn(heads, s, d, generator=g).to(dtype),
+    )
+    prerope = torch.rand(heads, s, generator=g) < 0.5
+    qkv = torch.randn(b, 6, 1, d, generator=g).to(dtype)
+    k, v = qkv[:, 2:4], qkv[:, 4:6]  # views of a fused q/k/v row, as the device layer hands them
+    if run:  # one id per request, the same in every head
+        ids = torch.tensor([3, 17, 8, 39]).expand(heads, b)
+    else:
+        ids = torch.randperm(s, generator=g)[: heads * b].view(heads, b)
+    want = pool_write_reference(k_pool, v_pool, prerope, ids, k, v)
+    glue.pool_write_(k_pool, v_pool, prerope, ids, k, v)
+    for got, w in zip((k_pool, v_pool, prerope), want):
+        assert torch.equal(got, w)
 
 
 def test_bad_shapes_name_the_problem():

@@ -77,3 +77,22 @@ def silu_mul_kernel(gu_ptr, out_ptr, N, sg, so, BLOCK: tl.constexpr):
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
     tl.store(out_ptr + row * so + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=inside)
+
+
+@triton.jit
+def pool_write_kernel(
+    k_ptr, v_ptr, kp_ptr, vp_ptr, flag_ptr, ids_ptr,
+    skb, skh, svb, svh, skph, skps, svph, svps, sfh, sih, sib, D, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Request ``b``'s new K/V row of KV head ``h`` (``k[b, h, :D]``) into the pool at slot ``ids[h, b]``
+    (cast to the pool's dtype), and that slot's pre-RoPE flag cleared: a decode append's pool write."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(ids_ptr + h * sih + b * sib).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    inside = d < D
+    kr = tl.load(k_ptr + b * skb + h * skh + d, mask=inside)
+    vr = tl.load(v_ptr + b * svb + h * svh + d, mask=inside)
+    tl.store(kp_ptr + h * skph + slot * skps + d, kr.to(kp_ptr.dtype.element_ty), mask=inside)
+    tl.store(vp_ptr + h * svph + slot * svps + d, vr.to(vp_ptr.dtype.element_ty), mask=inside)
+    tl.store(flag_ptr + h * sfh + slot, tl.zeros((), dtype=flag_ptr.dtype.element_ty))

@@ -40,3 +40,16 @@ def silu_mul_reference(gate_up: Tensor) -> Tensor:
     """``gate_up (R, 2·I)`` (gate then up) → ``(R, I)``: ``silu(gate) * up``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def pool_write_reference(
+    k_pool: Tensor, v_pool: Tensor, prerope: Tensor, ids: Tensor, k: Tensor, v: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """New ``k_pool, v_pool (H_kv, S, D)`` and ``prerope (H_kv, S)`` with request ``b``'s rows of
+    ``k, v (B, H_kv, 1, D)`` at slots ``ids (H_kv, B)`` and those flags False (the pool's ``write``)."""
+    kp, vp, flags = k_pool.clone(), v_pool.clone(), prerope.clone()
+    heads = torch.arange(ids.shape[0])[:, None].expand_as(ids)
+    kp[heads, ids] = k[:, :, 0].transpose(0, 1).to(kp.dtype)
+    vp[heads, ids] = v[:, :, 0].transpose(0, 1).to(vp.dtype)
+    flags[heads, ids] = False
+    return kp, vp, flags

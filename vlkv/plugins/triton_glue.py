@@ -1,6 +1,7 @@
 """Launchers of the device path's decoder-layer glue kernels (``glue_kernels.py``): one launch each for
 RMSNorm, the residual add and the post-attention RMSNorm together, RoPE over the fused q/k/v rows in
-place, and SiLU-and-multiply over the fused gate/up rows. References: ``glue_reference.py``.
+place, SiLU-and-multiply over the fused gate/up rows, and a decode append's pool write (K/V rows and
+pre-RoPE flags). References: ``glue_reference.py``.
 
 They replace, per decoder layer of a decode step, the ~40 aten ops of the HF glue (RMSNorm: 6 each, RoPE:
 16, the activation and product: 2, the residual add: 1) with 4 launches and 4 output allocations:
@@ -13,7 +14,7 @@ import torch
 import triton
 from torch import Tensor
 
-from vlkv.plugins.glue_kernels import rms_norm_kernel, rope_kernel, silu_mul_kernel
+from vlkv.plugins.glue_kernels import pool_write_kernel, rms_norm_kernel, rope_kernel, silu_mul_kernel
 from vlkv.plugins.triton_launch import check_float_dtype
 
 # the widest row one norm program reads (a row per program; LLaVA-1.5-7B: 4,096)
@@ -112,3 +113,27 @@ def silu_mul(gate_up: Tensor, out: Tensor | None = None) -> Tensor:
             gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
         )
     return out
+
+
+def pool_write_(k_pool: Tensor, v_pool: Tensor, prerope: Tensor, ids: Tensor, k: Tensor, v: Tensor) -> None:
+    """A decode append's pool write in one launch (``pool_write_reference``): request ``b``'s new rows
+    ``k, v (B, H_kv, 1, D)`` (any strides but unit on D) into ``k_pool / v_pool (H_kv, S, D)`` (unit stride
+    on D) at slots ``ids (H_kv, B)`` int64 (any strides: a run's one id per request is a stride-0
+    expand), and ``prerope (H_kv, S)`` bool cleared there."""
+    b, heads, one, d = k.shape
+    if v.shape != k.shape or one != 1 or ids.shape != (heads, b) or k_pool.shape[0] != heads:
+        raise ValueError(
+            f"pool_write_: k {tuple(k.shape)}, v {tuple(v.shape)}, ids {tuple(ids.shape)} do not match"
+        )
+    if k_pool.shape[-1] != d or v_pool.shape[-1] != v.shape[-1] or prerope.shape != k_pool.shape[:2]:
+        raise ValueError(
+            f"pool_write_: pools {tuple(k_pool.shape)} / flags {tuple(prerope.shape)} do not match"
+        )
+    if any(t.stride(-1) != 1 for t in (k, v, k_pool, v_pool)) or prerope.stride(-1) != 1:
+        raise ValueError("pool_write_: K/V rows, pools and flags need unit stride on their last dimension")
+    if b and heads:
+        pool_write_kernel[(b, heads)](
+            k, v, k_pool, v_pool, prerope, ids, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1), prerope.stride(0),
+            ids.stride(0), ids.stride(1), d, BLOCK=triton.next_power_of_2(d),
+        )  # fmt: skip

@@ -111,3 +111,52 @@ def test_forced_triton_engine_full_cache_equals_hf_generate(name, reference_mode
         ref = engine.generate(prompts, policy, NEW, stop_at_eos=False)
         monkeypatch.setattr(device_layer, "DEVICE_LAYER", True)
         assert [s.token_ids for s in fast.samples] == [s.token_ids for s in ref.samples], policy
+
+
+# a compress-once, a per-step and a per-head-budget policy beside the full cache, two requests each
+STREAM_SPECS = [
+    ("full", {}),
+    ("h2o", {"budget": 0.5}),
+    ("snapkv", {"budget": 0.3}),
+    ("kvzip", {"budget": 0.5}),
+]
+
+
+def test_forced_triton_stream_equals_each_solo_run(images, monkeypatch):
+    """A stream whose decode steps take the device layer and append equals each request run alone on the
+    reference path (``VLKV_DEVICE_LAYER=0``: the skinny layer, the cache's own append), on a fixed pool
+    with preemption and a cancel."""
+    import tests.runtime.test_stream_mix as mix
+    from tests.runtime.test_scheduler import sched_entry_bytes
+    from vlkv.runtime import fused_append
+    from vlkv.runtime.engine import Engine
+
+    loaded, _ = _backend("tiny-llava", torch.float32, monkeypatch)
+    engine = Engine(loaded)
+    taken = []
+    append = fused_append.device_decode_append
+
+    def counted(*args):
+        got = append(*args)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr("vlkv.runtime.models.skinny_layer.device_decode_append", counted)
+    monkeypatch.setattr(mix, "SPECS", STREAM_SPECS)
+    stream = mix._stream(images)
+    monkeypatch.setattr(device_layer, "DEVICE_LAYER", False)  # the solo runs: the reference path
+    solo = [
+        engine.generate([p], make_policy(pol, **kw), m, stop_at_eos=False).samples[0].token_ids
+        for p, pol, kw, m in stream
+    ]
+    monkeypatch.setattr(device_layer, "DEVICE_LAYER", True)
+    assert not any(taken)  # the switch off: the cache's own append
+    longest = max(int(engine.encode([p]).lengths[0]) for p, *_ in stream)
+    for third in (3, 6, 16):
+        pool_bytes = sched_entry_bytes(engine) * (longest + 8) * (third + 1) // third
+        sched, reqs, victim = mix._run_stream(engine, stream, pool_bytes)
+        mix._check_against_solo(sched, reqs, victim, stream, solo)
+        if sum(r.preemptions for r in reqs) > 0:
+            break
+    assert sum(r.preemptions for r in reqs) > 0, "no pool size made the stream preempt"
+    assert sum(taken) > 0  # the scheduler's decode steps took the device append

@@ -22,8 +22,8 @@ glue kernels and their references are ``vlkv/plugins/triton_glue.py`` / ``glue_r
 
 Taken for the layer classes ``skinny_layer.SKINNY_LAYERS`` whose projections are plain ``nn.Linear`` of
 one dtype, RMSNorms with ``variance_epsilon`` and a SiLU MLP, at most ``MAX_ROWS`` rows (a decode step;
-prefill keeps the skinny / HF layer). ``VLKV_DEVICE_LAYER=0``: the skinny layer on the device too (the
-reference path).
+prefill keeps the skinny / HF layer). ``VLKV_DEVICE_LAYER=0``: the skinny layer on the device too, and
+the cache's own append (the reference path; ``fused_append.device_decode_append`` follows the switch).
 """
 
 from __future__ import annotations

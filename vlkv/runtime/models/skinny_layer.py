@@ -44,7 +44,8 @@ from torch import Tensor, nn
 
 import vlkv.plugins.decode_layer as decode_layer
 from vlkv.plugins import layer_glue, skinny_gemm
-from vlkv.runtime.fused_append import fused_decode_row
+from vlkv.plugins.ops import use_triton
+from vlkv.runtime.fused_append import device_decode_append, fused_decode_row
 
 # decoder layer classes whose forward is norm → attention(q/k/v, RoPE, cache, o) → residual → norm →
 # mlp(down(act(gate) * up)) → residual, with attention kwargs limited to the cache and the mask
@@ -113,16 +114,21 @@ def attend(attn: nn.Module, ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     # a decode step's append and paged read as one C++ call where the step allows it (fp32 CPU pool,
     # one new row per request, no pre-RoPE or low-rank entries; statistics come from the same read);
     # else the cache's update and the registered attention function
+    # (the Triton path, CUDA or forced, never takes the CPU call: it runs what a device runs)
+    triton = use_triton(q)
     out = (
         None
-        if ctx is None or not hasattr(ctx, "one_row")
+        if ctx is None or not hasattr(ctx, "one_row") or triton
         else fused_decode_row(ctx, attn.layer_idx, q, k, v, attn.scaling)
     )
     if out is None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # here: not a decode step's cost
 
         if ctx is not None:
-            k, v = ctx.update(k, v, attn.layer_idx, kwargs={})
+            # the Triton path's decode append (a launch for the pool write, no per-layer copy to the
+            # device), else the cache's update
+            pools = device_decode_append(ctx, attn.layer_idx, k, v) if triton else None
+            k, v = ctx.update(k, v, attn.layer_idx, kwargs={}) if pools is None else pools
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
         if fn is None:
             raise ValueError(f"no attention function registered as {attn.config._attn_implementation!r}")
