@@ -1,17 +1,26 @@
 """Torch ops and host syncs of one scheduler decode step (tiny LLaVA, a batch of running requests).
 
-Usage: python scripts/count_step_ops.py [--batch 4] [--layers 2 4 8] [--split-append]
+Usage: python scripts/count_step_ops.py [--batch 4] [--layers 2 4 8] [--split-append] [--gpu-path]
 Prints, per policy and layer count, the ops and syncs one decode step dispatches (see
 :mod:`vlkv.runtime.op_count`), the scheduler's own share, and the syncs by module, so a change's
-effect on launch overhead is a number. The counts are the same on any device (CPU here).
+effect on launch overhead is a number; then per policy its ops per layer (the slope between the
+fewest and the most layers counted) and the rest of the step (``"per_layer"`` rows). The counts are
+the same on any device (CPU here).
 ``--split-append``: each row again with the decode layers' cache append in Python and the paged read a
 separate call (``VLKV_CPU_APPEND=0``, the path before the fused append-and-read), ``"append": "split"``.
+``--gpu-path``: the path a CUDA device runs, counted here: every CPU C++ kernel off (``gpu_parts``'
+``CPU_KERNEL_SWITCHES`` = 0) and the Triton kernels forced (``VLKV_FORCE_TRITON=1``) under Triton's
+interpreter; the script runs itself again with that environment. A Triton launch counts as one op (one
+kernel launch on the device), not the interpreter's host copies around it (``"launches"``: how many).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 
 import torch
 
@@ -35,8 +44,45 @@ def tiny_engine(num_layers: int) -> Engine:
     return Engine(LoadedModel(model.eval(), processor, "tiny-llava", "llava"))
 
 
+def gpu_path_env() -> dict[str, str]:
+    """The environment under which this machine runs the path CUDA runs (see the module docstring)."""
+    from gpu_parts import CPU_KERNEL_SWITCHES  # scripts/ is on the path of a script run
+
+    return {"VLKV_FORCE_TRITON": "1", "TRITON_INTERPRET": "1", **dict.fromkeys(CPU_KERNEL_SWITCHES, "0")}
+
+
+@contextlib.contextmanager
+def triton_launches_as_ops(count):
+    """Under Triton's interpreter, count each kernel launch in ``count`` (an :class:`OpCount`) as one op
+    and hide the interpreter's own host copies of its arguments (what a device launch does not
+    dispatch). Yields a one-item list: the number of launches. Outside the interpreter: nothing."""
+    launches = [0]
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield launches
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        if kwargs.get("warmup"):
+            return run(self, *args, **kwargs)
+        count.ops += 1
+        launches[0] += 1
+        with _disable_current_modes():
+            return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = counted
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = run
+
+
 def count_decode_step(engine: Engine, policy: str, batch: int = 4, warm: int = 2):
-    """The :class:`OpCount` of one decode step over ``batch`` running requests under ``policy``."""
+    """The :class:`OpCount` of one decode step over ``batch`` running requests under ``policy`` (its
+    ``launches``: the Triton launches among its ops, counted as one op each)."""
     texts = ["Describe the scene in detail.", "Hi", "What colour is the sky today?", "Count them."]
     sched = Scheduler(engine)
     for i in range(batch):
@@ -45,9 +91,34 @@ def count_decode_step(engine: Engine, policy: str, batch: int = 4, warm: int = 2
     for _ in range(warm):  # admit (prefill) everyone, then a plain decode step or two
         sched.step()
     assert len(sched.running) == batch and not sched.waiting
-    with count_ops() as c:
+    with count_ops() as c, triton_launches_as_ops(c) as launches:
         sched.step()
+    c.launches = launches[0]
     return c
+
+
+def per_layer(rows: list[dict]) -> list[dict]:
+    """Per policy (and append form): ops per layer, the slope between the fewest and the most layers
+    counted, and the step's ops outside the layers (the intercept)."""
+    out = []
+    keys = dict.fromkeys((r["policy"], r["append"]) for r in rows)
+    for policy, append in keys:
+        mine = {r["layers"]: r for r in rows if r["policy"] == policy and r["append"] == append}
+        lo, hi = min(mine), max(mine)
+        if lo == hi:
+            continue
+        slope = (mine[hi]["ops"] - mine[lo]["ops"]) / (hi - lo)
+        out.append(
+            {
+                "per_layer": slope,
+                "policy": policy,
+                "append": append,
+                "rest": mine[lo]["ops"] - slope * lo,
+                "launches_per_layer": (mine[hi]["launches"] - mine[lo]["launches"]) / (hi - lo),
+                "layers": [lo, hi],
+            }
+        )
+    return out
 
 
 def main() -> None:
@@ -55,7 +126,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--split-append", action="store_true", help="also count with VLKV_CPU_APPEND=0")
+    ap.add_argument("--gpu-path", action="store_true", help="count the path CUDA runs (see the docstring)")
     args = ap.parse_args()
+    if args.gpu_path:
+        env = gpu_path_env()
+        if any(os.environ.get(k) != v for k, v in env.items()):  # the switches are read at import
+            os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **env})
     torch.set_num_threads(1)
     rows = []
     for n in args.layers:
@@ -70,10 +146,14 @@ def main() -> None:
                     paged_append.FUSED_APPEND = on
                 row = {"layers": n, "policy": policy, "ops": c.ops, "syncs": c.syncs, "kinds": dict(c.kinds)}
                 row["append"] = "fused" if on and not split and paged_append.kernel() is not None else "split"
+                row["path"] = "gpu" if args.gpu_path else "cpu"
+                row["launches"] = c.launches
                 row["scheduler_syncs"] = c.syncs_in(*OWN)
                 row["modules"] = dict(c.modules)
                 rows.append(row)
                 print(json.dumps(rows[-1]))
+    for row in per_layer(rows):
+        print(json.dumps(row))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``scripts/count_step_ops.py``: a decode step's ops with the fused decode append and without it."""
+"""``scripts/count_step_ops.py``: a decode step's ops with the fused decode append and without it, and
+the ops per layer of the path a CUDA device runs (``--gpu-path``)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,31 @@ def test_the_fused_append_dispatches_fewer_ops_and_no_more_syncs():
         assert by[policy, "fused"]["ops"] < by[policy, "split"]["ops"], policy
     for policy in ("full", "h2o", "avl"):
         assert by[policy, "fused"]["syncs"] <= by[policy, "split"]["syncs"], policy
+
+
+# ops per decoder layer of a full-cache decode step on the path CUDA runs (tiny LLaVA, batch 4), counted
+# with a Triton launch as one op: 138 before the device layer and append (session 9), 62 after. Of the
+# 62, 6 are launches (two norms, RoPE, the pool write, the paged read, SiLU x up) and 4 GEMMs; most of
+# the rest are each request's table column writes (kv/appends) and the paged read's table (kv/paged)
+GPU_PATH_PER_LAYER = {"full": 66, "h2o": 215, "avl": 285}
+
+
+def test_the_gpu_path_dispatches_a_bounded_number_of_ops_per_layer():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gpu-path", "--layers", "2", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    steps = [r for r in rows if "ops" in r]
+    assert steps and all(r["path"] == "gpu" for r in steps)
+    per = {r["policy"]: r for r in rows if "per_layer" in r}
+    assert set(per) == set(GPU_PATH_PER_LAYER)
+    for policy, bound in GPU_PATH_PER_LAYER.items():
+        assert per[policy]["per_layer"] <= bound, (policy, per[policy])
+    # the full cache's layer: one paged read and the five glue launches, each counted once
+    assert per["full"]["launches_per_layer"] == 6, per["full"]
+    # no host sync added on the way (the scheduler's one read back of the step's tokens)
+    assert all(r["syncs"] == 1 for r in steps if r["policy"] == "full")

@@ -1,14 +1,60 @@
-"""PyTorch launcher for ``paged_attention_kernels.py`` (see that module for the algorithm)."""
+"""PyTorch launcher for ``paged_attention_kernels.py`` (see that module for the algorithm).
+
+Every decode layer launches it once: its fp32 partial buffers (the splits' running max, sum and
+accumulator) are kept per device and size and reused by the next launch (:func:`_partials`) instead of
+three allocations a layer; launches on one stream run in order, so a buffer is free again when the
+next kernel starts (``combine_splits`` read it before).
+"""
 
 from __future__ import annotations
 
+import threading
+
 import torch
+import triton
 from torch import Tensor
 
 from vlkv.plugins.paged_attention_kernels import paged_attention_kernel
 from vlkv.plugins.paged_reference import check_paged_args
 from vlkv.plugins.triton_launch import check_float_dtype, dot_in_fp32
-from vlkv.plugins.triton_selected_attention import combine_splits, plan_splits
+from vlkv.plugins.triton_selected_attention import (
+    SplitPlan,
+    combine_splits,
+    default_num_splits,
+    plan_splits,
+    tile_sizes,
+)
+
+# (thread, device, rows, D_v) → the partial buffers (part_m, part_l, part_acc) of a launch that size
+_PARTIALS: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
+# sizes kept at once (a step's layers share one; batch and split count change between steps)
+_MAX_PARTIALS = 8
+
+
+def _partials(rows: int, dim_v: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """The fp32 ``(rows,)``, ``(rows,)``, ``(rows·D_v,)`` partial buffers, reused across launches."""
+    key = (threading.get_ident(), device, rows, dim_v)  # two threads' launches never share one
+    got = _PARTIALS.get(key)
+    if got is None:
+        if len(_PARTIALS) >= _MAX_PARTIALS:
+            _PARTIALS.clear()
+        part = torch.empty(rows * (2 + dim_v), dtype=torch.float32, device=device)
+        got = _PARTIALS[key] = (part[:rows], part[rows : 2 * rows], part[2 * rows :])
+    return got
+
+
+def _plan(pairs: int, group_rows: int, dim: int, dim_v: int, cols: int, num_splits: int | None, device):
+    """``plan_splits``' :class:`SplitPlan` with reused partial buffers (:func:`_partials`)."""
+    block_m, block_n, block_d, block_dv = tile_sizes(group_rows, dim, dim_v)
+    grid_m = triton.cdiv(group_rows, block_m)
+    if num_splits is None:
+        num_splits = default_num_splits(pairs * grid_m, cols, block_n)
+    if num_splits < 1:
+        return plan_splits(pairs, group_rows, dim, dim_v, cols, num_splits, device)  # its error
+    rows = pairs * num_splits * group_rows if num_splits > 1 else 1
+    part_m, part_l, part_acc = _partials(rows, dim_v if num_splits > 1 else 1, device)
+    grid = (pairs, grid_m, num_splits)
+    return SplitPlan(grid, block_m, block_n, block_d, block_dv, part_m, part_l, part_acc)
 
 
 def paged_attention_triton(
@@ -40,7 +86,7 @@ def paged_attention_triton(
     batch, heads, num_q, dim = q.shape
     kv_heads, dim_v, cols = k_pool.shape[0], v_pool.shape[-1], table.shape[-1]
     table, lengths = table.to(q.device), lengths.to(q.device)
-    plan = plan_splits(batch * kv_heads, group * num_q, dim, dim_v, cols, num_splits, q.device)
+    plan = _plan(batch * kv_heads, group * num_q, dim, dim_v, cols, num_splits, q.device)
     out = torch.empty(batch, heads, num_q, dim_v, dtype=q.dtype, device=q.device)
     if batch * kv_heads == 0:
         return out.zero_()

@@ -136,12 +136,14 @@ def _paged_one_row(
     probabilities come from one read of each head's own table row; otherwise the two halves of
     ``paged_probs`` (probabilities, then P·V). ``exact``: the output is the plain read's, bit for bit."""
     from vlkv.plugins import paged_attention
+    from vlkv.plugins.ops import use_triton
 
     plan = last_plan
 
     def plain() -> Tensor:  # the step's attention without statistics
         nonlocal plan
-        if not rope and q.device.type == "cpu":  # one plan per step for layers sharing tables
+        # one plan per step for layers sharing tables (the CPU read's; the Triton kernel takes none)
+        if not rope and q.device.type == "cpu" and not use_triton(q, k_pool, v_pool):
             from vlkv.plugins.paged_cpu import plan_reused
 
             plan = plan_reused(last_plan, q, k_pool, table, lengths, host.lengths, host.holes)

@@ -8,6 +8,13 @@ paged read, ``attention_rows._paged_one_row``): ~60 tensor ops per layer around 
 and holes to one C++ call that writes and reads (``vlkv/plugins/paged_append.py``); if that call fails
 the reservation is taken back, so a layer is appended whole or not at all. The skinny decoder layer
 (``models/skinny_layer.py``) calls it in place of ``update`` + the attention function.
+
+On the Triton path (CUDA, or ``VLKV_FORCE_TRITON=1``) :func:`device_decode_append` takes ``update``'s
+place: the same reservation, with the step's lengths and next sequence indices computed once for every
+layer (``advance_all``), the pool write as one Triton launch (``triton_glue.pool_write_``) instead of ~7
+ops, each request's table column as the Python append writes it, and the past lengths from the
+reservation: no host-to-device copy of them a layer (a stream sync on CUDA). The paged read follows as
+in ``update``.
 """
 
 from __future__ import annotations
@@ -143,3 +150,53 @@ def _ahead(ctx, new: dict, layer_idx: int):
 
 
 _NO_HOLES = torch.empty(0, dtype=torch.bool)
+
+
+def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor] | None:
+    """A decode layer's cache append on the Triton path, in place of ``ctx.update`` (see the module
+    docstring); returns the layer's ``(k_pool, v_pool)`` for the registered attention function to read
+    paged (``ctx.past`` / ``ctx.paged`` recorded as ``update`` records them), or None where it is not
+    taken (the caller calls ``ctx.update``).
+
+    ``k, v (B, H_kv, 1, D)`` the new entries (unit stride on D). Taken for: a scheduler's batch view of
+    one-sample caches, one new row per request, a paged read (``ctx.reads_paged``), no pre-RoPE
+    (linked) entries; ``VLKV_DEVICE_LAYER=0`` (``device_layer.DEVICE_LAYER``) turns it off with the device
+    layer."""
+    from vlkv.plugins import triton_glue
+    from vlkv.runtime.kv.paged import paged_tables
+    from vlkv.runtime.models import device_layer
+
+    if (
+        not device_layer.DEVICE_LAYER
+        or not getattr(ctx, "one_row", False)
+        or ctx.order is None
+        or k.shape[2] != 1
+    ):
+        return None
+    layer = ctx.cache.layers[layer_idx]
+    rows = getattr(layer, "rows", None)
+    if rows is None or any(r.batch != 1 or r.linked for r in rows) or not ctx.reads_paged(layer, layer_idx):
+        return None
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != layer.pool.spec.device:
+        return None
+    new = _step_columns(ctx)
+    per = new.get("per_request")
+    if per is None:  # each request's new column values, split once per step
+        per = new["per_request"] = (list(new["positions"]), list(new["modality"]), list(new["order"]))
+    pool, at = layer.pool, layer.layer
+    res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
+    try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
+        keys, values = pool.keys[at], pool.values[at]
+        triton_glue.pool_write_(keys, values, pool.prerope_flags(at), res.ids, k, v)
+        if res.run is not None:  # every row continues its run: its table column from its int id
+            cols = list(res.spare)
+        else:
+            cols = [s if isinstance(s, int) else res.ids[:, i] for i, s in enumerate(res.spare)]
+        for r, p, col, pos, mod, order in zip(rows, res.host, cols, *per):
+            r._put_column(p, col, pos, mod, order)
+    except BaseException:
+        res.cancel()
+        raise
+    ctx.past[layer_idx] = res.past
+    ctx.paged[layer_idx] = paged_tables(layer)
+    return keys, values

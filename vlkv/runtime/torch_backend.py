@@ -79,6 +79,11 @@ class TorchBackend:
         from vlkv.plugins import weight_pages
 
         weight_pages.place(self.adapter, self.device, self.dtype)
+        # the Triton device path (CUDA): q/k/v and gate/up weights fused once, for the device layer's
+        # few launches a decode layer (models/device_layer.py; VLKV_DEVICE_LAYER=0 leaves them)
+        from vlkv.runtime.models import device_layer
+
+        self.adapter.device_layer = device_layer.prepare(self.adapter.layers, self.device)
 
     @torch.no_grad()
     def embed(self, batch: PromptBatch) -> Tensor:

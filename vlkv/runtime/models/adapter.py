@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from vlkv.runtime.models import device_layer
 from vlkv.runtime.models.skinny_layer import layer_forward, linear, skinny_from_env, supports
 
 
@@ -51,6 +52,8 @@ class FamilyAdapter:
         )
         # no-grad steps' few-row GEMMs as (W @ xᵀ)ᵀ (skinny_layer; VLKV_SKINNY_GEMM=0: the HF layers)
         self.skinny = skinny_from_env()
+        # the Triton device path's decode layer (device_layer), set by the backend once it fused the weights
+        self.device_layer = False
 
     # -- pieces the backend drives
     @property
@@ -76,6 +79,10 @@ class FamilyAdapter:
         (``past_key_values`` → ``cache``, 5.2x; the old name warns and goes in 5.40), so the name is
         read off the layer's signature once.
         """
+        if fast and self.device_layer:
+            fused = device_layer.prepared(layer, hidden, cos_sin[0])
+            if fused is not None:
+                return device_layer.forward(fused, layer, hidden, ctx, cos_sin)
         if fast and self.skinny and supports(layer):
             return layer_forward(layer, hidden, ctx, cos_sin)
         name = self._cache_arg

@@ -44,7 +44,8 @@ from torch import Tensor, nn
 
 import vlkv.plugins.decode_layer as decode_layer
 from vlkv.plugins import layer_glue, skinny_gemm
-from vlkv.runtime.fused_append import fused_decode_row
+from vlkv.plugins.ops import use_triton
+from vlkv.runtime.fused_append import device_decode_append, fused_decode_row
 
 # decoder layer classes whose forward is norm → attention(q/k/v, RoPE, cache, o) → residual → norm →
 # mlp(down(act(gate) * up)) → residual, with attention kwargs limited to the cache and the mask
@@ -107,6 +108,34 @@ def _norm(module: nn.Module, x: Tensor, glue: bool) -> Tensor:
     return layer_glue.rms_norm(module, x) if glue and layer_glue.norm_fits(module, x) else module(x)
 
 
+def attend(attn: nn.Module, ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The attention module ``attn``'s cache append and attention: ``q (B, H, q, D)`` post-RoPE,
+    ``k, v (B, H_kv, q, D)`` the new entries → ``(B, q, H, D)``."""
+    # a decode step's append and paged read as one C++ call where the step allows it (fp32 CPU pool,
+    # one new row per request, no pre-RoPE or low-rank entries; statistics come from the same read);
+    # else the cache's update and the registered attention function
+    # (the Triton path, CUDA or forced, never takes the CPU call: it runs what a device runs)
+    triton = use_triton(q)
+    out = (
+        None
+        if ctx is None or not hasattr(ctx, "one_row") or triton
+        else fused_decode_row(ctx, attn.layer_idx, q, k, v, attn.scaling)
+    )
+    if out is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # here: not a decode step's cost
+
+        if ctx is not None:
+            # the Triton path's decode append (a launch for the pool write, no per-layer copy to the
+            # device), else the cache's update
+            pools = device_decode_append(ctx, attn.layer_idx, k, v) if triton else None
+            k, v = ctx.update(k, v, attn.layer_idx, kwargs={}) if pools is None else pools
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
+        if fn is None:
+            raise ValueError(f"no attention function registered as {attn.config._attn_implementation!r}")
+        out, _ = fn(attn, q, k, v, ctx, dropout=0.0, scaling=attn.scaling)
+    return out
+
+
 def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor]) -> Tensor:
     """The HF decoder layer's forward over ``hidden (B, q, hidden)`` with skinny GEMMs.
 
@@ -141,23 +170,7 @@ def layer_forward(layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, 
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         else:
             q, k = _rotary(attn)(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    # a decode step's append and paged read as one C++ call where the step allows it (fp32 CPU pool,
-    # one new row per request, no pre-RoPE or low-rank entries; statistics come from the same read);
-    # else the cache's update and the registered attention function
-    out = (
-        None
-        if ctx is None or not hasattr(ctx, "one_row")
-        else fused_decode_row(ctx, attn.layer_idx, q, k, v, attn.scaling)
-    )
-    if out is None:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # here: not a decode step's cost
-
-        if ctx is not None:
-            k, v = ctx.update(k, v, attn.layer_idx, kwargs={})
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, None)
-        if attend is None:
-            raise ValueError(f"no attention function registered as {attn.config._attn_implementation!r}")
-        out, _ = attend(attn, q, k, v, ctx, dropout=0.0, scaling=attn.scaling)
+    out = attend(attn, ctx, q, k, v)
     nxt = decode_layer.post(layer, out, residual) if whole else None
     if nxt is not None:
         return nxt
