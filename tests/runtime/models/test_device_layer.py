@@ -91,7 +91,7 @@ def _prompts(images):
     ]
 
 
-@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+@pytest.mark.parametrize("name", MODELS)
 def test_forced_triton_engine_full_cache_equals_hf_generate(name, reference_models, images, monkeypatch):
     from tests.runtime.test_parity import NEW, _hf_tokens
     from vlkv.runtime.engine import Engine
@@ -122,7 +122,8 @@ STREAM_SPECS = [
 ]
 
 
-def test_forced_triton_stream_equals_each_solo_run(images, monkeypatch):
+@pytest.mark.parametrize("name", MODELS)
+def test_forced_triton_stream_equals_each_solo_run(name, images, monkeypatch):
     """A stream whose decode steps take the device layer and append equals each request run alone on the
     reference path (``VLKV_DEVICE_LAYER=0``: the skinny layer, the cache's own append), on a fixed pool
     with preemption and a cancel."""
@@ -131,7 +132,7 @@ def test_forced_triton_stream_equals_each_solo_run(images, monkeypatch):
     from vlkv.runtime import fused_append
     from vlkv.runtime.engine import Engine
 
-    loaded, _ = _backend("tiny-llava", torch.float32, monkeypatch)
+    loaded, _ = _backend(name, torch.float32, monkeypatch)
     engine = Engine(loaded)
     taken = []
     append = fused_append.device_decode_append
@@ -144,12 +145,14 @@ def test_forced_triton_stream_equals_each_solo_run(images, monkeypatch):
     monkeypatch.setattr("vlkv.runtime.models.skinny_layer.device_decode_append", counted)
     monkeypatch.setattr(mix, "SPECS", STREAM_SPECS)
     stream = mix._stream(images)
-    monkeypatch.setattr(device_layer, "DEVICE_LAYER", False)  # the solo runs: the reference path
-    solo = [
-        engine.generate([p], make_policy(pol, **kw), m, stop_at_eos=False).samples[0].token_ids
-        for p, pol, kw, m in stream
-    ]
-    monkeypatch.setattr(device_layer, "DEVICE_LAYER", True)
+    for on in (False, True):  # the solo runs on the reference path (VLKV_DEVICE_LAYER=0), the stream not
+        monkeypatch.setattr(device_layer, "DEVICE_LAYER", on)
+        monkeypatch.setattr(fused_append, "DEVICE_APPEND", on)
+        if not on:
+            solo = [
+                engine.generate([p], make_policy(pol, **kw), m, stop_at_eos=False).samples[0].token_ids
+                for p, pol, kw, m in stream
+            ]
     assert not any(taken)  # the switch off: the cache's own append
     longest = max(int(engine.encode([p]).lengths[0]) for p, *_ in stream)
     for third in (3, 6, 16):
