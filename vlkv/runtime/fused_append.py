@@ -175,12 +175,14 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
     rows = getattr(layer, "rows", None)
     if rows is None or any(r.batch != 1 or r.linked for r in rows) or not ctx.reads_paged(layer, layer_idx):
         return None
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != layer.pool.spec.device:
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != layer.pool.keys[layer.layer].device:
         return None
     new = _step_columns(ctx)
     per = new.get("per_request")
-    if per is None:  # each request's new column values, split once per step
-        per = new["per_request"] = (list(new["positions"]), list(new["modality"]), list(new["order"]))
+    if per is None:  # each request's new column values on the pool's device, split once per step
+        dev = k.device
+        cols = (new["positions"], new["modality"], new["order"])
+        per = new["per_request"] = tuple(list(c.to(dev)) for c in cols)
     pool, at = layer.pool, layer.layer
     res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)

@@ -56,6 +56,33 @@ def test_device_layer_equals_the_hf_layer(name, dtype, rows, q, monkeypatch):
             hidden = want
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_on_cuda_the_device_layer_equals_the_hf_layer(name, dtype, monkeypatch):
+    """The kernels compiled for the GPU (no interpreter, round-to-nearest casts): the same tolerances."""
+    from vlkv.runtime.torch_backend import TorchBackend
+
+    monkeypatch.delenv(FORCE_TRITON_ENV, raising=False)
+    loaded = load_model(name)
+    loaded.model.to("cuda", dtype)
+    be = TorchBackend(loaded.model, loaded.family, loaded.image_token_id)
+    adapter = be.adapter
+    assert adapter.device_layer
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 1, adapter.text_config.hidden_size, device="cuda").to(dtype)
+    pos = torch.full((4, 1, be.pos_dims), 7, device="cuda")
+    cos_sin = adapter.rotary(hidden, pos)
+    with torch.no_grad():
+        for layer in adapter.layers:
+            fused = device_layer.prepared(layer, hidden, cos_sin[0])
+            assert fused is not None
+            got = device_layer.forward(fused, layer, hidden, None, cos_sin)
+            want = adapter.run_layer(layer, hidden, None, cos_sin)
+            torch.testing.assert_close(got, want, rtol=0, atol=TOL[dtype] * want.abs().max().item())
+            hidden = want
+
+
 def test_weights_are_fused_in_place_and_a_replaced_module_is_not_taken(monkeypatch):
     _, be = _backend("tiny-llava", torch.float32, monkeypatch)
     layer = be.adapter.layers[0]
