@@ -12,6 +12,8 @@ separate call (``VLKV_CPU_APPEND=0``, the path before the fused append-and-read)
 ``CPU_KERNEL_SWITCHES`` = 0) and the Triton kernels forced (``VLKV_FORCE_TRITON=1``) under Triton's
 interpreter; the script runs itself again with that environment. A Triton launch counts as one op (one
 kernel launch on the device), not the interpreter's host copies around it (``"launches"``: how many).
+``--device cuda``: the model on a GPU, the path itself (no interpreter): a Triton launch dispatches no
+aten op there, so its ops are ``--gpu-path``'s less its launches.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ POLICIES = {"full": {}, "h2o": {"budget": 0.5}, "avl": {"budget": 0.5, "text_min
 OWN = SCHEDULER_MODULES
 
 
-def tiny_engine(num_layers: int) -> Engine:
+def tiny_engine(num_layers: int, device: str = "cpu") -> Engine:
     model, processor = build_tiny_llava(TinySpec(num_layers=num_layers))
-    return Engine(LoadedModel(model.eval(), processor, "tiny-llava", "llava"))
+    return Engine(LoadedModel(model.eval().to(device), processor, "tiny-llava", "llava"))
 
 
 def gpu_path_env() -> dict[str, str]:
@@ -127,6 +129,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--split-append", action="store_true", help="also count with VLKV_CPU_APPEND=0")
     ap.add_argument("--gpu-path", action="store_true", help="count the path CUDA runs (see the docstring)")
+    ap.add_argument("--device", default="cpu", help="the model's device (cuda: the path itself, see below)")
     args = ap.parse_args()
     if args.gpu_path:
         env = gpu_path_env()
@@ -135,7 +138,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for n in args.layers:
-        engine = tiny_engine(n)
+        engine = tiny_engine(n, args.device)
         for policy in POLICIES:
             for split in (False, True) if args.split_append else (False,):
                 on = paged_append.FUSED_APPEND
@@ -146,7 +149,7 @@ def main() -> None:
                     paged_append.FUSED_APPEND = on
                 row = {"layers": n, "policy": policy, "ops": c.ops, "syncs": c.syncs, "kinds": dict(c.kinds)}
                 row["append"] = "fused" if on and not split and paged_append.kernel() is not None else "split"
-                row["path"] = "gpu" if args.gpu_path else "cpu"
+                row["path"] = "gpu" if args.gpu_path or args.device != "cpu" else "cpu"
                 row["launches"] = c.launches
                 row["scheduler_syncs"] = c.syncs_in(*OWN)
                 row["modules"] = dict(c.modules)

@@ -4,9 +4,12 @@ the ops per layer of the path a CUDA device runs (``--gpu-path``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "count_step_ops.py"
 
@@ -54,3 +57,21 @@ def test_the_gpu_path_dispatches_a_bounded_number_of_ops_per_layer():
     assert per["full"]["launches_per_layer"] == 6, per["full"]
     # no host sync added on the way (the scheduler's one read back of the step's tokens)
     assert all(r["syncs"] == 1 for r in steps if r["policy"] == "full")
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_decode_layer_dispatches_the_counted_ops():
+    """On a GPU the same count, the model on CUDA and the kernels compiled (its Triton launches dispatch
+    no aten op): the device layer and append are what the step runs there too."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env.pop("VLKV_FORCE_TRITON", None)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cuda", "--layers", "2", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    per = {r["policy"]: r for r in map(json.loads, done.stdout.splitlines()) if "per_layer" in r}
+    assert per["full"]["per_layer"] <= GPU_PATH_PER_LAYER["full"] - 6, per["full"]

@@ -19,10 +19,15 @@ in ``update``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from vlkv.runtime.kv.reservation import advance_all, reserve_decode_entries
+
+# the Triton path's decode append (VLKV_DEVICE_LAYER=0: off, with models/device_layer's decode layer)
+DEVICE_APPEND = os.environ.get("VLKV_DEVICE_LAYER", "1") != "0"
 
 
 def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
@@ -160,29 +165,24 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
 
     ``k, v (B, H_kv, 1, D)`` the new entries (unit stride on D). Taken for: a scheduler's batch view of
     one-sample caches, one new row per request, a paged read (``ctx.reads_paged``), no pre-RoPE
-    (linked) entries; ``VLKV_DEVICE_LAYER=0`` (``device_layer.DEVICE_LAYER``) turns it off with the device
-    layer."""
+    (linked) entries; ``VLKV_DEVICE_LAYER=0`` (``DEVICE_APPEND``) turns it off with the device layer."""
     from vlkv.plugins import triton_glue
     from vlkv.runtime.kv.paged import paged_tables
-    from vlkv.runtime.models import device_layer
 
-    if (
-        not device_layer.DEVICE_LAYER
-        or not getattr(ctx, "one_row", False)
-        or ctx.order is None
-        or k.shape[2] != 1
-    ):
+    if not DEVICE_APPEND or not getattr(ctx, "one_row", False) or ctx.order is None or k.shape[2] != 1:
         return None
     layer = ctx.cache.layers[layer_idx]
     rows = getattr(layer, "rows", None)
     if rows is None or any(r.batch != 1 or r.linked for r in rows) or not ctx.reads_paged(layer, layer_idx):
         return None
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != layer.pool.spec.device:
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != layer.pool.keys[layer.layer].device:
         return None
     new = _step_columns(ctx)
     per = new.get("per_request")
-    if per is None:  # each request's new column values, split once per step
-        per = new["per_request"] = (list(new["positions"]), list(new["modality"]), list(new["order"]))
+    if per is None:  # each request's new column values on the pool's device, split once per step
+        dev = k.device
+        cols = (new["positions"], new["modality"], new["order"])
+        per = new["per_request"] = tuple(list(c.to(dev)) for c in cols)
     pool, at = layer.pool, layer.layer
     res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)

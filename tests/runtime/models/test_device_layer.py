@@ -56,6 +56,33 @@ def test_device_layer_equals_the_hf_layer(name, dtype, rows, q, monkeypatch):
             hidden = want
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", MODELS)
+def test_on_cuda_the_device_layer_equals_the_hf_layer(name, dtype, monkeypatch):
+    """The kernels compiled for the GPU (no interpreter, round-to-nearest casts): the same tolerances."""
+    from vlkv.runtime.torch_backend import TorchBackend
+
+    monkeypatch.delenv(FORCE_TRITON_ENV, raising=False)
+    loaded = load_model(name)
+    loaded.model.to("cuda", dtype)
+    be = TorchBackend(loaded.model, loaded.family, loaded.image_token_id)
+    adapter = be.adapter
+    assert adapter.device_layer
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 1, adapter.text_config.hidden_size, device="cuda").to(dtype)
+    pos = torch.full((4, 1, be.pos_dims), 7, device="cuda")
+    cos_sin = adapter.rotary(hidden, pos)
+    with torch.no_grad():
+        for layer in adapter.layers:
+            fused = device_layer.prepared(layer, hidden, cos_sin[0])
+            assert fused is not None
+            got = device_layer.forward(fused, layer, hidden, None, cos_sin)
+            want = adapter.run_layer(layer, hidden, None, cos_sin)
+            torch.testing.assert_close(got, want, rtol=0, atol=TOL[dtype] * want.abs().max().item())
+            hidden = want
+
+
 def test_weights_are_fused_in_place_and_a_replaced_module_is_not_taken(monkeypatch):
     _, be = _backend("tiny-llava", torch.float32, monkeypatch)
     layer = be.adapter.layers[0]
@@ -91,7 +118,7 @@ def _prompts(images):
     ]
 
 
-@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+@pytest.mark.parametrize("name", MODELS)
 def test_forced_triton_engine_full_cache_equals_hf_generate(name, reference_models, images, monkeypatch):
     from tests.runtime.test_parity import NEW, _hf_tokens
     from vlkv.runtime.engine import Engine
@@ -122,7 +149,8 @@ STREAM_SPECS = [
 ]
 
 
-def test_forced_triton_stream_equals_each_solo_run(images, monkeypatch):
+@pytest.mark.parametrize("name", MODELS)
+def test_forced_triton_stream_equals_each_solo_run(name, images, monkeypatch):
     """A stream whose decode steps take the device layer and append equals each request run alone on the
     reference path (``VLKV_DEVICE_LAYER=0``: the skinny layer, the cache's own append), on a fixed pool
     with preemption and a cancel."""
@@ -131,7 +159,7 @@ def test_forced_triton_stream_equals_each_solo_run(images, monkeypatch):
     from vlkv.runtime import fused_append
     from vlkv.runtime.engine import Engine
 
-    loaded, _ = _backend("tiny-llava", torch.float32, monkeypatch)
+    loaded, _ = _backend(name, torch.float32, monkeypatch)
     engine = Engine(loaded)
     taken = []
     append = fused_append.device_decode_append
@@ -144,12 +172,14 @@ def test_forced_triton_stream_equals_each_solo_run(images, monkeypatch):
     monkeypatch.setattr("vlkv.runtime.models.skinny_layer.device_decode_append", counted)
     monkeypatch.setattr(mix, "SPECS", STREAM_SPECS)
     stream = mix._stream(images)
-    monkeypatch.setattr(device_layer, "DEVICE_LAYER", False)  # the solo runs: the reference path
-    solo = [
-        engine.generate([p], make_policy(pol, **kw), m, stop_at_eos=False).samples[0].token_ids
-        for p, pol, kw, m in stream
-    ]
-    monkeypatch.setattr(device_layer, "DEVICE_LAYER", True)
+    for on in (False, True):  # the solo runs on the reference path (VLKV_DEVICE_LAYER=0), the stream not
+        monkeypatch.setattr(device_layer, "DEVICE_LAYER", on)
+        monkeypatch.setattr(fused_append, "DEVICE_APPEND", on)
+        if not on:
+            solo = [
+                engine.generate([p], make_policy(pol, **kw), m, stop_at_eos=False).samples[0].token_ids
+                for p, pol, kw, m in stream
+            ]
     assert not any(taken)  # the switch off: the cache's own append
     longest = max(int(engine.encode([p]).lengths[0]) for p, *_ in stream)
     for third in (3, 6, 16):

@@ -23,7 +23,7 @@ glue kernels and their references are ``vlkv/plugins/triton_glue.py`` / ``glue_r
 Taken for the layer classes ``skinny_layer.SKINNY_LAYERS`` whose projections are plain ``nn.Linear`` of
 one dtype, RMSNorms with ``variance_epsilon`` and a SiLU MLP, at most ``MAX_ROWS`` rows (a decode step;
 prefill keeps the skinny / HF layer). ``VLKV_DEVICE_LAYER=0``: the skinny layer on the device too, and
-the cache's own append (the reference path; ``fused_append.device_decode_append`` follows the switch).
+the cache's own append (the reference path; ``fused_append.DEVICE_APPEND`` reads the same variable).
 """
 
 from __future__ import annotations
@@ -94,16 +94,13 @@ class FusedLayer:
 
 
 def device_path(device: torch.device) -> bool:
-    """Whether a model on ``device`` runs the Triton path (the device layer's precondition)."""
-    if os.environ.get("VLKV_FORCE_TRITON") == "1":
+    """Whether a model on ``device`` runs the Triton path (``ops.use_triton``'s rule: CUDA with triton
+    installed, or ``VLKV_FORCE_TRITON=1``): the device layer's precondition."""
+    from vlkv.plugins.ops import FORCE_TRITON_ENV, triton_available
+
+    if os.environ.get(FORCE_TRITON_ENV) == "1":
         return True
-    return torch.device(device).type == "cuda" and triton_launch_available()
-
-
-def triton_launch_available() -> bool:
-    from vlkv.plugins.ops import triton_available
-
-    return triton_available()
+    return torch.device(device).type == "cuda" and triton_available()
 
 
 def _projections(attn: nn.Module, mlp: nn.Module) -> tuple:
