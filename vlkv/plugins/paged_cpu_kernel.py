@@ -24,6 +24,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from vlkv.plugins import build_lock
 from vlkv.plugins.paged_append_cpp import APPEND_SOURCE
 
 __all__ = ["MAX_DIM", "MAX_ROWS", "kernel", "segments_attention", "table_attention", "table_attention_probs"]
@@ -319,14 +320,20 @@ def build_name(source: str = _EXTENSION, prefix: str = "vlkv_paged_cpu_kernel") 
     return f"{prefix}_{key}"
 
 
-def _is_cached(name: str) -> bool:
-    """Whether torch's extension cache already holds a built ``name`` (loading it takes well under a second)."""
+def _build_dir(name: str) -> Path | None:
+    """torch's build directory for the extension ``name`` (None where torch's private helper fails)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return any(Path(_get_build_directory(name, False)).glob(f"{name}*.so"))
-    except Exception:  # noqa: BLE001 — a private helper of torch's: unknown means "say it"
-        return False
+        return Path(_get_build_directory(name, False))
+    except Exception:  # noqa: BLE001 — a private helper of torch's
+        return None
+
+
+def _is_cached(name: str) -> bool:
+    """Whether torch's extension cache already holds a built ``name`` (loading it takes well under a second)."""
+    build = _build_dir(name)
+    return build is not None and any(build.glob(f"{name}*.so"))  # unknown means "say it"
 
 
 def load_extension(built: list, name: str, source: str, functions: list[str], what: str, fallback: str):
@@ -346,13 +353,14 @@ def load_extension(built: list, name: str, source: str, functions: list[str], wh
                             file=sys.stderr,
                             flush=True,
                         )
-                    mod = load_inline(
-                        name,
-                        cpp_sources=source,
-                        functions=functions,
-                        extra_cflags=list(_CFLAGS),
-                        extra_ldflags=["-fopenmp"],
-                    )
+                    with build_lock.held(_build_dir(name)):  # a dead builder's lock file would hang us
+                        mod = load_inline(
+                            name,
+                            cpp_sources=source,
+                            functions=functions,
+                            extra_cflags=list(_CFLAGS),
+                            extra_ldflags=["-fopenmp"],
+                        )
                 except Exception as err:  # noqa: BLE001 — no compiler / headers: the caller keeps its fallback
                     warnings.warn(f"{what} not built ({type(err).__name__}): {fallback}", stacklevel=3)
                     mod = None
