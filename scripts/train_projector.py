@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlkv.eval import projector_export
 from vlkv.eval.projector_init import (
     HIDDEN,
     POSITION_BIASES,
@@ -432,26 +433,7 @@ def _log(out: Path, record: dict) -> None:
 
 def export(out: Path, dest: Path, dtype: torch.dtype = torch.float32, name: str = CHECKPOINT) -> str:
     """Write the projector of checkpoint ``name`` in ``out`` as safetensors at ``dest``; returns its sha256."""
-    import hashlib
-
-    from safetensors.torch import save_file
-
-    ckpt = torch.load(out / name, weights_only=False)
-    # floating tensors only: the token order is an integer permutation
-    tensors = {
-        k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in ckpt["projector"].items()
-    }
-    if "lm_lora" in ckpt:  # the adapters in the shipped form, the scale folded in
-        cfg = ckpt["config"]
-        folded = lm_lora.fold(ckpt["lm_lora"], cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
-        tensors |= {k: v.to(dtype) for k, v in folded.items()}
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    config = dict(ckpt["config"])
-    if config.get("init_from"):  # the run directory's name only: no machine paths in a shipped file
-        source = Path(config["init_from"])
-        config["init_from"] = f"{source.parent.name}/{source.name}"
-    save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(config)})
-    return hashlib.sha256(dest.read_bytes()).hexdigest()
+    return projector_export.export(out / name, dest, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
