@@ -41,17 +41,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlkv.eval import projector_export
 from vlkv.eval.projector_init import (
     HIDDEN,
     POSITION_BIASES,
     TARGETS,
     AffineProjector,
+    order_start,
     position_start,
     ridge_init,
 )
 from vlkv.eval.scene_tasks import LABELS, MIXES, WHAT, Sample, prompt_text, training_sample
 from vlkv.eval.scenes import random_scene
 from vlkv.runtime.models import lm_lora
+from vlkv.runtime.models.projector_order import ORDER_KEY, ORDERS
 from vlkv.runtime.models.projector_position import POSITION_KEY
 
 CHECKPOINT = "checkpoint.pt"
@@ -116,6 +119,10 @@ class TrainConfig:
     lm_lora_lr_scale: float = 1.0
     # the projector's learning rate as a multiple of lr (0: it stays as started, only adapters train)
     projector_lr_scale: float = 1.0
+    # the order of the image tokens (vlkv.runtime.models.projector_order): "raster" (the tower's
+    # row-major patches) or "columns" (column-major: each object's patches one contiguous run, the
+    # left object's first); a raster-order checkpoint may start a columns run (--init-from)
+    token_order: str = "raster"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -144,6 +151,13 @@ class TrainConfig:
         if self.position_bias not in POSITION_BIASES:
             raise ValueError(
                 f"position_bias must be one of {list(POSITION_BIASES)}, got {self.position_bias!r}"
+            )
+        if self.token_order not in ORDERS:
+            raise ValueError(f"token_order must be one of {list(ORDERS)}, got {self.token_order!r}")
+        if self.token_order != "raster" and (self.form != "mlp" or self.position_bias != "none"):
+            raise ValueError(
+                f"token_order {self.token_order!r} needs form mlp and no position_bias, "
+                f"got {self.form!r} / {self.position_bias!r}"
             )
         if self.position_bias != "none" and self.form != "mlp":
             raise ValueError(f"position_bias {self.position_bias!r} needs form mlp, got {self.form!r}")
@@ -318,8 +332,11 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         )
         extra["init"], source = info, None
         affine = ridge if cfg.form == "linear" else None
-    state = None if source is None else source["projector"]
-    position_start(loaded, cfg.position_bias, cfg.position_alpha, state, cfg.init_from or str(ckpt_path))
+    state = None if source is None else dict(source["projector"])
+    order = None if state is None else state.pop(ORDER_KEY, None)
+    origin = cfg.init_from if ckpt is None else str(ckpt_path)
+    position_start(loaded, cfg.position_bias, cfg.position_alpha, state, origin)
+    order_start(loaded, cfg.token_order, order, origin)
     mlp = projector(loaded)  # the position-biased one, when cfg asks for it
     if source is not None and cfg.form == "linear":
         a = source["affine"]
@@ -416,23 +433,7 @@ def _log(out: Path, record: dict) -> None:
 
 def export(out: Path, dest: Path, dtype: torch.dtype = torch.float32, name: str = CHECKPOINT) -> str:
     """Write the projector of checkpoint ``name`` in ``out`` as safetensors at ``dest``; returns its sha256."""
-    import hashlib
-
-    from safetensors.torch import save_file
-
-    ckpt = torch.load(out / name, weights_only=False)
-    tensors = {k: v.to(dtype).contiguous() for k, v in ckpt["projector"].items()}
-    if "lm_lora" in ckpt:  # the adapters in the shipped form, the scale folded in
-        cfg = ckpt["config"]
-        folded = lm_lora.fold(ckpt["lm_lora"], cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
-        tensors |= {k: v.to(dtype) for k, v in folded.items()}
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    config = dict(ckpt["config"])
-    if config.get("init_from"):  # the run directory's name only: no machine paths in a shipped file
-        source = Path(config["init_from"])
-        config["init_from"] = f"{source.parent.name}/{source.name}"
-    save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(config)})
-    return hashlib.sha256(dest.read_bytes()).hexdigest()
+    return projector_export.export(out / name, dest, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -179,3 +179,25 @@ def test_prompt_text_labels_the_models_template(loaded_models):
     assert T.prompt_text(loaded, "Q?", 1, "ordinal") == loaded.prompt_template("Q?", 1)
     text = T.prompt_text(loaded, "Q?", 2, "ordinal")
     assert text.count(loaded.image_placeholder) == 2 and "The second picture:" in text
+
+
+def test_side_questions_ask_each_side_whole_or_by_attribute():
+    rng = np.random.default_rng(5)
+    samples = [T.training_sample(rng, mix="sides") for _ in range(200)]
+    sides = [s for s in samples if s.kind == "two-sides"]
+    assert 35 <= len(sides) <= 85  # weight 0.3
+    asked = set()
+    for s in sides:
+        left, right = s.scenes[0].objects
+        assert left.cx < right.cx and len(s.turns) == 3
+        truth = {}
+        for position, obj in (("left", left), ("right", right)):
+            truth[T.ON_THE.format(position=position)] = obj.name
+            truth[T.COLOUR_ON.format(position=position)] = obj.colour
+            truth[T.SHAPE_ON.format(position=position)] = obj.shape
+        for question, answer in ((s.question, s.answer), *s.turns):
+            assert truth[question] == answer
+            asked.add(question)
+        assert all((o.colour, o.shape) not in S.HELD_OUT for o in (left, right))
+    assert len(asked) == 6
+    assert {s.kind for s in samples} == {"single", "single-turns", "two-sides", "two-turns"}

@@ -275,3 +275,26 @@ def position_start(loaded, kind: str, alpha: float, state: dict | None, source: 
     start = {POSITION_KEY: thirds_bias(loaded, alpha, image_tokens(loaded))}
     install(loaded.model, mlp | start | (state or {}))
     loaded.model.model.multi_modal_projector.requires_grad_(False)  # the caller picks what trains
+
+
+def order_start(loaded, kind: str, order: torch.Tensor | None, source: str) -> None:
+    """Put the image-token order ``kind`` (:data:`~vlkv.runtime.models.projector_order.ORDERS`) into
+    the model's current (plain) MLP, keeping its weights.
+
+    ``order``: the ``token_order`` of the checkpoint the MLP came from (named ``source`` in errors), or
+    None. A checkpoint's order must be the one asked for: a projector trained for one order is not
+    silently run in another (a raster-order checkpoint may start a ``columns`` run, which is the
+    point of comparing them; the reverse drops what the run learned and is refused).
+    """
+    from vlkv.runtime.models.projector_order import ORDER_KEY, order_for
+    from vlkv.runtime.models.projector_position import install
+
+    wanted = order_for(kind, image_tokens(loaded))
+    if order is not None and (wanted is None or not torch.equal(order.to(wanted.dtype), wanted)):
+        raise ValueError(f"{source} holds another image-token order than {kind!r}")
+    if wanted is None:
+        return
+    proj = loaded.model.model.multi_modal_projector
+    mlp = {k: v.detach().clone() for k, v in proj.state_dict().items() if k != ORDER_KEY}
+    install(loaded.model, mlp | {ORDER_KEY: wanted})
+    loaded.model.model.multi_modal_projector.requires_grad_(False)  # the caller picks what trains

@@ -22,6 +22,10 @@ HOW_MANY = "How many {shapes} are there?"
 COLOUR_OF = "What colour is the {shape}?"
 LEFT_OF = "What is left of the {name}?"
 ON_THE = "What is on the {position}?"
+# side questions that ask one attribute: the answer is a colour or a shape word alone, so no
+# colour-shape pair (all of them training pairs) is learnt as a unit from them
+COLOUR_ON = "What colour is on the {position}?"
+SHAPE_ON = "What shape is on the {position}?"
 NTH_COLOUR = "What colour is the shape in the {ordinal} picture?"
 NTH_WHAT = "What is in the {ordinal} picture?"
 WHICH_HAS = "Which picture has {count} {shapes}?"
@@ -229,6 +233,19 @@ def two_turns(rng: np.random.Generator, split: str) -> Sample:
     return _as_turns(rng, (scene,), options, "two-turns", 4)
 
 
+def two_sides(rng: np.random.Generator, split: str) -> Sample:
+    """Two different objects, 4 side questions: what is on each side, and its colour or shape apart."""
+    scene = random_scene(rng, split, 2)
+    options = []
+    for position, obj in zip(("left", "right"), scene.objects):  # objects run left to right
+        options += [
+            (ON_THE.format(position=position), obj.name),
+            (COLOUR_ON.format(position=position), obj.colour),
+            (SHAPE_ON.format(position=position), obj.shape),
+        ]
+    return _as_turns(rng, (scene,), options, "two-sides", 4)
+
+
 def count_turns(rng: np.random.Generator, split: str) -> Sample:
     """1–3 objects of one pair: how many, and the counted caption."""
     n = int(rng.integers(1, 4))
@@ -249,6 +266,7 @@ MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
     "which": _which_few,
     "single-turns": single_turns,
     "two-turns": two_turns,
+    "two-sides": two_sides,
     "count-turns": count_turns,
 }
 # mix name -> kind -> weight. Multi-image samples cost 2-3 images' tokens, so they are kept rarer;
@@ -292,6 +310,9 @@ MIXES: dict[str, dict[str, float]] = {
     # several-picture prompt format (e.g. --labels ordinal) from a trained projector; one- and
     # two-object samples keep the rest from being forgotten
     "pictures": {"single-what": 0.3, "two-turns": 0.2, "nth": 0.3, "which": 0.2},
+    # "sides": "mixed" with the two-object captions replaced by side questions asked whole and by
+    # attribute ("What colour is on the left?"), the kind the VQA set's misses are most often
+    "sides": {"single-what": 0.4, "single-turns": 0.1, "two-sides": 0.3, "two-turns": 0.2},
     "turns": {"single-turns": 0.45, "two-turns": 0.35, "count-turns": 0.1, "nth": 0.05, "which": 0.05},
 }
 

@@ -160,6 +160,7 @@ def _swap_projector(loaded, path: Path) -> None:
     import torch
 
     from vlkv.runtime.models import lm_lora
+    from vlkv.runtime.models.projector_order import ORDER_KEY
     from vlkv.runtime.models.projector_position import POSITION_KEY
     from vlkv.runtime.models.smollm2_llava import PROJECTOR_KEYS, apply_projector
 
@@ -175,7 +176,7 @@ def _swap_projector(loaded, path: Path) -> None:
         if "lm_lora" in ckpt:  # a training checkpoint's adapters, in the shipped (scale-folded) form
             cfg = ckpt["config"]
             state |= lm_lora.fold(ckpt["lm_lora"], cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
-    if set(lm_lora.split(state)[0]) - {POSITION_KEY} != PROJECTOR_KEYS:
+    if set(lm_lora.split(state)[0]) - {POSITION_KEY, ORDER_KEY} != PROJECTOR_KEYS:
         raise ValueError(f"{path} holds {sorted(state)}, not a projector's {sorted(PROJECTOR_KEYS)}")
     apply_projector(loaded.model, state)
 

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+from vlkv.runtime.models.projector_order import ORDER_KEY, OrderedProjector
+
 POSITION_KEY = "position_bias"
 
 
@@ -47,20 +49,28 @@ class PositionBiasedProjector(LlavaMultiModalProjector):
 def install(model, state: dict[str, Tensor]) -> torch.nn.Module:
     """Make ``model.model.multi_modal_projector`` the module ``state`` needs and load ``state`` into it.
 
-    ``state`` holding :data:`POSITION_KEY` → a :class:`PositionBiasedProjector`; without it → the
-    plain MLP (the current one when it is plain, so nothing else changes). Tensors are assigned, not
-    copied, cast to the projector's dtype (the current ones may be memory-mapped from a cache that is
-    never written in place). Returns the installed projector.
+    ``state`` holding :data:`POSITION_KEY` → a :class:`PositionBiasedProjector`; holding
+    :data:`~vlkv.runtime.models.projector_order.ORDER_KEY` → an
+    :class:`~vlkv.runtime.models.projector_order.OrderedProjector` (not both: a bias is indexed by
+    patch, an order moves patches); neither → the plain MLP (the current one when it is plain, so
+    nothing else changes). Tensors are assigned, not copied, floating ones cast to the projector's
+    dtype (the current ones may be memory-mapped from a cache that is never written in place).
+    Returns the installed projector.
     """
     current = model.model.multi_modal_projector
     dtype = current.linear_1.weight.dtype
+    if POSITION_KEY in state and ORDER_KEY in state:
+        raise ValueError(f"a projector holds {POSITION_KEY} or {ORDER_KEY}, not both")
     if POSITION_KEY in state:
         proj = PositionBiasedProjector(model.config, state[POSITION_KEY].shape[0]).to(dtype)
-    elif isinstance(current, PositionBiasedProjector):
+    elif ORDER_KEY in state:
+        proj = OrderedProjector(model.config, state[ORDER_KEY]).to(dtype)
+    elif type(current) is not LlavaMultiModalProjector:
         with torch.random.fork_rng(devices=[]):
             proj = LlavaMultiModalProjector(model.config).to(dtype)
     else:
         proj = current
-    proj.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    proj.load_state_dict(cast, strict=True, assign=True)
     model.model.multi_modal_projector = proj
     return proj

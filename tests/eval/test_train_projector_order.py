@@ -1,0 +1,93 @@
+"""scripts/train_projector.py --token-order columns on the tiny LLaVA: the order is in the checkpoint,
+the resumed run and the exported file; a raster run's projector may start a columns run, not the
+reverse; the VQA runner installs an ordered file."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlkv.runtime.models.projector_order import ORDER_KEY, OrderedProjector, column_major
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_projector.py"
+
+
+@pytest.fixture(scope="module")
+def tp():
+    spec = importlib.util.spec_from_file_location("train_projector_order", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cfg(tp, **kw):
+    return tp.TrainConfig(
+        **{"model": "tiny-llava", "steps": 4, "batch": 2, "init_images": 3, "eval_every": 0} | kw
+    )
+
+
+def test_columns_run_resumes_and_exports_its_order(tp, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = _cfg(tp, token_order="columns")
+    straight = tp.train(cfg, tmp_path / "a", quiet=True)
+    assert torch.equal(straight[ORDER_KEY], column_major(16))
+    tp.train(cfg, tmp_path / "b", stop_at=2, quiet=True)
+    resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    # the same batches in raster order train other weights: the order reaches the LM loss
+    raster = tp.train(_cfg(tp), tmp_path / "r", quiet=True)
+    assert ORDER_KEY not in raster
+    assert not torch.equal(raster["linear_2.weight"], straight["linear_2.weight"])
+    tp.export(tmp_path / "a", tmp_path / "a.safetensors")
+    exported = load_file(tmp_path / "a.safetensors")
+    assert exported[ORDER_KEY].dtype == torch.int64 and torch.equal(exported[ORDER_KEY], column_major(16))
+    torch.testing.assert_close(exported["linear_2.weight"], straight["linear_2.weight"], rtol=0, atol=0)
+
+
+def test_a_raster_projector_starts_a_columns_run_not_the_reverse(tp, tmp_path):
+    plain = tp.train(_cfg(tp, steps=1), tmp_path / "plain", quiet=True)
+    cfg = _cfg(tp, token_order="columns", init_from=str(tmp_path / "plain" / tp.CHECKPOINT))
+    tp.train(cfg, tmp_path / "c", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "c" / tp.CHECKPOINT, weights_only=False)["projector"]
+    assert set(start) == set(plain) | {ORDER_KEY}
+    for key, value in plain.items():
+        torch.testing.assert_close(start[key], value, rtol=0, atol=0)
+    tp.train(cfg, tmp_path / "c", resume=True, quiet=True)
+    refuse = _cfg(tp, init_from=str(tmp_path / "c" / tp.CHECKPOINT))
+    with pytest.raises(ValueError, match="another image-token order than 'raster'"):
+        tp.train(refuse, tmp_path / "d", quiet=True)
+    with pytest.raises(ValueError, match="token_order must be one of"):
+        _cfg(tp, token_order="rows")
+    with pytest.raises(ValueError, match="needs form mlp and no position_bias"):
+        _cfg(tp, token_order="columns", form="linear")
+    with pytest.raises(ValueError, match="needs form mlp and no position_bias"):
+        _cfg(tp, token_order="columns", position_bias="thirds")
+
+
+def test_vqa_swaps_in_an_ordered_projector(tp, tmp_path):
+    from vlkv.eval.vqa import _swap_projector
+    from vlkv.runtime.models import smollm2_llava as S
+
+    tp.train(_cfg(tp, steps=1, token_order="columns"), tmp_path / "a", quiet=True)
+    tp.export(tmp_path / "a", tmp_path / "a.safetensors")
+    for path in (tmp_path / "a.safetensors", tmp_path / "a" / tp.CHECKPOINT):
+        loaded = tp.load("tiny-llava")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(S, "NUM_IMAGE_TOKENS", 16)
+            _swap_projector(loaded, path)
+        proj = loaded.model.model.multi_modal_projector
+        assert isinstance(proj, OrderedProjector) and torch.equal(proj.token_order, column_major(16))
+
+
+def test_cli_refuses_a_bad_order_in_one_line(tp, tmp_path, capsys):
+    assert tp.main(["--out", str(tmp_path), "--model", "tiny-llava", "--token-order", "rows"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "token_order must be one of" in err
