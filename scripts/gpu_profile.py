@@ -8,6 +8,12 @@ Two paths over the same prompt (LLaVA-1.5-7B's shape, 8k x 4 on a GPU; toy sizes
 
 Each is profiled over a few steps after two warm-up steps: top operators by self CPU time and by
 device time, operator calls, host synchronisations and copies per step.
+
+Host syncs per step: ``aten::_local_scalar_dense`` events (one per ``.item()`` / ``int()`` /
+``bool()`` of a tensor; run 4 counted its ``aten::item`` parent too, two per read) and, on CUDA,
+``cudaStreamSynchronize`` calls (every read back waits on one, ``.tolist()`` / ``.cpu()`` /
+``nonzero`` included, which no scalar event shows). ``vlkv.runtime.op_count.count_ops`` counts the
+same reads on a CPU run (tests/runtime/policies/test_decode_syncs.py bounds them).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from bench_common import sync  # scripts/ is on sys.path: gpu_parts and the scri
 
 PROFILE_POLICIES = ("full", "snapkv", "vlcache", "h2o", "avl")
 STEPS = 3
-SYNC_KEYS = ("aten::_local_scalar_dense", "aten::item")
+SYNC_KEYS = ("aten::_local_scalar_dense",)  # its parent ``aten::item`` is the same read
+STREAM_SYNC_KEYS = ("cudaStreamSynchronize",)  # the final ``torch.cuda.synchronize()`` is a device sync
 COPY_KEYS = ("aten::copy_", "aten::to", "aten::_to_copy")
 
 
@@ -43,6 +50,7 @@ def profiled(step, device: str, steps: int = STEPS) -> dict:
     return {
         "step_ms_profiled": wall,
         "syncs_per_step": sum(e.count for e in events if e.key in SYNC_KEYS) / steps,
+        "stream_syncs_per_step": sum(e.count for e in events if e.key in STREAM_SYNC_KEYS) / steps,
         "copies_per_step": sum(e.count for e in events if e.key in COPY_KEYS) / steps,
         "ops_per_step": sum(e.count for e in events) / steps,
         "top_self_cpu": [

@@ -47,3 +47,15 @@ def test_compaction_keeps_only_the_window():
     # a selection spread over most rows is left alone
     wide = torch.ones(2, 100, dtype=torch.int8)
     assert triton_attn_stats.compact_rows(q, wide, torch.tensor([0, 0]))[0] is q
+
+
+def test_a_decode_row_is_not_compacted_and_reads_nothing_back():
+    """One query row has nothing to cut: returned as it is, without a read back (a host sync per layer
+    of a decode step's statistics on a GPU)."""
+    from vlkv.runtime.op_count import count_ops
+
+    q, off = torch.randn(3, 2, 1, 16), torch.tensor([7, 0, 3])
+    for rows in (torch.ones(3, 1, dtype=torch.int8), torch.tensor([[1], [0], [1]], dtype=torch.int8)):
+        with count_ops() as c:
+            got = triton_attn_stats.compact_rows(q, rows, off)
+        assert c.syncs == 0 and got[0] is q and got[1] is rows and got[2] is off

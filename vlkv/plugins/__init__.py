@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "merge_kv_reference": "vlkv.plugins.reference",
     "attn_stats": "vlkv.plugins.ops",
     "selected_attention": "vlkv.plugins.ops",
+    "selected_row_stats": "vlkv.plugins.ops",
     "merge_kv": "vlkv.plugins.ops",
     "lowrank_attention": "vlkv.plugins.ops",
     "paged_attention": "vlkv.plugins.ops",

@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import torch
 from torch import Tensor
 
 from vlkv.plugins.reference import (
     AttnStats,
     attn_stats_reference,
+    check_gqa,
     merge_kv_reference,
     selected_attention_reference,
 )
@@ -75,6 +77,48 @@ def attn_stats(
 
         return attn_stats_triton(q, k, scale, query_rows, causal, threshold, key_lengths, q_offset)
     return attn_stats_reference(q, k, scale, query_rows, causal, threshold, key_lengths, q_offset, chunk_rows)
+
+
+def selected_row_stats(
+    q: Tensor,
+    k_sel: Tensor,
+    lengths: Tensor,
+    scale: float,
+    query_rows: Tensor | None = None,
+    threshold: float | None = None,
+) -> AttnStats:
+    """Statistics of one decode row over each KV head's selected keys (A-VL's core step), on any device
+    and without reading anything back: one softmax per (request, head) over its first ``lengths[b, h]``
+    keys, as ``attn_stats_reference`` gives them with ``causal=False`` and those key lengths (one call
+    per KV head when the heads' lengths differ), but in a few batched ops where the reference loops
+    over the requests and reads each one's length (a host sync per request and layer).
+
+    q: (B, H, 1, D). k_sel: (B, H_kv, K, D) the selected keys. lengths: (B, H_kv) int64 valid keys of
+    each head (<= K). query_rows: (B, 1) bool, the requests whose row counts (None: all). Returns
+    :class:`AttnStats` over the K selected columns (``colsum (B, H, K)``; a head with no key is all 0).
+    """
+    group = check_gqa(q, k_sel)
+    batch, heads, num_q, dim = q.shape
+    if num_q != 1:
+        raise ValueError(f"selected_row_stats takes one query row per request, got {num_q}")
+    kv_heads, width = k_sel.shape[1], k_sel.shape[2]
+    qg = q.reshape(batch, kv_heads, group, dim).float()
+    scores = torch.matmul(qg, k_sel.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, G, K)
+    lengths = lengths.to(q.device)
+    vis = (torch.arange(width, device=q.device) < lengths[..., None])[:, :, None, :]  # (B, H_kv, 1, K)
+    probs = torch.softmax(scores.masked_fill_(~vis, float("-inf")), dim=-1).masked_fill_(~vis, 0.0)
+    on = None if query_rows is None else query_rows.reshape(batch).to(device=q.device, dtype=torch.bool)
+    colsum = probs.reshape(batch, heads, width)
+    visible = lengths.repeat_interleave(group, dim=1)  # (B, H)
+    below = None
+    if threshold is not None:
+        low = (probs < threshold * probs.amax(-1, keepdim=True)) & vis
+        below = low.sum(-1).reshape(batch, heads)
+    if on is not None:
+        colsum = colsum * on[:, None, None]
+        visible = visible * on[:, None]
+        below = None if below is None else below * on[:, None]
+    return AttnStats(colsum=colsum, below=below, visible=visible)
 
 
 def selected_attention(

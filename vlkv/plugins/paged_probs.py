@@ -51,23 +51,30 @@ def decode_route(
     host: list[list[int]] | None = None,
     holes: bool = True,
 ) -> DecodeRoute:
-    """The :class:`DecodeRoute` of ``table (B, H_kv, C)`` and ``lengths (B, H_kv)``. host: ``lengths`` as
-    Python ints when the caller keeps them (then no length is read back); holes: False when the caller
-    knows no column inside a row's length is ``-1`` (then "every row full" and "an empty row" are decided
-    on the host too). Without ``host`` both are read from the device, as the ops always did."""
+    """The :class:`DecodeRoute` of ``table (B, H_kv, C)`` and ``lengths (B, H_kv)``.
+
+    Without ``host`` (a standalone call) everything is read from the device: the lengths, whether every
+    row is full or one holds nothing, and per request of at least ``inplace_min`` entries whether its
+    heads hold one shared run of slots (read in place).
+
+    With ``host`` (``lengths`` as Python ints, kept by the caller's cache; a decode step's route, built
+    per layer) nothing is read back, so a step's host syncs do not grow with its layers: every request
+    holding an entry is gathered together (the in-place check costs a few reads per request and layer,
+    ~9 per layer at 8k x 4 on a GPU, and a request whose heads share one run is an uncompressed one, the
+    plain read's case, not a statistics step's); holes: False when the caller knows no column inside a
+    row's length is ``-1``, then "every row full" and "a row holds nothing" are decided from the lengths;
+    with holes possible the route keeps the mask and zeroes empty rows (both exact where not needed)."""
     cols = table.shape[2]
     clamped = lengths.clamp(0, cols)
     held = held_columns(table, clamped)
-    if host is None:
-        host = clamped.tolist()
-        full, empty = bool(held.all()), bool((~held.any(-1)).any())
-    else:
+    if host is not None:
         host = [[min(max(n, 0), cols) for n in row] for row in host]
-        zero = any(n == 0 for row in host for n in row)
-        # a row shorter than the table is not full, a row of length 0 is empty: no read; a hole is
-        # read only where the lengths alone cannot tell
-        full = all(n == cols for row in host for n in row) and (not holes or bool(held.all()))
-        empty = zero or (holes and bool((~held.any(-1)).any()))
+        full = not holes and all(n == cols for row in host for n in row)
+        empty = holes or any(n == 0 for row in host for n in row)
+        together = [b for b, lens in enumerate(host) if max(lens, default=0) > 0]
+        return DecodeRoute(clamped, held, full, empty, {}, together)
+    host = clamped.tolist()
+    full, empty = bool(held.all()), bool((~held.any(-1)).any())
     floor = INPLACE_MIN if inplace_min is None else inplace_min
     inplace, together = {}, []
     for b, lens in enumerate(host):
@@ -83,12 +90,26 @@ def decode_route(
     return DecodeRoute(clamped, held, full, empty, inplace, together)
 
 
-def _gathered(pool: Tensor, table: Tensor, held: Tensor, idx: Tensor) -> Tensor:
-    """``(R, H_kv, C, D)`` rows of ``pool`` for requests ``idx`` (slot 0 where not held)."""
+def _gathered(pool: Tensor, table: Tensor, held: Tensor, idx: Tensor | None) -> Tensor:
+    """``(R, H_kv, C, D)`` rows of ``pool`` for requests ``idx`` (None: every request; slot 0 where not
+    held)."""
     kv_heads, cap, dim = pool.shape
+    if idx is not None:
+        table, held = table[idx], held[idx]
     heads_off = torch.arange(kv_heads, device=table.device)[None, :, None] * cap
-    flat = (torch.where(held[idx], table[idx], 0) + heads_off).reshape(-1)
-    return _gather(pool, flat).view(idx.numel(), kv_heads, table.shape[2], dim)
+    flat = (torch.where(held, table, 0) + heads_off).reshape(-1)
+    return _gather(pool, flat).view(table.shape[0], kv_heads, table.shape[2], dim)
+
+
+def _rows(together: list[int], batch: int, device) -> Tensor | None:
+    """The requests ``together`` as an index tensor, or None when they are the whole batch in order
+    (then no index is built: a tensor from a list is a host-to-device copy per layer on a GPU)."""
+    return None if _every(together, batch) else torch.tensor(together, device=device)
+
+
+def _every(together: list[int], batch: int) -> bool:
+    """``together`` is every request of the batch, in order."""
+    return together == list(range(batch))
 
 
 def paged_decode_probs(
@@ -118,8 +139,10 @@ def paged_decode_probs(
     held = route.held  # (B, H_kv, C)
     vis = None if route.full else held[:, :, None, :]
     qg = q.reshape(batch, kv_heads, group, dim).float()
-    scores = torch.full((batch, kv_heads, group, cols), float("-inf"), device=q.device)
     together = list(route.together)
+    every = not route.inplace and _every(together, batch)
+    # every request gathered (a decode step's route): the scores are the one matmul's, no -inf canvas
+    scores = None if every else torch.full((batch, kv_heads, group, cols), float("-inf"), device=q.device)
     for b, (start, n) in route.inplace.items():
         if rot is not None and bool((rot[b, :, :n] >= 0).any()):
             together.append(b)  # its pre-RoPE keys are rotated into the gathered copy
@@ -128,11 +151,15 @@ def paged_decode_probs(
         k = k if k.dtype == torch.float32 else k.float()
         scores[b, :, :, :n] = torch.matmul(k, qg[b].transpose(-1, -2)).transpose(-1, -2)  # K @ q^T: in place
     if together:
-        idx = torch.tensor(sorted(together), device=q.device)
+        idx = _rows(sorted(together), batch, q.device)
         k = _gathered(k_pool, table, held, idx)
         if rope:
-            k = rotate_keys(k, torch.where(held[idx], rot[idx], -1), cos, sin)
-        scores[idx] = torch.matmul(qg[idx], k.float().transpose(-1, -2))
+            pre = torch.where(held, rot, -1)
+            k = rotate_keys(k, pre if idx is None else pre[idx], cos, sin)
+        if scores is None:
+            scores = torch.matmul(qg, k.float().transpose(-1, -2))
+        else:
+            scores[idx] = torch.matmul(qg[idx], k.float().transpose(-1, -2))
     scores.mul_(scale)
     if vis is not None:
         scores.masked_fill_(~vis, float("-inf"))
@@ -156,12 +183,14 @@ def paged_decode_out(
     batch, kv_heads, group, cols = probs.shape
     if route is None:
         route = decode_route(table, lengths, inplace_min)
-    out = torch.zeros(batch, kv_heads, group, v_pool.shape[-1], dtype=v_pool.dtype, device=probs.device)
     p = probs.to(v_pool.dtype)
+    if not route.inplace and _every(route.together, batch):
+        return torch.matmul(p, _gathered(v_pool, table, route.held, None))  # every request gathered
+    out = torch.zeros(batch, kv_heads, group, v_pool.shape[-1], dtype=v_pool.dtype, device=probs.device)
     for b, (start, n) in route.inplace.items():
         out[b] = torch.matmul(p[b, :, :, :n], v_pool[:, start : start + n])
     if route.together:
-        idx = torch.tensor(route.together, device=probs.device)
+        idx = _rows(route.together, batch, probs.device)
         out[idx] = torch.matmul(p[idx], _gathered(v_pool, table, route.held, idx))
     return out
 

@@ -44,8 +44,10 @@ def compact_rows(q: Tensor, rows: Tensor, q_offset: Tensor) -> tuple[Tensor, Ten
     64 rows' blocks instead of 8k. Returned unchanged when the spans cover more than half of Q.
     """
     b, _, num_q, _ = q.shape
+    if num_q <= 1:  # nothing to cut (a decode row): no read back, a host sync per layer on a GPU
+        return q, rows, q_offset
     want = rows != 0
-    if num_q == 0 or not bool(want.any()):
+    if not bool(want.any()):
         return q, rows, q_offset
     ar = torch.arange(num_q, device=q.device)
     first = torch.where(want, ar, num_q).amin(1)

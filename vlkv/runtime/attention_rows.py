@@ -247,7 +247,11 @@ def _stats(q, k, scale, rows, threshold, past, new_len, selected, open_=None):
     ok = torch.arange(width, device=idx.device)[None, None, :] < lens[..., None]
     idx = torch.where(ok, idx, torch.zeros_like(idx))
     k_sel = k.gather(2, idx[..., None].expand(-1, -1, -1, k.shape[-1]))
-    if bool((lens == lens[:, :1]).all()):
+    if q.shape[2] == 1:  # a decode row (A-VL's core step): batched, nothing read back per layer
+        from vlkv.plugins import selected_row_stats
+
+        parts = [selected_row_stats(q, k_sel, lens, scale, query_rows=rows, threshold=threshold)]
+    elif bool((lens == lens[:, :1]).all()):
         parts = [
             attn_stats(
                 q, k_sel, scale, query_rows=rows, causal=False, threshold=threshold, key_lengths=lens[:, 0]

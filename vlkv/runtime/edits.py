@@ -21,6 +21,7 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
     their tables keep ``spare`` columns for the coming appends, and the few slots an eviction drops
     are handed to those appends (:meth:`LayerKV.select`'s ``recycle``).
     """
+    from vlkv.runtime.kv.drops import cut_soles
     from vlkv.runtime.kv.edits import prepare_selects
     from vlkv.runtime.kv.lowrank import apply_factor_edit
 
@@ -38,6 +39,12 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
         for i in plain
     ]
     prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
+    # cuts the policy read on the host (a per-step cut, every layer) check their recycled slots in one
+    # read for all layers too
+    cuts = [i for i, item in enumerate(edits or []) if isinstance(item, CutEdit) and item.host is not None]
+    soles = {}
+    if len(cuts) > 1:
+        soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
     for i, (layer, item) in enumerate(zip(cache.layers, edits or [])):
         for edit in item if isinstance(item, tuple) else (item,):
             if edit is None:
@@ -45,7 +52,7 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
             if isinstance(edit, FactorEdit):
                 apply_factor_edit(layer, edit)
             elif isinstance(edit, CutEdit):
-                layer.cut(edit.start, edit.count, recycle=spare > 0)
+                layer.cut(edit.start, edit.count, recycle=spare > 0, host=edit.host, sole=soles.get(i))
             elif edit.assign is None:
                 prep = prepared.get(i)
                 layer.select(

@@ -40,17 +40,22 @@ class OpCount:
         kinds: syncs by kind (``item``, ``tolist``, ``nonzero``, ``bool_index``...).
         modules: syncs by the innermost ``vlkv`` module that asked (``vlkv.runtime.cache``...), so a
             test can bound one component's share.
+        sites: syncs by that module and its function (``vlkv.plugins.paged_probs:decode_route``): where
+            to look when a count grows.
     """
 
     ops: int = 0
     syncs: int = 0
     kinds: Counter = field(default_factory=Counter)
     modules: Counter = field(default_factory=Counter)
+    sites: Counter = field(default_factory=Counter)
 
     def sync(self, kind: str) -> None:
         self.syncs += 1
         self.kinds[kind] += 1
-        self.modules[_asker()] += 1
+        module, function = _asker()
+        self.modules[module] += 1
+        self.sites[f"{module}:{function}"] += 1
 
     def syncs_in(self, *modules: str) -> int:
         """Syncs asked by ``modules`` (full dotted names)."""
@@ -69,15 +74,16 @@ SCHEDULER_MODULES = (
 )
 
 
-def _asker() -> str:
-    """The innermost ``vlkv`` module on the stack outside this one (``"?"`` when none is)."""
+def _asker() -> tuple[str, str]:
+    """The innermost ``vlkv`` module on the stack outside this one and its function (``("?", "?")``
+    when none is)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if name.startswith("vlkv.") and name != __name__:
-            return name
+            return name, frame.f_code.co_name
         frame = frame.f_back
-    return "?"
+    return "?", "?"
 
 
 class _Counting(TorchDispatchMode):

@@ -92,8 +92,15 @@ class StepContext:
     ) -> tuple[Tensor, Tensor]:
         """HF ``Cache.update`` contract: store the new K/V, return what attention reads."""
         layer = self.cache.layers[layer_idx]
+        # a decode step's "one row each" is decided once (``one_row``), not read back per layer
         self.past[layer_idx] = layer.append(
-            k, v, self.inputs.positions, self.inputs.modality, self.inputs.new_len, self.order
+            k,
+            v,
+            self.inputs.positions,
+            self.inputs.modality,
+            self.inputs.new_len,
+            self.order,
+            self.one_row or None,
         )
         if self.reads_paged(layer, layer_idx):
             # a plain decode step reads K/V where they lie, through the slot tables: no gathered copy

@@ -35,6 +35,7 @@ class Appends(EntryTable):
         modality: Tensor,
         new_len: Tensor,
         order: Tensor | None = None,
+        one_each: bool | None = None,
     ) -> Tensor:
         """Write a step's new entries into fresh pool slots right after each sample's valid entries.
 
@@ -45,6 +46,9 @@ class Appends(EntryTable):
             new_len: ``(B,)`` int64 valid new rows per sample.
             order: optional ``(B, q)`` int64 sequence index of each new token (default: the next
                 indices after the last one this layer holds).
+            one_each: whether every sample appends a row (``new_len`` all nonzero), where the caller
+                knows it (a decode step decides it once for every layer: read here, it is a host sync
+                per layer); None: read from ``new_len``.
 
         Returns:
             ``(B,)`` lengths before the write (the table column of each sample's first new row).
@@ -52,7 +56,7 @@ class Appends(EntryTable):
         b, h, q, _ = k.shape
         dev = self.device
         new_len = new_len.to(device=dev, dtype=torch.long)
-        if q == 1 and bool(new_len.all()):
+        if q == 1 and (bool(new_len.all()) if one_each is None else one_each):
             return self._append_one(k, v, positions, modality, order)
         past, past_host = self.lengths.clone(), self.host_lengths()
         self._reserve(max(past_host, default=0) + q)

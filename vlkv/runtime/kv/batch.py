@@ -47,9 +47,15 @@ class LayerBatch:
         modality: Tensor,
         new_len: Tensor,
         order: Tensor | None = None,
+        one_each: bool | None = None,
     ) -> Tensor:
-        """Append row ``b`` of ``k, v (B, H_kv, q, D)`` etc. to request ``b``; returns ``(B,)`` past lengths."""
-        if k.shape[2] == 1 and all(r.batch == 1 for r in self.rows) and self._one_each(new_len):
+        """Append row ``b`` of ``k, v (B, H_kv, q, D)`` etc. to request ``b``; returns ``(B,)`` past lengths.
+        ``one_each``: as :meth:`LayerKV.append` takes it (None: read once per step, see :meth:`_one_each`)."""
+        if (
+            k.shape[2] == 1
+            and all(r.batch == 1 for r in self.rows)
+            and (self._one_each(new_len) if one_each is None else one_each)
+        ):
             return self._append_one(k, v, positions, modality, order)
         out = []
         for b, r in enumerate(self.rows):

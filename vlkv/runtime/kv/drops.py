@@ -114,6 +114,32 @@ def prepare_selects(jobs: list[tuple], spare: int, recycle: bool):
     return preps
 
 
+def cut_soles(jobs: list[tuple], recycle: bool) -> list[bool | None]:
+    """Per cut ``(layer, starts, counts)`` (a :class:`~vlkv.runtime.policies.base.CutEdit`'s host values),
+    whether the slots it drops have no other holder, where :meth:`Edits.cut` would ask the pool (a
+    recycled cut of at most ``RECYCLE_MAX`` entries, every sample alike, a dense cache): every layer's
+    check read back in one transfer, not one per layer. None where the cut asks nothing (or checks its
+    own arguments first: it reads alone then)."""
+    at: list[int | None] = []
+    checks = []
+    for layer, starts, counts in jobs:
+        lens = layer.host_lengths()
+        alike = len(set(starts)) == len(set(counts)) == len(set(lens)) == 1
+        s, c, n = (starts[0], counts[0], lens[0]) if alike and lens else (0, 0, 0)
+        if not (recycle and alike and 0 < c <= RECYCLE_MAX and 0 <= s <= n - c):
+            at.append(None)
+            continue
+        if layer.holes is not None or layer.lowrank is not None:  # the cut takes select there
+            at.append(None)
+            continue
+        dropped = layer.slots.narrow(2, s, c)  # (B, H_kv, c), as the cut drops them
+        b, h = dropped.shape[:2]
+        at.append(len(checks))
+        checks.append(layer.pool.owned_once(layer.layer, dropped.transpose(0, 1).reshape(h, b * c)))
+    host = torch.stack(checks).tolist() if checks else []
+    return [None if i is None else bool(host[i]) for i in at]
+
+
 def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle: bool):
     """Every job's :class:`UniformSelect`, its gaps already closed (``moved``), where every job is a
     decode-time drop of exactly one known column per row (``dropped (B, H_kv, 1)``) that

@@ -221,7 +221,14 @@ class Edits(EntryTable):
         bt, ht, ct = torch.nonzero(drop & self.held_mask(), as_tuple=True)
         self.pool.release(self.layer, self.slots[bt, ht, ct], heads=ht)
 
-    def cut(self, start: Tensor, count: Tensor, recycle: bool = False) -> None:
+    def cut(
+        self,
+        start: Tensor,
+        count: Tensor,
+        recycle: bool = False,
+        host: tuple[list[int], list[int]] | None = None,
+        sole: bool | None = None,
+    ) -> None:
         """Delete entries ``start[b] … start[b] + count[b] − 1`` of sample ``b``; the later ones move
         left by ``count[b]``, in order (a fixed-point eviction, see :class:`~vlkv.runtime.policies.base.CutEdit`).
 
@@ -229,9 +236,13 @@ class Edits(EntryTable):
         batch moving in step, or one request), where :meth:`select` gathers every table whole.
         ``start``, ``count``: ``(B,)`` int64, ``0 <= start[b]`` and ``start[b] + count[b] <=
         lengths[b]``; ``recycle``: as in :meth:`select`. A cache with per-head holes or low-rank
-        factors takes :meth:`select` (their bookkeeping lives there).
+        factors takes :meth:`select` (their bookkeeping lives there). ``host``: ``(starts, counts)`` as
+        Python ints where the caller read them (else read here); ``sole``: whether the cut slots have no
+        other holder, where the caller checked it for every layer at once
+        (:func:`~vlkv.runtime.kv.drops.cut_soles`; else asked here when they are recycled).
         """
-        starts, counts, lens = start.tolist(), count.tolist(), self.host_lengths()
+        starts, counts = (start.tolist(), count.tolist()) if host is None else (list(host[0]), list(host[1]))
+        lens = self.host_lengths()
         for b, (s, c, n) in enumerate(zip(starts, counts, lens)):
             if c < 0 or (c and not 0 <= s <= n - c):
                 raise ValueError(
@@ -260,7 +271,7 @@ class Edits(EntryTable):
                     t[row, :, s : n - c] = t[row, :, s + c : n].clone()
         self.set_lengths(self.lengths - count.to(self.lengths), [n - c for n, c in zip(lens, counts)])
         if alike:
-            self._drop(dropped[0], recycle)
+            self._drop(dropped[0], recycle, sole)
         else:  # samples cut differently: no per-sample recycled columns of one width
             self.pool.release(self.layer, torch.cat([d[0] for d in dropped], 1))
 

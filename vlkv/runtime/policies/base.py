@@ -122,16 +122,21 @@ class CutEdit:
     Attributes:
         start: ``(B,)`` int64 first table column deleted from each sample.
         count: ``(B,)`` int64 entries deleted from ``start`` on (0: the sample is left as it is).
+        host: optional ``(starts, counts)``, the same values on the host where the policy read them
+            (the cache then reads nothing back: a per-step cut reads once per step, not per layer).
     """
 
     start: Tensor
     count: Tensor
+    host: tuple[list[int], list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.start.dim() != 1 or self.start.shape != self.count.shape:
             raise ValueError(
                 f"start and count must both be (B,), got {tuple(self.start.shape)} and {tuple(self.count.shape)}"
             )
+        if self.host is not None and any(len(h) != self.start.shape[0] for h in self.host):
+            raise ValueError(f"host: (starts, counts), one per sample ({self.start.shape[0]}) each")
 
 
 @dataclass

@@ -133,6 +133,8 @@ class ElasticPolicy(Policy):
         lengths = cache.lengths()  # (L, B)
         over = (lengths.double() - cache.processed.double()[None] * self.budget + EPS).floor() >= 1
         drop = (over & (fixed[None] < lengths)).long()
-        if not bool(drop.any()):
-            return [None] * len(cache.layers)
-        return [CutEdit(fixed, d) if any(f) else None for d, f in zip(drop, drop.tolist())]
+        # the cuts and the fixed points on the host in one read back for every layer (the cache's
+        # cut then reads nothing)
+        host = torch.cat([fixed[None].to(drop), drop]).tolist()
+        starts = host[0]
+        return [CutEdit(fixed, d, (starts, f)) if any(f) else None for d, f in zip(drop, host[1:])]

@@ -55,7 +55,9 @@ class LocalPolicy(ScorePolicy):
         lengths = cache.lengths()  # (L, B)
         target = torch.stack([k.to(lengths) for k in keep])
         over = lengths - torch.minimum(target, lengths)
-        if not bool(over.any()):
+        counts = over.tolist()  # the step's one read back: every layer's cut on the host
+        if not any(any(row) for row in counts):
             return [None] * len(cache.layers)
         start = torch.full_like(over[0], self.sinks)
-        return [CutEdit(start, o) if any(f) else None for o, f in zip(over, over.tolist())]
+        starts = [self.sinks] * start.shape[0]
+        return [CutEdit(start, o, (starts, f)) if any(f) else None for o, f in zip(over, counts)]
