@@ -4,28 +4,14 @@ rebuilds the trained model (projector + merged adapters) through vqa's --project
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_projector.py"
-
-
-@pytest.fixture(scope="module")
-def tp():
-    spec = importlib.util.spec_from_file_location("train_projector_lora", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.eval.train_script import tiny_cfg
 
 
 def _cfg(tp, **kw):
-    base = {"model": "tiny-llava", "steps": 4, "batch": 2, "init_images": 3, "eval_every": 0}
-    return tp.TrainConfig(**base | {"lm_lora_rank": 2, "lm_lora_targets": "q_proj,o_proj"} | kw)
+    return tiny_cfg(tp, **{"lm_lora_rank": 2, "lm_lora_targets": "q_proj,o_proj"} | kw)
 
 
 def _adapters(path):

@@ -3,29 +3,10 @@ stopped and resumed ends with the same projector as one that was not."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_projector.py"
-
-
-@pytest.fixture(scope="module")
-def tp():
-    spec = importlib.util.spec_from_file_location("train_projector", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-def _cfg(tp, **kw):
-    return tp.TrainConfig(
-        **{"model": "tiny-llava", "steps": 4, "batch": 2, "init_images": 3, "eval_every": 0} | kw
-    )
+from tests.eval.train_script import tiny_cfg as _cfg
 
 
 def test_resume_gives_the_same_weights(tp, tmp_path):
