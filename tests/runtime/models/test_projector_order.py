@@ -9,32 +9,12 @@ import pytest
 import torch
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
+from tests.runtime.models.test_projector_position import _features, _images, _state
 from vlkv.runtime.models import smollm2_llava as S
 from vlkv.runtime.models.projector_order import ORDER_KEY, OrderedProjector, column_major, order_for
 from vlkv.runtime.models.projector_position import POSITION_KEY, install
-from vlkv.runtime.models.registry import load_model
 
 PATCHES = 16  # tiny-llava: 56 px, patch 14, a 4x4 raster
-
-
-@pytest.fixture
-def tiny():
-    return load_model("tiny-llava")
-
-
-def _state(model, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    proj = model.model.multi_modal_projector.state_dict()
-    return {k: 0.05 * torch.randn(v.shape, generator=g) for k, v in proj.items()}
-
-
-def _images(seed: int) -> torch.Tensor:
-    return torch.randn(2, 3, 56, 56, generator=torch.Generator().manual_seed(seed))
-
-
-def _features(model, images) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.stack(model.model.get_image_features(pixel_values=images).pooler_output)
 
 
 def test_column_major_runs_down_each_column_left_to_right():

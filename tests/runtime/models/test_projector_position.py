@@ -16,11 +16,6 @@ from vlkv.runtime.models.registry import load_model
 PATCHES = 16  # tiny-llava: 56 px, patch 14
 
 
-@pytest.fixture
-def tiny():
-    return load_model("tiny-llava")
-
-
 def _state(model, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     # about the scale of HF's own initialisation, so ONNX Runtime's summation order stays within 1e-5
