@@ -34,6 +34,21 @@ def _backend(name: str, dtype: torch.dtype, monkeypatch):
     return loaded, TorchBackend(loaded.model, loaded.family, loaded.image_token_id)
 
 
+def _every_layer_matches(adapter, hidden, cos_sin):
+    """Each decoder layer through the device layer equals the HF layer (its own weights) on ``hidden (B, S, E)``
+    to ``TOL`` of the output's largest magnitude; each layer takes the HF layer's output of the last."""
+    dtype = hidden.dtype
+    with torch.no_grad():
+        for layer in adapter.layers:
+            fused = device_layer.prepared(layer, hidden, cos_sin[0])
+            assert fused is not None
+            got = device_layer.forward(fused, layer, hidden, None, cos_sin)
+            want = adapter.run_layer(layer, hidden, None, cos_sin)
+            assert got.dtype == dtype and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=0, atol=TOL[dtype] * want.abs().max().item())
+            hidden = want
+
+
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("rows,q", [(4, 1), (1, 1), (2, 3)])
@@ -45,15 +60,7 @@ def test_device_layer_equals_the_hf_layer(name, dtype, rows, q, monkeypatch):
     hidden = torch.randn(rows, q, adapter.text_config.hidden_size).to(dtype)
     pos = (torch.arange(q) + 5).expand(rows, q)[..., None].expand(rows, q, be.pos_dims)
     cos_sin = adapter.rotary(hidden, pos)
-    with torch.no_grad():
-        for layer in adapter.layers:
-            fused = device_layer.prepared(layer, hidden, cos_sin[0])
-            assert fused is not None
-            got = device_layer.forward(fused, layer, hidden, None, cos_sin)
-            want = adapter.run_layer(layer, hidden, None, cos_sin)  # the HF layer, its own weights
-            assert got.dtype == dtype and got.shape == want.shape
-            torch.testing.assert_close(got, want, rtol=0, atol=TOL[dtype] * want.abs().max().item())
-            hidden = want
+    _every_layer_matches(adapter, hidden, cos_sin)
 
 
 @pytest.mark.gpu
@@ -73,14 +80,7 @@ def test_on_cuda_the_device_layer_equals_the_hf_layer(name, dtype, monkeypatch):
     hidden = torch.randn(4, 1, adapter.text_config.hidden_size, device="cuda").to(dtype)
     pos = torch.full((4, 1, be.pos_dims), 7, device="cuda")
     cos_sin = adapter.rotary(hidden, pos)
-    with torch.no_grad():
-        for layer in adapter.layers:
-            fused = device_layer.prepared(layer, hidden, cos_sin[0])
-            assert fused is not None
-            got = device_layer.forward(fused, layer, hidden, None, cos_sin)
-            want = adapter.run_layer(layer, hidden, None, cos_sin)
-            torch.testing.assert_close(got, want, rtol=0, atol=TOL[dtype] * want.abs().max().item())
-            hidden = want
+    _every_layer_matches(adapter, hidden, cos_sin)
 
 
 def test_weights_are_fused_in_place_and_a_replaced_module_is_not_taken(monkeypatch):
