@@ -19,7 +19,9 @@ from gpu_parts import CPU_KERNEL_SWITCHES, DECODE_POLICIES, PROFILE_POLICIES  # 
 
 
 def _run(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the CPU C++ kernels off, as on a GPU: the dry run checks the script, and a first build of those kernels
+    # (minutes on a loaded 2-core machine) would spend its parts' time limits before they measure anything
+    env = dict(os.environ, PYTHONPATH=str(ROOT)) | {name: "0" for name in CPU_KERNEL_SWITCHES}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(tmp), *extra],
         capture_output=True,
