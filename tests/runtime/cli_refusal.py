@@ -1,0 +1,20 @@
+"""What every CLI refusal test checks: ``vlkv generate`` exits 2 with one line naming the problem."""
+
+from __future__ import annotations
+
+from vlkv.cli import main
+
+
+def refused(capsys, *argv) -> str:
+    """Run ``vlkv generate ARGV``; assert exit 2, nothing on stdout, one line on stderr; return it."""
+    try:
+        code = main(["generate", "--max-new-tokens", "2", *argv])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("vlkv: error: ")
+    return lines[0]
