@@ -5,9 +5,10 @@ attention probabilities from the fused read: ``(B, H_kv, G, C)`` float32, 1.2 MB
 on smollm2-llava, all 30 alive until the policy has read them. glibc's malloc serves such blocks from
 the top of its heap (its mmap threshold rises to the size of the first one freed) and, once the step
 frees them, the free space at the top exceeds its trim threshold (twice the mmap threshold), so it
-hands it back to the kernel: every page of the next step's probabilities is a fresh page fault (2,300
+hands it back to the kernel: every page of the next step's probabilities is a fresh page fault (2,312
 faults per 8 layers, measured). On the 2-core EPYC VM that made the fused read with probabilities
-1.35x the plain read; with the freed memory kept, 1.06x (``docs/benchmarks/2026-11-27-compressed-cpu-x86_64``).
+1.26x the plain read; with the freed memory kept, 1.10x and no faults (paired medians, one process:
+``docs/benchmarks/2026-11-27-compressed-cpu-x86_64``).
 
 :func:`keep_freed` fixes glibc's thresholds (``mallopt``): blocks below :data:`MMAP_MAX` (32 MiB, the
 largest glibc allows; the K/V pools and weights are larger and still mapped on their own) come from
