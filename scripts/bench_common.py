@@ -96,12 +96,21 @@ def machine_name(device: str) -> str:
     return f"{torch.get_num_threads()}-thread {cpu} CPU, no GPU"
 
 
-def document_prompt(engine, model: str, tokens: int):
+# where the image sits in :func:`document_prompt`'s prompt
+LAYOUTS = ("document-first", "image-first")
+
+
+def document_prompt(engine, model: str, tokens: int, layout: str = "document-first"):
     """A document, an image, then a question: about ``tokens`` tokens (the text scaled in a few passes).
 
-    The image sits near the end, as in "read this, look at that, answer": VL-Cache's post-vision rows
-    are then the question's rows, the window its method describes.
+    ``document-first`` (the default): the image sits near the end, as in "read this, look at that,
+    answer": VL-Cache's post-vision rows are then the question's rows, the window its method describes.
+    A-VL keeps every entry before the first image whatever its budget (its "system" region), so there
+    it compresses only the image and the question. ``image-first``: the image, then the document and
+    the question: A-VL's text budget (H2O over the text after the image) then covers the document.
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     from vlkv.eval.corpus import paragraphs
     from vlkv.runtime.models.photos import real_photos
     from vlkv.runtime.prompt import Prompt
@@ -112,11 +121,11 @@ def document_prompt(engine, model: str, tokens: int):
     words = max(tokens // 2, 1)
     for _ in range(4):
         text = " ".join(corpus[:words])
-        prompt = Prompt(
-            f"{text}\n{engine.placeholder}\nSummarise the text above and describe the image.",
-            [image],
-            raw=True,
-        )
+        if layout == "document-first":
+            body = f"{text}\n{engine.placeholder}\nSummarise the text above and describe the image."
+        else:
+            body = f"{engine.placeholder}\n{text}\nSummarise the text above and describe the image."
+        prompt = Prompt(body, [image], raw=True)
         batch = engine.encode([prompt])
         n = int(batch.lengths[0])
         if abs(n - tokens) <= 16:

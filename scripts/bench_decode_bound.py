@@ -54,6 +54,7 @@ import vlkv.plugins.decode_layer as decode_layer
 import vlkv.plugins.evict_rows as evict_rows
 import vlkv.plugins.paged_append as paged_append
 import vlkv.plugins.paged_cpu as paged_cpu
+import vlkv.plugins.paged_cpu_heap as paged_cpu_heap
 import vlkv.plugins.skinny_gemm as skinny_gemm
 import vlkv.runtime.models.skinny_layer as skinny_layer
 import vlkv.runtime.policies.base as policy_base
@@ -62,7 +63,15 @@ from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_threads_arg, cpu_name, load_for_bench, machine_name, read_bandwidth, write_report  # noqa: E402
+from bench_common import (
+    LAYOUTS,
+    add_threads_arg,
+    cpu_name,
+    load_for_bench,
+    machine_name,
+    read_bandwidth,
+    write_report,
+)  # noqa: E402
 from bench_decode import weight_bytes  # noqa: E402
 from bench_decode_peers import hf_steps  # noqa: E402
 from decode_prefilled import Prefilled, old_kept_but, vlkv_steps  # noqa: E402
@@ -74,7 +83,7 @@ BUDGETS = (0.5, 0.2, 0.1)
 # --budgets 0.5 0.25 0.1 --kernel --kernel-policies``
 HEADS_POLICIES = ("kvzip", "kvgrad", "snapkv")
 # a before configuration's suffix: the same configuration with one piece as it was
-BEFORE = ("+torchevict", "+split", "+torchgemm", "+gemms7")
+BEFORE = ("+torchevict", "+split", "+torchgemm", "+gemms7", "+heapdefault")
 TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 1, "buffer_mib": 64}
 
 
@@ -106,7 +115,7 @@ def run(args) -> dict:
         cfg._attn_implementation = "sdpa"
     pols = {f"{n}@{b}": make_policy(n, budget=b) for n in args.policies for b in args.budgets}
     t0 = time.perf_counter()
-    pre = Prefilled(engine, args.model, args.tokens, args.batch, pols)
+    pre = Prefilled(engine, args.model, args.tokens, args.batch, pols, args.layout)
     prefill_s = time.perf_counter() - t0
     w = weight_bytes(engine)
     full = make_policy("full")
@@ -120,6 +129,7 @@ def run(args) -> dict:
     fused = (["full-kernel"] if args.kernel else []) + kernel_pols
     split = [f"{c}+split" for c in fused] if args.split_append else []
     gemm_s7 = [f"{c}+gemms7" for c in fused] if args.gemm_s7 else []
+    heap_default = [f"{c}+heapdefault" for c in fused] if args.heap_default else []
     # only the policies that evict while decoding have an eviction to compare
     evicting = [c for c in kernel_pols if pols[c.removesuffix("+kernel")].evicts_during_decode]
     torch_evict = [f"{c}+torchevict" for c in evicting] if args.torch_evict else []
@@ -134,6 +144,7 @@ def run(args) -> dict:
         *split,
         *torch_evict,
         *gemm_s7,
+        *heap_default,
     ]
     append_default = paged_append.FUSED_APPEND
     evict_default = evict_rows.FUSED_DROP
@@ -163,6 +174,12 @@ def run(args) -> dict:
                     ranking.kept_but = policy_base.kept_but = old_kept_but
                 cfg = base_config(name)
                 set_gemm_form(1 if name.endswith("+gemms7") else 0)  # "+gemms7": session 7's GEMM blocks
+                # "+heapdefault": glibc's thresholds fixed at their defaults (freed blocks given back)
+                heap_set = (
+                    paged_cpu_heap.set_heap(False)
+                    if name.endswith("+heapdefault")
+                    else paged_cpu_heap.keep_freed()
+                )
                 skinny_gemm.CPP_GEMM = gemm_default and not name.endswith("+torchgemm")
                 base = cfg.removesuffix("+kernel").removesuffix("+halves")
                 pol = pols.get(base, full)
@@ -184,7 +201,9 @@ def run(args) -> dict:
                     evict_rows.FUSED_DROP = evict_default
                     ranking.kept_but = policy_base.kept_but = kept_but
                     set_gemm_form(0)
+                    paged_cpu_heap.keep_freed()
                 res["cpp_gemm_calls"] = cpp_calls[0] / args.steps
+                res["heap_set"] = heap_set
             if rep:
                 got[name].append(res)
             print(f"  round {rep}: {name} {1e3 * res['step_s']:.1f} ms/step", flush=True)
@@ -226,7 +245,7 @@ def run(args) -> dict:
         )
         # against its before rows (the fused append, the one-call eviction, the GEMM's session-7 form),
         # paired per round: speed_vs_split / speed_vs_torchevict / speed_vs_gemms7
-        for suffix in ("+split", "+torchevict", "+gemms7"):
+        for suffix in ("+split", "+torchevict", "+gemms7", "+heapdefault"):
             if f"{name}{suffix}" in got:
                 row[f"speed_vs_{suffix[1:]}"] = statistics.median(
                     s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}{suffix}"], rs, strict=True)
@@ -253,7 +272,7 @@ def run(args) -> dict:
     same.update(
         {
             c: got[c][0]["tokens"] == got[base_config(c)][0]["tokens"]
-            for c in (*torch_gemm, *split, *torch_evict, *gemm_s7)
+            for c in (*torch_gemm, *split, *torch_evict, *gemm_s7, *heap_default)
         }
     )
     return {
@@ -262,10 +281,12 @@ def run(args) -> dict:
         "cpp_gemm": gemm_default and skinny_gemm.kernel() is not None,
         "fused_append": append_default and paged_append.kernel() is not None,
         "fused_evict": evict_default and evict_rows.kernel() is not None,
+        "heap_keeps_freed": paged_cpu_heap.keep_freed(),
         "model": args.model,
         "dtype": "fp32",
         "batch": args.batch,
         "prompt_tokens": int(pre.one.input_ids.shape[1]),
+        "layout": args.layout,
         "steps": args.steps,
         "repeats": args.repeats,
         "bandwidth_gb_s": bandwidth / 1e9,
@@ -284,7 +305,7 @@ def run(args) -> dict:
 def to_markdown(res: dict) -> str:
     lines = [
         f"Decode step vs the bandwidth bound and transformers ({res['model']}, {res['dtype']}, "
-        f"{res['machine']}, {res['threads']} threads; {res['prompt_tokens']} tokens × batch {res['batch']}, "
+        f"{res['machine']}, {res['threads']} threads; {res['prompt_tokens']} tokens ({res.get('layout', 'document-first')}) × batch {res['batch']}, "
         f"median over {res['repeats']} rotating rounds of the mean of {res['steps']} steps)",
         "",
         f"Read bandwidth (sum over {res['buffer_mib']} MiB, best of 7, before and after the rounds: "
@@ -293,21 +314,25 @@ def to_markdown(res: dict) -> str:
         f"W = {res['weight_bytes'] / 1e9:.3f} GB of weights per step. Bound = (W + KV attended) / bandwidth. "
         f"C++ few-row GEMM: {res.get('cpp_gemm')}. "
         f"Fused decode append: {res.get('fused_append')}. One-call decode eviction: {res.get('fused_evict')}. "
+        f"C heap keeps freed memory: {res.get('heap_keeps_freed')}. "
         f"Same tokens (peers vs vlkv full; +kernel vs +halves; +torchgemm vs its C++-GEMM config; +split vs its fused config): {res['peers_same_tokens']}. vlkv/runtime: {res['runtime_lines']} lines.",
         "",
         f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
-        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split | vs +torchevict | vs +gemms7 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split | vs +torchevict | vs +gemms7 "
+        "| vs +heapdefault |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratio = r.get("speed_vs_fastest_peer")
         split, evict, s7 = r.get("speed_vs_split"), r.get("speed_vs_torchevict"), r.get("speed_vs_gemms7")
+        heap = r.get("speed_vs_heapdefault")
         lines.append(
             f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
             f"| {r['speed_vs_full']:.2f}× | {'' if ratio is None else f'{ratio:.2f}×'} | {r['attn_ms']:.1f} "
             f"| {r['attn_of_bound']:.0%} | {r['kv_bytes'] / 1e6:.1f} "
             f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} | {'' if split is None else f'{split:.2f}×'} "
-            f"| {'' if evict is None else f'{evict:.2f}×'} | {'' if s7 is None else f'{s7:.2f}×'} |"
+            f"| {'' if evict is None else f'{evict:.2f}×'} | {'' if s7 is None else f'{s7:.2f}×'} "
+            f"| {'' if heap is None else f'{heap:.2f}×'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -317,6 +342,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny-llava, 64 tokens × 2, a few steps (tests)")
     ap.add_argument("--model", default="smollm2-llava")
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=LAYOUTS[0],
+        help="document-first: document, image, question (A-VL keeps the whole document, its system "
+        "region); image-first: image, document, question (A-VL's text budget covers the document)",
+    )
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per configuration and round")
     ap.add_argument("--repeats", type=int, default=3, help="rounds (each runs every configuration)")
@@ -373,6 +405,13 @@ def main() -> None:
         action="store_true",
         help="also each fused configuration with the few-row GEMMs in their session-7 form (bit-equal), "
         "as '<config>+gemms7'",
+    )
+    ap.add_argument(
+        "--heap-default",
+        action="store_true",
+        help="also each fused configuration with the C heap's thresholds at glibc's defaults (freed blocks "
+        "given back, the statistics steps' probabilities faulted in again each step: the before of "
+        "vlkv/plugins/paged_cpu_heap.py), as '<config>+heapdefault'",
     )
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)

@@ -33,12 +33,20 @@ class Prefilled:
     cache; stats: its prefill statistics (every policy kind's request as a named extra); first: ``(B,)``
     the first generated token."""
 
-    def __init__(self, engine: Engine, model: str, tokens: int, rows: int, policies: dict):
+    def __init__(
+        self,
+        engine: Engine,
+        model: str,
+        tokens: int,
+        rows: int,
+        policies: dict,
+        layout: str = "document-first",
+    ):
         from vlkv.runtime.prompt import collate
 
         be = engine.backend
         self.engine = engine
-        self.one = document_prompt(engine, model, tokens)
+        self.one = document_prompt(engine, model, tokens, layout)
         self.batch = collate([self.one.prompts[0]] * rows, 0)
         ctx = engine.context(self.one)
         kinds = {}

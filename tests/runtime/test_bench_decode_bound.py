@@ -201,3 +201,25 @@ def test_gemm_s7_rows_are_the_gemm_form_s_before_and_after(tmp_path):
         assert rows[name]["speed_vs_gemms7"] > 0 and "speed_vs_gemms7" not in rows[name + "+gemms7"]
         assert rows[name + "+gemms7"]["cpp_gemm_calls_per_step"] == rows[name]["cpp_gemm_calls_per_step"]
     assert "vs +gemms7" in md
+
+
+def test_heap_default_rows_and_the_image_first_layout(tmp_path):
+    """``--heap-default`` adds each fused configuration again with glibc's heap thresholds (the before of
+    ``paged_cpu_heap``): the same tokens (a memory policy, no value changes), paired ratios on the
+    current rows. ``--layout image-first`` puts the document after the image, where A-VL's text budget
+    covers it: its compressed step attends far fewer K/V bytes than the full cache (document-first, A-VL
+    keeps the document whole as its system region)."""
+    res, rows, md = _tiny_before_after(
+        tmp_path, "--policies", "avl", "--budgets", "0.5", "--heap-default", "--layout", "image-first"
+    )
+    want = ["full-kernel", "avl@0.5+kernel", "full-kernel+heapdefault", "avl@0.5+kernel+heapdefault"]
+    assert sorted(rows) == sorted(want)
+    assert res["layout"] == "image-first" and "image-first" in md
+    assert res["peers_same_tokens"] == {"full-kernel+heapdefault": True, "avl@0.5+kernel+heapdefault": True}
+    for name in ("full-kernel", "avl@0.5+kernel"):
+        assert (
+            rows[name]["speed_vs_heapdefault"] > 0
+            and "speed_vs_heapdefault" not in rows[name + "+heapdefault"]
+        )
+    assert rows["avl@0.5+kernel"]["kv_bytes"] < 0.8 * rows["full-kernel"]["kv_bytes"]
+    assert "vs +heapdefault" in md

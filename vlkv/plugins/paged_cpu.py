@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vlkv.plugins import decode_layer, layer_glue, paged_cpu_kernel, skinny_gemm
+from vlkv.plugins import decode_layer, layer_glue, paged_cpu_heap, paged_cpu_kernel, skinny_gemm
 from vlkv.plugins.paged_cpu_plan import GatheredRead, InplaceGroup, PagedCpuPlan, plan_paged_cpu, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, rotate_keys
 
@@ -271,7 +271,11 @@ def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
     not as a 0.5–2 min stall of the first decode step. True when the kernel will read this model's
     decode steps; False when it is off, not for this device/dtype, or cannot be built (one warning,
     then the matmul read). The decode layers' few-row GEMM (``skinny_gemm``) and RMSNorm / RoPE (``layer_glue``) are built here
-    too; the fused read's extension holds the decode append in front of it (``paged_append``)."""
+    too; the fused read's extension holds the decode append in front of it (``paged_append``). On a CPU
+    the C heap keeps freed memory from here on (``paged_cpu_heap``, ``VLKV_CPU_HEAP=0``: off)."""
+    if torch.device(device).type == "cpu":
+        # the statistics steps' probabilities reuse the heap's pages, not fresh faulted ones each step
+        paged_cpu_heap.keep_freed()
     if skinny_gemm.warm_up(device, dtype):
         layer_glue.kernel()  # the decode layers' RMSNorm / RoPE, switched with the GEMM
         decode_layer.warm_up()  # their two fused calls, which compile the GEMM's and the glue's kernels

@@ -128,6 +128,13 @@ class AVLPolicy(Policy):
         return self.secondary_share if self.core is None else self.core
 
     @property
+    def tracks_core(self) -> bool:
+        """Whether the core is a strict subset of the secondary set, so its flags are kept (a ``CORE``
+        score table) and refreshed. A core as large as the secondary set is every vision entry a layer
+        holds: no table (nothing to rank at the prefill or refresh, no column zeroed per append)."""
+        return self.core_share < self.secondary_share
+
+    @property
     def text_share(self) -> float:
         return self.budget if self.text is None else self.text
 
@@ -190,8 +197,9 @@ class AVLPolicy(Policy):
             last = stats.extra[LAST][i].colsum[:, :, :width].mean(1)
             vision = (region == VISION) & valid
             secondary = top_mask(last[:, None], vision[:, None], s_count)
-            core = top_mask(last[:, None], secondary, cache.policy_state[STATE_CORE])
-            _store(layer, CORE, core.expand(b, h, width).float())
+            if self.tracks_core:
+                core = top_mask(last[:, None], secondary, cache.policy_state[STATE_CORE])
+                _store(layer, CORE, core.expand(b, h, width).float())
             keeps.append((valid & ~vision)[:, None] | secondary)
         texts = [
             (layer.scores[REGION][:, :, : layer.max_length] == TEXT) & valid_slots(layer, layer.max_length)
@@ -211,7 +219,7 @@ class AVLPolicy(Policy):
         """Engine hook: per layer, the past entries a non-update step computes over (None = all)."""
         if self.interval < 0 or self.update_step(ctx.step):
             return None
-        if self.core_share >= self.secondary_share:
+        if not self.tracks_core:
             # the core is every secondary entry a layer holds: no vision entry is ever idle
             return None
         layers = cache.layers
@@ -257,9 +265,8 @@ class AVLPolicy(Policy):
             ctx.num_kv_heads,
         )
         keep, host = self._text_budgets(cache, self.bounds(ctx), held=held)
-        # a core as large as the secondary set is every vision entry a layer holds, which it already
-        # is (the prefill marks them all, appends add text): the refresh would rewrite the same flags
-        if self.update_step(ctx.step) and self.core_share < self.secondary_share:
+        # a core as large as the secondary set is every vision entry a layer holds (no flags kept)
+        if self.update_step(ctx.step) and self.tracks_core:
             self._refresh_cores(cache, stats)
         return text_evictions(cache.layers, keep, held, host, self.heavy_ratio)
 

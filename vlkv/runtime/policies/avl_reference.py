@@ -54,8 +54,9 @@ class PerLayerAVL(AVLPolicy):
             last = stats.extra[LAST][i].colsum[:, :, :width].mean(1)
             vision = (region == VISION) & valid
             secondary = top_mask(last[:, None], vision[:, None], s_count)
-            core = top_mask(last[:, None], secondary, cache.policy_state[STATE_CORE])
-            _store(layer, CORE, core.expand(b, h, width).float())
+            if self.tracks_core:  # a core as large as the secondary set keeps no flags
+                core = top_mask(last[:, None], secondary, cache.policy_state[STATE_CORE])
+                _store(layer, CORE, core.expand(b, h, width).float())
             keep = (valid & ~vision)[:, None] | secondary
             edits.append(_edit(layer, keep & self._text_keep(layer, cache, bounds)))
         return edits
@@ -68,7 +69,7 @@ class PerLayerAVL(AVLPolicy):
             region = layer.scores[REGION][:, :, :width]
             colsum = st.colsum[:, :, :width]
             layer.scores[TEXT_SCORE][:, :, :width] += per_kv_head(colsum, h) * (region == TEXT)
-            if self.update_step(ctx.step):
+            if self.update_step(ctx.step) and self.tracks_core:
                 vision = (region[:, :1] == VISION) & valid_slots(layer, width)
                 core = top_mask(colsum.mean(1, keepdim=True), vision, cache.policy_state[STATE_CORE])
                 layer.scores[CORE][:, :, :width] = core.expand(-1, h, -1).float()
