@@ -106,6 +106,7 @@ CPU_KERNEL_SWITCHES = (
     "VLKV_CPU_EVICT",
     "VLKV_CPU_APPEND",
     "VLKV_CPU_HUGE_WEIGHTS",
+    "VLKV_CPU_HEAP",  # not a kernel: the C heap left as glibc sets it, as on a GPU run
 )
 
 
