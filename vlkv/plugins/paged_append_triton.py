@@ -41,11 +41,22 @@ def decode_append_(
     """
     b, heads, one, d = k.shape
     if v.shape != k.shape or one != 1 or k_pool.shape[0] != heads or k_pool.shape[-1] != d:
-        raise ValueError(f"decode_append_: k {tuple(k.shape)}, v {tuple(v.shape)}, pool {tuple(k_pool.shape)}")
+        raise ValueError(
+            f"decode_append_: k {tuple(k.shape)}, v {tuple(v.shape)}, pool {tuple(k_pool.shape)}"
+        )
     if v_pool.shape != k_pool.shape or prerope.shape != k_pool.shape[:2]:
-        raise ValueError(f"decode_append_: pools / flags {tuple(v_pool.shape)} {tuple(prerope.shape)} do not match")
-    if meta.dim() != 3 or meta.shape[1:] != (b, FIELDS) or meta.dtype != torch.long or not meta.is_contiguous():
-        raise ValueError(f"decode_append_: meta must be contiguous int64 (L, {b}, {FIELDS}), got {tuple(meta.shape)}")
+        raise ValueError(
+            f"decode_append_: pools / flags {tuple(v_pool.shape)} {tuple(prerope.shape)} do not match"
+        )
+    if (
+        meta.dim() != 3
+        or meta.shape[1:] != (b, FIELDS)
+        or meta.dtype != torch.long
+        or not meta.is_contiguous()
+    ):
+        raise ValueError(
+            f"decode_append_: meta must be contiguous int64 (L, {b}, {FIELDS}), got {tuple(meta.shape)}"
+        )
     if not 0 <= layer < meta.shape[0]:
         raise ValueError(f"decode_append_: layer {layer} outside the meta's {meta.shape[0]} layers")
     p = new_positions.shape[-1]

@@ -186,7 +186,9 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
         keys, values = pool.keys[at], pool.values[at]
         if step is not None and step.holds(layer_idx, rows, res):
-            paged = _append_by_rows(step, layer_idx, rows, res, keys, values, pool.prerope_flags(at), k, v, new)
+            paged = _append_by_rows(
+                step, layer_idx, rows, res, keys, values, pool.prerope_flags(at), k, v, new
+            )
         else:
             paged = _append_by_columns(ctx, new, rows, res, keys, values, pool.prerope_flags(at), k, v)
     except BaseException:
@@ -221,10 +223,14 @@ def _append_by_rows(step, layer_idx, rows, res, keys, values, flags, k, v, new) 
     cols = new.get("device_columns")
     if cols is None:  # the new column's values on the pool's device, once per step
         dev = keys.device
-        cols = new["device_columns"] = tuple(new[n].to(dev).contiguous() for n in ("positions", "modality", "order"))
+        cols = new["device_columns"] = tuple(
+            new[n].to(dev).contiguous() for n in ("positions", "modality", "order")
+        )
     holes = any(r.holes is not None for r in rows)
     width = step.width(layer_idx)
-    out = None if holes else torch.empty(len(rows), keys.shape[0], width, dtype=torch.long, device=keys.device)
+    out = (
+        None if holes else torch.empty(len(rows), keys.shape[0], width, dtype=torch.long, device=keys.device)
+    )
     ids = None if step.runs[layer_idx] is not None else res.ids
     decode_append_(keys, values, flags, k, v, step.meta, layer_idx, *cols, ids=ids, out=out)
     if holes:

@@ -20,7 +20,6 @@ layer takes the Python append, as before.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 # the fields of a row (``paged_append_kernels`` reads them by these numbers): the addresses of a
 # request's slot, position, modality, order and hole tables (0: no holes), its table capacity, the new
@@ -99,9 +98,16 @@ def _fits(tables: tuple, column: int) -> bool:
     ``column``, holes (if any) one byte an entry."""
     slots, positions, modality, order, holes = tables
     cap = slots.shape[2]
-    same = all(t.shape[:3] == slots.shape for t in (positions, modality, order) + (() if holes is None else (holes,)))
+    same = all(
+        t.shape[:3] == slots.shape for t in (positions, modality, order) + (() if holes is None else (holes,))
+    )
     dense = all(t.is_contiguous() for t in tables if t is not None)
     kinds = slots.dtype == order.dtype == positions.dtype == torch.long and modality.dtype == torch.int8
-    return same and dense and kinds and slots.shape[0] == 1 and column < cap and (
-        holes is None or holes.dtype == torch.bool
+    return (
+        same
+        and dense
+        and kinds
+        and slots.shape[0] == 1
+        and column < cap
+        and (holes is None or holes.dtype == torch.bool)
     )
