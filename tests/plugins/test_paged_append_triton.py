@@ -48,6 +48,19 @@ def _meta(tables, cols, runs):
 @pytest.mark.parametrize("run", [True, False], ids=["run", "per-head"])
 @pytest.mark.parametrize("holes", [False, True], ids=["dense", "holes"])
 def test_decode_append_matches_reference(dtype, run, holes):
+    _check_against_reference(dtype, run, holes, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("holes", [False, True], ids=["dense", "holes"])
+def test_on_cuda_the_compiled_append_matches_reference(holes):
+    """On a GPU (TRITON_INTERPRET=0: compiled): the tables reached through device addresses."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for run in (True, False):
+            _check_against_reference(dtype, run, holes, "cuda")
+
+
+def _check_against_reference(dtype, run, holes, device):
     g = torch.Generator().manual_seed(5)
     caps, cols = [9, 40, 17], [4, 37, 0]  # different capacities, a column near the end, an empty row
     tables = _tables(g, caps, holes)
@@ -68,16 +81,20 @@ def test_decode_append_matches_reference(dtype, run, holes):
     want = tri.decode_append_reference(
         k_pool, v_pool, prerope, k, v, tables, cols, ids, pos, mod, order, width
     )
-    out = torch.full((B, H, width), 7, dtype=torch.long)
+    on = [x.to(device) for x in (k_pool, v_pool, prerope, k, v, ids, pos, mod, order)]
+    k_pool, v_pool, prerope, k, v, ids, pos, mod, order = on
+    tables = [{n: None if t is None else t.to(device) for n, t in tb.items()} for tb in tables]
+    out = torch.full((B, H, width), 7, dtype=torch.long, device=device)
     tri.decode_append_(
-        k_pool, v_pool, prerope, k, v, _meta(tables, cols, runs), 1, pos, mod, order,
+        k_pool, v_pool, prerope, k, v, _meta(tables, cols, runs).to(device), 1, pos, mod, order,
         ids=None if run else ids, out=out,
     )  # fmt: skip
     for got, w in zip((k_pool, v_pool, prerope), want[:3]):
-        assert torch.equal(got, w)
+        assert torch.equal(got.cpu(), w)
     for got, w in zip(tables, want[3]):
         for name, t in got.items():
-            assert (t is None) == (w[name] is None) and (t is None or torch.equal(t, w[name])), name
+            assert (t is None) == (w[name] is None) and (t is None or torch.equal(t.cpu(), w[name])), name
+    out = out.cpu()
     # the read table up to each request's length after the append (past it: never read)
     lengths = torch.tensor(cols) + 1
     seen = torch.arange(width)[None, None, :] < lengths[:, None, None]

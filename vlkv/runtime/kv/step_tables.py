@@ -20,6 +20,7 @@ layer takes the Python append, as before.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 # the fields of a row (``paged_append_kernels`` reads them by these numbers): the addresses of a
 # request's slot, position, modality, order and hole tables (0: no holes), its table capacity, the new
@@ -67,7 +68,7 @@ class StepTables:
                 row[COLUMN], row[RUN], row[AFTER] = p, -1 if run is None else run, p + 1
                 rows.append(row)
         n_layers, batch = len(layers), len(layers[0]) if layers else 0
-        self.meta = torch.tensor(rows, dtype=torch.long, device=device).view(n_layers, batch, FIELDS)
+        self.meta = _to_device(torch.tensor(rows, dtype=torch.long), device).view(n_layers, batch, FIELDS)
         after = self.meta[:, :, AFTER]
         heads = layers[0][0].kv_heads if batch else 1
         self.lengths = list(after[:, :, None].expand(n_layers, batch, heads).unbind(0))
@@ -81,7 +82,8 @@ class StepTables:
         if not self._fits[layer] or res.host != self.columns[layer]:
             return False
         runs = self.runs[layer]
-        if runs is not None and res.spare != runs:
+        # (a spare that is not an int is held ids, a tensor: compared as a list it would be read back)
+        if runs is not None and not (all(type(s) is int for s in res.spare) and res.spare == runs):
             return False
         return all(
             all(getattr(r, name) is t for name, t in zip(_NAMES, tables))
@@ -91,6 +93,15 @@ class StepTables:
     def width(self, layer: int) -> int:
         """The layer's read table width: its longest request after the append."""
         return max(self.columns[layer]) + 1
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device``: on CUDA through pinned memory without blocking (a pageable copy may wait
+    for the stream: a host sync a step); the caching host allocator keeps the pinned block until the
+    copy ran."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _fits(tables: tuple, column: int) -> bool:
