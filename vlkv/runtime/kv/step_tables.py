@@ -68,7 +68,8 @@ class StepTables:
                 row[COLUMN], row[RUN], row[AFTER] = p, -1 if run is None else run, p + 1
                 rows.append(row)
         n_layers, batch = len(layers), len(layers[0]) if layers else 0
-        self.meta = _to_device(torch.tensor(rows, dtype=torch.long), device).view(n_layers, batch, FIELDS)
+        host = torch.tensor(rows, dtype=torch.long, device="cpu")  # built on the host, copied once
+        self.meta = _to_device(host, device).view(n_layers, batch, FIELDS)
         after = self.meta[:, :, AFTER]
         heads = layers[0][0].kv_heads if batch else 1
         self.lengths = list(after[:, :, None].expand(n_layers, batch, heads).unbind(0))
