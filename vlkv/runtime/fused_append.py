@@ -11,10 +11,12 @@ the reservation is taken back, so a layer is appended whole or not at all. The s
 
 On the Triton path (CUDA, or ``VLKV_FORCE_TRITON=1``) :func:`device_decode_append` takes ``update``'s
 place: the same reservation, with the step's lengths and next sequence indices computed once for every
-layer (``advance_all``), the pool write as one Triton launch (``triton_glue.pool_write_``) instead of ~7
-ops, each request's table column as the Python append writes it, and the past lengths from the
-reservation: no host-to-device copy of them a layer (a stream sync on CUDA). The paged read follows as
-in ``update``.
+layer (``advance_all``), and the past lengths from the reservation: no host-to-device copy of them a
+layer (a stream sync on CUDA). Its writes are one launch (``paged_append_triton.decode_append_``): the
+K/V rows, every request's new table column and the paged read's table, from the table rows the step
+built once for every layer (``kv/step_tables.py``); where those rows do not hold for a layer, the pool
+write as one launch (``triton_glue.pool_write_``), each request's column as the Python append writes it
+and the read's table from ``paged_tables``. The paged read follows as in ``update``.
 """
 
 from __future__ import annotations
