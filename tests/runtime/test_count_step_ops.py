@@ -35,7 +35,7 @@ def test_the_fused_append_dispatches_fewer_ops_and_no_more_syncs():
 # Triton launch as one op. Full cache: 138 before the device layer and append (session 9), 62 after, 20
 # since the step's table rows (kv/step_tables: each request's table column and the read table written by
 # the append's one launch, no longer ~8 ops per request and ~9 for the read table a layer). Of the 20, 6
-# are launches (two norms, RoPE, the append, the paged read, SiLU x up), 4 GEMMs, 10 views, the residual
+# are launches (two norms, RoPE, the append, the paged read, SiLU x up), 4 GEMMs, 7 views, the residual
 # add and two output allocations. h2o / avl: 200 / 268 -> 156 / 224, the rest is their statistics and
 # edits (policies/, paged_probs, kv/edits). Bounds: the measured counts plus a margin of 2 / ~5 %
 GPU_PATH_PER_LAYER = {"full": 22, "h2o": 165, "avl": 235}
