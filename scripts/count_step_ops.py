@@ -1,6 +1,7 @@
 """Torch ops and host syncs of one scheduler decode step (tiny LLaVA, a batch of running requests).
 
 Usage: python scripts/count_step_ops.py [--batch 4] [--layers 2 4 8] [--split-append] [--gpu-path]
+[--policies full h2o avl snapkv]
 Prints, per policy and layer count, the ops and syncs one decode step dispatches (see
 :mod:`vlkv.runtime.op_count`), the scheduler's own share, and the syncs by module, so a change's
 effect on launch overhead is a number; then per policy its ops per layer (the slope between the
@@ -38,6 +39,8 @@ from vlkv.runtime.scheduler import Scheduler
 
 # avl with a small text floor: its decode steps evict text on tiny prompts too
 POLICIES = {"full": {}, "h2o": {"budget": 0.5}, "avl": {"budget": 0.5, "text_min": 2}}
+# counted with --policies only (a compress-once policy: its decode steps are plain reads)
+MORE_POLICIES = {"snapkv": {"budget": 0.5}}
 OWN = SCHEDULER_MODULES
 
 
@@ -89,7 +92,8 @@ def count_decode_step(engine: Engine, policy: str, batch: int = 4, warm: int = 2
     sched = Scheduler(engine)
     for i in range(batch):
         prompt = Prompt(texts[i % len(texts)] + " x" * i)
-        sched.submit(Request(prompt, make_policy(policy, **POLICIES[policy]), 16, stop_at_eos=False))
+        settings = {**POLICIES, **MORE_POLICIES}[policy]
+        sched.submit(Request(prompt, make_policy(policy, **settings), 16, stop_at_eos=False))
     for _ in range(warm):  # admit (prefill) everyone, then a plain decode step or two
         sched.step()
     assert len(sched.running) == batch and not sched.waiting
@@ -130,6 +134,7 @@ def main() -> None:
     ap.add_argument("--split-append", action="store_true", help="also count with VLKV_CPU_APPEND=0")
     ap.add_argument("--gpu-path", action="store_true", help="count the path CUDA runs (see the docstring)")
     ap.add_argument("--device", default="cpu", help="the model's device (cuda: the path itself, see below)")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=[*POLICIES, *MORE_POLICIES])
     args = ap.parse_args()
     if args.gpu_path:
         env = gpu_path_env()
@@ -139,7 +144,7 @@ def main() -> None:
     rows = []
     for n in args.layers:
         engine = tiny_engine(n, args.device)
-        for policy in POLICIES:
+        for policy in args.policies:
             for split in (False, True) if args.split_append else (False,):
                 on = paged_append.FUSED_APPEND
                 paged_append.FUSED_APPEND = on and not split

@@ -11,10 +11,12 @@ the reservation is taken back, so a layer is appended whole or not at all. The s
 
 On the Triton path (CUDA, or ``VLKV_FORCE_TRITON=1``) :func:`device_decode_append` takes ``update``'s
 place: the same reservation, with the step's lengths and next sequence indices computed once for every
-layer (``advance_all``), the pool write as one Triton launch (``triton_glue.pool_write_``) instead of ~7
-ops, each request's table column as the Python append writes it, and the past lengths from the
-reservation: no host-to-device copy of them a layer (a stream sync on CUDA). The paged read follows as
-in ``update``.
+layer (``advance_all``), and the past lengths from the reservation: no host-to-device copy of them a
+layer (a stream sync on CUDA). Its writes are one launch (``paged_append_triton.decode_append_``): the
+K/V rows, every request's new table column and the paged read's table, from the table rows the step
+built once for every layer (``kv/step_tables.py``); where those rows do not hold for a layer, the pool
+write as one launch (``triton_glue.pool_write_``), each request's column as the Python append writes it
+and the read's table from ``paged_tables``. The paged read follows as in ``update``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from vlkv.runtime.kv.reservation import advance_all, reserve_decode_entries
 
 # the Triton path's decode append (VLKV_DEVICE_LAYER=0: off, with models/device_layer's decode layer)
 DEVICE_APPEND = os.environ.get("VLKV_DEVICE_LAYER", "1") != "0"
+# its step-level table rows (``kv/step_tables.py``: one launch a layer for the write, every request's
+# column and the read table); VLKV_STEP_TABLES=0: the per-request column writes (the reference)
+STEP_TABLES = os.environ.get("VLKV_STEP_TABLES", "1") != "0"
 
 
 def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
@@ -166,7 +171,6 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
     ``k, v (B, H_kv, 1, D)`` the new entries (unit stride on D). Taken for: a scheduler's batch view of
     one-sample caches, one new row per request, a paged read (``ctx.reads_paged``), no pre-RoPE
     (linked) entries; ``VLKV_DEVICE_LAYER=0`` (``DEVICE_APPEND``) turns it off with the device layer."""
-    from vlkv.plugins import triton_glue
     from vlkv.runtime.kv.paged import paged_tables
 
     if not DEVICE_APPEND or not getattr(ctx, "one_row", False) or ctx.order is None or k.shape[2] != 1:
@@ -178,25 +182,81 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != layer.pool.keys[layer.layer].device:
         return None
     new = _step_columns(ctx)
+    step = _step_tables(ctx, new, k.device)
+    pool, at = layer.pool, layer.layer
+    res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
+    try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
+        keys, values = pool.keys[at], pool.values[at]
+        if step is not None and step.holds(layer_idx, rows, res):
+            paged = _append_by_rows(
+                step, layer_idx, rows, res, keys, values, pool.prerope_flags(at), k, v, new
+            )
+        else:
+            paged = _append_by_columns(ctx, new, rows, res, keys, values, pool.prerope_flags(at), k, v)
+    except BaseException:
+        res.cancel()
+        raise
+    ctx.past[layer_idx] = res.past
+    ctx.paged[layer_idx] = paged_tables(layer) if paged is None else paged
+    return keys, values
+
+
+def _step_tables(ctx, new: dict, device):
+    """The step's :class:`~vlkv.runtime.kv.step_tables.StepTables` (built at its first device append,
+    kept in ``new``), or None where the cache's layers are not all batch views of as many one-sample
+    caches (``VLKV_STEP_TABLES=0``: never, the per-request column writes)."""
+    memo = new.get("step_tables")
+    if memo is None:
+        from vlkv.runtime.kv.step_tables import StepTables
+
+        per = [getattr(la, "rows", None) for la in ctx.cache.layers]
+        even = all(p is not None and len(p) == len(per[0]) and all(r.batch == 1 for r in p) for p in per)
+        memo = new["step_tables"] = StepTables(per, device) if STEP_TABLES and even and per else False
+    return memo or None
+
+
+def _append_by_rows(step, layer_idx, rows, res, keys, values, flags, k, v, new) -> tuple | None:
+    """The layer's pool write, table columns and read table in one launch from the step's rows
+    (``paged_append_triton.decode_append_``); returns what ``paged_tables`` would (None where a request
+    holds holes: the caller builds it, masking them)."""
+    from vlkv.plugins.paged_append_triton import decode_append_
+    from vlkv.runtime.kv.paged import PagedHost
+
+    cols = new.get("device_columns")
+    if cols is None:  # the new column's values on the pool's device, once per step
+        dev = keys.device
+        cols = new["device_columns"] = tuple(
+            new[n].to(dev).contiguous() for n in ("positions", "modality", "order")
+        )
+    holes = any(r.holes is not None for r in rows)
+    width = step.width(layer_idx)
+    out = (
+        None if holes else torch.empty(len(rows), keys.shape[0], width, dtype=torch.long, device=keys.device)
+    )
+    ids = None if step.runs[layer_idx] is not None else res.ids
+    decode_append_(keys, values, flags, k, v, step.meta, layer_idx, *cols, ids=ids, out=out)
+    if holes:
+        return None
+    heads = keys.shape[0]
+    host = PagedHost([[p + 1] * heads for p in step.columns[layer_idx]], False)
+    return out, step.lengths[layer_idx], step.attended[layer_idx], {}, host
+
+
+def _append_by_columns(ctx, new, rows, res, keys, values, flags, k, v) -> None:
+    """The layer's pool write as one launch, then each request's table column by tensor ops
+    (``Appends._put_column``): where the step's rows do not hold. Returns None (``paged_tables`` reads)."""
+    from vlkv.plugins import triton_glue
+
     per = new.get("per_request")
     if per is None:  # each request's new column values on the pool's device, split once per step
         dev = k.device
         cols = (new["positions"], new["modality"], new["order"])
         per = new["per_request"] = tuple(list(c.to(dev)) for c in cols)
-    pool, at = layer.pool, layer.layer
-    res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
-    try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
-        keys, values = pool.keys[at], pool.values[at]
-        triton_glue.pool_write_(keys, values, pool.prerope_flags(at), res.ids, k, v)
-        if res.run is not None:  # every row continues its run: its table column from its int id
-            cols = list(res.spare)
-        else:
-            cols = [s if isinstance(s, int) else res.ids[:, i] for i, s in enumerate(res.spare)]
-        for r, p, col, pos, mod, order in zip(rows, res.host, cols, *per):
-            r._put_column(p, col, pos, mod, order)
-    except BaseException:
-        res.cancel()
-        raise
-    ctx.past[layer_idx] = res.past
-    ctx.paged[layer_idx] = paged_tables(layer)
-    return keys, values
+    triton_glue.pool_write_(keys, values, flags, res.ids, k, v)
+    if res.run is not None:  # every row continues its run: its table column from its int id
+        cols = list(res.spare)
+    else:
+        cols = [s if isinstance(s, int) else res.ids[:, i] for i, s in enumerate(res.spare)]
+    for r, p, col, pos, mod, order in zip(rows, res.host, cols, *per):
+        r._put_column(p, col, pos, mod, order)
+    return None

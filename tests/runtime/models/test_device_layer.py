@@ -170,6 +170,14 @@ def test_forced_triton_stream_equals_each_solo_run(name, images, monkeypatch):
         return got
 
     monkeypatch.setattr("vlkv.runtime.models.skinny_layer.device_decode_append", counted)
+    by_rows, rows_append = [], fused_append._append_by_rows
+
+    def rows_counted(*args):  # the one-launch append from the step's table rows (kv/step_tables)
+        got = rows_append(*args)
+        by_rows.append(got is None)  # None: a request with holes (kvzip), the read table built apart
+        return got
+
+    monkeypatch.setattr(fused_append, "_append_by_rows", rows_counted)
     monkeypatch.setattr(mix, "SPECS", STREAM_SPECS)
     stream = mix._stream(images)
     for on in (False, True):  # the solo runs on the reference path (VLKV_DEVICE_LAYER=0), the stream not
@@ -190,3 +198,5 @@ def test_forced_triton_stream_equals_each_solo_run(name, images, monkeypatch):
             break
     assert sum(r.preemptions for r in reqs) > 0, "no pool size made the stream preempt"
     assert sum(taken) > 0  # the scheduler's decode steps took the device append
+    # most of them from the step's table rows, with and without holes
+    assert len(by_rows) > sum(taken) // 2 and any(by_rows) and not all(by_rows), (len(by_rows), sum(taken))

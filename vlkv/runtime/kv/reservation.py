@@ -39,7 +39,9 @@ class DecodeReservation:
         host: each request's length before (its new column), Python ints.
         spare: one-sample owners: each row's slot as :meth:`SpareSlots.take` gave it (an int, the
             run's next id in every head; ``(H_kv,)`` held ids; None: fresh from the pool); else None.
-        run: ``(B,)`` int64 when every row continues its run (``ids`` is it in every head), else None.
+        run: ``(B,)`` int64 when every row continues its run (``ids`` is it in every head), else None;
+            built on first use (a writer taking the ids from its step's tensors builds none: no
+            host-to-device copy per layer).
         past: ``(B,)`` int64 lengths before (a batch cache's own old lengths tensor).
         ids: ``(H_kv, B)`` int64, the new entries' slots (any strides).
 
@@ -60,7 +62,8 @@ class DecodeReservation:
         self._fresh: Tensor | None = None  # slots taken from the pool's free stacks
         self.host: list[int] = []
         self.spare: list | None = None
-        self.run: Tensor | None = None
+        self.runs = False  # every row continues its run (``spare`` all ints): ``run`` is them
+        self._run: Tensor | None = None
         self._past: Tensor | None = None
         self._ids: Tensor | None = None
         self._at: tuple | None = None
@@ -72,6 +75,12 @@ class DecodeReservation:
         if self._past is None:  # one-sample owners: built on first use (the Python append needs none)
             self._past = torch.tensor(self.host, device=self.pool.spec.device)
         return self._past
+
+    @property
+    def run(self) -> Tensor | None:
+        if self._run is None and self.runs:
+            self._run = torch.tensor(self.spare, device=self.pool.spec.device)
+        return self._run
 
     @property
     def after(self) -> Tensor:
@@ -223,8 +232,8 @@ def _reserve_into(
         return
     res.host, res.spare = _row_spares(owners)
     if all(isinstance(s, int) for s in res.spare):  # every row continues its run
-        res.run = torch.tensor(res.spare, device=pool.spec.device)
-        n = res.run.numel()
+        res.runs = True
+        n = len(res.spare)
     else:
         res._ids = _row_slots(res, pool, layer)
         n = res._ids.numel()
@@ -237,7 +246,7 @@ def _reserve_into(
         for i, (r, p) in enumerate(zip(owners, res.host)):
             r.next_order = next_order(r.next_order, None if order_rows is None else order_rows[i])
             r._advance_one(p)
-    pool.count_written(n if res.run is None else n * pool.spec.kv_heads)
+    pool.count_written(n * pool.spec.kv_heads if res.runs else n)
 
 
 def _row_spares(rows: list) -> tuple[list[int], list[Tensor | int | None]]:

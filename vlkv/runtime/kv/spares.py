@@ -67,6 +67,13 @@ class SpareSlots:
             return self.next_id - 1
         return self._run[:, self._off - 1]
 
+    def peek_run_id(self) -> int | None:
+        """The id :meth:`take` gives next while the spares continue the prompt's run (an int), else
+        None (none left, or held ids that are not the run): a step reading ahead takes nothing."""
+        if self.next_id is None or self._run is None or self._off >= self._run.shape[1]:
+            return None
+        return self.next_id
+
     def mark(self) -> tuple[int, int | None, int]:
         """Where the takes stand (for :meth:`rewind`)."""
         return self._off, self.next_id, self._recycled_off

@@ -1,0 +1,125 @@
+"""A decode step's table rows for every layer, built once per step: what the device path's one-launch
+append (``vlkv.plugins.paged_append_triton``) reads in place of per-request, per-layer tensor ops.
+
+A scheduler's batch view holds each request's one-sample caches: their entry tables are separate
+tensors per request and layer. Written column by column from Python that was ~8 tensor ops per request
+and layer, and the paged read's table ~9 more a layer (``kv/paged.paged_tables``). :class:`StepTables`
+is nano-vllm's ``slot_mapping`` + ``block_table`` in this layout: at the step's first layer it grows
+every layer's tables for the new column (what each layer's reservation would do), reads where each
+column goes and which run slot it takes, and packs per (layer, request) the tables' addresses, the
+capacity, the column, the run id and the length after into one ``(L, B, 9)`` int64 tensor (one
+host-to-device copy a step). Every layer's launch reads its rows of that tensor; the read's lengths and
+attended counts are views of it, also built once.
+
+The rows name tensors by address, so a layer uses them only while they hold (:meth:`StepTables.holds`):
+the tables are the same tensors (kept alive here), the reservation put each column and slot where the
+rows say. Anything else — an edit between layers, a table regrown, a request off its run — and that
+layer takes the Python append, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# the fields of a row (``paged_append_kernels`` reads them by these numbers): the addresses of a
+# request's slot, position, modality, order and hole tables (0: no holes), its table capacity, the new
+# column, its run slot (-1: none) and the length after the append
+SLOTS, CAP, POSITIONS, MODALITY, ORDER, HOLES, COLUMN, RUN, AFTER = range(9)
+FIELDS = 9
+_NAMES = ("slots", "positions", "modality", "order", "holes")
+
+
+class StepTables:
+    """Per layer and request the table rows of one decode step (see the module docstring).
+
+    Attributes:
+        meta: ``(L, B, FIELDS)`` int64 on the pool's device (fields: ``paged_append_kernels``).
+        columns: per layer each request's new column (its length before), Python ints.
+        runs: per layer each request's run slot (``SpareSlots.peek_run_id``), or None where some
+            request of the layer takes no run slot (the launch then takes the reservation's ids).
+        lengths: per layer ``(B, H_kv)`` int64 lengths after the append (stride 0 over heads).
+        attended: per layer ``(B,)`` float64 entries each request attends (no holes: its length).
+    """
+
+    def __init__(self, layers: list[list], device: torch.device):
+        """``layers``: per layer its requests' one-sample caches (``LayerKV``, as many each)."""
+        self.columns: list[list[int]] = []
+        self.runs: list[list[int] | None] = []
+        self._tables: list[list[tuple]] = []
+        self._fits: list[bool] = []
+        rows = []
+        for per in layers:
+            cols = [r.host_lengths()[0] for r in per]
+            for r, p in zip(per, cols):  # the growth the layer's reservation would do, done now
+                r._reserve(p + 1)
+            runs = [r.spares.peek_run_id() for r in per]
+            tables = [tuple(getattr(r, name) for name in _NAMES) for r in per]
+            self._fits.append(all(_fits(t, p) for t, p in zip(tables, cols)))
+            self.columns.append(cols)
+            self.runs.append(None if any(i is None for i in runs) else runs)
+            self._tables.append(tables)
+            for t, p, run in zip(tables, cols, runs):
+                slots, positions, modality, order, holes = t
+                row = [0] * FIELDS
+                row[SLOTS], row[CAP], row[POSITIONS] = slots.data_ptr(), slots.shape[2], positions.data_ptr()
+                row[MODALITY], row[ORDER] = modality.data_ptr(), order.data_ptr()
+                row[HOLES] = 0 if holes is None else holes.data_ptr()
+                row[COLUMN], row[RUN], row[AFTER] = p, -1 if run is None else run, p + 1
+                rows.append(row)
+        n_layers, batch = len(layers), len(layers[0]) if layers else 0
+        host = torch.tensor(rows, dtype=torch.long, device="cpu")  # built on the host, copied once
+        self.meta = _to_device(host, device).view(n_layers, batch, FIELDS)
+        after = self.meta[:, :, AFTER]
+        heads = layers[0][0].kv_heads if batch else 1
+        self.lengths = list(after[:, :, None].expand(n_layers, batch, heads).unbind(0))
+        self.attended = list(after.double().unbind(0))
+
+    def holds(self, layer: int, owners: list, res) -> bool:
+        """Whether layer ``layer``'s rows hold for its reservation ``res``
+        (:class:`~vlkv.runtime.kv.reservation.DecodeReservation`) over ``owners``: the same tables,
+        contiguous with room for the column, each column where the reservation put it and (where the
+        rows have run ids) the run slots it took."""
+        if not self._fits[layer] or res.host != self.columns[layer]:
+            return False
+        runs = self.runs[layer]
+        # (a spare that is not an int is held ids, a tensor: compared as a list it would be read back)
+        if runs is not None and not (all(type(s) is int for s in res.spare) and res.spare == runs):
+            return False
+        return all(
+            all(getattr(r, name) is t for name, t in zip(_NAMES, tables))
+            for r, tables in zip(owners, self._tables[layer])
+        )
+
+    def width(self, layer: int) -> int:
+        """The layer's read table width: its longest request after the append."""
+        return max(self.columns[layer]) + 1
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` on ``device``: on CUDA through pinned memory without blocking (a pageable copy may wait
+    for the stream: a host sync a step); the caching host allocator keeps the pinned block until the
+    copy ran."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _fits(tables: tuple, column: int) -> bool:
+    """A request's tables as the kernel addresses them: contiguous ``(1, H_kv, C[, P])`` with ``C`` above
+    ``column``, holes (if any) one byte an entry."""
+    slots, positions, modality, order, holes = tables
+    cap = slots.shape[2]
+    same = all(
+        t.shape[:3] == slots.shape for t in (positions, modality, order) + (() if holes is None else (holes,))
+    )
+    dense = all(t.is_contiguous() for t in tables if t is not None)
+    kinds = slots.dtype == order.dtype == positions.dtype == torch.long and modality.dtype == torch.int8
+    return (
+        same
+        and dense
+        and kinds
+        and slots.shape[0] == 1
+        and column < cap
+        and (holes is None or holes.dtype == torch.bool)
+    )
