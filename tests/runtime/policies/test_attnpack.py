@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from tests.conftest import make_image
-from tests.runtime.test_cli_errors import _refused, no_model_compute  # noqa: F401 (fixture)
+from tests.runtime.cli_refusal import (
+    refused as _refused,
+)  # the no_model_compute fixture: tests/runtime/conftest.py
 from vlkv.runtime.cache import Modality
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.policies.attnpack import SCORE

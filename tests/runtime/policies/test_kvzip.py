@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.runtime.test_cli_errors import _refused, no_model_compute  # noqa: F401 - shared fixture
+from tests.runtime.cli_refusal import (
+    refused as _refused,
+)  # the no_model_compute fixture: tests/runtime/conftest.py
 from vlkv.runtime.backend import StepStats
 from vlkv.runtime.ort_backend import OrtBackend
 from vlkv.runtime.policies import make_policy
