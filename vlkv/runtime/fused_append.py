@@ -80,7 +80,9 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     # probabilities, the plain step of this path (test_fused_append_exact.py); sending exact requests
     # to the separate read instead would differ from the full cache's fused step in the last bits
     wanted = [name for name, req in ctx.requests.items() if req.wants(layer_idx)]
-    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
+    # the C++ call zeroes the running scores' new column (the reservation's 2 ops a table and request)
+    ahead = _ahead(ctx, new, layer_idx)
+    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"], ahead, zero_scores=False)
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
         past = res.past
         width = max(r.max_length for r in owners) if wanted else None
@@ -92,6 +94,7 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
             new["positions"],
             new["modality"],
             new["order"],
+            [list(r.scores.values()) for r in owners] if any(r.scores for r in owners) else (),
         )
         # the pool's tensors read after the reservation: a growable pool may have grown for it
         got = paged_append.append_attend(
@@ -184,7 +187,11 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
     new = _step_columns(ctx)
     step = _step_tables(ctx, new, k.device)
     pool, at = layer.pool, layer.layer
-    res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
+    # with the step's rows the launch zeroes the running scores' new column (2 ops a score table,
+    # request and layer less); where the rows do not hold, the column writes below zero it
+    zeroed = step is None
+    ahead = _ahead(ctx, new, layer_idx)
+    res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], ahead, zero_scores=zeroed)
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
         keys, values = pool.keys[at], pool.values[at]
         if step is not None and step.holds(layer_idx, rows, res):
@@ -192,6 +199,9 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
                 step, layer_idx, rows, res, keys, values, pool.prerope_flags(at), k, v, new
             )
         else:
+            if not zeroed:
+                for r, p in zip(rows, res.host):
+                    r.zero_score_column(p)
             paged = _append_by_columns(ctx, new, rows, res, keys, values, pool.prerope_flags(at), k, v)
     except BaseException:
         res.cancel()
