@@ -80,9 +80,13 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     # probabilities, the plain step of this path (test_fused_append_exact.py); sending exact requests
     # to the separate read instead would differ from the full cache's fused step in the last bits
     wanted = [name for name, req in ctx.requests.items() if req.wants(layer_idx)]
-    # the C++ call zeroes the running scores' new column (the reservation's 2 ops a table and request)
+    # the C++ call zeroes the running scores' new column (the reservation's 2 ops a table and request),
+    # where every score table is as it takes them (shaped like its slot table, float32, unit column
+    # stride: checked on the host, no op); else the reservation zeroes them, as before
+    scores = [list(r.scores.values()) for r in owners]
+    in_call = any(scores) and all(_score_fits(s, r.slots) for r, per in zip(owners, scores) for s in per)
     ahead = _ahead(ctx, new, layer_idx)
-    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"], ahead, zero_scores=False)
+    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"], ahead, zero_scores=not in_call)
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
         past = res.past
         width = max(r.max_length for r in owners) if wanted else None
@@ -94,7 +98,7 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
             new["positions"],
             new["modality"],
             new["order"],
-            [list(r.scores.values()) for r in owners] if any(r.scores for r in owners) else (),
+            scores if in_call else (),
         )
         # the pool's tensors read after the reservation: a growable pool may have grown for it
         got = paged_append.append_attend(
@@ -124,6 +128,14 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     ctx.past[layer_idx] = past
     ctx.attended[layer_idx] = got[1]
     return got[0].view(b, 1, heads, dim)
+
+
+def _score_fits(score: Tensor, slots: Tensor) -> bool:
+    """A running-score table the C++ append zeroes: float32 CPU, shaped like its ``slots`` table, unit
+    column stride."""
+    return (
+        score.shape == slots.shape and score.dtype == torch.float32 and score.stride(2) == 1 and score.is_cpu
+    )
 
 
 def _step_columns(ctx) -> dict:
