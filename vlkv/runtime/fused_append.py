@@ -82,9 +82,11 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     wanted = [name for name, req in ctx.requests.items() if req.wants(layer_idx)]
     # the C++ call zeroes the running scores' new column (the reservation's 2 ops a table and request),
     # where every score table is as it takes them (shaped like its slot table, float32, unit column
-    # stride: checked on the host, no op); else the reservation zeroes them, as before
-    scores = [list(r.scores.values()) for r in owners]
-    in_call = any(scores) and all(_score_fits(s, r.slots) for r, per in zip(owners, scores) for s in per)
+    # stride: checked on the host, no op; a table the reservation grows stays so); else the reservation
+    # zeroes them, as before
+    in_call = any(r.scores for r in owners) and all(
+        _score_fits(s, r.slots) for r in owners for s in r.scores.values()
+    )
     ahead = _ahead(ctx, new, layer_idx)
     res = reserve_decode_entries(owners, new["order_next"], new["order_rows"], ahead, zero_scores=not in_call)
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
@@ -98,7 +100,8 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
             new["positions"],
             new["modality"],
             new["order"],
-            scores if in_call else (),
+            # read after the reservation: growing a table for the column replaced it
+            [list(r.scores.values()) for r in owners] if in_call else (),
         )
         # the pool's tensors read after the reservation: a growable pool may have grown for it
         got = paged_append.append_attend(
