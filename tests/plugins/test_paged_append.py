@@ -207,6 +207,37 @@ def test_bad_arguments_are_refused_in_one_line():
         NewColumns(c.positions, c.modality, c.order, c.cols, c.pos_new[:1], c.mod_new, c.ord_new)
 
 
+def test_the_score_tables_new_column_is_zeroed_and_nothing_else_of_them():
+    """A statistics policy's running scores (the reservation no longer zeroes them on this path): each
+    cache's score tables get 0 at each of its requests' new column, every head; the rest untouched, the
+    output as without them; a score table not shaped like its slot table is refused before any write."""
+    case = list(_case(caches=(2, 1)))
+    c, tables = case[8], case[6]
+    g = torch.Generator().manual_seed(4)
+    scores = [[torch.rand(t.shape, generator=g) + 1 for _ in range(n)] for t, n in zip(tables, (2, 1))]
+    before = [[x.clone() for x in per] for per in scores]
+    plain = _call(tuple(case), 0.125)[0]
+    case = list(_case(caches=(2, 1)))
+    case[8] = NewColumns(*list(vars(c).values())[:7], scores)
+    got = _call(tuple(case), 0.125)[0]
+    assert torch.equal(got, plain)
+    at = 0
+    for t, per, old in zip(tables, scores, before):
+        for i in range(t.shape[0]):
+            for x in old:
+                x[i, :, int(c.cols[at])] = 0
+            at += 1
+        assert all(torch.equal(x, o) for x, o in zip(per, old))
+    assert all((x != 1).any() for per in before for x in per)  # something was zeroed
+    bad = [[torch.ones(1, 2, 3)], []]
+    pools = [case[3].clone(), case[4].clone()]
+    with pytest.raises(RuntimeError, match="score table 0 must be float32 on the CPU, shaped like"):
+        _call(tuple(case[:8] + [NewColumns(*list(vars(c).values())[:7], bad), case[9]]), 1.0)
+    assert torch.equal(case[3], pools[0]) and torch.equal(case[4], pools[1])
+    with pytest.raises(ValueError, match="scores: one list of score tables per cache"):
+        NewColumns(*list(vars(c).values())[:7], [[]])
+
+
 @pytest.mark.parametrize("probs", [False, True], ids=["out", "probs"])
 def test_a_prompt_run_then_scattered_appends_reads_as_one_softmax(probs):
     """A row whose live slots are a long leading run (a prompt) and then scattered slots (decode appends

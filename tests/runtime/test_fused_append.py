@@ -262,3 +262,16 @@ def test_the_fused_read_s_switch_turns_it_off_too(engines, images, monkeypatch, 
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
     engines["tiny-llava"].generate([Prompt(TEXTS[2])], make_policy("full"), 3, stop_at_eos=False)
     assert taken[0] > 0
+
+
+def test_only_score_tables_the_call_can_zero_are_handed_to_it():
+    """The C++ append zeroes a cache's running scores only where they are float32, shaped like the slot
+    table and unit-stride per column; any other table (the reservation zeroes it then) would make the
+    call refuse, failing the step."""
+    from vlkv.runtime.fused_append import _score_fits
+
+    slots = torch.zeros(2, 3, 8, dtype=torch.long)
+    assert _score_fits(torch.zeros(2, 3, 8), slots)
+    assert not _score_fits(torch.zeros(2, 3, 8, dtype=torch.float64), slots)
+    assert not _score_fits(torch.zeros(2, 3, 9), slots)
+    assert not _score_fits(torch.zeros(2, 3, 16)[:, :, ::2], slots)

@@ -43,7 +43,9 @@ class NewColumns:
     positions, modality, order: per cache (as ``tables``) its ``(b_i, H_kv, C_i, P)`` int64 positions,
     ``(b_i, H_kv, C_i)`` int8 modality and int64 order tables. cols: ``(B,)`` int64 each request's
     column. pos_new ``(B, P)`` int64, mod_new ``(B,)`` int8, ord_new ``(B,)`` int64: what each request's
-    new entry gets there (every head the same).
+    new entry gets there (every head the same). scores: per cache its float32 running-score tables
+    shaped like its slot table (``LayerKV.scores``' values), zeroed at the new column (empty: none; a
+    statistics policy's reservation zeroed them with 2 ops per table, request and layer).
     """
 
     positions: list[Tensor]
@@ -53,10 +55,13 @@ class NewColumns:
     pos_new: Tensor
     mod_new: Tensor
     ord_new: Tensor
+    scores: list[list[Tensor]] | tuple = ()
 
     def __post_init__(self) -> None:
         if not len(self.positions) == len(self.modality) == len(self.order):
             raise ValueError("positions, modality, order: one table per cache each")
+        if self.scores and len(self.scores) != len(self.positions):
+            raise ValueError("scores: one list of score tables per cache (or none at all)")
         for name in ("cols", "pos_new", "mod_new", "ord_new"):
             if getattr(self, name).shape[0] != self.cols.shape[0]:
                 raise ValueError(f"{name}: one row per request ({self.cols.shape[0]})")
@@ -109,7 +114,8 @@ def append_attend(
     flags, cleared at the new slots), ``ids (H_kv, B)`` int64 the new entries' slots (any strides),
     ``tables``: per cache its ``(b_i, H_kv, C_i)`` int64 slot table (unit column stride; ``Σ b_i = B``),
     ``holes``: per cache an empty tensor or its ``(b_i, H_kv, C_i)`` bool holes, ``columns``: the new
-    column of each request and what the tables get there (:class:`NewColumns`), ``lengths (B,)`` int64
+    column of each request and what the tables get there (:class:`NewColumns`, its running scores
+    zeroed there), ``lengths (B,)`` int64
     entries after the append. Returns ``out (B, 1, H_kv·G, D)`` fp32 and ``attended (B,)`` float64 (live
     entries read, mean over KV heads); with ``probs_width`` also ``probs (B, H_kv, G, width)`` (softmax at
     each live entry's table column, 0 elsewhere) and ``held (B, H_kv, width)`` bool, the live columns (a
@@ -120,9 +126,11 @@ def append_attend(
         raise RuntimeError("the fused CPU decode append could not be built here (no C++ compiler?)")
     want = probs_width is not None
     c = columns
+    scores = [s for per in c.scores for s in per]
+    score_of = [t for t, per in enumerate(c.scores) for _ in per]
     return tuple(
         mod.append_rows(
             q, k_new, v_new, k_pool, v_pool, prerope, ids, tables, holes, c.positions, c.modality, c.order,
-            c.cols, c.pos_new, c.mod_new, c.ord_new, lengths, float(scale), want, probs_width if want else 0,
+            scores, score_of, c.cols, c.pos_new, c.mod_new, c.ord_new, lengths, float(scale), want, probs_width if want else 0,
         )
     )  # fmt: skip

@@ -8,7 +8,8 @@ builds it, the append module calls it, neither imports the other's Python.
 
 APPEND_SOURCE = r"""
 // A decode step of one layer: write each request's new K/V row into its pool slots and its tables' new
-// column (cols[b]: slot ids[:, b], positions pos_new[b], modality mod_new[b], order ord_new[b], no hole),
+// column (cols[b]: slot ids[:, b], positions pos_new[b], modality mod_new[b], order ord_new[b], no hole,
+// 0 in each running-score table: scores[j], float32 shaped like table score_of[j]'s slot table),
 // then attend each (request, KV head)'s slot row. q (B, H, G, D) (any strides; scaled here), k_new / v_new (B, H, 1, D),
 // k_pool / v_pool (H, S, D) fp32 contiguous, prerope (H, S) bool contiguous (cleared at the new slots),
 // ids (H, B) int64 new slots (any strides), tables: per cache a (b_i, H, C_i) int64 slot table with unit
@@ -26,6 +27,7 @@ std::vector<torch::Tensor> append_rows(torch::Tensor q, torch::Tensor k_new, tor
                                        torch::Tensor ids, std::vector<torch::Tensor> tables,
                                        std::vector<torch::Tensor> holes, std::vector<torch::Tensor> positions,
                                        std::vector<torch::Tensor> modality, std::vector<torch::Tensor> order,
+                                       std::vector<torch::Tensor> scores, std::vector<int64_t> score_of,
                                        torch::Tensor cols, torch::Tensor pos_new, torch::Tensor mod_new,
                                        torch::Tensor ord_new, torch::Tensor lengths, double scale,
                                        bool want_probs, int64_t width) {
@@ -90,6 +92,17 @@ std::vector<torch::Tensor> append_rows(torch::Tensor q, torch::Tensor k_new, tor
     b0 += tb.size(0);
   }
   TORCH_CHECK(b0 == B, "append_rows: the tables hold ", b0, " requests, q ", B);
+  // per table its running-score tables (zeroed at the new column: the reservation left them)
+  TORCH_CHECK(scores.size() == score_of.size(), "append_rows: one owning table per score table");
+  for (size_t j = 0; j < scores.size(); ++j) {
+    const int64_t t = score_of[j];
+    TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(tables.size()), "append_rows: score table ", j,
+                " names table ", t, " of ", tables.size());
+    const auto& st = scores[j];
+    TORCH_CHECK(st.sizes() == tables[t].sizes() && st.scalar_type() == at::kFloat && st.stride(2) == 1 &&
+                    st.is_cpu(),
+                "append_rows: score table ", j, " must be float32 on the CPU, shaped like its slot table");
+  }
   float* kp = k_pool.data_ptr<float>();
   float* vp = v_pool.data_ptr<float>();
   bool* pre = prerope.data_ptr<bool>();
@@ -121,6 +134,12 @@ std::vector<torch::Tensor> append_rows(torch::Tensor q, torch::Tensor k_new, tor
       mt.data_ptr<int8_t>()[i * mt.stride(0) + h * mt.stride(1) + c * mt.stride(2)] = ma[b];
       ot.data_ptr<int64_t>()[i * ot.stride(0) + h * ot.stride(1) + c * ot.stride(2)] = oa[b];
       if (hrow[b * H + h]) const_cast<bool*>(hrow[b * H + h])[c] = false;
+    }
+    for (size_t j = 0; j < scores.size(); ++j) {
+      if (score_of[j] != t) continue;
+      const auto& st = scores[j];
+      float* sp = st.data_ptr<float>();
+      for (int64_t h = 0; h < H; ++h) sp[i * st.stride(0) + h * st.stride(1) + c] = 0.f;
     }
   }
   // the write: B·H rows of D floats (before any read: a request attends its own new entry)

@@ -18,8 +18,10 @@ import triton.language as tl
 # a meta row (``(L, B, META_FIELDS)`` int64; its builder ``vlkv.runtime.kv.step_tables`` names the
 # fields): 0 the slot table's address, 1 the table capacity, 2-4 the position, modality and order tables'
 # addresses, 5 the hole table's (0: no holes), 6 the new column, 7 the run id (the same slot in every
-# head; -1: none), 8 the length after the append
-META_FIELDS = 9
+# head; -1: none), 8 the length after the append, 9 to 9 + MAX_SCORES - 1 the float32 running-score
+# tables' addresses (0: none; their new column zeroed)
+MAX_SCORES = 3
+META_FIELDS = 9 + MAX_SCORES
 
 
 @triton.jit
@@ -28,15 +30,15 @@ def decode_append_kernel(
     skb, skh, svb, svh, skph, skps, svph, svps, sfh, sih, sib, spb, sob, soh,
     META_OFF, D, P, W,
     RUN_IDS: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, FIELDS: tl.constexpr, N_SCORES: tl.constexpr,
 ):  # fmt: skip
     """Request ``b``'s new entry in KV head ``h``: its K/V row (cast to the pool's dtype) at its slot and
     the slot's pre-RoPE flag cleared; its table column ``p`` (slot, ``P`` positions, modality, order, no
-    hole); with ``HAS_OUT`` the read table's row ``out[b, h, :W]``: the slots of columns ``< p`` (``-1``
+    hole, running scores 0); with ``HAS_OUT`` the read table's row ``out[b, h, :W]``: the slots of columns ``< p`` (``-1``
     at holes), the new slot at ``p``, 0 after (past the length: never read)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = meta_ptr + META_OFF + b * 9
+    row = meta_ptr + META_OFF + b * FIELDS
     p = tl.load(row + 6)
     if RUN_IDS:  # noqa: SIM108 (a constexpr branch: the other load is not compiled)
         slot = tl.load(row + 7)
@@ -67,6 +69,10 @@ def decode_append_kernel(
     holes = tl.where(hole_addr != 0, hole_addr, tl.load(row + 0)).to(tl.pointer_type(tl.int8))
     if hole_addr != 0:
         tl.store(holes + at, tl.zeros((), dtype=tl.int8))
+    for i in tl.static_range(N_SCORES):  # the running scores' new column (where the request keeps some)
+        score_addr = tl.load(row + 9 + i)
+        if score_addr != 0:
+            tl.store(score_addr.to(tl.pointer_type(tl.float32)) + at, tl.zeros((), dtype=tl.float32))
     if HAS_OUT:
         for c0 in range(0, W, BLOCK_W):
             c = c0 + tl.arange(0, BLOCK_W)

@@ -12,8 +12,8 @@ import torch
 import triton
 from torch import Tensor
 
+from vlkv.plugins.paged_append_kernels import MAX_SCORES, decode_append_kernel
 from vlkv.plugins.paged_append_kernels import META_FIELDS as FIELDS
-from vlkv.plugins.paged_append_kernels import decode_append_kernel
 
 
 def decode_append_(
@@ -85,6 +85,7 @@ def decode_append_(
         layer * b * FIELDS, d, p, width,
         RUN_IDS=ids is None, HAS_OUT=out is not None, BLOCK=triton.next_power_of_2(d),
         BLOCK_P=triton.next_power_of_2(p), BLOCK_W=min(triton.next_power_of_2(max(width, 1)), 1024),
+        FIELDS=FIELDS, N_SCORES=MAX_SCORES,
     )  # fmt: skip
 
 
@@ -104,7 +105,8 @@ def decode_append_reference(
 ) -> tuple[Tensor, Tensor, Tensor, list[dict[str, Tensor | None]], Tensor]:
     """What :func:`decode_append_` writes, as new tensors: the pools and flags, each request's tables
     (``tables[b]``: ``slots``, ``positions``, ``modality``, ``order``, ``holes`` or None, shaped
-    ``(1, H_kv, C_b[, P])``) with column ``columns[b]`` written, and the ``(B, H_kv, width)`` read table.
+    ``(1, H_kv, C_b[, P])``; optionally ``scores``, a list of ``(1, H_kv, C_b)`` float32 running-score
+    tables, zeroed there) with column ``columns[b]`` written, and the ``(B, H_kv, width)`` read table.
     ``ids (H_kv, B)`` int64 the slots."""
     heads = ids.shape[0]
     kp, vp, flags = k_pool.clone(), v_pool.clone(), prerope.clone()
@@ -114,7 +116,12 @@ def decode_append_reference(
     flags[hh, ids] = False
     new_tables, read = [], torch.zeros(len(tables), heads, width, dtype=torch.long)
     for b, (t, p) in enumerate(zip(tables, columns)):
-        t = {name: None if x is None else x.clone() for name, x in t.items()}
+        scores = [x.clone() for x in t.get("scores", ())]
+        t = {name: None if x is None else x.clone() for name, x in t.items() if name != "scores"}
+        for x in scores:
+            x[0, :, p] = 0
+        if scores:
+            t["scores"] = scores
         t["slots"][0, :, p] = ids[:, b]
         t["positions"][0, :, p] = new_positions[b]
         t["modality"][0, :, p] = new_modality[b]

@@ -80,7 +80,15 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     # probabilities, the plain step of this path (test_fused_append_exact.py); sending exact requests
     # to the separate read instead would differ from the full cache's fused step in the last bits
     wanted = [name for name, req in ctx.requests.items() if req.wants(layer_idx)]
-    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
+    # the C++ call zeroes the running scores' new column (the reservation's 2 ops a table and request),
+    # where every score table is as it takes them (shaped like its slot table, float32, unit column
+    # stride: checked on the host, no op; a table the reservation grows stays so); else the reservation
+    # zeroes them, as before
+    in_call = any(r.scores for r in owners) and all(
+        _score_fits(s, r.slots) for r in owners for s in r.scores.values()
+    )
+    ahead = _ahead(ctx, new, layer_idx)
+    res = reserve_decode_entries(owners, new["order_next"], new["order_rows"], ahead, zero_scores=not in_call)
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
         past = res.past
         width = max(r.max_length for r in owners) if wanted else None
@@ -92,6 +100,8 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
             new["positions"],
             new["modality"],
             new["order"],
+            # read after the reservation: growing a table for the column replaced it
+            [list(r.scores.values()) for r in owners] if in_call else (),
         )
         # the pool's tensors read after the reservation: a growable pool may have grown for it
         got = paged_append.append_attend(
@@ -121,6 +131,14 @@ def fused_decode_row(ctx, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, scale
     ctx.past[layer_idx] = past
     ctx.attended[layer_idx] = got[1]
     return got[0].view(b, 1, heads, dim)
+
+
+def _score_fits(score: Tensor, slots: Tensor) -> bool:
+    """A running-score table the C++ append zeroes: float32 CPU, shaped like its ``slots`` table, unit
+    column stride."""
+    return (
+        score.shape == slots.shape and score.dtype == torch.float32 and score.stride(2) == 1 and score.is_cpu
+    )
 
 
 def _step_columns(ctx) -> dict:
@@ -184,7 +202,11 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
     new = _step_columns(ctx)
     step = _step_tables(ctx, new, k.device)
     pool, at = layer.pool, layer.layer
-    res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], _ahead(ctx, new, layer_idx))
+    # with the step's rows the launch zeroes the running scores' new column (2 ops a score table,
+    # request and layer less); where the rows do not hold, the column writes below zero it
+    zeroed = step is None
+    ahead = _ahead(ctx, new, layer_idx)
+    res = reserve_decode_entries(rows, new["order_next"], new["order_rows"], ahead, zero_scores=zeroed)
     try:  # from here on a failure takes the reservation back (the layer appended whole or not at all)
         keys, values = pool.keys[at], pool.values[at]
         if step is not None and step.holds(layer_idx, rows, res):
@@ -192,6 +214,9 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
                 step, layer_idx, rows, res, keys, values, pool.prerope_flags(at), k, v, new
             )
         else:
+            if not zeroed:
+                for r, p in zip(rows, res.host):
+                    r.zero_score_column(p)
             paged = _append_by_columns(ctx, new, rows, res, keys, values, pool.prerope_flags(at), k, v)
     except BaseException:
         res.cancel()

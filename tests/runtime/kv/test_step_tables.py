@@ -73,3 +73,43 @@ def test_requests_off_their_run_have_no_run_ids():
     assert (step.meta[:, :, st.RUN] == -1).all()
     res = reserve_decode_entries(layers[0])
     assert step.holds(0, layers[0], res) and res.ids.shape == (H, 2)
+
+
+def test_rows_name_the_score_tables_and_the_reservation_leaves_their_column():
+    """A statistics policy's running scores: the rows carry their addresses (the launch zeroes the new
+    column), a reservation with ``zero_scores=False`` leaves it as it was; a score table replaced or
+    added after the rows were built, or more than ``MAX_SCORES`` of them: the rows do not hold."""
+    layers = _layers()
+    for per in layers:
+        for r in per:
+            r.ensure_score("a")
+    layers[0][1].ensure_score("b")
+    step = st.StepTables(layers, torch.device("cpu"))  # grows the tables (new columns zero)
+    for per in layers:
+        for r in per:
+            for s in r.scores.values():
+                s.fill_(5.0)  # in place: the tensors the rows name
+    for at, per in enumerate(layers):
+        for b, r in enumerate(per):
+            row = step.meta[at, b].tolist()
+            names = list(r.scores.values())
+            assert row[st.SCORES : st.SCORES + len(names)] == [s.data_ptr() for s in names]
+            assert all(x == 0 for x in row[st.SCORES + len(names) : st.FIELDS])
+    first, second = layers
+    res = reserve_decode_entries(first, zero_scores=False)
+    assert step.holds(0, first, res)
+    assert all((s[0, :, p] != 0).all() for r, p in zip(first, res.host) for s in r.scores.values())
+    res = reserve_decode_entries(second)  # the default zeroes them (the Python append's reservation)
+    assert all((s[0, :, p] == 0).all() for r, p in zip(second, res.host) for s in r.scores.values())
+    second[0].scores["a"] = second[0].scores["a"].clone()  # an edit replaced a score table
+    assert not step.holds(1, second, res)
+    layers = _layers(n_layers=1)
+    layers[0][0].ensure_score("late")
+    step = st.StepTables(layers, torch.device("cpu"))
+    layers[0][1].ensure_score("late")  # a score table the rows do not name
+    assert not step.holds(0, layers[0], reserve_decode_entries(layers[0], zero_scores=False))
+    layers = _layers(n_layers=1)
+    for name in "abcd"[: st.MAX_SCORES + 1]:
+        layers[0][0].ensure_score(name)
+    step = st.StepTables(layers, torch.device("cpu"))
+    assert not step.holds(0, layers[0], reserve_decode_entries(layers[0], zero_scores=False))

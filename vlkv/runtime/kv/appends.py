@@ -170,12 +170,19 @@ class Appends(EntryTable):
         return torch.arange(self.batch, device=self.device), slice(None), past
 
     def _decode_advance(
-        self, at: tuple, past: Tensor, lens: list[int], next_order: Tensor, after: Tensor | None = None
+        self,
+        at: tuple,
+        past: Tensor,
+        lens: list[int],
+        next_order: Tensor,
+        after: Tensor | None = None,
+        zero_scores: bool = True,
     ) -> None:
-        """After the new column (``at``): its running scores zeroed, the next sequence indices, every
-        sample one entry longer (``after``: ``past + 1`` where the step computed it for every layer)."""
+        """After the new column (``at``): its running scores zeroed (``zero_scores`` False: the writer
+        zeroes them, the fused C++ append), the next sequence indices, every sample one entry longer
+        (``after``: ``past + 1`` where the step computed it for every layer)."""
         self.next_order = next_order
-        for s in self.scores.values():
+        for s in self.scores.values() if zero_scores else ():
             s[at] = 0
         self.set_lengths(past + 1 if after is None else after, [n + 1 for n in lens])
 
@@ -219,12 +226,19 @@ class Appends(EntryTable):
         if self.holes is not None:
             self.holes.select(2, p).fill_(False)
 
-    def _advance_one(self, p: int, after: Tensor | None = None) -> None:
-        """After a one-sample cache's new column ``p``: its running scores zeroed, one entry longer
-        (``after``: its ``(1,)`` new length where the step computed it for every layer)."""
+    def _advance_one(self, p: int, after: Tensor | None = None, zero_scores: bool = True) -> None:
+        """After a one-sample cache's new column ``p``: its running scores zeroed (``zero_scores``
+        False: the writer zeroes them, :meth:`zero_score_column`, or its one launch / C++ call does),
+        one entry longer (``after``: its ``(1,)`` new length where the step computed it for every
+        layer)."""
+        if zero_scores:
+            self.zero_score_column(p)
+        self.set_lengths(self.lengths + 1 if after is None else after, [p + 1])
+
+    def zero_score_column(self, p: int) -> None:
+        """A one-sample cache's running scores zeroed at column ``p`` (a new entry's): 2 ops a table."""
         for s in self.scores.values():
             s.select(2, p).zero_()
-        self.set_lengths(self.lengths + 1 if after is None else after, [p + 1])
 
 
 def _put(column: Tensor, value: Tensor | int) -> None:

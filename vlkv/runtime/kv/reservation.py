@@ -181,6 +181,7 @@ def reserve_decode_entries(
     order_next: Tensor | None = None,
     order_rows: list | None = None,
     ahead: StepAdvance | None = None,
+    zero_scores: bool = True,
 ) -> DecodeReservation:
     """A decode step's append to one layer (one new entry per request) without its tensor writes.
 
@@ -190,7 +191,8 @@ def reserve_decode_entries(
     None entry: the row's next index). Tables grown to hold the column, slots allocated, next sequence
     indices, running scores zeroed at the column, lengths (tensor and host copy) one longer, the
     pool's written bytes counted (``ahead``: the lengths and next indices this step computed for every
-    layer, used where they still hold). Returns the :class:`DecodeReservation`; the caller writes the K/V
+    layer, used where they still hold; ``zero_scores`` False: the running scores are left for the
+    writer to zero at the column, its one launch or C++ call, each request's tables only). Returns the :class:`DecodeReservation`; the caller writes the K/V
     rows and the column and cancels it where that fails. A failure here (a fixed pool out of slots)
     leaves nothing changed. Recorded in the owners' step log where :func:`undone_on_failure` set one.
     """
@@ -198,7 +200,7 @@ def reserve_decode_entries(
         raise ValueError("reserve_decode_entries takes one batch cache's layer or one-sample layers")
     res = DecodeReservation(owners)
     try:
-        _reserve_into(res, order_next, order_rows, ahead)
+        _reserve_into(res, order_next, order_rows, ahead, zero_scores)
     except BaseException:
         res.cancel()
         raise
@@ -209,7 +211,11 @@ def reserve_decode_entries(
 
 
 def _reserve_into(
-    res: DecodeReservation, order_next: Tensor | None, order_rows: list | None, ahead: StepAdvance | None
+    res: DecodeReservation,
+    order_next: Tensor | None,
+    order_rows: list | None,
+    ahead: StepAdvance | None,
+    zero_scores: bool = True,
 ) -> None:
     """:func:`reserve_decode_entries`'s work, recorded in ``res`` as it goes (what to take back)."""
     owners, pool, layer = res.owners, res.pool, res.layer
@@ -222,12 +228,13 @@ def _reserve_into(
             res._fresh = ids
         res.host, res._ids = lens, ids
         res._past = first.lengths  # set_lengths below gives the layer a new tensor: this one stays
-        at = res.column() if first.scores else None
+        at = res.column() if first.scores and zero_scores else None
         if ahead is None:
-            first._decode_advance(at, res._past, lens, next_order(first.next_order, order_next))
+            nxt = next_order(first.next_order, order_next)
+            first._decode_advance(at, res._past, lens, nxt, zero_scores=zero_scores)
         else:
             res._after = ahead.after
-            first._decode_advance(at, res._past, lens, ahead.orders[0], ahead.lengths[0])
+            first._decode_advance(at, res._past, lens, ahead.orders[0], ahead.lengths[0], zero_scores)
         pool.count_written(ids.numel())
         return
     res.host, res.spare = _row_spares(owners)
@@ -241,11 +248,11 @@ def _reserve_into(
         res._past, res._after = ahead.past, ahead.after
         for r, p, lens, nxt in zip(owners, res.host, ahead.lengths, ahead.orders):
             r.next_order = nxt
-            r._advance_one(p, lens)
+            r._advance_one(p, lens, zero_scores)
     else:
         for i, (r, p) in enumerate(zip(owners, res.host)):
             r.next_order = next_order(r.next_order, None if order_rows is None else order_rows[i])
-            r._advance_one(p)
+            r._advance_one(p, zero_scores=zero_scores)
     pool.count_written(n * pool.spec.kv_heads if res.runs else n)
 
 

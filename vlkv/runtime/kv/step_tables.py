@@ -7,7 +7,8 @@ and layer, and the paged read's table ~9 more a layer (``kv/paged.paged_tables``
 is nano-vllm's ``slot_mapping`` + ``block_table`` in this layout: at the step's first layer it grows
 every layer's tables for the new column (what each layer's reservation would do), reads where each
 column goes and which run slot it takes, and packs per (layer, request) the tables' addresses, the
-capacity, the column, the run id and the length after into one ``(L, B, 9)`` int64 tensor (one
+capacity, the column, the run id, the length after and the running-score tables' addresses into one
+``(L, B, FIELDS)`` int64 tensor (one
 host-to-device copy a step). Every layer's launch reads its rows of that tensor; the read's lengths and
 attended counts are views of it, also built once.
 
@@ -24,9 +25,12 @@ from torch import Tensor
 
 # the fields of a row (``paged_append_kernels`` reads them by these numbers): the addresses of a
 # request's slot, position, modality, order and hole tables (0: no holes), its table capacity, the new
-# column, its run slot (-1: none) and the length after the append
-SLOTS, CAP, POSITIONS, MODALITY, ORDER, HOLES, COLUMN, RUN, AFTER = range(9)
-FIELDS = 9
+# column, its run slot (-1: none), the length after the append, then the addresses of up to
+# ``MAX_SCORES`` running-score tables (0: none; the launch zeroes their new column: a statistics
+# policy's reservation zeroed it with 2 ops per table, request and layer)
+SLOTS, CAP, POSITIONS, MODALITY, ORDER, HOLES, COLUMN, RUN, AFTER, SCORES = range(10)
+MAX_SCORES = 3  # A-VL keeps three (region, core flag, text score), H2O one
+FIELDS = SCORES + MAX_SCORES
 _NAMES = ("slots", "positions", "modality", "order", "holes")
 
 
@@ -47,6 +51,7 @@ class StepTables:
         self.columns: list[list[int]] = []
         self.runs: list[list[int] | None] = []
         self._tables: list[list[tuple]] = []
+        self._scores: list[list[tuple]] = []  # per layer each request's running-score tables
         self._fits: list[bool] = []
         rows = []
         for per in layers:
@@ -55,17 +60,21 @@ class StepTables:
                 r._reserve(p + 1)
             runs = [r.spares.peek_run_id() for r in per]
             tables = [tuple(getattr(r, name) for name in _NAMES) for r in per]
-            self._fits.append(all(_fits(t, p) for t, p in zip(tables, cols)))
+            scores = [tuple(r.scores.values()) for r in per]
+            self._fits.append(all(_fits(t, p, sc) for t, p, sc in zip(tables, cols, scores)))
             self.columns.append(cols)
             self.runs.append(None if any(i is None for i in runs) else runs)
             self._tables.append(tables)
-            for t, p, run in zip(tables, cols, runs):
+            self._scores.append(scores)
+            for t, p, run, sc in zip(tables, cols, runs, scores):
                 slots, positions, modality, order, holes = t
                 row = [0] * FIELDS
                 row[SLOTS], row[CAP], row[POSITIONS] = slots.data_ptr(), slots.shape[2], positions.data_ptr()
                 row[MODALITY], row[ORDER] = modality.data_ptr(), order.data_ptr()
                 row[HOLES] = 0 if holes is None else holes.data_ptr()
                 row[COLUMN], row[RUN], row[AFTER] = p, -1 if run is None else run, p + 1
+                for i, score in enumerate(sc[:MAX_SCORES]):  # more: the layer does not fit
+                    row[SCORES + i] = score.data_ptr()
                 rows.append(row)
         n_layers, batch = len(layers), len(layers[0]) if layers else 0
         host = torch.tensor(rows, dtype=torch.long, device="cpu")  # built on the host, copied once
@@ -79,7 +88,8 @@ class StepTables:
         """Whether layer ``layer``'s rows hold for its reservation ``res``
         (:class:`~vlkv.runtime.kv.reservation.DecodeReservation`) over ``owners``: the same tables,
         contiguous with room for the column, each column where the reservation put it and (where the
-        rows have run ids) the run slots it took."""
+        rows have run ids) the run slots it took; the same running-score tables (the launch zeroes
+        their column in place of the reservation: ``reserve_decode_entries(zero_scores=False)``)."""
         if not self._fits[layer] or res.host != self.columns[layer]:
             return False
         runs = self.runs[layer]
@@ -88,7 +98,9 @@ class StepTables:
             return False
         return all(
             all(getattr(r, name) is t for name, t in zip(_NAMES, tables))
-            for r, tables in zip(owners, self._tables[layer])
+            and len(r.scores) == len(scores)
+            and all(a is b for a, b in zip(r.scores.values(), scores))
+            for r, tables, scores in zip(owners, self._tables[layer], self._scores[layer])
         )
 
     def width(self, layer: int) -> int:
@@ -105,10 +117,15 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _fits(tables: tuple, column: int) -> bool:
+def _fits(tables: tuple, column: int, scores: tuple = ()) -> bool:
     """A request's tables as the kernel addresses them: contiguous ``(1, H_kv, C[, P])`` with ``C`` above
-    ``column``, holes (if any) one byte an entry."""
+    ``column``, holes (if any) one byte an entry, at most ``MAX_SCORES`` float32 running-score tables
+    shaped like the slot table."""
     slots, positions, modality, order, holes = tables
+    if len(scores) > MAX_SCORES or any(
+        s.shape != slots.shape or s.dtype != torch.float32 or not s.is_contiguous() for s in scores
+    ):
+        return False
     cap = slots.shape[2]
     same = all(
         t.shape[:3] == slots.shape for t in (positions, modality, order) + (() if holes is None else (holes,))
