@@ -17,6 +17,8 @@ recipe (``shared/spec/projector-training.md``):
    (:mod:`vlkv.runtime.models.projector_position`), started at ``--position-alpha`` x the input
    embedding of the patch column's third ("left" / "middle" / "right"), so an object's token can say
    where it is without sharing its colour and shape words' part of the target; it then trains.
+   ``--pool 2`` averages 2x2 blocks of patches before the MLP (:mod:`vlkv.runtime.models.projector_pool`:
+   64 image tokens instead of 256, a shorter LM prompt per step); the fit is then per pooled token.
 2. **LM loss** on the answer tokens of the training mix (:mod:`vlkv.eval.scene_tasks`: captions and
    questions; 1–3 objects, positions, counts, "left of", several pictures per prompt), AdamW with a
    cosine learning rate, gradients clipped at 1.
