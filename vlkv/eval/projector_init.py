@@ -157,7 +157,10 @@ def ridge_init(
             ]
             captured.clear()
             loaded.model.model.get_image_features(pixel_values=pixels.to(loaded.model.dtype))
-            patches = captured[-1].reshape(-1, captured[-1].shape[-1])  # (patches, vision_hidden)
+            # a pooled projector's MLP reads block means: fit what it reads, one row per image token
+            pool = getattr(proj, "pool", None)
+            features = captured[-1] if pool is None else pool(captured[-1])
+            patches = features.reshape(-1, features.shape[-1])  # (tokens, vision_hidden)
             n = patches.shape[0]
             if target == "global":
                 y = object_target(loaded, scene.objects[0]).expand(n, -1)
@@ -179,7 +182,8 @@ def ridge_init(
     mu, y_mean = (w * x).sum(0) / w.sum(), (w * y).sum(0) / w.sum()
     root = w.sqrt()
     xc, yc = (x - mu) * root, (y - y_mean) * root  # weighted least squares as plain least squares
-    rank = min(proj.linear_1.out_features // 2, x.shape[1])
+    # (at most one direction per row: a few pooled images have fewer rows than features)
+    rank = min(proj.linear_1.out_features // 2, x.shape[1], x.shape[0])
     # top principal directions of the features: they are what the ± pairs of hidden units carry
     _, _, vh = torch.linalg.svd(xc, full_matrices=False)
     basis = vh[:rank].T  # (d, rank)
@@ -298,3 +302,30 @@ def order_start(loaded, kind: str, order: torch.Tensor | None, source: str) -> N
     mlp = {k: v.detach().clone() for k, v in proj.state_dict().items() if k != ORDER_KEY}
     install(loaded.model, mlp | {ORDER_KEY: wanted})
     loaded.model.model.multi_modal_projector.requires_grad_(False)  # the caller picks what trains
+
+
+def pool_start(loaded, pool: int, state: dict | None, source: str) -> dict | None:
+    """Install the pooled projector ``pool`` asks for (:data:`~vlkv.runtime.models.projector_pool.POOLS`)
+    with the model's current MLP weights, match the processor's image-token count to it, and return
+    ``state`` (a checkpoint's projector tensors, named ``source`` in errors; or None) with the pool
+    key as the installed projector needs it.
+
+    Call before the ridge fit (which then fits per pooled token). A checkpoint pooled otherwise is
+    refused; an unpooled one may start a pooled run (its MLP is per token: it reads block means).
+    """
+    from vlkv.runtime.models.projector_pool import POOL_KEY, POOLS, match_processor
+    from vlkv.runtime.models.projector_position import install
+
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {list(POOLS)}, got {pool}")
+    held = None if state is None else state.get(POOL_KEY)
+    if held is not None and int(held) != pool:
+        raise ValueError(f"{source} is pooled by {int(held)}, not {pool}")
+    if pool == 1:
+        return state
+    proj = loaded.model.model.multi_modal_projector
+    mlp = {k: v.detach().clone() for k, v in proj.state_dict().items() if k != POOL_KEY}
+    install(loaded.model, mlp | {POOL_KEY: torch.tensor(pool, dtype=torch.int64)})
+    loaded.model.model.multi_modal_projector.requires_grad_(False)  # the caller picks what trains
+    match_processor(loaded.processor, loaded.model)
+    return None if state is None else state | {POOL_KEY: torch.tensor(pool, dtype=torch.int64)}

@@ -161,6 +161,7 @@ def _swap_projector(loaded, path: Path) -> None:
 
     from vlkv.runtime.models import lm_lora
     from vlkv.runtime.models.projector_order import ORDER_KEY
+    from vlkv.runtime.models.projector_pool import POOL_KEY, match_processor
     from vlkv.runtime.models.projector_position import POSITION_KEY
     from vlkv.runtime.models.smollm2_llava import PROJECTOR_KEYS, apply_projector
 
@@ -176,9 +177,10 @@ def _swap_projector(loaded, path: Path) -> None:
         if "lm_lora" in ckpt:  # a training checkpoint's adapters, in the shipped (scale-folded) form
             cfg = ckpt["config"]
             state |= lm_lora.fold(ckpt["lm_lora"], cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
-    if set(lm_lora.split(state)[0]) - {POSITION_KEY, ORDER_KEY} != PROJECTOR_KEYS:
+    if set(lm_lora.split(state)[0]) - {POSITION_KEY, ORDER_KEY, POOL_KEY} != PROJECTOR_KEYS:
         raise ValueError(f"{path} holds {sorted(state)}, not a projector's {sorted(PROJECTOR_KEYS)}")
     apply_projector(loaded.model, state)
+    match_processor(loaded.processor, loaded.model)  # a pooled projector: fewer tokens
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,7 +69,7 @@ def test_bad_orders_are_one_line(tiny, monkeypatch):
         assert "\n" not in str(err.value) and message in str(err.value)
     assert type(tiny.model.model.multi_modal_projector) is LlavaMultiModalProjector  # left as it was
     both = state | {ORDER_KEY: column_major(PATCHES), POSITION_KEY: torch.zeros(PATCHES, 64)}
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not several"):
         S.apply_projector(tiny.model, both)
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
 from vlkv.runtime.models.projector_order import ORDER_KEY, OrderedProjector
+from vlkv.runtime.models.projector_pool import POOL_KEY, PooledProjector
 
 POSITION_KEY = "position_bias"
 
@@ -51,20 +52,24 @@ def install(model, state: dict[str, Tensor]) -> torch.nn.Module:
 
     ``state`` holding :data:`POSITION_KEY` → a :class:`PositionBiasedProjector`; holding
     :data:`~vlkv.runtime.models.projector_order.ORDER_KEY` → an
-    :class:`~vlkv.runtime.models.projector_order.OrderedProjector` (not both: a bias is indexed by
-    patch, an order moves patches); neither → the plain MLP (the current one when it is plain, so
+    :class:`~vlkv.runtime.models.projector_order.OrderedProjector`; holding
+    :data:`~vlkv.runtime.models.projector_pool.POOL_KEY` → a
+    :class:`~vlkv.runtime.models.projector_pool.PooledProjector` (at most one of the three: a bias
+    is indexed by patch, an order moves patches, pooling merges them); none → the plain MLP (the current one when it is plain, so
     nothing else changes). Tensors are assigned, not copied, floating ones cast to the projector's
     dtype (the current ones may be memory-mapped from a cache that is never written in place).
     Returns the installed projector.
     """
     current = model.model.multi_modal_projector
     dtype = current.linear_1.weight.dtype
-    if POSITION_KEY in state and ORDER_KEY in state:
-        raise ValueError(f"a projector holds {POSITION_KEY} or {ORDER_KEY}, not both")
+    if sum(key in state for key in (POSITION_KEY, ORDER_KEY, POOL_KEY)) > 1:
+        raise ValueError(f"a projector holds one of {POSITION_KEY}, {ORDER_KEY}, {POOL_KEY}, not several")
     if POSITION_KEY in state:
         proj = PositionBiasedProjector(model.config, state[POSITION_KEY].shape[0]).to(dtype)
     elif ORDER_KEY in state:
         proj = OrderedProjector(model.config, state[ORDER_KEY]).to(dtype)
+    elif POOL_KEY in state:
+        proj = PooledProjector(model.config, int(state[POOL_KEY])).to(dtype)
     elif type(current) is not LlavaMultiModalProjector:
         with torch.random.fork_rng(devices=[]):
             proj = LlavaMultiModalProjector(model.config).to(dtype)

@@ -49,6 +49,7 @@ from vlkv.runtime.models.llava_assembly import (
     seeded_projector,
 )
 from vlkv.runtime.models.projector_order import ORDER_KEY, check_order
+from vlkv.runtime.models.projector_pool import POOL_KEY, check_pool, match_processor
 from vlkv.runtime.models.projector_position import POSITION_KEY, install
 
 logger = logging.getLogger(__name__)
@@ -203,19 +204,20 @@ def build(
     model, processor = _build_base(dtype, cache_dir, rebuild)
     if trained is not None:
         apply_projector(model, trained)
+        match_processor(processor, model)  # a pooled projector emits fewer tokens
     return model, processor
 
 
 def load_projector(path: Path | None = None, sha256: str | None = None) -> dict[str, Tensor]:
-    """The trained projector's tensors (``linear_{1,2}.{weight,bias}``, optionally ``position_bias``
-    or ``token_order``), after checking the file's sha256.
+    """The trained projector's tensors (``linear_{1,2}.{weight,bias}``, optionally ``position_bias``,
+    ``token_order`` or ``token_pool``), after checking the file's sha256.
 
     ``path`` defaults to :data:`PROJECTOR_FILE`.
 
     Raises:
         ValueError: the file is missing, its checksum differs from ``sha256`` (default
             :data:`PROJECTOR_SHA256`) or it does not hold the four tensors (and optionally
-            :data:`POSITION_KEY` or :data:`ORDER_KEY`; one line naming it).
+            :data:`POSITION_KEY`, :data:`ORDER_KEY` or :data:`POOL_KEY`; one line naming it).
     """
     from safetensors.torch import load_file
 
@@ -227,7 +229,7 @@ def load_projector(path: Path | None = None, sha256: str | None = None) -> dict[
     if _sha256(path) != expected:
         raise ValueError(f"{MODEL_NAME}: trained projector file {path} is damaged (sha256 mismatch); {hint}")
     state = load_file(path)
-    if set(lm_lora.split(state)[0]) - {POSITION_KEY, ORDER_KEY} != PROJECTOR_KEYS:
+    if set(lm_lora.split(state)[0]) - {POSITION_KEY, ORDER_KEY, POOL_KEY} != PROJECTOR_KEYS:
         raise ValueError(
             f"{MODEL_NAME}: trained projector file {path} holds {sorted(state)}, not {sorted(PROJECTOR_KEYS)}"
         )
@@ -240,13 +242,16 @@ def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tenso
     A ``state`` with :data:`POSITION_KEY` (``(NUM_IMAGE_TOKENS, hidden)``) installs the
     position-biased projector (:mod:`vlkv.runtime.models.projector_position`), one with
     :data:`ORDER_KEY` (a permutation of the ``NUM_IMAGE_TOKENS`` patches) the token-reordering one
-    (:mod:`vlkv.runtime.models.projector_order`); one with neither keeps (or puts back) the plain MLP. Keys ``lm_lora.*`` (:mod:`vlkv.runtime.models.lm_lora`) are low-rank
+    (:mod:`vlkv.runtime.models.projector_order`), one with :data:`POOL_KEY` the 2x2-pooling one
+    (:mod:`vlkv.runtime.models.projector_pool`: the caller's processor then needs
+    :func:`~vlkv.runtime.models.projector_pool.match_processor`); one with none keeps (or puts back) the plain MLP. Keys ``lm_lora.*`` (:mod:`vlkv.runtime.models.lm_lora`) are low-rank
     adapters of the language model, added into its weights. New tensors are assigned rather than
     copied into the old ones: those may be memory-mapped from the cache, which is never written in place.
     """
     state, adapters = lm_lora.split(state)
     proj = model.model.multi_modal_projector
-    shapes = {k: tuple(v.shape) for k, v in proj.state_dict().items() if k not in (POSITION_KEY, ORDER_KEY)}
+    extra = (POSITION_KEY, ORDER_KEY, POOL_KEY)
+    shapes = {k: tuple(v.shape) for k, v in proj.state_dict().items() if k not in extra}
     shapes[POSITION_KEY] = (NUM_IMAGE_TOKENS, proj.linear_2.out_features)
     shapes[ORDER_KEY] = (NUM_IMAGE_TOKENS,)
     for name, shape in shapes.items():
@@ -257,6 +262,8 @@ def apply_projector(model: LlavaForConditionalGeneration, state: dict[str, Tenso
             )
     if ORDER_KEY in state:
         check_order(state[ORDER_KEY], NUM_IMAGE_TOKENS)
+    if POOL_KEY in state:
+        check_pool(state[POOL_KEY], NUM_IMAGE_TOKENS)
     planned = lm_lora.plan(model, adapters)  # every adapter checked before anything changes
     install(model, state)
     lm_lora.apply(planned)

@@ -1,0 +1,83 @@
+"""scripts/train_projector.py --pool 2 on the tiny LLaVA: the ridge fit is per pooled token, the pool is
+in the checkpoint, the resumed run and the exported file; an unpooled projector may start a pooled run,
+not the reverse; the VQA runner installs a pooled file and matches the processor to it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.eval.train_script import tiny_cfg as _cfg
+from vlkv.runtime.models.projector_pool import POOL_KEY, PooledProjector
+
+POOLED = 4  # tiny-llava: a 4x4 patch raster, 2x2 pooled
+
+
+def test_pooled_run_fits_per_token_resumes_and_exports_its_pool(tp, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = _cfg(tp, pool=2, init_target="local")
+    straight = tp.train(cfg, tmp_path / "a", quiet=True)
+    assert straight[POOL_KEY].dtype == torch.int64 and int(straight[POOL_KEY]) == 2
+    init = json.loads((tmp_path / "a" / tp.LOG).read_text().splitlines()[0])
+    # 3 images x 4 pooled tokens: the fit has 12 rows, so at most 12 directions (unpooled: 48 rows)
+    assert init["event"] == "init" and init["rank"] == 3 * POOLED
+    tp.train(cfg, tmp_path / "b", stop_at=2, quiet=True)
+    resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    # the same batches unpooled train other weights: the pooling reaches the LM loss
+    plain = tp.train(_cfg(tp, init_target="local"), tmp_path / "p", quiet=True)
+    assert POOL_KEY not in plain
+    assert not torch.equal(plain["linear_2.weight"], straight["linear_2.weight"])
+    tp.export(tmp_path / "a", tmp_path / "a.safetensors")
+    exported = load_file(tmp_path / "a.safetensors")
+    assert exported[POOL_KEY].dtype == torch.int64 and int(exported[POOL_KEY]) == 2
+    torch.testing.assert_close(exported["linear_2.weight"], straight["linear_2.weight"], rtol=0, atol=0)
+
+
+def test_an_unpooled_projector_starts_a_pooled_run_not_the_reverse(tp, tmp_path):
+    plain = tp.train(_cfg(tp, steps=1), tmp_path / "plain", quiet=True)
+    cfg = _cfg(tp, pool=2, init_from=str(tmp_path / "plain" / tp.CHECKPOINT))
+    tp.train(cfg, tmp_path / "c", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "c" / tp.CHECKPOINT, weights_only=False)["projector"]
+    assert set(start) == set(plain) | {POOL_KEY}
+    for key, value in plain.items():
+        torch.testing.assert_close(start[key], value, rtol=0, atol=0)
+    tp.train(cfg, tmp_path / "c", resume=True, quiet=True)
+    refuse = _cfg(tp, init_from=str(tmp_path / "c" / tp.CHECKPOINT))
+    with pytest.raises(ValueError, match="is pooled by 2, not 1"):
+        tp.train(refuse, tmp_path / "d", quiet=True)
+    with pytest.raises(ValueError, match="pool must be one of"):
+        _cfg(tp, pool=3)
+    for bad in ({"form": "linear"}, {"position_bias": "thirds"}, {"token_order": "columns"}):
+        with pytest.raises(ValueError, match="pool 2 needs form mlp, no position_bias and raster order"):
+            _cfg(tp, pool=2, **bad)
+
+
+def test_vqa_swaps_in_a_pooled_projector_and_its_token_count(tp, tmp_path):
+    from PIL import Image
+
+    from vlkv.eval.vqa import _swap_projector
+    from vlkv.runtime.models import smollm2_llava as S
+
+    tp.train(_cfg(tp, steps=1, pool=2), tmp_path / "a", quiet=True)
+    tp.export(tmp_path / "a", tmp_path / "a.safetensors")
+    for path in (tmp_path / "a.safetensors", tmp_path / "a" / tp.CHECKPOINT):
+        loaded = tp.load("tiny-llava")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(S, "NUM_IMAGE_TOKENS", 16)
+            _swap_projector(loaded, path)
+        assert isinstance(loaded.model.model.multi_modal_projector, PooledProjector)
+        prompt = loaded.prompt_template("hi", 1)
+        inputs = loaded.processor(text=prompt, images=[Image.new("RGB", (56, 56))], return_tensors="pt")
+        assert int((inputs["input_ids"] == loaded.image_token_id).sum()) == POOLED
+
+
+def test_cli_refuses_a_bad_pool_in_one_line(tp, tmp_path, capsys):
+    assert tp.main(["--out", str(tmp_path), "--model", "tiny-llava", "--pool", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pool must be one of" in err
