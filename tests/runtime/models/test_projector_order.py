@@ -9,7 +9,13 @@ import pytest
 import torch
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from tests.runtime.models.test_projector_position import _features, _images, _state
+from tests.runtime.models.test_projector_position import (
+    _features,
+    _images,
+    _onnx_vision_tokens,
+    _plain_again,
+    _state,
+)
 from vlkv.runtime.models import smollm2_llava as S
 from vlkv.runtime.models.projector_order import ORDER_KEY, OrderedProjector, column_major, order_for
 from vlkv.runtime.models.projector_position import POSITION_KEY, install
@@ -49,10 +55,8 @@ def test_a_file_with_the_order_emits_the_plain_tokens_reordered(tiny, monkeypatc
     with torch.no_grad():
         torch.testing.assert_close(tiny.model(input_ids=ids).logits, text_logits, rtol=0, atol=0)
     # a file without the order afterwards puts the plain MLP back
-    S.apply_projector(tiny.model, state)
-    assert type(tiny.model.model.multi_modal_projector) is LlavaMultiModalProjector
+    _plain_again(tiny.model, state, images, plain)
     assert tiny.model.model.multi_modal_projector is not plain_module
-    torch.testing.assert_close(_features(tiny.model, images), plain, rtol=0, atol=0)
 
 
 def test_bad_orders_are_one_line(tiny, monkeypatch):
@@ -96,22 +100,9 @@ def test_install_keeps_the_callers_random_state(tiny):
 
 
 def test_the_onnx_vision_export_carries_the_order(tiny, tmp_path):
-    pytest.importorskip("onnxruntime")  # optional peer: the exporter's ONNX Runtime check
-    import onnxruntime as ort
-
-    from vlkv.exporter.vision_onnx import VisionCase, export_vision
-    from vlkv.exporter.vision_tower import vision_encoder
-
     state = _state(tiny.model, 9)
     install(tiny.model, state | {ORDER_KEY: column_major(PATCHES)})
-    encoder = vision_encoder(tiny.model, "llava")
-    path = tmp_path / "vision.onnx"
-    export_vision(
-        encoder, "llava", VisionCase("b2", {"input": _images(10)}), path, opset=17, dynamic_batch=True
-    )
-    images = _images(11)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = session.run(None, {"input": images.numpy()})[0]
+    got, images = _onnx_vision_tokens(tiny.model, tmp_path)
     ordered = _features(tiny.model, images)
     np.testing.assert_allclose(got, ordered.numpy(), rtol=1e-5, atol=1e-5)
     install(tiny.model, state)

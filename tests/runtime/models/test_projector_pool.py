@@ -10,7 +10,13 @@ import torch
 from PIL import Image
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from tests.runtime.models.test_projector_position import _features, _images, _state
+from tests.runtime.models.test_projector_position import (
+    _features,
+    _images,
+    _onnx_vision_tokens,
+    _plain_again,
+    _state,
+)
 from vlkv.runtime.models import smollm2_llava as S
 from vlkv.runtime.models.projector_order import ORDER_KEY, column_major
 from vlkv.runtime.models.projector_pool import (
@@ -67,9 +73,7 @@ def test_a_file_with_the_pool_emits_the_mlp_of_block_means(tiny, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(tiny.model(input_ids=ids).logits, text_logits, rtol=0, atol=0)
     # a file without the pool afterwards puts the plain MLP back
-    S.apply_projector(tiny.model, state)
-    assert type(tiny.model.model.multi_modal_projector) is LlavaMultiModalProjector
-    torch.testing.assert_close(_features(tiny.model, images), plain, rtol=0, atol=0)
+    _plain_again(tiny.model, state, images, plain)
 
 
 def test_the_processor_expands_each_image_to_the_pooled_tokens(tiny, monkeypatch):
@@ -137,20 +141,7 @@ def test_install_keeps_the_callers_random_state(tiny):
 
 
 def test_the_onnx_vision_export_carries_the_pooling(tiny, tmp_path):
-    pytest.importorskip("onnxruntime")  # optional peer: the exporter's ONNX Runtime check
-    import onnxruntime as ort
-
-    from vlkv.exporter.vision_onnx import VisionCase, export_vision
-    from vlkv.exporter.vision_tower import vision_encoder
-
     install(tiny.model, _state(tiny.model, 9) | {POOL_KEY: POOL})
-    encoder = vision_encoder(tiny.model, "llava")
-    path = tmp_path / "vision.onnx"
-    export_vision(
-        encoder, "llava", VisionCase("b2", {"input": _images(10)}), path, opset=17, dynamic_batch=True
-    )
-    images = _images(11)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = session.run(None, {"input": images.numpy()})[0]
+    got, images = _onnx_vision_tokens(tiny.model, tmp_path)
     assert got.shape == (2, PATCHES // 4, tiny.model.config.text_config.hidden_size)
     np.testing.assert_allclose(got, _features(tiny.model, images).numpy(), rtol=1e-5, atol=1e-5)

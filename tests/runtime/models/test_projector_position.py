@@ -32,6 +32,28 @@ def _features(model, images) -> torch.Tensor:
         return torch.stack(model.model.get_image_features(pixel_values=images).pooler_output)
 
 
+def _plain_again(model, state: dict, images: torch.Tensor, plain: torch.Tensor) -> None:
+    """A file without the extra key, applied after one with it, puts the plain MLP back: same tokens."""
+    S.apply_projector(model, state)
+    assert type(model.model.multi_modal_projector) is LlavaMultiModalProjector
+    torch.testing.assert_close(_features(model, images), plain, rtol=0, atol=0)
+
+
+def _onnx_vision_tokens(model, tmp_path) -> tuple[np.ndarray, torch.Tensor]:
+    """The installed projector's vision encoder exported to ONNX (dynamic batch) and run by ONNX Runtime on
+    two new images: ``(ORT's tokens (2, tokens, hidden), the images (2, 3, 56, 56))``."""
+    ort = pytest.importorskip("onnxruntime")  # optional peer: the exporter's ONNX Runtime check
+    from vlkv.exporter.vision_onnx import VisionCase, export_vision
+    from vlkv.exporter.vision_tower import vision_encoder
+
+    path = tmp_path / "vision.onnx"
+    case = VisionCase("b2", {"input": _images(10)})
+    export_vision(vision_encoder(model, "llava"), "llava", case, path, opset=17, dynamic_batch=True)
+    images = _images(11)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {"input": images.numpy()})[0], images
+
+
 def test_a_file_without_the_bias_loads_exactly_as_before(tiny, monkeypatch):
     state = _state(tiny.model, 1)
     before = tiny.model.model.multi_modal_projector
@@ -64,10 +86,7 @@ def test_a_file_with_the_bias_shifts_image_tokens_by_it_only(tiny, monkeypatch):
     torch.testing.assert_close(biased, plain + bias, rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(tiny.model(input_ids=ids).logits, text_logits, rtol=0, atol=0)
-    # a file without the bias afterwards puts the plain MLP back
-    S.apply_projector(tiny.model, state)
-    assert type(tiny.model.model.multi_modal_projector) is LlavaMultiModalProjector
-    torch.testing.assert_close(_features(tiny.model, images), plain, rtol=0, atol=0)
+    _plain_again(tiny.model, state, images, plain)
 
 
 def test_a_bias_of_the_wrong_size_is_one_line(tiny, monkeypatch):
@@ -103,22 +122,9 @@ def test_install_keeps_the_callers_random_state(tiny):
 
 
 def test_the_onnx_vision_export_carries_the_bias(tiny, tmp_path):
-    pytest.importorskip("onnxruntime")  # optional peer: the exporter's ONNX Runtime check
-    import onnxruntime as ort
-
-    from vlkv.exporter.vision_onnx import VisionCase, export_vision
-    from vlkv.exporter.vision_tower import vision_encoder
-
     bias = torch.randn(PATCHES, 64, generator=torch.Generator().manual_seed(8))
     install(tiny.model, _state(tiny.model, 9) | {POSITION_KEY: bias})
-    encoder = vision_encoder(tiny.model, "llava")
-    path = tmp_path / "vision.onnx"
-    export_vision(
-        encoder, "llava", VisionCase("b2", {"input": _images(10)}), path, opset=17, dynamic_batch=True
-    )
-    images = _images(11)
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    got = session.run(None, {"input": images.numpy()})[0]
+    got, images = _onnx_vision_tokens(tiny.model, tmp_path)
     expected = _features(tiny.model, images)
     np.testing.assert_allclose(got, expected.numpy(), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
