@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.eval.train_script import check_plain_starts_a_form_run
 from tests.eval.train_script import tiny_cfg as _cfg
 from vlkv.runtime.models.projector_order import ORDER_KEY, OrderedProjector, column_major
 
@@ -33,17 +34,9 @@ def test_columns_run_resumes_and_exports_its_order(tp, tmp_path):
 
 
 def test_a_raster_projector_starts_a_columns_run_not_the_reverse(tp, tmp_path):
-    plain = tp.train(_cfg(tp, steps=1), tmp_path / "plain", quiet=True)
-    cfg = _cfg(tp, token_order="columns", init_from=str(tmp_path / "plain" / tp.CHECKPOINT))
-    tp.train(cfg, tmp_path / "c", stop_at=0, quiet=True)
-    start = torch.load(tmp_path / "c" / tp.CHECKPOINT, weights_only=False)["projector"]
-    assert set(start) == set(plain) | {ORDER_KEY}
-    for key, value in plain.items():
-        torch.testing.assert_close(start[key], value, rtol=0, atol=0)
-    tp.train(cfg, tmp_path / "c", resume=True, quiet=True)
-    refuse = _cfg(tp, init_from=str(tmp_path / "c" / tp.CHECKPOINT))
-    with pytest.raises(ValueError, match="another image-token order than 'raster'"):
-        tp.train(refuse, tmp_path / "d", quiet=True)
+    check_plain_starts_a_form_run(
+        tp, tmp_path, {"token_order": "columns"}, ORDER_KEY, "another image-token order than 'raster'"
+    )
     with pytest.raises(ValueError, match="token_order must be one of"):
         _cfg(tp, token_order="rows")
     with pytest.raises(ValueError, match="needs form mlp and no position_bias"):

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests.eval.train_script import check_plain_starts_a_form_run
 from tests.eval.train_script import tiny_cfg as _cfg
 from vlkv.runtime.models.projector_pool import POOL_KEY, PooledProjector
 
@@ -40,17 +41,7 @@ def test_pooled_run_fits_per_token_resumes_and_exports_its_pool(tp, tmp_path):
 
 
 def test_an_unpooled_projector_starts_a_pooled_run_not_the_reverse(tp, tmp_path):
-    plain = tp.train(_cfg(tp, steps=1), tmp_path / "plain", quiet=True)
-    cfg = _cfg(tp, pool=2, init_from=str(tmp_path / "plain" / tp.CHECKPOINT))
-    tp.train(cfg, tmp_path / "c", stop_at=0, quiet=True)
-    start = torch.load(tmp_path / "c" / tp.CHECKPOINT, weights_only=False)["projector"]
-    assert set(start) == set(plain) | {POOL_KEY}
-    for key, value in plain.items():
-        torch.testing.assert_close(start[key], value, rtol=0, atol=0)
-    tp.train(cfg, tmp_path / "c", resume=True, quiet=True)
-    refuse = _cfg(tp, init_from=str(tmp_path / "c" / tp.CHECKPOINT))
-    with pytest.raises(ValueError, match="is pooled by 2, not 1"):
-        tp.train(refuse, tmp_path / "d", quiet=True)
+    check_plain_starts_a_form_run(tp, tmp_path, {"pool": 2}, POOL_KEY, "is pooled by 2, not 1")
     with pytest.raises(ValueError, match="pool must be one of"):
         _cfg(tp, pool=3)
     for bad in ({"form": "linear"}, {"position_bias": "thirds"}, {"token_order": "columns"}):

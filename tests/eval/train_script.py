@@ -25,3 +25,22 @@ def load():
 def tiny_cfg(tp, **kw):
     """``tp.TrainConfig`` of :data:`TINY` with ``kw`` over it."""
     return tp.TrainConfig(**TINY | kw)
+
+
+def check_plain_starts_a_form_run(tp, tmp_path, form: dict, key: str, refused: str) -> None:
+    """A plain (raster, unpooled) run's checkpoint starts a run of projector ``form`` (config fields) with
+    its weights and the form's ``key`` added; that run resumes; its checkpoint cannot start a plain run
+    (the ``ValueError`` matches ``refused``)."""
+    import pytest
+    import torch
+
+    plain = tp.train(tiny_cfg(tp, steps=1), tmp_path / "plain", quiet=True)
+    cfg = tiny_cfg(tp, **form, init_from=str(tmp_path / "plain" / tp.CHECKPOINT))
+    tp.train(cfg, tmp_path / "c", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "c" / tp.CHECKPOINT, weights_only=False)["projector"]
+    assert set(start) == set(plain) | {key}
+    for name, value in plain.items():
+        torch.testing.assert_close(start[name], value, rtol=0, atol=0)
+    tp.train(cfg, tmp_path / "c", resume=True, quiet=True)
+    with pytest.raises(ValueError, match=refused):
+        tp.train(tiny_cfg(tp, init_from=str(tmp_path / "c" / tp.CHECKPOINT)), tmp_path / "d", quiet=True)
