@@ -89,6 +89,19 @@ def pool_write_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(ids_ptr + h * sih + b * sib).to(tl.int64)
+    write_pool_row(
+        k_ptr, v_ptr, kp_ptr, vp_ptr, flag_ptr, b, h, slot,
+        skb, skh, svb, svh, skph, skps, svph, svps, sfh, D, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def write_pool_row(
+    k_ptr, v_ptr, kp_ptr, vp_ptr, flag_ptr, b, h, slot,
+    skb, skh, svb, svh, skph, skps, svph, svps, sfh, D, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``k[b, h, :D]`` / ``v[b, h, :D]`` into the pools at ``slot`` of KV head ``h`` (cast to the pools'
+    dtype) and the slot's pre-RoPE flag cleared (the one-launch append shares it)."""
     d = tl.arange(0, BLOCK)
     inside = d < D
     kr = tl.load(k_ptr + b * skb + h * skh + d, mask=inside)

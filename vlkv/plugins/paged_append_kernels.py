@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vlkv.plugins.glue_kernels import write_pool_row
+
 # a meta row (``(L, B, META_FIELDS)`` int64; its builder ``vlkv.runtime.kv.step_tables`` names the
 # fields): 0 the slot table's address, 1 the table capacity, 2-4 the position, modality and order tables'
 # addresses, 5 the hole table's (0: no holes), 6 the new column, 7 the run id (the same slot in every
@@ -44,13 +46,10 @@ def decode_append_kernel(
         slot = tl.load(row + 7)
     else:
         slot = tl.load(ids_ptr + h * sih + b * sib).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    inside = d < D
-    kr = tl.load(k_ptr + b * skb + h * skh + d, mask=inside)
-    vr = tl.load(v_ptr + b * svb + h * svh + d, mask=inside)
-    tl.store(kp_ptr + h * skph + slot * skps + d, kr.to(kp_ptr.dtype.element_ty), mask=inside)
-    tl.store(vp_ptr + h * svph + slot * svps + d, vr.to(vp_ptr.dtype.element_ty), mask=inside)
-    tl.store(flag_ptr + h * sfh + slot, tl.zeros((), dtype=flag_ptr.dtype.element_ty))
+    write_pool_row(
+        k_ptr, v_ptr, kp_ptr, vp_ptr, flag_ptr, b, h, slot,
+        skb, skh, svb, svh, skph, skps, svph, svps, sfh, D, BLOCK,
+    )  # fmt: skip
     # the request's tables: contiguous (1, H_kv, C) / (1, H_kv, C, P), so column p of head h is
     # element h·C + p (times P for positions)
     cap = tl.load(row + 1)
