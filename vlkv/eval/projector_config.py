@@ -96,29 +96,23 @@ class TrainConfig:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.autocast not in ("bf16", "fp32"):
             raise ValueError(f"autocast must be bf16 or fp32, got {self.autocast!r}")
-        if self.form not in FORMS:
-            raise ValueError(f"form must be one of {list(FORMS)}, got {self.form!r}")
-        if self.mix not in MIXES:
-            raise ValueError(f"mix must be one of {list(MIXES)}, got {self.mix!r}")
-        if self.init_target not in TARGETS:
-            raise ValueError(f"init_target must be one of {list(TARGETS)}, got {self.init_target!r}")
-        if self.labels not in LABELS:
-            raise ValueError(f"labels must be one of {list(LABELS)}, got {self.labels!r}")
-        if self.init_hidden not in HIDDEN:
-            raise ValueError(f"init_hidden must be one of {list(HIDDEN)}, got {self.init_hidden!r}")
-        if self.position_bias not in POSITION_BIASES:
-            raise ValueError(
-                f"position_bias must be one of {list(POSITION_BIASES)}, got {self.position_bias!r}"
-            )
-        if self.token_order not in ORDERS:
-            raise ValueError(f"token_order must be one of {list(ORDERS)}, got {self.token_order!r}")
+        for name, options in (
+            ("form", FORMS),
+            ("mix", MIXES),
+            ("init_target", TARGETS),
+            ("labels", LABELS),
+            ("init_hidden", HIDDEN),
+            ("position_bias", POSITION_BIASES),
+            ("token_order", ORDERS),
+            ("pool", POOLS),
+        ):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name} must be one of {list(options)}, got {getattr(self, name)!r}")
         if self.token_order != "raster" and (self.form != "mlp" or self.position_bias != "none"):
             raise ValueError(
                 f"token_order {self.token_order!r} needs form mlp and no position_bias, "
                 f"got {self.form!r} / {self.position_bias!r}"
             )
-        if self.pool not in POOLS:
-            raise ValueError(f"pool must be one of {list(POOLS)}, got {self.pool}")
         if self.pool > 1 and (self.form, self.position_bias, self.token_order) != ("mlp", "none", "raster"):
             raise ValueError(
                 f"pool {self.pool} needs form mlp, no position_bias and raster order, got "
