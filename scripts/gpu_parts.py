@@ -121,8 +121,9 @@ def run_pytest(args, sink: Sink) -> None:
         # the H200 run 4 spent its whole 150 + 170 s in them (6 tests done). The references' matmul path is
         # checked against those kernels in CI; here the minutes go to the GPU.
         env.update(dict.fromkeys(CPU_KERNEL_SWITCHES, "0"))
-    # -v: each test's name is written before it runs, so a part stopped at its limit names where it was
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rs", *files]
+    # -v: each test's name is written before it runs, so a part stopped at its limit names where it was;
+    # -rsfE: the summary at the tail names every failed test (run 5's tail kept only the last traceback)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rsfE", *files]
     result: dict = {"command": " ".join(cmd[1:]), "files": files}
     sink(result)
     timeout = max(10.0, args.part_budget - 5)
