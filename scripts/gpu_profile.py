@@ -14,10 +14,18 @@ Host syncs per step: ``aten::_local_scalar_dense`` events (one per ``.item()`` /
 ``cudaStreamSynchronize`` calls (every read back waits on one, ``.tolist()`` / ``.cpu()`` /
 ``nonzero`` included, which no scalar event shows). ``vlkv.runtime.op_count.count_ops`` counts the
 same reads on a CPU run (tests/runtime/policies/test_decode_syncs.py bounds them).
+
+Host Python per step (``host``): the same steps under ``cProfile`` (no torch profiler), the functions
+with the most own time per step, and the time inside Triton's launcher. Run 5 halved the operator
+events of a full-cache step and the step (38-56 ms against a 7.3 ms bound, ~13 ms of device work) did not
+get faster: what the host spends is not the operator count, and an operator profile cannot say where the
+Python goes. ``step_ms`` is the step unprofiled, the number the others are read against.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 
 import torch
@@ -28,6 +36,59 @@ STEPS = 3
 SYNC_KEYS = ("aten::_local_scalar_dense",)  # its parent ``aten::item`` is the same read
 STREAM_SYNC_KEYS = ("cudaStreamSynchronize",)  # the final ``torch.cuda.synchronize()`` is a device sync
 COPY_KEYS = ("aten::copy_", "aten::to", "aten::_to_copy")
+HOST_TOP = 12
+TRITON_LAUNCH = (
+    "triton/runtime/jit.py",
+    "run",
+)  # JITFunction.run: binds arguments, picks the binary, launches
+
+
+def _where(filename: str) -> str:
+    """``filename`` from its package down (``vlkv/...``, ``torch/...``, ``triton/...``), or as it is."""
+    for root in ("vlkv/", "triton/", "torch/", "transformers/", "scripts/"):
+        at = filename.rfind("/" + root)
+        if at >= 0:
+            return filename[at + 1 :]
+    return filename.rsplit("/", 1)[-1]  # no machine's directories in a committed report
+
+
+def _fn(filename: str, line: int, name: str) -> str:
+    """One profile row's function: ``where:line:name``, or a builtin's own name (cProfile files those under ``~``)."""
+    return name if filename == "~" else f"{_where(filename)}:{line}:{name}"
+
+
+def host_profile(step, device: str, steps: int = STEPS) -> dict:
+    """``steps`` runs of ``step()`` unprofiled, then under ``cProfile``: the step's wall time and where its
+    host Python goes (the functions with the most own time; Triton's launcher, its callees included)."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    plain = (time.perf_counter() - start) / steps * 1e3
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync(device)
+    prof.disable()
+    wall = (time.perf_counter() - start) / steps * 1e3
+    stats = pstats.Stats(
+        prof
+    ).stats  # {(file, line, name): (calls, prim calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:HOST_TOP]
+    launch = [v for (f, _, n), v in stats.items() if f.endswith(TRITON_LAUNCH[0]) and n == TRITON_LAUNCH[1]]
+    return {
+        "step_ms": plain,
+        "step_ms_cprofile": wall,
+        "triton_launch_ms_per_step": sum(v[3] for v in launch) / steps * 1e3,
+        "triton_launches_per_step": sum(v[0] for v in launch) / steps,
+        "top_own": [
+            {"fn": _fn(f, line, name), "calls_per_step": v[0] / steps, "own_ms_per_step": v[2] / steps * 1e3}
+            for (f, line, name), v in rows
+        ],
+    }  # fmt: skip
 
 
 def profiled(step, device: str, steps: int = STEPS) -> dict:
@@ -44,11 +105,14 @@ def profiled(step, device: str, steps: int = STEPS) -> dict:
             step()
         sync(device)
     wall = (time.perf_counter() - start) / steps * 1e3
+    host = host_profile(step, device, steps)
     events = prof.key_averages()
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     on_device = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:8]
     return {
         "step_ms_profiled": wall,
+        "step_ms": host.pop("step_ms"),
+        "host": host,
         "syncs_per_step": sum(e.count for e in events if e.key in SYNC_KEYS) / steps,
         "stream_syncs_per_step": sum(e.count for e in events if e.key in STREAM_SYNC_KEYS) / steps,
         "copies_per_step": sum(e.count for e in events if e.key in COPY_KEYS) / steps,

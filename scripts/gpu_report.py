@@ -111,13 +111,16 @@ def _pytest(res: dict) -> list[str]:
 def _profile(res: dict) -> list[str]:
     lines = [f"{res.get('model', '').removeprefix('shape:')}, {res.get('tokens')} tokens × batch {res.get('batch')}, budget 0.2; "
              "`engine`: Engine.decode on one batched cache; `scheduler`: Scheduler.step() (the step plan, what serve runs)", "",
-             "| policy | path | step (ms, profiled) | ops / step | host syncs / step | copies / step | top ops by self CPU (ms / step) |",
-             "|---|---|---:|---:|---:|---:|---|"]  # fmt: skip
+             "| policy | path | step (ms) | step (ms, profiled) | ops / step | host syncs / step | copies / step | top ops by self CPU (ms / step) |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    host = ["", "Host Python per step (cProfile, no operator profiler): Triton's launcher (ms / launches) and the functions "
+            "with the most own time (ms / step)", "", "| policy | path | step (ms, cProfile) | Triton launch | top own time |",
+            "|---|---|---:|---|---|"]  # fmt: skip
     for name, row in (res.get("policies") or {}).items():
         paths = row if isinstance(row, dict) and "step_ms_profiled" not in row else {"engine": row}
         for path, p in paths.items():
             if not isinstance(p, dict):
-                lines.append(f"| {name} | {path} | {p} | | | | |")
+                lines.append(f"| {name} | {path} | {p} | | | | | |")
                 continue
             top = "; ".join(f"{o['op']} {o['self_cpu_ms_per_step']:.1f}" for o in p["top_self_cpu"][:5])
             dev = "; ".join(
@@ -125,10 +128,17 @@ def _profile(res: dict) -> list[str]:
             )
             top += f" — device: {dev}" if dev else ""
             lines.append(
-                f"| {name} | {path} | {p['step_ms_profiled']:.1f} | {p['ops_per_step']:.0f} | {p['syncs_per_step']:.0f} "
-                f"| {p['copies_per_step']:.0f} | {top} |"
+                f"| {name} | {path} | {p.get('step_ms', float('nan')):.1f} | {p['step_ms_profiled']:.1f} "
+                f"| {p['ops_per_step']:.0f} | {p['syncs_per_step']:.0f} | {p['copies_per_step']:.0f} | {top} |"
             )
-    return lines
+            h = p.get("host")
+            if h:
+                own = "; ".join(f"{o['fn']} {o['own_ms_per_step']:.2f}" for o in h["top_own"][:6])
+                host.append(
+                    f"| {name} | {path} | {h['step_ms_cprofile']:.1f} "
+                    f"| {h['triton_launch_ms_per_step']:.2f} / {h['triton_launches_per_step']:.0f} | {own} |"
+                )
+    return lines + (host if len(host) > 5 else [])
 
 
 SECTIONS = {

@@ -75,6 +75,9 @@ def test_dry_run_measures_what_it_reports(dry_run):
         assert set(row) == {"engine", "scheduler"}, (name, row)
         assert all(isinstance(p, dict) and p["ops_per_step"] > 0 for p in row.values()), (name, row)
         assert row["scheduler"]["running"] == parts["profile"]["result"]["batch"], (name, row)
+        for p in row.values():  # where the host Python goes: the step's own functions, timed unprofiled
+            assert p["step_ms"] > 0 and p["host"]["step_ms_cprofile"] > 0, (name, p)
+            assert any(o["fn"].startswith("vlkv/") for o in p["host"]["top_own"]), (name, p["host"])
     # without CUDA every gpu-marked test is collected and skipped, none errors
     counts = parts["pytest"]["result"]["counts"]
     assert counts.get("skipped", 0) > 0 and not counts.get("failed") and not counts.get("error")
