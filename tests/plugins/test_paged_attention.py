@@ -310,6 +310,32 @@ def test_cuda_dispatch_matches_reference(dtype, monkeypatch):
             assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
 
 
+def compiled_variants(kernel) -> int:
+    """How many binaries Triton has compiled for ``kernel`` (a JITFunction) on any device: the first
+    element of each device's cache entry is its kernel dict (Triton 3.x)."""
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_does_not_recompile_as_the_table_grows(monkeypatch):
+    """A decode's table grows a column a step; the kernel compiled for the first width serves every later
+    one (widths crossing multiples of 16, lengths 1 and full), at a fixed split count."""
+    from vlkv.plugins.paged_attention_kernels import paged_attention_kernel
+
+    monkeypatch.delenv(ops.FORCE_TRITON_ENV, raising=False)
+    base = PagedCase(2, 2, 4, 1, 140, 64, layout="runs")
+    counts = []
+    for cols in range(95, 141):  # 96, 112, 128 divisible by 16
+        args = {
+            k: v.cuda() if torch.is_tensor(v) else v
+            for k, v in dataclasses.replace(base, cols=cols).make(torch.bfloat16).items()
+        }
+        got = tpa.paged_attention_triton(**args, num_splits=2)
+        assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.bfloat16)
+        counts.append(compiled_variants(paged_attention_kernel))
+    assert counts[-1] == counts[0], counts
+
+
 # (layouts where no two requests hold one slot: a slot stored rotated has one position)
 @pytest.mark.parametrize("case", [c for c in ROPE if c.layout != "perhead"], ids=repr)
 def test_rotated_on_read_equals_keys_stored_rotated(case):

@@ -26,7 +26,12 @@ MAX_SCORES = 3
 META_FIELDS = 9 + MAX_SCORES
 
 
-@triton.jit
+# the read table's width (and so its strides) grows a column a step, and each layer reads its own rows of
+# the step's table: not specialised, or a decode compiles new binaries mid-run (see paged_attention_kernels)
+PER_STEP_INTS = ("sob", "soh", "META_OFF", "W")
+
+
+@triton.jit(do_not_specialize=PER_STEP_INTS)
 def decode_append_kernel(
     k_ptr, v_ptr, kp_ptr, vp_ptr, flag_ptr, ids_ptr, meta_ptr, pos_ptr, mod_ptr, ord_ptr, out_ptr,
     skb, skh, svb, svh, skph, skps, svph, svps, sfh, sih, sib, spb, sob, soh,

@@ -18,8 +18,13 @@ import triton.language as tl
 
 from vlkv.plugins.flash_tiles import attend_block, query_tile, store_tile
 
+# the table's width and strides grow by one column a decode step: specialised (Triton's "divisible by 16"
+# and "== 1" variants) they make a decode compile new binaries mid-run, each a fraction of a second (a
+# likely cause of GPU run 5's one 488 ms step)
+PER_STEP_INTS = ("stb", "sth", "COLS")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=PER_STEP_INTS)
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     rot_ptr, cos_ptr, sin_ptr,
