@@ -16,6 +16,7 @@ of each (request, KV head)'s own slot row in place: nothing gathered, no second 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,10 @@ from torch import Tensor
 from vlkv.plugins import paged_cpu, paged_cpu_kernel
 from vlkv.plugins.paged_cpu import INPLACE_MIN, _gather, shared_runs
 from vlkv.plugins.paged_reference import check_paged_args, held_columns, rotate_keys
+
+# statistics decode steps on the Triton path read K/V once in place (:func:`triton_decode_probs`); off
+# (``VLKV_TRITON_PROBS=0``): the two halves' gathers, as before (a GPU profile's before / after)
+TRITON_PROBS = os.environ.get("VLKV_TRITON_PROBS", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -219,11 +224,52 @@ def fused_decode_probs(
     check_paged_args(q, k_pool, v_pool, table, lengths, None, None, None)
     clamped = lengths.clamp(0, cols)
     held = held_columns(table, clamped)
-    if host is None:
+    full = _known_full(host, holes, cols)
+    if full is None:
         full = bool(held.all())
-    else:  # a row shorter than the table is not full; a hole is read only where the lengths cannot tell
-        full = all(n >= cols for row in host for n in row) and (not holes or bool(held.all()))
     qs = q.reshape(batch, kv_heads, heads // kv_heads, dim).float() * scale
     out, probs = paged_cpu_kernel.table_attention_probs(qs, k_pool, v_pool, table, clamped)
     vis = None if full else held[:, :, None, :]
     return out.view(batch, heads, 1, v_pool.shape[-1]).to(q.dtype), probs, vis
+
+
+def _known_full(host: list[list[int]] | None, holes: bool, cols: int) -> bool | None:
+    """Whether every column of every row is held, decided from the host lengths where they can tell (a
+    row shorter than the table is not full; with no hole possible, rows as long as the table are): None
+    when only a read of the table can (no host lengths, or every row full and a hole possible)."""
+    if host is None:
+        return None
+    if not all(n >= cols for row in host for n in row):
+        return False
+    return None if holes else True
+
+
+def triton_decode_probs(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    host: list[list[int]] | None = None,
+    holes: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """A statistics decode step by the Triton kernel (``triton_paged_probs``): ``out (B, H_q, 1, D_v)`` in
+    q's dtype and ``probs (B, H_kv, G, C)`` / ``vis`` as :func:`paged_decode_probs` gives them, from one
+    read of K and V in place through the table (no gather, no fp32 copy). None where it does not apply
+    (off: ``TRITON_PROBS``; not CUDA tensors and not forced Triton, as ``ops.paged_attention`` chooses;
+    more than one query row; pools of another dtype than q): the caller keeps the two halves. No
+    pre-RoPE keys: a caller with ``rot`` keeps the halves. host, holes: as :func:`fused_decode_probs`."""
+    from vlkv.plugins.ops import use_triton
+
+    if not TRITON_PROBS or q.shape[2] != 1 or not q.dtype == k_pool.dtype == v_pool.dtype:
+        return None
+    if not use_triton(q, k_pool, v_pool):
+        return None
+    from vlkv.plugins.triton_paged_probs import paged_probs_triton
+
+    full = _known_full(host, holes, table.shape[2])
+    out, probs, vis = paged_probs_triton(q, k_pool, v_pool, table, lengths, scale, with_vis=full is not True)
+    if full is None:
+        full = bool(vis.all())
+    return out, probs, None if full else vis

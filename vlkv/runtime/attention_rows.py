@@ -132,8 +132,9 @@ def _paged_one_row(
     Returns ``out (B, H, 1, D)`` in q's dtype, with ``stats`` the probabilities ``(B, H_kv, G, C)`` and
     visibility of ``paged_probs`` (else None, None), and the CPU read plan to keep for the next layer
     (``last_plan`` reused while the tables are the same: one plan per step). A statistics step reads
-    K once for both: with the fused CPU kernel (fp32 CPU pools, no pre-RoPE keys) its output and
-    probabilities come from one read of each head's own table row; otherwise the two halves of
+    K once for both: with the Triton kernel (CUDA or forced Triton) or the fused CPU kernel (fp32 CPU
+    pools), no pre-RoPE keys, its output and probabilities come from one in-place read of each head's
+    own table row; otherwise the two halves of
     ``paged_probs`` (probabilities, then P·V). ``exact``: the output is the plain read's, bit for bit."""
     from vlkv.plugins import paged_attention
     from vlkv.plugins.ops import use_triton
@@ -156,11 +157,14 @@ def _paged_one_row(
         fused_decode_probs,
         paged_decode_out,
         paged_decode_probs,
+        triton_decode_probs,
     )
 
     fused = None
-    if not rope:
-        fused = fused_decode_probs(q, k_pool, v_pool, table, lengths, scale, host.lengths, host.holes)
+    if not rope:  # one read of K and V for both: the Triton kernel (CUDA), else the fused CPU kernel
+        fused = triton_decode_probs(q, k_pool, v_pool, table, lengths, scale, host.lengths, host.holes)
+        if fused is None:
+            fused = fused_decode_probs(q, k_pool, v_pool, table, lengths, scale, host.lengths, host.holes)
     if fused is not None:
         out, probs, vis = fused
         return (plain() if exact else out), probs, vis, plan

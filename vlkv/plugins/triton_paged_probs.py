@@ -1,0 +1,80 @@
+"""PyTorch launcher for ``paged_probs_kernels.py`` (see that module for the algorithm): a statistics decode
+step's output and probabilities from one in-place read of K and V through the slot tables."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from vlkv.plugins.paged_probs_kernels import normalise_blocks, paged_probs_kernel, probs_normalise_kernel
+from vlkv.plugins.paged_reference import check_paged_args
+from vlkv.plugins.triton_launch import check_float_dtype, dot_in_fp32
+from vlkv.plugins.triton_paged_attention import _partials
+from vlkv.plugins.triton_selected_attention import SplitPlan, combine_splits, default_num_splits, tile_sizes
+
+
+def paged_probs_triton(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    with_vis: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One decode row per request: ``q (B, H_q, 1, D)``, pools ``(H_kv, S, D)`` / ``(H_kv, S, D_v)`` (one
+    float dtype), ``table (B, H_kv, C)``, ``lengths (B, H_kv)`` as ``paged_attention_reference`` takes them.
+
+    Returns ``out (B, H_q, 1, D_v)`` in q's dtype (the paged read's output), ``probs (B, H_kv, G, C)``
+    float32 (the softmax of ``q·k · scale`` over each row's held columns, 0 at holes, past its length
+    and in a row holding nothing: ``paged_probs.paged_decode_probs``' definition) and, with ``with_vis``,
+    the held columns ``(B, H_kv, 1, C)`` bool (else None). num_splits: column splits per (request, KV
+    head); None picks one from the launch size (about 256 programs). No pre-RoPE keys: a call with
+    ``rot`` keeps ``paged_probs``' two halves.
+    """
+    check_float_dtype("q", q.dtype)
+    if not q.dtype == k_pool.dtype == v_pool.dtype:
+        raise ValueError(
+            f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
+        )
+    group, _ = check_paged_args(q, k_pool, v_pool, table, lengths)
+    batch, heads, num_q, dim = q.shape
+    if num_q != 1:
+        raise ValueError(f"paged_probs_triton takes one query row per request, got {num_q}")
+    kv_heads, dim_v, cols = k_pool.shape[0], v_pool.shape[-1], table.shape[-1]
+    table, lengths = table.to(q.device), lengths.to(q.device)
+    pairs = batch * kv_heads
+    block_m, block_n, block_d, block_dv = tile_sizes(group, dim, dim_v)
+    grid_m = triton.cdiv(group, block_m)
+    if num_splits is None:
+        num_splits = default_num_splits(pairs * grid_m, cols, block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    # (max, sum) per split and row even with one split (the normalise pass reads them); the accumulator
+    # only with several (one split writes the output itself)
+    part_m, part_l, part_acc = _partials(pairs * num_splits * group, dim_v if num_splits > 1 else 0, q.device)
+    plan = SplitPlan(
+        (pairs, grid_m, num_splits), block_m, block_n, block_d, block_dv, part_m, part_l, part_acc
+    )
+    out = torch.empty(batch, heads, 1, dim_v, dtype=q.dtype, device=q.device)
+    probs = torch.empty(batch, kv_heads, group, cols, dtype=torch.float32, device=q.device)
+    vis = torch.empty(batch, kv_heads, 1, cols, dtype=torch.bool, device=q.device) if with_vis else None
+    if pairs == 0 or cols == 0:
+        return out.zero_(), probs, None if vis is None else vis.zero_()
+    paged_probs_kernel[plan.grid](
+        q, k_pool, v_pool, table, lengths, out, probs, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), q.stride(3), *k_pool.stride(), *v_pool.stride(), *table.stride(),
+        *lengths.stride(), out.stride(0), out.stride(1), out.stride(3),
+        kv_heads, group, dim, dim_v, cols,
+        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), **plan.constexprs,
+    )  # fmt: skip
+    combine_splits(plan, out, kv_heads, group)
+    block_g, block_c = normalise_blocks(group, cols)
+    probs_normalise_kernel[(pairs, triton.cdiv(cols, block_c))](
+        probs, table, lengths, probs if vis is None else vis, part_m, part_l,
+        *table.stride(), *lengths.stride(), kv_heads, group, cols,
+        NUM_SPLITS=num_splits, WRITE_VIS=vis is not None, BLOCK_G=block_g, BLOCK_C=block_c,
+    )  # fmt: skip
+    return out, probs, vis
