@@ -90,14 +90,10 @@ def kernel_selected(args, dtype, sizes, keep: float = 0.3) -> dict:
     }
 
 
-def kernel_paged(args, dtype, sizes) -> list[dict] | str:
-    """The runtime-v3 paged read (``ops.paged_attention``) vs SDPA over a contiguous cache: one decode
-    row per request, every request's entries scattered over the pool in 16-slot pages."""
-    from vlkv.plugins import ops
-
-    if not hasattr(ops, "paged_attention"):
-        return "skipped: vlkv.plugins.ops has no paged_attention yet"
-    rows = []
+def _paged_cases(args, dtype, sizes):
+    """One decode row per request over a pool where every request's entries lie scattered in 16-slot
+    pages: yields ``(tokens, batch, call, k, v)`` per token count, ``call = (q, k_pool, v_pool, table,
+    lengths, scale)`` the paged read's arguments and ``k, v (B, H_kv, T, D)`` the same cache contiguous."""
     hq, hkv, d = sizes["heads"], sizes["kv_heads"], sizes["dim"]
     batch = 2 if args.tiny else 4
     for t in sizes["keys"][:2] if not args.tiny else sizes["keys"]:
@@ -111,16 +107,28 @@ def kernel_paged(args, dtype, sizes) -> list[dict] | str:
         v_pool = torch.randn_like(k_pool)
         lengths = torch.full((batch, hkv), t, device=args.device, dtype=torch.int64)
         q = torch.randn(batch, hq, 1, d, device=args.device, dtype=dtype)
-        scale = d**-0.5
         k = k_pool[torch.arange(hkv, device=args.device)[None, :, None], table]  # (B, Hkv, T, D)
         v = v_pool[torch.arange(hkv, device=args.device)[None, :, None], table]
+        yield t, batch, (q, k_pool, v_pool, table, lengths, d**-0.5), k, v
+
+
+def kernel_paged(args, dtype, sizes) -> list[dict] | str:
+    """The runtime-v3 paged read (``ops.paged_attention``) vs SDPA over a contiguous cache: one decode
+    row per request, every request's entries scattered over the pool in 16-slot pages."""
+    from vlkv.plugins import ops
+
+    if not hasattr(ops, "paged_attention"):
+        return "skipped: vlkv.plugins.ops has no paged_attention yet"
+    rows = []
+    for t, batch, call, k, v in _paged_cases(args, dtype, sizes):
+        q, scale = call[0], call[-1]
         want = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-        got = ops.paged_attention(q, k_pool, v_pool, table, lengths, scale)
-        paged = partial(ops.paged_attention, q, k_pool, v_pool, table, lengths, scale)
+        got = ops.paged_attention(*call)
+        paged = partial(ops.paged_attention, *call)
         sdpa = partial(F.scaled_dot_product_attention, q, k, v, scale=scale, enable_gqa=True)
         t_paged = timed_ms(paged, args.device, args.repeats)
         t_sdpa = timed_ms(sdpa, args.device, args.repeats)
-        kv_bytes = 2 * batch * hkv * t * d * k.element_size()
+        kv_bytes = 2 * batch * k.shape[1] * t * k.shape[-1] * k.element_size()
         rows.append(
             {
                 "tokens": t,
@@ -132,6 +140,55 @@ def kernel_paged(args, dtype, sizes) -> list[dict] | str:
                 "max_err_vs_sdpa": _err(got, want),
             }
         )
+    return rows
+
+
+def _probs_halves(call, host):
+    """The two halves a statistics step ran on the GPU before the kernel (routed from host lengths, as
+    the engine routes them): ``out (B, H_q, 1, D_v)``, ``probs (B, H_kv, G, C)``."""
+    from vlkv.plugins.paged_probs import decode_route, paged_decode_out, paged_decode_probs
+
+    q, k_pool, v_pool, table, lengths, scale = call
+    route = decode_route(table, lengths, host=host, holes=False)
+    probs, _ = paged_decode_probs(q, k_pool, table, lengths, scale, route=route)
+    return paged_decode_out(probs, v_pool, table, lengths, route=route).view(q.shape), probs
+
+
+def kernel_paged_probs(args, dtype, sizes) -> list[dict]:
+    """A statistics decode step's read, the paged read with probabilities: output and softmax from one
+    in-place read (``paged_probs.triton_decode_probs``, the Triton kernel; CUDA only) vs the two halves it
+    replaced there (gather K, matmul, softmax; gather V, matmul: ``paged_decode_probs`` /
+    ``paged_decode_out``, the reference), the plain paged read (no probabilities) and SDPA over a
+    contiguous cache. Max errors vs the halves; without the kernel (CPU) only the others are timed."""
+    from vlkv.plugins import ops
+    from vlkv.plugins.paged_probs import triton_decode_probs
+
+    rows = []
+    for t, batch, call, k, v in _paged_cases(args, dtype, sizes):
+        q, scale = call[0], call[-1]
+        host = call[4].tolist()  # the engine's host lengths: no read back per call
+        halves = partial(_probs_halves, call, host)
+        kernel = partial(triton_decode_probs, *call, host=host, holes=False)
+        sdpa = partial(F.scaled_dot_product_attention, q, k, v, scale=scale, enable_gqa=True)
+        want_out, want_p = halves()
+        row = {
+            "tokens": t,
+            "batch": batch,
+            "halves_ms": timed_ms(halves, args.device, args.repeats),
+            "paged_ms": timed_ms(partial(ops.paged_attention, *call), args.device, args.repeats),
+            "contiguous_sdpa_ms": timed_ms(sdpa, args.device, args.repeats),
+            "halves_out_err_vs_sdpa": _err(want_out, sdpa()),
+        }
+        got = kernel()
+        if got is not None:
+            out, probs, _ = got
+            row["probs_ms"] = timed_ms(kernel, args.device, args.repeats)
+            row["speedup_vs_halves"] = row["halves_ms"] / row["probs_ms"]
+            row["ratio_vs_paged"] = row["probs_ms"] / row["paged_ms"]
+            row["ratio_vs_sdpa"] = row["probs_ms"] / row["contiguous_sdpa_ms"]
+            row["probs_max_err"] = _err(probs, want_p)
+            row["out_max_err"] = _err(out, want_out)
+        rows.append(row)
     return rows
 
 
@@ -199,6 +256,7 @@ def run_kernels(args, sink: Sink) -> None:
         ("stats", kernel_stats),
         ("selected", kernel_selected),
         ("paged", kernel_paged),
+        ("paged_probs", kernel_paged_probs),
         ("lowrank", kernel_lowrank),
         ("merge", kernel_merge),
     ):
