@@ -11,7 +11,9 @@ G = H_q // H_kv query heads per KV head.
 
 Where the fused CPU kernel reads the call (fp32 CPU pools, no pre-RoPE keys: ``paged_cpu``'s
 conditions), :func:`fused_decode_probs` gives the output and the probabilities together from ONE read
-of each (request, KV head)'s own slot row in place: nothing gathered, no second pass over K.
+of each (request, KV head)'s own slot row in place: nothing gathered, no second pass over K. On the
+Triton path (CUDA, or ``VLKV_FORCE_TRITON=1``) :func:`triton_decode_probs` does the same with the
+Triton kernel (``triton_paged_probs``), any float pool dtype.
 """
 
 from __future__ import annotations
