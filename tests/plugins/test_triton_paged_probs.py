@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
-from tests.plugins.test_paged_attention import APPENDS, PagedCase
+from tests.plugins.test_paged_attention import APPENDS, PagedCase, compiled_variants
 from tests.plugins.test_paged_probs import loop_probs
 from vlkv.plugins import ops
 from vlkv.plugins.paged_probs import paged_decode_out, paged_decode_probs, triton_decode_probs
@@ -155,3 +155,27 @@ def test_cuda_kernel_matches_the_halves(dtype, monkeypatch):
             torch.testing.assert_close(probs, want_p, rtol=PROB_TOL[dtype], atol=PROB_TOL[dtype])
             assert_close_tol(out, want_out, OUT_TOL, dtype)
             assert want_vis is None or torch.equal(vis, want_vis)
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_do_not_recompile_as_the_table_grows(monkeypatch):
+    """A decode's table grows a column a step; the kernels compiled for the first width serve every later
+    one (widths crossing multiples of 16), at a fixed split count."""
+    import dataclasses
+
+    from vlkv.plugins.paged_probs_kernels import paged_probs_kernel, probs_normalise_kernel
+
+    monkeypatch.delenv(ops.FORCE_TRITON_ENV, raising=False)
+    base = PagedCase(2, 2, 4, 1, 140, 64, layout="holes", runs=2)
+    counts = []
+    for cols in range(95, 141):  # 96, 112, 128 divisible by 16
+        case = dataclasses.replace(base, cols=cols)
+        args = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.make(torch.bfloat16).items()}
+        want_p, _, want_out = halves(args)
+        call = (args["q"], args["k_pool"], args["v_pool"], args["table"], args["lengths"], args["scale"])
+        out, probs, _ = tpp.paged_probs_triton(*call, num_splits=2)
+        tol = PROB_TOL[torch.bfloat16]
+        torch.testing.assert_close(probs, want_p, rtol=tol, atol=tol)
+        assert_close_tol(out, want_out, OUT_TOL, torch.bfloat16)
+        counts.append(compiled_variants(paged_probs_kernel) + compiled_variants(probs_normalise_kernel))
+    assert counts[-1] == counts[0], counts

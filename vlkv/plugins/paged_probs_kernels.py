@@ -18,9 +18,12 @@ import triton
 import triton.language as tl
 
 from vlkv.plugins.flash_tiles import query_tile, store_tile
+from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS
 
 
-@triton.jit
+# the per-step ints of ``paged_attention_kernel`` (the table's width and strides grow a column a step; the
+# width is the probabilities' row stride too): not specialised, or a decode compiles new binaries mid-run
+@triton.jit(do_not_specialize=PER_STEP_INTS)
 def paged_probs_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, logit_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     sqb, sqh, sqd, skh, skn, skd, svh, svn, svd, stb, sth, stc, slb, slh, sob, soh, sod,
@@ -84,7 +87,7 @@ def paged_probs_kernel(
         tl.store(part_l_ptr + part, l_i, mask=rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP_INTS)
 def probs_normalise_kernel(
     prob_ptr, tab_ptr, len_ptr, vis_ptr, part_m_ptr, part_l_ptr,
     stb, sth, stc, slb, slh, HKV, GROUP, COLS,
@@ -121,9 +124,9 @@ def probs_normalise_kernel(
         tl.store(vis_ptr + pair * COLS + col, (inside & (slot >= 0)).to(tl.int8), mask=col < COLS)
 
 
-def normalise_blocks(group: int, cols: int) -> tuple[int, int]:
+def normalise_blocks(group: int) -> tuple[int, int]:
     """``(BLOCK_G, BLOCK_C)`` of :func:`probs_normalise_kernel`: every row of a group, and about 1k
-    elements (4 KB of fp32) per program."""
+    elements (4 KB of fp32) per program; not from the table's width, which grows a column a step (a
+    block size from it would compile new binaries mid-decode)."""
     block_g = triton.next_power_of_2(max(group, 1))
-    block_c = max(16, min(triton.next_power_of_2(max(cols, 1)), 1024 // block_g))
-    return block_g, block_c
+    return block_g, max(16, 1024 // block_g)

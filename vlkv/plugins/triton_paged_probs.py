@@ -71,7 +71,7 @@ def paged_probs_triton(
         SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), **plan.constexprs,
     )  # fmt: skip
     combine_splits(plan, out, kv_heads, group)
-    block_g, block_c = normalise_blocks(group, cols)
+    block_g, block_c = normalise_blocks(group)
     probs_normalise_kernel[(pairs, triton.cdiv(cols, block_c))](
         probs, table, lengths, probs if vis is None else vis, part_m, part_l,
         *table.stride(), *lengths.stride(), kv_heads, group, cols,
