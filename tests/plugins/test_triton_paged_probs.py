@@ -94,6 +94,23 @@ def test_auto_splits_read_a_long_row_through_strides():
     assert_close_tol(out, want_out, OUT_TOL, torch.float32)
 
 
+def test_splits_merge_in_the_normalise_pass_unless_the_group_spans_row_tiles(monkeypatch):
+    """Several splits: the normalise pass merges their outputs (two launches in all) where one row tile
+    holds the group; a group of 65 query heads (two tiles of 64) takes ``combine_splits``' own launch."""
+    merged = []
+    real = tpp.combine_splits
+    monkeypatch.setattr(tpp, "combine_splits", lambda *a: merged.append(1) or real(*a))
+    for group, launches in ((4, 0), (65, 1)):
+        merged.clear()
+        args = PagedCase(2, 1, group, 1, 40, 8, layout="holes", runs=2).make(torch.float32)
+        want_p, _, want_out = halves(args)
+        call = (args["q"], args["k_pool"], args["v_pool"], args["table"], args["lengths"], args["scale"])
+        out, probs, _ = tpp.paged_probs_triton(*call, num_splits=3)
+        assert len(merged) == launches, group
+        torch.testing.assert_close(probs, want_p, rtol=1e-5, atol=1e-5)
+        assert_close_tol(out, want_out, OUT_TOL, torch.float32)
+
+
 @pytest.mark.parametrize("case", CASES[1:], ids=repr)
 def test_forced_dispatch_reads_nothing_gathered_and_keeps_the_halves_mask(case, monkeypatch):
     """``triton_decode_probs`` (forced Triton on CPU tensors) gathers nothing; its mask is the halves'

@@ -8,8 +8,9 @@ and store), and writes each block's scaled logits (``-inf`` at holes) into the `
 probabilities buffer, plus its running (max, sum) per row into the partial buffers (with one split too:
 the normalise pass needs them). ``probs_normalise_kernel`` then turns the logits into probabilities in
 place with the combined (max, sum) of the splits, writes 0 past each row's length (nothing was written
-there), and optionally the ``(B, H_kv, 1, C)`` held-column mask. Nothing is gathered, nothing upcast in
-memory: K/V are read once, the logits (4 bytes per column and query head) twice.
+there), optionally the ``(B, H_kv, 1, C)`` held-column mask, and with several splits merges their
+outputs (``combine_splits_kernel``): two launches a layer. Nothing is gathered, nothing upcast in memory:
+K/V are read once, the logits (4 bytes per column and query head) twice.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vlkv.plugins.flash_tiles import query_tile, store_tile
+from vlkv.plugins.flash_tiles import combine_splits_kernel, query_tile, store_tile
 from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS
 
 
@@ -89,13 +90,22 @@ def paged_probs_kernel(
 
 @triton.jit(do_not_specialize=PER_STEP_INTS)
 def probs_normalise_kernel(
-    prob_ptr, tab_ptr, len_ptr, vis_ptr, part_m_ptr, part_l_ptr,
-    stb, sth, stc, slb, slh, HKV, GROUP, COLS,
-    NUM_SPLITS: tl.constexpr, WRITE_VIS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
+    prob_ptr, tab_ptr, len_ptr, vis_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    stb, sth, stc, slb, slh, sob, soh, sod, HKV, GROUP, DV, COLS,
+    NUM_SPLITS: tl.constexpr, WRITE_VIS: tl.constexpr, COMBINE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(B · H_kv, cdiv(C, BLOCK_C))``: the logits of ``BLOCK_C`` columns of one (request, KV head)'s
     ``G`` rows become ``exp(logit - max) / sum`` in place (0 at holes, past the length, in a row holding
-    nothing); with ``WRITE_VIS`` the held-column mask of those columns into ``vis_ptr`` (int8/bool)."""
+    nothing); with ``WRITE_VIS`` the held-column mask of those columns into ``vis_ptr`` (int8/bool). With
+    ``COMBINE`` (several splits, ``G <= BLOCK_M``) each pair's first program also merges the splits'
+    output (``combine_splits_kernel``, whose row tile is then program_id(1) = 0): one launch fewer."""
+    if COMBINE:  # noqa: SIM102 - a constexpr branch (compiled out), then a runtime one
+        if tl.program_id(1) == 0:
+            combine_splits_kernel(
+                part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sob, soh, 0, sod, HKV, GROUP, 1, DV,
+                NUM_SPLITS, BLOCK_M, BLOCK_DV,
+            )  # fmt: skip
     pair = tl.program_id(0).to(tl.int64)
     b = pair // HKV
     kvh = pair % HKV

@@ -70,11 +70,17 @@ def paged_probs_triton(
         kv_heads, group, dim, dim_v, cols,
         SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), **plan.constexprs,
     )  # fmt: skip
-    combine_splits(plan, out, kv_heads, group)
+    # the splits' outputs merged by the normalise pass's first program per pair where one row tile holds
+    # the group (G <= 64: every common model), else by their own launch
+    combine = num_splits > 1 and grid_m == 1
+    if not combine:
+        combine_splits(plan, out, kv_heads, group)
     block_g, block_c = normalise_blocks(group)
     probs_normalise_kernel[(pairs, triton.cdiv(cols, block_c))](
-        probs, table, lengths, probs if vis is None else vis, part_m, part_l,
-        *table.stride(), *lengths.stride(), kv_heads, group, cols,
-        NUM_SPLITS=num_splits, WRITE_VIS=vis is not None, BLOCK_G=block_g, BLOCK_C=block_c,
+        probs, table, lengths, probs if vis is None else vis, part_m, part_l, part_acc, out,
+        *table.stride(), *lengths.stride(), out.stride(0), out.stride(1), out.stride(3),
+        kv_heads, group, dim_v, cols,
+        NUM_SPLITS=num_splits, WRITE_VIS=vis is not None, COMBINE=combine,
+        BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_M=block_m, BLOCK_DV=block_dv,
     )  # fmt: skip
     return out, probs, vis
