@@ -261,7 +261,8 @@ def triton_decode_probs(
     read of K and V in place through the table (no gather, no fp32 copy). None where it does not apply
     (off: ``TRITON_PROBS``; not CUDA tensors and not forced Triton, as ``ops.paged_attention`` chooses;
     more than one query row; pools of another dtype than q): the caller keeps the two halves. No
-    pre-RoPE keys: a caller with ``rot`` keeps the halves. host, holes: as :func:`fused_decode_probs`."""
+    pre-RoPE keys: a caller with ``rot`` keeps the halves. host, holes: as :func:`decode_route` takes
+    them (nothing read back: with a hole possible the mask is kept, all True where every column is held)."""
     from vlkv.plugins.ops import use_triton
 
     if not TRITON_PROBS or q.shape[2] != 1 or not q.dtype == k_pool.dtype == v_pool.dtype:
@@ -271,6 +272,8 @@ def triton_decode_probs(
     from vlkv.plugins.triton_paged_probs import paged_probs_triton
 
     full = _known_full(host, holes, table.shape[2])
+    if full is None and host is not None:  # a hole possible: keep the mask (exact either way) rather
+        full = False  # than read it back, a host sync per layer on a GPU (as decode_route decides)
     out, probs, vis = paged_probs_triton(q, k_pool, v_pool, table, lengths, scale, with_vis=full is not True)
     if full is None:
         full = bool(vis.all())
