@@ -192,26 +192,6 @@ def kernel_paged_probs(args, dtype, sizes) -> list[dict]:
     return rows
 
 
-def paged_probs_lines(res: dict) -> list[str]:
-    """The report's table of :func:`kernel_paged_probs` rows (``res``: the kernels part's result), for
-    ``gpu_report._kernels`` to append; [] where the part has no such entry."""
-    from gpu_report import _fmt as _fmt_opt  # a number formatted, anything else (None: no kernel) as is
-
-    probs = res.get("paged_probs")
-    if not isinstance(probs, list):
-        return [] if probs is None else ["", f"paged read with probabilities: {probs}"]
-    lines = ["", "| paged read with probabilities: tokens × batch | kernel (ms) | two halves (ms) | plain paged (ms) "
-             "| SDPA contiguous (ms) | speed-up vs halves | ratio vs paged | probs / out max err |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    lines += [
-        f"| {r['tokens']} × {r['batch']} | {_fmt_opt(r.get('probs_ms'), '.3f')} | {r['halves_ms']:.3f} | {r['paged_ms']:.3f} "
-        f"| {r['contiguous_sdpa_ms']:.3f} | {_fmt_opt(r.get('speedup_vs_halves'))} | {_fmt_opt(r.get('ratio_vs_paged'))} "
-        f"| {_fmt_opt(r.get('probs_max_err'), '.1e')} / {_fmt_opt(r.get('out_max_err'), '.1e')} |"
-        for r in probs
-    ]
-    return lines
-
-
 def kernel_lowrank(args, dtype, sizes) -> dict:
     """AttentionPack's rank-space decode (``ops.lowrank_attention``) over T factored + S dense entries
     vs SDPA over T + S dense entries."""

@@ -65,6 +65,24 @@ def _kernels(res: dict) -> list[str]:
             f"{name}: "
             + (", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in r.items()) if isinstance(r, dict) else str(r))
         )
+    return lines + _paged_probs(res)
+
+
+def _paged_probs(res: dict) -> list[str]:
+    """The kernels part's ``paged_probs`` rows (``gpu_kernels.kernel_paged_probs``) as a table; [] where
+    the part has no such entry."""
+    probs = res.get("paged_probs")
+    if not isinstance(probs, list):
+        return [] if probs is None else ["", f"paged read with probabilities: {probs}"]
+    lines = ["", "| paged read with probabilities: tokens × batch | kernel (ms) | two halves (ms) | plain paged (ms) "
+             "| SDPA contiguous (ms) | speed-up vs halves | ratio vs paged | probs / out max err |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines += [
+        f"| {r['tokens']} × {r['batch']} | {_fmt(r.get('probs_ms'), '.3f')} | {r['halves_ms']:.3f} | {r['paged_ms']:.3f} "
+        f"| {r['contiguous_sdpa_ms']:.3f} | {_fmt(r.get('speedup_vs_halves'))} | {_fmt(r.get('ratio_vs_paged'))} "
+        f"| {_fmt(r.get('probs_max_err'), '.1e')} / {_fmt(r.get('out_max_err'), '.1e')} |"
+        for r in probs
+    ]
     return lines
 
 
