@@ -123,7 +123,22 @@ def run_pytest(args, sink: Sink) -> None:
         env.update(dict.fromkeys(CPU_KERNEL_SWITCHES, "0"))
     # -v: each test's name is written before it runs, so a part stopped at its limit names where it was;
     # -rsfE: the summary at the tail names every failed test (run 5's tail kept only the last traceback)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-rsfE", *files]
+    # -o addopts=: one process (the project's "-n auto" would start a worker per core, each compiling
+    # the kernels again, and fails where pytest-xdist is not installed)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-o",
+        "addopts=",
+        "-m",
+        "gpu",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "-rsfE",
+        *files,
+    ]
     result: dict = {"command": " ".join(cmd[1:]), "files": files}
     sink(result)
     timeout = max(10.0, args.part_budget - 5)

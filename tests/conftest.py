@@ -19,7 +19,8 @@ from PIL import Image  # noqa: E402
 
 TINY = ("tiny-llava", "tiny-llava-next", "tiny-qwen2-vl")
 
-# tiny models: one thread avoids oversubscribing CI's two cores (measured ~30x faster under load)
+# tiny models: one thread avoids oversubscribing CI's two cores (measured ~30x faster under load); the
+# cores are used by running one test file per core (pyproject's addopts: pytest-xdist "-n auto")
 torch.set_num_threads(1)
 
 
