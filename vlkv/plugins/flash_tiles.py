@@ -37,15 +37,21 @@ def query_tile(
 
 
 @triton.jit
-def attend_block(q, k, v, seen, m_i, l_i, acc, SCALE: tl.constexpr, IEEE: tl.constexpr):
-    """One online-softmax step of ``q (BLOCK_M, BLOCK_D)`` over a block ``k (BLOCK_N, BLOCK_D)``, ``v
-    (BLOCK_N, BLOCK_DV)``, of which each row sees ``seen`` (bool, broadcast to (BLOCK_M, BLOCK_N)).
-    Returns the running max ``m_i``, sum ``l_i`` (BLOCK_M,) and ``acc (BLOCK_M, BLOCK_DV)``, all fp32."""
+def block_logits(q, k, seen, SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """``q (BLOCK_M, BLOCK_D)`` · ``k (BLOCK_N, BLOCK_D)``ᵀ times ``SCALE``, fp32, ``-inf`` where a row does
+    not see a column (``seen``: bool, broadcast to (BLOCK_M, BLOCK_N))."""
     if IEEE:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(seen, s * SCALE, float("-inf"))
+    return tl.where(seen, s * SCALE, float("-inf"))
+
+
+@triton.jit
+def attend_logits(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One online-softmax step over a block's logits ``s (BLOCK_M, BLOCK_N)`` (:func:`block_logits`) and
+    values ``v (BLOCK_N, BLOCK_DV)``: the running max ``m_i``, sum ``l_i`` (BLOCK_M,) and ``acc (BLOCK_M,
+    BLOCK_DV)``, all fp32. (A statistics kernel keeps ``s`` between the two halves.)"""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet adds 0
     alpha = tl.exp(m_i - m_safe)
@@ -56,6 +62,14 @@ def attend_block(q, k, v, seen, m_i, l_i, acc, SCALE: tl.constexpr, IEEE: tl.con
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def attend_block(q, k, v, seen, m_i, l_i, acc, SCALE: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step of ``q (BLOCK_M, BLOCK_D)`` over a block ``k (BLOCK_N, BLOCK_D)``, ``v
+    (BLOCK_N, BLOCK_DV)``, of which each row sees ``seen`` (bool, broadcast to (BLOCK_M, BLOCK_N)).
+    Returns the running max ``m_i``, sum ``l_i`` (BLOCK_M,) and ``acc (BLOCK_M, BLOCK_DV)``, all fp32."""
+    return attend_logits(block_logits(q, k, seen, SCALE, IEEE), v, m_i, l_i, acc, IEEE)
 
 
 @triton.jit

@@ -18,7 +18,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vlkv.plugins.flash_tiles import combine_splits_kernel, query_tile, store_tile
+from vlkv.plugins.flash_tiles import (
+    attend_logits,
+    block_logits,
+    combine_splits_kernel,
+    query_tile,
+    store_tile,
+)
 from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS
 
 
@@ -60,24 +66,10 @@ def paged_probs_kernel(
             mask=ok[:, None] & (dv[None, :] < DV),
             other=0.0,
         )
-        # the online-softmax step of flash_tiles.attend_block, with its scaled logits kept and stored
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :] & rows[:, None], s * SCALE, float("-inf"))
+        # flash_tiles.attend_block in its two halves: the scaled logits are kept and stored between them
+        s = block_logits(q, k, ok[None, :] & rows[:, None], SCALE, IEEE)
         tl.store(logit_row[:, None] + col[None, :], s, mask=rows[:, None] & inside[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet adds 0
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:  # noqa: SIM108 - a constexpr branch reads clearer than a ternary in a kernel
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = attend_logits(s, v, m_i, l_i, acc, IEEE)
     store_tile(
         acc, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sob, soh, 0, sod,
         b, heads, qi, r, GROUP, DV, NUM_SPLITS, BLOCK_DV,
