@@ -62,8 +62,7 @@ ONNX_FILE = "models/vit_s_focus.onnx"
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 224
 PATCH_SIZE = 14
-# 16x16 patches; the CLS token is dropped by vision_feature_select_strategy="default". The vision
-# tower's patch count: the random projector's image tokens; the shipped (pooled) one emits a quarter.
+# 16x16 patches (CLS dropped by vision_feature_select_strategy="default"); the pooled projector emits 64.
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 PROJECTOR_SEED = 0
 PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector_d6f83965.safetensors"
@@ -119,8 +118,7 @@ CHAT_TEMPLATE = (
 def prompt_template(text: str, n_images: int = 1) -> str:
     """One user turn in SmolLM2's chat format, ``n_images`` ``<image>`` placeholders before the text.
 
-    The processor expands each placeholder to the projector's image tokens (64 for the shipped
-    pooled projector, :data:`NUM_IMAGE_TOKENS` for the random one).
+    The processor expands each placeholder to the projector's image tokens (shipped: 64; random: 256).
     """
     if n_images < 0:
         raise ValueError(f"n_images must be >= 0, got {n_images}")
