@@ -2,7 +2,7 @@
 
     python scripts/train_projector.py --out runs/projector --steps 400            # start (or --resume)
     python scripts/train_projector.py --out runs/projector --resume               # carry on after a stop
-    python scripts/train_projector.py --out runs/projector --export vlkv/runtime/models/weights/smollm2_llava_projector.safetensors
+    python scripts/train_projector.py --out runs/projector --export vlkv/runtime/models/weights/smollm2_llava_projector_<sha8>.safetensors
 
 Only the 2-layer MLP projector trains; the vision tower and the language model stay frozen. The
 recipe (``shared/spec/projector-training.md``):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from vlkv.runtime.models import smollm2_llava as S
 from vlkv.runtime.models.registry import ModelLoadError, load_model
@@ -20,12 +21,17 @@ def test_shipped_file_matches_the_pinned_checksum():
     assert S.PROJECTOR_FILE.is_file()
     assert S._sha256(S.PROJECTOR_FILE) == S.PROJECTOR_SHA256
     state = S.load_projector()
-    assert {k: tuple(v.shape) for k, v in state.items()} == {
-        "linear_1.weight": (576, 384),
-        "linear_1.bias": (576,),
-        "linear_2.weight": (576, 576),
-        "linear_2.bias": (576,),
-    }
+    assert (
+        {k: tuple(v.shape) for k, v in state.items()}
+        == {
+            "linear_1.weight": (576, 384),
+            "linear_1.bias": (576,),
+            "linear_2.weight": (576, 576),
+            "linear_2.bias": (576,),
+            "token_pool": (),  # 2x2 pooling: 64 image tokens per image (docs/benchmarks/2026-11-27-vqa8-cpu-x86_64)
+        }
+    )
+    assert state.pop("token_pool").item() == 2
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in state.values())
 
 
@@ -94,13 +100,51 @@ def test_random_projector_keeps_its_name(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.demo
 def test_built_model_carries_the_trained_projector():
-    model, _ = S.build()
+    model, processor = S.build()
     state = S.load_projector()
     for key, value in model.model.multi_modal_projector.state_dict().items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0)
-    random_model, _ = S.build(projector="random")
+    # the shipped projector pools 2x2 patches: the processor and the projector agree on 64 tokens
+    image = Image.new("RGB", (256, 256), (128, 128, 128))
+    inputs = processor(text=[S.prompt_template("What is it?", 1)], images=[image], return_tensors="pt")
+    assert (inputs["input_ids"] == model.config.image_token_id).sum().item() == S.NUM_IMAGE_TOKENS // 4 == 64
+    with torch.no_grad():
+        features = model.model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True)
+    assert features.pooler_output[0].shape == (64, 576)
+    random_model, random_processor = S.build(projector="random")
+    random_ids = random_processor(
+        text=[S.prompt_template("What is it?", 1)], images=[image], return_tensors="pt"
+    )
+    assert (random_ids["input_ids"] == model.config.image_token_id).sum().item() == S.NUM_IMAGE_TOKENS
     random_weight = random_model.model.multi_modal_projector.linear_2.weight
     assert not torch.equal(random_weight, state["linear_2.weight"])
     # both come from the one cache: it holds the seeded projector, the trained one is put in after
     for key, value in random_model.model.language_model.state_dict().items():
         torch.testing.assert_close(model.model.language_model.state_dict()[key], value, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.demo
+def test_trained_vision_side_exports_to_onnx_with_its_pooling(tmp_path):
+    """The exporter's vision encoder of the shipped (pooled) model gives HF's 64 image tokens, and its
+    ONNX graph run by ONNX Runtime gives them too (float32, reduction-order tolerance)."""
+    ort = pytest.importorskip("onnxruntime")  # optional peer: the exporter's ONNX Runtime check
+    from vlkv.exporter.vision_onnx import VisionCase, export_vision
+    from vlkv.exporter.vision_tower import vision_encoder
+
+    model, _ = S.build()
+    gen = torch.Generator().manual_seed(0)
+    pixels = torch.randn(2, 3, S.IMAGE_SIZE, S.IMAGE_SIZE, generator=gen)
+    encoder = vision_encoder(model, "llava")
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+        exported = encoder(pixels)
+    assert exported.shape == (2, 64, 576)
+    torch.testing.assert_close(exported, torch.stack(list(expected)), rtol=0, atol=0)
+    path = tmp_path / "vision.onnx"
+    export_vision(
+        encoder, "llava", VisionCase("b1", {"input": pixels[:1]}), path, opset=17, dynamic_batch=True
+    )
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(None, {"input": pixels.numpy()})[0])
+    torch.testing.assert_close(got, exported, rtol=1e-4, atol=1e-4)

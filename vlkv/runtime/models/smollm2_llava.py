@@ -6,7 +6,9 @@ vision tower (its 8th layer's features, :data:`VISION_FEATURE_LAYER`: the last o
 a 2-layer MLP (384 -> 576 -> 576) joins them. The MLP shipped with vlkv
 (:data:`PROJECTOR_FILE`, sha256 :data:`PROJECTOR_SHA256`) was trained on procedural scenes of
 coloured shapes by ``scripts/train_projector.py``: the model answers questions about such scenes
-(colour, shape, position, count, "left of", which picture), not about photos. ``projector="random"``
+(colour, shape, position, count, "left of", which picture), not about photos. It averages 2x2 blocks
+of the 16x16 patches first (:mod:`vlkv.runtime.models.projector_pool`), so each image is 64 tokens
+in the language model (the random projector keeps all :data:`NUM_IMAGE_TOKENS` = 256). ``projector="random"``
 (the ``smollm2-llava-random`` name) keeps the seeded random MLP, whose image tokens carry real
 vision statistics but mean nothing to the language model.
 
@@ -60,11 +62,13 @@ ONNX_FILE = "models/vit_s_focus.onnx"
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 224
 PATCH_SIZE = 14
-# 16x16 patches; the CLS token is dropped by vision_feature_select_strategy="default".
+# 16x16 patches (CLS dropped by vision_feature_select_strategy="default"); the pooled projector emits 64.
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 PROJECTOR_SEED = 0
-PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector.safetensors"
-PROJECTOR_SHA256 = "189ec871b873a78519db311ba117d55c17e9f755af095c8b28c3f8ad3c7a953a"
+PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector_d6f83965.safetensors"
+# 2x2-pooled "A + 100" (docs/benchmarks/2026-11-27-vqa8-cpu-x86_64): held-out VQA draws 0-3 single 90/96,
+# two-object 40/96 (the 256-token 189ec871... it replaced: 89 and 27). The cache (random projector) is unchanged.
+PROJECTOR_SHA256 = "d6f839651b7e200f3d3e0bf29219ea3ee4a333c1b4955264d0254203ccf29cb7"
 PROJECTORS = ("trained", "random")
 PROJECTOR_KEYS = frozenset({"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"})
 # DINOv2 hidden state the projector reads: the output of the 8th of 12 layers (0 is the patch
@@ -114,7 +118,7 @@ CHAT_TEMPLATE = (
 def prompt_template(text: str, n_images: int = 1) -> str:
     """One user turn in SmolLM2's chat format, ``n_images`` ``<image>`` placeholders before the text.
 
-    The processor expands each placeholder to :data:`NUM_IMAGE_TOKENS` image tokens.
+    The processor expands each placeholder to the projector's image tokens (shipped: 64; random: 256).
     """
     if n_images < 0:
         raise ValueError(f"n_images must be >= 0, got {n_images}")
