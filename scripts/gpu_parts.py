@@ -151,6 +151,8 @@ def run_pytest(args, sink: Sink) -> None:
     counts = {}
     for n, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected|xfailed)", out):
         counts[word.rstrip("s") if word == "errors" else word] = int(n)
+    # no machine's directories in a committed report: the checkout and the interpreter's prefix by name
+    out = out.replace(str(root), "<repo>").replace(sys.prefix, "<python prefix>")
     result |= {"exit_code": code, "counts": counts, "tail": out[-4000:]}
     sink(result)
 

@@ -80,6 +80,7 @@ def test_dry_run_measures_what_it_reports(dry_run):
             assert any(o["fn"].startswith("vlkv/") for o in p["host"]["top_own"]), (name, p["host"])
     # without CUDA every gpu-marked test is collected and skipped, none errors
     counts = parts["pytest"]["result"]["counts"]
+    assert str(SCRIPT.parent.parent) not in parts["pytest"]["result"]["tail"]  # no machine paths committed
     assert counts.get("skipped", 0) > 0 and not counts.get("failed") and not counts.get("error")
 
 

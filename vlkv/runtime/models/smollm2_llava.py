@@ -14,13 +14,11 @@ vision statistics but mean nothing to the language model.
 
 Loading the GGUF takes tens of seconds, so the first :func:`build` writes a plain safetensors HF
 directory under ``${VLKV_CACHE:-~/.cache/vlkv}/smollm2-llava/`` (629 MB) that later calls load in
-a couple of seconds, checksums included. The directory is written under a temporary name with
-``manifest.json`` (sizes and sha256 of every file) last, then renamed into place; a directory whose
-manifest is missing or does not match is rebuilt with a one-line warning. A valid cache needs none
-of the demo packages. Loaded weights are memory-mapped from the cache, so it is only ever replaced
-(new directory, rename), never rewritten in place. The cache always holds the random projector; the
-trained one is read from the package, its checksum verified, and swapped in on every build, so a
-changed projector file can never meet a cache built with another one.
+a couple of seconds, checksums included: written under a temporary name with ``manifest.json`` (sizes,
+sha256) last, then renamed into place; a bad or missing manifest is rebuilt with a one-line warning. A
+valid cache needs no demo package; its weights are memory-mapped, so it is only replaced, never rewritten.
+It holds the random projector; the trained one is read from the package, its checksum verified, and
+swapped in on every build, so a changed projector file can never meet a cache built with another one.
 """
 
 from __future__ import annotations
