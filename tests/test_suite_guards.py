@@ -39,3 +39,12 @@ def test_the_write_audit_sees_writes_under_the_cache_only(tmp_path):
     hook("open", (3, "w", 0))  # a file descriptor: no path
     assert writes == ["open models/a.bin", "open onnx/b", "os.rename c", "os.utime d", "shutil.rmtree ."]
     assert os.path.isabs(str(USER_CACHE))
+
+
+def test_only_a_gpu_only_run_leaves_the_triton_interpreter():
+    from tests.conftest import _gpu_only_run
+
+    assert _gpu_only_run(["pytest", "-m", "gpu", "tests/runtime/test_device.py"])
+    assert _gpu_only_run(["pytest", "-mgpu"])
+    assert not _gpu_only_run(["pytest", "-m", "not gpu"])
+    assert not _gpu_only_run(["pytest", "tests/runtime/test_device.py", "-k", "gpu"])

@@ -161,12 +161,14 @@ def test_every_policy_runs_on_the_gpu(policy, cuda_engine, engines, images):
     sched.run()
     assert sched.pool.keys[0].device.type == "cuda"
     ref = _policy(policy)
-    replay = getattr(ref, "replay_dtype", None)
+    asked = ref.replay_request(None) if hasattr(ref, "replay_request") else None
+    replay = None if asked is None else asked.dtype
     if replay is not None:
         from vlkv.runtime.replay_dtype import resolve_dtype
 
+        # the dtype the policy asks for (exact=True turns "auto" into "model", run 6 found the test
+        # resolving "auto" itself), then "auto" resolved as on the GPU, so the CPU replays the same
         replay = resolve_dtype(replay, torch.float32, "cuda")
-        # "auto" resolved as on the GPU, so the CPU reference replays in the same dtype
         ref = make_policy(policy.split("-")[0], **{**POLICIES[policy], "replay_dtype": replay})
     if replay == "bfloat16":
         # a bf16 replay's scores tie within its rounding on this tiny random model, and the two devices
