@@ -43,14 +43,15 @@ SCHEMA = "vlkv.gpu_check/1"
 # seconds per part on a GPU (about 9 minutes in all) and in the toy dry run
 # (run 5 on the H200: env 8 s, kernels 21 s, prefill 33 s, the profile's 10 rows 118 s before its host
 # table was added; pytest's first CUDA compiles ran past 120 s, 66 s once cached; decode ran its 8k x 4
-# cells of both shapes in the first ~110 s, which is what its limit now keeps)
+# cells of both shapes in the first ~110 s, which is what its limit now keeps; run 6: pytest 149 of its
+# 150 s with 35 tests, the profile with its host table 97 of 170 s)
 BUDGETS = {
     "env": 20,
     "kernels": 45,
     "decode": 110,
     "prefill": 45,
-    "pytest": 150,
-    "profile": 170,
+    "pytest": 185,
+    "profile": 135,
     "compile": 10,
     "tensorrt": 10,
 }
