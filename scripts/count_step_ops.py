@@ -1,7 +1,7 @@
 """Torch ops and host syncs of one scheduler decode step (tiny LLaVA, a batch of running requests).
 
 Usage: python scripts/count_step_ops.py [--batch 4] [--layers 2 4 8] [--split-append] [--gpu-path]
-[--policies full h2o avl snapkv]
+[--policies full h2o avl snapkv] [--paths STEPS]
 Prints, per policy and layer count, the ops and syncs one decode step dispatches (see
 :mod:`vlkv.runtime.op_count`), the scheduler's own share, and the syncs by module, so a change's
 effect on launch overhead is a number; then per policy its ops per layer (the slope between the
@@ -15,6 +15,8 @@ interpreter; the script runs itself again with that environment. A Triton launch
 kernel launch on the device), not the interpreter's host copies around it (``"launches"``: how many).
 The step that admits (prefills) the batch runs on the PyTorch path (:func:`torch_path_prefill`): it is
 not counted, and under the interpreter it was ~85 % of the run's time.
+``--paths STEPS``: per policy the ops per decode step (averaged over ``STEPS``) of the scheduler and of
+``Engine.decode`` over one batched cache, on the same prompt (``"steps_of"``: which path).
 ``--device cuda``: the model on a GPU, the path itself (no interpreter): a Triton launch dispatches no
 aten op there, so its ops are ``--gpu-path``'s less its launches.
 """
@@ -126,6 +128,53 @@ def count_decode_step(engine: Engine, policy: str, batch: int = 4, warm: int = 2
     return c
 
 
+# ``--paths``: the requests of both paths decode one prompt (the engine's batch is then unpadded)
+SAME_TEXT = "Describe the scene in detail please, every part of it."
+
+
+def scheduler_steps(engine: Engine, policy: str, batch: int = 4):
+    """A step function decoding ``batch`` requests of one prompt through :meth:`Scheduler.step`
+    (admitted and decoding twice already, so its counted steps line up with :func:`engine_steps`')."""
+    settings = {**POLICIES, **MORE_POLICIES}[policy]
+    sched = Scheduler(engine)
+    for _ in range(batch):
+        sched.submit(Request(Prompt(SAME_TEXT), make_policy(policy, **settings), 32, stop_at_eos=False))
+    with torch_path_prefill():
+        sched.step()
+    sched.step()
+    assert len(sched.running) == batch and not sched.waiting
+    return sched.step
+
+
+def engine_steps(engine: Engine, policy: str, batch: int = 4):
+    """A step function decoding the same ``batch`` prompts through :meth:`Engine.decode` over one
+    batched cache (the benchmarks' path), after its prefill and two decode steps."""
+    pol = make_policy(policy, **{**POLICIES, **MORE_POLICIES}[policy])
+    prompts = engine.encode([Prompt(SAME_TEXT)] * batch)
+    cache = engine.new_cache(prompts)
+    with torch_path_prefill():
+        out = engine.prefill(prompts, pol, cache)
+    state = {"tok": out.logits.argmax(-1), "step": 0}
+
+    def step():
+        state["step"] += 1
+        state["tok"] = engine.decode(state["tok"], prompts, pol, cache, state["step"]).logits.argmax(-1)
+
+    step()
+    step()
+    return step
+
+
+def count_steps(step, steps: int):
+    """The :class:`OpCount` of ``steps`` calls of ``step`` (its ``launches`` as in :func:`count_decode_step`):
+    a decode-evicting policy evicts on some steps only (its target grows by ``budget`` a step)."""
+    with count_ops() as c, triton_launches_as_ops(c) as launches:
+        for _ in range(steps):
+            step()
+    c.launches = launches[0]
+    return c
+
+
 def per_layer(rows: list[dict]) -> list[dict]:
     """Per policy (and append form): ops per layer, the slope between the fewest and the most layers
     counted, and the step's ops outside the layers (the intercept)."""
@@ -158,12 +207,31 @@ def main() -> None:
     ap.add_argument("--gpu-path", action="store_true", help="count the path CUDA runs (see the docstring)")
     ap.add_argument("--device", default="cpu", help="the model's device (cuda: the path itself, see below)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=[*POLICIES, *MORE_POLICIES])
+    ap.add_argument(
+        "--paths",
+        type=int,
+        metavar="STEPS",
+        help="instead: per policy the ops per decode step, averaged over STEPS steps, of the scheduler "
+        "and of Engine.decode over one batched cache, every request decoding one prompt",
+    )
     args = ap.parse_args()
     if args.gpu_path:
         env = gpu_path_env()
         if any(os.environ.get(k) != v for k, v in env.items()):  # the switches are read at import
             os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **env})
     torch.set_num_threads(1)
+    if args.paths:
+        for n in args.layers:
+            engine = tiny_engine(n, args.device)
+            for policy in args.policies:
+                for name, make in (("scheduler", scheduler_steps), ("engine", engine_steps)):
+                    c = count_steps(make(engine, policy, args.batch), args.paths)
+                    row = {"layers": n, "policy": policy, "steps_of": name, "steps": args.paths}
+                    row.update(
+                        ops=c.ops / args.paths, launches=c.launches / args.paths, syncs=c.syncs / args.paths
+                    )
+                    print(json.dumps(row), flush=True)
+        return
     rows = []
     for n in args.layers:
         engine = tiny_engine(n, args.device)

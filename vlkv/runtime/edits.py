@@ -56,7 +56,7 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
             elif edit.assign is None:
                 prep = prepared.get(i)
                 layer.select(
-                    edit.built_index() if prep is not None and prep.moved else edit.index,
+                    edit.built_index() if _index_unread(prep) else edit.index,
                     edit.keep_len,
                     spare=spare,
                     holes=edit.holes,
@@ -66,3 +66,12 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
                 )
             else:
                 layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
+
+
+def _index_unread(prep) -> bool:
+    """Whether a prepared select never reads its edit's kept columns: the gaps are closed already
+    (``moved``), or each row drops one known column in place (the shift reads the dropped column
+    alone), so a :class:`DropOneEdit` need not build its ``(B, H_kv, n - 1)`` index."""
+    if prep is None:
+        return False
+    return prep.moved or (prep.in_place and prep.cols is not None and prep.cols.shape[2] == 1)

@@ -36,6 +36,7 @@ from vlkv.runtime.admission import RequestTooLarge, check_pool, reserve
 from vlkv.runtime.edits import DECODE_SPARE
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
 from vlkv.runtime.link_stage import LinkStage
+from vlkv.runtime.policies.cohort import CohortCache, cohort_context, cohort_stats, cohorts, split_edits
 from vlkv.runtime.request import Request, Status
 from vlkv.runtime.runner import GroupRun, Runner, StepOutputs
 from vlkv.runtime.step_groups import Entry, group_entries, read_path
@@ -325,7 +326,9 @@ class Scheduler:
 
     def _commit_group(self, run: GroupRun) -> None:
         """Per request of a group that stepped: usage counts, peak bytes, its policy's edits, its
-        token. Values the host needs (lengths, widths, greedy tokens) are read once per group."""
+        token. Values the host needs (lengths, widths, greedy tokens) are read once per group; the
+        policies' decode bookkeeping runs once per cohort of equal policies on equally shaped caches
+        (:mod:`vlkv.runtime.policies.cohort`), each request's edits applied to its own cache."""
         group, out = run.group, run.out
         entries = group.entries
         try:
@@ -334,23 +337,67 @@ class Scheduler:
             for e in entries:
                 self._fail(e.request, err)
             return
+        live = []
         for i, e in enumerate(entries):
             r = e.request
             try:
-                cache = r.cache
                 stored, used, full = reads.usage[i]
                 r.usage["stored"] += stored
                 r.usage["used"] += used
                 r.usage["full"] += full
                 r.peak_kv_bytes = max(r.peak_kv_bytes, reads.kv_bytes(i))
-                cache.next_position += 1
-                stats = slice_stats(out.stats, i, reads.widths)
-                _edits.apply_edits(cache, r.policy.after_decode(cache, stats, e.ctx), spare=DECODE_SPARE)
+                r.cache.next_position += 1
+                live.append(i)
+            except Exception as err:
+                self._fail(r, err)
+        edits = self._decode_edits(entries, live, out, reads)
+        for i in live:
+            e = entries[i]
+            r = e.request
+            try:
+                if isinstance(edits[i], Exception):
+                    raise edits[i]
+                _edits.apply_edits(r.cache, edits[i], spare=DECODE_SPARE)
                 r.decode_steps += 1
                 token = reads.tokens[i]
                 self._emit(r, token if token is not None else int(r.sampler(out.logits[i : i + 1])[0]))
             except Exception as err:
                 self._fail(r, err)
+
+    def _decode_edits(self, entries: list[Entry], live: list[int], out, reads: GroupReads) -> dict:
+        """Per live entry its policy's decode edits (or the exception its policy raised): a cohort's
+        in one policy call over its stacked caches, rerun request by request if that raises."""
+        edits: dict = {}
+        groups = (
+            cohorts([entries[i] for i in live])
+            if reads.widths is not None
+            else [[j] for j in range(len(live))]
+        )
+        for members in groups:
+            rows = [live[j] for j in members]
+            if len(rows) > 1:
+                try:
+                    first = entries[rows[0]]
+                    policy = first.request.policy
+                    view = CohortCache(
+                        [entries[i].request.cache for i in rows], policy.cohort_state, policy.cohort_readonly
+                    )
+                    stats = cohort_stats(out.stats, rows, len(entries), reads.widths[rows[0]])
+                    ctx = cohort_context([entries[i].ctx for i in rows])
+                    made = policy.after_decode(view, stats, ctx)
+                    view.write_back()
+                    edits.update(zip(rows, split_edits(made, len(rows))))
+                    continue
+                except Exception:  # each request alone: only a request whose policy raises alone fails
+                    pass
+            for i in rows:
+                r = entries[i].request
+                try:
+                    stats = slice_stats(out.stats, i, reads.widths)
+                    edits[i] = r.policy.after_decode(r.cache, stats, entries[i].ctx)
+                except Exception as err:
+                    edits[i] = err
+        return edits
 
     # ------------------------------------------------------------------ bookkeeping
     def _emit(self, req: Request, token: int) -> None:

@@ -198,7 +198,9 @@ def unlisted(listed: Tensor, m: int) -> Tensor:
     return torch.zeros(b, h, m + 1, dtype=torch.long, device=listed.device).scatter_(2, dest, cols)[:, :, :m]
 
 
-def shift_kept(tables: list[Tensor], index: Tensor, first: int, k: int, cols: Tensor | None = None) -> None:
+def shift_kept(
+    tables: list[Tensor], index: Tensor | None, first: int, k: int, cols: Tensor | None = None
+) -> None:
     """Rewrite columns ``[first, k)`` of every per-entry table in ``tables`` with the kept columns
     ``index[:, :, first:k]`` in place, where ``first`` is the first column any row drops (the columns
     before it stay). A per-step eviction's victims sit about mid-table (H2O's: just before its recent
@@ -207,14 +209,15 @@ def shift_kept(tables: list[Tensor], index: Tensor, first: int, k: int, cols: Te
 
     ``cols (B, H_kv, m)``: the columns each row drops, where known. With one per row (H2O's step)
     kept column ``j`` is column ``j`` or ``j + 1``: a ``where`` of the two shifted views, no index
-    read (1.5x cheaper than the gather at 4k columns); otherwise the kept columns are gathered."""
+    read (1.5x cheaper than the gather at 4k columns; ``index`` may be None then); otherwise the kept
+    columns are gathered."""
     if first >= k:  # every row drops only columns past its ``k`` first: nothing moves
         return
     # ``narrow``: one op per view, where ``t[:, :, a:b]`` dispatches a slice per dimension (this
     # runs per table, layer and step)
     m = k - first
     if cols is not None and cols.shape[2] == 1:
-        later = torch.arange(first, k, device=index.device) >= cols  # (B, H_kv, k - first)
+        later = torch.arange(first, k, device=cols.device) >= cols  # (B, H_kv, k - first)
         # per table rank, ``later`` with a unit dim per trailing dim (M-RoPE positions: one more)
         moves_of = {3: later}
         for t in tables:
