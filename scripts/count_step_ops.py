@@ -175,6 +175,26 @@ def count_steps(step, steps: int):
     return c
 
 
+def profile_steps(step, steps: int, top: int = 5) -> list[str]:
+    """cProfile's ``top`` functions by own time over ``steps`` calls of ``step`` (ms per step), Triton's
+    interpreter and what it calls (``inspect``, numpy) left out: it stands for a device's kernels."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    skip = ("/triton/", "inspect.py", "/numpy/", "<frozen", "abc.py")
+    rows = [
+        (v[2], f"{f.split('/site-packages/')[-1].split('/vlkv/')[-1]}:{name}")
+        for (f, _, name), v in pstats.Stats(prof).stats.items()
+        if not any(k in f for k in skip)
+    ]
+    return [f"{name} {own / steps * 1e3:.2f}" for own, name in sorted(rows, reverse=True)[:top]]
+
+
 def per_layer(rows: list[dict]) -> list[dict]:
     """Per policy (and append form): ops per layer, the slope between the fewest and the most layers
     counted, and the step's ops outside the layers (the intercept)."""
@@ -214,6 +234,7 @@ def main() -> None:
         help="instead: per policy the ops per decode step, averaged over STEPS steps, of the scheduler "
         "and of Engine.decode over one batched cache, every request decoding one prompt",
     )
+    ap.add_argument("--profile", action="store_true", help="with --paths: cProfile's top own times too")
     args = ap.parse_args()
     if args.gpu_path:
         env = gpu_path_env()
@@ -225,11 +246,14 @@ def main() -> None:
             engine = tiny_engine(n, args.device)
             for policy in args.policies:
                 for name, make in (("scheduler", scheduler_steps), ("engine", engine_steps)):
-                    c = count_steps(make(engine, policy, args.batch), args.paths)
+                    step = make(engine, policy, args.batch)
+                    c = count_steps(step, args.paths)
                     row = {"layers": n, "policy": policy, "steps_of": name, "steps": args.paths}
                     row.update(
                         ops=c.ops / args.paths, launches=c.launches / args.paths, syncs=c.syncs / args.paths
                     )
+                    if args.profile:
+                        row["top_own_ms"] = profile_steps(step, args.paths)
                     print(json.dumps(row), flush=True)
         return
     rows = []

@@ -21,30 +21,49 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
     their tables keep ``spare`` columns for the coming appends, and the few slots an eviction drops
     are handed to those appends (:meth:`LayerKV.select`'s ``recycle``).
     """
+    apply_edits_of([(cache, edits)], spare)
+
+
+def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> None:
+    """:func:`apply_edits` of several caches' edits ``(cache, edits)`` (a scheduler step's cohort of
+    requests): the plain selections of every cache are prepared together (:func:`prepare_selects`:
+    their checks in one read back, every one-column drop's tables moved at once) before each cache's
+    edits are applied to it."""
     from vlkv.runtime.kv.drops import cut_soles
     from vlkv.runtime.kv.edits import prepare_selects
-    from vlkv.runtime.kv.lowrank import apply_factor_edit
 
     # plain selections (one per layer) check what their in-place path needs in one read for all
     # layers, not one per layer (:func:`prepare_selects`)
     plain = [
-        i
+        (c, i)
+        for c, (cache, edits) in enumerate(items)
         for i, item in enumerate(edits or [])
         if isinstance(item, LayerEdit) and item.assign is None and item.holes is None
     ]
     # an index built on first read (a per-step drop's, ``DropOneEdit``) stays unbuilt here: the one-call
     # drop closes the gaps from the dropped columns alone; only a layer that still needs it reads it
-    jobs = [
-        (cache.layers[i], edits[i].built_index(), edits[i].keep_len, edits[i].kept, edits[i].dropped)
-        for i in plain
-    ]
+    jobs = []
+    for c, i in plain:
+        cache, edit = items[c][0], items[c][1][i]
+        jobs.append((cache.layers[i], edit.built_index(), edit.keep_len, edit.kept, edit.dropped))
     prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
-    # cuts the policy read on the host (a per-step cut, every layer) check their recycled slots in one
-    # read for all layers too
-    cuts = [i for i, item in enumerate(edits or []) if isinstance(item, CutEdit) and item.host is not None]
-    soles = {}
-    if len(cuts) > 1:
-        soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
+    for c, (cache, edits) in enumerate(items):
+        # cuts the policy read on the host (a per-step cut, every layer) check their recycled slots in
+        # one read for all layers too
+        cuts = [
+            i for i, item in enumerate(edits or []) if isinstance(item, CutEdit) and item.host is not None
+        ]
+        soles = {}
+        if len(cuts) > 1:
+            soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
+        _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles)
+
+
+def _apply(cache: KVCache, edits: list | None, spare: int, prepared: dict, soles: dict) -> None:
+    """Each layer's edits of one cache, its selections prepared (``prepared``: layer → select) and
+    its cuts' recycled slots checked (``soles``) where that was done for many layers at once."""
+    from vlkv.runtime.kv.lowrank import apply_factor_edit
+
     for i, (layer, item) in enumerate(zip(cache.layers, edits or [])):
         for edit in item if isinstance(item, tuple) else (item,):
             if edit is None:
@@ -62,7 +81,7 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
                     holes=edit.holes,
                     recycle=spare > 0,
                     kept=edit.kept,
-                    prepared=prepared.get(i),
+                    prepared=prep,
                 )
             else:
                 layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)

@@ -62,7 +62,6 @@ def test_a_cohort_keeps_the_running_scores_each_request_keeps_alone(
 ):
     """The same two requests stepped with their bookkeeping batched and one request at a time (the
     same decode batches, so the same statistics): every score table and length bit for bit equal."""
-    import vlkv.runtime.scheduler as scheduler
 
     engine = engines["tiny-llava"]
     prompt = Prompt("Describe the picture in detail, every part.", [images[2]])
@@ -70,7 +69,7 @@ def test_a_cohort_keeps_the_running_scores_each_request_keeps_alone(
     for batched in (True, False):
         if not batched:
             assert cohort_runs  # the batched run stacked the two
-            monkeypatch.setattr(scheduler, "cohorts", lambda entries: [[i] for i in range(len(entries))])
+            monkeypatch.setattr(cohort, "cohorts", lambda entries: [[i] for i in range(len(entries))])
         sched = Scheduler(engine)
         reqs = [
             sched.submit(Request(prompt, make_policy("avl", budget=0.5, core=0.3), 8, stop_at_eos=False))

@@ -22,13 +22,15 @@ request by request, its stacked copies dropped: nothing is written back before t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from vlkv.runtime.backend import StepStats
 from vlkv.runtime.policies.base import CutEdit, DropOneEdit, FactorEdit, LayerEdit, PolicyContext
 
-__all__ = ["CohortCache", "CohortLayer", "cohorts", "split_edits"]
+__all__ = ["CohortCache", "CohortLayer", "cohorts", "decode_edits", "split_edits"]
 
 
 class CohortLayer:
@@ -170,8 +172,6 @@ def cohort_context(ctxs: list[PolicyContext]) -> PolicyContext:
 def cohort_stats(stats: StepStats, rows: list[int], batch: int, widths: list[int]) -> StepStats:
     """The group's step statistics for the cohort's ``rows`` (of the group's ``batch``), each layer
     ``l`` trimmed to the cohort's width ``widths[l]`` (its layers hold the same entries)."""
-    from vlkv.plugins import AttnStats
-
     whole = rows == list(range(batch))
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     pick = None if whole or contiguous else torch.tensor(rows, device=_device(stats))
@@ -187,7 +187,7 @@ def cohort_stats(stats: StepStats, rows: list[int], batch: int, widths: list[int
         colsum = take(st.colsum)
         if colsum.shape[2] != w:
             colsum = colsum.narrow(2, 0, w)
-        return AttnStats(colsum, take(st.below), take(st.visible))
+        return replace(st, colsum=colsum, below=take(st.below), visible=take(st.visible))
 
     layers = [cut(st, w) for st, w in zip(stats, widths)]
     extra = {n: [cut(st, w) for st, w in zip(v, widths)] for n, v in getattr(stats, "extra", {}).items()}
@@ -240,3 +240,44 @@ def _split(item, n: int) -> list:
             for r in range(n)
         ]
     raise TypeError(f"a cohort cannot split a {type(item).__name__} edit")
+
+
+def decode_edits(entries: list, live: list[int], stats: StepStats, widths: list[list[int]] | None):
+    """A decode group's policy edits: per live entry (indices into ``entries``, the group's
+    :class:`~vlkv.runtime.step_groups.Entry` s) its policy's decode edits or the exception its policy
+    raised, and the live entries grouped as their edits are to be applied (a cohort together).
+
+    ``stats``: the group's step statistics; ``widths[i][l]``: entry ``i``'s layer widths (None: no
+    statistics, every entry alone). A cohort's edits come from one policy call over its stacked
+    caches; where that raises, each of its requests is rerun alone (nothing was written back)."""
+    from vlkv.runtime.step_reads import slice_stats
+
+    edits: dict = {}
+    groups: list[list[int]] = []
+    found = [[j] for j in range(len(live))] if widths is None else cohorts([entries[i] for i in live])
+    for members in found:
+        rows = [live[j] for j in members]
+        if len(rows) > 1:
+            try:
+                policy = entries[rows[0]].request.policy
+                view = CohortCache(
+                    [entries[i].request.cache for i in rows], policy.cohort_state, policy.cohort_readonly
+                )
+                ctx = cohort_context([entries[i].ctx for i in rows])
+                made = policy.after_decode(
+                    view, cohort_stats(stats, rows, len(entries), widths[rows[0]]), ctx
+                )
+                view.write_back()
+                edits.update(zip(rows, split_edits(made, len(rows))))
+                groups.append(rows)
+                continue
+            except Exception:  # each request alone: only a request whose policy raises alone fails
+                pass
+        for i in rows:
+            r = entries[i].request
+            try:
+                edits[i] = r.policy.after_decode(r.cache, slice_stats(stats, i, widths), entries[i].ctx)
+            except Exception as err:
+                edits[i] = err
+            groups.append([i])
+    return edits, groups
