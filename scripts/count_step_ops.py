@@ -43,8 +43,9 @@ from vlkv.runtime.scheduler import Scheduler
 
 # avl with a small text floor: its decode steps evict text on tiny prompts too
 POLICIES = {"full": {}, "h2o": {"budget": 0.5}, "avl": {"budget": 0.5, "text_min": 2}}
-# counted with --policies only (a compress-once policy: its decode steps are plain reads)
-MORE_POLICIES = {"snapkv": {"budget": 0.5}}
+# counted with --policies only (snapkv compresses once: its decode steps are plain reads; local and
+# elastic cut while decoding, without statistics)
+MORE_POLICIES = {"snapkv": {"budget": 0.5}, "local": {"budget": 0.5}, "elastic": {"budget": 0.5}}
 OWN = SCHEDULER_MODULES
 
 

@@ -17,20 +17,22 @@ SPECS = [
     ("h2o", {"budget": 0.4, "evict_every": 3}),
     ("avl", {"budget": 0.5, "core": 0.3}),
     ("avl", {"budget": 0.5, "text_min": 2}),
+    ("local", {"budget": 0.4}),
+    ("elastic", {"budget": 0.5}),
 ]
 
 
 @pytest.fixture
 def cohort_runs(monkeypatch):
-    """Counts the cohorts the scheduler stacked (their sizes)."""
+    """The sizes of the cohorts whose one policy call returned (its edits split per request)."""
     sizes = []
-    init = cohort.CohortCache.__init__
+    split = cohort.split_edits
 
-    def counted(self, caches, *a, **k):
-        sizes.append(len(caches))
-        init(self, caches, *a, **k)
+    def counted(edits, n):
+        sizes.append(n)
+        return split(edits, n)
 
-    monkeypatch.setattr(cohort.CohortCache, "__init__", counted)
+    monkeypatch.setattr(cohort, "split_edits", counted)
     return sizes
 
 

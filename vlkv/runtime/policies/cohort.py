@@ -94,8 +94,8 @@ class _StackedScores(dict):
 
 class CohortCache:
     """``R`` requests' one-sample caches seen as one ``R``-sample cache by a policy's decode hook:
-    ``layers`` (:class:`CohortLayer`), ``processed (R,)``, the ``policy_state`` entries the policy
-    names (concatenated along their sample dimension), ``device``."""
+    ``layers`` (:class:`CohortLayer`), ``lengths()``, ``processed (R,)``, the ``policy_state``
+    entries the policy names (concatenated along their sample dimension), ``device``."""
 
     def __init__(self, caches: list, state: dict[str, int], readonly: frozenset[str] = frozenset()):
         self.caches = caches
@@ -109,6 +109,10 @@ class CohortCache:
     @property
     def batch_size(self) -> int:
         return len(self.caches)
+
+    def lengths(self) -> Tensor:
+        """``(L, R)`` int64 valid entries per layer and request."""
+        return torch.stack([layer.lengths for layer in self.layers])
 
     def write_back(self) -> None:
         for layer in self.layers:
@@ -248,13 +252,13 @@ def decode_edits(entries: list, live: list[int], stats: StepStats, widths: list[
     raised, and the live entries grouped as their edits are to be applied (a cohort together).
 
     ``stats``: the group's step statistics; ``widths[i][l]``: entry ``i``'s layer widths (None: no
-    statistics, every entry alone). A cohort's edits come from one policy call over its stacked
+    statistics asked). A cohort's edits come from one policy call over its stacked
     caches; where that raises, each of its requests is rerun alone (nothing was written back)."""
     from vlkv.runtime.step_reads import slice_stats
 
     edits: dict = {}
     groups: list[list[int]] = []
-    found = [[j] for j in range(len(live))] if widths is None else cohorts([entries[i] for i in live])
+    found = cohorts([entries[i] for i in live])
     for members in found:
         rows = [live[j] for j in members]
         if len(rows) > 1:
@@ -264,9 +268,11 @@ def decode_edits(entries: list, live: list[int], stats: StepStats, widths: list[
                     [entries[i].request.cache for i in rows], policy.cohort_state, policy.cohort_readonly
                 )
                 ctx = cohort_context([entries[i].ctx for i in rows])
-                made = policy.after_decode(
-                    view, cohort_stats(stats, rows, len(entries), widths[rows[0]]), ctx
-                )
+                if widths is None:  # no statistics asked (local, elastic)
+                    mine = StepStats([None] * len(stats))
+                else:
+                    mine = cohort_stats(stats, rows, len(entries), widths[rows[0]])
+                made = policy.after_decode(view, mine, ctx)
                 view.write_back()
                 edits.update(zip(rows, split_edits(made, len(rows))))
                 groups.append(rows)
