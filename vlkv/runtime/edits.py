@@ -5,8 +5,11 @@ Its own module so that the scheduler applies edits without importing the engine 
 
 from __future__ import annotations
 
+import torch
+
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.policies import CutEdit, FactorEdit, LayerEdit
+from vlkv.runtime.policies.base import DropOneEdit
 
 # spare slots kept after a decode-time eviction so the next append does not reallocate
 DECODE_SPARE = 8
@@ -32,6 +35,8 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
     from vlkv.runtime.kv.drops import cut_soles
     from vlkv.runtime.kv.edits import prepare_selects
 
+    if spare > 0:
+        items = [(cache, _one_column_cuts(cache, edits)) for cache, edits in items]
     # plain selections (one per layer) check what their in-place path needs in one read for all
     # layers, not one per layer (:func:`prepare_selects`)
     plain = [
@@ -57,6 +62,32 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
         if len(cuts) > 1:
             soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
         _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles)
+
+
+def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
+    """``edits`` with each decode-time :class:`CutEdit` that deletes one entry of every sample (a
+    per-step cut: local's oldest entry, Elastic Cache's at its fixed point) of a layer whose samples
+    hold the same ``n`` entries, and no holes or factors, as the one-column drop it is
+    (:class:`DropOneEdit` of column ``start``): the same tables, lengths and recycled slot, and every
+    such layer (of every cache of a cohort) moved by :func:`prepare_selects`' one call, where each
+    cut moved its tables one slice per table, layer and request."""
+    if not edits:
+        return edits
+    out = list(edits)
+    for i, (layer, edit) in enumerate(zip(cache.layers, edits)):
+        if not isinstance(edit, CutEdit) or edit.host is None or layer.holes is not None:
+            continue
+        starts, counts = edit.host
+        lens = layer.host_lengths()
+        if layer.lowrank is not None or not lens or set(counts) != {1} or len(set(lens)) != 1:
+            continue
+        n = lens[0]
+        if not all(0 <= st < n for st in starts):
+            continue  # the cut refuses it, naming the column
+        b, h = len(lens), layer.kv_heads
+        dropped = edit.start.to(device=layer.device, dtype=torch.long).view(b, 1, 1).expand(b, h, 1)
+        out[i] = DropOneEdit(n, layer.lengths - 1, [n - 1] * b, dropped)
+    return out
 
 
 def _apply(cache: KVCache, edits: list | None, spare: int, prepared: dict, soles: dict) -> None:
