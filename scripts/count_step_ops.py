@@ -182,10 +182,9 @@ KERNEL_FILES = ("_kernels.py", "flash_tiles.py", "ptx.py")
 
 def profile_steps(step, steps: int, top: int = 5) -> tuple[float, list[str]]:
     """The host time of ``steps`` calls of ``step`` under cProfile (ms per step) and its ``top``
-    functions by own time, as
-    called from ``vlkv``'s host code: a builtin's or torch method's own time counts only its calls from
-    a ``vlkv`` function, so Triton's interpreter and the kernels it runs (they stand for a device's
-    kernels, ``KERNEL_FILES``) are left out."""
+    functions by own time, as called from ``vlkv``'s host code: a builtin's or torch method's own time
+    counts only its calls from a ``vlkv`` function, so Triton's interpreter and the kernels it runs
+    (they stand for a device's kernels, ``KERNEL_FILES``) are left out."""
     import cProfile
     import pstats
 
