@@ -9,7 +9,7 @@ decode group whose policies are equal (dataclass equality), whose layers hold th
 entries and whose tables have the same capacity are stacked into a :class:`CohortCache`: per layer
 the running score tables concatenated (``(R, H_kv, C)``, one ``cat`` per layer and table), the
 lengths likewise. The policy runs once over that batch — the same per-row arithmetic as over each
-request alone (its ops are per row: sums, masks, per-row rankings) — the score tables it changed are
+request alone (its ops are per row: sums, masks, per-row rankings) — the score tables it may change are
 copied back with one ``_foreach_copy_`` per layer and table, and its per-layer edits are split into
 each request's rows (one ``split`` per tensor).
 
