@@ -1,7 +1,7 @@
 """Torch ops and host syncs of one scheduler decode step (tiny LLaVA, a batch of running requests).
 
 Usage: python scripts/count_step_ops.py [--batch 4] [--layers 2 4 8] [--split-append] [--gpu-path]
-[--policies full h2o avl snapkv]
+[--policies full h2o avl snapkv] [--paths STEPS]
 Prints, per policy and layer count, the ops and syncs one decode step dispatches (see
 :mod:`vlkv.runtime.op_count`), the scheduler's own share, and the syncs by module, so a change's
 effect on launch overhead is a number; then per policy its ops per layer (the slope between the
@@ -15,6 +15,8 @@ interpreter; the script runs itself again with that environment. A Triton launch
 kernel launch on the device), not the interpreter's host copies around it (``"launches"``: how many).
 The step that admits (prefills) the batch runs on the PyTorch path (:func:`torch_path_prefill`): it is
 not counted, and under the interpreter it was ~85 % of the run's time.
+``--paths STEPS``: per policy the ops per decode step (averaged over ``STEPS``) of the scheduler and of
+``Engine.decode`` over one batched cache, on the same prompt (``"steps_of"``: which path).
 ``--device cuda``: the model on a GPU, the path itself (no interpreter): a Triton launch dispatches no
 aten op there, so its ops are ``--gpu-path``'s less its launches.
 """
@@ -41,8 +43,9 @@ from vlkv.runtime.scheduler import Scheduler
 
 # avl with a small text floor: its decode steps evict text on tiny prompts too
 POLICIES = {"full": {}, "h2o": {"budget": 0.5}, "avl": {"budget": 0.5, "text_min": 2}}
-# counted with --policies only (a compress-once policy: its decode steps are plain reads)
-MORE_POLICIES = {"snapkv": {"budget": 0.5}}
+# counted with --policies only (snapkv compresses once: its decode steps are plain reads; local and
+# elastic cut while decoding, without statistics)
+MORE_POLICIES = {"snapkv": {"budget": 0.5}, "local": {"budget": 0.5}, "elastic": {"budget": 0.5}}
 OWN = SCHEDULER_MODULES
 
 
@@ -126,6 +129,90 @@ def count_decode_step(engine: Engine, policy: str, batch: int = 4, warm: int = 2
     return c
 
 
+# ``--paths``: the requests of both paths decode one prompt (the engine's batch is then unpadded)
+SAME_TEXT = "Describe the scene in detail please, every part of it."
+
+
+def scheduler_steps(engine: Engine, policy: str, batch: int = 4):
+    """A step function decoding ``batch`` requests of one prompt through :meth:`Scheduler.step`
+    (admitted and decoding twice already, so its counted steps line up with :func:`engine_steps`')."""
+    settings = {**POLICIES, **MORE_POLICIES}[policy]
+    sched = Scheduler(engine)
+    for _ in range(batch):
+        sched.submit(Request(Prompt(SAME_TEXT), make_policy(policy, **settings), 32, stop_at_eos=False))
+    with torch_path_prefill():
+        sched.step()
+    sched.step()
+    assert len(sched.running) == batch and not sched.waiting
+    return sched.step
+
+
+def engine_steps(engine: Engine, policy: str, batch: int = 4):
+    """A step function decoding the same ``batch`` prompts through :meth:`Engine.decode` over one
+    batched cache (the benchmarks' path), after its prefill and two decode steps."""
+    pol = make_policy(policy, **{**POLICIES, **MORE_POLICIES}[policy])
+    prompts = engine.encode([Prompt(SAME_TEXT)] * batch)
+    cache = engine.new_cache(prompts)
+    with torch_path_prefill():
+        out = engine.prefill(prompts, pol, cache)
+    state = {"tok": out.logits.argmax(-1), "step": 0}
+
+    def step():
+        state["step"] += 1
+        state["tok"] = engine.decode(state["tok"], prompts, pol, cache, state["step"]).logits.argmax(-1)
+
+    step()
+    step()
+    return step
+
+
+def count_steps(step, steps: int):
+    """The :class:`OpCount` of ``steps`` calls of ``step`` (its ``launches`` as in :func:`count_decode_step`):
+    a decode-evicting policy evicts on some steps only (its target grows by ``budget`` a step)."""
+    with count_ops() as c, triton_launches_as_ops(c) as launches:
+        for _ in range(steps):
+            step()
+    c.launches = launches[0]
+    return c
+
+
+# the modules whose functions are Triton kernels (``@triton.jit``): under the interpreter, Python
+KERNEL_FILES = ("_kernels.py", "flash_tiles.py", "ptx.py")
+
+
+def profile_steps(step, steps: int, top: int = 5) -> tuple[float, list[str]]:
+    """The host time of ``steps`` calls of ``step`` under cProfile (ms per step) and its ``top``
+    functions by own time, as called from ``vlkv``'s host code: a builtin's or torch method's own time
+    counts only its calls from a ``vlkv`` function, so Triton's interpreter and the kernels it runs
+    (they stand for a device's kernels, ``KERNEL_FILES``) are left out."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+
+    def ours(path: str) -> bool:  # vlkv's host code, not a Triton kernel's body the interpreter runs
+        return "/vlkv/" in path and not path.endswith(KERNEL_FILES)
+
+    rows = []
+    for (f, _, name), v in pstats.Stats(prof).stats.items():
+        if ours(f):
+            own = v[2]
+        elif f == "~" or "/torch/" in f:  # builtins, torch's methods: the calls vlkv made
+            own = sum(edge[2] for caller, edge in v[4].items() if ours(caller[0]))
+        else:
+            continue
+        where = f.split("/vlkv/")[-1] if "/vlkv/" in f else f.split("/site-packages/")[-1]
+        rows.append((own, f"{where}:{name}"))
+    total = sum(own for own, _ in rows) / steps * 1e3
+    return round(total, 2), [
+        f"{name} {own / steps * 1e3:.2f}" for own, name in sorted(rows, reverse=True)[:top]
+    ]
+
+
 def per_layer(rows: list[dict]) -> list[dict]:
     """Per policy (and append form): ops per layer, the slope between the fewest and the most layers
     counted, and the step's ops outside the layers (the intercept)."""
@@ -158,12 +245,35 @@ def main() -> None:
     ap.add_argument("--gpu-path", action="store_true", help="count the path CUDA runs (see the docstring)")
     ap.add_argument("--device", default="cpu", help="the model's device (cuda: the path itself, see below)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=[*POLICIES, *MORE_POLICIES])
+    ap.add_argument(
+        "--paths",
+        type=int,
+        metavar="STEPS",
+        help="instead: per policy the ops per decode step, averaged over STEPS steps, of the scheduler "
+        "and of Engine.decode over one batched cache, every request decoding one prompt",
+    )
+    ap.add_argument("--profile", action="store_true", help="with --paths: cProfile's top own times too")
     args = ap.parse_args()
     if args.gpu_path:
         env = gpu_path_env()
         if any(os.environ.get(k) != v for k, v in env.items()):  # the switches are read at import
             os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **env})
     torch.set_num_threads(1)
+    if args.paths:
+        for n in args.layers:
+            engine = tiny_engine(n, args.device)
+            for policy in args.policies:
+                for name, make in (("scheduler", scheduler_steps), ("engine", engine_steps)):
+                    step = make(engine, policy, args.batch)
+                    c = count_steps(step, args.paths)
+                    row = {"layers": n, "policy": policy, "steps_of": name, "steps": args.paths}
+                    row.update(
+                        ops=c.ops / args.paths, launches=c.launches / args.paths, syncs=c.syncs / args.paths
+                    )
+                    if args.profile:
+                        row["host_ms"], row["top_own_ms"] = profile_steps(step, args.paths)
+                    print(json.dumps(row), flush=True)
+        return
     rows = []
     for n in args.layers:
         engine = tiny_engine(n, args.device)

@@ -94,3 +94,48 @@ def test_on_cuda_the_decode_layer_dispatches_the_counted_ops():
     assert done.returncode == 0, done.stderr
     per = {r["policy"]: r for r in map(json.loads, done.stdout.splitlines()) if "per_layer" in r}
     assert per["full"]["per_layer"] <= CUDA_FULL_PER_LAYER, per["full"]
+
+
+# ops per decode step of the scheduler path (--gpu-path, 2 layers, 4 requests of one prompt, averaged
+# over 4 steps: h2o and avl evict on some steps only), next to Engine.decode over one batched cache.
+# Before the policies' decode bookkeeping ran once per cohort of equal policies (policies/cohort.py)
+# the scheduler dispatched h2o 483 / avl 631 a step (engine 264.5 / 307.5): every policy op once per
+# request and layer. 363 / 415 with the cohorts; 320 / 372 since a one-column drop moves every
+# layer's (and every cohort request's) tables by a few multi-tensor ops (kv/drops.shift_one_each).
+# Bounds: the measured counts plus a margin of 2 %
+SCHEDULER_STEP_OPS = {"h2o": 327, "avl": 380}
+
+
+def test_the_scheduler_runs_a_policys_decode_bookkeeping_once_per_cohort():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from count_step_ops import gpu_path_env
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--gpu-path",
+            "--layers",
+            "2",
+            "--paths",
+            "4",
+            "--policies",
+            "h2o",
+            "avl",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **gpu_path_env()},
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    by = {(r["policy"], r["steps_of"]): r for r in rows}
+    assert set(by) == {(p, s) for p in SCHEDULER_STEP_OPS for s in ("scheduler", "engine")}
+    for policy, bound in SCHEDULER_STEP_OPS.items():
+        sched, engine = by[policy, "scheduler"], by[policy, "engine"]
+        assert sched["ops"] <= bound, (policy, sched)
+        # the same kernels on both paths, the scheduler one more per layer (its fused append)
+        assert sched["launches"] == engine["launches"] + 2, (sched, engine)
+        # the batched bookkeeping reads back no more than the engine's batched cache does
+        assert sched["syncs"] <= engine["syncs"], (sched, engine)

@@ -5,8 +5,11 @@ Its own module so that the scheduler applies edits without importing the engine 
 
 from __future__ import annotations
 
+import torch
+
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.policies import CutEdit, FactorEdit, LayerEdit
+from vlkv.runtime.policies.base import DropOneEdit
 
 # spare slots kept after a decode-time eviction so the next append does not reallocate
 DECODE_SPARE = 8
@@ -21,30 +24,77 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
     their tables keep ``spare`` columns for the coming appends, and the few slots an eviction drops
     are handed to those appends (:meth:`LayerKV.select`'s ``recycle``).
     """
+    apply_edits_of([(cache, edits)], spare)
+
+
+def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> None:
+    """:func:`apply_edits` of several caches' edits ``(cache, edits)`` (a scheduler step's cohort of
+    requests): the plain selections of every cache are prepared together (:func:`prepare_selects`:
+    their checks in one read back, every one-column drop's tables moved at once) before each cache's
+    edits are applied to it."""
     from vlkv.runtime.kv.drops import cut_soles
     from vlkv.runtime.kv.edits import prepare_selects
-    from vlkv.runtime.kv.lowrank import apply_factor_edit
 
+    if spare > 0:
+        items = [(cache, _one_column_cuts(cache, edits)) for cache, edits in items]
     # plain selections (one per layer) check what their in-place path needs in one read for all
     # layers, not one per layer (:func:`prepare_selects`)
     plain = [
-        i
+        (c, i)
+        for c, (cache, edits) in enumerate(items)
         for i, item in enumerate(edits or [])
         if isinstance(item, LayerEdit) and item.assign is None and item.holes is None
     ]
     # an index built on first read (a per-step drop's, ``DropOneEdit``) stays unbuilt here: the one-call
     # drop closes the gaps from the dropped columns alone; only a layer that still needs it reads it
-    jobs = [
-        (cache.layers[i], edits[i].built_index(), edits[i].keep_len, edits[i].kept, edits[i].dropped)
-        for i in plain
-    ]
+    jobs = []
+    for c, i in plain:
+        cache, edit = items[c][0], items[c][1][i]
+        jobs.append((cache.layers[i], edit.built_index(), edit.keep_len, edit.kept, edit.dropped))
     prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
-    # cuts the policy read on the host (a per-step cut, every layer) check their recycled slots in one
-    # read for all layers too
-    cuts = [i for i, item in enumerate(edits or []) if isinstance(item, CutEdit) and item.host is not None]
-    soles = {}
-    if len(cuts) > 1:
-        soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
+    for c, (cache, edits) in enumerate(items):
+        # cuts the policy read on the host (a per-step cut, every layer) check their recycled slots in
+        # one read for all layers too
+        cuts = [
+            i for i, item in enumerate(edits or []) if isinstance(item, CutEdit) and item.host is not None
+        ]
+        soles = {}
+        if len(cuts) > 1:
+            soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
+        _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles)
+
+
+def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
+    """``edits`` with each decode-time :class:`CutEdit` that deletes one entry of every sample (a
+    per-step cut: local's oldest entry, Elastic Cache's at its fixed point) of a layer whose samples
+    hold the same ``n`` entries, and no holes or factors, as the one-column drop it is
+    (:class:`DropOneEdit` of column ``start``): the same tables, lengths and recycled slot, and every
+    such layer (of every cache of a cohort) moved by :func:`prepare_selects`' one call, where each
+    cut moved its tables one slice per table, layer and request."""
+    if not edits:
+        return edits
+    out = list(edits)
+    for i, (layer, edit) in enumerate(zip(cache.layers, edits)):
+        if not isinstance(edit, CutEdit) or edit.host is None or layer.holes is not None:
+            continue
+        starts, counts = edit.host
+        lens = layer.host_lengths()
+        if layer.lowrank is not None or not lens or set(counts) != {1} or len(set(lens)) != 1:
+            continue
+        n = lens[0]
+        if not all(0 <= st < n for st in starts):
+            continue  # the cut refuses it, naming the column
+        b, h = len(lens), layer.kv_heads
+        dropped = edit.start.to(device=layer.device, dtype=torch.long).view(b, 1, 1).expand(b, h, 1)
+        out[i] = DropOneEdit(n, layer.lengths - 1, [n - 1] * b, dropped)
+    return out
+
+
+def _apply(cache: KVCache, edits: list | None, spare: int, prepared: dict, soles: dict) -> None:
+    """Each layer's edits of one cache, its selections prepared (``prepared``: layer → select) and
+    its cuts' recycled slots checked (``soles``) where that was done for many layers at once."""
+    from vlkv.runtime.kv.lowrank import apply_factor_edit
+
     for i, (layer, item) in enumerate(zip(cache.layers, edits or [])):
         for edit in item if isinstance(item, tuple) else (item,):
             if edit is None:
@@ -56,13 +106,22 @@ def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
             elif edit.assign is None:
                 prep = prepared.get(i)
                 layer.select(
-                    edit.built_index() if prep is not None and prep.moved else edit.index,
+                    edit.built_index() if _index_unread(prep) else edit.index,
                     edit.keep_len,
                     spare=spare,
                     holes=edit.holes,
                     recycle=spare > 0,
                     kept=edit.kept,
-                    prepared=prepared.get(i),
+                    prepared=prep,
                 )
             else:
                 layer.merge(edit.index, edit.keep_len, edit.assign, edit.counts)
+
+
+def _index_unread(prep) -> bool:
+    """Whether a prepared select never reads its edit's kept columns: the gaps are closed already
+    (``moved``), or each row drops one known column in place (the shift reads the dropped column
+    alone), so a :class:`DropOneEdit` need not build its ``(B, H_kv, n - 1)`` index."""
+    if prep is None:
+        return False
+    return prep.moved or (prep.in_place and prep.cols is not None and prep.cols.shape[2] == 1)

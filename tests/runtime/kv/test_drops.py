@@ -144,6 +144,37 @@ def _same(a: list[dict], b: list[dict]) -> None:
             assert x[key] is None or torch.equal(x[key], y[key]), (i, key)
 
 
+@pytest.mark.parametrize("n", [1, 2, 9, 81])
+@pytest.mark.parametrize("where", ["anywhere", "first", "last"])
+def test_the_multi_tensor_shift_equals_the_kernel_bit_for_bit(n, where):
+    """``drops.shift_one_each`` (the device form: a masked blend by ``torch._foreach_*`` ops) moves
+    every table of every layer as the C++ kernel does, bit for bit: float scores holding ``-0.0``,
+    ``inf`` and NaN (moved as the integers of their bits), an fp16 table, a 5-D table, the stale
+    columns past ``k`` and the dropped slots."""
+    layers, b, h, cap = 3, 2, 3, n + 5
+    g = torch.Generator().manual_seed(n)
+    if where == "anywhere":
+        cols = torch.randint(0, n, (layers, b, h), generator=g)
+    else:
+        cols = torch.full((layers, b, h), 0 if where == "first" else n - 1)
+    fast, slow = _tables(layers, b, h, cap, n), _tables(layers, b, h, cap, n)
+    for i, (f, s) in enumerate(zip(fast, slow)):
+        odd = torch.randn(b, h, cap, generator=torch.Generator().manual_seed(i))
+        odd.view(-1)[::3] = -0.0
+        odd.view(-1)[1::5] = float("inf")
+        odd.view(-1)[2::7] = float("nan")
+        extra = [odd, odd.half(), torch.randn(b, h, cap, 2, 3, generator=torch.Generator().manual_seed(i))]
+        f.extend(t.clone() for t in extra)
+        s.extend(extra)
+    want = evict_rows.drop_columns(slow, cols, n - 1)
+    got = drops.shift_one_each(fast, cols, n - 1)
+    assert torch.equal(got, want)
+    for f, s in zip(fast, slow):
+        for a, e in zip(f, s, strict=True):
+            assert a.dtype == e.dtype
+            assert torch.equal(a.view(torch.uint8), e.view(torch.uint8))  # the bits, NaN and -0.0 too
+
+
 def _count_fused(monkeypatch) -> list[int]:
     """Spy: layers whose gaps one kernel call closed, per call."""
     seen: list[int] = []

@@ -8,8 +8,9 @@ from the first column it drops (:func:`shift_kept`) instead of rebuilding the ta
 
 Where every layer drops exactly one column per row and the columns are known (H2O's step), the gaps
 of every layer are closed by one C++ call (``vlkv/plugins/evict_rows.py``: a ``memmove`` per row,
-CPU caches, ``VLKV_CPU_EVICT=0`` off) before the per-layer selects, which then only set the lengths and
-keep the dropped slots (:attr:`UniformSelect.moved`).
+CPU caches, ``VLKV_CPU_EVICT=0`` off), elsewhere by a few multi-tensor ops over every table
+(:func:`shift_one_each`), before the per-layer selects, which then only set the lengths and keep the
+dropped slots (:attr:`UniformSelect.moved`).
 """
 
 from __future__ import annotations
@@ -143,19 +144,20 @@ def cut_soles(jobs: list[tuple], recycle: bool) -> list[bool | None]:
 def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle: bool):
     """Every job's :class:`UniformSelect`, its gaps already closed (``moved``), where every job is a
     decode-time drop of exactly one known column per row (``dropped (B, H_kv, 1)``) that
-    :meth:`Edits.prepare_uniform` would rewrite in place, on CPU caches holding ``n`` entries per
-    sample and keeping ``n - 1`` in every layer: one C++ call moves every layer's tables
-    (``evict_rows.drop_columns``). None (nothing done) where any of that does not hold, the switch is
-    off or the kernel is not built."""
+    :meth:`Edits.prepare_uniform` would rewrite in place, on caches holding ``n`` entries per sample
+    and keeping ``n - 1`` in every layer (the layers of one cache, or of a cohort's caches): one C++
+    call moves every layer's tables on CPU caches (``evict_rows.drop_columns``; ``VLKV_CPU_EVICT=0``
+    off), elsewhere :func:`shift_one_each` (a fixed number of ``torch._foreach_*`` ops over every
+    table). None (nothing done) where any of that does not hold."""
     from vlkv.plugins import evict_rows
 
-    if not (evict_rows.FUSED_DROP and recycle and IN_PLACE) or len(jobs) < 2:
+    if not (recycle and IN_PLACE) or len(jobs) < 2:
         return None
     n = None
     for job, k in zip(jobs, kept):
         layer = job[0]
         dropped = job[4] if len(job) > 4 else None
-        if layer.holes is not None or layer.lowrank is not None or layer.device.type != "cpu":
+        if layer.holes is not None or layer.lowrank is not None:
             return None
         if dropped is None or dropped.dim() != 3 or dropped.shape[2] != 1:
             return None
@@ -167,14 +169,16 @@ def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle
             return None
         if n - 1 + spare > layer.capacity:
             return None
-    if evict_rows.kernel() is None:
-        return None
     layers = [job[0] for job in jobs]
     tables = [layer._entry_tables() for layer in layers]
     if len({len(t) for t in tables}) != 1 or len({id(layer) for layer in layers}) != len(layers):
         return None  # layers keeping different running scores, or a layer listed twice
     cols = torch.cat([job[4] for job in jobs]).view(len(jobs), *jobs[0][4].shape[:2])  # (L, B, H_kv)
-    gone = evict_rows.drop_columns(tables, cols, n - 1)
+    on_cpu = all(layer.device.type == "cpu" for layer in layers)
+    if evict_rows.FUSED_DROP and on_cpu and evict_rows.kernel() is not None:
+        gone = evict_rows.drop_columns(tables, cols, n - 1)
+    else:
+        gone = shift_one_each(tables, cols, n - 1)
     preps = []
     # each layer's views by one ``unbind`` per layout, not a ``t()`` and an index per layer
     per_head = gone.transpose(1, 2).unbind(0)  # (H_kv, B) each: row h in head h
@@ -185,6 +189,48 @@ def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle
     for p, sole in zip(preps, host):
         p.read([sole])
     return preps
+
+
+# a float table moves as the integers of its bits: the masked blend below is exact on integers
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def shift_one_each(tables: list[list[Tensor]], cols: Tensor, k: int) -> Tensor:
+    """``evict_rows.drop_columns`` in torch, on any device: per job ``i`` (a layer of one cache) each
+    row of every table in ``tables[i]`` (the slot table ``(B, H_kv, C)`` int64 first, then
+    ``(B, H_kv, C, ...)`` tables) drops column ``cols[i] (B, H_kv)``, columns ``(cols, k]`` moving
+    one to the left (column ``k`` keeps its value, past the new length). Returns ``(J, B, H_kv)``
+    the dropped slot ids.
+
+    Every table's columns ``[0, k)`` become ``dst * (1 - moves) + src * moves`` of the views
+    ``[0, k)`` and ``[1, k + 1)``, ``moves`` the columns at or past the dropped one: three
+    ``torch._foreach_*`` ops per dtype over every job's tables (one multi-tensor launch each on a
+    GPU), where a ``where`` and a ``copy_`` per table, layer and request ran before. Integers, exact
+    (one term is 0); float tables go as the integers of their bits."""
+    j, b, h = cols.shape
+    col = cols.unsqueeze(3)  # (J, B, H_kv, 1)
+    moves = torch.arange(k, device=cols.device) >= col  # (J, B, H_kv, k)
+    gone = torch.cat([t[0].gather(2, c) for t, c in zip(tables, col.unbind(0))])  # (J·B, H_kv, 1)
+    masks: dict[tuple, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+    lists: dict[torch.dtype, tuple[list, list, list, list]] = {}
+    for i, group in enumerate(tables):
+        for t in group:
+            if t.is_floating_point():
+                t = t.view(_BITS[t.element_size()])
+            key = (t.dim(), t.dtype)
+            if key not in masks:
+                m = moves.view(*moves.shape, *([1] * (t.dim() - 3)))
+                masks[key] = (m.to(t.dtype).unbind(0), (~m).to(t.dtype).unbind(0))
+            dst, src, on, off = lists.setdefault(t.dtype, ([], [], [], []))
+            dst.append(t.narrow(2, 0, k))
+            src.append(t.narrow(2, 1, k))
+            on.append(masks[key][0][i])
+            off.append(masks[key][1][i])
+    for dst, src, on, off in lists.values():
+        picked = torch._foreach_mul(src, on)  # read before any write: the views overlap
+        torch._foreach_mul_(dst, off)
+        torch._foreach_add_(dst, picked)
+    return gone.view(j, b, h)
 
 
 def unlisted(listed: Tensor, m: int) -> Tensor:
@@ -198,7 +244,9 @@ def unlisted(listed: Tensor, m: int) -> Tensor:
     return torch.zeros(b, h, m + 1, dtype=torch.long, device=listed.device).scatter_(2, dest, cols)[:, :, :m]
 
 
-def shift_kept(tables: list[Tensor], index: Tensor, first: int, k: int, cols: Tensor | None = None) -> None:
+def shift_kept(
+    tables: list[Tensor], index: Tensor | None, first: int, k: int, cols: Tensor | None = None
+) -> None:
     """Rewrite columns ``[first, k)`` of every per-entry table in ``tables`` with the kept columns
     ``index[:, :, first:k]`` in place, where ``first`` is the first column any row drops (the columns
     before it stay). A per-step eviction's victims sit about mid-table (H2O's: just before its recent
@@ -207,14 +255,15 @@ def shift_kept(tables: list[Tensor], index: Tensor, first: int, k: int, cols: Te
 
     ``cols (B, H_kv, m)``: the columns each row drops, where known. With one per row (H2O's step)
     kept column ``j`` is column ``j`` or ``j + 1``: a ``where`` of the two shifted views, no index
-    read (1.5x cheaper than the gather at 4k columns); otherwise the kept columns are gathered."""
+    read (1.5x cheaper than the gather at 4k columns; ``index`` may be None then); otherwise the kept
+    columns are gathered."""
     if first >= k:  # every row drops only columns past its ``k`` first: nothing moves
         return
     # ``narrow``: one op per view, where ``t[:, :, a:b]`` dispatches a slice per dimension (this
     # runs per table, layer and step)
     m = k - first
     if cols is not None and cols.shape[2] == 1:
-        later = torch.arange(first, k, device=index.device) >= cols  # (B, H_kv, k - first)
+        later = torch.arange(first, k, device=cols.device) >= cols  # (B, H_kv, k - first)
         # per table rank, ``later`` with a unit dim per trailing dim (M-RoPE positions: one more)
         moves_of = {3: later}
         for t in tables:

@@ -60,7 +60,7 @@ class Edits(EntryTable):
             prepared: :meth:`prepare_uniform` of this edit, its checks read (:func:`prepare_selects`).
         """
         keep_len = keep_len.to(device=self.device, dtype=torch.long)
-        if index is not None:  # None only with ``prepared`` gaps already closed (nothing reads it)
+        if index is not None:  # None only where ``prepared`` never reads it (``edits._index_unread``)
             index = index.to(self.device)
         if (
             holes is None

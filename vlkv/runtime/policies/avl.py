@@ -97,6 +97,11 @@ class AVLPolicy(Policy):
 
     name: ClassVar[str] = "avl"
     evicts_during_decode: ClassVar[bool] = True
+    # the decode hook batches over requests at the same step (``policies.cohort``): the core refresh
+    # reads the step; the regions are only read
+    cohort_decode: ClassVar[str | None] = "same_step"
+    cohort_state: ClassVar[dict[str, int]] = {STATE_CORE: 0}
+    cohort_readonly: ClassVar[frozenset[str]] = frozenset({REGION})
 
     def __post_init__(self) -> None:
         super().__post_init__()

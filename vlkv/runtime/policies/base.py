@@ -225,6 +225,13 @@ class Policy:
     # budget = 1 reproduces the full cache exactly; False for policies that compress by another
     # knob (attnpack's rank), whose lossless setting is their own
     exact_at_full_budget: ClassVar[bool] = True
+    # its decode hook may run once over several requests' caches stacked (``policies.cohort``): it
+    # reads only the layers' lengths, capacity and running scores, the cache's ``processed`` and the
+    # ``policy_state`` entries named in ``cohort_state`` (name -> sample dim). ``"any_step"``: requests
+    # at different steps share a run; ``"same_step"``: the hook reads ``ctx.step``; None: never batched
+    cohort_decode: ClassVar[str | None] = None
+    cohort_state: ClassVar[dict[str, int]] = {}
+    cohort_readonly: ClassVar[frozenset[str]] = frozenset()  # score tables the decode hook only reads
 
     def __post_init__(self) -> None:
         check_range("budget", self.budget, 0.0, 1.0)

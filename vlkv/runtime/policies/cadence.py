@@ -47,6 +47,10 @@ class Cadence(Policy):
         self.name = inner.name if self.every == 1 else f"{inner.name}+every{self.every}"
         self.evicts_during_decode = True
         self.can_defer_edits = True
+        # batched over requests as the inner policy is, at the same step when the cadence reads it
+        mode = inner.cohort_decode
+        self.cohort_decode = mode if self.every == 1 or mode is None else "same_step"
+        self.cohort_state, self.cohort_readonly = inner.cohort_state, inner.cohort_readonly
 
     def prefill_request(self, ctx, rows):
         return self.inner.prefill_request(ctx, rows)

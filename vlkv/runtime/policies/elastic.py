@@ -68,6 +68,9 @@ class ElasticPolicy(Policy):
     # settings whose entries are kept whatever the budget (checked by settings.check_compresses)
     always_kept: ClassVar[tuple[str, ...]] = ("start", "recent")
     evicts_during_decode: ClassVar[bool] = True
+    # batched over requests (``policies.cohort``): the fixed points concatenated
+    cohort_decode: ClassVar[str | None] = "any_step"
+    cohort_state: ClassVar[dict[str, int]] = {STATE_P: 0}
 
     def __post_init__(self) -> None:
         super().__post_init__()

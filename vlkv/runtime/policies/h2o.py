@@ -33,6 +33,7 @@ class H2OPolicy(ScorePolicy):
     name: ClassVar[str] = "h2o"
     evicts_during_decode: ClassVar[bool] = True
     can_defer_edits: ClassVar[bool] = True
+    cohort_decode: ClassVar[str | None] = "any_step"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -28,6 +28,7 @@ class LocalPolicy(ScorePolicy):
     always_kept: ClassVar[tuple[str, ...]] = ("sinks",)
     evicts_during_decode: ClassVar[bool] = True
     can_defer_edits: ClassVar[bool] = True
+    cohort_decode: ClassVar[str | None] = "any_step"  # batched over requests (``policies.cohort``)
 
     def __post_init__(self) -> None:
         super().__post_init__()
