@@ -75,6 +75,7 @@ def test_cli_refuses_a_bad_pool_in_one_line(tp, tmp_path, capsys):
 
 
 def test_a_shipped_safetensors_file_starts_a_run_as_its_checkpoint_would(tp, tmp_path):
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     tp.train(_cfg(tp, steps=1, pool=2), tmp_path / "a", quiet=True)
@@ -93,6 +94,13 @@ def test_a_shipped_safetensors_file_starts_a_run_as_its_checkpoint_would(tp, tmp
     )
     for key in from_ckpt:
         torch.testing.assert_close(from_file[key], from_ckpt[key], rtol=0, atol=0)
+    # a file named relative to the working directory is named by itself in the export's settings
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        tp.train(_cfg(tp, pool=2, init_from="a.safetensors"), tmp_path / "r", stop_at=0, quiet=True)
+    tp.export(tmp_path / "r", tmp_path / "r.safetensors")
+    with safe_open(tmp_path / "r.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["config"])["init_from"] == "a.safetensors"
     # folded LM adapters are not a run's form: refused in one line naming the file
     save_file(shipped | {"lm_lora.layer.B": torch.zeros(2, 2)}, tmp_path / "lora.safetensors")
     with pytest.raises(ValueError, match="lora.safetensors holds folded LM adapters"):
