@@ -200,7 +200,7 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         step, extra = ckpt["step"], {k: ckpt[k] for k in ("init", "best", "anchor_to") if k in ckpt}
         source = ckpt
     elif cfg.init_from:
-        source = torch.load(cfg.init_from, weights_only=False)
+        source = load_init(cfg.init_from)
         if cfg.form == "linear" and "affine" not in source:
             raise ValueError(f"init_from {cfg.init_from} holds no affine map (not a linear-form run)")
         extra["init"] = {"from": cfg.init_from}
@@ -303,6 +303,22 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
     if affine is not None:
         affine.write_into(mlp)
     return {k: v.detach().clone() for k, v in mlp.state_dict().items()}
+
+
+def load_init(path: str) -> dict:
+    """``--init-from``'s source: a training checkpoint (``.pt``), or a shipped projector file
+    (``.safetensors``, as ``--export`` writes it) read as a checkpoint holding only ``projector``.
+
+    A file with LM adapters is refused: they are stored folded, not in the form a run trains.
+    """
+    if not path.endswith(".safetensors"):
+        return torch.load(path, weights_only=False)
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    if any(k.startswith(lm_lora.PREFIX) for k in tensors):
+        raise ValueError(f"init_from {path} holds folded LM adapters; start from its .pt checkpoint")
+    return {"projector": tensors}
 
 
 def _log(out: Path, record: dict) -> None:

@@ -201,3 +201,15 @@ def test_side_questions_ask_each_side_whole_or_by_attribute():
         assert all((o.colour, o.shape) not in S.HELD_OUT for o in (left, right))
     assert len(asked) == 6
     assert {s.kind for s in samples} == {"single", "single-turns", "two-sides", "two-turns"}
+
+
+def test_two_multi_mix_asks_about_one_to_five_pictures():
+    rng = np.random.default_rng(3)
+    samples = [T.training_sample(rng, mix="two-multi") for _ in range(300)]
+    multi = [s for s in samples if s.kind.startswith(("nth", "which"))]
+    assert {len(s.scenes) for s in multi} == {1, 2, 3, 4, 5}
+    assert 0.12 < len(multi) / len(samples) < 0.3  # a fifth of the mix
+    for s in multi:
+        if s.kind == "which":  # the answer names a picture that is there
+            assert s.answer in T.ORDINALS[: len(s.scenes)]
+    assert any(s.kind == "two-turns" for s in samples)

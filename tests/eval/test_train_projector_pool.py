@@ -72,3 +72,36 @@ def test_cli_refuses_a_bad_pool_in_one_line(tp, tmp_path, capsys):
     assert tp.main(["--out", str(tmp_path), "--model", "tiny-llava", "--pool", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "pool must be one of" in err
+
+
+def test_a_shipped_safetensors_file_starts_a_run_as_its_checkpoint_would(tp, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    tp.train(_cfg(tp, steps=1, pool=2), tmp_path / "a", quiet=True)
+    tp.export(tmp_path / "a", tmp_path / "a.safetensors")
+    shipped = load_file(tmp_path / "a.safetensors")
+    cfg = _cfg(tp, pool=2, init_from=str(tmp_path / "a.safetensors"))
+    tp.train(cfg, tmp_path / "s", stop_at=0, quiet=True)
+    start = torch.load(tmp_path / "s" / tp.CHECKPOINT, weights_only=False)["projector"]
+    assert start.keys() == shipped.keys()
+    for key in shipped:
+        torch.testing.assert_close(start[key], shipped[key], rtol=0, atol=0)
+    # continued from the file or from the checkpoint it was exported from: the same weights
+    from_file = tp.train(cfg, tmp_path / "s", resume=True, quiet=True)
+    from_ckpt = tp.train(
+        _cfg(tp, pool=2, init_from=str(tmp_path / "a" / tp.CHECKPOINT)), tmp_path / "c", quiet=True
+    )
+    for key in from_ckpt:
+        torch.testing.assert_close(from_file[key], from_ckpt[key], rtol=0, atol=0)
+    # a file named relative to the working directory is named by itself in the export's settings
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        tp.train(_cfg(tp, pool=2, init_from="a.safetensors"), tmp_path / "r", stop_at=0, quiet=True)
+    tp.export(tmp_path / "r", tmp_path / "r.safetensors")
+    with safe_open(tmp_path / "r.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["config"])["init_from"] == "a.safetensors"
+    # folded LM adapters are not a run's form: refused in one line naming the file
+    save_file(shipped | {"lm_lora.layer.B": torch.zeros(2, 2)}, tmp_path / "lora.safetensors")
+    with pytest.raises(ValueError, match="lora.safetensors holds folded LM adapters"):
+        tp.train(_cfg(tp, pool=2, init_from=str(tmp_path / "lora.safetensors")), tmp_path / "l", quiet=True)

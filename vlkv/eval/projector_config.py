@@ -36,7 +36,8 @@ class TrainConfig:
     # loss to 3 digits; the projector's weights and optimiser stay float32
     autocast: str = "bf16"
     mix: str = "full"  # a key of vlkv.eval.scene_tasks.MIXES
-    # a checkpoint.pt whose projector replaces the ridge initialisation (a second phase of training)
+    # a checkpoint.pt (or a shipped projector .safetensors) whose projector replaces the ridge
+    # initialisation (a second phase of training)
     init_from: str = ""
     # "mlp": the whole MLP trains. "linear": only the ridge map's coefficients and bias train (the
     # principal directions stay), so the projector stays an affine map of the vision features and

@@ -33,6 +33,6 @@ def export(ckpt_path: Path, dest: Path, dtype: torch.dtype = torch.float32) -> s
     config = dict(ckpt["config"])
     if config.get("init_from"):  # the run directory's name only: no machine paths in a shipped file
         source = Path(config["init_from"])
-        config["init_from"] = f"{source.parent.name}/{source.name}"
+        config["init_from"] = "/".join(part for part in (source.parent.name, source.name) if part)
     save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(config)})
     return hashlib.sha256(dest.read_bytes()).hexdigest()

@@ -173,6 +173,14 @@ def _which_few(rng: np.random.Generator, split: str) -> Sample:
     return which(rng, split, int(rng.integers(2, 4)))
 
 
+def _nth_wide(rng: np.random.Generator, split: str) -> Sample:
+    return nth(rng, split, int(rng.integers(1, 6)))
+
+
+def _which_wide(rng: np.random.Generator, split: str) -> Sample:
+    return which(rng, split, int(rng.integers(1, 6)))
+
+
 def single_what(rng: np.random.Generator, split: str) -> Sample:
     """One object, "What is in the image?" → its colour and shape (the short caption)."""
     scene = random_scene(rng, split, 1)
@@ -264,6 +272,8 @@ MAKERS: dict[str, Callable[[np.random.Generator, str], Sample]] = {
     "count": count,
     "nth": _nth_few,
     "which": _which_few,
+    "nth-wide": _nth_wide,
+    "which-wide": _which_wide,
     "single-turns": single_turns,
     "two-turns": two_turns,
     "two-sides": two_sides,
@@ -294,6 +304,16 @@ MIXES: dict[str, dict[str, float]] = {
         "two-turns": 0.3,
         "nth": 0.1,
         "which": 0.05,
+    },
+    # "two-multi": "mixed-multi" with its several-picture questions over 1-5 pictures (the VQA set
+    # asks about 1, 2, 5 and 10; one picture teaches "first" as an answer) and a fifth of the samples
+    "two-multi": {
+        "single-what": 0.25,
+        "single-turns": 0.1,
+        "two-what": 0.15,
+        "two-turns": 0.3,
+        "nth-wide": 0.12,
+        "which-wide": 0.08,
     },
     # "long": the several-hundred-step run from the first phase's projector: one-object captions
     # kept at 30 %, one-object turns (colour and shape asked apart, so each word has its own answer)

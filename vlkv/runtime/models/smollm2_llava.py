@@ -63,10 +63,10 @@ PATCH_SIZE = 14
 # 16x16 patches (CLS dropped by vision_feature_select_strategy="default"); the pooled projector emits 64.
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 PROJECTOR_SEED = 0
-PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector_d6f83965.safetensors"
-# 2x2-pooled "A + 100" (docs/benchmarks/2026-11-27-vqa8-cpu-x86_64): held-out VQA draws 0-3 single 90/96,
-# two-object 40/96 (the 256-token 189ec871... it replaced: 89 and 27). The cache (random projector) is unchanged.
-PROJECTOR_SHA256 = "d6f839651b7e200f3d3e0bf29219ea3ee4a333c1b4955264d0254203ccf29cb7"
+PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector_3ed80ce9.safetensors"
+# 2x2-pooled d6f83965 + 400 steps with 1-5-picture questions (docs/benchmarks/2026-11-27-vqa9-cpu-x86_64):
+# held-out VQA draws 0-3 single 92/96, two-object 43/96, multi-picture 31/96 (d6f83965: 90, 40, 14).
+PROJECTOR_SHA256 = "3ed80ce9f6ce2b696a5a68d2887917f01995864c116168b6da2b270b67755372"
 PROJECTORS = ("trained", "random")
 PROJECTOR_KEYS = frozenset({"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"})
 # DINOv2 hidden state the projector reads: the output of the 8th of 12 layers (0 is the patch
