@@ -14,6 +14,23 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "count_step_ops.py"
 
 
+def _gpu_path_rows(*args: str) -> list[dict]:
+    """The script's JSON rows on the path a CUDA device runs (``--gpu-path``), its environment given
+    here: the script need not run itself again (a second start, ~7 s)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from count_step_ops import gpu_path_env
+
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--gpu-path", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **gpu_path_env()},
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
 def test_the_fused_append_dispatches_fewer_ops_and_no_more_syncs():
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--layers", "2", "--split-append"],
@@ -49,19 +66,7 @@ CUDA_FULL_PER_LAYER = 18
 
 
 def test_the_gpu_path_dispatches_a_bounded_number_of_ops_per_layer():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from count_step_ops import gpu_path_env
-
-    # the path's environment given here: the script need not run itself again (a second start, ~7 s)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--gpu-path", "--layers", "2", "4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **gpu_path_env()},
-    )
-    assert done.returncode == 0, done.stderr
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = _gpu_path_rows("--layers", "2", "4")
     steps = [r for r in rows if "ops" in r]
     assert steps and all(r["path"] == "gpu" for r in steps)
     per = {r["policy"]: r for r in rows if "per_layer" in r}
@@ -107,29 +112,7 @@ SCHEDULER_STEP_OPS = {"h2o": 327, "avl": 380}
 
 
 def test_the_scheduler_runs_a_policys_decode_bookkeeping_once_per_cohort():
-    sys.path.insert(0, str(SCRIPT.parent))
-    from count_step_ops import gpu_path_env
-
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--gpu-path",
-            "--layers",
-            "2",
-            "--paths",
-            "4",
-            "--policies",
-            "h2o",
-            "avl",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **gpu_path_env()},
-    )
-    assert done.returncode == 0, done.stderr
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = _gpu_path_rows("--layers", "2", "--paths", "4", "--policies", "h2o", "avl")
     by = {(r["policy"], r["steps_of"]): r for r in rows}
     assert set(by) == {(p, s) for p in SCHEDULER_STEP_OPS for s in ("scheduler", "engine")}
     for policy, bound in SCHEDULER_STEP_OPS.items():

@@ -40,6 +40,13 @@ def _tables(layers: int, b: int, h: int, c: int, seed: int) -> list[list[torch.T
     return out
 
 
+def _dropped_columns(layers: int, b: int, h: int, n: int, where: str) -> torch.Tensor:
+    """(layers, b, h) int64: one column in [0, n) per row — seeded anywhere, all first or all last."""
+    if where == "anywhere":
+        return torch.randint(0, n, (layers, b, h), generator=torch.Generator().manual_seed(n))
+    return torch.full((layers, b, h), 0 if where == "first" else n - 1)
+
+
 @pytest.mark.parametrize("n", [1, 2, 9, 81, 729])
 @pytest.mark.parametrize("where", ["anywhere", "first", "last"])
 def test_drop_columns_equals_the_where_shift_on_every_table(n, where):
@@ -47,11 +54,7 @@ def test_drop_columns_equals_the_where_shift_on_every_table(n, where):
     ``where`` shift from the first dropped column; the dropped slots are the slot table's columns
     read before the move."""
     layers, b, h, cap = 3, 2, 3, n + 5
-    g = torch.Generator().manual_seed(n)
-    if where == "anywhere":
-        cols = torch.randint(0, n, (layers, b, h), generator=g)
-    else:
-        cols = torch.full((layers, b, h), 0 if where == "first" else n - 1)
+    cols = _dropped_columns(layers, b, h, n, where)
     fast, slow = _tables(layers, b, h, cap, n), _tables(layers, b, h, cap, n)
     want = torch.stack([t[0].gather(2, c[:, :, None])[:, :, 0] for t, c in zip(slow, cols)])
     index = torch.zeros(b, h, n - 1, dtype=torch.long)  # not read by the one-drop shift
@@ -152,11 +155,7 @@ def test_the_multi_tensor_shift_equals_the_kernel_bit_for_bit(n, where):
     ``inf`` and NaN (moved as the integers of their bits), an fp16 table, a 5-D table, the stale
     columns past ``k`` and the dropped slots."""
     layers, b, h, cap = 3, 2, 3, n + 5
-    g = torch.Generator().manual_seed(n)
-    if where == "anywhere":
-        cols = torch.randint(0, n, (layers, b, h), generator=g)
-    else:
-        cols = torch.full((layers, b, h), 0 if where == "first" else n - 1)
+    cols = _dropped_columns(layers, b, h, n, where)
     fast, slow = _tables(layers, b, h, cap, n), _tables(layers, b, h, cap, n)
     for i, (f, s) in enumerate(zip(fast, slow)):
         odd = torch.randn(b, h, cap, generator=torch.Generator().manual_seed(i))
