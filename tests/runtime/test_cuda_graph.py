@@ -1,0 +1,84 @@
+"""CUDA graphs of the static decode step (``runtime/cuda_graph.py``): replay equals the eager step on a GPU,
+step after step as the lengths grow, the read table widens and the batch shrinks (a capture per batch
+size and width). The CPU side (the static forward equals the eager step, no host sync) is
+``test_static_step.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlkv.runtime.policies import make_policy
+from vlkv.runtime.prompt import Prompt
+from vlkv.runtime.request import Request, Status
+from vlkv.runtime.scheduler import Scheduler
+
+TEXTS = ("Describe the scene in detail.", "Hi", "What colour is the sky today? Tell me more about it.")
+NEW = (12, 6, 12)  # the second request finishes first: the batch goes from 3 to 2 (a second capture)
+# the graph replays the eager step's kernels on the same values; only the paged read's split count may
+# differ (its table is a fixed capacity wide), which at these sizes is one split either way
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def test_a_cuda_graph_needs_cuda(capsys, no_model_compute):
+    from tests.runtime.cli_refusal import refused
+    from vlkv.runtime.cuda_graph import check_device
+
+    with pytest.raises(ValueError, match="needs a CUDA device; this model is on 'cpu'"):
+        check_device("cpu")
+    line = refused(capsys, "--cuda-graph")
+    assert "--cuda-graph needs --device cuda, --backend torch and a fixed pool (--pool-bytes)" in line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+def test_graph_replay_equals_the_eager_step(dtype):
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.models.registry import load_model
+
+    loaded = load_model("tiny-llava", device="cuda")
+    loaded.model.to(dtype)
+    engine = Engine(loaded, decode_graph=True)
+    be = engine.backend
+    static = be.static
+    static.capacity_step = 8  # the read table widens every 8 steps: a capture each time
+    outs, real = [], be.step
+
+    def recorded(inputs, cache, stats=None):
+        out = real(inputs, cache, stats)
+        outs.append(out)
+        return out
+
+    be.step = recorded
+    scheds = []
+    for _ in range(2):
+        sched = Scheduler(engine, pool_bytes=1 << 22)
+        reqs = [
+            sched.submit(Request(Prompt(t), make_policy("full"), n, stop_at_eos=False))
+            for t, n in zip(TEXTS, NEW)
+        ]
+        be.static = None
+        sched.step()  # the prefill of all three (no graph for it)
+        assert len(sched.running) == len(TEXTS)
+        scheds.append((sched, reqs))
+    (eager, eager_reqs), (graphed, graph_reqs) = scheds
+    step = 0
+    while eager.running:
+        be.static = None
+        eager.step()
+        want = outs[-1]
+        be.static = static
+        graphed.step()
+        got = outs[-1]
+        assert static.taken == step + 1, static.refused
+        torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
+        assert torch.equal(got.attended, want.attended)
+        step += 1
+    assert not graphed.running
+    assert static.graphs.replays == step
+    # one capture per (batch size, width): 3 requests then 2, and each width the tables reached
+    assert static.graphs.captures >= 3, static.graphs.captures
+    for a, b in zip(eager_reqs, graph_reqs):
+        assert a.status is b.status is Status.FINISHED, (a.error, b.error)
+        assert a.tokens == b.tokens
+    assert graphed.pool.used_bytes() == 0
