@@ -30,25 +30,33 @@ def run_compile(args, sink) -> None:
         sink({"skipped": "a CUDA graph needs a CUDA device (the static step is checked on CPU by the tests)"})
         return
     from bench_common import document_prompt, load_for_bench
-    from gpu_timing import timed_ms
 
     from vlkv.runtime.engine import Engine
+
+    model, tokens, b = ("shape:toy-llava", 96, 2) if args.tiny else ("shape:llava-1.5-7b", 8192, 4)
+    engine = Engine(load_for_bench(model, args.device, "bf16"), decode_graph=True)
+    one = document_prompt(engine, model, tokens)
+    measure(engine, one, b, args.device, sink, {"model": model, "dtype": "bf16"})
+
+
+def measure(engine, one, b: int, device: str, sink, result: dict) -> dict:
+    """The part's measurements (see the module docstring) for ``b`` requests of the encoded prompt ``one``
+    on ``engine`` (its backend's ``static`` a :class:`~vlkv.runtime.static_step.StaticDecode` with graphs)."""
+    from gpu_timing import timed_ms
+
     from vlkv.runtime.policies import make_policy
     from vlkv.runtime.prompt import Prompt
     from vlkv.runtime.request import Request, Status
     from vlkv.runtime.scheduler import Scheduler
     from vlkv.runtime.static_step import forward
 
-    model, tokens, b = "shape:llava-1.5-7b", 8192, 4
-    engine = Engine(load_for_bench(model, args.device, "bf16"), decode_graph=True)
     be = engine.backend
     static = be.static
-    one = document_prompt(engine, model, tokens)
-    spec = be.num_layers * 2 * be.num_kv_heads * be.head_dim * 2  # bf16 bytes of one token, all layers
+    entry = be.num_layers * 2 * be.num_kv_heads * be.head_dim * be.dtype.itemsize  # one token, all layers
     n = one.input_ids.shape[1]
     new = 2 * (BLOCKS * 2 * STEPS + 8)
-    result: dict = {"model": model, "tokens": n, "batch": b, "dtype": "bf16", "policy": "full"}
-    sched = Scheduler(engine, pool_bytes=spec * b * (n + new + 64))
+    result.update(tokens=n, batch=b, policy="full")
+    sched = Scheduler(engine, pool_bytes=entry * b * (n + new + 64))
     reqs = []
     for _ in range(b):
         # the text is a label: the request is taken as encoded (as gpu_profile's scheduler path does)
@@ -66,17 +74,17 @@ def run_compile(args, sink) -> None:
         be.static = static if on else None
         out = []
         for _ in range(STEPS):
-            sync(args.device)
+            sync(device)
             t0 = time.perf_counter()
             sched.step()
-            sync(args.device)
+            sync(device)
             out.append((time.perf_counter() - t0) * 1e3)
         return out
 
     be.static = static
     t0 = time.perf_counter()
     sched.step()  # the first graph step: warm-up, capture, replay
-    sync(args.device)
+    sync(device)
     result["first_graph_step_s"] = time.perf_counter() - t0
     times: dict[str, list[float]] = {"eager": [], "graph": []}
     for _ in range(BLOCKS):
@@ -87,8 +95,7 @@ def run_compile(args, sink) -> None:
     result["step_ms_all"] = times
     result["captures"], result["replays"] = static.graphs.captures, static.graphs.replays
     result["refused"] = dict(static.refused)
-    e, g = result["step_ms"]["eager"], result["step_ms"]["graph"]
-    result["eager_over_graph"] = e / g
+    result["eager_over_graph"] = result["step_ms"]["eager"] / result["step_ms"]["graph"]
     sink(result)
 
     # the device half alone, on the buffers of the last graph step: running it again writes the same K/V
@@ -101,16 +108,16 @@ def run_compile(args, sink) -> None:
     graph.replay()
     result["graph_vs_static_max_abs"] = float((outputs[0] - ref).abs().max())
     result["forward_ms"] = {
-        "static_eager": timed_ms(lambda: forward(be, bufs, pools), args.device, 10),
-        "graph_replay": timed_ms(graph.replay, args.device, 10),
+        "static_eager": timed_ms(lambda: forward(be, bufs, pools), device, 10),
+        "graph_replay": timed_ms(graph.replay, device, 10),
     }
-    result["forward_static_over_graph"] = (
-        result["forward_ms"]["static_eager"] / result["forward_ms"]["graph_replay"]
-    )
+    fwd = result["forward_ms"]
+    result["forward_static_over_graph"] = fwd["static_eager"] / fwd["graph_replay"]
     for r in reqs:
         sched.cancel(r)
     sched.step()
     sink(result)
+    return result
 
 
 def markdown(res: dict) -> list[str]:

@@ -154,8 +154,10 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
 def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuffers, list] | None:
     """The host half of a static step (see the module docstring): every layer's append reserved, the
     step's rows packed and copied into buffers (``bufs``, or ``make(longest)``'s where those are narrower
-    than the longest request after the step). Returns the buffers and the reservations, or None where some request's tables do not fit
-    the one-launch append (every reservation is then taken back)."""
+    than the longest request after the step). Returns the buffers and the reservations, or None where
+    some request's tables do not fit the one-launch append (every reservation is then taken back).
+    ``inputs``: the step's :class:`~vlkv.runtime.backend.StepInputs` (``(B, 1)`` tokens, ``(B, 1, P)``
+    positions); ``cache``: the scheduler's batch view (``kv/batch.CacheBatch``)."""
     from vlkv.runtime.fused_append import _ahead, _step_columns
     from vlkv.runtime.kv.reservation import reserve_decode_entries
     from vlkv.runtime.step_context import StepContext
