@@ -189,8 +189,11 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
         if dev.type == "cuda":  # pinned: the copy does not wait for the stream (no host sync)
             host = host.pin_memory()
         bufs.ints.copy_(host, non_blocking=True)
-        for i, t in moved:
-            bufs.ids[i].copy_(t)
+        if len(moved) == len(done):  # every layer took fresh slots (a fixed pool): one stack, one copy
+            bufs.ids.copy_(torch.stack([t for _, t in moved]))
+        else:
+            for i, t in moved:
+                bufs.ids[i].copy_(t)
         bufs.token_ids.copy_(inputs.input_ids)
         bufs.positions.copy_(inputs.positions)
         bufs.modality.copy_(new["modality"])
@@ -224,6 +227,7 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
     return out.transpose(1, 2).contiguous()
 
 
+@torch.no_grad()
 def forward(backend, bufs: StaticBuffers, pools: list) -> tuple[Tensor, Tensor]:
     """The device half (see the module docstring): reads ``bufs``, ``pools`` (per layer the pool's
     ``(keys, values, pre-RoPE flags)``) and the weights only; no host read, no shape from a value.
