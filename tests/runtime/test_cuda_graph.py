@@ -14,7 +14,7 @@ from vlkv.runtime.request import Request, Status
 from vlkv.runtime.scheduler import Scheduler
 
 TEXTS = ("Describe the scene in detail.", "Hi", "What colour is the sky today? Tell me more about it.")
-NEW = (12, 6, 12)  # the second request finishes first: the batch goes from 3 to 2 (a second capture)
+NEW = (10, 5, 10)  # the second request finishes first: the batch goes from 3 to 2 (a second capture)
 # the graph replays the eager step's kernels on the same values; only the paged read's split count may
 # differ (its table is a fixed capacity wide), which at these sizes is one split either way
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -30,8 +30,10 @@ def test_a_cuda_graph_needs_cuda(capsys, no_model_compute):
     assert "--cuda-graph needs --device cuda, --backend torch and a fixed pool (--pool-bytes)" in line
 
 
+# bf16 only, the GPU path's dtype: the check's pytest part ran 149 of its 185 s in run 6 (the fp32 case is the
+# same code; on CPU both dtypes are compared, test_static_step.py)
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 def test_graph_replay_equals_the_eager_step(dtype):
     from vlkv.runtime.engine import Engine
     from vlkv.runtime.models.registry import load_model
