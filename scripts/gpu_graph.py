@@ -103,7 +103,7 @@ def measure(engine, one, b: int, device: str, sink, result: dict) -> dict:
     bufs = static._bufs[b]
     pool = sched.pool
     pools = [(pool.keys[i], pool.values[i], pool.prerope_flags(i)) for i in range(be.num_layers)]
-    _, graph, outputs, _ = static.graphs._graphs[b]
+    _, _, graph, outputs, _ = static.graphs._graphs[b]
     ref = forward(be, bufs, pools)[0]
     graph.replay()
     result["graph_vs_static_max_abs"] = float((outputs[0] - ref).abs().max())

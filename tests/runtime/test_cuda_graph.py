@@ -84,3 +84,47 @@ def test_graph_replay_equals_the_eager_step(dtype):
         assert a.status is b.status is Status.FINISHED, (a.error, b.error)
         assert a.tokens == b.tokens
     assert graphed.pool.used_bytes() == 0
+
+
+def test_a_graph_is_captured_per_batch_size_and_again_when_its_buffers_or_pools_change(monkeypatch):
+    """:meth:`DecodeGraphs.run`'s bookkeeping on CPU, the capture itself replaced (a CUDA graph needs a
+    GPU; the replay is checked above): one capture per batch size, replays while the buffers and the pool
+    tensors are the same, a new capture when either changes, the outputs handed back as copies."""
+    from types import SimpleNamespace
+
+    from vlkv.runtime import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "check_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    captured = []
+
+    def capture(self, forward):
+        outputs = forward()
+        captured.append(outputs)
+        graph = SimpleNamespace(replay=lambda: [o.copy_(n) for o, n in zip(outputs, forward())])
+        return graph, outputs, ()
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_capture", capture)
+    graphs = cuda_graph.DecodeGraphs("cuda")
+    step = [0.0]
+
+    def forward():
+        return (torch.full((2,), step[0]),)
+
+    narrow, wide, three = (SimpleNamespace(batch=b) for b in (2, 2, 3))
+    pool_a, pool_b = torch.zeros(4), torch.zeros(4)
+    runs = [
+        (narrow, pool_a),
+        (narrow, pool_a),
+        (narrow, pool_b),
+        (wide, pool_b),
+        (three, pool_b),
+        (wide, pool_b),
+    ]
+    for i, (bufs, pool) in enumerate(runs):
+        step[0] = float(i)
+        (out,) = graphs.run(bufs, forward, (pool,))
+        assert torch.equal(out, torch.full((2,), float(i)))  # this step's values, by replay
+        assert all(out is not o for outs in captured for o in outs)  # a copy, not the graph's own
+    # captured: the first run, a new pool, wider buffers, a new batch size; replayed every run
+    assert graphs.captures == len(captured) == 4 and graphs.replays == len(runs)

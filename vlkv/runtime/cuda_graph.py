@@ -46,21 +46,27 @@ class DecodeGraphs:
         check_device(device)
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every batch size's graph
-        # batch size → (buffers captured against, graph, its outputs, tensors it must keep alive)
+        # batch size → (buffers captured against, pool addresses, graph, its outputs, tensors it must keep
+        # alive)
         self._graphs: dict[int, tuple] = {}
         self.captures = self.replays = 0
 
-    def run(self, bufs, forward: Callable[[], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    def run(
+        self, bufs, forward: Callable[[], tuple[Tensor, Tensor]], pools: tuple = ()
+    ) -> tuple[Tensor, Tensor]:
         """``forward()``'s outputs for this step, by replay; captured first where ``bufs`` (filled for
-        this step) is not the buffers its batch size was captured against. The outputs are copies: the
-        next replay rewrites the graph's own."""
+        this step) is not the buffers its batch size was captured against, or ``pools`` (the K/V pool
+        tensors it writes and reads, compared by address: another scheduler's pool) are not the ones.
+        The outputs are copies: the next replay rewrites the graph's own."""
+        where = tuple(t.data_ptr() for t in pools)
         got = self._graphs.get(bufs.batch)
-        if got is None or got[0] is not bufs:
+        if got is None or got[0] is not bufs or got[1] != where:
             self._graphs.pop(bufs.batch, None)  # a narrower table's graph: its memory back to the pool
-            got = self._graphs[bufs.batch] = (bufs, *self._capture(forward))
-        got[1].replay()
+            got = self._graphs[bufs.batch] = (bufs, where, *self._capture(forward))
+            self.captures += 1
+        got[2].replay()
         self.replays += 1
-        return tuple(t.clone() for t in got[2])
+        return tuple(t.clone() for t in got[3])
 
     def _capture(self, forward) -> tuple:
         from vlkv.plugins import triton_paged_attention
@@ -73,10 +79,11 @@ class DecodeGraphs:
             forward()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread-local: another thread's CUDA work (a server's encoder threads) does not break the capture;
+        # a host sync in this thread's forward still does
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = forward()
         # the layers' and the paged read's reused scratch buffers the graph writes: held here, so a
         # cache cleared later cannot hand their memory to another tensor while the graph still writes it
         keep = (dict(device_layer._WORK), dict(triton_paged_attention._PARTIALS))
-        self.captures += 1
         return graph, outputs, keep

@@ -294,7 +294,8 @@ class StaticDecode:
             if self.graphs is None:
                 logits, attended = forward(be, bufs, pools)
             else:
-                logits, attended = self.graphs.run(bufs, partial(forward, be, bufs, pools))
+                flat = tuple(t for trio in pools for t in trio)
+                logits, attended = self.graphs.run(bufs, partial(forward, be, bufs, pools), flat)
         except BaseException:
             for res in reversed(reservations):
                 res.cancel()
