@@ -94,7 +94,7 @@ def measure(engine, one, b: int, device: str, sink, result: dict) -> dict:
             sink(result)
     result["step_ms_all"] = times
     result["captures"], result["replays"] = static.graphs.captures, static.graphs.replays
-    result["refused"] = dict(static.refused)
+    result["taken"], result["refused"] = static.taken, dict(static.refused)
     result["eager_over_graph"] = result["step_ms"]["eager"] / result["step_ms"]["graph"]
     sink(result)
 
@@ -127,7 +127,7 @@ def markdown(res: dict) -> list[str]:
         f"{res.get('model')}, {res.get('tokens')} tokens x {res.get('batch')}, {res.get('dtype')}, "
         f"{res.get('policy')} cache; first graph step (warm-up + capture + replay) "
         f"{res.get('first_graph_step_s', float('nan')):.2f} s, {res.get('captures')} capture(s), "
-        f"{res.get('replays')} replays, refused {res.get('refused')}.",
+        f"{res.get('replays')} replays, {res.get('taken')} graph steps taken, refused {res.get('refused')}.",
         "",
         "| measure | eager (ms) | graph (ms) | eager / graph |",
         "|---|---:|---:|---:|",
