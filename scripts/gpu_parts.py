@@ -24,6 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from gpu_graph import run_compile  # noqa: E402  (the compile part, eager step vs CUDA graph, lives apart)
 from gpu_kernels import run_kernels  # noqa: E402  (the kernels part lives apart)
 from gpu_profile import PROFILE_POLICIES, run_profile  # noqa: E402, F401  (the profile part lives apart)
 from gpu_timing import Sink, timed_ms  # noqa: E402
@@ -260,18 +261,6 @@ def run_prefill(args, sink: Sink) -> None:
 
 
 # ------------------------------------------------------------------------------ what cannot run here
-def run_compile(args, sink: Sink) -> None:
-    from vlkv.runtime import engine
-
-    src = Path(engine.__file__).read_text()
-    if "torch.compile" in src or "CUDAGraph" in src:
-        sink({"note": "a compiled decode step exists but the check has no part for it yet"})
-        return
-    sink(
-        {"skipped": "vlkv has no CUDA-graph or torch.compile decode step yet (nothing to compare with eager)"}
-    )
-
-
 def run_tensorrt(args, sink: Sink) -> None:
     if importlib.util.find_spec("tensorrt") is None:
         sink({"skipped": "TensorRT is not installed on this machine (the ONNX artefacts are checked on ORT)"})

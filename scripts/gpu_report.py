@@ -159,6 +159,12 @@ def _profile(res: dict) -> list[str]:
     return lines + (host if len(host) > 5 else [])
 
 
+def _compile(res: dict) -> list[str]:
+    from gpu_graph import markdown  # scripts/ is on sys.path where reports are written
+
+    return markdown(res)
+
+
 SECTIONS = {
     "env": _env,
     "kernels": _kernels,
@@ -166,6 +172,7 @@ SECTIONS = {
     "prefill": _prefill,
     "pytest": _pytest,
     "profile": _profile,
+    "compile": _compile,
 }
 
 

@@ -216,11 +216,13 @@ def cmd_generate(args) -> int:
         raise CliError(f"--link-threshold must be in [0, 1], got {args.link_threshold}")
     if args.pool_bytes is not None and args.pool_bytes < 1:
         raise CliError(f"--pool-bytes must be >= 1, got {args.pool_bytes}")
+    if args.cuda_graph and (device.type != "cuda" or args.pool_bytes is None or args.backend != "torch"):
+        raise CliError("--cuda-graph needs --device cuda, --backend torch and a fixed pool (--pool-bytes)")
     prompts = _prompts(args)
     loaded = load_model(args.model, device=str(device))
     limit = position_limit(loaded)
     check_setting_sizes(settings, limit, loaded.name, "--set ")
-    engine = Engine(loaded, backend=args.backend)
+    engine = Engine(loaded, backend=args.backend, decode_graph=args.cuda_graph)
     # Tokenizing is cheap; refuse prompts past the position limit before the first layer runs.
     batch = engine.encode(prompts)
     lengths = batch.lengths.tolist()
@@ -365,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--backend", default="torch", help="torch or onnxruntime (default: torch)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    g.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay plain decode steps as a CUDA graph per batch size (CUDA, torch backend, --pool-bytes; "
+        "experimental: off until a GPU run has measured it)",
+    )
     g.add_argument(
         "--link",
         default="none",

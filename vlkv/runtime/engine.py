@@ -87,13 +87,26 @@ class KVUsage:
 
 
 class Engine:
-    """Holds a loaded model and a backend; runs :meth:`generate` for batches of prompts."""
+    """Holds a loaded model and a backend; runs :meth:`generate` for batches of prompts.
 
-    def __init__(self, loaded, backend: str = "torch"):
+    ``decode_graph``: a scheduler's plain decode steps (full cache, compress-once policies: no
+    statistics, holes or linked entries) replay a CUDA graph of the decode forward per batch size
+    (``runtime/cuda_graph.py``); a fixed pool (``Scheduler(pool_bytes=...)``) is needed, other steps stay
+    eager. CUDA and the torch backend only; off by default until a GPU run has measured it."""
+
+    def __init__(self, loaded, backend: str = "torch", decode_graph: bool = False):
         from vlkv.runtime.backends import make_backend
 
         self.loaded = loaded
         self.backend = make_backend(backend, loaded)
+        if decode_graph:
+            from vlkv.runtime.cuda_graph import DecodeGraphs, check_device
+            from vlkv.runtime.static_step import StaticDecode
+
+            check_device(getattr(self.backend, "device", "cpu"))
+            if not hasattr(self.backend, "static"):
+                raise ValueError(f"a CUDA-graph decode step needs the torch backend, not {backend!r}")
+            self.backend.static = StaticDecode(self.backend, DecodeGraphs(self.backend.device))
         tok = getattr(loaded.processor, "tokenizer", loaded.processor)
         self.tokenizer = tok
         self.eos_ids = _eos_ids(loaded.model, tok)

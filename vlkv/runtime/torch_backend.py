@@ -84,6 +84,9 @@ class TorchBackend:
         from vlkv.runtime.models import device_layer
 
         self.adapter.device_layer = device_layer.prepare(self.adapter.layers, self.device)
+        # a static_step.StaticDecode where decode steps may take the fixed-buffer forward (a CUDA graph
+        # with Engine(decode_graph=True)); None: every step eager
+        self.static = None
 
     @torch.no_grad()
     def embed(self, batch: PromptBatch) -> Tensor:
@@ -110,6 +113,10 @@ class TorchBackend:
 
     @torch.no_grad()
     def step(self, inputs: StepInputs, cache: KVCache, stats: StatsRequest | None = None) -> StepOutput:
+        if self.static is not None:
+            out = self.static.step(inputs, cache, stats)
+            if out is not None:
+                return out
         ctx = StepContext(cache, inputs, stats)
         hidden = inputs.inputs_embeds
         if hidden is None:

@@ -59,23 +59,14 @@ class StepTables:
             for r, p in zip(per, cols):  # the growth the layer's reservation would do, done now
                 r._reserve(p + 1)
             runs = [r.spares.peek_run_id() for r in per]
-            tables = [tuple(getattr(r, name) for name in _NAMES) for r in per]
+            tables = [table_tensors(r) for r in per]
             scores = [tuple(r.scores.values()) for r in per]
-            self._fits.append(all(_fits(t, p, sc) for t, p, sc in zip(tables, cols, scores)))
+            self._fits.append(all(fits(t, p, sc) for t, p, sc in zip(tables, cols, scores)))
             self.columns.append(cols)
             self.runs.append(None if any(i is None for i in runs) else runs)
             self._tables.append(tables)
             self._scores.append(scores)
-            for t, p, run, sc in zip(tables, cols, runs, scores):
-                slots, positions, modality, order, holes = t
-                row = [0] * FIELDS
-                row[SLOTS], row[CAP], row[POSITIONS] = slots.data_ptr(), slots.shape[2], positions.data_ptr()
-                row[MODALITY], row[ORDER] = modality.data_ptr(), order.data_ptr()
-                row[HOLES] = 0 if holes is None else holes.data_ptr()
-                row[COLUMN], row[RUN], row[AFTER] = p, -1 if run is None else run, p + 1
-                for i, score in enumerate(sc[:MAX_SCORES]):  # more: the layer does not fit
-                    row[SCORES + i] = score.data_ptr()
-                rows.append(row)
+            rows.extend(meta_row(t, sc, p, run) for t, p, run, sc in zip(tables, cols, runs, scores))
         n_layers, batch = len(layers), len(layers[0]) if layers else 0
         host = torch.tensor(rows, dtype=torch.long, device="cpu")  # built on the host, copied once
         self.meta = _to_device(host, device).view(n_layers, batch, FIELDS)
@@ -108,6 +99,25 @@ class StepTables:
         return max(self.columns[layer]) + 1
 
 
+def table_tensors(layer) -> tuple:
+    """A one-sample layer's ``(slots, positions, modality, order, holes)`` tables, as a meta row names them."""
+    return tuple(getattr(layer, name) for name in _NAMES)
+
+
+def meta_row(tables: tuple, scores: tuple, column: int, run: int | None) -> list[int]:
+    """One (layer, request)'s ``FIELDS`` int64 fields: ``tables`` as :func:`table_tensors` gives them,
+    ``scores`` its running-score tables (the first ``MAX_SCORES``), the new ``column``, its run slot."""
+    slots, positions, modality, order, holes = tables
+    row = [0] * FIELDS
+    row[SLOTS], row[CAP], row[POSITIONS] = slots.data_ptr(), slots.shape[2], positions.data_ptr()
+    row[MODALITY], row[ORDER] = modality.data_ptr(), order.data_ptr()
+    row[HOLES] = 0 if holes is None else holes.data_ptr()
+    row[COLUMN], row[RUN], row[AFTER] = column, -1 if run is None else run, column + 1
+    for i, score in enumerate(scores[:MAX_SCORES]):  # more: the layer does not fit
+        row[SCORES + i] = score.data_ptr()
+    return row
+
+
 def _to_device(host: Tensor, device: torch.device) -> Tensor:
     """``host`` on ``device``: on CUDA through pinned memory without blocking (a pageable copy may wait
     for the stream: a host sync a step); the caching host allocator keeps the pinned block until the
@@ -117,7 +127,7 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _fits(tables: tuple, column: int, scores: tuple = ()) -> bool:
+def fits(tables: tuple, column: int, scores: tuple = ()) -> bool:
     """A request's tables as the kernel addresses them: contiguous ``(1, H_kv, C[, P])`` with ``C`` above
     ``column``, holes (if any) one byte an entry, at most ``MAX_SCORES`` float32 running-score tables
     shaped like the slot table."""

@@ -240,10 +240,18 @@ def _mm(x: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def forward(
-    fused: FusedLayer, layer: nn.Module, hidden: Tensor, ctx, cos_sin: tuple[Tensor, Tensor]
+    fused: FusedLayer,
+    layer: nn.Module,
+    hidden: Tensor,
+    ctx,
+    cos_sin: tuple[Tensor, Tensor],
+    attend_fn=None,
 ) -> Tensor:
     """The decoder layer over ``hidden (B, q, K)`` (see the module docstring); ``ctx`` the step's cache
-    and mask, ``cos_sin`` the ``(B, q, D)`` rotary tables. Returns ``(B, q, K)``."""
+    and mask, ``cos_sin`` the ``(B, q, D)`` rotary tables. Returns ``(B, q, K)``.
+
+    ``attend_fn(attn, q, k, v) -> (B, q, H, D)``: the cache append and attention in place of the step
+    context's (the static decode step's, ``runtime/static_step.py``, which reads only fixed buffers)."""
     from vlkv.plugins import triton_glue
     from vlkv.runtime.models.skinny_layer import attend
 
@@ -261,7 +269,7 @@ def forward(
     )
     q, k, v = rows.split([heads, kv, kv], dim=1)
     attn = layer._modules["self_attn"]
-    out = attend(attn, ctx, q, k, v)  # (B, q, H, D)
+    out = attend(attn, ctx, q, k, v) if attend_fn is None else attend_fn(attn, q, k, v)  # (B, q, H, D)
     o = _mm(out.reshape(b * nq, heads * d), fused.o, fused.o_bias)
     total, h = triton_glue.add_rms_norm(o, x, fused.norm2, fused.eps2, total=residual, out=normed)
     act = triton_glue.silu_mul(_mm(h, fused.gate_up, fused.gate_up_bias), out=act)

@@ -1,0 +1,150 @@
+"""Ops, Triton launches and host syncs of one decode step: eager, and static (the forward a CUDA graph captures).
+
+Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3]
+Counts, on the path a CUDA device runs (``count_step_ops.gpu_path_env``: the Triton kernels forced under
+the interpreter, every CPU C++ kernel off; the script runs itself again with that environment), a
+full-cache ``Scheduler.step()`` of tiny LLaVA over ``--batch`` ragged requests on a fixed pool:
+
+- ``eager``: the step as it runs today (``TorchBackend.step``'s layer loop);
+- ``static``: the same step through ``runtime/static_step.py``, with its two halves counted apart:
+  ``host`` (the reservations, the packed copy, the input copies: what still runs from the host each step
+  under a graph) and ``device`` (the forward: what a CUDA graph captures and replays as one launch).
+
+A Triton launch counts as one op (one kernel launch on the device). Prints one JSON line per
+configuration and layer count, then per configuration the ops per layer (slope between the fewest and
+the most layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from count_step_ops import gpu_path_env, tiny_engine, torch_path_prefill, triton_launches_as_ops  # noqa: E402
+
+from vlkv.runtime import static_step  # noqa: E402
+from vlkv.runtime.op_count import count_ops  # noqa: E402
+from vlkv.runtime.policies import make_policy  # noqa: E402
+from vlkv.runtime.prompt import Prompt  # noqa: E402
+from vlkv.runtime.request import Request  # noqa: E402
+from vlkv.runtime.scheduler import Scheduler  # noqa: E402
+
+TEXTS = ["Describe the scene in detail.", "Hi", "What colour is the sky today?", "Count them."]
+
+
+def _running(engine, batch: int) -> Scheduler:
+    sched = Scheduler(engine, pool_bytes=1 << 22)
+    for i in range(batch):
+        sched.submit(
+            Request(Prompt(TEXTS[i % len(TEXTS)] + " x" * i), make_policy("full"), 32, stop_at_eos=False)
+        )
+    with torch_path_prefill():
+        sched.step()
+    assert len(sched.running) == batch
+    return sched
+
+
+class _Halves:
+    """Counts the static step's host half and device half apart (each wrapped while counting)."""
+
+    def __init__(self):
+        self.host = self.device = None
+
+    def __enter__(self):
+        self._prepare, self._forward = static_step.prepare, static_step.forward
+        halves = self
+
+        def prepare(*a, **k):
+            with count_ops() as c, triton_launches_as_ops(c) as n:
+                got = halves._prepare(*a, **k)
+            c.launches = n[0]
+            halves.host = _add(halves.host, c)
+            return got
+
+        def forward(*a, **k):
+            with count_ops() as c, triton_launches_as_ops(c) as n:
+                got = halves._forward(*a, **k)
+            c.launches = n[0]
+            halves.device = _add(halves.device, c)
+            return got
+
+        static_step.prepare, static_step.forward = prepare, forward
+        return self
+
+    def __exit__(self, *exc):
+        static_step.prepare, static_step.forward = self._prepare, self._forward
+
+
+def _add(acc: dict | None, c) -> dict:
+    acc = acc or {"ops": 0, "launches": 0, "syncs": 0}
+    acc["ops"] += c.ops
+    acc["launches"] += c.launches
+    acc["syncs"] += c.syncs
+    return acc
+
+
+def count(engine, batch: int, steps: int) -> list[dict]:
+    be = engine.backend
+    rows = []
+    sched = _running(engine, batch)
+    sched.step()  # one more eager step: first-call work out of the way
+    with count_ops() as c, triton_launches_as_ops(c) as n:
+        for _ in range(steps):
+            sched.step()
+    rows.append({"config": "eager", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps})
+    rows[-1]["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
+    sched = _running(engine, batch)
+    be.static = static = static_step.StaticDecode(be, capacity_step=64)
+    sched.step()  # buffers made
+    halves = _Halves()
+    with count_ops() as c, triton_launches_as_ops(c) as n, halves:
+        for _ in range(steps):
+            sched.step()
+    be.static = None
+    assert static.taken == steps + 1, static.refused
+    row = {"config": "static", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps}
+    row["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
+    row["host"] = {k: v / steps for k, v in halves.host.items()}
+    row["device"] = {k: v / steps for k, v in halves.device.items()}
+    rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    env = gpu_path_env()
+    if any(os.environ.get(k) != v for k, v in env.items()):  # the switches are read at import
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **env})
+    torch.set_num_threads(1)
+    rows = []
+    for n in args.layers:
+        for row in count(tiny_engine(n), args.batch, args.steps):
+            row.update(layers=n, batch=args.batch)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lo, hi = min(args.layers), max(args.layers)
+    if lo == hi:
+        return
+    for config in ("eager", "static"):
+        a, b = (next(r for r in rows if r["config"] == config and r["layers"] == n) for n in (lo, hi))
+        slope = {"config": config, "per_layer_ops": (b["ops"] - a["ops"]) / (hi - lo)}
+        slope["per_layer_launches"] = (b["launches"] - a["launches"]) / (hi - lo)
+        slope["per_layer_syncs"] = (b["syncs"] - a["syncs"]) / (hi - lo)
+        if config == "static":
+            for half in ("host", "device"):
+                slope[f"{half}_per_layer_ops"] = (b[half]["ops"] - a[half]["ops"]) / (hi - lo)
+                slope[f"{half}_syncs"] = b[half]["syncs"]
+        print(json.dumps(slope), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""CUDA graphs of the static decode step (``runtime/cuda_graph.py``): replay equals the eager step on a GPU,
+step after step as the lengths grow, the read table widens and the batch shrinks (a capture per batch
+size and width). The CPU side (the static forward equals the eager step, no host sync) is
+``test_static_step.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlkv.runtime.policies import make_policy
+from vlkv.runtime.prompt import Prompt
+from vlkv.runtime.request import Request, Status
+from vlkv.runtime.scheduler import Scheduler
+
+TEXTS = ("Describe the scene in detail.", "Hi", "What colour is the sky today? Tell me more about it.")
+NEW = (10, 5, 10)  # the second request finishes first: the batch goes from 3 to 2 (a second capture)
+# the graph replays the eager step's kernels on the same values; only the paged read's split count may
+# differ (its table is a fixed capacity wide), which at these sizes is one split either way
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def test_a_cuda_graph_needs_cuda(capsys, no_model_compute):
+    from tests.runtime.cli_refusal import refused
+    from vlkv.runtime.cuda_graph import check_device
+
+    with pytest.raises(ValueError, match="needs a CUDA device; this model is on 'cpu'"):
+        check_device("cpu")
+    line = refused(capsys, "--cuda-graph")
+    assert "--cuda-graph needs --device cuda, --backend torch and a fixed pool (--pool-bytes)" in line
+
+
+# bf16 only, the GPU path's dtype: the check's pytest part ran 149 of its 185 s in run 6 (the fp32 case is the
+# same code; on CPU both dtypes are compared, test_static_step.py)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+def test_graph_replay_equals_the_eager_step(dtype):
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.models.registry import load_model
+
+    loaded = load_model("tiny-llava", device="cuda")
+    loaded.model.to(dtype)
+    engine = Engine(loaded, decode_graph=True)
+    be = engine.backend
+    static = be.static
+    static.capacity_step = 8  # the read table widens every 8 steps: a capture each time
+    outs, real = [], be.step
+
+    def recorded(inputs, cache, stats=None):
+        out = real(inputs, cache, stats)
+        outs.append(out)
+        return out
+
+    be.step = recorded
+    scheds = []
+    for _ in range(2):
+        sched = Scheduler(engine, pool_bytes=1 << 22)
+        reqs = [
+            sched.submit(Request(Prompt(t), make_policy("full"), n, stop_at_eos=False))
+            for t, n in zip(TEXTS, NEW)
+        ]
+        be.static = None
+        sched.step()  # the prefill of all three (no graph for it)
+        assert len(sched.running) == len(TEXTS)
+        scheds.append((sched, reqs))
+    (eager, eager_reqs), (graphed, graph_reqs) = scheds
+    step = 0
+    while eager.running:
+        be.static = None
+        eager.step()
+        want = outs[-1]
+        be.static = static
+        graphed.step()
+        got = outs[-1]
+        assert static.taken == step + 1, static.refused
+        torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
+        assert torch.equal(got.attended, want.attended)
+        step += 1
+    assert not graphed.running
+    assert static.graphs.replays == step
+    # one capture per (batch size, width): 3 requests then 2, and each width the tables reached
+    assert static.graphs.captures >= 3, static.graphs.captures
+    for a, b in zip(eager_reqs, graph_reqs):
+        assert a.status is b.status is Status.FINISHED, (a.error, b.error)
+        assert a.tokens == b.tokens
+    assert graphed.pool.used_bytes() == 0
+
+
+def test_a_graph_is_captured_per_batch_size_and_again_when_its_buffers_or_pools_change(monkeypatch):
+    """:meth:`DecodeGraphs.run`'s bookkeeping on CPU, the capture itself replaced (a CUDA graph needs a
+    GPU; the replay is checked above): one capture per batch size, replays while the buffers and the pool
+    tensors are the same, a new capture when either changes, the outputs handed back as copies."""
+    from types import SimpleNamespace
+
+    from vlkv.runtime import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "check_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    captured = []
+
+    def capture(self, forward):
+        outputs = forward()
+        captured.append(outputs)
+        graph = SimpleNamespace(replay=lambda: [o.copy_(n) for o, n in zip(outputs, forward())])
+        return graph, outputs, ()
+
+    monkeypatch.setattr(cuda_graph.DecodeGraphs, "_capture", capture)
+    graphs = cuda_graph.DecodeGraphs("cuda")
+    step = [0.0]
+
+    def forward():
+        return (torch.full((2,), step[0]),)
+
+    narrow, wide, three = (SimpleNamespace(batch=b) for b in (2, 2, 3))
+    pool_a, pool_b = torch.zeros(4), torch.zeros(4)
+    runs = [
+        (narrow, pool_a),
+        (narrow, pool_a),
+        (narrow, pool_b),
+        (wide, pool_b),
+        (three, pool_b),
+        (wide, pool_b),
+    ]
+    for i, (bufs, pool) in enumerate(runs):
+        step[0] = float(i)
+        (out,) = graphs.run(bufs, forward, (pool,))
+        assert torch.equal(out, torch.full((2,), float(i)))  # this step's values, by replay
+        assert all(out is not o for outs in captured for o in outs)  # a copy, not the graph's own
+    # captured: the first run, a new pool, wider buffers, a new batch size; replayed every run
+    assert graphs.captures == len(captured) == 4 and graphs.replays == len(runs)

@@ -1,0 +1,305 @@
+"""A decode step split into a host half and a device half that reads only fixed buffers (CUDA-graph ready).
+
+A GPU decode step is host-bound (GPU run 6: ~30 ms a step at LLaVA-1.5-7B's shape, 8k x 4, against a
+7.3 ms bandwidth bound; 224 Triton launches a step). The fix serving engines use (vLLM, nano-vllm) is a
+CUDA graph of the decode forward: it needs a forward whose every kernel reads its per-step inputs from
+buffers allocated once, at fixed addresses, with launch grids that do not change from step to step and
+no host read in between. This module is that forward, for the device path (``models/device_layer.py``'s
+fused layers and the Triton kernels, CUDA or ``VLKV_FORCE_TRITON=1``):
+
+- the **host half** (:func:`prepare`) runs the decode append's bookkeeping for every layer
+  (``kv/reservation.reserve_decode_entries``: tables grown, slots taken, lengths advanced), then packs
+  per (layer, request) its tables' addresses, new column and length after (``kv/step_tables.meta_row``)
+  and the slots into one int64 host tensor, copied once into the step's :class:`StaticBuffers`; the new
+  tokens, positions, modality and sequence indices are copied into theirs;
+- the **device half** (:func:`forward`) reads only those buffers, the pool and the weights: embedding,
+  rotary tables, every layer (``device_layer.forward`` with the append kernel writing the K/V rows,
+  every request's table column and the read table ``(B, H_kv, C)`` at a fixed capacity ``C``, then the
+  paged read, whose programs loop to each row's length read from the buffer), the norm and the head.
+
+The grids depend on ``B`` and ``C`` only, so :mod:`vlkv.runtime.cuda_graph` captures :func:`forward`
+once per batch size and capacity and replays it; :class:`StaticDecode` runs it without a graph too (the
+CPU check that it equals the eager step, under Triton's interpreter). Taken for a scheduler's batch
+view of one-sample caches in a plain decode step: one new row each, no statistics, no selected
+attention, link step, low-rank factors, pre-RoPE (linked) entries, per-head holes or swapped-out
+request (:func:`refusal` names what stops it); any other step runs eagerly as before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.backend import StepOutput, StepStats
+from vlkv.runtime.kv.step_tables import AFTER, FIELDS, fits, meta_row, table_tensors
+
+# the read table's width grows in steps of this many columns (a capture per batch size and width: at
+# 1024 a decode recaptures once every 1024 steps; the paged read loops to the lengths, never to C)
+CAPACITY_STEP = 1024
+
+
+@dataclass(slots=True)
+class StaticBuffers:
+    """Every per-step input of :func:`forward` for ``batch`` requests at read-table capacity ``capacity``.
+
+    Attributes:
+        batch, capacity, layers, kv_heads: ``B``, ``C``, ``L``, ``H_kv``.
+        token_ids: ``(B, 1)`` int64 the new tokens.
+        positions: ``(B, 1, P)`` int64 their RoPE positions.
+        modality: ``(B,)`` int8, order: ``(B,)`` int64: the new table column's modality and sequence index.
+        ints: ``(L·B·FIELDS + L·H_kv·B,)`` int64, the one host-to-device copy of a step: ``meta`` then ``ids``.
+        meta: ``(L, B, FIELDS)`` view of ``ints``: per layer and request the append's row
+            (``kv/step_tables``: table addresses, capacity, new column, length after).
+        ids: ``(L, H_kv, B)`` view of ``ints``: each new entry's slot per layer and KV head.
+        lengths: ``(L, B, H_kv)`` view of ``meta``'s lengths after the append (stride 0 over heads).
+        table: ``(B, H_kv, C)`` int64, the read table each layer's append writes and its paged read reads.
+    """
+
+    batch: int
+    capacity: int
+    layers: int
+    kv_heads: int
+    token_ids: Tensor
+    positions: Tensor
+    modality: Tensor
+    order: Tensor
+    ints: Tensor
+    meta: Tensor
+    ids: Tensor
+    lengths: Tensor
+    table: Tensor
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.capacity < 1 or self.layers < 1 or self.kv_heads < 1:
+            raise ValueError(
+                f"StaticBuffers: batch, capacity, layers, kv_heads must be >= 1, got {self.batch}, "
+                f"{self.capacity}, {self.layers}, {self.kv_heads}"
+            )
+        if self.table.shape != (self.batch, self.kv_heads, self.capacity):
+            raise ValueError(f"StaticBuffers.table: {tuple(self.table.shape)} is not (B, H_kv, C)")
+        if self.meta.shape != (self.layers, self.batch, FIELDS):
+            raise ValueError(f"StaticBuffers.meta: {tuple(self.meta.shape)} is not (L, B, {FIELDS})")
+
+    @classmethod
+    def make(cls, batch: int, capacity: int, layers: int, kv_heads: int, pos_dims: int, device):
+        """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses)."""
+        i64 = dict(dtype=torch.long, device=device)
+        n_meta = layers * batch * FIELDS
+        ints = torch.zeros(n_meta + layers * kv_heads * batch, **i64)
+        meta = ints[:n_meta].view(layers, batch, FIELDS)
+        return cls(
+            batch=batch,
+            capacity=capacity,
+            layers=layers,
+            kv_heads=kv_heads,
+            token_ids=torch.zeros(batch, 1, **i64),
+            positions=torch.zeros(batch, 1, pos_dims, **i64),
+            modality=torch.zeros(batch, dtype=torch.int8, device=device),
+            order=torch.zeros(batch, **i64),
+            ints=ints,
+            meta=meta,
+            ids=ints[n_meta:].view(layers, kv_heads, batch),
+            lengths=meta[:, :, AFTER, None].expand(layers, batch, kv_heads),
+            table=torch.zeros(batch, kv_heads, capacity, **i64),
+        )
+
+
+def capacity_for(longest: int, step: int = CAPACITY_STEP) -> int:
+    """The read table's capacity for a step whose longest request holds ``longest`` entries after it:
+    the next multiple of ``step``."""
+    return max(step, math.ceil(longest / step) * step)
+
+
+def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
+    """Why this step cannot take the static forward (None: it can). Host checks only, no tensor read."""
+    from vlkv.runtime.models import device_layer
+
+    ad = backend.adapter
+    if not ad.device_layer:
+        return "the model has no device layers (CUDA or VLKV_FORCE_TRITON=1, VLKV_DEVICE_LAYER on)"
+    if stats is not None:
+        return "the step asks for statistics"
+    if inputs.inputs_embeds is not None or inputs.all_logits or inputs.selective:
+        return "not a plain decode step (embeddings, all logits or a link step)"
+    if inputs.attend is not None or inputs.row_filter is not None:
+        return "selected attention or a row filter"
+    b, q = inputs.input_ids.shape
+    if q != 1 or inputs.new_len_host != (1,) * b or b > device_layer.MAX_ROWS:
+        return "not one new row per request (or more rows than the device layer takes)"
+    per = [getattr(la, "rows", None) for la in cache.layers]
+    if not per or any(p is None or len(p) != b for p in per):
+        return "not a scheduler's batch view"
+    if any(
+        r.batch != 1 or r.linked or r.lowrank is not None or r.offloaded is not None for p in per for r in p
+    ):
+        return "a request with pre-RoPE, low-rank or swapped-out entries"
+    if any(r.holes is not None for p in per for r in p):
+        return "a request with per-head holes"
+    pool = cache.layers[0].pool
+    if pool.spec.dtype != backend.dtype:
+        return "the pool's dtype is not the model's"
+    if graphs and pool.grow:
+        return "a growable pool (its tensors move: a graph needs a fixed pool)"
+    for layer in ad.layers:
+        fused = layer.__dict__.get(device_layer.ATTR)
+        if fused is None or not fused.current(layer):
+            return "a decoder layer is not fused (or its weights were replaced)"
+    return None
+
+
+def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuffers, list] | None:
+    """The host half of a static step (see the module docstring): every layer's append reserved, the
+    step's rows packed and copied into buffers (``bufs``, or ``make(longest)``'s where those are narrower
+    than the longest request after the step). Returns the buffers and the reservations, or None where
+    some request's tables do not fit the one-launch append (every reservation is then taken back).
+    ``inputs``: the step's :class:`~vlkv.runtime.backend.StepInputs` (``(B, 1)`` tokens, ``(B, 1, P)``
+    positions); ``cache``: the scheduler's batch view (``kv/batch.CacheBatch``)."""
+    from vlkv.runtime.fused_append import _ahead, _step_columns
+    from vlkv.runtime.kv.reservation import reserve_decode_entries
+    from vlkv.runtime.step_context import StepContext
+
+    ctx = StepContext(cache, inputs, None)
+    new = _step_columns(ctx)
+    done = []
+    try:
+        for i, la in enumerate(cache.layers):
+            ahead = _ahead(ctx, new, i)
+            done.append(reserve_decode_entries(la.rows, new["order_next"], new["order_rows"], ahead, False))
+        rows, ids, moved = [], [], []
+        for i, (la, res) in enumerate(zip(cache.layers, done)):
+            for r, p in zip(la.rows, res.host):
+                tables, scores = table_tensors(r), tuple(r.scores.values())
+                if not fits(tables, p, scores):
+                    raise _Refused
+                rows.append(meta_row(tables, scores, p, None))
+            if res.runs:  # every request continues its run: the same slot in every head
+                ids.extend(res.spare * la.pool.spec.kv_heads)
+            else:  # slots from the pool's free stacks (a device tensor): copied below
+                ids.extend([0] * (la.pool.spec.kv_heads * len(res.host)))
+                moved.append((i, res.ids))
+        longest = max(p + 1 for res in done for p in res.host)
+        if bufs is None or bufs.capacity < longest:
+            bufs = make(longest)
+        dev = bufs.ints.device
+        host = torch.tensor([x for row in rows for x in row] + ids, dtype=torch.long)
+        if dev.type == "cuda":  # pinned: the copy does not wait for the stream (no host sync)
+            host = host.pin_memory()
+        bufs.ints.copy_(host, non_blocking=True)
+        if len(moved) == len(done):  # every layer took fresh slots (a fixed pool): one stack, one copy
+            bufs.ids.copy_(torch.stack([t for _, t in moved]))
+        else:
+            for i, t in moved:
+                bufs.ids[i].copy_(t)
+        bufs.token_ids.copy_(inputs.input_ids)
+        bufs.positions.copy_(inputs.positions)
+        bufs.modality.copy_(new["modality"])
+        bufs.order.copy_(new["order"])
+    except BaseException as err:
+        for res in reversed(done):
+            res.cancel()
+        if isinstance(err, _Refused):
+            return None
+        raise
+    return bufs, done
+
+
+class _Refused(Exception):
+    """A request's tables do not fit the one-launch append (``step_tables.fits``)."""
+
+
+def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Layer ``i``'s append and paged read from the buffers: ``q (B, H, 1, D)`` post-RoPE, ``k, v (B, H_kv,
+    1, D)`` the new entries → ``(B, 1, H, D)``."""
+    from vlkv.plugins.ops import paged_attention
+    from vlkv.plugins.paged_append_triton import decode_append_
+
+    keys, values, flags = pools[i]
+    new_positions = bufs.positions[:, 0]
+    decode_append_(
+        keys, values, flags, k, v, bufs.meta, i, new_positions, bufs.modality, bufs.order,
+        ids=bufs.ids[i], out=bufs.table,
+    )  # fmt: skip
+    out = paged_attention(q, keys, values, bufs.table, bufs.lengths[i], attn.scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+@torch.no_grad()
+def forward(backend, bufs: StaticBuffers, pools: list) -> tuple[Tensor, Tensor]:
+    """The device half (see the module docstring): reads ``bufs``, ``pools`` (per layer the pool's
+    ``(keys, values, pre-RoPE flags)``) and the weights only; no host read, no shape from a value.
+    Returns ``logits (B, V)`` float32 and ``attended (L, B)`` float64 (each layer's length after)."""
+    from vlkv.runtime.models import device_layer
+
+    ad = backend.adapter
+    hidden = ad.embed_tokens(bufs.token_ids)
+    cos_sin = ad.rotary(hidden, bufs.positions)
+    for i, layer in enumerate(ad.layers):
+        fused = layer.__dict__[device_layer.ATTR]
+        hidden = device_layer.forward(fused, layer, hidden, None, cos_sin, partial(_attend, bufs, pools, i))
+    hidden = ad.norm(hidden)
+    logits = ad.head(hidden[:, 0], fast=True).float()
+    return logits, bufs.meta[:, :, AFTER].double()
+
+
+def layer_pools(cache) -> list:
+    """Per layer the pool's ``(keys, values, pre-RoPE flags)`` the layer reads and writes."""
+    pool = cache.layers[0].pool
+    return [(pool.keys[la.layer], pool.values[la.layer], pool.prerope_flags(la.layer)) for la in cache.layers]
+
+
+class StaticDecode:
+    """Runs a backend's qualifying decode steps through :func:`prepare` + :func:`forward`, replayed as a
+    CUDA graph where ``graphs`` (a :class:`~vlkv.runtime.cuda_graph.DecodeGraphs`) is given; others
+    return None (the backend's eager step runs). ``capacity_step``: the read table's width step.
+
+    Attributes:
+        taken, refused: steps run here, and steps refused by reason (what a test or report reads).
+    """
+
+    def __init__(self, backend, graphs=None, capacity_step: int = CAPACITY_STEP):
+        if capacity_step < 1:
+            raise ValueError(f"capacity_step must be >= 1, got {capacity_step}")
+        self.backend, self.graphs, self.capacity_step = backend, graphs, capacity_step
+        self._bufs: dict[int, StaticBuffers] = {}
+        self.taken = 0
+        self.refused: dict[str, int] = {}
+
+    def step(self, inputs, cache, stats) -> StepOutput | None:
+        """The step's :class:`StepOutput`, or None where it is not taken (nothing changed then)."""
+        why = refusal(self.backend, inputs, cache, stats, graphs=self.graphs is not None)
+        if why is not None:
+            self.refused[why] = self.refused.get(why, 0) + 1
+            return None
+        b = inputs.input_ids.shape[0]
+        be = self.backend
+        device = cache.layers[0].pool.spec.device
+
+        def make(longest: int) -> StaticBuffers:
+            cap = capacity_for(longest, self.capacity_step)
+            return StaticBuffers.make(b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device)
+
+        got = prepare(self._bufs.get(b), inputs, cache, make)
+        if got is None:
+            why = "tables the one-launch append cannot address"
+            self.refused[why] = self.refused.get(why, 0) + 1
+            return None
+        bufs, reservations = got
+        self._bufs[b] = bufs
+        pools = layer_pools(cache)
+        try:
+            if self.graphs is None:
+                logits, attended = forward(be, bufs, pools)
+            else:
+                flat = tuple(t for trio in pools for t in trio)
+                logits, attended = self.graphs.run(bufs, partial(forward, be, bufs, pools), flat)
+        except BaseException:
+            for res in reversed(reservations):
+                res.cancel()
+            raise
+        cache.processed += inputs.new_len.to(cache.processed)
+        self.taken += 1
+        return StepOutput(logits=logits, stats=StepStats([None] * be.num_layers, {}), attended=attended)
