@@ -252,15 +252,17 @@ class AVLPolicy(Policy):
                     out[b][i] = AttendIndex(idx if idx.shape[2] == w else idx.narrow(2, 0, w), cnt)
         return [plans if any(p is not None for p in plans) else None for plans in out]
 
+    def restricts_attention(self, ctx) -> bool:
+        """Whether this step may compute over the core only (a non-update step of a policy keeping a
+        core smaller than its secondary set; a core as large is every vision entry a layer holds)."""
+        return self.interval > 0 and not self.update_step(ctx.step) and self.tracks_core
+
     def _attend_plan(self, cache, ctx):
         """What :meth:`decode_attend` lists, for every layer and sample, from one read back: None where
         no layer is restricted this step; else per layer and sample whether it reads every entry
         (``everything[l][b]``) and its longest list (``widths[l][b]``), per layer ``index (B, H_kv, K)``
         ascending, 0-padded (``K`` the widest list of every layer) and ``counts (B, H_kv)``."""
-        if self.interval < 0 or self.update_step(ctx.step):
-            return None
-        if not self.tracks_core:
-            # the core is every secondary entry a layer holds: no vision entry is ever idle
+        if not self.restricts_attention(ctx):
             return None
         layers = cache.layers
         groups: dict[tuple[int, ...], list[int]] = {}

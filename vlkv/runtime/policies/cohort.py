@@ -294,6 +294,10 @@ def cohort_attends(entries: list) -> dict[int, list | None]:
         attend = getattr(policy, "cohort_attend", None)
         if len(members) < 2 or attend is None:
             continue
+        restricts = getattr(policy, "restricts_attention", None)
+        if restricts is not None and not restricts(entries[members[0]].ctx):  # one step: nothing listed
+            out.update((i, None) for i in members)
+            continue
         try:
             view = CohortCache([entries[i].request.cache for i in members], {})
             rows = attend(view, cohort_context([entries[i].ctx for i in members]))
