@@ -341,7 +341,7 @@ class Scheduler:
     def _commit_group(self, run: GroupRun) -> None:
         """Per request of a group that stepped: usage counts, peak bytes, its policy's edits, its
         token. Values the host needs (lengths, widths, greedy tokens) are read once per group; the
-        policies' decode bookkeeping runs once per cohort of equal policies on equally shaped caches
+        policies' decode bookkeeping runs once per cohort of equal policies on dense caches, any lengths
         (:mod:`vlkv.runtime.policies.cohort`), each request's edits applied to its own cache."""
         group, out = run.group, run.out
         entries = group.entries
