@@ -1,7 +1,7 @@
 """Torch ops and host syncs of one scheduler decode step (tiny LLaVA, a batch of running requests).
 
 Usage: python scripts/count_step_ops.py [--batch 4] [--layers 2 4 8] [--split-append] [--gpu-path]
-[--policies full h2o avl snapkv] [--paths STEPS]
+[--policies full h2o avl snapkv] [--paths STEPS [--shapes equal ragged]]
 Prints, per policy and layer count, the ops and syncs one decode step dispatches (see
 :mod:`vlkv.runtime.op_count`), the scheduler's own share, and the syncs by module, so a change's
 effect on launch overhead is a number; then per policy its ops per layer (the slope between the
@@ -16,7 +16,9 @@ kernel launch on the device), not the interpreter's host copies around it (``"la
 The step that admits (prefills) the batch runs on the PyTorch path (:func:`torch_path_prefill`): it is
 not counted, and under the interpreter it was ~85 % of the run's time.
 ``--paths STEPS``: per policy the ops per decode step (averaged over ``STEPS``) of the scheduler and of
-``Engine.decode`` over one batched cache, on the same prompt (``"steps_of"``: which path).
+``Engine.decode`` over one batched cache, on the same prompt (``"steps_of"``: which path);
+``--shapes ragged``: on prompts of different lengths instead (``"shape"``: which), the common case in
+serving (the engine's batch is then padded; the scheduler's requests hold different lengths).
 ``--device cuda``: the model on a GPU, the path itself (no interpreter): a Triton launch dispatches no
 aten op there, so its ops are ``--gpu-path``'s less its launches.
 """
@@ -133,13 +135,21 @@ def count_decode_step(engine: Engine, policy: str, batch: int = 4, warm: int = 2
 SAME_TEXT = "Describe the scene in detail please, every part of it."
 
 
-def scheduler_steps(engine: Engine, policy: str, batch: int = 4):
-    """A step function decoding ``batch`` requests of one prompt through :meth:`Scheduler.step`
+def path_prompts(batch: int, shape: str = "equal") -> list[Prompt]:
+    """``--paths``' prompts: ``batch`` of :data:`SAME_TEXT` (``"equal"``), or ``"ragged"``: each a few
+    words longer than the one before (every request holds a different length, 2 to 3 tokens apart)."""
+    if shape == "equal":
+        return [Prompt(SAME_TEXT)] * batch
+    return [Prompt(SAME_TEXT + " and more" * i) for i in range(batch)]
+
+
+def scheduler_steps(engine: Engine, policy: str, batch: int = 4, shape: str = "equal"):
+    """A step function decoding ``batch`` requests of :func:`path_prompts` through :meth:`Scheduler.step`
     (admitted and decoding twice already, so its counted steps line up with :func:`engine_steps`')."""
     settings = {**POLICIES, **MORE_POLICIES}[policy]
     sched = Scheduler(engine)
-    for _ in range(batch):
-        sched.submit(Request(Prompt(SAME_TEXT), make_policy(policy, **settings), 32, stop_at_eos=False))
+    for prompt in path_prompts(batch, shape):
+        sched.submit(Request(prompt, make_policy(policy, **settings), 32, stop_at_eos=False))
     with torch_path_prefill():
         sched.step()
     sched.step()
@@ -147,11 +157,11 @@ def scheduler_steps(engine: Engine, policy: str, batch: int = 4):
     return sched.step
 
 
-def engine_steps(engine: Engine, policy: str, batch: int = 4):
+def engine_steps(engine: Engine, policy: str, batch: int = 4, shape: str = "equal"):
     """A step function decoding the same ``batch`` prompts through :meth:`Engine.decode` over one
     batched cache (the benchmarks' path), after its prefill and two decode steps."""
     pol = make_policy(policy, **{**POLICIES, **MORE_POLICIES}[policy])
-    prompts = engine.encode([Prompt(SAME_TEXT)] * batch)
+    prompts = engine.encode(path_prompts(batch, shape))
     cache = engine.new_cache(prompts)
     with torch_path_prefill():
         out = engine.prefill(prompts, pol, cache)
@@ -253,6 +263,13 @@ def main() -> None:
         "and of Engine.decode over one batched cache, every request decoding one prompt",
     )
     ap.add_argument("--profile", action="store_true", help="with --paths: cProfile's top own times too")
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["equal"],
+        choices=["equal", "ragged"],
+        help="with --paths: one prompt for every request (equal) and/or prompts of different lengths (ragged)",
+    )
     args = ap.parse_args()
     if args.gpu_path:
         env = gpu_path_env()
@@ -262,11 +279,17 @@ def main() -> None:
     if args.paths:
         for n in args.layers:
             engine = tiny_engine(n, args.device)
-            for policy in args.policies:
+            for policy, shape in [(p, s) for p in args.policies for s in args.shapes]:
                 for name, make in (("scheduler", scheduler_steps), ("engine", engine_steps)):
-                    step = make(engine, policy, args.batch)
+                    step = make(engine, policy, args.batch, shape)
                     c = count_steps(step, args.paths)
-                    row = {"layers": n, "policy": policy, "steps_of": name, "steps": args.paths}
+                    row = {
+                        "layers": n,
+                        "policy": policy,
+                        "shape": shape,
+                        "steps_of": name,
+                        "steps": args.paths,
+                    }
                     row.update(
                         ops=c.ops / args.paths, launches=c.launches / args.paths, syncs=c.syncs / args.paths
                     )

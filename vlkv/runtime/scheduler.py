@@ -36,7 +36,7 @@ from vlkv.runtime.admission import RequestTooLarge, check_pool, reserve
 from vlkv.runtime.edits import DECODE_SPARE
 from vlkv.runtime.kv.pool import KVPool, PoolSpec
 from vlkv.runtime.link_stage import LinkStage
-from vlkv.runtime.policies.cohort import decode_edits
+from vlkv.runtime.policies.cohort import cohort_attends, decode_edits
 from vlkv.runtime.request import Request, Status
 from vlkv.runtime.runner import GroupRun, Runner, StepOutputs
 from vlkv.runtime.step_groups import Entry, group_entries, read_path
@@ -316,22 +316,32 @@ class Scheduler:
 
     def _entries(self) -> list[Entry]:
         """Each running request's part of this step (its policy asked once); a policy that raises
-        here fails its own request only."""
+        here fails its own request only. The attend lists of a cohort of equal policies
+        (:mod:`vlkv.runtime.policies.cohort`) declaring ``cohort_attend`` come from one call over
+        their stacked caches (one read back, not one per request)."""
         out = []
         for r in list(self.running):
             try:
                 ctx = self.engine.context(r.batch, r.decode_steps + 1)
-                stats = r.policy.decode_request(r.cache, ctx)
-                attend = r.policy.decode_attend(r.cache, ctx)
-                out.append(Entry(r, ctx, stats, attend, read_path(r.cache, attend)))
+                out.append(Entry(r, ctx, r.policy.decode_request(r.cache, ctx), None))
             except Exception as err:
                 self._fail(r, err)
-        return out
+        failed = set()
+        batched = cohort_attends(out)  # entry -> its attend lists, where a cohort listed them
+        for i, e in enumerate(out):
+            try:
+                r = e.request
+                attend = batched[i] if i in batched else r.policy.decode_attend(r.cache, e.ctx)
+                e.attend, e.path = attend, read_path(r.cache, attend)
+            except Exception as err:
+                self._fail(e.request, err)
+                failed.add(i)
+        return [e for i, e in enumerate(out) if i not in failed]
 
     def _commit_group(self, run: GroupRun) -> None:
         """Per request of a group that stepped: usage counts, peak bytes, its policy's edits, its
         token. Values the host needs (lengths, widths, greedy tokens) are read once per group; the
-        policies' decode bookkeeping runs once per cohort of equal policies on equally shaped caches
+        policies' decode bookkeeping runs once per cohort of equal policies on dense caches, any lengths
         (:mod:`vlkv.runtime.policies.cohort`), each request's edits applied to its own cache."""
         group, out = run.group, run.out
         entries = group.entries

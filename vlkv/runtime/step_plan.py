@@ -38,7 +38,8 @@ class StepMarks:
 
     Attributes:
         lengths: ``(L, B)`` int64 entries per layer and request before the step.
-        processed: per request, its ``(1,)`` processed count (cloned).
+        processed: ``(B,)`` int64 the requests' processed counts (a copy: one ``cat``, not a clone per
+            request).
 
     The layers' next sequence indices are not taken: a decode step's entries take the next index
     each (no order named), so undoing ``n`` of them steps it back by ``n``; reading it here would
@@ -46,7 +47,7 @@ class StepMarks:
     """
 
     lengths: Tensor
-    processed: list[Tensor]
+    processed: Tensor
 
 
 @dataclass
@@ -111,15 +112,23 @@ def decode_group(engine, entries: list[Entry]) -> DecodeGroup:
     dev = caches[0].device
     b = len(reqs)
     tokens = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.long, device=dev)
+    if all(r.policy.positions == "original" for r in reqs) and all(c.batch_size == 1 for c in caches):
+        # every request continues its own numbering: one ``cat`` of the next positions, not a view per
+        # request (``Engine.decode_positions`` of each)
+        positions = torch.cat([c.next_position for c in caches]).unsqueeze(1)
+    else:
+        positions = torch.cat([engine.decode_positions(r.policy, c) for r, c in zip(reqs, caches)])
     inputs = StepInputs(
         tokens[:, None],
-        torch.cat([engine.decode_positions(r.policy, c) for r, c in zip(reqs, caches)]),
+        positions,
         torch.full((b, 1), int(Modality.GENERATED), dtype=torch.int8, device=dev),
         torch.ones(b, dtype=torch.long, device=dev),
         attend=merge_attend([e.attend for e in entries], caches),
         new_len_host=(1,) * b,  # one new row each, known here: the backend reads nothing back for it
     )
-    marks = StepMarks(torch.cat([c.lengths() for c in caches], dim=1), [c.processed.clone() for c in caches])
+    marks = StepMarks(
+        torch.cat([c.lengths() for c in caches], dim=1), torch.cat([c.processed for c in caches])
+    )
     stats = merge_stats([e.stats for e in entries], dev)
     return DecodeGroup(entries, inputs, stats, CacheBatch(caches, decode=True), marks)
 
@@ -188,4 +197,4 @@ def undo(group: DecodeGroup, i: int) -> None:
             dev = layer.lengths.device
             layer.cut(torch.tensor([n], device=dev), torch.tensor([grew], device=dev))
             layer.next_order = layer.next_order - grew
-    cache.processed = group.marks.processed[i]
+    cache.processed = group.marks.processed.narrow(0, i, 1).clone()

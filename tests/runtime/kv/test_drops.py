@@ -119,6 +119,23 @@ def test_the_torch_shift_moves_tables_of_any_rank_as_the_kernel_does(n):
             assert torch.equal(a, e)
 
 
+def test_the_torch_shift_takes_each_jobs_own_length_as_the_kernel_does_per_length():
+    """Jobs holding different lengths (a scheduler cohort's requests, one-sample tables of different
+    capacities) moved by one multi-tensor shift, each job its own ``k``: every table and column (the
+    stale ones past ``k`` included) equals the C++ move of each job alone."""
+    lengths, h = [5, 12, 9, 12], 3
+    g = torch.Generator().manual_seed(7)
+    fast = [_tables(1, 1, h, n + 3 + i, n)[0] for i, n in enumerate(lengths)]
+    slow = [[t.clone() for t in tables] for tables in fast]
+    cols = torch.stack([torch.randint(0, n, (1, h), generator=g) for n in lengths])  # (J, 1, H_kv)
+    gone = drops.shift_one_each(fast, cols, [n - 1 for n in lengths])
+    for i, (tables, n) in enumerate(zip(slow, lengths)):
+        want = evict_rows.drop_columns([tables], cols[i : i + 1], n - 1)
+        assert torch.equal(gone[i : i + 1], want)
+        for a, e in zip(fast[i], tables, strict=True):
+            assert torch.equal(a, e)
+
+
 def _state(cache) -> list[dict]:
     """Every layer's tables, scores, lengths and held spares (what a later step reads)."""
     out = []
@@ -286,6 +303,49 @@ def test_lowest_columns_equals_the_ranked_argmin(s, per_head):
     assert drop_one_each(views, valid, forced, [s - 2] * b) is None  # two drops: the stacked ranking's
     with pytest.raises(RuntimeError, match="unit column stride"):
         evict_rows.lowest_columns([torch.zeros(b, h, 2 * s)[:, :, ::2]], valid, None)
+
+
+@pytest.mark.parametrize("s", [4, 9, 81, 729])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_ragged_rows_drop_the_column_each_row_drops_alone(s, kernel, monkeypatch):
+    """Rows of different lengths (a scheduler cohort's requests, ``valid`` each row's prefix): each row's
+    dropped column equals the one-drop ranking of the row's own columns alone — ties, -0.0, NaN, ±inf,
+    forced columns, and rows whose every valid column ranks +inf (forced or NaN: the last valid column,
+    not one past it); the C++ form and the torch form alike."""
+    from vlkv.runtime.policies.ranking import drop_one_each
+
+    monkeypatch.setattr(evict_rows, "FUSED_DROP", kernel)
+    g = torch.Generator().manual_seed(s + 1)
+    b, h, layers = 4, 3, 3
+    tables = [torch.randint(0, 6, (b, h, s + 5), generator=g).float() / 4 for _ in range(layers)]
+    lengths = [s, max(s - 1, 4), max(s // 2, 4), 4]
+    for t in tables:
+        t[0, 0, : s // 2] = 0.0
+        t[1, 1, 1::3] = -0.0
+        t[2, 2, 1] = float("nan")
+        t[2, 0, 0] = float("-inf")
+        t[1, 2, :] = float("nan")  # every valid column +inf
+        t[3, :, :] = float("inf")
+    views = [t[:, :, :s] for t in tables]
+    n = torch.tensor(lengths)
+    valid = (torch.arange(s)[None, :] < n[:, None])[:, None]
+    forced = torch.rand(b, 1, s, generator=g) < 0.3
+    forced[0, 0, :] = True  # row 0: every column forced
+    for force in (None, forced):
+        got = drop_one_each(views, valid, force, [k - 1 for k in lengths], lengths, per_row=True)
+        for layer, view in enumerate(views):
+            for row, m in enumerate(lengths):
+                own = view[row : row + 1, :, :m]
+                one = torch.ones(1, 1, m, dtype=torch.bool)
+                want = _ranked_lowest(own, one, None if force is None else force[row : row + 1, :, :m])
+                assert torch.equal(got[layer * b + row], want[0]), (layer, row)
+    # a row keeping all it holds beside rows dropping one: only where the edits are split per row
+    kept = [lengths[0], *[k - 1 for k in lengths[1:]]]
+    assert drop_one_each(views, valid, forced, kept, lengths) is None
+    assert drop_one_each(views, valid, forced, kept, lengths, per_row=True) is not None
+    assert drop_one_each(views, valid, forced, [k - 2 for k in lengths], lengths, per_row=True) is None
+    if len(set(lengths)) > 1:  # a batch cache's rows of different lengths: the stacked ranking's
+        assert drop_one_each(views, valid, forced, [k - 1 for k in lengths], lengths) is None
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4])

@@ -144,16 +144,17 @@ def cut_soles(jobs: list[tuple], recycle: bool) -> list[bool | None]:
 def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle: bool):
     """Every job's :class:`UniformSelect`, its gaps already closed (``moved``), where every job is a
     decode-time drop of exactly one known column per row (``dropped (B, H_kv, 1)``) that
-    :meth:`Edits.prepare_uniform` would rewrite in place, on caches holding ``n`` entries per sample
-    and keeping ``n - 1`` in every layer (the layers of one cache, or of a cohort's caches): one C++
-    call moves every layer's tables on CPU caches (``evict_rows.drop_columns``; ``VLKV_CPU_EVICT=0``
-    off), elsewhere :func:`shift_one_each` (a fixed number of ``torch._foreach_*`` ops over every
-    table). None (nothing done) where any of that does not hold."""
+    :meth:`Edits.prepare_uniform` would rewrite in place, on a cache holding ``n`` entries per sample
+    and keeping ``n - 1`` (the layers of one cache, or of a cohort's caches: ``n`` may differ between
+    jobs): on CPU caches one C++ call per ``n`` moves its jobs' tables (``evict_rows.drop_columns``;
+    ``VLKV_CPU_EVICT=0`` off), elsewhere one :func:`shift_one_each` every job's (a fixed number of
+    ``torch._foreach_*`` ops over every table); every job's check is read back in one transfer. None
+    (nothing done) where any of that does not hold."""
     from vlkv.plugins import evict_rows
 
     if not (recycle and IN_PLACE) or len(jobs) < 2:
         return None
-    n = None
+    widths = []
     for job, k in zip(jobs, kept):
         layer = job[0]
         dropped = job[4] if len(job) > 4 else None
@@ -164,25 +165,39 @@ def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle
         lengths = layer.host_lengths()
         if not lengths:
             return None
-        n = lengths[0] if n is None else n
+        n = lengths[0]
         if min(lengths) != n or max(lengths) != n or min(k) != n - 1 or max(k) != n - 1:
             return None
         if n - 1 + spare > layer.capacity:
             return None
+        widths.append(n)
     layers = [job[0] for job in jobs]
     tables = [layer._entry_tables() for layer in layers]
     if len({len(t) for t in tables}) != 1 or len({id(layer) for layer in layers}) != len(layers):
         return None  # layers keeping different running scores, or a layer listed twice
-    cols = torch.cat([job[4] for job in jobs]).view(len(jobs), *jobs[0][4].shape[:2])  # (L, B, H_kv)
     on_cpu = all(layer.device.type == "cpu" for layer in layers)
     if evict_rows.FUSED_DROP and on_cpu and evict_rows.kernel() is not None:
-        gone = evict_rows.drop_columns(tables, cols, n - 1)
-    else:
-        gone = shift_one_each(tables, cols, n - 1)
+        # the kernel takes one ``k``: one call per length (one for every job of an equal-length step)
+        by_n: dict[int, list[int]] = {}
+        for i, n in enumerate(widths):
+            by_n.setdefault(n, []).append(i)
+        parts: list = [None] * len(jobs)
+        for n, members in by_n.items():
+            cols = torch.cat([jobs[i][4] for i in members]).view(len(members), *jobs[members[0]][4].shape[:2])
+            out = evict_rows.drop_columns([tables[i] for i in members], cols, n - 1)
+            if len(by_n) == 1:
+                parts = out
+            else:
+                for i, g in zip(members, out.unbind(0)):
+                    parts[i] = g
+        gone = parts if len(by_n) == 1 else torch.stack(parts)
+    else:  # every job in one set of multi-tensor ops, each job its own ``n - 1``
+        cols = torch.cat([job[4] for job in jobs]).view(len(jobs), *jobs[0][4].shape[:2])  # (J, B, H_kv)
+        gone = shift_one_each(tables, cols, [n - 1 for n in widths])
     preps = []
     # each layer's views by one ``unbind`` per layout, not a ``t()`` and an index per layer
     per_head = gone.transpose(1, 2).unbind(0)  # (H_kv, B) each: row h in head h
-    for layer, heads, slots in zip(layers, per_head, gone.unsqueeze(3).unbind(0)):
+    for layer, heads, slots, n in zip(layers, per_head, gone.unsqueeze(3).unbind(0), widths):
         sole = layer.pool.owned_once(layer.layer, heads)
         preps.append(UniformSelect(n, n - 1, True, None, sole, slots, moved=True))
     host = torch.stack([p.sole for p in preps]).tolist()  # every layer's check in one read
@@ -195,7 +210,7 @@ def _drop_one_each(jobs: list[tuple], kept: list[list[int]], spare: int, recycle
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def shift_one_each(tables: list[list[Tensor]], cols: Tensor, k: int) -> Tensor:
+def shift_one_each(tables: list[list[Tensor]], cols: Tensor, k: int | list[int]) -> Tensor:
     """``evict_rows.drop_columns`` in torch, on any device: per job ``i`` (a layer of one cache) each
     row of every table in ``tables[i]`` (the slot table ``(B, H_kv, C)`` int64 first, then
     ``(B, H_kv, C, ...)`` tables) drops column ``cols[i] (B, H_kv)``, columns ``(cols, k]`` moving
@@ -206,14 +221,20 @@ def shift_one_each(tables: list[list[Tensor]], cols: Tensor, k: int) -> Tensor:
     ``[0, k)`` and ``[1, k + 1)``, ``moves`` the columns at or past the dropped one: three
     ``torch._foreach_*`` ops per dtype over every job's tables (one multi-tensor launch each on a
     GPU), where a ``where`` and a ``copy_`` per table, layer and request ran before. Integers, exact
-    (one term is 0); float tables go as the integers of their bits."""
+    (one term is 0); float tables go as the integers of their bits.
+
+    ``k`` per job (``k[i]``: a scheduler cohort's requests holding different lengths): the masks are
+    made once at the widest ``k`` and each job's are views of its first ``k[i]`` columns (views
+    launch nothing), so the multi-tensor ops stay three per dtype whatever the lengths."""
     j, b, h = cols.shape
+    ks = [k] * j if isinstance(k, int) else list(k)
+    kmax = max(ks)
     col = cols.unsqueeze(3)  # (J, B, H_kv, 1)
-    moves = torch.arange(k, device=cols.device) >= col  # (J, B, H_kv, k)
+    moves = torch.arange(kmax, device=cols.device) >= col  # (J, B, H_kv, kmax)
     gone = torch.cat([t[0].gather(2, c) for t, c in zip(tables, col.unbind(0))])  # (J·B, H_kv, 1)
     masks: dict[tuple, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
     lists: dict[torch.dtype, tuple[list, list, list, list]] = {}
-    for i, group in enumerate(tables):
+    for i, (group, ki) in enumerate(zip(tables, ks)):
         for t in group:
             if t.is_floating_point():
                 t = t.view(_BITS[t.element_size()])
@@ -222,10 +243,11 @@ def shift_one_each(tables: list[list[Tensor]], cols: Tensor, k: int) -> Tensor:
                 m = moves.view(*moves.shape, *([1] * (t.dim() - 3)))
                 masks[key] = (m.to(t.dtype).unbind(0), (~m).to(t.dtype).unbind(0))
             dst, src, on, off = lists.setdefault(t.dtype, ([], [], [], []))
-            dst.append(t.narrow(2, 0, k))
-            src.append(t.narrow(2, 1, k))
-            on.append(masks[key][0][i])
-            off.append(masks[key][1][i])
+            dst.append(t.narrow(2, 0, ki))
+            src.append(t.narrow(2, 1, ki))
+            yes, no = masks[key][0][i], masks[key][1][i]
+            on.append(yes if ki == kmax else yes.narrow(2, 0, ki))
+            off.append(no if ki == kmax else no.narrow(2, 0, ki))
     for dst, src, on, off in lists.values():
         picked = torch._foreach_mul(src, on)  # read before any write: the views overlap
         torch._foreach_mul_(dst, off)

@@ -135,22 +135,49 @@ def rank_keys(scores: Tensor, valid: Tensor, force: Tensor | None) -> Tensor:
     return ranked
 
 
-def lowest_columns(scores: list[Tensor], valid: Tensor, force: Tensor | None) -> Tensor:
+def lowest_columns(scores: list[Tensor], valid: Tensor, force: Tensor | None, ragged: bool = False) -> Tensor:
     """Each row's lowest-ranked column over several layers' score tables where they lie.
 
     Args:
         scores: ``G`` tensors ``(B, H_kv, S)`` (views of the running score tables).
         valid: ``(B, 1 or H_kv, S)`` bool, selectable columns (the others rank lowest).
         force: ``(B, 1 or H_kv, S)`` bool or None, columns always kept (ranked highest).
+        ragged: ``valid`` is a prefix ``[0, n_b)`` of each sample's columns, ``n_b`` not all ``S`` (a
+            scheduler cohort's rows of different lengths): each row's lowest *valid* column.
 
     Returns:
         ``(G·B, H_kv, 1)`` int64: per row the column of the lowest :func:`rank_keys` key, the highest
-        column among equal keys (``-0.0`` equals ``0.0``).
+        column among equal keys (``-0.0`` equals ``0.0``); ``ragged``: among the row's valid columns.
     """
     b, h, s = scores[0].shape
+    if ragged:
+        return _lowest_valid(scores, valid, force)
     masks = [valid] if force is None else [valid, force]
     if all(m.is_cpu and m.dtype == torch.bool and m.dim() == 3 for m in masks) and _kernel_takes(scores):
         return evict_rows.lowest_columns(scores, valid, force).view(len(scores) * b, h, 1)
     # the layers stacked (G, B, H_kv, S): the masks broadcast over G, no repeated copies
     ranked = rank_keys(torch.stack(scores), valid, force).view(len(scores) * b, h, s)
     return (s - 1) - ranked.flip(-1).argmin(-1, keepdim=True)
+
+
+def _lowest_valid(scores: list[Tensor], valid: Tensor, force: Tensor | None) -> Tensor:
+    """:func:`lowest_columns` with ``valid`` the prefix ``[0, n_b)`` of each sample's columns: the
+    invalid columns rank highest (as forced ones), not lowest, and a row whose lowest key is then
+    ``+inf`` everywhere (every valid column forced, NaN or ``+inf``: the highest column among equals is
+    an invalid one) takes its last valid column ``n_b - 1`` — the column a ranking of ``[0, n_b)`` alone
+    drops then. So the same column as :func:`rank_keys`' order of the row's own columns, on either path."""
+    g, (b, h, s) = len(scores), scores[0].shape
+    last = valid.narrow(1, 0, 1).sum(-1, keepdim=True) - 1  # (B, 1, 1) each row's last valid column
+    high = ~valid if force is None else ~valid | force
+    if high.is_cpu and high.dim() == 3 and _kernel_takes(scores):
+        every = torch.ones_like(valid)
+        cols = evict_rows.lowest_columns(scores, every, high).view(g, b, h)
+    else:
+        ranked = (
+            torch.stack(scores)
+            .float()
+            .nan_to_num(nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
+        )
+        ranked = ranked.masked_fill(high, float("inf")).view(g, b, h, s)
+        cols = (s - 1) - ranked.flip(-1).argmin(-1)
+    return torch.minimum(cols, last.view(1, b, 1)).view(g * b, h, 1)

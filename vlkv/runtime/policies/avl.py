@@ -222,10 +222,47 @@ class AVLPolicy(Policy):
 
     def decode_attend(self, cache: KVCache, ctx) -> list[AttendIndex | None] | None:
         """Engine hook: per layer, the past entries a non-update step computes over (None = all)."""
-        if self.interval < 0 or self.update_step(ctx.step):
+        plan = self._attend_plan(cache, ctx)
+        if plan is None:
             return None
-        if not self.tracks_core:
-            # the core is every secondary entry a layer holds: no vision entry is ever idle
+        everything, widths, index, counts = plan
+        plans: list[AttendIndex | None] = [None] * len(cache.layers)
+        for i, (every, width) in enumerate(zip(everything, widths)):
+            if not all(every):  # each layer's list as wide as its own longest
+                plans[i] = AttendIndex(index[i].narrow(2, 0, max(max(width), 1)), counts[i])
+        return plans if any(p is not None for p in plans) else None
+
+    def cohort_attend(self, cache, ctx) -> list[list[AttendIndex | None] | None]:
+        """:meth:`decode_attend` of each row of a scheduler cohort (``policies.cohort.CohortCache``: one
+        request per row, any lengths), from one pass over the stacked rows and one read back, not one
+        per request: per row the lists its :meth:`decode_attend` alone gives (a layer it reads whole:
+        None; each list as wide as the row's own longest)."""
+        rows = cache.batch_size
+        plan = self._attend_plan(cache, ctx)
+        if plan is None:
+            return [None] * rows
+        everything, widths, index, counts = plan
+        out: list[list] = [[None] * len(cache.layers) for _ in range(rows)]
+        for i, (every, width) in enumerate(zip(everything, widths)):
+            if all(every):
+                continue
+            for b, (idx, cnt) in enumerate(zip(index[i].split(1), counts[i].split(1))):
+                if not every[b]:
+                    w = max(width[b], 1)
+                    out[b][i] = AttendIndex(idx if idx.shape[2] == w else idx.narrow(2, 0, w), cnt)
+        return [plans if any(p is not None for p in plans) else None for plans in out]
+
+    def restricts_attention(self, ctx) -> bool:
+        """Whether this step may compute over the core only (a non-update step of a policy keeping a
+        core smaller than its secondary set; a core as large is every vision entry a layer holds)."""
+        return self.interval > 0 and not self.update_step(ctx.step) and self.tracks_core
+
+    def _attend_plan(self, cache, ctx):
+        """What :meth:`decode_attend` lists, for every layer and sample, from one read back: None where
+        no layer is restricted this step; else per layer and sample whether it reads every entry
+        (``everything[l][b]``) and its longest list (``widths[l][b]``), per layer ``index (B, H_kv, K)``
+        ascending, 0-padded (``K`` the widest list of every layer) and ``counts (B, H_kv)``."""
+        if not self.restricts_attention(ctx):
             return None
         layers = cache.layers
         groups: dict[tuple[int, ...], list[int]] = {}
@@ -241,22 +278,28 @@ class AVLPolicy(Policy):
             used = valid & ((region != VISION) | (core != 0))  # every valid entry but the idle vision
             counts = used.sum(-1)  # (G, B, H_kv)
             parts.append((members, used, counts))
-            checks += [(used == valid).flatten(1).all(1).long(), counts.flatten(1).max(1).values]
-        # per layer whether it reads every entry and its longest list: one read back for every layer
+            checks += [(used == valid).flatten(2).all(2).long(), counts.amax(2)]  # (G, B) each
+        # per layer and sample whether it reads every entry and its longest list: one read back
         host = torch.cat(checks).tolist()
-        plans: list[AttendIndex | None] = [None] * len(layers)
+        everything: list = [None] * len(layers)
+        widths: list = [None] * len(layers)
+        index: list = [None] * len(layers)
+        count: list = [None] * len(layers)
         at = 0
         for members, used, counts in parts:
             g = len(members)
-            everything, widths = host[at : at + g], host[at + g : at + 2 * g]
+            every, wide = host[at : at + g], host[at + g : at + 2 * g]
             at += 2 * g
-            if all(everything):
+            if all(all(e) for e in every):
+                for j, i in enumerate(members):
+                    everything[i], widths[i] = every[j], wide[j]
                 continue
-            index = mask_to_index(used, max(widths), counts)[0]  # (G, B, H_kv, K) ascending, 0-padded
-            for j, i in enumerate(members):
-                if not everything[j]:  # each layer's list as wide as its own longest, as before
-                    plans[i] = AttendIndex(index[j].narrow(2, 0, max(widths[j], 1)), counts[j])
-        return plans if any(p is not None for p in plans) else None
+            stacked = mask_to_index(used, max(max(w) for w in wide), counts)[0]  # (G, B, H_kv, K)
+            for j, (i, idx, cnt) in enumerate(zip(members, stacked.unbind(0), counts.unbind(0))):
+                everything[i], widths[i], index[i], count[i] = every[j], wide[j], idx, cnt
+        if all(all(e) for e in everything):
+            return None
+        return everything, widths, index, count
 
     def after_decode(self, cache, stats, ctx):
         layers = cache.layers

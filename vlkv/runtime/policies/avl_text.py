@@ -56,6 +56,8 @@ def text_evictions(
         valid = valid_slots(first, width)
         per = [layers[i].scores[TEXT_SCORE].narrow(2, 0, width) for i in members]  # (B, H_kv, width)
         keep_len = start + k  # (B,) every sample's entries after the step, whichever path ranks
-        index, _, dropped = rank_layers(per, valid, force, keep_len, kept, keep_len)
+        index, _, dropped = rank_layers(
+            per, valid, force, keep_len, kept, keep_len, list(rows), getattr(first, "per_row_edits", False)
+        )
         group_edits(edits, members, width, kept, index, keep_len.repeat(g), dropped)
     return edits

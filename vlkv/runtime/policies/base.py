@@ -332,7 +332,9 @@ def select_top(cache: KVCache, targets: list[Tensor], score, force) -> list[Laye
         keep = torch.minimum(targets[members[0]].to(first.lengths.device), first.lengths)
         per = [score(i, width) for i in members]  # (B, H_kv, width) each
         valid, forced = valid_slots(first, width), force(first, width, keep)
-        index, keep_len, dropped = rank_layers(per, valid, forced, keep, kept)
+        index, keep_len, dropped = rank_layers(
+            per, valid, forced, keep, kept, rows=list(row), per_row=getattr(first, "per_row_edits", False)
+        )
         group_edits(edits, members, width, kept, index, keep_len, dropped)
     return edits
 
@@ -344,6 +346,8 @@ def rank_layers(
     keep: Tensor,
     kept: list[int],
     one_len: Tensor | None = None,
+    rows: list[int] | None = None,
+    per_row: bool = False,
 ) -> tuple[Tensor | None, Tensor, Tensor | None]:
     """One group of layers holding the same lengths and targets, ranked together.
 
@@ -353,13 +357,18 @@ def rank_layers(
         keep: ``(B,)`` entries each sample keeps; ``kept``: the same on the host.
         one_len: ``(B,)`` each sample's kept count when every row drops its one lowest (default: its
             live entries, at most ``keep``).
+        rows: the entries each sample holds (host), where the samples may hold different counts: each
+            row dropping one of its own (``kept[b] == rows[b] - 1``) is then a one-column drop too.
+        per_row: the edits are split per sample before they are applied (a scheduler cohort,
+            ``policies.cohort``): samples keeping all they hold may sit beside the ones dropping one
+            (their dropped column is not read).
 
     Returns ``(index, keep_len, dropped)`` over the ``G·B`` stacked rows: where every row drops its one
     lowest (H2O's step) one pass over the tables where they lie, ``index`` None (built where read,
     :class:`DropOneEdit`) and ``keep_len`` ``one_len`` per layer; else one :func:`rank_entries` call.
     """
     g = len(per)
-    dropped = drop_one_each(per, valid, forced, kept)
+    dropped = drop_one_each(per, valid, forced, kept, rows, per_row)
     if dropped is not None:
         if one_len is None:
             one_len = torch.minimum(keep, valid[:, 0].sum(-1))

@@ -108,17 +108,36 @@ def kept_but(last: Tensor, s: int) -> Tensor:
 
 
 def drop_one_each(
-    scores: list[Tensor], valid: Tensor, force: Tensor | None, kept: list[int]
+    scores: list[Tensor],
+    valid: Tensor,
+    force: Tensor | None,
+    kept: list[int],
+    rows: list[int] | None = None,
+    per_row: bool = False,
 ) -> Tensor | None:
     """The column each row of every ``scores[g] (B, H_kv, S)`` drops when every row drops its one
     lowest (``kept[b] == S - 1`` for every sample: the case :func:`rank_entries` takes by
     :func:`_drop_one`), read from the score tables where they lie (``kv.score_ops.lowest_columns``):
     ``(G·B, H_kv, 1)``, the same columns as :func:`rank_entries` of the stacked scores. None where
-    rows drop other counts (the caller ranks the stacked scores)."""
+    rows drop other counts (the caller ranks the stacked scores).
+
+    ``per_row``: the edits are split per sample before they are applied (a scheduler cohort's rows,
+    ``policies.cohort``), ``rows[b]`` the entries sample ``b`` holds (host; ``valid`` their prefixes),
+    which may differ: each row drops one of its own (``kept[b] == rows[b] - 1``), its lowest valid
+    column, the one :func:`rank_entries` drops (its columns past ``rows[b]`` rank lowest there and go
+    first), or keeps all it holds (``kept[b] == rows[b]``: its column is not meaningful, the caller
+    gives it no edit)."""
     s = scores[0].shape[-1]
-    if s < 4 or any(k != s - 1 for k in kept):
+    if rows is None or not per_row:  # a batch cache's rows, applied together: each drops one of ``S``
+        if s < 4 or any(k != s - 1 for k in kept):
+            return None
+        return score_ops.lowest_columns(scores, valid, force)
+    drops = [n - k for n, k in zip(rows, kept)]
+    if min(rows) < 4 or max(drops) != 1 or min(drops) < 0:
         return None
-    return score_ops.lowest_columns(scores, valid, force)
+    if min(rows) == max(rows) == s:
+        return score_ops.lowest_columns(scores, valid, force)
+    return score_ops.lowest_columns(scores, valid, force, ragged=True)
 
 
 def _drop_lowest(ranked: Tensor, drop: Tensor, bounds: tuple[int, int] | None = None) -> Tensor:
