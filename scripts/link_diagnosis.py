@@ -6,7 +6,8 @@ Per question (the benchmark's items, records made the same way), full recompute'
 ``--tokens`` tokens is the reference; per linking method:
 
 - the first step where the linked cache's top-1 leaves that path, whether it falls inside the answer
-  (its tokens and end of turn), and the two tokens there;
+  (its tokens and end of turn), the two tokens there and full recompute's own top-1 lead there
+  (log-probability of its top-1 minus its top-2; the item's median lead beside it);
 - every layer's K/V deviation of the linked cache from the full prefill's
   (:func:`vlkv.runtime.link.deviation.kv_deviation`), averaged per picture over its linked rows and
   over its recomputed rows, and over the text after the last picture (the question);
@@ -59,6 +60,8 @@ def diagnose_item(engine, pool, item, specs: list[LinkSpec], tokens: int) -> dic
     ids, ref = greedy_path(engine, batch, full, out, tokens)
     eos = next((i for i, t in enumerate(ids) if t in engine.eos_ids), len(ids))
     row = {"question": item.sample.question, "expected": item.sample.answer, "prompt_tokens": n}
+    margins = [_r(float(t[0] - t[1])) for t in (r.topk(2).values for r in ref)]
+    row["margin_median"] = _r(statistics.median(margins))
     row |= {"answer_tokens": eos + 1, "reference": engine.tokenizer.decode(ids[:eos]), "methods": {}}
     text = torch.ones(n, dtype=torch.bool)
     for a, b in spans:
@@ -77,6 +80,7 @@ def diagnose_item(engine, pool, item, specs: list[LinkSpec], tokens: int) -> dic
         if div is not None:
             m |= {"in_answer": div <= eos, "want": engine.tokenizer.decode([ids[div]])}
             m["got"] = engine.tokenizer.decode([int(got[div].argmax())])
+            m["margin"] = margins[div]  # full recompute's own top-1 lead there (nats)
         for name, d in (("k", dk), ("v", dv)):
             m[f"d{name}_linked"] = [[_r(d[layer, a:b][linked[a:b]].mean()) if linked[a:b].any() else None
                                      for a, b in spans] for layer in range(d.shape[0])]  # fmt: skip
