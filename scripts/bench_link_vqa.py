@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         metavar="PICK:K",
-        help="MPIC variants measured after the --k ones, e.g. ramp:32 deviation:28 (LinkSpec.pick)",
+        help="MPIC variants measured after the --k ones, e.g. ramp:32 (LinkSpec.pick)",
     )
     ap.add_argument(
         "--diagnose",

@@ -61,7 +61,7 @@ def test_mpic_checks_are_saved_per_pick(checks):
     fp = model_fingerprint(engine.loaded)
     assert load_check(fp, LinkSpec("mpic", 1, pick="ramp")) == ramp
     assert load_check(fp, LinkSpec("mpic", 1)) == checks[2]  # the first-k check is another one
-    assert load_check(fp, LinkSpec("mpic", 1, pick="deviation")) is None  # never measured
+    assert load_check(fp, LinkSpec("mpic", 2, pick="ramp")) is None  # never measured
 
 
 def test_a_method_never_checked_is_refused_unless_the_operator_opts_in(engines, images, monkeypatch):

@@ -8,10 +8,12 @@
   - ``first`` (MPIC): each image's first ``k`` tokens;
   - ``ramp``: the same total, ``k`` per image on average, spread linearly over the stored images
     in prompt order (the j-th of N gets about ``2k·j/(N+1)``): a record is computed without the
-    pictures before it, so a later picture's entries miss more of the prompt;
-  - ``deviation``: each image's ``k`` stored rows whose check-layer K (or V) deviates most from a
-    fresh computation in this prompt (CacheBlend's check, one extra pass over the first layers,
-    spent per image instead of over all images at once).
+    pictures before it, so a later picture's entries miss more of the prompt (measured on the
+    trained ``smollm2-llava``: the first picture's record is exact, the deviation grows with the
+    picture's place; docs/benchmarks/2026-11-27-link11-cpu-x86_64).
+
+Choosing each image's ``k`` rows by CacheBlend's check-layer deviation instead of the first ``k`` was
+measured there too and was worse (the first rows are already the ones deviating most): not offered.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.kv.segments import SharedSegment
-from vlkv.runtime.link.cacheblend import blend_rows, check_deviation
-from vlkv.runtime.link.compress import entry_offsets
+from vlkv.runtime.link.cacheblend import blend_rows
 
 if TYPE_CHECKING:
     from vlkv.runtime.link.spec import LinkSpec
@@ -59,7 +60,7 @@ def recompute_rows(
     ``(c,)`` int64 ascending.
 
     Args:
-        emb: ``(1, n, hidden)`` the prompt's embeddings (CacheBlend's and ``deviation``'s check pass).
+        emb: ``(1, n, hidden)`` the prompt's embeddings (CacheBlend's check pass).
     """
     host = batch.input_ids.device
     empty = torch.zeros(0, dtype=torch.long, device=host)
@@ -69,19 +70,6 @@ def recompute_rows(
         return blend_rows(engine, batch, emb, hits, spec)
     spans = batch.spans[0].image_spans
     order = sorted(hits)
-    if spec.pick == "deviation":
-        counts = [min(spec.k, entry_offsets(hits[i]).numel()) for i in order]
-        if sum(counts) == 0:
-            return empty
-        if all(c == entry_offsets(hits[i]).numel() for i, c in zip(order, counts)):  # every stored row
-            return torch.cat([spans[i][0] + entry_offsets(hits[i]).to(host) for i in order]).sort().values
-        rows, dev = check_deviation(engine, batch, emb, {i: hits[i] for i in order}, spec.deviation)
-        out, at = [], 0
-        for i, c in zip(order, counts):
-            m = entry_offsets(hits[i]).numel()
-            out.append(rows[at : at + m][dev[at : at + m].topk(c).indices.to(host)])
-            at += m
-        return torch.cat(out).sort().values
     sizes = [spans[i][1] - spans[i][0] for i in order]
     counts = ramp_counts(sizes, spec.k) if spec.pick == "ramp" else [min(spec.k, s) for s in sizes]
     out = [torch.arange(spans[i][0], spans[i][0] + c, device=host) for i, c in zip(order, counts)]

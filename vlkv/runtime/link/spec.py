@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 LINK_METHODS = ("none", "prefix", "full-reuse", "cacheblend", "mpic")
 DEVIATIONS = ("k", "v")
-PICKS = ("first", "ramp", "deviation")  # MPIC's choice of recomputed tokens (vlkv.runtime.link.picks)
+PICKS = ("first", "ramp")  # MPIC's choice of recomputed tokens (vlkv.runtime.link.picks)
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class LinkSpec:
             (0, 1]; below 1 the records are compressed (:mod:`vlkv.runtime.link.compress`).
         store_scorer: how a compressed record chooses its entries (``keynorm`` or ``stride``).
         pick: MPIC's choice of the recomputed tokens (:mod:`vlkv.runtime.link.picks`): ``first``
-            (each image's first ``k``, MPIC), ``ramp`` (``k`` per image on average, more for later
-            images) or ``deviation`` (each image's ``k`` tokens whose check-layer K/V deviates most).
+            (each image's first ``k``, MPIC) or ``ramp`` (``k`` per image on average, more for later
+            images).
         store_rank: 0 (dense records) or the rank R of low-rank records: each layer's kept
             pre-RoPE K and V (``(m, H_kv·D)``, heads concatenated) held as truncated-SVD factors
             (AttentionPack's joint-head layout), so a hit from disk or a remote tier moves
