@@ -87,7 +87,7 @@ def items_for(n_images: int, n: int, seed: int) -> list:
 
 def method_name(spec: LinkSpec) -> str:
     if spec.method == "mpic":
-        return f"mpic-{spec.k}"
+        return f"mpic-{spec.k}" if spec.pick == "first" else f"mpic-{spec.pick}-{spec.k}"
     return f"cacheblend-{spec.r:g}" if spec.method == "cacheblend" else spec.method
 
 
@@ -252,6 +252,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=4, help="questions per image count")
     ap.add_argument("--k", type=int, nargs="+", default=[0, 8, 16, 32, 64])
     ap.add_argument("--r", type=float, nargs="*", default=[0.15], help="CacheBlend fractions")
+    ap.add_argument(
+        "--picks",
+        nargs="*",
+        default=[],
+        metavar="PICK:K",
+        help="MPIC variants measured after the --k ones, e.g. ramp:32 (LinkSpec.pick)",
+    )
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="instead of the table: where linked caches leave full recompute (per-layer K/V deviation, "
+        "first divergent token) for full-reuse, cacheblend, mpic-k (scripts/link_diagnosis.py)",
+    )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -266,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_link_vqa: --n and --tokens must be >= 1, --images in 1..10", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    if args.diagnose:
+        from link_diagnosis import diagnose
+
+        return diagnose(args, items_for, link_specs(args))
     from vlkv.runtime.link import linker
 
     original = linker.standalone_segment
@@ -279,11 +296,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def link_specs(args) -> list[LinkSpec]:
+    """The linking methods measured: full-reuse, CacheBlend per ``--r``, MPIC per ``--k`` and ``--picks``."""
+    specs = [LinkSpec("full-reuse")]
+    specs += [LinkSpec("cacheblend", r=r) for r in args.r] + [LinkSpec("mpic", k) for k in args.k]
+    for text in args.picks:
+        pick, _, k = text.partition(":")
+        specs.append(LinkSpec("mpic", int(k or 32), pick=pick))
+    return specs
+
+
 def run(args) -> tuple[dict, dict]:
     """Every image count's questions under every method; (summaries, per-question rows)."""
     engine = Engine(load_model(args.model))
-    specs = [LinkSpec("none"), LinkSpec("prefix"), LinkSpec("full-reuse")]
-    specs += [LinkSpec("cacheblend", r=r) for r in args.r] + [LinkSpec("mpic", k) for k in args.k]
+    specs = [LinkSpec("none"), LinkSpec("prefix"), *link_specs(args)]
     pool = engine.new_cache(engine.encode([Prompt("x")])).pool
     results, raw = {}, {}
     for n_images in args.images:

@@ -54,6 +54,16 @@ def test_cacheblend_checks_are_saved_per_fraction(checks):
     assert load_check(fp, LinkSpec("cacheblend", r=0.5)) is None  # never measured
 
 
+def test_mpic_checks_are_saved_per_pick(checks):
+    engine = checks[0]
+    ramp = run_link_check(engine, LinkSpec("mpic", 1, pick="ramp"), tokens=8)
+    assert ramp.pick == "ramp" and ramp.name == "mpic-ramp-1"
+    fp = model_fingerprint(engine.loaded)
+    assert load_check(fp, LinkSpec("mpic", 1, pick="ramp")) == ramp
+    assert load_check(fp, LinkSpec("mpic", 1)) == checks[2]  # the first-k check is another one
+    assert load_check(fp, LinkSpec("mpic", 2, pick="ramp")) is None  # never measured
+
+
 def test_a_method_never_checked_is_refused_unless_the_operator_opts_in(engines, images, monkeypatch):
     engine = engines["tiny-llava"]
     monkeypatch.delenv(UNCHECKED_ENV)

@@ -32,20 +32,39 @@ def blend_rows(
 ) -> Tensor:
     """CacheBlend's choice: the prompt rows of stored images to recompute, ``(c,)`` int64.
 
-    The ``int(r * m)`` of the ``m`` stored image rows whose check-layer key (or value) deviates most,
-    in squared L2 over heads and dims, between the record (keys rotated to the row's position) and
-    a fresh pass of the whole prompt through layers ``0..CHECK_LAYER``.
+    The ``int(r * m)`` of the ``m`` stored image rows whose check-layer key (or value) deviates most
+    (:func:`check_deviation`).
+    """
+    spans = batch.spans[0].image_spans
+    host = batch.input_ids.device
+    m = sum(entry_offsets(seg).numel() for seg in hits.values())
+    count = int(spec.r * m)
+    if count == 0 or count == m:
+        rows = torch.cat([spans[i][0] + entry_offsets(seg).to(host) for i, seg in hits.items()])
+        return rows[:count]
+    rows, dev = check_deviation(engine, batch, emb, hits, spec.deviation)
+    return rows[dev.topk(count).indices.cpu()].sort().values
+
+
+def check_deviation(
+    engine, batch: PromptBatch, emb: Tensor, hits: dict[int, SharedSegment], deviation: str = "k"
+) -> tuple[Tensor, Tensor]:
+    """Every stored image row's check-layer deviation from a fresh computation in this prompt.
+
+    Squared L2 over heads and dims between the record's key (rotated to the row's position; or
+    value, ``deviation="v"``) and a fresh pass of the whole prompt through layers ``0..CHECK_LAYER``.
 
     Args:
         emb: ``(1, n, hidden)`` the prompt's embeddings (every row, stored images included).
         hits: image index → its record, for the prompt's stored images.
+
+    Returns:
+        ``(rows, dev)``: ``(m,)`` int64 prompt rows of the stored entries (image by image, in
+        ``hits``' order) and their ``(m,)`` float32 deviations.
     """
     spans = batch.spans[0].image_spans
     host = batch.input_ids.device  # prompt rows are indexed where the prompt lives
     rows = torch.cat([spans[i][0] + entry_offsets(seg).to(host) for i, seg in hits.items()])
-    count = int(spec.r * rows.numel())
-    if count == 0 or count == rows.numel():
-        return rows[:count]
     n = int(batch.lengths[0])
     pool = next(iter(hits.values())).pool
     layer = min(CHECK_LAYER, engine.backend.num_layers - 1)
@@ -65,7 +84,7 @@ def blend_rows(
     for i, seg in hits.items():
         a, b = spans[i]
         k, v = pool.read(layer, seg.ids[layer][None])  # (1, H_kv, m_i, D), keys pre-RoPE
-        if spec.deviation == "k":
+        if deviation == "k":
             pos = (
                 batch.positions[0, a + entry_offsets(seg).to(host)]
                 .to(k.device)[None, None]
@@ -74,6 +93,6 @@ def blend_rows(
             stored.append(pool.rope(k, pos))
         else:
             stored.append(v)
-    fresh = (fk if spec.deviation == "k" else fv)[:, :, rows.to(fk.device)]
+    fresh = (fk if deviation == "k" else fv)[:, :, rows.to(fk.device)]
     dev = (fresh.float() - torch.cat(stored, dim=2).float()).square().sum(dim=(0, 1, 3))
-    return rows[dev.topk(count).indices.cpu()].sort().values
+    return rows, dev.cpu()

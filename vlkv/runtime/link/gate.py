@@ -62,10 +62,13 @@ class LinkCheck:
     r: float | None = None  # CacheBlend's recomputed fraction (other methods: None)
     store_budget: float = 1.0  # share of each image's entries its records keep
     store_rank: int = 0  # rank of the records' K/V factors (0: dense)
+    pick: str = "first"  # MPIC's choice of recomputed tokens (LinkSpec.pick)
 
     @property
     def name(self) -> str:
         name = f"{self.method}-r{self.r:g}" if self.r is not None else f"{self.method}-{self.k}"
+        if self.r is None and self.pick != "first":
+            name = f"{self.method}-{self.pick}-{self.k}"
         if self.store_budget < 1.0:
             name += f" on records at {self.store_budget:g}"
         return name if not self.store_rank else f"{name} (records at rank {self.store_rank})"
@@ -81,6 +84,8 @@ def checks_dir() -> Path:
 
 def check_path(fingerprint: str, spec: LinkSpec, root: Path | None = None) -> Path:
     tag = f"r{spec.r:g}-{spec.deviation}" if spec.method == "cacheblend" else f"k{spec.k}"
+    if spec.method == "mpic" and spec.pick != "first":  # another choice of recomputed tokens
+        tag += f"-{spec.pick}"
     if spec.store_budget < 1.0:  # compressed records: another fidelity
         tag += f"-b{spec.store_budget:g}-{spec.store_scorer}"
     if spec.store_rank:  # factored records: another fidelity
@@ -111,8 +116,12 @@ def spec_name(spec: LinkSpec) -> str:
     """How a check of ``spec`` is named (``mpic-32``, ``cacheblend-r0.15``, with its records)."""
     r = spec.r if spec.method == "cacheblend" else None
     return LinkCheck(
-        "", "", spec.method, spec.k, 0, 0.0, 0.0, 0, 0.0, r, spec.store_budget, spec.store_rank
+        "", "", spec.method, spec.k, 0, 0.0, 0.0, 0, 0.0, r, spec.store_budget, spec.store_rank, _pick(spec)
     ).name
+
+
+def _pick(spec: LinkSpec) -> str:
+    return spec.pick if spec.method == "mpic" else "first"
 
 
 def refusal(
@@ -193,6 +202,7 @@ def run_link_check(engine, spec: LinkSpec, tokens: int = 64, root: Path | None =
         r=spec.r if spec.method == "cacheblend" else None,
         store_budget=spec.store_budget,
         store_rank=spec.store_rank,
+        pick=_pick(spec),
     )
     path = check_path(check.fingerprint, spec, root)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ Every method is one :func:`link_prefill` call with a different *reuse plan*:
 * ``cacheblend`` (CacheBlend-r) — reuse stored images except the fraction ``r`` of their tokens
   whose check-layer K (or V) deviates most from a fresh computation in this prompt.
 
+Which stored rows are recomputed is :mod:`vlkv.runtime.link.picks`' choice (MPIC's ``pick``).
+
 The plan's reused entries are linked into the cache at their *actual* positions (pre-RoPE keys,
 rotated on read); the remaining prompt rows — a non-contiguous selection — run through the model in
 one step whose attention masks by sequence order (:attr:`StepInputs.selective`), so each recomputed
@@ -33,8 +35,8 @@ from torch import Tensor
 from vlkv.runtime.backend import StatsRequest, StepInputs, StepOutput, StepStats
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.kv.segments import SharedSegment
-from vlkv.runtime.link.cacheblend import blend_rows
 from vlkv.runtime.link.compress import entry_offsets as _offsets
+from vlkv.runtime.link.picks import recompute_rows
 from vlkv.runtime.link.spec import LinkSpec, LinkStats
 from vlkv.runtime.prompt import PromptBatch
 
@@ -150,16 +152,11 @@ def link_prefill(
         emb = _embed(engine, batch, known) if keys is not None else engine.backend.embed(batch)
     absent = torch.zeros(n, dtype=torch.bool, device=host)  # rows a compressed record left out
     if hits:
-        k = spec.k if spec.method == "mpic" else 0
-        fresh = torch.zeros(
-            n, dtype=torch.bool, device=host
-        )  # stored rows recomputed anyway (CacheBlend's choice)
-        if spec.method == "cacheblend":
-            fresh[blend_rows(engine, batch, emb, hits, spec)] = True
+        fresh = torch.zeros(n, dtype=torch.bool, device=host)  # stored rows recomputed anyway
+        fresh[recompute_rows(engine, batch, emb, hits, spec)] = True  # MPIC's / CacheBlend's choice
         for i, seg in hits.items():
             a, b = spans[i]
             off = _offsets(seg).to(host)
-            fresh[a : a + min(k, b - a)] = True
             use = ~fresh[a + off]
             if use.any():
                 _link_rows(

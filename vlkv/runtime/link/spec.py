@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 LINK_METHODS = ("none", "prefix", "full-reuse", "cacheblend", "mpic")
 DEVIATIONS = ("k", "v")
+PICKS = ("first", "ramp")  # MPIC's choice of recomputed tokens (vlkv.runtime.link.picks)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class LinkSpec:
         store_budget: fraction of an image's entries kept in the records this request writes, in
             (0, 1]; below 1 the records are compressed (:mod:`vlkv.runtime.link.compress`).
         store_scorer: how a compressed record chooses its entries (``keynorm`` or ``stride``).
+        pick: MPIC's choice of the recomputed tokens (:mod:`vlkv.runtime.link.picks`): ``first``
+            (each image's first ``k``, MPIC) or ``ramp`` (``k`` per image on average, more for later
+            images).
         store_rank: 0 (dense records) or the rank R of low-rank records: each layer's kept
             pre-RoPE K and V (``(m, H_kv·D)``, heads concatenated) held as truncated-SVD factors
             (AttentionPack's joint-head layout), so a hit from disk or a remote tier moves
@@ -38,6 +42,7 @@ class LinkSpec:
     store_budget: float = 1.0
     store_scorer: str = "keynorm"
     store_rank: int = 0
+    pick: str = "first"
 
     def __post_init__(self) -> None:
         if self.method not in LINK_METHODS:
@@ -48,6 +53,8 @@ class LinkSpec:
             raise ValueError(f"link r must be a fraction in [0, 1], got {self.r!r}")
         if self.deviation not in DEVIATIONS:
             raise ValueError(f"link deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
+        if self.pick not in PICKS:
+            raise ValueError(f"unknown MPIC pick {self.pick!r}; known: {', '.join(PICKS)}")
         b = self.store_budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 < b <= 1.0:
             raise ValueError(f"store budget must be a fraction in (0, 1], got {b!r}")
