@@ -210,6 +210,7 @@ def cmd_generate(args) -> int:
             args.store_budget,
             args.store_scorer,
             args.store_rank,
+            args.link_pick,
         )
     )
     if args.link_threshold is not None and not 0.0 <= args.link_threshold <= 1.0:  # NaN too
@@ -288,7 +289,7 @@ def _method_name(spec) -> str:
     if spec.method == "cacheblend":
         name = f"cacheblend-r{spec.r:g}-{spec.deviation}"
     else:
-        name = f"{spec.method}-{spec.k}"
+        name = f"{spec.method}-{spec.k}" if spec.pick == "first" else f"{spec.method}-{spec.pick}-{spec.k}"
     if spec.store_budget < 1.0:
         name += f" (records at {spec.store_budget:g}, {spec.store_scorer})"
     return name if not spec.store_rank else f"{name} (records at rank {spec.store_rank})"
@@ -308,6 +309,7 @@ def cmd_link_check(args) -> int:
         args.store_budget,
         args.store_scorer,
         args.store_rank,
+        args.link_pick,
     )
     if spec.method == "none":
         raise CliError("link-check measures a linking method: --link prefix, full-reuse, cacheblend or mpic")
@@ -398,6 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--link-k", type=int, default=None, help="MPIC: leading tokens of each image to recompute (32)"
     )
     g.add_argument(
+        "--link-pick",
+        default="first",
+        choices=("first", "ramp"),
+        help="MPIC: which image tokens to recompute: each image's first k (first), or k per image on average, "
+        "more for later images (ramp)",
+    )
+    g.add_argument(
         "--link-r",
         type=float,
         default=0.15,
@@ -439,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default="tiny-llava")
     c.add_argument("--link", default="mpic", help="prefix, full-reuse, cacheblend or mpic (default: mpic)")
     c.add_argument("--link-k", type=int, default=32)
+    c.add_argument(
+        "--link-pick", default="first", choices=("first", "ramp"), help="MPIC: first k per image, or a ramp"
+    )
     c.add_argument("--link-r", type=float, default=0.15)
     c.add_argument("--link-deviation", default="k")
     _store_budget_args(c)

@@ -312,6 +312,23 @@ def test_a_requests_unset_link_fields_keep_the_servers_settings(tmp_path):
     assert cfg.link_spec(method="mpic", k=8).k == 8
 
 
+def test_link_pick_is_the_servers_unless_a_request_names_one(tmp_path):
+    from types import SimpleNamespace
+
+    from vlkv.serve.app import _link_spec
+    from vlkv.serve.config import ServeConfig
+    from vlkv.serve.errors import ApiError
+    from vlkv.serve.schemas import VlkvOptions
+
+    plain = ServeConfig(store=str(tmp_path / "s"), link="mpic")
+    assert plain.link_spec(method="mpic").pick == "first"  # LinkSpec's default
+    cfg = ServeConfig(store=str(tmp_path / "s"), link="mpic", link_pick="ramp")
+    assert _link_spec(SimpleNamespace(vlkv=None), cfg).pick == "ramp"
+    assert _link_spec(SimpleNamespace(vlkv=VlkvOptions(link_pick="first")), cfg).pick == "first"
+    with pytest.raises(ApiError, match="unknown MPIC pick 'last'"):
+        _link_spec(SimpleNamespace(vlkv=VlkvOptions(link_pick="last")), cfg)
+
+
 # ---------------------------------------------------------------------- the server's fixed pool
 MIB = 2**20
 

@@ -178,7 +178,7 @@ def _busy(cfg: ServeConfig) -> ApiError:
 def _link_spec(req, cfg):
     """The request's link settings (its ``vlkv`` field, else the server's), or None without a store."""
     opts = getattr(req, "vlkv", None)
-    fields = ("link_k", "link_r", "link_deviation", "store_budget", "store_scorer", "store_rank")
+    fields = ("link_k", "link_pick", "link_r", "link_deviation", "store_budget", "store_scorer", "store_rank")
     asked = {name: getattr(opts, name, None) for name in fields} if opts is not None else {}
     method = (opts.link if opts is not None and opts.link is not None else None) or cfg.link
     if method == "none":
@@ -189,6 +189,7 @@ def _link_spec(req, cfg):
         spec = cfg.link_spec(
             method=method,
             k=asked.get("link_k"),
+            pick=asked.get("link_pick"),
             r=asked.get("link_r"),
             deviation=asked.get("link_deviation"),
             store_budget=asked.get("store_budget"),

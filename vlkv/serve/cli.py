@@ -64,6 +64,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--link", default="none", help="default link method: none, prefix, full-reuse, cacheblend or mpic"
     )
     p.add_argument("--link-k", type=int, default=32, help="MPIC: leading tokens of each image to recompute")
+    p.add_argument(
+        "--link-pick", choices=("first", "ramp"), help="MPIC: each image's first k tokens (default) or a ramp"
+    )
     p.add_argument("--link-r", type=float, help="CacheBlend: fraction of image tokens to recompute (0.15)")
     p.add_argument("--link-deviation", help="CacheBlend: deviation checked, k (default) or v")
     p.add_argument("--store-budget", type=float, help="share of an image's entries new records keep (0, 1]")
@@ -156,6 +159,7 @@ def cmd_serve(args) -> int:
         store=args.store,
         link=args.link,
         link_k=args.link_k,
+        link_pick=args.link_pick,
         link_r=args.link_r,
         link_deviation=args.link_deviation,
         store_budget=args.store_budget,

@@ -27,7 +27,7 @@ class ServeConfig:
         request_timeout_s: a request still running after this long is cancelled (HTTP 504).
         policy, budget: the KV policy for requests that name none (``budget`` None: the default).
         store: context-store spec (directory, ``redis://`` or ``mooncake://``); None = no store.
-        link, link_k, link_r, link_deviation, store_budget, store_scorer, store_rank: how requests link stored
+        link, link_k, link_pick, link_r, link_deviation, store_budget, store_scorer, store_rank: how requests link stored
             images and write new records unless their ``vlkv`` field says otherwise
             (:class:`~vlkv.runtime.link.linker.LinkSpec`).
         link_threshold: link-check agreement in [0, 1] a method needs to link (None: the default).
@@ -49,6 +49,7 @@ class ServeConfig:
     store: str | None = None
     link: str = "none"
     link_k: int = 32
+    link_pick: str | None = None
     # None: LinkSpec's default (one place holds them)
     link_r: float | None = None
     link_deviation: str | None = None
@@ -106,6 +107,7 @@ class ServeConfig:
         fields = {
             "method": self.link,
             "k": self.link_k,
+            "pick": self.link_pick,
             "r": self.link_r,
             "deviation": self.link_deviation,
             "store_budget": self.store_budget,

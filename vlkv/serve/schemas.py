@@ -81,6 +81,7 @@ class VlkvOptions(_Strict):
     top_k: StrictInt = Field(default=0, ge=0)
     link: StrictStr | None = None  # none, prefix, full-reuse, cacheblend or mpic (default: the server's)
     link_k: StrictInt | None = Field(default=None, ge=0)
+    link_pick: StrictStr | None = None  # MPIC's recomputed tokens: first or ramp (LinkSpec checks it)
     link_r: StrictFloat | StrictInt | None = None  # CacheBlend's recomputed fraction (LinkSpec checks it)
     link_deviation: StrictStr | None = None  # CacheBlend's check: k or v
     store_budget: StrictFloat | StrictInt | None = None  # share of entries the records it writes keep

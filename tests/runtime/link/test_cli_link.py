@@ -101,3 +101,61 @@ def test_a_store_budget_writes_compressed_records(tmp_path, capsys):
     assert main(args) == 0
     store = json.loads(capsys.readouterr().out)["extras"]["store"]
     assert store["hits"] == 1 and store["reused_tokens"] == store["dropped_tokens"] > 0  # half of the image
+
+
+def test_link_pick_reaches_the_linker_and_a_bad_pick_is_refused(tmp_path, capsys, monkeypatch):
+    """`--link-pick ramp` spends the same recompute budget as MPIC's first-k, spread over the pictures:
+    the linker sees the pick, the rows it recomputes differ, the reused count does not."""
+    from vlkv.runtime.link import linker, picks
+
+    seen = []
+
+    def spy(engine, batch, emb, hits, spec):
+        rows = picks.recompute_rows(engine, batch, emb, hits, spec)
+        seen.append((spec.pick, rows.tolist()))
+        return rows
+
+    monkeypatch.setattr(linker, "recompute_rows", spy)
+    batch = tmp_path / "b.jsonl"
+    row = {"prompt": "Which is brighter?", "images": ["builtin:checkerboard", "builtin:gradient"]}
+    batch.write_text(json.dumps(row) + "\n" + json.dumps(row | {"prompt": "And now?"}) + "\n")
+    reused = {}
+    for pick in ("first", "ramp"):
+        code = main(
+            ["generate", "--model", "tiny-llava", "--policy", "full", "--batch-file", str(batch), "--link", "mpic",
+             "--link-k", "4", "--link-pick", pick, "--max-new-tokens", "2", "--json"]
+        )  # fmt: skip
+        assert code == 0
+        store = json.loads(capsys.readouterr().out)["extras"]["store"]
+        assert store["hits"] == 2, store
+        reused[pick] = store["reused_tokens"]
+    linked = {pick: rows for pick, rows in seen if rows}
+    assert set(linked) == {"first", "ramp"}
+    assert len(linked["first"]) == len(linked["ramp"]) == 8 and linked["first"] != linked["ramp"]
+    assert reused["first"] == reused["ramp"] > 0
+    with pytest.raises(SystemExit) as exit_:  # argparse's refusal of a choice it does not know
+        main(["generate", "--model", "tiny-llava", "--link", "mpic", "--link-pick", "last"])
+    assert exit_.value.code == 2 and "invalid choice: 'last'" in capsys.readouterr().err
+
+
+def test_link_check_measures_the_ramp_pick_and_saves_it_as_its_own_check(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VLKV_CACHE", str(tmp_path))
+    base = [
+        "link-check",
+        "--model",
+        "tiny-llava",
+        "--link",
+        "mpic",
+        "--link-k",
+        "4",
+        "--tokens",
+        "4",
+        "--json",
+    ]
+    assert main([*base, "--link-pick", "ramp"]) == 0
+    out = capsys.readouterr()
+    check = json.loads(out.out)
+    assert check["pick"] == "ramp" and 0.0 <= check["agreement"] <= 1.0 and check["probes"] >= 1
+    assert "mpic-ramp-4" in out.err
+    saved = sorted(p.name for p in (tmp_path / "link-checks").rglob("*") if p.is_file())
+    assert len(saved) == 1 and "ramp" in saved[0], saved
