@@ -121,17 +121,23 @@ def _text(engine, ids: list[int]) -> str:
     return engine.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def store_reversed(engine, images, source, pool) -> None:
+    """Compute and store the pictures' records by a first request that holds them in reverse order, so
+    the measured request links every picture at another position than it was computed at."""
+    first = Prompt("Describe these pictures.", images[::-1])
+    b1 = engine.encode([first])
+    c1 = engine.new_cache(b1, pool=pool)
+    link_prefill(engine, b1, first.images, c1, LinkSpec("full-reuse"), source)
+    c1.release()
+
+
 def measure_item(engine, pool, item, specs: list[LinkSpec], tokens: int) -> dict[str, dict]:
     """One question under every method: accuracy, agreement, KL, TTFT; ``{method: row}``."""
     images = item.images
     prompt = Prompt(item.sample.question, images)
     batch = engine.encode([prompt])
     source = RecordSource.for_engine(engine, SegmentStore(pool))
-    first = Prompt("Describe these pictures.", images[::-1])
-    b1 = engine.encode([first])
-    c1 = engine.new_cache(b1, pool=pool)
-    link_prefill(engine, b1, first.images, c1, LinkSpec("full-reuse"), source)  # makes the records
-    c1.release()
+    store_reversed(engine, images, source, pool)
     # full recompute ("none", which links nothing) first: its greedy path is the reference
     cache = engine.new_cache(batch, pool=pool)
     t0 = time.perf_counter()

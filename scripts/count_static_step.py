@@ -57,23 +57,19 @@ class _Halves:
 
     def __enter__(self):
         self._prepare, self._forward = static_step.prepare, static_step.forward
-        halves = self
 
-        def prepare(*a, **k):
-            with count_ops() as c, triton_launches_as_ops(c) as n:
-                got = halves._prepare(*a, **k)
-            c.launches = n[0]
-            halves.host = _add(halves.host, c)
-            return got
+        def counted(fn, half: str):
+            def run(*a, **k):
+                with count_ops() as c, triton_launches_as_ops(c) as n:
+                    got = fn(*a, **k)
+                c.launches = n[0]
+                setattr(self, half, _add(getattr(self, half), c))
+                return got
 
-        def forward(*a, **k):
-            with count_ops() as c, triton_launches_as_ops(c) as n:
-                got = halves._forward(*a, **k)
-            c.launches = n[0]
-            halves.device = _add(halves.device, c)
-            return got
+            return run
 
-        static_step.prepare, static_step.forward = prepare, forward
+        static_step.prepare = counted(self._prepare, "host")
+        static_step.forward = counted(self._forward, "device")
         return self
 
     def __exit__(self, *exc):

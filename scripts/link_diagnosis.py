@@ -43,18 +43,14 @@ def _r(x: float) -> float:
 
 def diagnose_item(engine, pool, item, specs: list[LinkSpec], tokens: int) -> dict:
     """One question: per method its divergence from full recompute and its per-layer K/V deviation."""
-    from bench_link_vqa import greedy_path, method_name
+    from bench_link_vqa import greedy_path, method_name, store_reversed
 
     images = item.images
     batch = engine.encode([Prompt(item.sample.question, images)])
     n = int(batch.lengths[0])
     spans = batch.spans[0].image_spans
     source = RecordSource.for_engine(engine, SegmentStore(pool))
-    first = Prompt("Describe these pictures.", images[::-1])
-    b1 = engine.encode([first])
-    c1 = engine.new_cache(b1, pool=pool)
-    link_prefill(engine, b1, first.images, c1, LinkSpec("full-reuse"), source)  # makes the records
-    c1.release()
+    store_reversed(engine, images, source, pool)
     full = engine.new_cache(batch, pool=pool)
     out, _ = link_prefill(engine, batch, images, full, LinkSpec("none"), source)
     ids, ref = greedy_path(engine, batch, full, out, tokens)

@@ -108,3 +108,28 @@ def test_sink_records_make_one_picture_reuse_exact(blv, loaded_models, monkeypat
     rows = blv.measure_item(engine, pool, item, [LinkSpec("none"), LinkSpec("full-reuse")], tokens=8)
     assert rows["full-reuse"]["reused"] > 0
     assert rows["full-reuse"]["agreement"] == 1.0 and abs(rows["full-reuse"]["kl"]) < 1e-4
+
+
+def test_the_diagnosis_on_a_tiny_model(blv, loaded_models):
+    """`--diagnose`: full recompute is its own reference (no divergence, zero deviation); a linked cache's
+    deviation is reported per layer and picture, and full reuse's is not zero."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from link_diagnosis import diagnose_item, summarise
+
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.link.spec import LinkSpec
+    from vlkv.runtime.prompt import Prompt
+
+    engine = Engine(loaded_models["tiny-llava"])
+    pool = engine.new_cache(engine.encode([Prompt("x")])).pool
+    item = blv.items_for(2, 1, seed=0)[0]
+    specs = [LinkSpec("none"), LinkSpec("full-reuse"), LinkSpec("mpic", 4, pick="ramp")]
+    row = diagnose_item(engine, pool, item, specs, tokens=5)
+    none, reuse = row["methods"]["none"], row["methods"]["full-reuse"]
+    assert none["agreement"] == 1.0 and none["first_divergence"] is None
+    layers = engine.loaded.model.config.text_config.num_hidden_layers
+    assert len(reuse["dk_linked"]) == layers and all(len(per) == 2 for per in reuse["dk_linked"])
+    assert all(v == 0 for v in none["dk_question"])  # nothing linked: the same K everywhere
+    assert max(max(x for x in per if x is not None) for per in reuse["dv_linked"]) > 0
+    assert "deep_top_in_first" in reuse and len(reuse["deep_top_in_first"]) == 2
+    assert set(summarise([row, row])) >= {"none", "full-reuse"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlkv.runtime.link.linker import link_prefill
+from tests.runtime.link.test_cacheblend import _link
 from vlkv.runtime.link.picks import ramp_counts, recompute_rows
 from vlkv.runtime.link.records import RecordSource
 from vlkv.runtime.link.segment_store import SegmentStore
@@ -35,15 +35,6 @@ def _stored(engine, images):
     store = SegmentStore(engine.new_cache(engine.encode([Prompt("x")])).pool)
     _link(engine, Prompt("Look at these.", images), LinkSpec("full-reuse"), store)
     return store
-
-
-def _link(engine, prompt, spec, store):
-    batch = engine.encode([prompt])
-    cache = engine.new_cache(batch, pool=store.pool)
-    out, stats = link_prefill(
-        engine, batch, prompt.images, cache, spec, RecordSource.for_engine(engine, store)
-    )
-    return batch, cache, out, stats
 
 
 def _hits(engine, store, prompt):
