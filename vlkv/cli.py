@@ -17,6 +17,8 @@ import yaml
 
 from vlkv.cli_common import CliError, run_command
 from vlkv.cli_common import OneLineParser as _Parser
+from vlkv.cli_common import info as _info
+from vlkv.link_cli import add_link_args, add_link_check_parser, link_spec
 
 DEFAULT_PROMPT = "Describe the image."
 DEFAULT_IMAGE = "builtin:checkerboard"
@@ -128,12 +130,6 @@ def _answer(sample, eos: set[int]) -> str:
     return f"(empty answer: {len(ids)} token(s) that decode to no visible text; token ids {shown})"
 
 
-def _info(line: str) -> None:
-    """A report line on stderr, after any answer text already printed (so a shared pipe keeps order)."""
-    sys.stdout.flush()
-    print(line, file=sys.stderr, flush=True)
-
-
 def _print_report(args, prompts, lengths, result, eos) -> None:
     """Answers on stdout; what ran and what the cache cost on stderr (``-- `` lines)."""
     from vlkv.runtime.policies.settings import NO_BUDGET
@@ -185,7 +181,6 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from vlkv.runtime.device import resolve_device
-    from vlkv.runtime.link.spec import LinkSpec
 
     device = resolve_device(args.device)
     store = None
@@ -199,20 +194,7 @@ def cmd_generate(args) -> int:
                 "--store needs --link (prefix, full-reuse, cacheblend or mpic): without linking nothing is reused"
             )
         store = open_store(args.store)
-    link = (
-        None
-        if args.link == "none" and args.link_k is None
-        else LinkSpec(
-            args.link,
-            32 if args.link_k is None else args.link_k,
-            args.link_r,
-            args.link_deviation,
-            args.store_budget,
-            args.store_scorer,
-            args.store_rank,
-            args.link_pick,
-        )
-    )
+    link = None if args.link == "none" and args.link_k is None else link_spec(args)
     if args.link_threshold is not None and not 0.0 <= args.link_threshold <= 1.0:  # NaN too
         raise CliError(f"--link-threshold must be in [0, 1], got {args.link_threshold}")
     if args.pool_bytes is not None and args.pool_bytes < 1:
@@ -262,77 +244,6 @@ def cmd_generate(args) -> int:
         print(json.dumps({"model": args.model, "prompts": described, **result.to_dict()}, indent=2))
         return 0
     _print_report(args, prompts, lengths, result, engine.eos_ids)
-    return 0
-
-
-def _store_budget_args(p) -> None:
-    p.add_argument(
-        "--store-budget",
-        type=float,
-        default=1.0,
-        help="share of each image's entries its new records keep (compressed below 1; default 1)",
-    )
-    p.add_argument(
-        "--store-scorer",
-        default="keynorm",
-        help="which entries a compressed record keeps: keynorm, stride or kvzip",
-    )
-    p.add_argument(
-        "--store-rank",
-        type=int,
-        default=0,
-        help="store new records' K/V as joint-head low-rank factors of this rank (0: dense; default 0)",
-    )
-
-
-def _method_name(spec) -> str:
-    if spec.method == "cacheblend":
-        name = f"cacheblend-r{spec.r:g}-{spec.deviation}"
-    else:
-        name = f"{spec.method}-{spec.k}" if spec.pick == "first" else f"{spec.method}-{spec.pick}-{spec.k}"
-    if spec.store_budget < 1.0:
-        name += f" (records at {spec.store_budget:g}, {spec.store_scorer})"
-    return name if not spec.store_rank else f"{name} (records at rank {spec.store_rank})"
-
-
-def cmd_link_check(args) -> int:
-    from vlkv.runtime.engine import Engine
-    from vlkv.runtime.link.gate import DEFAULT_THRESHOLD, run_link_check
-    from vlkv.runtime.link.spec import LinkSpec
-    from vlkv.runtime.models.registry import load_model
-
-    spec = LinkSpec(
-        args.link,
-        args.link_k,
-        args.link_r,
-        args.link_deviation,
-        args.store_budget,
-        args.store_scorer,
-        args.store_rank,
-        args.link_pick,
-    )
-    if spec.method == "none":
-        raise CliError("link-check measures a linking method: --link prefix, full-reuse, cacheblend or mpic")
-    threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
-    if not 0.0 <= threshold <= 1.0:
-        raise CliError(f"--threshold must be in [0, 1], got {threshold}")
-    _info(
-        f"-- link-check: {args.model} {_method_name(spec)}, linked vs full prefill on the built-in probes "
-        f"({args.tokens} tokens each); about a minute on 2 CPU cores"
-    )
-    check = run_link_check(Engine(load_model(args.model)), spec, args.tokens)
-    verdict = "passes" if check.passes(threshold) else "is refused"
-    if args.json:
-        from dataclasses import asdict
-
-        print(
-            json.dumps({**asdict(check), "threshold": threshold, "passes": check.passes(threshold)}, indent=2)
-        )
-    else:
-        print(
-            f"{check.model} {_method_name(spec)}: top-1 agreement {check.agreement:.3f}, mean KL "
-            f"{check.mean_kl:.4f} over {check.probes} probes x {check.tokens} tokens; linking {verdict} at {threshold:.2f}"
-        )
     return 0
 
 
@@ -396,26 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--tenant", default="default", help="whose stored records a request may link (default: default)"
     )
-    g.add_argument(
-        "--link-k", type=int, default=None, help="MPIC: leading tokens of each image to recompute (32)"
-    )
-    g.add_argument(
-        "--link-pick",
-        default="first",
-        choices=("first", "ramp"),
-        help="MPIC: which image tokens to recompute: each image's first k (first), or k per image on average, "
-        "more for later images (ramp)",
-    )
-    g.add_argument(
-        "--link-r",
-        type=float,
-        default=0.15,
-        help="CacheBlend: fraction of stored image tokens recomputed, by check-layer deviation (0.15)",
-    )
-    g.add_argument(
-        "--link-deviation", default="k", help="CacheBlend: deviation measured on k (keys) or v (values)"
-    )
-    _store_budget_args(g)
+    add_link_args(g, k_default=None)
     g.add_argument(
         "--pool-bytes",
         type=int,
@@ -442,22 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     from vlkv.serve.cli import add_serve_parser
 
     add_serve_parser(sub)
-    c = sub.add_parser(
-        "link-check", help="measure linked-vs-full fidelity on built-in probes; saved beside the model"
-    )
-    c.add_argument("--model", default="tiny-llava")
-    c.add_argument("--link", default="mpic", help="prefix, full-reuse, cacheblend or mpic (default: mpic)")
-    c.add_argument("--link-k", type=int, default=32)
-    c.add_argument(
-        "--link-pick", default="first", choices=("first", "ramp"), help="MPIC: first k per image, or a ramp"
-    )
-    c.add_argument("--link-r", type=float, default=0.15)
-    c.add_argument("--link-deviation", default="k")
-    _store_budget_args(c)
-    c.add_argument("--tokens", type=int, default=64, help="teacher-forced tokens per probe (default: 64)")
-    c.add_argument("--threshold", type=float, default=None, help="agreement needed to link (default 0.9)")
-    c.add_argument("--json", action="store_true")
-    c.set_defaults(func=cmd_link_check)
+    add_link_check_parser(sub)
     return parser
 
 

@@ -13,6 +13,12 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
+def info(line: str) -> None:
+    """A report line on stderr, after any answer text already printed (so a shared pipe keeps order)."""
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
+
+
 class CliError(ValueError):
     """A user error reported as one line."""
 

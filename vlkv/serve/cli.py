@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vlkv.runtime.link.spec import PICKS
+
 SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
 
 
@@ -64,9 +66,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--link", default="none", help="default link method: none, prefix, full-reuse, cacheblend or mpic"
     )
     p.add_argument("--link-k", type=int, default=32, help="MPIC: leading tokens of each image to recompute")
-    p.add_argument(
-        "--link-pick", choices=("first", "ramp"), help="MPIC: each image's first k tokens (default) or a ramp"
-    )
+    p.add_argument("--link-pick", choices=PICKS, help="MPIC: each image's first k tokens (default) or a ramp")
     p.add_argument("--link-r", type=float, help="CacheBlend: fraction of image tokens to recompute (0.15)")
     p.add_argument("--link-deviation", help="CacheBlend: deviation checked, k (default) or v")
     p.add_argument("--store-budget", type=float, help="share of an image's entries new records keep (0, 1]")
