@@ -12,7 +12,7 @@ size, and replays it; later steps copy their inputs into the same buffers and re
 The warm-up and the replay both run the step's forward: its writes (the new K/V rows, the tables' new
 column, the read table) are the same values at the same places, so running it twice changes nothing.
 
-Opt-in (``Engine(decode_graph=True)``, ``vlkv generate/serve --cuda-graph``): off by default until a GPU
+Opt-in (``Engine(decode_graph=True)``, ``vlkv generate --cuda-graph``; ``vlkv serve`` has no flag yet): off by default until a GPU
 run has compared it with the eager step (``scripts/gpu_parts.py``'s ``compile`` part,
 ``tests/runtime/test_cuda_graph.py``).
 """
