@@ -77,17 +77,6 @@ def link_spec(args: argparse.Namespace):
     )
 
 
-def method_name(spec) -> str:
-    """``mpic-32``, ``mpic-ramp-32``, ``cacheblend-r0.15-k``, with the records' compression if any."""
-    if spec.method == "cacheblend":
-        name = f"cacheblend-r{spec.r:g}-{spec.deviation}"
-    else:
-        name = f"{spec.method}-{spec.k}" if spec.pick == "first" else f"{spec.method}-{spec.pick}-{spec.k}"
-    if spec.store_budget < 1.0:
-        name += f" (records at {spec.store_budget:g}, {spec.store_scorer})"
-    return name if not spec.store_rank else f"{name} (records at rank {spec.store_rank})"
-
-
 def add_link_check_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``link-check`` to ``subparsers`` (the ``vlkv`` command's)."""
     c = subparsers.add_parser(
@@ -115,7 +104,7 @@ def cmd_link_check(args) -> int:
     if not 0.0 <= threshold <= 1.0:
         raise CliError(f"--threshold must be in [0, 1], got {threshold}")
     info(
-        f"-- link-check: {args.model} {method_name(spec)}, linked vs full prefill on the built-in probes "
+        f"-- link-check: {args.model} {spec.label}, linked vs full prefill on the built-in probes "
         f"({args.tokens} tokens each); about a minute on 2 CPU cores"
     )
     check = run_link_check(Engine(load_model(args.model)), spec, args.tokens)
@@ -128,7 +117,7 @@ def cmd_link_check(args) -> int:
         )
     else:
         print(
-            f"{check.model} {method_name(spec)}: top-1 agreement {check.agreement:.3f}, mean KL "
+            f"{check.model} {spec.label}: top-1 agreement {check.agreement:.3f}, mean KL "
             f"{check.mean_kl:.4f} over {check.probes} probes x {check.tokens} tokens; linking {verdict} at {threshold:.2f}"
         )
     return 0

@@ -163,13 +163,13 @@ def test_link_check_measures_the_ramp_pick_and_saves_it_as_its_own_check(tmp_pat
 
 def test_generate_and_link_check_read_the_same_link_flags():
     from vlkv.cli import build_parser
-    from vlkv.link_cli import link_spec, method_name
+    from vlkv.link_cli import link_spec
 
     flags = ["--link", "mpic", "--link-k", "8", "--link-pick", "ramp", "--store-budget", "0.5"]
     parser = build_parser()
     gen, check = (link_spec(parser.parse_args([cmd, *flags])) for cmd in ("generate", "link-check"))
     assert gen == check and (gen.k, gen.pick, gen.store_budget) == (8, "ramp", 0.5)
-    assert method_name(gen) == "mpic-ramp-8 (records at 0.5, keynorm)"
+    assert gen.label == "mpic-ramp-8 (records at 0.5, keynorm)"
     # --link-k left out: generate reads None ("no k asked"), link-check MPIC's 32; both build k = 32
     gen, check = (parser.parse_args([cmd, "--link", "mpic"]) for cmd in ("generate", "link-check"))
     assert (gen.link_k, check.link_k) == (None, 32) and link_spec(gen) == link_spec(check)

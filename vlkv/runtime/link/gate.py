@@ -26,7 +26,7 @@ import torch
 
 from vlkv.runtime.link.linker import link_prefill
 from vlkv.runtime.link.segment_store import SegmentStore
-from vlkv.runtime.link.spec import LinkSpec
+from vlkv.runtime.link.spec import LinkSpec, link_label
 from vlkv.runtime.prompt import Prompt
 
 # (first prompt, later prompt, images): the later prompt reuses the first one's images elsewhere
@@ -66,12 +66,8 @@ class LinkCheck:
 
     @property
     def name(self) -> str:
-        name = f"{self.method}-r{self.r:g}" if self.r is not None else f"{self.method}-{self.k}"
-        if self.r is None and self.pick != "first":
-            name = f"{self.method}-{self.pick}-{self.k}"
-        if self.store_budget < 1.0:
-            name += f" on records at {self.store_budget:g}"
-        return name if not self.store_rank else f"{name} (records at rank {self.store_rank})"
+        """:func:`~vlkv.runtime.link.spec.link_label` of the checked method."""
+        return link_label(self.method, self.k, self.r, self.pick, self.store_budget, self.store_rank)
 
     def passes(self, threshold: float) -> bool:
         return self.agreement >= threshold
@@ -112,14 +108,6 @@ def unchecked_allowed(threshold: float) -> bool:
     return threshold <= 0.0 or os.environ.get(UNCHECKED_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def spec_name(spec: LinkSpec) -> str:
-    """How a check of ``spec`` is named (``mpic-32``, ``cacheblend-r0.15``, with its records)."""
-    r = spec.r if spec.method == "cacheblend" else None
-    return LinkCheck(
-        "", "", spec.method, spec.k, 0, 0.0, 0.0, 0, 0.0, r, spec.store_budget, spec.store_rank, _pick(spec)
-    ).name
-
-
 def _pick(spec: LinkSpec) -> str:
     return spec.pick if spec.method == "mpic" else "first"
 
@@ -132,7 +120,7 @@ def refusal(
     if check is None:
         if unchecked_allowed(threshold):
             return None
-        what = spec_name(spec) if spec is not None else "this method"
+        what = spec.label if spec is not None else "this method"
         return (
             f"linking refused: {what} was never link-checked on {model} (run vlkv link-check, or opt in "
             f"with --link-threshold 0 or {UNCHECKED_ENV}=1); recomputing instead"

@@ -13,6 +13,31 @@ DEVIATIONS = ("k", "v")
 PICKS = ("first", "ramp")  # MPIC's choice of recomputed tokens (vlkv.runtime.link.picks)
 
 
+def link_label(
+    method: str,
+    k: int,
+    r: float | None = None,
+    pick: str = "first",
+    store_budget: float = 1.0,
+    store_rank: int = 0,
+    store_scorer: str | None = None,
+    deviation: str | None = None,
+) -> str:
+    """The one name of a linking method in reports, saved checks and refusals: ``mpic-32``,
+    ``mpic-ramp-32``, ``cacheblend-r0.15`` (``-v`` when it checks values), ``prefix``, with the records'
+    compression — ``(records at 0.5, keynorm)``, ``(records at rank 8)`` — when there is any.
+    ``store_scorer`` / ``deviation``: left out where the caller does not know them (a saved check)."""
+    if method == "mpic":
+        name = f"mpic-{k}" if pick == "first" else f"mpic-{pick}-{k}"
+    elif method == "cacheblend":
+        name = f"cacheblend-r{r:g}" + ("-v" if deviation == "v" else "")
+    else:
+        name = method
+    if store_budget < 1.0:
+        name += f" (records at {store_budget:g}" + (f", {store_scorer})" if store_scorer else ")")
+    return name if not store_rank else f"{name} (records at rank {store_rank})"
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     """How a request reuses stored K/V.
@@ -67,6 +92,21 @@ class LinkSpec:
             raise ValueError(
                 f"unknown record scorer {self.store_scorer!r}; known: {', '.join(RECORD_SCORERS)}"
             )
+
+    @property
+    def label(self) -> str:
+        """:func:`link_label` of this request's linking."""
+        r = self.r if self.method == "cacheblend" else None
+        return link_label(
+            self.method,
+            self.k,
+            r,
+            self.pick,
+            self.store_budget,
+            self.store_rank,
+            self.store_scorer,
+            self.deviation,
+        )
 
     def record_variant(self) -> dict | None:
         """What makes this request's records differ from a dense record of the same image (part of
