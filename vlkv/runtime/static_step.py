@@ -8,7 +8,8 @@ no host read in between. This module is that forward, for the device path (``mod
 fused layers and the Triton kernels, CUDA or ``VLKV_FORCE_TRITON=1``):
 
 - the **host half** (:func:`prepare`) runs the decode append's bookkeeping for every layer
-  (``kv/reservation.reserve_decode_entries``: tables grown, slots taken, lengths advanced), then packs
+  (``kv/reservation.reserve_decode_entries``: tables grown, slots taken — a fixed pool's for every
+  layer in one allocation, ``KVPool.alloc_ahead`` —, lengths advanced), then packs
   per (layer, request) its tables' addresses, new column and length after (``kv/step_tables.meta_row``)
   and the slots into one int64 host tensor, copied once into the step's :class:`StaticBuffers`; the new
   tokens, positions, modality and sequence indices are copied into theirs;
@@ -204,6 +205,11 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
     ctx = StepContext(cache, inputs, None)
     new = _step_columns(ctx)
     done = []
+    pool = cache.layers[0].pool
+    # a fixed pool's fresh slots for every layer in one allocation, at the first layer's count (each
+    # layer's reservation takes its own from it; a layer asking another count gets its own, and what no
+    # layer took goes back at settle)
+    pool.alloc_ahead()
     try:
         for i, la in enumerate(cache.layers):
             ahead = _ahead(ctx, new, i)
@@ -243,6 +249,8 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
         if isinstance(err, _Refused):
             return None
         raise
+    finally:
+        pool.settle()
     return bufs, done
 
 

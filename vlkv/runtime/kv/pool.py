@@ -62,12 +62,22 @@ class KVPool:
         z = dict(dtype=spec.dtype, device=dev)
         self.keys = [torch.zeros(h, slots, d, **z) for _ in range(spec.num_layers)]
         self.values = [torch.zeros(h, slots, d, **z) for _ in range(spec.num_layers)]
-        self._free = [self._stack(0, slots, slots) for _ in range(spec.num_layers)]
+        n = spec.num_layers
+        # free stack, refcounts, pre-RoPE flags per layer; a fixed pool never resizes, so its layers'
+        # are views of one (L, H_kv, S) tensor each: a step can allocate in every layer at once
+        zeros = [torch.zeros(h, slots, dtype=t, device=dev) for t in (torch.int32, torch.bool)]
+        tables = (self._stack(0, slots, slots), *zeros)
+        if grow:
+            self._stacked = None
+            self._free, self._refs, self._prerope = ([t.clone() for _ in range(n)] for t in tables)
+        else:
+            self._stacked = tuple(t[None].repeat(n, 1, 1) for t in tables)
+            self._free, self._refs, self._prerope = (list(t.unbind(0)) for t in self._stacked)
         # free count per head: a device tensor for vectorised pops, a host list for checks
-        self._nfree = [torch.full((h,), slots, dtype=torch.long, device=dev) for _ in range(spec.num_layers)]
-        self._nfree_host = [[slots] * h for _ in range(spec.num_layers)]
-        self._refs = [torch.zeros(h, slots, dtype=torch.int32, device=dev) for _ in range(spec.num_layers)]
-        self._prerope = [torch.zeros(h, slots, dtype=torch.bool, device=dev) for _ in range(spec.num_layers)]
+        self._nfree = [torch.full((h,), slots, dtype=torch.long, device=dev) for _ in range(n)]
+        self._nfree_host = [[slots] * h for _ in range(n)]
+        self._pending: dict[int, Tensor] = {}  # layer → slots alloc_ahead took, not yet handed out
+        self._armed = False
         self._heads = torch.arange(h, device=dev)
         self._owners: list[dict[int, weakref.ref]] = [{} for _ in range(spec.num_layers)]
         self.bytes_written = 0
@@ -138,6 +148,15 @@ class KVPool:
     def alloc(self, layer: int, n: int) -> Tensor:
         """``(H_kv, n)`` int64 fresh slot ids, one reference each (ascending per head when fresh)."""
         dev = self.spec.device
+        got = self._pending.pop(layer, None)
+        if got is not None:
+            if got.shape[1] == n:  # taken for this call by the first alloc after alloc_ahead: no op
+                return got
+            self.unalloc(layer, got)  # another count: back on the stack (nothing happened since)
+        elif self._armed and n > 0:
+            self._armed = False
+            if self._take_all(n):
+                return self._pending.pop(layer)
         if n <= 0:
             return torch.zeros(self.spec.kv_heads, 0, dtype=torch.long, device=dev)
         free = self.free_slots(layer)
@@ -157,6 +176,37 @@ class KVPool:
         self._refs[layer].scatter_(1, ids, 1)
         self._prerope[layer].scatter_(1, ids, False)
         return ids
+
+    def alloc_ahead(self) -> None:
+        """A step about to allocate the same count in every layer: the next :meth:`alloc` (of ``n > 0``)
+        takes ``n`` fresh slots in every layer at once, where the pool is fixed and every layer and head
+        as deep; each layer's next ``alloc(layer, n)`` then hands out its ``(H_kv, n)``, the slots it
+        would have chosen, with no op. Until :meth:`settle` only alloc / unalloc may run."""
+        self._armed = self._stacked is not None and not self._pending
+
+    def _take_all(self, n: int) -> bool:
+        """``n`` slots per head of every layer into ``_pending`` (False: the layers differ in depth or
+        hold fewer, nothing taken)."""
+        depth = self._nfree_host[0][0]
+        if depth < n or any(f != depth for per in self._nfree_host for f in per):
+            return False
+        free, refs, flags = self._stacked
+        ids = free[:, :, depth - n : depth].flip(2)  # (L, H_kv, n): the top of every stack first
+        refs.scatter_(2, ids, 1)
+        flags.scatter_(2, ids, False)
+        layers, h = ids.shape[:2]
+        tops = torch.full((layers, h), depth - n, dtype=torch.long, device=self.spec.device)
+        self._nfree = list(tops.unbind(0))
+        self._nfree_host = [[depth - n] * h for _ in range(layers)]
+        self._pending = dict(enumerate(ids.unbind(0)))
+        return True
+
+    def settle(self) -> None:
+        """Disarm :meth:`alloc_ahead`; take back the slots it took that no :meth:`alloc` handed out."""
+        self._armed = False
+        pending, self._pending = self._pending, {}
+        for layer, ids in pending.items():
+            self.unalloc(layer, ids)
 
     def unalloc(self, layer: int, ids: Tensor) -> None:
         """Take back ``ids (H_kv, n)``, the slots :meth:`alloc` just handed out, nothing allocated or
@@ -209,6 +259,8 @@ class KVPool:
             ids: ``(H_kv, m)`` slot ids (``heads`` None: row ``h`` belongs to head ``h``), or ``(N,)``
                 ids with ``heads (N,)``.
         """
+        if layer in self._pending:  # alloc_ahead's slots lie where a push writes: refused, nothing changed
+            raise RuntimeError(f"layer {layer}: slots freed between alloc_ahead and settle")
         if heads is None:
             heads = self._heads[:, None].expand_as(ids).reshape(-1)
             ids = ids.reshape(-1)
