@@ -157,3 +157,25 @@ def test_every_layers_statistics_at_once_equal_the_eager_steps_per_layer(thresho
         if threshold is not None:
             assert torch.equal(g.below, want.below), layer
             assert g.below.sum() > 0  # some entries below the threshold: the count is exercised
+
+
+def test_an_exact_output_step_reads_plainly_beside_its_statistics(monkeypatch):
+    """A step asking ``exact_output`` (a backend step called with it: the scheduler's merged requests
+    carry none) gets buffers of its own mode, and its logits and statistics equal the eager step's, whose
+    output is the plain read's too."""
+    from vlkv.runtime.backend import StatsRequest
+
+    engine = _engine("tiny-llava", torch.float32, monkeypatch)
+    stats = StatsRequest(exact_output=True)
+    outs = []
+    for static in (None, StaticDecode(engine.backend, capacity_step=64)):
+        sched, _ = _running(engine, "h2o", budget=0.5)
+        group = sched.plan().groups[0]
+        engine.backend.static = static
+        outs.append(engine.backend.step(group.inputs, group.batch, stats))
+    engine.backend.static = None
+    assert static.taken == 1 and set(static._bufs) == {(len(TEXTS), "exact")}
+    assert static._bufs[len(TEXTS), "exact"].exact
+    want, got = outs
+    torch.testing.assert_close(got.logits, want.logits, **TOL[torch.float32])
+    _assert_stats_equal(got.stats, want.stats, "exact")
