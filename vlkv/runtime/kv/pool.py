@@ -27,6 +27,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from vlkv.runtime.kv.pool_ahead import AheadAlloc
 from vlkv.runtime.kv.pool_spec import PoolFull, PoolSpec
 
 __all__ = ["COMPACT_FREE_FRACTION", "COMPACT_MIN_SLOTS", "GROW_SLOTS", "KVPool", "PoolFull", "PoolSpec"]
@@ -39,7 +40,7 @@ COMPACT_MIN_SLOTS = 256
 GROW_SLOTS = 32
 
 
-class KVPool:
+class KVPool(AheadAlloc):
     """K/V slots for every layer, a free stack per layer and KV head, refcounts and byte counters.
 
     Attributes:
@@ -176,37 +177,6 @@ class KVPool:
         self._refs[layer].scatter_(1, ids, 1)
         self._prerope[layer].scatter_(1, ids, False)
         return ids
-
-    def alloc_ahead(self) -> None:
-        """A step about to allocate the same count in every layer: the next :meth:`alloc` (of ``n > 0``)
-        takes ``n`` fresh slots in every layer at once, where the pool is fixed and every layer and head
-        as deep; each layer's next ``alloc(layer, n)`` then hands out its ``(H_kv, n)``, the slots it
-        would have chosen, with no op. Until :meth:`settle` only alloc / unalloc may run."""
-        self._armed = self._stacked is not None and not self._pending
-
-    def _take_all(self, n: int) -> bool:
-        """``n`` slots per head of every layer into ``_pending`` (False: the layers differ in depth or
-        hold fewer, nothing taken)."""
-        depth = self._nfree_host[0][0]
-        if depth < n or any(f != depth for per in self._nfree_host for f in per):
-            return False
-        free, refs, flags = self._stacked
-        ids = free[:, :, depth - n : depth].flip(2)  # (L, H_kv, n): the top of every stack first
-        refs.scatter_(2, ids, 1)
-        flags.scatter_(2, ids, False)
-        layers, h = ids.shape[:2]
-        tops = torch.full((layers, h), depth - n, dtype=torch.long, device=self.spec.device)
-        self._nfree = list(tops.unbind(0))
-        self._nfree_host = [[depth - n] * h for _ in range(layers)]
-        self._pending = dict(enumerate(ids.unbind(0)))
-        return True
-
-    def settle(self) -> None:
-        """Disarm :meth:`alloc_ahead`; take back the slots it took that no :meth:`alloc` handed out."""
-        self._armed = False
-        pending, self._pending = self._pending, {}
-        for layer, ids in pending.items():
-            self.unalloc(layer, ids)
 
     def unalloc(self, layer: int, ids: Tensor) -> None:
         """Take back ``ids (H_kv, n)``, the slots :meth:`alloc` just handed out, nothing allocated or
