@@ -1,14 +1,17 @@
 """Ops, Triton launches and host syncs of one decode step: eager, and static (the forward a CUDA graph captures).
 
-Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3]
+Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3] [--policy full h2o]
 Counts, on the path a CUDA device runs (``count_step_ops.gpu_path_env``: the Triton kernels forced under
 the interpreter, every CPU C++ kernel off; the script runs itself again with that environment), a
-full-cache ``Scheduler.step()`` of tiny LLaVA over ``--batch`` ragged requests on a fixed pool:
+``Scheduler.step()`` of tiny LLaVA over ``--batch`` ragged requests on a fixed pool, per ``--policy``
+(``full``: a plain step; ``h2o``: budget 0.5, a statistics step):
 
 - ``eager``: the step as it runs today (``TorchBackend.step``'s layer loop);
 - ``static``: the same step through ``runtime/static_step.py``, with its two halves counted apart:
   ``host`` (the reservations, the packed copy, the input copies: what still runs from the host each step
-  under a graph) and ``device`` (the forward: what a CUDA graph captures and replays as one launch).
+  under a graph) and ``device`` (the forward: what a CUDA graph captures and replays as one launch);
+  a statistics step also ``stats`` (``static_step.step_stats``: the statistics from the probabilities
+  the forward left in its buffers, host-half work after the replay).
 
 A Triton launch counts as one op (one kernel launch on the device). Prints one JSON line per
 configuration and layer count, then per configuration the ops per layer (slope between the fewest and
@@ -37,12 +40,16 @@ from vlkv.runtime.scheduler import Scheduler  # noqa: E402
 TEXTS = ["Describe the scene in detail.", "Hi", "What colour is the sky today?", "Count them."]
 
 
-def _running(engine, batch: int) -> Scheduler:
+# the policies counted: a plain step, and a statistics step (h2o evicts as it decodes)
+POLICIES = {"full": {}, "h2o": {"budget": 0.5}}
+
+
+def _running(engine, batch: int, policy: str = "full") -> Scheduler:
     sched = Scheduler(engine, pool_bytes=1 << 22)
     for i in range(batch):
-        sched.submit(
-            Request(Prompt(TEXTS[i % len(TEXTS)] + " x" * i), make_policy("full"), 32, stop_at_eos=False)
-        )
+        text = TEXTS[i % len(TEXTS)] + " x" * i
+        pol = make_policy(policy, **POLICIES[policy])
+        sched.submit(Request(Prompt(text), pol, 32, stop_at_eos=False))
     with torch_path_prefill():
         sched.step()
     assert len(sched.running) == batch
@@ -53,10 +60,11 @@ class _Halves:
     """Counts the static step's host half and device half apart (each wrapped while counting)."""
 
     def __init__(self):
-        self.host = self.device = None
+        self.host = self.device = self.stats = None
 
     def __enter__(self):
         self._prepare, self._forward = static_step.prepare, static_step.forward
+        self._stats = static_step.step_stats
 
         def counted(fn, half: str):
             def run(*a, **k):
@@ -70,10 +78,12 @@ class _Halves:
 
         static_step.prepare = counted(self._prepare, "host")
         static_step.forward = counted(self._forward, "device")
+        static_step.step_stats = counted(self._stats, "stats")
         return self
 
     def __exit__(self, *exc):
         static_step.prepare, static_step.forward = self._prepare, self._forward
+        static_step.step_stats = self._stats
 
 
 def _add(acc: dict | None, c) -> dict:
@@ -84,17 +94,17 @@ def _add(acc: dict | None, c) -> dict:
     return acc
 
 
-def count(engine, batch: int, steps: int) -> list[dict]:
+def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     be = engine.backend
     rows = []
-    sched = _running(engine, batch)
+    sched = _running(engine, batch, policy)
     sched.step()  # one more eager step: first-call work out of the way
     with count_ops() as c, triton_launches_as_ops(c) as n:
         for _ in range(steps):
             sched.step()
     rows.append({"config": "eager", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps})
     rows[-1]["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
-    sched = _running(engine, batch)
+    sched = _running(engine, batch, policy)
     be.static = static = static_step.StaticDecode(be, capacity_step=64)
     sched.step()  # buffers made
     halves = _Halves()
@@ -107,6 +117,8 @@ def count(engine, batch: int, steps: int) -> list[dict]:
     row["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
     row["host"] = {k: v / steps for k, v in halves.host.items()}
     row["device"] = {k: v / steps for k, v in halves.device.items()}
+    if halves.stats is not None:
+        row["stats"] = {k: v / steps for k, v in halves.stats.items()}
     rows.append(row)
     return rows
 
@@ -116,6 +128,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--policy", nargs="+", default=["full"], choices=sorted(POLICIES))
     args = ap.parse_args()
     env = gpu_path_env()
     if any(os.environ.get(k) != v for k, v in env.items()):  # the switches are read at import
@@ -123,22 +136,28 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for n in args.layers:
-        for row in count(tiny_engine(n), args.batch, args.steps):
-            row.update(layers=n, batch=args.batch)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        engine = tiny_engine(n)
+        for policy in args.policy:  # interleaved: every policy on one engine per layer count
+            for row in count(engine, args.batch, args.steps, policy):
+                row.update(layers=n, batch=args.batch, policy=policy)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     lo, hi = min(args.layers), max(args.layers)
     if lo == hi:
         return
-    for config in ("eager", "static"):
-        a, b = (next(r for r in rows if r["config"] == config and r["layers"] == n) for n in (lo, hi))
-        slope = {"config": config, "per_layer_ops": (b["ops"] - a["ops"]) / (hi - lo)}
+    for policy, config in ((p, c) for p in args.policy for c in ("eager", "static")):
+        a, b = (
+            next(r for r in rows if r["config"] == config and r["layers"] == n and r["policy"] == policy)
+            for n in (lo, hi)
+        )
+        slope = {"config": config, "policy": policy, "per_layer_ops": (b["ops"] - a["ops"]) / (hi - lo)}
         slope["per_layer_launches"] = (b["launches"] - a["launches"]) / (hi - lo)
         slope["per_layer_syncs"] = (b["syncs"] - a["syncs"]) / (hi - lo)
         if config == "static":
-            for half in ("host", "device"):
-                slope[f"{half}_per_layer_ops"] = (b[half]["ops"] - a[half]["ops"]) / (hi - lo)
-                slope[f"{half}_syncs"] = b[half]["syncs"]
+            for half in ("host", "device", "stats"):
+                if half in b:
+                    slope[f"{half}_per_layer_ops"] = (b[half]["ops"] - a[half]["ops"]) / (hi - lo)
+                    slope[f"{half}_syncs"] = b[half]["syncs"]
         print(json.dumps(slope), flush=True)
 
 

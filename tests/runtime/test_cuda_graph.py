@@ -15,6 +15,9 @@ from vlkv.runtime.scheduler import Scheduler
 
 TEXTS = ("Describe the scene in detail.", "Hi", "What colour is the sky today? Tell me more about it.")
 NEW = (10, 5, 10)  # the second request finishes first: the batch goes from 3 to 2 (a second capture)
+# the second request is h2o's: while it runs every step is a statistics step (its rows asked, the others'
+# not), then plain steps: both modes' graphs, no extra steps (the GPU check's time budget holds)
+POLICIES = (("full", {}), ("h2o", {"budget": 0.5}), ("full", {}))
 # the graph replays the eager step's kernels on the same values; only the paged read's split count may
 # differ (its table is a fixed capacity wide), which at these sizes is one split either way
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -56,15 +59,15 @@ def test_graph_replay_equals_the_eager_step(dtype):
     for _ in range(2):
         sched = Scheduler(engine, pool_bytes=1 << 22)
         reqs = [
-            sched.submit(Request(Prompt(t), make_policy("full"), n, stop_at_eos=False))
-            for t, n in zip(TEXTS, NEW)
+            sched.submit(Request(Prompt(t), make_policy(p, **kw), n, stop_at_eos=False))
+            for t, n, (p, kw) in zip(TEXTS, NEW, POLICIES)
         ]
         be.static = None
         sched.step()  # the prefill of all three (no graph for it)
         assert len(sched.running) == len(TEXTS)
         scheds.append((sched, reqs))
     (eager, eager_reqs), (graphed, graph_reqs) = scheds
-    step = 0
+    step, modes = 0, set()
     while eager.running:
         be.static = None
         eager.step()
@@ -75,11 +78,20 @@ def test_graph_replay_equals_the_eager_step(dtype):
         assert static.taken == step + 1, static.refused
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
         assert torch.equal(got.attended, want.attended)
+        assert (got.stats[0] is None) == (want.stats[0] is None), step
+        modes.add(want.stats[0] is None)
+        if want.stats[0] is not None:  # the h2o request's statistics, C columns wide (0 past its width)
+            for g, w in zip(got.stats, want.stats):
+                n = w.colsum.shape[-1]
+                torch.testing.assert_close(g.colsum[1, :, :n], w.colsum[1], rtol=1e-4, atol=1e-5)
         step += 1
     assert not graphed.running
     assert static.graphs.replays == step
-    # one capture per (batch size, width): 3 requests then 2, and each width the tables reached
+    # one capture per (batch size, statistics mode, width): 3 requests with statistics then 2 without, and
+    # each width the tables reached
     assert static.graphs.captures >= 3, static.graphs.captures
+    assert modes == {True, False}  # statistics steps, then plain ones
+    assert {key for key in static.graphs._graphs} >= {(3, "probs"), (2, None)}
     for a, b in zip(eager_reqs, graph_reqs):
         assert a.status is b.status is Status.FINISHED, (a.error, b.error)
         assert a.tokens == b.tokens
@@ -128,3 +140,8 @@ def test_a_graph_is_captured_per_batch_size_and_again_when_its_buffers_or_pools_
         assert all(out is not o for outs in captured for o in outs)  # a copy, not the graph's own
     # captured: the first run, a new pool, wider buffers, a new batch size; replayed every run
     assert graphs.captures == len(captured) == 4 and graphs.replays == len(runs)
+    # a statistics step's graph is kept beside the plain one of its batch size (its own key), both replayed
+    stats = SimpleNamespace(batch=2)
+    for bufs, key in ((stats, (2, "probs")), (stats, (2, "probs")), (wide, None)):
+        graphs.run(bufs, forward, (pool_b,), key=key)
+    assert graphs.captures == 5 and set(graphs._graphs) == {2, 3, (2, "probs")}

@@ -70,10 +70,15 @@ def _recorded(engine) -> list:
     return outs
 
 
-def _running(engine, policy: str = "full", **kw) -> tuple[Scheduler, list[Request]]:
-    """A scheduler on a fixed pool with the three prompts admitted (prefilled on the PyTorch path)."""
+def _running(engine, policy: str = "full", per: tuple | None = None, **kw) -> tuple[Scheduler, list[Request]]:
+    """A scheduler on a fixed pool with the three prompts admitted (prefilled on the PyTorch path), each
+    under ``policy`` (``kw`` its settings), or ``per[i]``'s ``(name, settings)`` where given."""
     sched = Scheduler(engine, pool_bytes=1 << 22)
-    reqs = [sched.submit(Request(Prompt(t), make_policy(policy, **kw), 16, stop_at_eos=False)) for t in TEXTS]
+    per = per or ((policy, kw),) * len(TEXTS)
+    reqs = [
+        sched.submit(Request(Prompt(t), make_policy(p, **k), 16, stop_at_eos=False))
+        for t, (p, k) in zip(TEXTS, per)
+    ]
     with _torch_path():
         sched.step()
     assert len(sched.running) == len(TEXTS)
@@ -117,7 +122,7 @@ def test_static_step_equals_the_eager_step(name, dtype, monkeypatch):
         static_sched.step()
         got = outs[-1]
         assert static.taken == step + 1, static.refused
-        widths.add(static._bufs[len(TEXTS)].capacity)
+        widths.add(static._bufs[len(TEXTS), None].capacity)
         assert got.logits.dtype == want.logits.dtype == torch.float32
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
         assert torch.equal(got.attended, want.attended)
@@ -140,7 +145,7 @@ def test_the_device_half_reads_nothing_back_and_allocates_nothing_step_shaped(mo
     sched, _ = _running(engine)
     engine.backend.static = static = StaticDecode(engine.backend, capacity_step=64)
     sched.step()  # buffers made for this batch size
-    bufs = static._bufs[len(TEXTS)]
+    bufs = static._bufs[len(TEXTS), None]
     ptrs = [t.data_ptr() for t in (bufs.ints, bufs.table, bufs.token_ids, bufs.positions)]
     engine.backend.static = None
     plan = sched.plan()  # the next decode step's one group, not run by the scheduler
@@ -159,17 +164,22 @@ def test_the_device_half_reads_nothing_back_and_allocates_nothing_step_shaped(mo
 
 
 def test_steps_it_cannot_take_are_refused_with_a_reason(monkeypatch):
-    """A statistics step (h2o) is refused, and so is a growable pool where a graph would be captured:
-    nothing reserved, the reason counted (the backend then runs its eager step); the buffers and the
-    capacity step check their sizes."""
+    """A statistics step (h2o) with the Triton statistics kernel off is refused, and so is a growable pool
+    where a graph would be captured: nothing reserved, the reason counted (the backend then runs its eager
+    step); the buffers and the capacity step check their sizes."""
+    from vlkv.plugins import paged_probs
+
     engine = _engine("tiny-llava", torch.float32, monkeypatch)
     sched, _ = _running(engine, "h2o", budget=0.5)
     static = StaticDecode(engine.backend)
     group = sched.plan().groups[0]
     before = [la.host_lengths() for la in group.batch.layers[0].rows]
     assert group.stats is not None
+    monkeypatch.setattr(paged_probs, "TRITON_PROBS", False)
     assert static.step(group.inputs, group.batch, group.stats) is None
-    assert static.taken == 0 and static.refused == {"the step asks for statistics": 1}
+    why = "statistics with the Triton statistics kernel off (VLKV_TRITON_PROBS=0)"
+    assert static.taken == 0 and static.refused == {why: 1}
+    monkeypatch.setattr(paged_probs, "TRITON_PROBS", True)
     assert [la.host_lengths() for la in group.batch.layers[0].rows] == before  # nothing reserved
     grow = Scheduler(engine)  # a growable pool
     grow.submit(Request(Prompt("Hi"), make_policy("full"), 4, stop_at_eos=False))
@@ -182,6 +192,9 @@ def test_steps_it_cannot_take_are_refused_with_a_reason(monkeypatch):
     assert StaticDecode(engine.backend).step(group.inputs, group.batch, group.stats) is not None  # no graph
     with pytest.raises(ValueError, match="must be >= 1"):
         StaticBuffers.make(0, 8, 2, 2, 1, "cpu")
+    with pytest.raises(ValueError, match="exact output is a statistics step's"):
+        StaticBuffers.make(1, 8, 2, 2, 1, "cpu", exact=True)
+    assert StaticBuffers.make(1, 8, 2, 2, 1, "cpu", group=3).probs.shape == (2, 1, 2, 3, 8)
     with pytest.raises(ValueError, match="capacity_step"):
         StaticDecode(engine.backend, capacity_step=0)
     assert [capacity_for(n, 8) for n in (1, 8, 9, 17)] == [8, 8, 16, 24]

@@ -117,6 +117,46 @@ def test_bad_options_are_one_line_before_listening(argv, words, capsys):
     assert words in err and "\n" not in err
 
 
+def test_cuda_graph_on_a_cpu_device_is_one_line_before_loading(capsys, monkeypatch):
+    """``vlkv serve --cuda-graph`` refuses a CPU device (or another backend) in one line, before the model
+    loads or a port is taken; on a CUDA device the engine is built with the graph step on."""
+    import torch
+
+    from vlkv.serve import cli
+
+    def no_load(*a, **kw):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(cli, "listen_socket", no_load)
+    for argv in (["--cuda-graph"], ["--cuda-graph", "--device", "cuda", "--backend", "onnxruntime"]):
+        if "cuda" in argv:  # resolve_device checks the device exists: a machine without one passes here
+            monkeypatch.setattr("vlkv.runtime.device.resolve_device", lambda d: torch.device("cuda"))
+        assert cli.main([*argv, "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == "vlkv: error: --cuda-graph needs --device cuda and --backend torch", err
+    args = cli.argparse.Namespace(cuda_graph=True, backend="torch")
+    cli.check_cuda_graph(args, torch.device("cuda", 0))  # accepted
+    cli.check_cuda_graph(cli.argparse.Namespace(cuda_graph=False, backend="torch"), torch.device("cpu"))
+    built = {}
+
+    class Engine:  # what _serve hands the flag to
+        def __init__(self, loaded, backend, decode_graph=False):
+            built.update(backend=backend, decode_graph=decode_graph)
+            raise ValueError("stop here")
+
+    monkeypatch.setattr("vlkv.runtime.engine.Engine", Engine)
+    monkeypatch.setattr("vlkv.runtime.models.registry.load_model", lambda *a, **kw: None)
+    monkeypatch.setattr(cli, "listen_socket", lambda host, port: _Sock())
+    assert cli.main(["--cuda-graph", "--device", "cuda", "--port", "0"]) == 2
+    assert built == {"backend": "torch", "decode_graph": True}
+    assert "stop here" in capsys.readouterr().err
+
+
+class _Sock:
+    def close(self) -> None:
+        pass
+
+
 def test_port_in_use_or_bad_host_is_one_line_before_the_banner(capsys):
     import socket
 

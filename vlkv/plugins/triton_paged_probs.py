@@ -23,6 +23,7 @@ def paged_probs_triton(
     scale: float,
     num_splits: int | None = None,
     with_vis: bool = True,
+    probs_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One decode row per request: ``q (B, H_q, 1, D)``, pools ``(H_kv, S, D)`` / ``(H_kv, S, D_v)`` (one
     float dtype), ``table (B, H_kv, C)``, ``lengths (B, H_kv)`` as ``paged_attention_reference`` takes them.
@@ -32,7 +33,8 @@ def paged_probs_triton(
     and in a row holding nothing: ``paged_probs.paged_decode_probs``' definition) and, with ``with_vis``,
     the held columns ``(B, H_kv, 1, C)`` bool (else None). num_splits: column splits per (request, KV
     head); None picks one from the launch size (about 256 programs). No pre-RoPE keys: a call with
-    ``rot`` keeps ``paged_probs``' two halves.
+    ``rot`` keeps ``paged_probs``' two halves. probs_out: a contiguous ``(B, H_kv, G, C)`` float32 tensor the
+    probabilities are written into (and returned), e.g. a CUDA graph's fixed buffer; None allocates one.
     """
     check_float_dtype("q", q.dtype)
     if not q.dtype == k_pool.dtype == v_pool.dtype:
@@ -59,7 +61,16 @@ def paged_probs_triton(
         (pairs, grid_m, num_splits), block_m, block_n, block_d, block_dv, part_m, part_l, part_acc
     )
     out = torch.empty(batch, heads, 1, dim_v, dtype=q.dtype, device=q.device)
-    probs = torch.empty(batch, kv_heads, group, cols, dtype=torch.float32, device=q.device)
+    probs = probs_out
+    if probs is None:
+        probs = torch.empty(batch, kv_heads, group, cols, dtype=torch.float32, device=q.device)
+    elif probs.shape != (batch, kv_heads, group, cols) or probs.dtype != torch.float32:
+        raise ValueError(
+            f"probs_out must be ({batch}, {kv_heads}, {group}, {cols}) float32, got "
+            f"{tuple(probs.shape)} {probs.dtype}"
+        )
+    elif not probs.is_contiguous():  # the kernels index it densely (no strides passed)
+        raise ValueError("probs_out must be contiguous")
     vis = torch.empty(batch, kv_heads, 1, cols, dtype=torch.bool, device=q.device) if with_vis else None
     if pairs == 0 or cols == 0:
         return out.zero_(), probs, None if vis is None else vis.zero_()

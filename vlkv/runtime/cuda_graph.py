@@ -1,4 +1,4 @@
-"""CUDA graphs of the static decode forward (``runtime/static_step.py``), one per batch size.
+"""CUDA graphs of the static decode forward (``runtime/static_step.py``), one per batch size and mode.
 
 vLLM and nano-vllm capture the decode forward per batch size at a fixed table capacity and replay it: one
 ``cudaGraphLaunch`` in place of every kernel launch of the step (GPU run 6 counted 224 Triton launches
@@ -12,8 +12,12 @@ size, and replays it; later steps copy their inputs into the same buffers and re
 The warm-up and the replay both run the step's forward: its writes (the new K/V rows, the tables' new
 column, the read table) are the same values at the same places, so running it twice changes nothing.
 
-Opt-in (``Engine(decode_graph=True)``, ``vlkv generate --cuda-graph``; ``vlkv serve`` has no flag yet): off by default until a GPU
-run has compared it with the eager step (``scripts/gpu_parts.py``'s ``compile`` part,
+A statistics step's forward also writes its probabilities into the buffers (``StaticBuffers.probs``):
+its graph is another one (key: batch size and statistics mode), and those rows stay in the buffers,
+read by the host half before the next step.
+
+Opt-in (``Engine(decode_graph=True)``, ``vlkv generate --cuda-graph``, ``vlkv serve --cuda-graph``): off
+by default until a GPU run has compared it with the eager step (``scripts/gpu_parts.py``'s ``compile`` part,
 ``tests/runtime/test_cuda_graph.py``).
 """
 
@@ -46,23 +50,26 @@ class DecodeGraphs:
         check_device(device)
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every batch size's graph
-        # batch size → (buffers captured against, pool addresses, graph, its outputs, tensors it must keep
+        # key (batch size, statistics mode) → (buffers captured against, pool addresses, graph, its outputs, tensors it must keep
         # alive)
         self._graphs: dict[int, tuple] = {}
         self.captures = self.replays = 0
 
     def run(
-        self, bufs, forward: Callable[[], tuple[Tensor, Tensor]], pools: tuple = ()
+        self, bufs, forward: Callable[[], tuple[Tensor, Tensor]], pools: tuple = (), key=None
     ) -> tuple[Tensor, Tensor]:
         """``forward()``'s outputs for this step, by replay; captured first where ``bufs`` (filled for
-        this step) is not the buffers its batch size was captured against, or ``pools`` (the K/V pool
-        tensors it writes and reads, compared by address: another scheduler's pool) are not the ones.
-        The outputs are copies: the next replay rewrites the graph's own."""
+        this step) is not the buffers its ``key`` (default: the batch size; the static step's is the
+        batch size and statistics mode) was captured against, or ``pools`` (the K/V pool tensors it
+        writes and reads, compared by address: another scheduler's pool) are not the ones. The outputs
+        are copies: the next replay rewrites the graph's own (a statistics step's probabilities stay
+        in ``bufs.probs``, read before the next step)."""
+        key = bufs.batch if key is None else key
         where = tuple(t.data_ptr() for t in pools)
-        got = self._graphs.get(bufs.batch)
+        got = self._graphs.get(key)
         if got is None or got[0] is not bufs or got[1] != where:
-            self._graphs.pop(bufs.batch, None)  # a narrower table's graph: its memory back to the pool
-            got = self._graphs[bufs.batch] = (bufs, where, *self._capture(forward))
+            self._graphs.pop(key, None)  # a narrower table's graph: its memory back to the pool
+            got = self._graphs[key] = (bufs, where, *self._capture(forward))
             self.captures += 1
         got[2].replay()
         self.replays += 1

@@ -89,8 +89,9 @@ class KVUsage:
 class Engine:
     """Holds a loaded model and a backend; runs :meth:`generate` for batches of prompts.
 
-    ``decode_graph``: a scheduler's plain decode steps (full cache, compress-once policies: no
-    statistics, holes or linked entries) replay a CUDA graph of the decode forward per batch size
+    ``decode_graph``: a scheduler's decode steps without holes, selected attention or linked entries
+    (full cache, compress-once and statistics policies) replay a CUDA graph of the decode forward per
+    batch size and statistics mode
     (``runtime/cuda_graph.py``); a fixed pool (``Scheduler(pool_bytes=...)``) is needed, other steps stay
     eager. CUDA and the torch backend only; off by default until a GPU run has measured it."""
 

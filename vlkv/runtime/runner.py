@@ -85,7 +85,13 @@ class Runner:
         """One backend call over ``group``; if it raises, each request is retried alone (its appends
         undone first), so a request that cannot step fails without failing the others."""
         try:
-            out = self.engine.backend.step(group.inputs, group.batch, group.stats)
+            # a fixed pool: every layer's fresh slots of the step in one allocation (kv/pool_ahead.py);
+            # what no layer took goes back before anything else (a retry's undo) runs
+            self.pool.alloc_ahead()
+            try:
+                out = self.engine.backend.step(group.inputs, group.batch, group.stats)
+            finally:
+                self.pool.settle()
         except Exception as err:
             alive = []
             for i, e in enumerate(group.entries):

@@ -8,7 +8,8 @@ no host read in between. This module is that forward, for the device path (``mod
 fused layers and the Triton kernels, CUDA or ``VLKV_FORCE_TRITON=1``):
 
 - the **host half** (:func:`prepare`) runs the decode append's bookkeeping for every layer
-  (``kv/reservation.reserve_decode_entries``: tables grown, slots taken, lengths advanced), then packs
+  (``kv/reservation.reserve_decode_entries``: tables grown, slots taken — a fixed pool's for every
+  layer in one allocation, ``KVPool.alloc_ahead`` —, lengths advanced), then packs
   per (layer, request) its tables' addresses, new column and length after (``kv/step_tables.meta_row``)
   and the slots into one int64 host tensor, copied once into the step's :class:`StaticBuffers`; the new
   tokens, positions, modality and sequence indices are copied into theirs;
@@ -17,10 +18,18 @@ fused layers and the Triton kernels, CUDA or ``VLKV_FORCE_TRITON=1``):
   every request's table column and the read table ``(B, H_kv, C)`` at a fixed capacity ``C``, then the
   paged read, whose programs loop to each row's length read from the buffer), the norm and the head.
 
+A **statistics step** (h2o, A-VL's update steps, an allocator or cadence around them: a policy that
+folds each decode row's attention into its scores) takes the same forward with one more buffer: every
+layer's paged read is the statistics kernel (``triton_paged_probs``, the eager step's kernel), which
+writes its softmax rows into ``probs (L, B, H_kv, G, C)``, allocated once per batch size and capacity;
+after the forward (or the graph's replay) the host half turns them into the step's
+:class:`~vlkv.runtime.backend.StepStats` (:func:`step_stats`: rows, thresholds, extra row sets, as
+the eager step's ``StepContext.put_one_row_stats``), which the scheduler's commit reads as before.
+
 The grids depend on ``B`` and ``C`` only, so :mod:`vlkv.runtime.cuda_graph` captures :func:`forward`
-once per batch size and capacity and replays it; :class:`StaticDecode` runs it without a graph too (the
-CPU check that it equals the eager step, under Triton's interpreter). Taken for a scheduler's batch
-view of one-sample caches in a plain decode step: one new row each, no statistics, no selected
+once per batch size, capacity and statistics mode and replays it; :class:`StaticDecode` runs it without
+a graph too (the CPU check that it equals the eager step, under Triton's interpreter). Taken for a
+scheduler's batch view of one-sample caches in a plain decode step: one new row each, no selected
 attention, link step, low-rank factors, pre-RoPE (linked) entries, per-head holes or swapped-out
 request (:func:`refusal` names what stops it); any other step runs eagerly as before.
 """
@@ -57,6 +66,9 @@ class StaticBuffers:
         ids: ``(L, H_kv, B)`` view of ``ints``: each new entry's slot per layer and KV head.
         lengths: ``(L, B, H_kv)`` view of ``meta``'s lengths after the append (stride 0 over heads).
         table: ``(B, H_kv, C)`` int64, the read table each layer's append writes and its paged read reads.
+        probs: ``(L, B, H_kv, G, C)`` float32 every layer's softmax rows (a statistics step's buffers),
+            or None (a plain step's).
+        exact: a statistics step whose attention output is the plain paged read's (``exact_output``).
     """
 
     batch: int
@@ -72,6 +84,8 @@ class StaticBuffers:
     ids: Tensor
     lengths: Tensor
     table: Tensor
+    probs: Tensor | None = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.capacity < 1 or self.layers < 1 or self.kv_heads < 1:
@@ -83,10 +97,29 @@ class StaticBuffers:
             raise ValueError(f"StaticBuffers.table: {tuple(self.table.shape)} is not (B, H_kv, C)")
         if self.meta.shape != (self.layers, self.batch, FIELDS):
             raise ValueError(f"StaticBuffers.meta: {tuple(self.meta.shape)} is not (L, B, {FIELDS})")
+        if self.probs is not None and (
+            self.probs.shape[:3] != (self.layers, self.batch, self.kv_heads)
+            or self.probs.shape[4] != self.capacity
+            or not self.probs.is_contiguous()
+        ):
+            raise ValueError(f"StaticBuffers.probs: {tuple(self.probs.shape)} is not (L, B, H_kv, G, C)")
+        if self.exact and self.probs is None:
+            raise ValueError("StaticBuffers.exact: an exact output is a statistics step's (probs needed)")
 
     @classmethod
-    def make(cls, batch: int, capacity: int, layers: int, kv_heads: int, pos_dims: int, device):
-        """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses)."""
+    def make(
+        cls,
+        batch: int,
+        capacity: int,
+        layers: int,
+        kv_heads: int,
+        pos_dims: int,
+        device,
+        group: int = 0,
+        exact: bool = False,
+    ):
+        """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses);
+        ``group`` > 0: a statistics step's, with ``probs`` for ``G = group`` query heads per KV head."""
         i64 = dict(dtype=torch.long, device=device)
         n_meta = layers * batch * FIELDS
         ints = torch.zeros(n_meta + layers * kv_heads * batch, **i64)
@@ -105,6 +138,12 @@ class StaticBuffers:
             ids=ints[n_meta:].view(layers, kv_heads, batch),
             lengths=meta[:, :, AFTER, None].expand(layers, batch, kv_heads),
             table=torch.zeros(batch, kv_heads, capacity, **i64),
+            probs=(
+                torch.zeros(layers, batch, kv_heads, group, capacity, dtype=torch.float32, device=device)
+                if group > 0
+                else None
+            ),
+            exact=exact,
         )
 
 
@@ -116,13 +155,14 @@ def capacity_for(longest: int, step: int = CAPACITY_STEP) -> int:
 
 def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
     """Why this step cannot take the static forward (None: it can). Host checks only, no tensor read."""
+    from vlkv.plugins import paged_probs
     from vlkv.runtime.models import device_layer
 
     ad = backend.adapter
     if not ad.device_layer:
         return "the model has no device layers (CUDA or VLKV_FORCE_TRITON=1, VLKV_DEVICE_LAYER on)"
-    if stats is not None:
-        return "the step asks for statistics"
+    if stats is not None and not paged_probs.TRITON_PROBS:
+        return "statistics with the Triton statistics kernel off (VLKV_TRITON_PROBS=0)"
     if inputs.inputs_embeds is not None or inputs.all_logits or inputs.selective:
         return "not a plain decode step (embeddings, all logits or a link step)"
     if inputs.attend is not None or inputs.row_filter is not None:
@@ -165,6 +205,11 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
     ctx = StepContext(cache, inputs, None)
     new = _step_columns(ctx)
     done = []
+    pool = cache.layers[0].pool
+    # a fixed pool's fresh slots for every layer in one allocation, at the first layer's count (each
+    # layer's reservation takes its own from it; a layer asking another count gets its own, and what no
+    # layer took goes back at settle)
+    pool.alloc_ahead()
     try:
         for i, la in enumerate(cache.layers):
             ahead = _ahead(ctx, new, i)
@@ -204,6 +249,8 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
         if isinstance(err, _Refused):
             return None
         raise
+    finally:
+        pool.settle()
     return bufs, done
 
 
@@ -216,6 +263,7 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
     1, D)`` the new entries → ``(B, 1, H, D)``."""
     from vlkv.plugins.ops import paged_attention
     from vlkv.plugins.paged_append_triton import decode_append_
+    from vlkv.plugins.triton_paged_probs import paged_probs_triton
 
     keys, values, flags = pools[i]
     new_positions = bufs.positions[:, 0]
@@ -223,7 +271,15 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
         keys, values, flags, k, v, bufs.meta, i, new_positions, bufs.modality, bufs.order,
         ids=bufs.ids[i], out=bufs.table,
     )  # fmt: skip
-    out = paged_attention(q, keys, values, bufs.table, bufs.lengths[i], attn.scaling)
+    lengths = bufs.lengths[i]
+    if bufs.probs is None:
+        out = paged_attention(q, keys, values, bufs.table, lengths, attn.scaling)
+    else:  # a statistics step: the eager step's one-read kernel, its softmax rows into the buffer
+        out, _, _ = paged_probs_triton(
+            q, keys, values, bufs.table, lengths, attn.scaling, with_vis=False, probs_out=bufs.probs[i]
+        )
+        if bufs.exact:  # the plain read's output, bit for bit (as the eager step's exact_output)
+            out = paged_attention(q, keys, values, bufs.table, lengths, attn.scaling)
     return out.transpose(1, 2).contiguous()
 
 
@@ -264,7 +320,8 @@ class StaticDecode:
         if capacity_step < 1:
             raise ValueError(f"capacity_step must be >= 1, got {capacity_step}")
         self.backend, self.graphs, self.capacity_step = backend, graphs, capacity_step
-        self._bufs: dict[int, StaticBuffers] = {}
+        # (batch size, statistics mode) → its buffers (mode: None, "probs" or "exact", see stats_mode)
+        self._bufs: dict[tuple[int, str | None], StaticBuffers] = {}
         self.taken = 0
         self.refused: dict[str, int] = {}
 
@@ -277,29 +334,97 @@ class StaticDecode:
         b = inputs.input_ids.shape[0]
         be = self.backend
         device = cache.layers[0].pool.spec.device
+        mode = stats_mode(stats)
+        group = be.num_heads // be.num_kv_heads if mode is not None else 0
 
         def make(longest: int) -> StaticBuffers:
             cap = capacity_for(longest, self.capacity_step)
-            return StaticBuffers.make(b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device)
+            return StaticBuffers.make(
+                b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device, group, mode == "exact"
+            )
 
-        got = prepare(self._bufs.get(b), inputs, cache, make)
+        got = prepare(self._bufs.get((b, mode)), inputs, cache, make)
         if got is None:
             why = "tables the one-launch append cannot address"
             self.refused[why] = self.refused.get(why, 0) + 1
             return None
         bufs, reservations = got
-        self._bufs[b] = bufs
+        self._bufs[b, mode] = bufs
         pools = layer_pools(cache)
         try:
             if self.graphs is None:
                 logits, attended = forward(be, bufs, pools)
             else:
                 flat = tuple(t for trio in pools for t in trio)
-                logits, attended = self.graphs.run(bufs, partial(forward, be, bufs, pools), flat)
+                fn = partial(forward, be, bufs, pools)
+                logits, attended = self.graphs.run(bufs, fn, flat, key=(b, mode))
         except BaseException:
             for res in reversed(reservations):
                 res.cancel()
             raise
+        # the statistics from the probabilities the forward left in the buffers (host half, after it)
+        got_stats = (
+            StepStats([None] * be.num_layers, {}) if mode is None else step_stats(bufs, inputs, cache, stats)
+        )
         cache.processed += inputs.new_len.to(cache.processed)
         self.taken += 1
-        return StepOutput(logits=logits, stats=StepStats([None] * be.num_layers, {}), attended=attended)
+        return StepOutput(logits=logits, stats=got_stats, attended=attended)
+
+
+def stats_mode(stats) -> str | None:
+    """A step's statistics mode, one set of buffers (and one graph) each: None (no statistics),
+    ``"probs"`` (the output from the statistics kernel's own read) or ``"exact"`` (the plain read's
+    output as well: some request asked ``exact_output``)."""
+    if stats is None:
+        return None
+    exact = stats.exact_output or any(sub.exact_output for sub in stats.extra.values())
+    return "exact" if exact else "probs"
+
+
+def step_stats(bufs: StaticBuffers, inputs, cache, stats) -> StepStats:
+    """The step's :class:`StepStats` from ``bufs.probs`` after the forward: per layer the requested row
+    sets' :class:`~vlkv.plugins.AttnStats` over the read table's ``C`` columns (``colsum (B, H, C)``, 0
+    past each request's length; the scheduler trims them to each request's width), the values the eager
+    step's ``StepContext.put_one_row_stats`` makes, each row set's computed for every layer at once
+    (:func:`layers_stats`). Device ops and, where ``stats`` names rows, a read of them: host-half work,
+    outside what a graph captures."""
+    from vlkv.runtime.step_context import StepContext
+
+    ctx = StepContext(cache, inputs, stats)
+    cols = torch.arange(bufs.capacity, device=bufs.meta.device)
+    held = cols < bufs.meta[:, :, AFTER, None]  # (L, B, C): no holes in a static step
+    for name, req in ctx.requests.items():
+        per = layers_stats(bufs.probs, held, ctx.one_rows[name], req.threshold)
+        per = [st if req.wants(layer) else None for layer, st in enumerate(per)]
+        if name:
+            ctx.stats.extra[name] = per
+        else:
+            ctx.stats[:] = per
+    return ctx.stats
+
+
+def layers_stats(probs: Tensor, held: Tensor, rows: Tensor | None, threshold: float | None) -> list:
+    """``attention_rows._one_row_stats`` of every layer in one pass: ``probs (L, B, H_kv, G, C)``,
+    ``held (L, B, C)`` bool the columns each request's row sees, ``rows (B, 1)`` bool (requests whose
+    row is asked; None: every one), ``threshold`` as there → per layer an
+    :class:`~vlkv.plugins.AttnStats` (``colsum (B, H, C)``, ``below`` / ``visible (B, H)``), views of
+    the step's few tensors: a handful of ops a step where the eager step spends 8 a layer."""
+    from vlkv.plugins import AttnStats
+
+    layers, b, kv_heads, group, cols = probs.shape
+    heads = kv_heads * group
+    on = None if rows is None else rows.reshape(b).to(probs.device)
+    colsum = probs.view(layers, b, heads, cols)
+    if on is not None:
+        colsum = colsum * on[None, :, None, None]
+    seen = held.sum(-1, dtype=torch.int64)[:, :, None].expand(layers, b, heads)
+    below = None
+    if threshold is not None:
+        low = probs < threshold * probs.amax(-1, keepdim=True)
+        low &= held[:, :, None, None, :]
+        below = low.sum(-1).reshape(layers, b, heads)
+        if on is not None:
+            below = below * on[None, :, None]
+    visible = (seen if on is None else seen * on[None, :, None]).contiguous()
+    belows = [None] * layers if below is None else below.unbind(0)
+    return [AttnStats(c, lo, v) for c, lo, v in zip(colsum.unbind(0), belows, visible.unbind(0))]

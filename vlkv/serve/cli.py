@@ -58,6 +58,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="torch", help="torch or onnxruntime (default: torch)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay decode steps (plain and statistics ones) as a CUDA graph per batch size (CUDA, torch "
+        "backend; the server's pool is fixed; experimental: off until a GPU run has measured it)",
+    )
+    p.add_argument(
         "--store",
         default=None,
         help="context store shared by requests (and replicas): a directory, redis://host:port/db or mooncake://...",
@@ -174,11 +180,19 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     device = resolve_device(args.device)
+    check_cuda_graph(args, device)
     sock = listen_socket(args.host, args.port)  # a taken port or a bad host fails here, not after the banner
     try:
         return _serve(args, cfg, device, sock)
     finally:
         sock.close()
+
+
+def check_cuda_graph(args, device) -> None:
+    """``--cuda-graph`` needs a CUDA device and the torch backend (one-line ``ValueError`` before the model
+    loads, as ``vlkv generate`` refuses it); the server's pool is always fixed, as a graph needs."""
+    if args.cuda_graph and (device.type != "cuda" or args.backend != "torch"):
+        raise ValueError("--cuda-graph needs --device cuda and --backend torch")
 
 
 def build_scheduler(cfg, engine, store=None):
@@ -210,7 +224,7 @@ def _serve(args, cfg, device, sock) -> int:
     from vlkv.serve.metrics import ServeMetrics
 
     loaded = load_model(args.model, device=str(device))
-    engine = Engine(loaded, backend=args.backend)
+    engine = Engine(loaded, backend=args.backend, decode_graph=args.cuda_graph)
     store = None
     if cfg.store is not None:
         from vlkv.runtime.store.url import open_store

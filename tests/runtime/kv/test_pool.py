@@ -221,3 +221,84 @@ def test_unalloc_takes_back_the_slots_alloc_just_handed_out(grow, ragged):
         0
     ]
     assert torch.equal(pool.alloc(0, 5), ids)
+
+
+def _state(pool: KVPool) -> list:
+    """Every layer's free counts (device and host), stack, refcounts and pre-RoPE flags."""
+    return [
+        (pool._nfree[i], pool._nfree_host[i], pool._free[i], pool._refs[i], pool._prerope[i])
+        for i in range(SPEC.num_layers)
+    ]
+
+
+def _assert_same(a: KVPool, b: KVPool) -> None:
+    for la, lb in zip(_state(a), _state(b)):
+        for x, y in zip(la, lb):
+            assert x == y if isinstance(x, list) else torch.equal(x, y)
+
+
+def _pair() -> tuple[KVPool, KVPool, list]:
+    """Two fixed pools with the same slots taken (every layer and head 6 deep); the first's ids."""
+    pools = KVPool(SPEC, 8, grow=False), KVPool(SPEC, 8, grow=False)
+    held = [[p.alloc(i, 2) for i in range(SPEC.num_layers)] for p in pools][0]
+    return *pools, held
+
+
+def test_alloc_ahead_hands_every_layer_what_its_own_alloc_would():
+    """A fixed pool's allocation over every layer at once (the first alloc after alloc_ahead): each
+    layer's alloc of that count gets the slots a per-layer alloc chooses, and the pool ends as after
+    per-layer allocs (free counts, stacks, refcounts, flags)."""
+    pool, ref, _ = _pair()
+    pool.alloc_ahead()
+    got = [pool.alloc(i, 3) for i in (1, 0)]  # any layer first
+    want = [ref.alloc(i, 3) for i in (1, 0)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not pool._pending
+    pool.settle()  # nothing left to take back
+    _assert_same(pool, ref)
+
+
+def test_slots_taken_ahead_but_not_asked_for_go_back():
+    """A layer that asks another count than the first gets it from its own stack (the slots taken
+    ahead back first), a layer that asks nothing gets its slots back at settle: the pool ends as if
+    only those allocs ran."""
+    for counts in ((2, 1), (2, None)):
+        pool, ref, _ = _pair()
+        pool.alloc_ahead()
+        for layer, n in enumerate(counts):
+            if n is not None:
+                assert torch.equal(pool.alloc(layer, n), ref.alloc(layer, n))
+        assert pool._pending == {} if counts[1] is not None else set(pool._pending) == {1}
+        pool.settle()
+        _assert_same(pool, ref)
+
+
+def test_alloc_ahead_takes_nothing_where_it_does_not_apply():
+    """Layers of different depths, a count past the free slots, a growable pool: each alloc as without
+    it; freeing slots while some are taken ahead raises before changing anything."""
+    pool, ref, held = _pair()
+    for p in (pool, ref):
+        p.alloc(0, 1)
+    pool.alloc_ahead()  # layer 0 is 5 deep, layer 1 is 6
+    assert torch.equal(pool.alloc(1, 2), ref.alloc(1, 2))
+    assert not pool._pending
+    _assert_same(pool, ref)
+    pool, _, held = _pair()
+    pool.alloc_ahead()
+    with pytest.raises(PoolFull):
+        pool.alloc(0, 7)
+    pool.settle()
+    grow = KVPool(SPEC, 8, grow=True)
+    grow.alloc_ahead()
+    grow.alloc(0, 1)
+    assert not grow._pending
+    pool.alloc_ahead()
+    pool.alloc(0, 1)
+    refs = pool._refs[1].clone()
+    with pytest.raises(RuntimeError, match="freed between alloc_ahead and settle"):
+        pool.release(1, held[1])
+    assert torch.equal(pool._refs[1], refs)  # refused before any change
+    pool.settle()
+    assert pool.free_slots(1) == 6
+    pool.release(1, held[1])
+    assert pool.free_slots(1) == 8

@@ -27,6 +27,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from vlkv.runtime.kv.pool_ahead import AheadAlloc
 from vlkv.runtime.kv.pool_spec import PoolFull, PoolSpec
 
 __all__ = ["COMPACT_FREE_FRACTION", "COMPACT_MIN_SLOTS", "GROW_SLOTS", "KVPool", "PoolFull", "PoolSpec"]
@@ -39,7 +40,7 @@ COMPACT_MIN_SLOTS = 256
 GROW_SLOTS = 32
 
 
-class KVPool:
+class KVPool(AheadAlloc):
     """K/V slots for every layer, a free stack per layer and KV head, refcounts and byte counters.
 
     Attributes:
@@ -62,12 +63,22 @@ class KVPool:
         z = dict(dtype=spec.dtype, device=dev)
         self.keys = [torch.zeros(h, slots, d, **z) for _ in range(spec.num_layers)]
         self.values = [torch.zeros(h, slots, d, **z) for _ in range(spec.num_layers)]
-        self._free = [self._stack(0, slots, slots) for _ in range(spec.num_layers)]
+        n = spec.num_layers
+        # free stack, refcounts, pre-RoPE flags per layer; a fixed pool never resizes, so its layers'
+        # are views of one (L, H_kv, S) tensor each: a step can allocate in every layer at once
+        zeros = [torch.zeros(h, slots, dtype=t, device=dev) for t in (torch.int32, torch.bool)]
+        tables = (self._stack(0, slots, slots), *zeros)
+        if grow:
+            self._stacked = None
+            self._free, self._refs, self._prerope = ([t.clone() for _ in range(n)] for t in tables)
+        else:
+            self._stacked = tuple(t[None].repeat(n, 1, 1) for t in tables)
+            self._free, self._refs, self._prerope = (list(t.unbind(0)) for t in self._stacked)
         # free count per head: a device tensor for vectorised pops, a host list for checks
-        self._nfree = [torch.full((h,), slots, dtype=torch.long, device=dev) for _ in range(spec.num_layers)]
-        self._nfree_host = [[slots] * h for _ in range(spec.num_layers)]
-        self._refs = [torch.zeros(h, slots, dtype=torch.int32, device=dev) for _ in range(spec.num_layers)]
-        self._prerope = [torch.zeros(h, slots, dtype=torch.bool, device=dev) for _ in range(spec.num_layers)]
+        self._nfree = [torch.full((h,), slots, dtype=torch.long, device=dev) for _ in range(n)]
+        self._nfree_host = [[slots] * h for _ in range(n)]
+        self._pending: dict[int, Tensor] = {}  # layer → slots alloc_ahead took, not yet handed out
+        self._armed = False
         self._heads = torch.arange(h, device=dev)
         self._owners: list[dict[int, weakref.ref]] = [{} for _ in range(spec.num_layers)]
         self.bytes_written = 0
@@ -138,6 +149,15 @@ class KVPool:
     def alloc(self, layer: int, n: int) -> Tensor:
         """``(H_kv, n)`` int64 fresh slot ids, one reference each (ascending per head when fresh)."""
         dev = self.spec.device
+        got = self._pending.pop(layer, None)
+        if got is not None:
+            if got.shape[1] == n:  # taken for this call by the first alloc after alloc_ahead: no op
+                return got
+            self.unalloc(layer, got)  # another count: back on the stack (nothing happened since)
+        elif self._armed and n > 0:
+            self._armed = False
+            if self._take_all(n):
+                return self._pending.pop(layer)
         if n <= 0:
             return torch.zeros(self.spec.kv_heads, 0, dtype=torch.long, device=dev)
         free = self.free_slots(layer)
@@ -209,6 +229,8 @@ class KVPool:
             ids: ``(H_kv, m)`` slot ids (``heads`` None: row ``h`` belongs to head ``h``), or ``(N,)``
                 ids with ``heads (N,)``.
         """
+        if layer in self._pending:  # alloc_ahead's slots lie where a push writes: refused, nothing changed
+            raise RuntimeError(f"layer {layer}: slots freed between alloc_ahead and settle")
         if heads is None:
             heads = self._heads[:, None].expand_as(ids).reshape(-1)
             ids = ids.reshape(-1)

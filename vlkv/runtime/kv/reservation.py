@@ -273,6 +273,8 @@ def _row_slots(res: DecodeReservation, pool, layer: int) -> Tensor:
     spec, spare = pool.spec, res.spare
     fresh = pool.alloc(layer, sum(s is None for s in spare))
     res._fresh = fresh
+    if fresh.shape[1] == len(spare):  # every row fresh (a fixed pool's usual step): the ids as they are,
+        return fresh  # not split and stacked again (two ops a layer and step)
     left = iter(fresh.unbind(1))
     cols = []
     for s in spare:
