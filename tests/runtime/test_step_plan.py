@@ -209,3 +209,13 @@ def test_step_inputs_check_the_host_new_lengths_they_are_given():
         StepInputs(ids, pos, mod, ones, new_len_host=(1,))
     with pytest.raises(ValueError, match="new_len must be in"):  # without them the device is read
         StepInputs(ids, pos, mod, ones * 2)
+
+
+def test_merged_statistics_keep_a_requests_exact_output():
+    from vlkv.runtime.backend import StatsRequest
+    from vlkv.runtime.step_plan import merge_stats
+
+    exact, loose = StatsRequest(exact_output=True), StatsRequest()
+    assert merge_stats([loose, None, exact], "cpu").exact_output  # h2o at budget 1 beside h2o at 0.5
+    assert not merge_stats([loose, None, loose], "cpu").exact_output
+    assert merge_stats([None, None], "cpu") is None

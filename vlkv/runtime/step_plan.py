@@ -136,7 +136,8 @@ def decode_group(engine, entries: list[Entry]) -> DecodeGroup:
 def merge_stats(requests: list[StatsRequest | None], device) -> StatsRequest | None:
     """One :class:`StatsRequest` over a group: ``rows (B, 1)`` True where a request asked (a device
     reduction per request, no host read), or None where every request asked for every row (so the
-    backend knows it without a read); the union of the layers asked; the extra row sets by name."""
+    backend knows it without a read); the union of the layers asked; the extra row sets by name;
+    ``exact_output`` where any request asked it."""
     wanted = [s for s in requests if s is not None]
     if not wanted:
         return None
@@ -157,7 +158,9 @@ def merge_stats(requests: list[StatsRequest | None], device) -> StatsRequest | N
         subs = [None if s is None else s.extra.get(name) for s in requests]
         first = next(x for x in subs if x is not None)
         extra[name] = StatsRequest(rows(subs), first.threshold)
-    return StatsRequest(rows(requests), wanted[0].threshold, layers, extra)
+    # one request's budget-1 exactness holds the group's output to the plain attention (see StatsRequest)
+    exact = any(s.exact_output for s in wanted)
+    return StatsRequest(rows(requests), wanted[0].threshold, layers, extra, exact_output=exact)
 
 
 def merge_attend(attends: list, caches: list) -> list[AttendIndex | None] | None:
