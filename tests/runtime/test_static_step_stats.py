@@ -49,6 +49,8 @@ CASES = [
     ("tiny-qwen2-vl", torch.float32, "avl", dict(budget=0.5)),
     ("tiny-qwen2-vl", torch.bfloat16, "h2o", dict(budget=0.5, allocator="pyramid", evict_every=2)),
     ("tiny-llava", torch.float32, "mixed", {}),
+    # budget 1 asks exact_output: the scheduler carries it, the static step takes its "exact" buffers
+    ("tiny-llava", torch.float32, "h2o", dict(budget=1.0)),
 ]
 # one batch, one step: h2o and A-VL ask for statistics, full rides along (the step's rows mask picks theirs)
 MIXED = (("h2o", dict(budget=0.5)), ("full", {}), ("avl", dict(budget=0.5)))
@@ -75,7 +77,8 @@ def test_a_statistics_step_equals_the_eager_step(name, dtype, policy, kw, monkey
         static_sched.step()
         got = outs[-1]
         assert static.taken == step + 1, static.refused
-        assert [m for _, m in static._bufs] == ["probs"]  # only statistics buffers: every step asked
+        # only statistics buffers (every step asked), exact ones where the policy evicts nothing
+        assert [m for _, m in static._bufs] == ["exact" if kw.get("budget") == 1.0 else "probs"]
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
         assert torch.equal(got.attended, want.attended)
         assert any(st is not None for st in want.stats)
