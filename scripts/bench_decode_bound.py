@@ -98,6 +98,17 @@ def base_config(name: str) -> str:
     return name
 
 
+def paired(configs: list[str]) -> list[str]:
+    """``configs`` with each before row right after the configuration it repeats: the rounds rotate
+    this order, so a pair runs back to back in every round (on a shared VM the load moves within a
+    round; a pair ten configurations apart saw different machines)."""
+    out = []
+    for name in configs:
+        if base_config(name) == name:
+            out += [name, *(c for c in configs if c != name and base_config(c) == name)]
+    return out + [c for c in configs if c not in out]
+
+
 def set_gemm_form(form: int) -> None:
     """The few-row GEMMs' form in both extensions that compile them (0: current, 1: session 7's, 2:
     session 8's)."""
@@ -153,6 +164,7 @@ def run(args) -> dict:
         *gemm_s8,
         *heap_default,
     ]
+    configs = paired(configs)
     append_default = paged_append.FUSED_APPEND
     evict_default = evict_rows.FUSED_DROP
     gemm_default = skinny_gemm.CPP_GEMM
