@@ -6,7 +6,8 @@
 
 One prompt prefilled once (``decode_prefilled.Prefilled``); per round, in a rotating order, ``--steps``
 greedy decode steps of each configuration (``full`` and each ``policy@budget``, the fused C++ read on;
-with ``--forms``, each again per few-row GEMM form, ``<config>/<form>``), every part timed by wrapping
+with ``--forms``, each again per few-row GEMM form, ``<config>/<form>``: ``set_gemm_form``'s 0 the
+kernel's, 1 session 7's, 2 session 8's, bit-equal), every part timed by wrapping
 the function the step calls for it:
 
 - ``pre`` / ``post``: the 30 decoder layers' two C++ calls (``decode_layer.pre``: norm, q/k/v GEMMs,
@@ -268,7 +269,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", nargs="*", default=["snapkv", "h2o"])
     ap.add_argument("--budgets", nargs="*", type=float, default=[0.1])
-    ap.add_argument("--forms", nargs="*", default=[], help="few-row GEMM forms to run each configuration in")
+    ap.add_argument(
+        "--forms",
+        nargs="*",
+        default=[],
+        choices=["0", "1", "2"],
+        help="few-row GEMM forms to run each configuration in (0: the kernel's, 1: session 7's, 2: session 8's)",
+    )
     ap.add_argument("--alone-reps", type=int, default=5)
     ap.add_argument("--buffer-mib", type=int, default=2048)
     ap.add_argument("--json")

@@ -5,9 +5,9 @@ do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic
 the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at ~9-15 GB/s at 4 rows where a
 plain read of the same bytes runs at ~30-38 GB/s (2-core EPYC VM, 1 thread). This kernel reads ``W (N, K)``
 row after row, contiguously — one weight row at a time for 1-4 rows, two side by side for 5-8 — and asks
-for the lines 8 KiB ahead itself, into L2 (session 14, the VM on a Zen 4 host: at 4 rows 1.6-2.5x session
-8's form, which asked for them into L1 with two weight rows per block, from memory; a decode step's
-layers and head 1.4-1.6x: docs/benchmarks/2026-11-27-decode-bound-s14-cpu-x86_64/), and dots each with
+for the lines 8 KiB ahead itself, into L2 (session 14, the VM on a Zen 4 host, 4 rows, from memory: 24-29
+GB/s where session 8's form — two weight rows per block, lines into L1 — read 9-14; a decode step at 8k x 4
+1.13-1.67x, paired: docs/benchmarks/2026-11-27-decode-bound-s14-cpu-x86_64/), and dots each with
 all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one weight byte loaded
 once; every output is one vector accumulator over ``K`` in order, whatever the form (a row's result does
 not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's
@@ -195,8 +195,10 @@ constexpr int64_t X_BLOCK = 32 << 10;
 // rows: 2 weight rows per block (x's loads shared by both); the lines AHEAD floats on asked for into L2
 // (PF_L2), and a range's first AHEAD floats at its start. 3-4 rows whose x exceeds X_BLOCK: session 7's 4
 // rows per block. Session 14, smollm2-llava at 4 rows (Zen 4 host, 1 thread, huge-page weights, ring
-// of copies, medians): the head 24-29 GB/s (session 8's form 9-14), down 24-28 (12-13), gate/up 24-31
-// (14-20); a decode step's 30 layers + head: see docs/benchmarks/2026-11-27-decode-bound-s14-cpu-x86_64/.
+// of copies, medians): the head 17-29 GB/s (session 8's form 9-14), down 24-28 (12-13), gate/up 24-31
+// (14-20); decode steps: docs/benchmarks/2026-11-27-decode-bound-s14-cpu-x86_64/ (1.13-1.67x). On the
+// Zen 5 host session 8 found one row at a time (lines into L1) faster alone but slower inside a step
+// (pre + post with a 3 MB read between: 15.5 ms against 13.8-14.4 with 2 rows per block): the step decides.
 // g_form == 1: session 7's; 2: session 8's (2 weight rows per block at 3-8 rows, lines into L1).
 // Bit-equal whatever the form.
 template <int R>
