@@ -26,7 +26,9 @@ in Python and its paged read a separate call (``VLKV_CPU_APPEND=0``: the path be
 again with its decode eviction as it was before session 7 (each layer's gap closed by torch ops,
 ``VLKV_CPU_EVICT=0``, and the kept columns by an int64 + bool sum: ``<config>+kernel+torchevict``), with
 ``--gemm-s7`` each fused configuration again with the few-row GEMMs in their session-7 form (4 weight rows
-per block, the next block prefetched; bit-equal: ``<config>+gemms7``), and transformers' ``generate`` on
+per block, the next block prefetched; bit-equal: ``<config>+gemms7``), with ``--gemm-s8`` in their
+session-8 form (2 weight rows per block at 3-8 rows, lines 8 KiB ahead into L1; bit-equal:
+``<config>+gemms8``), and transformers' ``generate`` on
 the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
 vlkv's, so no transformers prefill either).
 
@@ -83,7 +85,9 @@ BUDGETS = (0.5, 0.2, 0.1)
 # --budgets 0.5 0.25 0.1 --kernel --kernel-policies``
 HEADS_POLICIES = ("kvzip", "kvgrad", "snapkv")
 # a before configuration's suffix: the same configuration with one piece as it was
-BEFORE = ("+torchevict", "+split", "+torchgemm", "+gemms7", "+heapdefault")
+BEFORE = ("+torchevict", "+split", "+torchgemm", "+gemms7", "+gemms8", "+heapdefault")
+# a GEMM-form before's suffix: its set_gemm_form value (0: the current form)
+GEMM_FORMS = {"+gemms7": 1, "+gemms8": 2}
 TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 1, "buffer_mib": 64}
 
 
@@ -94,8 +98,20 @@ def base_config(name: str) -> str:
     return name
 
 
+def paired(configs: list[str]) -> list[str]:
+    """``configs`` with each before row right after the configuration it repeats: the rounds rotate
+    this order, so a pair runs back to back in every round (on a shared VM the load moves within a
+    round; a pair ten configurations apart saw different machines)."""
+    out = []
+    for name in configs:
+        if base_config(name) == name:
+            out += [name, *(c for c in configs if c != name and base_config(c) == name)]
+    return out + [c for c in configs if c not in out]
+
+
 def set_gemm_form(form: int) -> None:
-    """The few-row GEMMs' form in both extensions that compile them (0: current, 1: session 7's)."""
+    """The few-row GEMMs' form in both extensions that compile them (0: current, 1: session 7's, 2:
+    session 8's)."""
     for mod in (skinny_gemm.kernel(), decode_layer.kernel()):
         if mod is not None:
             mod.set_gemm_form(form)
@@ -129,6 +145,7 @@ def run(args) -> dict:
     fused = (["full-kernel"] if args.kernel else []) + kernel_pols
     split = [f"{c}+split" for c in fused] if args.split_append else []
     gemm_s7 = [f"{c}+gemms7" for c in fused] if args.gemm_s7 else []
+    gemm_s8 = [f"{c}+gemms8" for c in fused] if args.gemm_s8 else []
     heap_default = [f"{c}+heapdefault" for c in fused] if args.heap_default else []
     # only the policies that evict while decoding have an eviction to compare
     evicting = [c for c in kernel_pols if pols[c.removesuffix("+kernel")].evicts_during_decode]
@@ -144,8 +161,10 @@ def run(args) -> dict:
         *split,
         *torch_evict,
         *gemm_s7,
+        *gemm_s8,
         *heap_default,
     ]
+    configs = paired(configs)
     append_default = paged_append.FUSED_APPEND
     evict_default = evict_rows.FUSED_DROP
     gemm_default = skinny_gemm.CPP_GEMM
@@ -173,7 +192,8 @@ def run(args) -> dict:
                 if name.endswith("+torchevict"):  # and the kept columns by the int64 + bool sum
                     ranking.kept_but = policy_base.kept_but = old_kept_but
                 cfg = base_config(name)
-                set_gemm_form(1 if name.endswith("+gemms7") else 0)  # "+gemms7": session 7's GEMM blocks
+                # "+gemms7" / "+gemms8": the GEMMs in session 7's / 8's form
+                set_gemm_form(next((f for s, f in GEMM_FORMS.items() if name.endswith(s)), 0))
                 # "+heapdefault": glibc's thresholds fixed at their defaults (freed blocks given back)
                 heap_set = (
                     paged_cpu_heap.set_heap(False)
@@ -245,7 +265,7 @@ def run(args) -> dict:
         )
         # against its before rows (the fused append, the one-call eviction, the GEMM's session-7 form),
         # paired per round: speed_vs_split / speed_vs_torchevict / speed_vs_gemms7
-        for suffix in ("+split", "+torchevict", "+gemms7", "+heapdefault"):
+        for suffix in ("+split", "+torchevict", "+gemms7", "+gemms8", "+heapdefault"):
             if f"{name}{suffix}" in got:
                 row[f"speed_vs_{suffix[1:]}"] = statistics.median(
                     s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}{suffix}"], rs, strict=True)
@@ -272,7 +292,7 @@ def run(args) -> dict:
     same.update(
         {
             c: got[c][0]["tokens"] == got[base_config(c)][0]["tokens"]
-            for c in (*torch_gemm, *split, *torch_evict, *gemm_s7, *heap_default)
+            for c in (*torch_gemm, *split, *torch_evict, *gemm_s7, *gemm_s8, *heap_default)
         }
     )
     return {
@@ -319,12 +339,13 @@ def to_markdown(res: dict) -> str:
         "",
         f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
         "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split | vs +torchevict | vs +gemms7 "
-        "| vs +heapdefault |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs +gemms8 | vs +heapdefault |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratio = r.get("speed_vs_fastest_peer")
         split, evict, s7 = r.get("speed_vs_split"), r.get("speed_vs_torchevict"), r.get("speed_vs_gemms7")
+        s8 = r.get("speed_vs_gemms8")
         heap = r.get("speed_vs_heapdefault")
         lines.append(
             f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
@@ -332,6 +353,7 @@ def to_markdown(res: dict) -> str:
             f"| {r['attn_of_bound']:.0%} | {r['kv_bytes'] / 1e6:.1f} "
             f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} | {'' if split is None else f'{split:.2f}×'} "
             f"| {'' if evict is None else f'{evict:.2f}×'} | {'' if s7 is None else f'{s7:.2f}×'} "
+            f"| {'' if s8 is None else f'{s8:.2f}×'} "
             f"| {'' if heap is None else f'{heap:.2f}×'} |"
         )
     return "\n".join(lines) + "\n"
@@ -405,6 +427,12 @@ def main() -> None:
         action="store_true",
         help="also each fused configuration with the few-row GEMMs in their session-7 form (bit-equal), "
         "as '<config>+gemms7'",
+    )
+    ap.add_argument(
+        "--gemm-s8",
+        action="store_true",
+        help="also each fused configuration with the few-row GEMMs in their session-8 form (2 weight rows per "
+        "block at 3-8 rows, lines into L1; bit-equal), as '<config>+gemms8'",
     )
     ap.add_argument(
         "--heap-default",

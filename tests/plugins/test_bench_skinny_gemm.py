@@ -27,10 +27,10 @@ def test_one_shape_every_form(tmp_path, huge):
     assert res["huge"] is huge
     assert sorted(rows) == ["k/v 192x576 x1", "k/v 192x576 x4"]
     for row in rows.values():
-        assert set(row["gbps"]) == {"F.linear", "(W@xT)T", "kernel", "kernel-s7", "sum"}
+        assert set(row["gbps"]) == {"F.linear", "(W@xT)T", "kernel", "kernel-s7", "kernel-s8", "sum"}
         assert all(v > 0 for v in row["gbps"].values())
         assert all(row["us_best"][f] <= row["us_median"][f] for f in row["us_best"])
-    assert "| k/v 192x576 x4 |" in md.read_text() and "kernel vs kernel-s7 (median)" in md.read_text()
+    assert "| k/v 192x576 x4 |" in md.read_text() and "kernel vs kernel-s8 (median)" in md.read_text()
 
 
 def test_rows_out_of_range_is_one_line():

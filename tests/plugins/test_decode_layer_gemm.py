@@ -1,8 +1,8 @@
 """The fused decode layer's GEMMs and checks (``vlkv/plugins/decode_layer.py`` over ``skinny_gemm``'s kernels).
 
 What must hold: on smollm2-llava's layer shapes (weights far larger than the kernel's 8 KiB prefetch
-distance) ``pre`` and ``post`` give the same bits in the kernel's form and in session 7's
-(``set_gemm_form(1)``, the benchmarks' before) for 1-8 rows, and equal the HF layer within fp32 rounding;
+distance) ``pre`` and ``post`` give the same bits in the kernel's form and in session 7's and 8's
+(``set_gemm_form(1)`` / ``(2)``, the benchmarks' befores) for 1-8 rows, and equal the HF layer within fp32 rounding;
 the C++ row checks read ``skinny_gemm.MAX_ROWS`` (one source of truth); ``fits`` refuses a ``cos`` that
 is not on the CPU.
 """
@@ -43,11 +43,12 @@ def smollm2_layer():
     return layer, LlamaRotaryEmbedding(cfg)
 
 
-def _both_forms(fn):
-    """``fn()`` in the kernel's form and in session 7's (the decode layer's own copy of the flag)."""
+def _both_forms(fn, form):
+    """``fn()`` in the kernel's form and in an earlier one (1: session 7's, 2: session 8's; the decode
+    layer's own copy of the flag)."""
     mod = decode_layer.kernel()
     now = fn()
-    mod.set_gemm_form(1)
+    mod.set_gemm_form(form)
     try:
         before = fn()
     finally:
@@ -55,8 +56,9 @@ def _both_forms(fn):
     return now, before
 
 
+@pytest.mark.parametrize("form", [1, 2])
 @pytest.mark.parametrize("rows", range(1, skinny_gemm.MAX_ROWS + 1))
-def test_pre_and_post_give_the_same_bits_in_both_forms(smollm2_layer, rows):
+def test_pre_and_post_give_the_same_bits_in_every_form(smollm2_layer, rows, form):
     layer, rotary = smollm2_layer
     torch.manual_seed(rows)
     hidden = torch.randn(rows, 1, 576)
@@ -64,8 +66,8 @@ def test_pre_and_post_give_the_same_bits_in_both_forms(smollm2_layer, rows):
     attn_out = torch.randn(rows, 1, 9, 64)
     with torch.no_grad():
         assert decode_layer.fits(layer, hidden, cos)
-        pre_now, pre_before = _both_forms(lambda: decode_layer.pre(layer, hidden, cos, sin))
-        post_now, post_before = _both_forms(lambda: decode_layer.post(layer, attn_out, hidden))
+        pre_now, pre_before = _both_forms(lambda: decode_layer.pre(layer, hidden, cos, sin), form)
+        post_now, post_before = _both_forms(lambda: decode_layer.post(layer, attn_out, hidden), form)
         for a, b in zip(pre_now, pre_before, strict=True):
             assert torch.equal(a, b)
         assert torch.equal(post_now, post_before)

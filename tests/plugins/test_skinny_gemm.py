@@ -60,16 +60,18 @@ def test_every_row_count_sums_alike(n, k, bias):
 
 @pytest.mark.parametrize("rows", range(1, gemm.MAX_ROWS + 1))
 @pytest.mark.parametrize("n,k", [(37, 100), (576, 577), (4099, 576), (576, 1536), (3, 7), (37, 8960)])
-def test_session_7_form_gives_the_same_bits(rows, n, k):
-    """The kernel's forms — one weight row at a time (1-2 rows) or two (3-8), lines 8 KiB ahead where the
-    weight is larger than that, 4 rows per block where x exceeds 32 KiB at 3-4 rows (K = 8,960) — against
-    session 7's (``set_gemm_form(1)``, the benchmarks' before): each output is one vector accumulator over
-    K in order either way, so the bits are equal."""
+@pytest.mark.parametrize("form", [1, 2])
+def test_earlier_forms_give_the_same_bits(form, rows, n, k):
+    """The kernel's forms — one weight row at a time (1-4 rows) or two (5-8), lines 8 KiB ahead into L2
+    where the weight is larger than that, 4 rows per block where x exceeds 32 KiB at 3-4 rows (K = 8,960)
+    — against session 7's (``set_gemm_form(1)``) and session 8's (``2``: two weight rows per block at
+    3-8 rows, lines into L1), the benchmarks' befores: each output is one vector accumulator over K in
+    order either way, so the bits are equal."""
     torch.manual_seed(rows + n + k)
     x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     mod = gemm.kernel()
     now = mod.gemm(x, w, b)
-    mod.set_gemm_form(1)
+    mod.set_gemm_form(form)
     try:
         before = mod.gemm(x, w, b)
     finally:
@@ -78,11 +80,12 @@ def test_session_7_form_gives_the_same_bits(rows, n, k):
     torch.testing.assert_close(now, F.linear(x, w, b), **TOL)
 
 
-def test_the_form_switch_takes_two_forms():
+def test_the_form_switch_takes_three_forms():
     with pytest.raises(
-        RuntimeError, match=r"set_gemm_form: 0 \(current\) or 1 \(session 7's blocks\), got 2"
+        RuntimeError,
+        match=r"set_gemm_form: 0 \(current\), 1 \(session 7's blocks\) or 2 \(session 8's\), got 3",
     ):
-        gemm.kernel().set_gemm_form(2)
+        gemm.kernel().set_gemm_form(3)
 
 
 def test_max_rows_is_the_kernels_row_limit():

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_decode_bound.py"
 
@@ -189,18 +191,21 @@ def _tiny_before_after(tmp_path, *flags: str) -> tuple[dict, dict, str]:
     return res, {r["config"]: r for r in res["rows"]}, md.read_text()
 
 
-def test_gemm_s7_rows_are_the_gemm_form_s_before_and_after(tmp_path):
-    """``--gemm-s7`` adds each fused configuration again with the few-row GEMMs in their session-7 form
-    (both extensions' flag): the same tokens (the forms are bit-equal), the same C++ GEMM calls, timed
-    in the same rounds, the paired ratio on the current rows."""
-    res, rows, md = _tiny_before_after(tmp_path, "--policies", "snapkv", "--budgets", "0.5", "--gemm-s7")
-    want = ["full-kernel", "snapkv@0.5+kernel", "full-kernel+gemms7", "snapkv@0.5+kernel+gemms7"]
-    assert sorted(rows) == sorted(want)
-    assert res["peers_same_tokens"] == {"full-kernel+gemms7": True, "snapkv@0.5+kernel+gemms7": True}
+@pytest.mark.parametrize("form", ["s7", "s8"])
+def test_gemm_form_rows_are_the_gemm_form_s_before_and_after(tmp_path, form):
+    """``--gemm-s7`` / ``--gemm-s8`` add each fused configuration again with the few-row GEMMs in their
+    session-7 / session-8 form (both extensions' flag): the same tokens (the forms are bit-equal), the
+    same C++ GEMM calls, timed in the same rounds, the paired ratio on the current rows."""
+    sfx = f"+gemm{form}"
+    res, rows, md = _tiny_before_after(tmp_path, "--policies", "snapkv", "--budgets", "0.5", f"--gemm-{form}")
+    # each before row runs (and is listed) right after its configuration: a pair shares its moment
+    want = ["full-kernel", f"full-kernel{sfx}", "snapkv@0.5+kernel", f"snapkv@0.5+kernel{sfx}"]
+    assert [r["config"] for r in res["rows"]] == want
+    assert res["peers_same_tokens"] == {f"full-kernel{sfx}": True, f"snapkv@0.5+kernel{sfx}": True}
     for name in ("full-kernel", "snapkv@0.5+kernel"):
-        assert rows[name]["speed_vs_gemms7"] > 0 and "speed_vs_gemms7" not in rows[name + "+gemms7"]
-        assert rows[name + "+gemms7"]["cpp_gemm_calls_per_step"] == rows[name]["cpp_gemm_calls_per_step"]
-    assert "vs +gemms7" in md
+        assert rows[name][f"speed_vs_gemm{form}"] > 0 and f"speed_vs_gemm{form}" not in rows[name + sfx]
+        assert rows[name + sfx]["cpp_gemm_calls_per_step"] == rows[name]["cpp_gemm_calls_per_step"]
+    assert f"vs {sfx}" in md
 
 
 def test_heap_default_rows_and_the_image_first_layout(tmp_path):

@@ -3,19 +3,19 @@
 A decode step multiplies the batch's few rows by every weight matrix, so its GEMMs read each weight once and
 do 2·rows flops per 4 bytes: they are bound by memory bandwidth, not arithmetic. MKL's ``F.linear`` and even
 the ``(W @ xᵀ)ᵀ`` form of ``skinny_layer`` stream smollm2-llava's weights at ~9-15 GB/s at 4 rows where a
-plain read of the same bytes runs at ~38 GB/s (2-core EPYC VM, 1 thread). This kernel reads ``W (N, K)`` row
-after row, contiguously — one weight row at a time for 1-2 rows, two side by side for 3-8 — and asks for the
-lines 8 KiB ahead itself (session 8, quiet 2-core EPYC VM, huge-page weights, 1 thread: 1.03-1.20x session 7's
-form by median, at 4 rows 90-121 % of a plain read where K = 576, above 100 % where copies hit L3; inside a
-full-cache decode step at 8k x 4 no difference resolved), and dots each with all ``x`` rows at once (``x``
-stays in L1/L2; the accumulators stay in registers), one weight byte loaded once; every output is one vector
-accumulator over ``K`` in order, whatever the form (a row's result does not depend on the rows beside it, nor
-on the thread count). Vectorised over ``K`` with the compiler's vector extension (AVX-512 or AVX2 through
-``-march=native``), threads over blocks of output rows with ``at::parallel_for``
-(``torch.get_num_threads()``). fp32 only; it sums each dot product in another order than ``F.linear`` (fp32
-rounding, ~1e-6 relative), so it is tested against ``F.linear`` with explicit tolerances and for equal greedy
-tokens. Built with the fused paged read's machinery (``paged_cpu_kernel.load_extension``: cached per CPU kind;
-None with one warning without a compiler).
+plain read of the same bytes runs at ~30-38 GB/s (2-core EPYC VM, 1 thread). This kernel reads ``W (N, K)``
+row after row, contiguously — one weight row at a time for 1-4 rows, two side by side for 5-8 — and asks
+for the lines 8 KiB ahead itself, into L2 (session 14, the VM on a Zen 4 host, 4 rows, from memory: 24-29
+GB/s where session 8's form — two weight rows per block, lines into L1 — read 9-14; a decode step at 8k x 4
+1.13-1.67x, paired: docs/benchmarks/2026-11-27-decode-bound-s14-cpu-x86_64/), and dots each with
+all ``x`` rows at once (``x`` stays in L1/L2; the accumulators stay in registers), one weight byte loaded
+once; every output is one vector accumulator over ``K`` in order, whatever the form (a row's result does
+not depend on the rows beside it, nor on the thread count). Vectorised over ``K`` with the compiler's
+vector extension (AVX-512 or AVX2 through ``-march=native``), threads over blocks of output rows with
+``at::parallel_for`` (``torch.get_num_threads()``). fp32 only; it sums each dot product in another order
+than ``F.linear`` (fp32 rounding, ~1e-6 relative), so it is tested against ``F.linear`` with explicit
+tolerances and for equal greedy tokens. Built with the fused paged read's machinery
+(``paged_cpu_kernel.load_extension``: cached per CPU kind; None with one warning without a compiler).
 """
 
 from __future__ import annotations
@@ -83,28 +83,37 @@ static inline float hsum(v16 v) {
 // hardware prefetcher alone keeps too few lines in flight behind this much arithmetic (4 rows: ~17-22
 // GB/s against the 38-42 GB/s a plain sum reads on the 2-core EPYC VM), so the line AHEAD floats past
 // the block being read is asked for, NB lines per K step (the rate the block is consumed at). Measured
-// there (1 thread, huge-page weights, 4 rows, 2 weight rows per block): 8 KiB ahead 36-41 GB/s on
-// smollm2-llava's 576-wide shapes, 2 KiB ~30, 32 KiB ~32; session 7's form (4 weight rows, the next
-// block ahead): 33-36.
+// there (session 8, Zen 5 host, 1 thread, huge-page weights, 4 rows, 2 weight rows per block): 8 KiB
+// ahead 36-41 GB/s on smollm2-llava's 576-wide shapes, 2 KiB ~30, 32 KiB ~32.
 constexpr int64_t AHEAD = 2048;
 
-// the session-7 form (1-2 rows: one stream, no software prefetch; 3-4 rows: 4 weight rows per block, the
-// next block prefetched; nothing asked for at a range's start): kept, bit-equal, for benchmarks'
-// before/after in one process (set_gemm_form)
+// where the asked-for lines go: L2 (prefetcht2), not L1 (prefetcht0). Session 14 (the VM on a Zen 4
+// host, family 25: 32 KiB L1d where session 8's Zen 5 had 48): lines asked for into L1 held the
+// session-8 form to 13-14 GB/s at 4 rows from memory (the output head, a plain sum 30-33), the same
+// distance into L2 with one weight row at a time 26-30 GB/s (ring of huge-page copies, 1 thread). Session
+// 8 measured L2 1-3 GB/s slower than L1 on the Zen 5 host (alone, 2 weight rows per block).
+constexpr int PF_L1 = 3, PF_L2 = 1;
+
+// the forms (set_gemm_form), bit-equal: 0 the current one (session 14); 1 session 7's (1-2 rows: one
+// stream, no software prefetch; 3-4 rows: 4 weight rows per block, the next block prefetched; nothing asked
+// for at a range's start); 2 session 8's (the current distances, lines into L1, 2 weight rows per block at
+// 3-8 rows). Kept for benchmarks' before/after in one process.
 static int g_form = 0;
 
 // the first `n` floats at p asked for at once: a range's start, which no earlier block asked for
+template <int LOC>
 static void lead_lines(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, LOC);
 }
 
 // y[r, n] = x[r, :] . w[n, :] (+ b[n]) for n in [n0, n1): NB weight rows at a time, each weight
 // element loaded once and multiplied into all R rows; the R * NB accumulators live in registers (the
 // empty asm pins each loaded vector in one: GCC would otherwise fold R loads of it into the FMAs; the
 // unroll pragmas keep GCC from leaving the accumulator array in memory, as it did for some clones:
-// 0.8x). ahead: the prefetch distance in floats (0: none). Every output is one vector accumulator over
-// K in order, whatever NB and ahead: the forms are bit-equal.
-template <int R, int NB>
+// 0.8x). ahead: the prefetch distance in floats (0: none), LOC the prefetch's locality (PF_L1 / PF_L2).
+// Every output is one vector accumulator over K in order, whatever NB, ahead and LOC: the forms are
+// bit-equal.
+template <int R, int NB, int LOC = PF_L1>
 static void rows_block(const float* __restrict x, const float* __restrict w, const float* __restrict b,
                        float* __restrict y, int64_t n0, int64_t n1, int64_t K, int64_t N, int64_t ahead) {
   const int64_t K16 = K & ~int64_t(15);
@@ -122,7 +131,7 @@ static void rows_block(const float* __restrict x, const float* __restrict w, con
     for (int64_t k = 0; k < K16; k += 16) {
       if (pf)
 #pragma GCC unroll 16
-        for (int j = 0; j < NB; ++j) __builtin_prefetch(at + k * NB + 16 * j, 0, 3);
+        for (int j = 0; j < NB; ++j) __builtin_prefetch(at + k * NB + 16 * j, 0, LOC);
       v16 xv[R];
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
@@ -149,7 +158,7 @@ static void rows_block(const float* __restrict x, const float* __restrict w, con
         y[r * N + n + j] = b ? s + b[n + j] : s;
       }
   }
-  if (NB > 1 && n < n1) rows_block<R, 1>(x, w, b, y, n, n1, K, N, 0);
+  if (NB > 1 && n < n1) rows_block<R, 1, LOC>(x, w, b, y, n, n1, K, N, 0);
 }
 
 // session 7's 1-2 rows (kept for the benchmarks' before): the weight read as one stream, row after row,
@@ -182,14 +191,16 @@ static void rows_stream(const float* __restrict x, const float* __restrict w, co
 // at 4 rows: one row at a time 12-13 GB/s, 2 per block ~19, 4 per block 23-26 on the 2-core EPYC VM)
 constexpr int64_t X_BLOCK = 32 << 10;
 
-// 1-2 rows: one weight row at a time (one stream), the lines AHEAD floats on prefetched (1.03-1.19x
-// session 7's stream in bench_skinny_gemm.py). 3-8 rows: 2 weight rows per block (each x vector loaded
-// once for both), the same prefetch; 3-4 rows whose x exceeds X_BLOCK: session 7's 4 rows per block.
-// One row at a time read faster at 3-4 rows alone (a ring of weight copies) but slower inside a decode
-// step, where each layer's attention reads the K/V pool between the products: smollm2-llava's 30
-// layers at 4 rows with a 3 MB read between pre and post (1 thread, loaded VM), pre + post 15.5 ms one
-// row at a time, 14.4-14.8 session 7's, 13.8-14.4 2 rows per block (x's lines prefetched too: no
-// better). Bit-equal whatever the form. g_form == 1: session 7's (the benchmarks' before).
+// 1-4 rows: one weight row at a time (one stream, each x vector loaded once per weight vector), 5-8
+// rows: 2 weight rows per block (x's loads shared by both); the lines AHEAD floats on asked for into L2
+// (PF_L2), and a range's first AHEAD floats at its start. 3-4 rows whose x exceeds X_BLOCK: session 7's 4
+// rows per block. Session 14, smollm2-llava at 4 rows (Zen 4 host, 1 thread, huge-page weights, ring
+// of copies, medians): the head 17-29 GB/s (session 8's form 9-14), down 24-28 (12-13), gate/up 24-31
+// (14-20); decode steps: docs/benchmarks/2026-11-27-decode-bound-s14-cpu-x86_64/ (1.13-1.67x). On the
+// Zen 5 host session 8 found one row at a time (lines into L1) faster alone but slower inside a step
+// (pre + post with a 3 MB read between: 15.5 ms against 13.8-14.4 with 2 rows per block): the step decides.
+// g_form == 1: session 7's; 2: session 8's (2 weight rows per block at 3-8 rows, lines into L1).
+// Bit-equal whatever the form.
 template <int R>
 static void by_block(const float* x, const float* w, const float* b, float* y, int64_t n0, int64_t n1,
                      int64_t K, int64_t N) {
@@ -200,9 +211,15 @@ static void by_block(const float* x, const float* w, const float* b, float* y, i
     return;
   }
   if (R >= 3 && R <= 4 && R * K * 4 > X_BLOCK) return rows_block<R, 4>(x, w, b, y, n0, n1, K, N, 4 * K);
-  lead_lines(w + n0 * K, std::min(AHEAD, (n1 - n0) * K));
-  if constexpr (R <= 2) rows_block<R, 1>(x, w, b, y, n0, n1, K, N, AHEAD);
-  else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, AHEAD);
+  if (g_form == 2) {
+    lead_lines<PF_L1>(w + n0 * K, std::min(AHEAD, (n1 - n0) * K));
+    if constexpr (R <= 2) rows_block<R, 1>(x, w, b, y, n0, n1, K, N, AHEAD);
+    else rows_block<R, 2>(x, w, b, y, n0, n1, K, N, AHEAD);
+    return;
+  }
+  lead_lines<PF_L2>(w + n0 * K, std::min(AHEAD, (n1 - n0) * K));
+  if constexpr (R <= 4) rows_block<R, 1, PF_L2>(x, w, b, y, n0, n1, K, N, AHEAD);
+  else rows_block<R, 2, PF_L2>(x, w, b, y, n0, n1, K, N, AHEAD);
 }
 
 static_assert(VLKV_MAX_ROWS == 8, "rows_range dispatches 1..8 rows: extend it with MAX_ROWS");
@@ -227,10 +244,11 @@ static int64_t rows_grain(int64_t K) {
   return std::max<int64_t>(16, ((int64_t(1) << 16) / std::max<int64_t>(K, 1) + 15) & ~int64_t(15));
 }
 
-// 0: the kernel's form; 1: session 7's (the benchmarks' before, bit-equal). Per extension: each
-// extension compiling these kernels holds its own flag.
+// 0: the kernel's form; 1: session 7's, 2: session 8's (the benchmarks' befores, bit-equal). Per
+// extension: each extension compiling these kernels holds its own flag.
 void set_gemm_form(int64_t form) {
-  TORCH_CHECK(form == 0 || form == 1, "set_gemm_form: 0 (current) or 1 (session 7's blocks), got ", form);
+  TORCH_CHECK(form >= 0 && form <= 2,
+              "set_gemm_form: 0 (current), 1 (session 7's blocks) or 2 (session 8's), got ", form);
   g_form = int(form);
 }
 
