@@ -109,14 +109,6 @@ def paired(configs: list[str]) -> list[str]:
     return out + [c for c in configs if c not in out]
 
 
-def set_gemm_form(form: int) -> None:
-    """The few-row GEMMs' form in both extensions that compile them (0: current, 1: session 7's, 2:
-    session 8's)."""
-    for mod in (skinny_gemm.kernel(), decode_layer.kernel()):
-        if mod is not None:
-            mod.set_gemm_form(form)
-
-
 def runtime_lines() -> int:
     """Lines of ``vlkv/runtime/`` (Python), the size the issue tracks beside the speed."""
     root = Path(__file__).resolve().parents[1] / "vlkv" / "runtime"
@@ -193,7 +185,7 @@ def run(args) -> dict:
                     ranking.kept_but = policy_base.kept_but = old_kept_but
                 cfg = base_config(name)
                 # "+gemms7" / "+gemms8": the GEMMs in session 7's / 8's form
-                set_gemm_form(next((f for s, f in GEMM_FORMS.items() if name.endswith(s)), 0))
+                decode_layer.set_gemm_form(next((f for s, f in GEMM_FORMS.items() if name.endswith(s)), 0))
                 # "+heapdefault": glibc's thresholds fixed at their defaults (freed blocks given back)
                 heap_set = (
                     paged_cpu_heap.set_heap(False)
@@ -220,7 +212,7 @@ def run(args) -> dict:
                     paged_append.FUSED_APPEND = append_default
                     evict_rows.FUSED_DROP = evict_default
                     ranking.kept_but = policy_base.kept_but = kept_but
-                    set_gemm_form(0)
+                    decode_layer.set_gemm_form(0)
                     paged_cpu_heap.keep_freed()
                 res["cpp_gemm_calls"] = cpp_calls[0] / args.steps
                 res["heap_set"] = heap_set

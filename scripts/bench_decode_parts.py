@@ -37,7 +37,6 @@ import torch
 import vlkv.plugins.decode_layer as decode_layer
 import vlkv.plugins.paged_append as paged_append
 import vlkv.plugins.paged_cpu as paged_cpu
-import vlkv.plugins.skinny_gemm as skinny_gemm
 import vlkv.runtime.engine as engine_mod
 import vlkv.runtime.models.skinny_layer as skinny_layer
 from vlkv.runtime.engine import Engine
@@ -138,13 +137,6 @@ def alone(engine: Engine, rows: int, reps: int) -> dict:
     return {k: {"best": min(v), "median": statistics.median(v)} for k, v in got.items()}
 
 
-def set_gemm_form(form: int) -> None:
-    """The few-row GEMMs' form in both extensions that compile them (``skinny_gemm``'s forms)."""
-    for mod in (skinny_gemm.kernel(), decode_layer.kernel()):
-        if mod is not None:
-            mod.set_gemm_form(form)
-
-
 def configs_of(args) -> list[str]:
     base = ["full", *(f"{p}@{b}" for p in args.policies for b in args.budgets)]
     return [f"{c}/{f}" for c in base for f in args.forms] if args.forms else base
@@ -166,12 +158,12 @@ def run(args) -> dict:
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             for name in order:
                 base, _, form = name.partition("/")
-                set_gemm_form(int(form or 0))
+                decode_layer.set_gemm_form(int(form or 0))
                 try:
                     key = base.split("@")[0] if base in pols else None
                     res = timed_steps(pre, pols.get(base, full), args.steps, key)
                 finally:
-                    set_gemm_form(0)
+                    decode_layer.set_gemm_form(0)
                 if rep:
                     got[name].append(res)
                 print(f"  round {rep}: {name} {1e3 * res['step_s']:.1f} ms/step", flush=True)

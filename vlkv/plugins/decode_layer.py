@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from vlkv.plugins import layer_glue, paged_cpu_kernel, skinny_gemm
 
-__all__ = ["FUSED_LAYER", "MAX_ROWS", "fits", "kernel", "post", "pre", "warm_up"]
+__all__ = ["FUSED_LAYER", "MAX_ROWS", "fits", "kernel", "post", "pre", "set_gemm_form", "warm_up"]
 
 # VLKV_CPU_LAYER=0: the skinny layer's separate calls (GEMMs, glue, views), the reference path
 FUSED_LAYER = skinny_gemm.env_switch("VLKV_CPU_LAYER")
@@ -178,6 +178,14 @@ def kernel():
         "CPU decode layer",
         "using the skinny layer's calls",
     )
+
+
+def set_gemm_form(form: int) -> None:
+    """The few-row GEMMs' form in both extensions that compile them (the benchmarks' befores; see
+    ``skinny_gemm``'s source: 0 the current form, 1 session 7's, 2 session 8's; bit-equal)."""
+    for mod in (skinny_gemm.kernel(), kernel()):
+        if mod is not None:
+            mod.set_gemm_form(form)
 
 
 def warm_up() -> bool:
