@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlkv.eval import projector_export
+from vlkv.eval import projector_export, text_scenes
 from vlkv.eval.projector_config import TrainConfig
 from vlkv.eval.projector_init import AffineProjector, order_start, pool_start, position_start, ridge_init
 from vlkv.eval.scene_tasks import WHAT, Sample, prompt_text, training_sample
@@ -70,17 +70,24 @@ def projector(loaded) -> torch.nn.Module:
     return loaded.model.model.multi_modal_projector
 
 
-def encode(loaded, sample: Sample, with_answer: bool = True, labels: str = "none") -> tuple[dict, int]:
+def encode(
+    loaded, sample: Sample, with_answer: bool = True, labels: str = "none", text_form: str | None = None
+) -> tuple[dict, int]:
     """Model inputs for ``sample``'s prompt (+ answer + end of turn, + its follow-up turns), and the
     prompt's length in tokens. ``inputs["answer_mask"]`` (with answers) marks the answer tokens.
     ``labels``: picture labels of several-picture prompts (:func:`vlkv.eval.scene_tasks.label_pictures`).
+    ``text_form``: ask about a description of the scenes in that form instead of the images
+    (:mod:`vlkv.eval.text_scenes`); the answers and follow-up turns are the same tokens.
 
     Answers are tokenised on their own and appended, as generation would produce them.
     """
     tok = loaded.processor.tokenizer
-    prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels)
-    images = [s.image() for s in sample.scenes]
-    inputs = loaded.processor(text=prompt, images=images, return_tensors="pt")
+    if text_form is None:
+        prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels)
+        inputs = loaded.processor(text=prompt, images=[s.image() for s in sample.scenes], return_tensors="pt")
+    else:
+        prompt = text_scenes.text_prompt(loaded, sample.scenes, sample.question, text_form)
+        inputs = loaded.processor(text=prompt, return_tensors="pt")
     n_prompt = inputs["input_ids"].shape[1]
     if with_answer:
 
@@ -102,18 +109,37 @@ def encode(loaded, sample: Sample, with_answer: bool = True, labels: str = "none
     return dict(inputs), n_prompt
 
 
-def sample_loss(loaded, sample: Sample, labels: str = "none") -> torch.Tensor:
-    """Mean next-token cross-entropy over the answers' tokens (and ends of turn)."""
-    inputs, n_prompt = encode(loaded, sample, labels=labels)
+def answer_logits(
+    loaded, sample: Sample, labels: str = "none", text_form: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``(n, vocab)`` at the ``n`` positions after the prompt that predict the answers' turns,
+    and their targets ``(n,)`` (-100 where a position predicts a prompt token of a follow-up turn)."""
+    inputs, n_prompt = encode(loaded, sample, labels=labels, text_form=text_form)
     answer_mask = inputs.pop("answer_mask")
     ids = inputs["input_ids"]
     n_after = ids.shape[1] - n_prompt
     # logits only where answer tokens are predicted: the full-vocabulary head on every image token
     # would cost more than the rest of the step
     out = loaded.model(**inputs, logits_to_keep=n_after + 1, use_cache=False)
-    logits = out.logits[0, :-1].float()
-    targets = ids[0, n_prompt:].masked_fill(~answer_mask[n_prompt:], -100)
-    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+    return out.logits[0, :-1].float(), ids[0, n_prompt:].masked_fill(~answer_mask[n_prompt:], -100)
+
+
+def sample_loss(
+    loaded, sample: Sample, labels: str = "none", text_form: str | None = None, distill: float = 0.0
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over the answers' tokens (and ends of turn); with ``distill`` > 0
+    (image samples), plus ``distill`` x KL from the same model given the ``text_form`` description
+    (no gradient) to it given the images, over the same answer positions."""
+    if distill > 0 and text_form is None:
+        raise ValueError("distill needs the teacher's text_form")
+    image_form = None if distill > 0 else text_form
+    logits, targets = answer_logits(loaded, sample, labels, image_form)
+    loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+    if distill > 0:
+        with torch.no_grad():
+            teacher, _ = answer_logits(loaded, sample, labels, text_form)
+        loss = loss + distill * text_scenes.distill_kl(logits, teacher, targets != -100)
+    return loss
 
 
 @torch.no_grad()
@@ -268,9 +294,14 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             group["lr"] = lr_at(step, cfg) * group.get("scale", 1.0)
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for sample in batch_for(step, cfg):
+        forms = text_scenes.draw_forms(cfg.seed, step, cfg.batch, cfg.text_mix)
+        for sample, (as_text, form) in zip(batch_for(step, cfg), forms):
+            # a text sample trains the adapters on the description; an image sample, with
+            # --distill, learns from the description's answer distribution as well
+            form = form if as_text or cfg.distill > 0 else None
+            distill = 0.0 if as_text else cfg.distill
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-                loss = sample_loss(loaded, sample, cfg.labels) / cfg.batch
+                loss = sample_loss(loaded, sample, cfg.labels, form, distill) / cfg.batch
             loss.backward()
             total += loss.item()
         if cfg.anchor > 0:
