@@ -110,35 +110,48 @@ def encode(
 
 
 def answer_logits(
-    loaded, sample: Sample, labels: str = "none", text_form: str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    loaded, sample: Sample, labels: str = "none", text_form: str | None = None, hidden: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """Logits ``(n, vocab)`` at the ``n`` positions after the prompt that predict the answers' turns,
-    and their targets ``(n,)`` (-100 where a position predicts a prompt token of a follow-up turn)."""
+    their targets ``(n,)`` (-100 where a position predicts a prompt token of a follow-up turn), the
+    token ids ``(T,)`` and, with ``hidden``, every layer's hidden states (each ``(1, T, d)``)."""
     inputs, n_prompt = encode(loaded, sample, labels=labels, text_form=text_form)
     answer_mask = inputs.pop("answer_mask")
     ids = inputs["input_ids"]
     n_after = ids.shape[1] - n_prompt
     # logits only where answer tokens are predicted: the full-vocabulary head on every image token
     # would cost more than the rest of the step
-    out = loaded.model(**inputs, logits_to_keep=n_after + 1, use_cache=False)
-    return out.logits[0, :-1].float(), ids[0, n_prompt:].masked_fill(~answer_mask[n_prompt:], -100)
+    out = loaded.model(**inputs, logits_to_keep=n_after + 1, use_cache=False, output_hidden_states=hidden)
+    targets = ids[0, n_prompt:].masked_fill(~answer_mask[n_prompt:], -100)
+    return out.logits[0, :-1].float(), targets, ids[0], out.hidden_states if hidden else None
 
 
 def sample_loss(
-    loaded, sample: Sample, labels: str = "none", text_form: str | None = None, distill: float = 0.0
+    loaded,
+    sample: Sample,
+    labels: str = "none",
+    text_form: str | None = None,
+    distill: float = 0.0,
+    distill_hidden: float = 0.0,
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy over the answers' tokens (and ends of turn); with ``distill`` > 0
-    (image samples), plus ``distill`` x KL from the same model given the ``text_form`` description
-    (no gradient) to it given the images, over the same answer positions."""
-    if distill > 0 and text_form is None:
+    """Mean next-token cross-entropy over the answers' tokens (and ends of turn). An image sample with
+    ``distill`` / ``distill_hidden`` > 0 learns from the same model given the ``text_form`` description
+    (no gradient) as well: ``distill`` x KL over the answer positions, ``distill_hidden`` x every
+    layer's relative hidden-state error over the tokens both prompts end with (question and answers)."""
+    teach = distill > 0 or distill_hidden > 0
+    if teach and text_form is None:
         raise ValueError("distill needs the teacher's text_form")
-    image_form = None if distill > 0 else text_form
-    logits, targets = answer_logits(loaded, sample, labels, image_form)
+    hidden = distill_hidden > 0
+    logits, targets, ids, states = answer_logits(loaded, sample, labels, None if teach else text_form, hidden)
     loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
-    if distill > 0:
+    if teach:
         with torch.no_grad():
-            teacher, _ = answer_logits(loaded, sample, labels, text_form)
+            teacher, _, t_ids, t_states = answer_logits(loaded, sample, labels, text_form, hidden)
+    if distill > 0:
         loss = loss + distill * text_scenes.distill_kl(logits, teacher, targets != -100)
+    if hidden:
+        n = text_scenes.common_suffix(ids, t_ids)
+        loss = loss + distill_hidden * text_scenes.hidden_match(states, t_states, n)
     return loss
 
 
@@ -298,10 +311,10 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         for sample, (as_text, form) in zip(batch_for(step, cfg), forms):
             # a text sample trains the adapters on the description; an image sample, with
             # --distill, learns from the description's answer distribution as well
-            form = form if as_text or cfg.distill > 0 else None
-            distill = 0.0 if as_text else cfg.distill
+            form = form if as_text or cfg.distill > 0 or cfg.distill_hidden > 0 else None
+            teach = (0.0, 0.0) if as_text else (cfg.distill, cfg.distill_hidden)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-                loss = sample_loss(loaded, sample, cfg.labels, form, distill) / cfg.batch
+                loss = sample_loss(loaded, sample, cfg.labels, form, *teach) / cfg.batch
             loss.backward()
             total += loss.item()
         if cfg.anchor > 0:

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from vlkv.eval.scenes import Obj, Scene
-from vlkv.eval.text_scenes import FORMS, describe, describe_scene, distill_kl, draw_forms
+from vlkv.eval.text_scenes import (
+    FORMS,
+    common_suffix,
+    describe,
+    describe_scene,
+    distill_kl,
+    draw_forms,
+    hidden_match,
+)
 
 
 def _scene(*objs):
@@ -52,3 +60,23 @@ def test_distill_kl_matches_its_definition():
     torch.testing.assert_close(distill_kl(student, teacher, mask), want, rtol=1e-5, atol=1e-6)
     assert distill_kl(teacher, teacher, mask).abs() < 1e-6
     assert distill_kl(student, teacher, torch.zeros(5, dtype=torch.bool)) == 0
+
+
+def test_common_suffix_counts_the_shared_ending():
+    t = torch.tensor
+    assert common_suffix(t([1, 2, 3, 4]), t([9, 9, 9, 3, 4])) == 2
+    assert common_suffix(t([3, 4]), t([1, 3, 4])) == 2
+    assert common_suffix(t([1, 2]), t([1, 3])) == 0
+
+
+def test_hidden_match_compares_the_shared_positions_of_each_layer():
+    g = torch.Generator().manual_seed(1)
+    teacher = tuple(torch.randn(1, 6, 4, generator=g) for _ in range(3))
+    # the student: 2 more leading positions, the last 3 equal to the teacher's but for layer 2's
+    student = tuple(torch.cat([torch.randn(1, 5, 4, generator=g), t[:, -3:]], 1) for t in teacher)
+    assert hidden_match(student, teacher, 3) == 0
+    bumped = (student[0], student[1], student[2] + 1.0)
+    tail = teacher[2][0, -3:]
+    want = (3 * 4) / tail.pow(2).sum() / 2  # one of the two compared layers (embeddings skipped)
+    torch.testing.assert_close(hidden_match(bumped, teacher, 3), want, rtol=1e-5, atol=1e-6)
+    assert hidden_match(bumped, teacher, 0) == 0

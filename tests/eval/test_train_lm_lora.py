@@ -116,7 +116,7 @@ def test_vqa_records_which_projector_file_answered(tmp_path):
 def test_text_mix_and_distill_train_and_resume_bit_for_bit(tp, tmp_path):
     """Stage 2: text samples and the distillation term change the run, and it still resumes exactly."""
     plain = tp.train(_cfg(tp, steps=3), tmp_path / "plain", quiet=True)
-    cfg = _cfg(tp, steps=3, text_mix=0.5, distill=0.5)
+    cfg = _cfg(tp, steps=3, text_mix=0.5, distill=0.5, distill_hidden=0.5)
     straight = tp.train(cfg, tmp_path / "a", quiet=True)
     tp.train(cfg, tmp_path / "b", stop_at=1, quiet=True)
     resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)

@@ -87,6 +87,9 @@ class TrainConfig:
     # weight of KL(the model given the description || the model given the images) on image samples
     text_mix: float = 0.0
     distill: float = 0.0
+    # the weight of the hidden-state match on image samples: every layer's states over the tokens
+    # the image prompt and the description prompt end with (question, answers), teacher no gradient
+    distill_hidden: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -143,8 +146,10 @@ class TrainConfig:
             )
         if not 0 <= self.text_mix <= 1:
             raise ValueError(f"text_mix must be in [0, 1], got {self.text_mix}")
-        if self.distill < 0:
-            raise ValueError(f"distill must be >= 0, got {self.distill}")
+        if self.distill < 0 or self.distill_hidden < 0:
+            raise ValueError(
+                f"distill and distill_hidden must be >= 0, got {self.distill}, {self.distill_hidden}"
+            )
         if self.text_mix > 0 and not self.lm_lora_rank:  # text samples reach only the LM's adapters
             raise ValueError("text_mix trains the LM adapters from text: it needs lm_lora_rank >= 1")
         if self.init_from and not Path(self.init_from).is_file():

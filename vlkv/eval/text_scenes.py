@@ -8,6 +8,9 @@ therefore asks a fraction ``F`` of each batch's samples about a *description* of
 projector and the adapters learn, from the image samples, to read the same facts from image tokens.
 ``--distill W`` adds, for each image sample, ``W x KL(text || image)`` over the answer tokens: the same
 model (no gradient) given the description is the teacher of the model given the image.
+``--distill-hidden W`` matches, for each image sample, every layer's hidden states over the tokens both
+prompts end with (the question and the answers: what the LM has gathered about the scene by then) to
+the teacher's, a signal over every layer and position rather than the answer tokens alone.
 
 Forms (:data:`FORMS`): ``caption`` names the objects left to right ("The image shows a red star and a
 blue circle.", as the training captions do); ``sides`` adds where each is ("... a red star on the left
@@ -100,3 +103,28 @@ def distill_kl(student: Tensor, teacher: Tensor, mask: Tensor) -> Tensor:
     log_s = torch.log_softmax(student[mask].float(), dim=-1)
     log_t = torch.log_softmax(teacher[mask].float(), dim=-1)
     return (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+
+
+def common_suffix(a: Tensor, b: Tensor) -> int:
+    """How many tokens the id sequences ``a`` ``(T_a,)`` and ``b`` ``(T_b,)`` end with in common."""
+    n = min(len(a), len(b))
+    same = (a[len(a) - n :] == b[len(b) - n :]).flip(0)
+    return n if bool(same.all()) else int((~same).int().argmax())
+
+
+def hidden_match(student: tuple[Tensor, ...], teacher: tuple[Tensor, ...], n: int) -> Tensor:
+    """Mean over layers of ``|h_s - h_t|^2 / |h_t|^2`` over the last ``n`` positions.
+
+    ``student``, ``teacher``: one ``(1, T, d)`` tensor per layer (embeddings first, as the model's
+    ``hidden_states``; their ``T`` may differ: only the last ``n`` positions, the tokens both prompts
+    end with, are compared). The embedding layer is skipped (the same tokens embed the same).
+    """
+    if len(student) != len(teacher):
+        raise ValueError(f"{len(student)} student layers against {len(teacher)} teacher layers")
+    if n < 1:
+        return student[-1].sum() * 0.0
+    terms = []
+    for s, t in zip(student[1:], teacher[1:]):
+        s, t = s[0, -n:].float(), t[0, -n:].float()
+        terms.append((s - t).pow(2).sum() / t.pow(2).sum().clamp_min(1e-12))
+    return torch.stack(terms).mean()
