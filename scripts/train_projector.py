@@ -22,6 +22,9 @@ recipe (``shared/spec/projector-training.md``):
 2. **LM loss** on the answer tokens of the training mix (:mod:`vlkv.eval.scene_tasks`: captions and
    questions; 1–3 objects, positions, counts, "left of", several pictures per prompt), AdamW with a
    cosine learning rate, gradients clipped at 1.
+3. **Stage 2** (optional, with ``--lm-lora-rank``): ``--text-mix F`` asks a fraction of the samples about
+   a sentence describing their scenes instead (:mod:`vlkv.eval.text_scenes`), ``--distill`` /
+   ``--distill-hidden`` teach image samples from the same model given that sentence.
 
 Scenes use only training colour–shape pairs; the progress bar's ``heldout`` is greedy exact-answer
 accuracy on scenes of held-out pairs ("What is in the image?" → "red star", and two-object captions);
