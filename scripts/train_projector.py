@@ -22,6 +22,9 @@ recipe (``shared/spec/projector-training.md``):
 2. **LM loss** on the answer tokens of the training mix (:mod:`vlkv.eval.scene_tasks`: captions and
    questions; 1–3 objects, positions, counts, "left of", several pictures per prompt), AdamW with a
    cosine learning rate, gradients clipped at 1.
+3. **Stage 2** (optional, with ``--lm-lora-rank``): ``--text-mix F`` asks a fraction of the samples about
+   a sentence describing their scenes instead (:mod:`vlkv.eval.text_scenes`), ``--distill`` /
+   ``--distill-hidden`` teach image samples from the same model given that sentence.
 
 Scenes use only training colour–shape pairs; the progress bar's ``heldout`` is greedy exact-answer
 accuracy on scenes of held-out pairs ("What is in the image?" → "red star", and two-object captions);
@@ -43,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlkv.eval import projector_export
+from vlkv.eval import projector_export, text_scenes
 from vlkv.eval.projector_config import TrainConfig
 from vlkv.eval.projector_init import AffineProjector, order_start, pool_start, position_start, ridge_init
 from vlkv.eval.scene_tasks import WHAT, Sample, prompt_text, training_sample
@@ -70,17 +73,24 @@ def projector(loaded) -> torch.nn.Module:
     return loaded.model.model.multi_modal_projector
 
 
-def encode(loaded, sample: Sample, with_answer: bool = True, labels: str = "none") -> tuple[dict, int]:
+def encode(
+    loaded, sample: Sample, with_answer: bool = True, labels: str = "none", text_form: str | None = None
+) -> tuple[dict, int]:
     """Model inputs for ``sample``'s prompt (+ answer + end of turn, + its follow-up turns), and the
     prompt's length in tokens. ``inputs["answer_mask"]`` (with answers) marks the answer tokens.
     ``labels``: picture labels of several-picture prompts (:func:`vlkv.eval.scene_tasks.label_pictures`).
+    ``text_form``: ask about a description of the scenes in that form instead of the images
+    (:mod:`vlkv.eval.text_scenes`); the answers and follow-up turns are the same tokens.
 
     Answers are tokenised on their own and appended, as generation would produce them.
     """
     tok = loaded.processor.tokenizer
-    prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels)
-    images = [s.image() for s in sample.scenes]
-    inputs = loaded.processor(text=prompt, images=images, return_tensors="pt")
+    if text_form is None:
+        prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels)
+        inputs = loaded.processor(text=prompt, images=[s.image() for s in sample.scenes], return_tensors="pt")
+    else:
+        prompt = text_scenes.text_prompt(loaded, sample.scenes, sample.question, text_form)
+        inputs = loaded.processor(text=prompt, return_tensors="pt")
     n_prompt = inputs["input_ids"].shape[1]
     if with_answer:
 
@@ -102,18 +112,50 @@ def encode(loaded, sample: Sample, with_answer: bool = True, labels: str = "none
     return dict(inputs), n_prompt
 
 
-def sample_loss(loaded, sample: Sample, labels: str = "none") -> torch.Tensor:
-    """Mean next-token cross-entropy over the answers' tokens (and ends of turn)."""
-    inputs, n_prompt = encode(loaded, sample, labels=labels)
+def answer_logits(
+    loaded, sample: Sample, labels: str = "none", text_form: str | None = None, hidden: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    """Logits ``(n, vocab)`` at the ``n`` positions after the prompt that predict the answers' turns,
+    their targets ``(n,)`` (-100 where a position predicts a prompt token of a follow-up turn), the
+    token ids ``(T,)`` and, with ``hidden``, every layer's hidden states (each ``(1, T, d)``)."""
+    inputs, n_prompt = encode(loaded, sample, labels=labels, text_form=text_form)
     answer_mask = inputs.pop("answer_mask")
     ids = inputs["input_ids"]
     n_after = ids.shape[1] - n_prompt
     # logits only where answer tokens are predicted: the full-vocabulary head on every image token
     # would cost more than the rest of the step
-    out = loaded.model(**inputs, logits_to_keep=n_after + 1, use_cache=False)
-    logits = out.logits[0, :-1].float()
+    out = loaded.model(**inputs, logits_to_keep=n_after + 1, use_cache=False, output_hidden_states=hidden)
     targets = ids[0, n_prompt:].masked_fill(~answer_mask[n_prompt:], -100)
-    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+    return out.logits[0, :-1].float(), targets, ids[0], out.hidden_states if hidden else None
+
+
+def sample_loss(
+    loaded,
+    sample: Sample,
+    labels: str = "none",
+    text_form: str | None = None,
+    distill: float = 0.0,
+    distill_hidden: float = 0.0,
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over the answers' tokens (and ends of turn). An image sample with
+    ``distill`` / ``distill_hidden`` > 0 learns from the same model given the ``text_form`` description
+    (no gradient) as well: ``distill`` x KL over the answer positions, ``distill_hidden`` x every
+    layer's relative hidden-state error over the tokens both prompts end with (question and answers)."""
+    teach = distill > 0 or distill_hidden > 0
+    if teach and text_form is None:
+        raise ValueError("distill needs the teacher's text_form")
+    hidden = distill_hidden > 0
+    logits, targets, ids, states = answer_logits(loaded, sample, labels, None if teach else text_form, hidden)
+    loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
+    if teach:
+        with torch.no_grad():
+            teacher, _, t_ids, t_states = answer_logits(loaded, sample, labels, text_form, hidden)
+    if distill > 0:
+        loss = loss + distill * text_scenes.distill_kl(logits, teacher, targets != -100)
+    if hidden:
+        n = text_scenes.common_suffix(ids, t_ids)
+        loss = loss + distill_hidden * text_scenes.hidden_match(states, t_states, n)
+    return loss
 
 
 @torch.no_grad()
@@ -268,9 +310,14 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             group["lr"] = lr_at(step, cfg) * group.get("scale", 1.0)
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for sample in batch_for(step, cfg):
+        forms = text_scenes.draw_forms(cfg.seed, step, cfg.batch, cfg.text_mix)
+        for sample, (as_text, form) in zip(batch_for(step, cfg), forms):
+            # a text sample trains the adapters on the description; an image sample, with
+            # --distill, learns from the description's answer distribution as well
+            form = form if as_text or cfg.distill > 0 or cfg.distill_hidden > 0 else None
+            teach = (0.0, 0.0) if as_text else (cfg.distill, cfg.distill_hidden)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-                loss = sample_loss(loaded, sample, cfg.labels) / cfg.batch
+                loss = sample_loss(loaded, sample, cfg.labels, form, *teach) / cfg.batch
             loss.backward()
             total += loss.item()
         if cfg.anchor > 0:

@@ -4,6 +4,7 @@ rebuilds the trained model (projector + merged adapters) through vqa's --project
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -110,3 +111,35 @@ def test_vqa_records_which_projector_file_answered(tmp_path):
     answers = [[r["answer"] for r in json.loads(p.read_text())["results"][0]["rows"]] for p in (out, built)]
     assert answers[0] == answers[1] and len(answers[0]) == 2
     assert "projector" not in json.loads(built.read_text())
+
+
+def test_text_mix_and_distill_train_and_resume_bit_for_bit(tp, tmp_path):
+    """Stage 2: text samples and the distillation term change the run, and it still resumes exactly."""
+    plain = tp.train(_cfg(tp, steps=3), tmp_path / "plain", quiet=True)
+    cfg = _cfg(tp, steps=3, text_mix=0.5, distill=0.5, distill_hidden=0.5)
+    straight = tp.train(cfg, tmp_path / "a", quiet=True)
+    tp.train(cfg, tmp_path / "b", stop_at=1, quiet=True)
+    resumed = tp.train(cfg, tmp_path / "b", resume=True, quiet=True)
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    a, b = _adapters(tmp_path / "a" / tp.CHECKPOINT), _adapters(tmp_path / "b" / tp.CHECKPOINT)
+    for key, value in b.items():
+        torch.testing.assert_close(value, a[key], rtol=0, atol=0)
+    assert any(not torch.equal(straight[k], plain[k]) for k in plain)  # the new terms moved the run
+    with pytest.raises(ValueError, match="text_mix trains the LM adapters"):
+        tiny_cfg(tp, text_mix=0.5)
+
+
+def test_a_text_sample_is_the_description_and_the_same_answer(tp):
+    from vlkv.eval.scene_tasks import two_turns
+
+    loaded = tp.load("tiny-llava")
+    sample = two_turns(np.random.default_rng(0), "train")
+    image, n_image = tp.encode(loaded, sample)
+    text, n_text = tp.encode(loaded, sample, text_form="sides")
+    assert "pixel_values" in image and "pixel_values" not in text
+    # the answers' turns are the same tokens after either prompt
+    assert torch.equal(image["input_ids"][0, n_image:], text["input_ids"][0, n_text:])
+    assert torch.equal(image["answer_mask"][n_image:], text["answer_mask"][n_text:])
+    prompt = loaded.processor.tokenizer.decode(text["input_ids"][0, :n_text])
+    assert "on the left" in prompt and sample.question in prompt

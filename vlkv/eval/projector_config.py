@@ -82,6 +82,14 @@ class TrainConfig:
     # (vlkv.runtime.models.projector_pool): 1 = off, 2 = 16x16 patches -> 8x8 = 64 image tokens. The
     # ridge fit is per pooled token; an unpooled checkpoint may start a pooled run (--init-from)
     pool: int = 1
+    # stage 2 (vlkv.eval.text_scenes): the fraction of each batch's samples asked about a description
+    # of their scenes instead of the images (the adapters learn the questions from text), and the
+    # weight of KL(the model given the description || the model given the images) on image samples
+    text_mix: float = 0.0
+    distill: float = 0.0
+    # the weight of the hidden-state match on image samples: every layer's states over the tokens
+    # the image prompt and the description prompt end with (question, answers), teacher no gradient
+    distill_hidden: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -136,5 +144,13 @@ class TrainConfig:
             raise ValueError(
                 "anchor pulls toward the starting projector; it cannot be used with lm_lora_rank"
             )
+        if not 0 <= self.text_mix <= 1:
+            raise ValueError(f"text_mix must be in [0, 1], got {self.text_mix}")
+        if self.distill < 0 or self.distill_hidden < 0:
+            raise ValueError(
+                f"distill and distill_hidden must be >= 0, got {self.distill}, {self.distill_hidden}"
+            )
+        if self.text_mix > 0 and not self.lm_lora_rank:  # text samples reach only the LM's adapters
+            raise ValueError("text_mix trains the LM adapters from text: it needs lm_lora_rank >= 1")
         if self.init_from and not Path(self.init_from).is_file():
             raise ValueError(f"init_from {self.init_from} is not a file")
