@@ -24,7 +24,8 @@ recipe (``shared/spec/projector-training.md``):
    cosine learning rate, gradients clipped at 1.
 3. **Stage 2** (optional, with ``--lm-lora-rank``): ``--text-mix F`` asks a fraction of the samples about
    a sentence describing their scenes instead (:mod:`vlkv.eval.text_scenes`), ``--distill`` /
-   ``--distill-hidden`` teach image samples from the same model given that sentence.
+   ``--distill-hidden`` teach image samples from the same model given that sentence; ``--keep-text W``
+   holds the adapters to the base LM on plain text (:mod:`vlkv.eval.keep_text`).
 
 Scenes use only training colour–shape pairs; the progress bar's ``heldout`` is greedy exact-answer
 accuracy on scenes of held-out pairs ("What is in the image?" → "red star", and two-object captions);
@@ -46,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlkv.eval import projector_export, text_scenes
+from vlkv.eval import keep_text, projector_export, text_scenes
 from vlkv.eval.projector_config import TrainConfig
 from vlkv.eval.projector_init import AffineProjector, order_start, pool_start, position_start, ridge_init
 from vlkv.eval.scene_tasks import WHAT, Sample, prompt_text, training_sample
@@ -320,6 +321,14 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
                 loss = sample_loss(loaded, sample, cfg.labels, form, *teach) / cfg.batch
             loss.backward()
             total += loss.item()
+        if cfg.keep_text > 0:  # plain text as the base LM had it (adapters only: no image tokens)
+            kept = 0.0
+            for text in keep_text.items(loaded, cfg.seed, step, cfg.keep_text_items):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+                    loss = keep_text.kl_to_base(loaded, text) * (cfg.keep_text / cfg.keep_text_items)
+                loss.backward()
+                kept += loss.item()
+            total += kept
         if cfg.anchor > 0:
             penalty = anchor_penalty(params, extra["anchor_to"]) * cfg.anchor
             penalty.backward()
@@ -330,6 +339,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         record = {"step": step, "loss": round(total, 4), "lr": lr_at(step - 1, cfg)}
         if cfg.anchor > 0:
             record["anchor"] = round(record_penalty, 5)
+        if cfg.keep_text > 0:
+            record["keep_text"] = round(kept, 5)
         record["seconds"] = round(time.perf_counter() - t0, 2)
         save_now = time.monotonic() - last_save > 120 or step == end
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):

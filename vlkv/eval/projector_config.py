@@ -90,6 +90,11 @@ class TrainConfig:
     # the weight of the hidden-state match on image samples: every layer's states over the tokens
     # the image prompt and the description prompt end with (question, answers), teacher no gradient
     distill_hidden: float = 0.0
+    # keep general text as the base LM had it (vlkv.eval.keep_text): each step adds keep_text x
+    # KL(LM with adapters off || with adapters) over keep_text_items plain-text items (chat turns and
+    # prose, drawn on their own stream); 0 = off, and the run draws what it drew before
+    keep_text: float = 0.0
+    keep_text_items: int = 2
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -150,6 +155,12 @@ class TrainConfig:
             raise ValueError(
                 f"distill and distill_hidden must be >= 0, got {self.distill}, {self.distill_hidden}"
             )
+        if self.keep_text < 0 or self.keep_text_items < 1:
+            raise ValueError(
+                f"keep_text must be >= 0 and keep_text_items >= 1, got {self.keep_text}, {self.keep_text_items}"
+            )
+        if self.keep_text > 0 and not self.lm_lora_rank:  # only the adapters change text-only outputs
+            raise ValueError("keep_text holds the LM adapters to the base LM: it needs lm_lora_rank >= 1")
         if self.text_mix > 0 and not self.lm_lora_rank:  # text samples reach only the LM's adapters
             raise ValueError("text_mix trains the LM adapters from text: it needs lm_lora_rank >= 1")
         if self.init_from and not Path(self.init_from).is_file():

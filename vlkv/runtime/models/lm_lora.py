@@ -15,6 +15,8 @@ Keys: ``lm_lora.<layer>.<projection>.A`` ``(r, in_features)`` and ``...B`` ``(ou
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -54,8 +56,11 @@ class LoRALinear(nn.Module):
         w = base.weight
         self.A = nn.Parameter(a.to(device=w.device, dtype=w.dtype))
         self.B = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
+        self.enabled = True  # False: exactly the base projection (see :func:`disabled`)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.enabled:
+            return self.base(x)
         return self.base(x) + (x @ self.A.t().to(x.dtype)) @ (self.B.t() * self.scale).to(x.dtype)
 
 
@@ -85,6 +90,21 @@ def adapters(model) -> dict[str, LoRALinear]:
             if isinstance(module, LoRALinear):
                 out[f"{i}.{name}"] = module
     return out
+
+
+@contextmanager
+def disabled(model) -> Iterator[None]:
+    """Run ``model`` as its base LM: every attached adapter is skipped inside the block (the base
+    projections' own outputs, bit for bit), re-enabled on exit even after an error. No weights are
+    copied, so the adapted model's "before" costs one forward pass, not a second model in memory."""
+    before = [(m, m.enabled) for m in adapters(model).values()]
+    for m, _ in before:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, was in before:  # as they were, so blocks nest
+            m.enabled = was
 
 
 def raw_state(model) -> dict[str, Tensor]:
