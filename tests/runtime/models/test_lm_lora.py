@@ -1,5 +1,6 @@
 """Low-rank LM adapters (vlkv.runtime.models.lm_lora): the merged weights compute what the adapted
-modules computed, a file's adapters reach the model through apply_projector, bad keys are one line."""
+modules computed, a file's adapters reach the model through apply_projector, bad keys are one line,
+and `disabled` runs the base model without a copy."""
 
 from __future__ import annotations
 
@@ -136,3 +137,20 @@ def test_a_bad_adapter_leaves_the_model_as_it_was(tiny):
         S.apply_projector(tiny.model, proj | good | bad)
     for name, value in tiny.model.named_parameters():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+def test_disabled_runs_the_base_model_and_restores_the_adapters(tiny):
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    base = _logits(tiny.model, ids)
+    _random_adapters(tiny.model)
+    adapted = _logits(tiny.model, ids)
+    assert not torch.equal(adapted, base)
+    with lm_lora.disabled(tiny.model):
+        torch.testing.assert_close(_logits(tiny.model, ids), base, rtol=0, atol=0)
+        with lm_lora.disabled(tiny.model):  # nested: the outer block stays off after the inner one
+            pass
+        torch.testing.assert_close(_logits(tiny.model, ids), base, rtol=0, atol=0)
+    torch.testing.assert_close(_logits(tiny.model, ids), adapted, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="boom"), lm_lora.disabled(tiny.model):
+        raise RuntimeError("boom")
+    torch.testing.assert_close(_logits(tiny.model, ids), adapted, rtol=0, atol=0)  # on again after an error
