@@ -45,6 +45,24 @@ def add_threads_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
 
 
+def add_shape_args(ap: argparse.ArgumentParser, tokens: int, steps: int, tiny_help: str) -> None:
+    """``--tiny``, ``--model``, ``--tokens``, ``--batch``, ``--steps``, ``--repeats`` of a decode benchmark."""
+    ap.add_argument("--tiny", action="store_true", help=tiny_help)
+    ap.add_argument("--model", default="smollm2-llava")
+    ap.add_argument("--tokens", type=int, default=tokens)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=steps, help="timed decode steps per configuration and round")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds (each runs every configuration)")
+
+
+def apply_tiny(ap: argparse.ArgumentParser, args: argparse.Namespace, tiny: dict) -> None:
+    """``--tiny``: the values in ``tiny`` for every setting left at its default (a flag given wins)."""
+    if args.tiny:
+        for key, value in tiny.items():
+            if ap.get_default(key) == getattr(args, key):
+                setattr(args, key, value)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 

@@ -67,7 +67,9 @@ from vlkv.runtime.policies import make_policy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     LAYOUTS,
+    add_shape_args,
     add_threads_arg,
+    apply_tiny,
     cpu_name,
     load_for_bench,
     machine_name,
@@ -353,9 +355,7 @@ def to_markdown(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny-llava, 64 tokens × 2, a few steps (tests)")
-    ap.add_argument("--model", default="smollm2-llava")
-    ap.add_argument("--tokens", type=int, default=2048)
+    add_shape_args(ap, tokens=2048, steps=8, tiny_help="tiny-llava, 64 tokens × 2, a few steps (tests)")
     ap.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -363,9 +363,6 @@ def main() -> None:
         help="document-first: document, image, question (A-VL keeps the whole document, its system "
         "region); image-first: image, document, question (A-VL's text budget covers the document)",
     )
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per configuration and round")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds (each runs every configuration)")
     ap.add_argument("--policies", nargs="*", default=list(POLICIES))
     ap.add_argument("--budgets", nargs="+", type=float, default=list(BUDGETS))
     ap.add_argument("--peers", nargs="*", choices=["static", "dynamic"], default=["static", "dynamic"])
@@ -438,10 +435,8 @@ def main() -> None:
     ap.add_argument("--md", default=None)
     add_threads_arg(ap)
     args = ap.parse_args()
+    apply_tiny(ap, args, TINY)
     if args.tiny:
-        for key, value in TINY.items():
-            if ap.get_default(key) == getattr(args, key):
-                setattr(args, key, value)
         # tiny-llava's weights are all below the C++ GEMM's floor: let them take it, so the tiny run
         # exercises the same GEMM path (and --torch-gemm's switch) as a real model
         skinny_layer.SKINNY_MIN_WEIGHT = 0

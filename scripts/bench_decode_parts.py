@@ -43,7 +43,16 @@ from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_threads_arg, cpu_name, load_for_bench, machine_name, read_bandwidth, write_report  # noqa: E402
+from bench_common import (
+    add_shape_args,
+    add_threads_arg,
+    apply_tiny,
+    cpu_name,
+    load_for_bench,
+    machine_name,
+    read_bandwidth,
+    write_report,
+)  # noqa: E402
 from bench_decode import weight_bytes  # noqa: E402
 from decode_prefilled import Prefilled, vlkv_steps  # noqa: E402
 
@@ -253,12 +262,7 @@ def to_markdown(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="tiny-llava, a few steps (tests)")
-    ap.add_argument("--model", default="smollm2-llava")
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_shape_args(ap, tokens=8192, steps=4, tiny_help="tiny-llava, a few steps (tests)")
     ap.add_argument("--policies", nargs="*", default=["snapkv", "h2o"])
     ap.add_argument("--budgets", nargs="*", type=float, default=[0.1])
     ap.add_argument(
@@ -274,10 +278,8 @@ def main() -> None:
     ap.add_argument("--md")
     add_threads_arg(ap)
     args = ap.parse_args()
+    apply_tiny(ap, args, TINY)
     if args.tiny:
-        for key, value in TINY.items():
-            if ap.get_default(key) == getattr(args, key):
-                setattr(args, key, value)
         skinny_layer.SKINNY_MIN_WEIGHT = 0
     if args.threads:
         torch.set_num_threads(args.threads)
