@@ -181,27 +181,28 @@ def _paged_one_row(
 def _one_row_stats(probs: Tensor, vis: Tensor | None, rows: Tensor | None, threshold: float | None):
     """:func:`vlkv.plugins.attn_stats` of a decode step from its probabilities.
 
-    ``probs (B, H_kv, G, S)``, ``vis (B, 1 or H_kv, 1, S)`` or None (all visible), ``rows (B, 1)`` bool
-    (samples whose row is requested; None: every sample's) → :class:`~vlkv.plugins.AttnStats` over
-    ``S`` columns. With ``rows`` None, ``colsum`` is a view of ``probs``.
+    ``probs (..., B, H_kv, G, S)``, ``vis (..., B, 1 or H_kv, 1, S)`` or None (all visible), ``rows (B, 1)``
+    bool (samples whose row is requested; None: every sample's) → :class:`~vlkv.plugins.AttnStats` over
+    ``S`` columns, ``colsum (..., B, H, S)``, ``below`` / ``visible (..., B, H)`` (leading dims: e.g. every
+    layer of a static step at once). With ``rows`` None, ``colsum`` is a view of ``probs``.
     """
     from vlkv.plugins import AttnStats
 
-    b, hkv, g, s = probs.shape
+    *lead, b, hkv, g, s = probs.shape
     on = None if rows is None else rows.reshape(b).to(probs.device)
-    colsum = probs.reshape(b, hkv * g, s)
+    colsum = probs.reshape(*lead, b, hkv * g, s)
     if on is not None:
         colsum = colsum * on[:, None, None]
     if vis is None:
-        seen = torch.full((b, hkv * g), s, dtype=torch.int64, device=probs.device)
+        seen = torch.full((*lead, b, hkv * g), s, dtype=torch.int64, device=probs.device)
     else:
-        seen = vis.sum(-1, dtype=torch.int64).expand(b, hkv, g).reshape(b, hkv * g)
+        seen = vis.sum(-1, dtype=torch.int64).expand(*lead, b, hkv, g).reshape(*lead, b, hkv * g)
     below = None
     if threshold is not None:
         low = probs < threshold * probs.amax(-1, keepdim=True)
         if vis is not None:
             low &= vis
-        below = low.sum(-1).reshape(b, hkv * g)
+        below = low.sum(-1).reshape(*lead, b, hkv * g)
         if on is not None:
             below = below * on[:, None]
     return AttnStats(colsum=colsum, below=below, visible=seen if on is None else seen * on[:, None])

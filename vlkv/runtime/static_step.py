@@ -404,27 +404,14 @@ def step_stats(bufs: StaticBuffers, inputs, cache, stats) -> StepStats:
 
 
 def layers_stats(probs: Tensor, held: Tensor, rows: Tensor | None, threshold: float | None) -> list:
-    """``attention_rows._one_row_stats`` of every layer in one pass: ``probs (L, B, H_kv, G, C)``,
-    ``held (L, B, C)`` bool the columns each request's row sees, ``rows (B, 1)`` bool (requests whose
-    row is asked; None: every one), ``threshold`` as there → per layer an
+    """The eager step's ``attention_rows._one_row_stats`` of every layer in one call: ``probs (L, B,
+    H_kv, G, C)``, ``held (L, B, C)`` bool the columns each request's row sees, ``rows (B, 1)`` bool
+    (requests whose row is asked; None: every one), ``threshold`` as there → per layer an
     :class:`~vlkv.plugins.AttnStats` (``colsum (B, H, C)``, ``below`` / ``visible (B, H)``), views of
     the step's few tensors: a handful of ops a step where the eager step spends 8 a layer."""
     from vlkv.plugins import AttnStats
+    from vlkv.runtime.attention_rows import _one_row_stats
 
-    layers, b, kv_heads, group, cols = probs.shape
-    heads = kv_heads * group
-    on = None if rows is None else rows.reshape(b).to(probs.device)
-    colsum = probs.view(layers, b, heads, cols)
-    if on is not None:
-        colsum = colsum * on[None, :, None, None]
-    seen = held.sum(-1, dtype=torch.int64)[:, :, None].expand(layers, b, heads)
-    below = None
-    if threshold is not None:
-        low = probs < threshold * probs.amax(-1, keepdim=True)
-        low &= held[:, :, None, None, :]
-        below = low.sum(-1).reshape(layers, b, heads)
-        if on is not None:
-            below = below * on[None, :, None]
-    visible = (seen if on is None else seen * on[None, :, None]).contiguous()
-    belows = [None] * layers if below is None else below.unbind(0)
-    return [AttnStats(c, lo, v) for c, lo, v in zip(colsum.unbind(0), belows, visible.unbind(0))]
+    st = _one_row_stats(probs, held[:, :, None, None, :], rows, threshold)
+    belows = [None] * probs.shape[0] if st.below is None else st.below.unbind(0)
+    return [AttnStats(c, lo, v) for c, lo, v in zip(st.colsum.unbind(0), belows, st.visible.unbind(0))]
