@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlkv.eval.scenes import NUMBERS, ORDINALS, Scene, plural
+from vlkv.eval.scenes import ORDINALS, Scene
 
 FORMS = ("caption", "sides")
 # the text-sample draws' own stream beside a step's batch draw (which takes [seed, step]), so a run
@@ -49,8 +49,7 @@ def describe_scene(scene: Scene, form: str) -> str:
     if form not in FORMS:
         raise ValueError(f"form must be one of {list(FORMS)}, got {form!r}")
     if scene.same:
-        obj = scene.objects[0]
-        what = f"{NUMBERS[len(scene.objects)]} {obj.colour} {plural(obj.shape)}"
+        what = scene.caption
     else:
         names = [
             _article(o.name) + (" " + _where(o.position) if form == "sides" else "") for o in scene.objects
