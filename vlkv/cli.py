@@ -199,8 +199,12 @@ def cmd_generate(args) -> int:
         raise CliError(f"--link-threshold must be in [0, 1], got {args.link_threshold}")
     if args.pool_bytes is not None and args.pool_bytes < 1:
         raise CliError(f"--pool-bytes must be >= 1, got {args.pool_bytes}")
-    if args.cuda_graph and (device.type != "cuda" or args.pool_bytes is None or args.backend != "torch"):
-        raise CliError("--cuda-graph needs --device cuda, --backend torch and a fixed pool (--pool-bytes)")
+    if args.cuda_graph:
+        from vlkv.runtime.cuda_graph import cli_refusal
+
+        why = cli_refusal(device, args.backend, fixed_pool=args.pool_bytes is not None)
+        if why is not None:
+            raise CliError(why)
     prompts = _prompts(args)
     loaded = load_model(args.model, device=str(device))
     limit = position_limit(loaded)

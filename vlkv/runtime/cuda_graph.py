@@ -29,6 +29,18 @@ import torch
 from torch import Tensor
 
 
+def cli_refusal(device, backend: str, fixed_pool: bool | None = None) -> str | None:
+    """Why ``--cuda-graph`` cannot run with a command's settings, one line naming the flags (None: it
+    can): a CUDA device, the torch backend and a fixed pool (``fixed_pool`` None: the command's pool
+    always is, as ``vlkv serve``'s). Host checks only, made before the model loads."""
+    needs = ["--device cuda", "--backend torch"] + (
+        [] if fixed_pool is None else ["a fixed pool (--pool-bytes)"]
+    )
+    if torch.device(device).type == "cuda" and backend == "torch" and fixed_pool is not False:
+        return None
+    return f"--cuda-graph needs {', '.join(needs[:-1])} and {needs[-1]}"
+
+
 def check_device(device) -> None:
     """Raise ``ValueError`` (one line) unless ``device`` is a CUDA device: a CUDA graph needs one."""
     dev = torch.device(device)

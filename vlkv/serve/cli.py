@@ -191,8 +191,12 @@ def cmd_serve(args) -> int:
 def check_cuda_graph(args, device) -> None:
     """``--cuda-graph`` needs a CUDA device and the torch backend (one-line ``ValueError`` before the model
     loads, as ``vlkv generate`` refuses it); the server's pool is always fixed, as a graph needs."""
-    if args.cuda_graph and (device.type != "cuda" or args.backend != "torch"):
-        raise ValueError("--cuda-graph needs --device cuda and --backend torch")
+    if args.cuda_graph:
+        from vlkv.runtime.cuda_graph import cli_refusal
+
+        why = cli_refusal(device, args.backend)
+        if why is not None:
+            raise ValueError(why)
 
 
 def build_scheduler(cfg, engine, store=None):
