@@ -1,10 +1,11 @@
 """Ops, Triton launches and host syncs of one decode step: eager, and static (the forward a CUDA graph captures).
 
-Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3] [--policy full h2o]
+Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3] [--policy full h2o kvzip]
 Counts, on the path a CUDA device runs (``count_step_ops.gpu_path_env``: the Triton kernels forced under
 the interpreter, every CPU C++ kernel off; the script runs itself again with that environment), a
 ``Scheduler.step()`` of tiny LLaVA over ``--batch`` ragged requests on a fixed pool, per ``--policy``
-(``full``: a plain step; ``h2o``: budget 0.5, a statistics step):
+(``full``: a plain step; ``h2o``: budget 0.5, a statistics step; ``kvzip``: budget 0.5, per-head holes,
+a plain hole step):
 
 - ``eager``: the step as it runs today (``TorchBackend.step``'s layer loop);
 - ``static``: the same step through ``runtime/static_step.py``, with its two halves counted apart:
@@ -40,8 +41,9 @@ from vlkv.runtime.scheduler import Scheduler  # noqa: E402
 TEXTS = ["Describe the scene in detail.", "Hi", "What colour is the sky today?", "Count them."]
 
 
-# the policies counted: a plain step, and a statistics step (h2o evicts as it decodes)
-POLICIES = {"full": {}, "h2o": {"budget": 0.5}}
+# the policies counted: a plain step, a statistics step (h2o evicts as it decodes) and a hole step (kvzip's
+# adaptive head budgets leave per-head holes after its prefill)
+POLICIES = {"full": {}, "h2o": {"budget": 0.5}, "kvzip": {"budget": 0.5}}
 
 
 def _running(engine, batch: int, policy: str = "full") -> Scheduler:
@@ -115,6 +117,7 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     assert static.taken == steps + 1, static.refused
     row = {"config": "static", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps}
     row["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
+    row["holes"] = any(holes for _, _, holes in static._bufs)  # a hole step's buffers (kvzip's)
     row["host"] = {k: v / steps for k, v in halves.host.items()}
     row["device"] = {k: v / steps for k, v in halves.device.items()}
     if halves.stats is not None:

@@ -145,6 +145,28 @@ def test_forced_dispatch_reads_nothing_gathered_and_keeps_the_halves_mask(case, 
             assert torch.equal(vis, want_vis), kw
 
 
+def test_fixed_output_buffers_are_written_in_place():
+    """``probs_out`` / ``vis_out`` (a CUDA graph's buffers: the static step's ``probs`` and a hole step's
+    ``held``): written in place, the same values as the launcher's own; wrong shapes, dtypes or strides
+    are refused."""
+    args = CASES[2].make(torch.float32)  # holes, ragged head lengths
+    call = (args["q"], args["k_pool"], args["v_pool"], args["table"], args["lengths"], args["scale"])
+    want_out, want_p, want_vis = tpp.paged_probs_triton(*call)
+    probs_out = torch.full_like(want_p, -1.0)
+    vis_out = torch.ones_like(want_vis)
+    out, probs, vis = tpp.paged_probs_triton(*call, probs_out=probs_out, vis_out=vis_out)
+    assert probs is probs_out and vis is vis_out
+    assert torch.equal(probs, want_p) and torch.equal(vis, want_vis) and torch.equal(out, want_out)
+    assert not vis.all()  # holes and padding written False over the ones
+    assert tpp.paged_probs_triton(*call, with_vis=False, vis_out=vis_out)[2] is None
+    with pytest.raises(ValueError, match="vis_out must be"):
+        tpp.paged_probs_triton(*call, vis_out=vis_out[..., :-1])
+    with pytest.raises(ValueError, match="vis_out must be contiguous"):
+        tpp.paged_probs_triton(
+            *call, vis_out=torch.ones(*want_vis.shape[:3], 2 * want_vis.shape[3], dtype=torch.bool)[..., ::2]
+        )
+
+
 def test_dispatch_declines_what_it_does_not_read(monkeypatch):
     import vlkv.plugins.paged_probs as paged_probs
 

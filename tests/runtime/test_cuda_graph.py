@@ -14,10 +14,12 @@ from vlkv.runtime.request import Request, Status
 from vlkv.runtime.scheduler import Scheduler
 
 TEXTS = ("Describe the scene in detail.", "Hi", "What colour is the sky today? Tell me more about it.")
-NEW = (10, 5, 10)  # the second request finishes first: the batch goes from 3 to 2 (a second capture)
-# the second request is h2o's: while it runs every step is a statistics step (its rows asked, the others'
-# not), then plain steps: both modes' graphs, no extra steps (the GPU check's time budget holds)
-POLICIES = (("full", {}), ("h2o", {"budget": 0.5}), ("full", {}))
+# the batch goes from 3 to 2 to 1 (a capture each): first kvzip's request (per-head holes: a hole step's
+# buffers and graph) finishes, then h2o's (statistics steps: its rows asked, the others' not), then the
+# full one runs alone (plain steps): every mode's graph in as many steps as before (the GPU check's time
+# budget holds)
+NEW = (5, 8, 10)
+POLICIES = (("kvzip", {"budget": 0.5}), ("h2o", {"budget": 0.5}), ("full", {}))
 # the graph replays the eager step's kernels on the same values; only the paged read's split count may
 # differ (its table is a fixed capacity wide), which at these sizes is one split either way
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -67,7 +69,7 @@ def test_graph_replay_equals_the_eager_step(dtype):
         assert len(sched.running) == len(TEXTS)
         scheds.append((sched, reqs))
     (eager, eager_reqs), (graphed, graph_reqs) = scheds
-    step, modes = 0, set()
+    step, modes, holes = 0, set(), set()
     while eager.running:
         be.static = None
         eager.step()
@@ -80,6 +82,8 @@ def test_graph_replay_equals_the_eager_step(dtype):
         assert torch.equal(got.attended, want.attended)
         assert (got.stats[0] is None) == (want.stats[0] is None), step
         modes.add(want.stats[0] is None)
+        first = graph_reqs[0]  # kvzip's: a hole step while it runs
+        holes.add(first.status is Status.RUNNING and any(la.holes is not None for la in first.cache.layers))
         if want.stats[0] is not None:  # the h2o request's statistics, C columns wide (0 past its width)
             for g, w in zip(got.stats, want.stats):
                 n = w.colsum.shape[-1]
@@ -87,11 +91,12 @@ def test_graph_replay_equals_the_eager_step(dtype):
         step += 1
     assert not graphed.running
     assert static.graphs.replays == step
-    # one capture per (batch size, statistics mode, width): 3 requests with statistics then 2 without, and
-    # each width the tables reached
+    # one capture per (batch size, statistics mode, holes, width): 3 requests with holes and statistics,
+    # 2 with statistics, 1 plain, and each width the tables reached
     assert static.graphs.captures >= 3, static.graphs.captures
     assert modes == {True, False}  # statistics steps, then plain ones
-    assert {key for key in static.graphs._graphs} >= {(3, "probs"), (2, None)}
+    assert True in holes  # kvzip's request had holes while it ran
+    assert set(static.graphs._graphs) >= {(3, "probs", True), (2, "probs", False), (1, None, False)}
     for a, b in zip(eager_reqs, graph_reqs):
         assert a.status is b.status is Status.FINISHED, (a.error, b.error)
         assert a.tokens == b.tokens
@@ -142,6 +147,6 @@ def test_a_graph_is_captured_per_batch_size_and_again_when_its_buffers_or_pools_
     assert graphs.captures == len(captured) == 4 and graphs.replays == len(runs)
     # a statistics step's graph is kept beside the plain one of its batch size (its own key), both replayed
     stats = SimpleNamespace(batch=2)
-    for bufs, key in ((stats, (2, "probs")), (stats, (2, "probs")), (wide, None)):
+    for bufs, key in ((stats, (2, "probs", False)), (stats, (2, "probs", False)), (wide, None)):
         graphs.run(bufs, forward, (pool_b,), key=key)
-    assert graphs.captures == 5 and set(graphs._graphs) == {2, 3, (2, "probs")}
+    assert graphs.captures == 5 and set(graphs._graphs) == {2, 3, (2, "probs", False)}

@@ -78,7 +78,7 @@ def test_a_statistics_step_equals_the_eager_step(name, dtype, policy, kw, monkey
         got = outs[-1]
         assert static.taken == step + 1, static.refused
         # only statistics buffers (every step asked), exact ones where the policy evicts nothing
-        assert [m for _, m in static._bufs] == ["exact" if kw.get("budget") == 1.0 else "probs"]
+        assert [m for _, m, _ in static._bufs] == ["exact" if kw.get("budget") == 1.0 else "probs"]
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
         assert torch.equal(got.attended, want.attended)
         assert any(st is not None for st in want.stats)
@@ -108,7 +108,7 @@ def test_a_statistics_steps_device_half_reads_nothing_back(monkeypatch):
     sched, _ = _running(engine, "h2o", budget=0.5)
     engine.backend.static = static = StaticDecode(engine.backend, capacity_step=64)
     sched.step()  # buffers made for this batch size and mode
-    bufs = static._bufs[len(TEXTS), "probs"]
+    bufs = static._bufs[len(TEXTS), "probs", False]
     assert bufs.probs is not None and bufs.probs.shape[:3] == (
         engine.backend.num_layers,
         len(TEXTS),
@@ -134,32 +134,39 @@ def test_a_statistics_steps_device_half_reads_nothing_back(monkeypatch):
         assert not rows[..., n:].any()
 
 
+@pytest.mark.parametrize("holes", [False, True])
 @pytest.mark.parametrize("threshold", [None, 0.3])
 @pytest.mark.parametrize("asked", [None, (True, False, True)])
-def test_every_layers_statistics_at_once_equal_the_eager_steps_per_layer(threshold, asked):
+def test_every_layers_statistics_at_once_equal_the_eager_steps_per_layer(threshold, asked, holes):
     """:func:`layers_stats` (every layer in one pass) equals the eager step's ``_one_row_stats`` layer by
-    layer: ragged lengths (probabilities 0 past them), a row set asking for some requests only, with and
-    without a threshold (VL-Cache's counts)."""
+    layer: ragged lengths (probabilities 0 past them), per-head holes (a hole step's ``held``, per KV
+    head) or none (one mask for every head), a row set asking for some requests only, with and without a
+    threshold (VL-Cache's counts)."""
     from vlkv.runtime.attention_rows import _one_row_stats
     from vlkv.runtime.static_step import layers_stats
 
     gen = torch.Generator().manual_seed(0)
     layers, b, kv_heads, group, cols = 3, 3, 2, 2, 9
     lengths = torch.tensor([[9, 4, 6], [9, 5, 6], [8, 4, 7]])  # (L, B): per layer, as an allocator leaves
-    held = torch.arange(cols) < lengths[..., None]
+    held = (torch.arange(cols) < lengths[..., None])[:, :, None, None, :]  # (L, B, 1, 1, C)
+    if holes:  # each KV head gives up some of its columns (kvzip's adaptive head budgets)
+        held = held & (torch.rand(layers, b, kv_heads, 1, cols, generator=gen) > 0.3)
+        assert held.shape[2] == kv_heads and (held.sum(-1) > 0).all()
     scores = torch.randn(layers, b, kv_heads, group, cols, generator=gen)
-    probs = torch.softmax(scores.masked_fill(~held[:, :, None, None, :], float("-inf")), -1)
+    probs = torch.softmax(scores.masked_fill(~held, float("-inf")), -1)
     rows = None if asked is None else torch.tensor(asked)[:, None]
     got = layers_stats(probs, held, rows, threshold)
     assert len(got) == layers
     for layer, g in enumerate(got):
-        want = _one_row_stats(probs[layer], held[layer][:, None, None, :], rows, threshold)
+        want = _one_row_stats(probs[layer], held[layer], rows, threshold)
         assert torch.equal(g.colsum, want.colsum), layer
         assert torch.equal(g.visible, want.visible), layer
         assert (g.below is None) == (threshold is None)
         if threshold is not None:
             assert torch.equal(g.below, want.below), layer
             assert g.below.sum() > 0  # some entries below the threshold: the count is exercised
+    if holes:  # the heads' visible counts differ (a mask per head, not one per request)
+        assert not torch.equal(got[0].visible[:, 0::group], got[0].visible[:, group::group])
 
 
 def test_an_exact_output_step_reads_plainly_beside_its_statistics(monkeypatch):
@@ -177,8 +184,8 @@ def test_an_exact_output_step_reads_plainly_beside_its_statistics(monkeypatch):
         engine.backend.static = static
         outs.append(engine.backend.step(group.inputs, group.batch, stats))
     engine.backend.static = None
-    assert static.taken == 1 and set(static._bufs) == {(len(TEXTS), "exact")}
-    assert static._bufs[len(TEXTS), "exact"].exact
+    assert static.taken == 1 and set(static._bufs) == {(len(TEXTS), "exact", False)}
+    assert static._bufs[len(TEXTS), "exact", False].exact
     want, got = outs
     torch.testing.assert_close(got.logits, want.logits, **TOL[torch.float32])
     _assert_stats_equal(got.stats, want.stats, "exact")

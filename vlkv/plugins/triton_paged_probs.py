@@ -24,6 +24,7 @@ def paged_probs_triton(
     num_splits: int | None = None,
     with_vis: bool = True,
     probs_out: Tensor | None = None,
+    vis_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One decode row per request: ``q (B, H_q, 1, D)``, pools ``(H_kv, S, D)`` / ``(H_kv, S, D_v)`` (one
     float dtype), ``table (B, H_kv, C)``, ``lengths (B, H_kv)`` as ``paged_attention_reference`` takes them.
@@ -35,6 +36,7 @@ def paged_probs_triton(
     head); None picks one from the launch size (about 256 programs). No pre-RoPE keys: a call with
     ``rot`` keeps ``paged_probs``' two halves. probs_out: a contiguous ``(B, H_kv, G, C)`` float32 tensor the
     probabilities are written into (and returned), e.g. a CUDA graph's fixed buffer; None allocates one.
+    vis_out: likewise a contiguous ``(B, H_kv, 1, C)`` bool tensor for the held columns (``with_vis``).
     """
     check_float_dtype("q", q.dtype)
     if not q.dtype == k_pool.dtype == v_pool.dtype:
@@ -71,7 +73,17 @@ def paged_probs_triton(
         )
     elif not probs.is_contiguous():  # the kernels index it densely (no strides passed)
         raise ValueError("probs_out must be contiguous")
-    vis = torch.empty(batch, kv_heads, 1, cols, dtype=torch.bool, device=q.device) if with_vis else None
+    vis = None
+    if with_vis and vis_out is None:
+        vis = torch.empty(batch, kv_heads, 1, cols, dtype=torch.bool, device=q.device)
+    elif with_vis:
+        if vis_out.shape != (batch, kv_heads, 1, cols) or vis_out.dtype != torch.bool:
+            raise ValueError(
+                f"vis_out must be ({batch}, {kv_heads}, 1, {cols}) bool, got {tuple(vis_out.shape)} {vis_out.dtype}"
+            )
+        if not vis_out.is_contiguous():  # the normalise pass indexes it densely
+            raise ValueError("vis_out must be contiguous")
+        vis = vis_out
     if pairs == 0 or cols == 0:
         return out.zero_(), probs, None if vis is None else vis.zero_()
     paged_probs_kernel[plan.grid](

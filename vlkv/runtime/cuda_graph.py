@@ -13,7 +13,7 @@ The warm-up and the replay both run the step's forward: its writes (the new K/V 
 column, the read table) are the same values at the same places, so running it twice changes nothing.
 
 A statistics step's forward also writes its probabilities into the buffers (``StaticBuffers.probs``):
-its graph is another one (key: batch size and statistics mode), and those rows stay in the buffers,
+its graph is another one (key: batch size, statistics mode and holes), and those rows stay in the buffers,
 read by the host half before the next step.
 
 Opt-in (``Engine(decode_graph=True)``, ``vlkv generate --cuda-graph``, ``vlkv serve --cuda-graph``): off
@@ -62,9 +62,9 @@ class DecodeGraphs:
         check_device(device)
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every batch size's graph
-        # key (batch size, statistics mode) → (buffers captured against, pool addresses, graph, its outputs, tensors it must keep
-        # alive)
-        self._graphs: dict[int, tuple] = {}
+        # key (the static step's: batch size, statistics mode, holes) → (buffers captured against, pool
+        # addresses, graph, its outputs, tensors it must keep alive)
+        self._graphs: dict = {}
         self.captures = self.replays = 0
 
     def run(
@@ -72,7 +72,7 @@ class DecodeGraphs:
     ) -> tuple[Tensor, Tensor]:
         """``forward()``'s outputs for this step, by replay; captured first where ``bufs`` (filled for
         this step) is not the buffers its ``key`` (default: the batch size; the static step's is the
-        batch size and statistics mode) was captured against, or ``pools`` (the K/V pool tensors it
+        batch size, statistics mode and holes) was captured against, or ``pools`` (the K/V pool tensors it
         writes and reads, compared by address: another scheduler's pool) are not the ones. The outputs
         are copies: the next replay rewrites the graph's own (a statistics step's probabilities stay
         in ``bufs.probs``, read before the next step)."""

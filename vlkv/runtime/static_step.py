@@ -27,130 +27,31 @@ after the forward (or the graph's replay) the host half turns them into the step
 the eager step's ``StepContext.put_one_row_stats``), which the scheduler's commit reads as before.
 
 The grids depend on ``B`` and ``C`` only, so :mod:`vlkv.runtime.cuda_graph` captures :func:`forward`
-once per batch size, capacity and statistics mode and replays it; :class:`StaticDecode` runs it without
-a graph too (the CPU check that it equals the eager step, under Triton's interpreter). Taken for a
-scheduler's batch view of one-sample caches in a plain decode step: one new row each, no selected
-attention, link step, low-rank factors, pre-RoPE (linked) entries, per-head holes or swapped-out
-request (:func:`refusal` names what stops it); any other step runs eagerly as before.
+once per batch size, capacity, statistics mode and holes and replays it; :class:`StaticDecode` runs it
+without a graph too (the CPU check that it equals the eager step, under Triton's interpreter).
+
+A **hole step** (some request with per-head holes: kvzip, an adaptive head budget) takes the same
+forward: the append kernel already writes ``-1`` at each head's holes into the read table (from the
+hole table its meta row names) and the paged reads mask negative slots; its buffers add
+``held (L, B, H_kv, 1, C)`` (``static_buffers``), per layer the columns each head attends, written in
+the device half (the statistics kernel's visibility output, or 3 ops on the read table in a plain
+step), from which the attended counts and the statistics' visible columns come.
+
+Taken for a scheduler's batch view of one-sample caches in a plain decode step: one new row each, no
+selected attention, link step, low-rank factors, pre-RoPE (linked) entries or swapped-out request
+(:func:`refusal` names what stops it); any other step runs eagerly as before.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import Tensor
 
 from vlkv.runtime.backend import StepOutput, StepStats
-from vlkv.runtime.kv.step_tables import AFTER, FIELDS, fits, meta_row, table_tensors
-
-# the read table's width grows in steps of this many columns (a capture per batch size and width: at
-# 1024 a decode recaptures once every 1024 steps; the paged read loops to the lengths, never to C)
-CAPACITY_STEP = 1024
-
-
-@dataclass(slots=True)
-class StaticBuffers:
-    """Every per-step input of :func:`forward` for ``batch`` requests at read-table capacity ``capacity``.
-
-    Attributes:
-        batch, capacity, layers, kv_heads: ``B``, ``C``, ``L``, ``H_kv``.
-        token_ids: ``(B, 1)`` int64 the new tokens.
-        positions: ``(B, 1, P)`` int64 their RoPE positions.
-        modality: ``(B,)`` int8, order: ``(B,)`` int64: the new table column's modality and sequence index.
-        ints: ``(L·B·FIELDS + L·H_kv·B,)`` int64, the one host-to-device copy of a step: ``meta`` then ``ids``.
-        meta: ``(L, B, FIELDS)`` view of ``ints``: per layer and request the append's row
-            (``kv/step_tables``: table addresses, capacity, new column, length after).
-        ids: ``(L, H_kv, B)`` view of ``ints``: each new entry's slot per layer and KV head.
-        lengths: ``(L, B, H_kv)`` view of ``meta``'s lengths after the append (stride 0 over heads).
-        table: ``(B, H_kv, C)`` int64, the read table each layer's append writes and its paged read reads.
-        probs: ``(L, B, H_kv, G, C)`` float32 every layer's softmax rows (a statistics step's buffers),
-            or None (a plain step's).
-        exact: a statistics step whose attention output is the plain paged read's (``exact_output``).
-    """
-
-    batch: int
-    capacity: int
-    layers: int
-    kv_heads: int
-    token_ids: Tensor
-    positions: Tensor
-    modality: Tensor
-    order: Tensor
-    ints: Tensor
-    meta: Tensor
-    ids: Tensor
-    lengths: Tensor
-    table: Tensor
-    probs: Tensor | None = None
-    exact: bool = False
-
-    def __post_init__(self) -> None:
-        if self.batch < 1 or self.capacity < 1 or self.layers < 1 or self.kv_heads < 1:
-            raise ValueError(
-                f"StaticBuffers: batch, capacity, layers, kv_heads must be >= 1, got {self.batch}, "
-                f"{self.capacity}, {self.layers}, {self.kv_heads}"
-            )
-        if self.table.shape != (self.batch, self.kv_heads, self.capacity):
-            raise ValueError(f"StaticBuffers.table: {tuple(self.table.shape)} is not (B, H_kv, C)")
-        if self.meta.shape != (self.layers, self.batch, FIELDS):
-            raise ValueError(f"StaticBuffers.meta: {tuple(self.meta.shape)} is not (L, B, {FIELDS})")
-        if self.probs is not None and (
-            self.probs.shape[:3] != (self.layers, self.batch, self.kv_heads)
-            or self.probs.shape[4] != self.capacity
-            or not self.probs.is_contiguous()
-        ):
-            raise ValueError(f"StaticBuffers.probs: {tuple(self.probs.shape)} is not (L, B, H_kv, G, C)")
-        if self.exact and self.probs is None:
-            raise ValueError("StaticBuffers.exact: an exact output is a statistics step's (probs needed)")
-
-    @classmethod
-    def make(
-        cls,
-        batch: int,
-        capacity: int,
-        layers: int,
-        kv_heads: int,
-        pos_dims: int,
-        device,
-        group: int = 0,
-        exact: bool = False,
-    ):
-        """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses);
-        ``group`` > 0: a statistics step's, with ``probs`` for ``G = group`` query heads per KV head."""
-        i64 = dict(dtype=torch.long, device=device)
-        n_meta = layers * batch * FIELDS
-        ints = torch.zeros(n_meta + layers * kv_heads * batch, **i64)
-        meta = ints[:n_meta].view(layers, batch, FIELDS)
-        return cls(
-            batch=batch,
-            capacity=capacity,
-            layers=layers,
-            kv_heads=kv_heads,
-            token_ids=torch.zeros(batch, 1, **i64),
-            positions=torch.zeros(batch, 1, pos_dims, **i64),
-            modality=torch.zeros(batch, dtype=torch.int8, device=device),
-            order=torch.zeros(batch, **i64),
-            ints=ints,
-            meta=meta,
-            ids=ints[n_meta:].view(layers, kv_heads, batch),
-            lengths=meta[:, :, AFTER, None].expand(layers, batch, kv_heads),
-            table=torch.zeros(batch, kv_heads, capacity, **i64),
-            probs=(
-                torch.zeros(layers, batch, kv_heads, group, capacity, dtype=torch.float32, device=device)
-                if group > 0
-                else None
-            ),
-            exact=exact,
-        )
-
-
-def capacity_for(longest: int, step: int = CAPACITY_STEP) -> int:
-    """The read table's capacity for a step whose longest request holds ``longest`` entries after it:
-    the next multiple of ``step``."""
-    return max(step, math.ceil(longest / step) * step)
+from vlkv.runtime.kv.step_tables import fits, meta_row, table_tensors
+from vlkv.runtime.static_buffers import CAPACITY_STEP, StaticBuffers, capacity_for
 
 
 def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
@@ -177,8 +78,6 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
         r.batch != 1 or r.linked or r.lowrank is not None or r.offloaded is not None for p in per for r in p
     ):
         return "a request with pre-RoPE, low-rank or swapped-out entries"
-    if any(r.holes is not None for p in per for r in p):
-        return "a request with per-head holes"
     pool = cache.layers[0].pool
     if pool.spec.dtype != backend.dtype:
         return "the pool's dtype is not the model's"
@@ -272,12 +171,16 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
         ids=bufs.ids[i], out=bufs.table,
     )  # fmt: skip
     lengths = bufs.lengths[i]
+    held = None if bufs.held is None else bufs.held[i]  # a hole step's: the columns each head attends
     if bufs.probs is None:
         out = paged_attention(q, keys, values, bufs.table, lengths, attn.scaling)
+        if held is not None:  # the read table's slots >= 0 below the length (3 ops; no host read)
+            torch.logical_and(bufs.table >= 0, bufs.columns < lengths[..., None], out=held[:, :, 0])
     else:  # a statistics step: the eager step's one-read kernel, its softmax rows into the buffer
         out, _, _ = paged_probs_triton(
-            q, keys, values, bufs.table, lengths, attn.scaling, with_vis=False, probs_out=bufs.probs[i]
-        )
+            q, keys, values, bufs.table, lengths, attn.scaling,
+            with_vis=held is not None, probs_out=bufs.probs[i], vis_out=held,
+        )  # fmt: skip
         if bufs.exact:  # the plain read's output, bit for bit (as the eager step's exact_output)
             out = paged_attention(q, keys, values, bufs.table, lengths, attn.scaling)
     return out.transpose(1, 2).contiguous()
@@ -287,7 +190,8 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
 def forward(backend, bufs: StaticBuffers, pools: list) -> tuple[Tensor, Tensor]:
     """The device half (see the module docstring): reads ``bufs``, ``pools`` (per layer the pool's
     ``(keys, values, pre-RoPE flags)``) and the weights only; no host read, no shape from a value.
-    Returns ``logits (B, V)`` float32 and ``attended (L, B)`` float64 (each layer's length after)."""
+    Returns ``logits (B, V)`` float32 and ``attended (L, B)`` float64 (per layer the entries each row
+    attended: its length after, less its holes' mean over KV heads)."""
     from vlkv.runtime.models import device_layer
 
     ad = backend.adapter
@@ -298,7 +202,7 @@ def forward(backend, bufs: StaticBuffers, pools: list) -> tuple[Tensor, Tensor]:
         hidden = device_layer.forward(fused, layer, hidden, None, cos_sin, partial(_attend, bufs, pools, i))
     hidden = ad.norm(hidden)
     logits = ad.head(hidden[:, 0], fast=True).float()
-    return logits, bufs.meta[:, :, AFTER].double()
+    return logits, bufs.attended()
 
 
 def layer_pools(cache) -> list:
@@ -320,8 +224,9 @@ class StaticDecode:
         if capacity_step < 1:
             raise ValueError(f"capacity_step must be >= 1, got {capacity_step}")
         self.backend, self.graphs, self.capacity_step = backend, graphs, capacity_step
-        # (batch size, statistics mode) → its buffers (mode: None, "probs" or "exact", see stats_mode)
-        self._bufs: dict[tuple[int, str | None], StaticBuffers] = {}
+        # (batch size, statistics mode, holes) → its buffers (mode: None, "probs" or "exact", see
+        # stats_mode; holes: some request has per-head holes, see static_buffers)
+        self._bufs: dict[tuple[int, str | None, bool], StaticBuffers] = {}
         self.taken = 0
         self.refused: dict[str, int] = {}
 
@@ -336,20 +241,22 @@ class StaticDecode:
         device = cache.layers[0].pool.spec.device
         mode = stats_mode(stats)
         group = be.num_heads // be.num_kv_heads if mode is not None else 0
+        holes = any(r.holes is not None for la in cache.layers for r in la.rows)  # host attributes only
+        key = (b, mode, holes)
 
         def make(longest: int) -> StaticBuffers:
             cap = capacity_for(longest, self.capacity_step)
             return StaticBuffers.make(
-                b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device, group, mode == "exact"
+                b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device, group, mode == "exact", holes
             )
 
-        got = prepare(self._bufs.get((b, mode)), inputs, cache, make)
+        got = prepare(self._bufs.get(key), inputs, cache, make)
         if got is None:
             why = "tables the one-launch append cannot address"
             self.refused[why] = self.refused.get(why, 0) + 1
             return None
         bufs, reservations = got
-        self._bufs[b, mode] = bufs
+        self._bufs[key] = bufs
         pools = layer_pools(cache)
         try:
             if self.graphs is None:
@@ -357,7 +264,7 @@ class StaticDecode:
             else:
                 flat = tuple(t for trio in pools for t in trio)
                 fn = partial(forward, be, bufs, pools)
-                logits, attended = self.graphs.run(bufs, fn, flat, key=(b, mode))
+                logits, attended = self.graphs.run(bufs, fn, flat, key=key)
         except BaseException:
             for res in reversed(reservations):
                 res.cancel()
@@ -391,8 +298,7 @@ def step_stats(bufs: StaticBuffers, inputs, cache, stats) -> StepStats:
     from vlkv.runtime.step_context import StepContext
 
     ctx = StepContext(cache, inputs, stats)
-    cols = torch.arange(bufs.capacity, device=bufs.meta.device)
-    held = cols < bufs.meta[:, :, AFTER, None]  # (L, B, C): no holes in a static step
+    held = bufs.visible()  # (L, B, 1 or H_kv, 1, C): the hole step's from its forward
     for name, req in ctx.requests.items():
         per = layers_stats(bufs.probs, held, ctx.one_rows[name], req.threshold)
         per = [st if req.wants(layer) else None for layer, st in enumerate(per)]
@@ -405,13 +311,13 @@ def step_stats(bufs: StaticBuffers, inputs, cache, stats) -> StepStats:
 
 def layers_stats(probs: Tensor, held: Tensor, rows: Tensor | None, threshold: float | None) -> list:
     """The eager step's ``attention_rows._one_row_stats`` of every layer in one call: ``probs (L, B,
-    H_kv, G, C)``, ``held (L, B, C)`` bool the columns each request's row sees, ``rows (B, 1)`` bool
+    H_kv, G, C)``, ``held (L, B, 1 or H_kv, 1, C)`` bool the columns each row sees, ``rows (B, 1)`` bool
     (requests whose row is asked; None: every one), ``threshold`` as there → per layer an
     :class:`~vlkv.plugins.AttnStats` (``colsum (B, H, C)``, ``below`` / ``visible (B, H)``), views of
     the step's few tensors: a handful of ops a step where the eager step spends 8 a layer."""
     from vlkv.plugins import AttnStats
     from vlkv.runtime.attention_rows import _one_row_stats
 
-    st = _one_row_stats(probs, held[:, :, None, None, :], rows, threshold)
+    st = _one_row_stats(probs, held, rows, threshold)
     belows = [None] * probs.shape[0] if st.below is None else st.below.unbind(0)
     return [AttnStats(c, lo, v) for c, lo, v in zip(st.colsum.unbind(0), belows, st.visible.unbind(0))]

@@ -1,0 +1,172 @@
+"""The fixed buffers a static decode step (``runtime/static_step.py``) reads and writes: allocated once per
+batch size, read-table capacity and mode, so a CUDA graph captured against them replays at their
+addresses (``runtime/cuda_graph.py``).
+
+A step's mode (the buffers' key beside the batch size) is its statistics mode (None, ``"probs"``,
+``"exact"``: ``static_step.stats_mode``) and whether some request has per-head holes (kvzip's or an
+adaptive head budget's: entries a KV head gave up while the others kept them). A hole step's read table
+already holds ``-1`` at each head's holes (the append kernel writes it from the request's hole table, and
+every paged read masks negative slots); what a hole step adds is :attr:`StaticBuffers.held`, per layer the
+columns each KV head attends, written in the device half, from which the entries each row attended (a
+mean over heads, as the eager step counts them) and the statistics' visible columns come.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vlkv.runtime.kv.step_tables import AFTER, FIELDS
+
+# the read table's width grows in steps of this many columns (a capture per batch size and width: at
+# 1024 a decode recaptures once every 1024 steps; the paged read loops to the lengths, never to C)
+CAPACITY_STEP = 1024
+
+
+@dataclass(slots=True)
+class StaticBuffers:
+    """Every per-step input of ``static_step.forward`` for ``batch`` requests at read-table capacity ``capacity``.
+
+    Attributes:
+        batch, capacity, layers, kv_heads: ``B``, ``C``, ``L``, ``H_kv``.
+        token_ids: ``(B, 1)`` int64 the new tokens.
+        positions: ``(B, 1, P)`` int64 their RoPE positions.
+        modality: ``(B,)`` int8, order: ``(B,)`` int64: the new table column's modality and sequence index.
+        ints: ``(L·B·FIELDS + L·H_kv·B,)`` int64, the one host-to-device copy of a step: ``meta`` then ``ids``.
+        meta: ``(L, B, FIELDS)`` view of ``ints``: per layer and request the append's row
+            (``kv/step_tables``: table addresses, capacity, new column, length after, hole table).
+        ids: ``(L, H_kv, B)`` view of ``ints``: each new entry's slot per layer and KV head.
+        lengths: ``(L, B, H_kv)`` view of ``meta``'s lengths after the append (stride 0 over heads).
+        table: ``(B, H_kv, C)`` int64, the read table each layer's append writes (``-1`` at holes) and
+            its paged read reads.
+        probs: ``(L, B, H_kv, G, C)`` float32 every layer's softmax rows (a statistics step's buffers),
+            or None (a plain step's).
+        exact: a statistics step whose attention output is the plain paged read's (``exact_output``).
+        held: ``(L, B, H_kv, 1, C)`` bool per layer the columns each KV head attends (inside the length,
+            not a hole), written by the device half: a hole step's buffers; None where no request has holes
+            (every head then attends the columns below the length).
+        columns: ``(C,)`` int64 ``0..C-1`` (a hole step's: the plain step's ``held`` is built from it).
+    """
+
+    batch: int
+    capacity: int
+    layers: int
+    kv_heads: int
+    token_ids: Tensor
+    positions: Tensor
+    modality: Tensor
+    order: Tensor
+    ints: Tensor
+    meta: Tensor
+    ids: Tensor
+    lengths: Tensor
+    table: Tensor
+    probs: Tensor | None = None
+    exact: bool = False
+    held: Tensor | None = None
+    columns: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.capacity < 1 or self.layers < 1 or self.kv_heads < 1:
+            raise ValueError(
+                f"StaticBuffers: batch, capacity, layers, kv_heads must be >= 1, got {self.batch}, "
+                f"{self.capacity}, {self.layers}, {self.kv_heads}"
+            )
+        if self.table.shape != (self.batch, self.kv_heads, self.capacity):
+            raise ValueError(f"StaticBuffers.table: {tuple(self.table.shape)} is not (B, H_kv, C)")
+        if self.meta.shape != (self.layers, self.batch, FIELDS):
+            raise ValueError(f"StaticBuffers.meta: {tuple(self.meta.shape)} is not (L, B, {FIELDS})")
+        if self.probs is not None and (
+            self.probs.shape[:3] != (self.layers, self.batch, self.kv_heads)
+            or self.probs.shape[4] != self.capacity
+            or not self.probs.is_contiguous()
+        ):
+            raise ValueError(f"StaticBuffers.probs: {tuple(self.probs.shape)} is not (L, B, H_kv, G, C)")
+        if self.exact and self.probs is None:
+            raise ValueError("StaticBuffers.exact: an exact output is a statistics step's (probs needed)")
+        want = (self.layers, self.batch, self.kv_heads, 1, self.capacity)
+        if self.held is not None and (
+            self.held.shape != want or self.held.dtype != torch.bool or not self.held.is_contiguous()
+        ):
+            raise ValueError(f"StaticBuffers.held: {tuple(self.held.shape)} is not contiguous bool {want}")
+        if (self.held is None) != (self.columns is None):
+            raise ValueError(
+                "StaticBuffers.held and .columns: a hole step's buffers have both, others neither"
+            )
+
+    @property
+    def holes(self) -> bool:
+        """These are a hole step's buffers (see :attr:`held`)."""
+        return self.held is not None
+
+    @classmethod
+    def make(
+        cls,
+        batch: int,
+        capacity: int,
+        layers: int,
+        kv_heads: int,
+        pos_dims: int,
+        device,
+        group: int = 0,
+        exact: bool = False,
+        holes: bool = False,
+    ):
+        """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses);
+        ``group`` > 0: a statistics step's, with ``probs`` for ``G = group`` query heads per KV head;
+        ``holes``: a hole step's, with ``held``."""
+        i64 = dict(dtype=torch.long, device=device)
+        n_meta = layers * batch * FIELDS
+        ints = torch.zeros(n_meta + layers * kv_heads * batch, **i64)
+        meta = ints[:n_meta].view(layers, batch, FIELDS)
+        return cls(
+            batch=batch,
+            capacity=capacity,
+            layers=layers,
+            kv_heads=kv_heads,
+            token_ids=torch.zeros(batch, 1, **i64),
+            positions=torch.zeros(batch, 1, pos_dims, **i64),
+            modality=torch.zeros(batch, dtype=torch.int8, device=device),
+            order=torch.zeros(batch, **i64),
+            ints=ints,
+            meta=meta,
+            ids=ints[n_meta:].view(layers, kv_heads, batch),
+            lengths=meta[:, :, AFTER, None].expand(layers, batch, kv_heads),
+            table=torch.zeros(batch, kv_heads, capacity, **i64),
+            probs=(
+                torch.zeros(layers, batch, kv_heads, group, capacity, dtype=torch.float32, device=device)
+                if group > 0
+                else None
+            ),
+            exact=exact,
+            held=(
+                torch.zeros(layers, batch, kv_heads, 1, capacity, dtype=torch.bool, device=device)
+                if holes
+                else None
+            ),
+            columns=torch.arange(capacity, **i64) if holes else None,
+        )
+
+    def visible(self) -> Tensor:
+        """``(L, B, 1 or H_kv, 1, C)`` bool per layer the columns each row attended, after the forward:
+        :attr:`held` (a hole step), else the columns below each request's length."""
+        if self.held is not None:
+            return self.held
+        cols = torch.arange(self.capacity, device=self.meta.device)
+        return (cols < self.meta[:, :, AFTER, None])[:, :, None, None, :]
+
+    def attended(self) -> Tensor:
+        """``(L, B)`` float64 entries each request's row attended per layer (the mean over KV heads, as
+        the eager step's ``kv.paged.attended_entries``); device ops on the buffers, no host read."""
+        if self.held is None:
+            return self.meta[:, :, AFTER].double()
+        return self.held.sum(-1, dtype=torch.float64).mean((2, 3))
+
+
+def capacity_for(longest: int, step: int = CAPACITY_STEP) -> int:
+    """The read table's capacity for a step whose longest request holds ``longest`` entries after it:
+    the next multiple of ``step``."""
+    return max(step, math.ceil(longest / step) * step)
