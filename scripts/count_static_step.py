@@ -117,7 +117,7 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     assert static.taken == steps + 1, static.refused
     row = {"config": "static", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps}
     row["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
-    row["holes"] = any(holes for _, _, holes in static._bufs)  # a hole step's buffers (kvzip's)
+    row["holes"] = any(reads == "holes" for _, _, reads in static._bufs)  # a hole step's buffers (kvzip's)
     row["host"] = {k: v / steps for k, v in halves.host.items()}
     row["device"] = {k: v / steps for k, v in halves.device.items()}
     if halves.stats is not None:

@@ -100,10 +100,10 @@ def measure(engine, one, b: int, device: str, sink, result: dict) -> dict:
 
     # the device half alone, on the buffers of the last graph step: running it again writes the same K/V
     # rows and table columns (the same values at the same places) and reads the same lengths
-    bufs = static._bufs[b, None, False]  # (batch size, statistics mode, holes): a full cache has neither
+    bufs = static._bufs[b, None, None]  # (batch size, statistics mode, reads): a full cache has neither
     pool = sched.pool
     pools = [(pool.keys[i], pool.values[i], pool.prerope_flags(i)) for i in range(be.num_layers)]
-    _, _, graph, outputs, _ = static.graphs._graphs[b, None, False]
+    _, _, graph, outputs, _ = static.graphs._graphs[b, None, None]
     ref = forward(be, bufs, pools)[0]
     graph.replay()
     result["graph_vs_static_max_abs"] = float((outputs[0] - ref).abs().max())

@@ -8,18 +8,30 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import make_image
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.request import Request, Status
 from vlkv.runtime.scheduler import Scheduler
 
-TEXTS = ("Describe the scene in detail.", "Hi", "What colour is the sky today? Tell me more about it.")
-# the batch goes from 3 to 2 to 1 (a capture each): first kvzip's request (per-head holes: a hole step's
-# buffers and graph) finishes, then h2o's (statistics steps: its rows asked, the others' not), then the
-# full one runs alone (plain steps): every mode's graph in as many steps as before (the GPU check's time
-# budget holds)
-NEW = (5, 8, 10)
-POLICIES = (("kvzip", {"budget": 0.5}), ("h2o", {"budget": 0.5}), ("full", {}))
+TEXTS = (
+    "Describe the scene in detail.",
+    "Hi",
+    "What colour is the sky today? Tell me more about it.",
+    "Describe the picture.",
+)
+# the batch goes from 4 to 3 to 2 to 1 (a capture each): kvzip's request (per-head holes: a hole step's
+# buffers and graph) finishes first, then A-VL's (core=0.3 over its image: core steps of selected attention,
+# a group and graph of their own, "select"), then h2o's (statistics steps: its rows asked, the others'
+# not), then the full one runs alone (plain steps): every mode's graph in as many scheduler steps as before
+NEW = (4, 8, 10, 6)
+POLICIES = (
+    ("kvzip", {"budget": 0.5}),
+    ("h2o", {"budget": 0.5}),
+    ("full", {}),
+    ("avl", {"budget": 0.5, "core": 0.3}),
+)
+IMAGES = (None, None, None, 0)  # A-VL's request has an image (a core to restrict to)
 # the graph replays the eager step's kernels on the same values; only the paged read's split count may
 # differ (its table is a fixed capacity wide), which at these sizes is one split either way
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -61,42 +73,56 @@ def test_graph_replay_equals_the_eager_step(dtype):
     for _ in range(2):
         sched = Scheduler(engine, pool_bytes=1 << 22)
         reqs = [
-            sched.submit(Request(Prompt(t), make_policy(p, **kw), n, stop_at_eos=False))
-            for t, n, (p, kw) in zip(TEXTS, NEW, POLICIES)
+            sched.submit(
+                Request(
+                    Prompt(t, [] if im is None else [make_image(im)]),
+                    make_policy(p, **kw),
+                    n,
+                    stop_at_eos=False,
+                )
+            )
+            for t, n, (p, kw), im in zip(TEXTS, NEW, POLICIES, IMAGES)
         ]
         be.static = None
-        sched.step()  # the prefill of all three (no graph for it)
-        assert len(sched.running) == len(TEXTS)
+        while len(sched.running) < len(TEXTS):  # the prefills (no graph for them)
+            sched.step()
         scheds.append((sched, reqs))
     (eager, eager_reqs), (graphed, graph_reqs) = scheds
-    step, modes, holes = 0, set(), set()
+    step, calls, modes, holes = 0, 0, set(), set()
     while eager.running:
+        # a scheduler step is one backend call per group (A-VL's core steps are a group of their own):
+        # each compared with the eager one at the same place
         be.static = None
+        at = len(outs)
         eager.step()
-        want = outs[-1]
+        want = outs[at:]
         be.static = static
+        at = len(outs)
         graphed.step()
-        got = outs[-1]
-        assert static.taken == step + 1, static.refused
-        torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
-        assert torch.equal(got.attended, want.attended)
-        assert (got.stats[0] is None) == (want.stats[0] is None), step
-        modes.add(want.stats[0] is None)
+        got = outs[at:]
+        calls += len(got)
+        assert static.taken == calls and len(got) == len(want), static.refused
         first = graph_reqs[0]  # kvzip's: a hole step while it runs
         holes.add(first.status is Status.RUNNING and any(la.holes is not None for la in first.cache.layers))
-        if want.stats[0] is not None:  # the h2o request's statistics, C columns wide (0 past its width)
-            for g, w in zip(got.stats, want.stats):
-                n = w.colsum.shape[-1]
-                torch.testing.assert_close(g.colsum[1, :, :n], w.colsum[1], rtol=1e-4, atol=1e-5)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.logits, w.logits, **TOL[dtype], msg=f"step {step}")
+            assert torch.equal(g.attended, w.attended)
+            assert (g.stats[0] is None) == (w.stats[0] is None), step
+            modes.add(w.stats[0] is None)
+            if w.stats[0] is not None:  # every asked row's statistics, C columns wide (0 past its width)
+                for gs, ws in zip(g.stats, w.stats):
+                    n = ws.colsum.shape[-1]
+                    torch.testing.assert_close(gs.colsum[..., :n], ws.colsum, rtol=1e-4, atol=1e-5)
         step += 1
     assert not graphed.running
-    assert static.graphs.replays == step
-    # one capture per (batch size, statistics mode, holes, width): 3 requests with holes and statistics,
-    # 2 with statistics, 1 plain, and each width the tables reached
-    assert static.graphs.captures >= 3, static.graphs.captures
+    assert static.graphs.replays == calls
+    # one capture per (batch size, statistics mode, reads, width): holes beside statistics, A-VL's
+    # selection, statistics alone, plain, and each width the tables reached
+    assert static.graphs.captures >= 4, static.graphs.captures
     assert modes == {True, False}  # statistics steps, then plain ones
     assert True in holes  # kvzip's request had holes while it ran
-    assert set(static.graphs._graphs) >= {(3, "probs", True), (2, "probs", False), (1, None, False)}
+    reads = {key[2] for key in static.graphs._graphs}
+    assert {"holes", "select", None} <= reads, reads
     for a, b in zip(eager_reqs, graph_reqs):
         assert a.status is b.status is Status.FINISHED, (a.error, b.error)
         assert a.tokens == b.tokens
@@ -147,6 +173,6 @@ def test_a_graph_is_captured_per_batch_size_and_again_when_its_buffers_or_pools_
     assert graphs.captures == len(captured) == 4 and graphs.replays == len(runs)
     # a statistics step's graph is kept beside the plain one of its batch size (its own key), both replayed
     stats = SimpleNamespace(batch=2)
-    for bufs, key in ((stats, (2, "probs", False)), (stats, (2, "probs", False)), (wide, None)):
+    for bufs, key in ((stats, (2, "probs", None)), (stats, (2, "probs", None)), (wide, None)):
         graphs.run(bufs, forward, (pool_b,), key=key)
-    assert graphs.captures == 5 and set(graphs._graphs) == {2, 3, (2, "probs", False)}
+    assert graphs.captures == 5 and set(graphs._graphs) == {2, 3, (2, "probs", None)}

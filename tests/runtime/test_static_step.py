@@ -122,7 +122,7 @@ def test_static_step_equals_the_eager_step(name, dtype, monkeypatch):
         static_sched.step()
         got = outs[-1]
         assert static.taken == step + 1, static.refused
-        widths.add(static._bufs[len(TEXTS), None, False].capacity)
+        widths.add(static._bufs[len(TEXTS), None, None].capacity)
         assert got.logits.dtype == want.logits.dtype == torch.float32
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
         assert torch.equal(got.attended, want.attended)
@@ -145,7 +145,7 @@ def test_the_device_half_reads_nothing_back_and_allocates_nothing_step_shaped(mo
     sched, _ = _running(engine)
     engine.backend.static = static = StaticDecode(engine.backend, capacity_step=64)
     sched.step()  # buffers made for this batch size
-    bufs = static._bufs[len(TEXTS), None, False]
+    bufs = static._bufs[len(TEXTS), None, None]
     ptrs = [t.data_ptr() for t in (bufs.ints, bufs.table, bufs.token_ids, bufs.positions)]
     engine.backend.static = None
     plan = sched.plan()  # the next decode step's one group, not run by the scheduler

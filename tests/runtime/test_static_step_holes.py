@@ -72,7 +72,7 @@ def test_a_step_with_per_head_holes_equals_the_eager_step(name, dtype, per, monk
         static_sched.step()
         got = outs[-1]
         assert static.taken == step + 1, static.refused
-        assert all(holes for _, _, holes in static._bufs)  # a hole step's buffers only
+        assert all(reads == "holes" for _, _, reads in static._bufs)  # a hole step's buffers only
         assert [m is not None for _, m, _ in static._bufs] == [stats_step] * len(static._bufs)
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
         assert torch.equal(got.attended, want.attended), step
@@ -109,7 +109,7 @@ def test_a_hole_steps_device_half_reads_nothing_back(per, monkeypatch):
     sched.step()  # buffers made for this batch size and mode
     (key,) = static._bufs
     bufs = static._bufs[key]
-    assert key[2] and bufs.held is not None
+    assert key[2] == "holes" and bufs.reads == "holes" and bufs.held is not None
     ptrs = [t.data_ptr() for t in (bufs.ints, bufs.table, bufs.held)]
     engine.backend.static = None
     group = sched.plan().groups[0]

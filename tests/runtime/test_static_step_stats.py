@@ -108,7 +108,7 @@ def test_a_statistics_steps_device_half_reads_nothing_back(monkeypatch):
     sched, _ = _running(engine, "h2o", budget=0.5)
     engine.backend.static = static = StaticDecode(engine.backend, capacity_step=64)
     sched.step()  # buffers made for this batch size and mode
-    bufs = static._bufs[len(TEXTS), "probs", False]
+    bufs = static._bufs[len(TEXTS), "probs", None]
     assert bufs.probs is not None and bufs.probs.shape[:3] == (
         engine.backend.num_layers,
         len(TEXTS),
@@ -184,8 +184,8 @@ def test_an_exact_output_step_reads_plainly_beside_its_statistics(monkeypatch):
         engine.backend.static = static
         outs.append(engine.backend.step(group.inputs, group.batch, stats))
     engine.backend.static = None
-    assert static.taken == 1 and set(static._bufs) == {(len(TEXTS), "exact", False)}
-    assert static._bufs[len(TEXTS), "exact", False].exact
+    assert static.taken == 1 and set(static._bufs) == {(len(TEXTS), "exact", None)}
+    assert static._bufs[len(TEXTS), "exact", None].exact
     want, got = outs
     torch.testing.assert_close(got.logits, want.logits, **TOL[torch.float32])
     _assert_stats_equal(got.stats, want.stats, "exact")

@@ -3,12 +3,21 @@ batch size, read-table capacity and mode, so a CUDA graph captured against them 
 addresses (``runtime/cuda_graph.py``).
 
 A step's mode (the buffers' key beside the batch size) is its statistics mode (None, ``"probs"``,
-``"exact"``: ``static_step.stats_mode``) and whether some request has per-head holes (kvzip's or an
-adaptive head budget's: entries a KV head gave up while the others kept them). A hole step's read table
-already holds ``-1`` at each head's holes (the append kernel writes it from the request's hole table, and
-every paged read masks negative slots); what a hole step adds is :attr:`StaticBuffers.held`, per layer the
-columns each KV head attends, written in the device half, from which the entries each row attended (a
-mean over heads, as the eager step counts them) and the statistics' visible columns come.
+``"exact"``: ``static_step.stats_mode``) and what its reads take (``reads``, ``static_step.reads_of``):
+
+- ``"holes"``: some request has per-head holes (kvzip's or an adaptive head budget's: entries a KV head
+  gave up while the others kept them). The read table already holds ``-1`` at each head's holes (the
+  append kernel writes it from the request's hole table; every paged read masks negative slots); what a
+  hole step adds is :attr:`StaticBuffers.held`, per layer the columns each KV head attends, written in
+  the device half, from which the entries each row attended (a mean over heads, as the eager step counts
+  them) and the statistics' visible columns come.
+- ``"select"``: selected attention (A-VL's core steps: ``StepInputs.attend``, per layer the past columns
+  each KV head reads). The selection is a fixed-size buffer, :attr:`StaticBuffers.select` ``(L, B, H_kv,
+  C)``: per layer each list then the new column, padded (past :attr:`StaticBuffers.select_len`: never
+  read), a layer without a list holding every column. Each layer's read gathers its read table through
+  it into :attr:`StaticBuffers.read` (one op) and reads that to the list's length; a statistics step's
+  probabilities are then over the list's positions, scattered back to columns after the forward.
+- None: neither (every head attends every column below its length).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from vlkv.runtime.kv.step_tables import AFTER, FIELDS
 # the read table's width grows in steps of this many columns (a capture per batch size and width: at
 # 1024 a decode recaptures once every 1024 steps; the paged read loops to the lengths, never to C)
 CAPACITY_STEP = 1024
+READS = (None, "holes", "select")
 
 
 @dataclass(slots=True)
@@ -48,7 +58,11 @@ class StaticBuffers:
         held: ``(L, B, H_kv, 1, C)`` bool per layer the columns each KV head attends (inside the length,
             not a hole), written by the device half: a hole step's buffers; None where no request has holes
             (every head then attends the columns below the length).
-        columns: ``(C,)`` int64 ``0..C-1`` (a hole step's: the plain step's ``held`` is built from it).
+        columns: ``(C,)`` int64 ``0..C-1`` (a hole or selection step's).
+        select: ``(L, B, H_kv, C)`` int64 per layer the columns each head reads, in order, the new one
+            last (a selection step's; else None), filled by the host half.
+        select_len: ``(L, B, H_kv)`` int64 how many of ``select`` each head reads (new one included).
+        read: ``(B, H_kv, C)`` int64 a layer's read table gathered through its ``select`` row.
     """
 
     batch: int
@@ -68,6 +82,9 @@ class StaticBuffers:
     exact: bool = False
     held: Tensor | None = None
     columns: Tensor | None = None
+    select: Tensor | None = None
+    select_len: Tensor | None = None
+    read: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.capacity < 1 or self.layers < 1 or self.kv_heads < 1:
@@ -92,15 +109,27 @@ class StaticBuffers:
             self.held.shape != want or self.held.dtype != torch.bool or not self.held.is_contiguous()
         ):
             raise ValueError(f"StaticBuffers.held: {tuple(self.held.shape)} is not contiguous bool {want}")
-        if (self.held is None) != (self.columns is None):
+        if self.held is not None and self.select is not None:
             raise ValueError(
-                "StaticBuffers.held and .columns: a hole step's buffers have both, others neither"
+                "StaticBuffers: holes and a selection are not read together (refused, as eagerly)"
+            )
+        if (self.held is None and self.select is None) != (self.columns is None):
+            raise ValueError("StaticBuffers.columns: a hole or selection step's buffers have it, others not")
+        if self.select is not None and (
+            self.select.shape != (self.layers, self.batch, self.kv_heads, self.capacity)
+            or self.select_len is None
+            or self.select_len.shape != (self.layers, self.batch, self.kv_heads)
+            or self.read is None
+            or self.read.shape != self.table.shape
+        ):
+            raise ValueError(
+                "StaticBuffers.select / select_len / read: not (L, B, H_kv, C) / (L, B, H_kv) / (B, H_kv, C)"
             )
 
     @property
-    def holes(self) -> bool:
-        """These are a hole step's buffers (see :attr:`held`)."""
-        return self.held is not None
+    def reads(self) -> str | None:
+        """What these buffers' reads take: ``"holes"``, ``"select"`` or None (see the module docstring)."""
+        return "holes" if self.held is not None else "select" if self.select is not None else None
 
     @classmethod
     def make(
@@ -113,11 +142,14 @@ class StaticBuffers:
         device,
         group: int = 0,
         exact: bool = False,
-        holes: bool = False,
+        reads: str | None = None,
     ):
         """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses);
         ``group`` > 0: a statistics step's, with ``probs`` for ``G = group`` query heads per KV head;
-        ``holes``: a hole step's, with ``held``."""
+        ``reads``: ``"holes"`` (with ``held``), ``"select"`` (with ``select``, ``select_len``, ``read``) or None."""
+        if reads not in READS:
+            raise ValueError(f"reads must be one of {READS}, got {reads!r}")
+        holes, select = reads == "holes", reads == "select"
         i64 = dict(dtype=torch.long, device=device)
         n_meta = layers * batch * FIELDS
         ints = torch.zeros(n_meta + layers * kv_heads * batch, **i64)
@@ -147,7 +179,10 @@ class StaticBuffers:
                 if holes
                 else None
             ),
-            columns=torch.arange(capacity, **i64) if holes else None,
+            columns=torch.arange(capacity, **i64) if reads else None,
+            select=torch.zeros(layers, batch, kv_heads, capacity, **i64) if select else None,
+            select_len=torch.zeros(layers, batch, kv_heads, **i64) if select else None,
+            read=torch.zeros(batch, kv_heads, capacity, **i64) if select else None,
         )
 
     def visible(self) -> Tensor:
@@ -155,15 +190,19 @@ class StaticBuffers:
         :attr:`held` (a hole step), else the columns below each request's length."""
         if self.held is not None:
             return self.held
+        if self.select is not None:  # the list's positions (the probabilities are over those)
+            return (self.columns < self.select_len[..., None])[:, :, :, None, :]
         cols = torch.arange(self.capacity, device=self.meta.device)
         return (cols < self.meta[:, :, AFTER, None])[:, :, None, None, :]
 
     def attended(self) -> Tensor:
         """``(L, B)`` float64 entries each request's row attended per layer (the mean over KV heads, as
         the eager step's ``kv.paged.attended_entries``); device ops on the buffers, no host read."""
-        if self.held is None:
-            return self.meta[:, :, AFTER].double()
-        return self.held.sum(-1, dtype=torch.float64).mean((2, 3))
+        if self.held is not None:
+            return self.held.sum(-1, dtype=torch.float64).mean((2, 3))
+        if self.select is not None:
+            return self.select_len.double().mean(2)
+        return self.meta[:, :, AFTER].double()
 
 
 def capacity_for(longest: int, step: int = CAPACITY_STEP) -> int:

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.backend import StepOutput, StepStats
-from vlkv.runtime.kv.step_tables import fits, meta_row, table_tensors
+from vlkv.runtime.kv.step_tables import COLUMN, fits, meta_row, table_tensors
 from vlkv.runtime.static_buffers import CAPACITY_STEP, StaticBuffers, capacity_for
 
 
@@ -66,8 +66,8 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
         return "statistics with the Triton statistics kernel off (VLKV_TRITON_PROBS=0)"
     if inputs.inputs_embeds is not None or inputs.all_logits or inputs.selective:
         return "not a plain decode step (embeddings, all logits or a link step)"
-    if inputs.attend is not None or inputs.row_filter is not None:
-        return "selected attention or a row filter"
+    if inputs.row_filter is not None:
+        return "a row filter"
     b, q = inputs.input_ids.shape
     if q != 1 or inputs.new_len_host != (1,) * b or b > device_layer.MAX_ROWS:
         return "not one new row per request (or more rows than the device layer takes)"
@@ -78,6 +78,8 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
         r.batch != 1 or r.linked or r.lowrank is not None or r.offloaded is not None for p in per for r in p
     ):
         return "a request with pre-RoPE, low-rank or swapped-out entries"
+    if inputs.attend is not None and any(r.holes is not None for p in per for r in p):
+        return "selected attention beside per-head holes (the eager step refuses it too)"
     pool = cache.layers[0].pool
     if pool.spec.dtype != backend.dtype:
         return "the pool's dtype is not the model's"
@@ -142,6 +144,8 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
         bufs.positions.copy_(inputs.positions)
         bufs.modality.copy_(new["modality"])
         bufs.order.copy_(new["order"])
+        if bufs.select is not None:
+            _fill_select(bufs, inputs.attend)
     except BaseException as err:
         for res in reversed(done):
             res.cancel()
@@ -151,6 +155,31 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
     finally:
         pool.settle()
     return bufs, done
+
+
+def reads_of(inputs, cache) -> str | None:
+    """What a step's reads take (``static_buffers``' ``reads``): ``"select"`` (selected attention),
+    ``"holes"`` (some request with per-head holes) or None. Host attributes only."""
+    if inputs.attend is not None:
+        return "select"
+    return "holes" if any(r.holes is not None for la in cache.layers for r in la.rows) else None
+
+
+def _fill_select(bufs: StaticBuffers, attend: list) -> None:
+    """A selection step's lists into ``bufs.select`` / ``select_len`` (host half, device copies, no read
+    back): per layer each head's listed columns (``AttendIndex``: ascending, ``(B, H_kv, K)``), or every
+    column where the layer has no list (``attend[i]`` None: its length before the step), then the new
+    column after them (the eager step's ``_with_new_slot``)."""
+    for i, index in enumerate(attend):
+        if index is None:
+            bufs.select[i].copy_(bufs.columns.expand_as(bufs.select[i]))
+            bufs.select_len[i].copy_(bufs.meta[i, :, COLUMN, None].expand_as(bufs.select_len[i]))
+        else:
+            bufs.select[i, :, :, : index.indices.shape[2]].copy_(index.indices)
+            bufs.select_len[i].copy_(index.lengths)
+    new = bufs.meta[:, :, COLUMN, None, None].expand(*bufs.select_len.shape, 1)
+    bufs.select.scatter_(3, bufs.select_len[..., None], new)
+    bufs.select_len += 1
 
 
 class _Refused(Exception):
@@ -170,19 +199,21 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
         keys, values, flags, k, v, bufs.meta, i, new_positions, bufs.modality, bufs.order,
         ids=bufs.ids[i], out=bufs.table,
     )  # fmt: skip
-    lengths = bufs.lengths[i]
+    table, lengths = bufs.table, bufs.lengths[i]
+    if bufs.select is not None:  # selected attention: the read table gathered through the layer's list
+        table, lengths = torch.gather(bufs.table, 2, bufs.select[i], out=bufs.read), bufs.select_len[i]
     held = None if bufs.held is None else bufs.held[i]  # a hole step's: the columns each head attends
     if bufs.probs is None:
-        out = paged_attention(q, keys, values, bufs.table, lengths, attn.scaling)
+        out = paged_attention(q, keys, values, table, lengths, attn.scaling)
         if held is not None:  # the read table's slots >= 0 below the length (3 ops; no host read)
-            torch.logical_and(bufs.table >= 0, bufs.columns < lengths[..., None], out=held[:, :, 0])
+            torch.logical_and(table >= 0, bufs.columns < lengths[..., None], out=held[:, :, 0])
     else:  # a statistics step: the eager step's one-read kernel, its softmax rows into the buffer
         out, _, _ = paged_probs_triton(
-            q, keys, values, bufs.table, lengths, attn.scaling,
+            q, keys, values, table, lengths, attn.scaling,
             with_vis=held is not None, probs_out=bufs.probs[i], vis_out=held,
         )  # fmt: skip
         if bufs.exact:  # the plain read's output, bit for bit (as the eager step's exact_output)
-            out = paged_attention(q, keys, values, bufs.table, lengths, attn.scaling)
+            out = paged_attention(q, keys, values, table, lengths, attn.scaling)
     return out.transpose(1, 2).contiguous()
 
 
@@ -241,13 +272,13 @@ class StaticDecode:
         device = cache.layers[0].pool.spec.device
         mode = stats_mode(stats)
         group = be.num_heads // be.num_kv_heads if mode is not None else 0
-        holes = any(r.holes is not None for la in cache.layers for r in la.rows)  # host attributes only
-        key = (b, mode, holes)
+        reads = reads_of(inputs, cache)
+        key = (b, mode, reads)
 
         def make(longest: int) -> StaticBuffers:
             cap = capacity_for(longest, self.capacity_step)
             return StaticBuffers.make(
-                b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device, group, mode == "exact", holes
+                b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device, group, mode == "exact", reads
             )
 
         got = prepare(self._bufs.get(key), inputs, cache, make)
@@ -300,7 +331,7 @@ def step_stats(bufs: StaticBuffers, inputs, cache, stats) -> StepStats:
     ctx = StepContext(cache, inputs, stats)
     held = bufs.visible()  # (L, B, 1 or H_kv, 1, C): the hole step's from its forward
     for name, req in ctx.requests.items():
-        per = layers_stats(bufs.probs, held, ctx.one_rows[name], req.threshold)
+        per = layers_stats(bufs.probs, held, ctx.one_rows[name], req.threshold, bufs.select)
         per = [st if req.wants(layer) else None for layer, st in enumerate(per)]
         if name:
             ctx.stats.extra[name] = per
@@ -309,7 +340,9 @@ def step_stats(bufs: StaticBuffers, inputs, cache, stats) -> StepStats:
     return ctx.stats
 
 
-def layers_stats(probs: Tensor, held: Tensor, rows: Tensor | None, threshold: float | None) -> list:
+def layers_stats(
+    probs: Tensor, held: Tensor, rows: Tensor | None, threshold: float | None, select: Tensor | None = None
+) -> list:
     """The eager step's ``attention_rows._one_row_stats`` of every layer in one call: ``probs (L, B,
     H_kv, G, C)``, ``held (L, B, 1 or H_kv, 1, C)`` bool the columns each row sees, ``rows (B, 1)`` bool
     (requests whose row is asked; None: every one), ``threshold`` as there → per layer an
@@ -319,5 +352,10 @@ def layers_stats(probs: Tensor, held: Tensor, rows: Tensor | None, threshold: fl
     from vlkv.runtime.attention_rows import _one_row_stats
 
     st = _one_row_stats(probs, held, rows, threshold)
+    colsum = st.colsum
+    if select is not None:  # the list's positions back to the columns they name (probabilities 0 past
+        # each list: what lands on a padding position's column is 0)
+        at = select.repeat_interleave(probs.shape[3], dim=2)  # (L, B, H, C), as the eager step's scatter
+        colsum = torch.zeros_like(colsum).scatter_add_(3, at, colsum)
     belows = [None] * probs.shape[0] if st.below is None else st.below.unbind(0)
-    return [AttnStats(c, lo, v) for c, lo, v in zip(st.colsum.unbind(0), belows, st.visible.unbind(0))]
+    return [AttnStats(c, lo, v) for c, lo, v in zip(colsum.unbind(0), belows, st.visible.unbind(0))]
