@@ -1,11 +1,12 @@
 """Ops, Triton launches and host syncs of one decode step: eager, and static (the forward a CUDA graph captures).
 
-Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3] [--policy full h2o kvzip]
+Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3] [--policy full h2o kvzip avl-core]
 Counts, on the path a CUDA device runs (``count_step_ops.gpu_path_env``: the Triton kernels forced under
 the interpreter, every CPU C++ kernel off; the script runs itself again with that environment), a
 ``Scheduler.step()`` of tiny LLaVA over ``--batch`` ragged requests on a fixed pool, per ``--policy``
 (``full``: a plain step; ``h2o``: budget 0.5, a statistics step; ``kvzip``: budget 0.5, per-head holes,
-a plain hole step):
+a plain hole step; ``avl-core``: A-VL at budget 0.5 with ``core=0.3`` over one image per request, its
+counted steps core steps, selected attention with statistics):
 
 - ``eager``: the step as it runs today (``TorchBackend.step``'s layer loop);
 - ``static``: the same step through ``runtime/static_step.py``, with its two halves counted apart:
@@ -41,21 +42,40 @@ from vlkv.runtime.scheduler import Scheduler  # noqa: E402
 TEXTS = ["Describe the scene in detail.", "Hi", "What colour is the sky today?", "Count them."]
 
 
-# the policies counted: a plain step, a statistics step (h2o evicts as it decodes) and a hole step (kvzip's
-# adaptive head budgets leave per-head holes after its prefill)
-POLICIES = {"full": {}, "h2o": {"budget": 0.5}, "kvzip": {"budget": 0.5}}
+# the policies counted: a plain step, a statistics step (h2o evicts as it decodes), a hole step (kvzip's
+# adaptive head budgets leave per-head holes after its prefill), and A-VL's core steps (selected attention;
+# an update step only every 64: the counted steps are core steps)
+POLICIES = {
+    "full": {},
+    "h2o": {"budget": 0.5},
+    "kvzip": {"budget": 0.5},
+    "avl-core": {"budget": 0.5, "core": 0.3, "interval": 64},
+}
 
 
 def _running(engine, batch: int, policy: str = "full") -> Scheduler:
     sched = Scheduler(engine, pool_bytes=1 << 22)
     for i in range(batch):
         text = TEXTS[i % len(TEXTS)] + " x" * i
-        pol = make_policy(policy, **POLICIES[policy])
-        sched.submit(Request(Prompt(text), pol, 32, stop_at_eos=False))
+        pol = make_policy(policy.split("-")[0], **POLICIES[policy])
+        images = [_image(i)] if policy == "avl-core" else []  # a core to restrict to: vision entries
+        sched.submit(Request(Prompt(text, images), pol, 32, stop_at_eos=False))
     with torch_path_prefill():
-        sched.step()
+        for _ in range(batch):  # image prompts may take a prefill a step
+            if len(sched.running) == batch:
+                break
+            sched.step()
     assert len(sched.running) == batch
     return sched
+
+
+def _image(seed: int):
+    """A small random RGB image (the tests' kind: nothing downloaded)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8))
 
 
 class _Halves:
@@ -117,7 +137,7 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     assert static.taken == steps + 1, static.refused
     row = {"config": "static", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps}
     row["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
-    row["holes"] = any(reads == "holes" for _, _, reads in static._bufs)  # a hole step's buffers (kvzip's)
+    row["reads"] = sorted(str(reads) for _, _, reads in static._bufs)  # "holes": kvzip's, "select": A-VL core
     row["host"] = {k: v / steps for k, v in halves.host.items()}
     row["device"] = {k: v / steps for k, v in halves.device.items()}
     if halves.stats is not None:

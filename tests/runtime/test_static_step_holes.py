@@ -130,3 +130,46 @@ def test_a_hole_steps_device_half_reads_nothing_back(per, monkeypatch):
             assert attended[layer, i] == want.double().sum(-1).mean()
             fewer |= bool(attended[layer, i] < n)
     assert fewer  # some row attended fewer entries than its length: holes were skipped
+
+
+def test_selected_attention_beside_holes_is_refused_and_buffer_modes_check_themselves(monkeypatch):
+    """Per-head holes and a selection in one call are refused (the eager step raises on them; the
+    scheduler's groups never form one), nothing reserved; the buffers name their mode and refuse a mode
+    they do not know or a hole buffer beside a selection."""
+    import dataclasses
+
+    from vlkv.runtime.backend import AttendIndex
+    from vlkv.runtime.static_buffers import StaticBuffers
+    from vlkv.runtime.static_step import reads_of, refusal
+
+    engine = _engine("tiny-llava", torch.float32, monkeypatch)
+    sched, _ = _running(engine, per=(KVZIP, FULL, FULL))
+    group = sched.plan().groups[0]
+    assert reads_of(group.inputs, group.batch) == "holes"
+    assert refusal(engine.backend, group.inputs, group.batch, group.stats) is None
+    rows = group.batch.layers[0].rows
+    heads = rows[0].kv_heads
+    index = AttendIndex(
+        torch.zeros(len(rows), heads, 1, dtype=torch.long), torch.ones(len(rows), heads, dtype=torch.long)
+    )
+    selected = dataclasses.replace(group.inputs, attend=[index] * engine.backend.num_layers)
+    assert reads_of(selected, group.batch) == "select"
+    why = refusal(engine.backend, selected, group.batch, group.stats)
+    assert why == "selected attention beside per-head holes (the eager step refuses it too)"
+    static = StaticDecode(engine.backend)
+    before = [r.host_lengths() for r in rows]
+    assert static.step(selected, group.batch, group.stats) is None and static.refused == {why: 1}
+    assert [r.host_lengths() for r in rows] == before  # nothing reserved
+    assert [StaticBuffers.make(1, 4, 2, 2, 1, "cpu", reads=m).reads for m in (None, "holes", "select")] == [
+        None,
+        "holes",
+        "select",
+    ]
+    with pytest.raises(ValueError, match="reads must be one of"):
+        StaticBuffers.make(1, 4, 2, 2, 1, "cpu", reads="both")
+    held = StaticBuffers.make(1, 4, 2, 2, 1, "cpu", reads="holes")
+    sel = StaticBuffers.make(1, 4, 2, 2, 1, "cpu", reads="select")
+    with pytest.raises(ValueError, match="not read together"):
+        dataclasses.replace(sel, held=held.held)
+    with pytest.raises(ValueError, match="select / select_len / read"):
+        dataclasses.replace(sel, select=sel.select[:, :, :, :2])

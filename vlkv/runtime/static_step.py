@@ -27,7 +27,7 @@ after the forward (or the graph's replay) the host half turns them into the step
 the eager step's ``StepContext.put_one_row_stats``), which the scheduler's commit reads as before.
 
 The grids depend on ``B`` and ``C`` only, so :mod:`vlkv.runtime.cuda_graph` captures :func:`forward`
-once per batch size, capacity, statistics mode and holes and replays it; :class:`StaticDecode` runs it
+once per batch size, capacity, statistics mode and reads (holes, a selection) and replays it; :class:`StaticDecode` runs it
 without a graph too (the CPU check that it equals the eager step, under Triton's interpreter).
 
 A **hole step** (some request with per-head holes: kvzip, an adaptive head budget) takes the same
@@ -37,9 +37,15 @@ hole table its meta row names) and the paged reads mask negative slots; its buff
 the device half (the statistics kernel's visibility output, or 3 ops on the read table in a plain
 step), from which the attended counts and the statistics' visible columns come.
 
-Taken for a scheduler's batch view of one-sample caches in a plain decode step: one new row each, no
-selected attention, link step, low-rank factors, pre-RoPE (linked) entries or swapped-out request
-(:func:`refusal` names what stops it); any other step runs eagerly as before.
+A **selection step** (A-VL's core steps: ``StepInputs.attend``, per layer the past columns each KV head
+reads) copies the lists into ``select (L, B, H_kv, C)`` in the host half (:func:`_fill_select`: the new
+column appended, every column for a layer without a list); each layer's read gathers the read table
+through its row (one op into a fixed buffer) and reads to the lists' lengths, and a statistics step's
+probabilities, over the lists' positions, are scattered back to columns after the forward.
+
+Taken for a scheduler's batch view of one-sample caches in a decode step: one new row each, no link
+step, row filter, low-rank factors, pre-RoPE (linked) entries, swapped-out request, or selection beside
+per-head holes (:func:`refusal` names what stops it); any other step runs eagerly as before.
 """
 
 from __future__ import annotations
