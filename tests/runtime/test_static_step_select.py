@@ -61,7 +61,12 @@ def _running(engine, batch=BATCH) -> tuple[Scheduler, list[Request]]:
 
 @pytest.mark.parametrize(
     "name,dtype",
-    [("tiny-llava", torch.float32), ("tiny-llava", torch.bfloat16), ("tiny-qwen2-vl", torch.float32)],
+    [
+        ("tiny-llava", torch.float32),
+        ("tiny-llava", torch.bfloat16),
+        ("tiny-qwen2-vl", torch.float32),
+        ("tiny-qwen2-vl", torch.bfloat16),
+    ],
     ids=str,
 )
 def test_a_selection_step_equals_the_eager_step(name, dtype, monkeypatch):
