@@ -1,6 +1,7 @@
 """Ops, Triton launches and host syncs of one decode step: eager, and static (the forward a CUDA graph captures).
 
-Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3] [--policy full h2o kvzip avl-core]
+Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3]
+       [--policy full h2o kvzip avl-core]
 Counts, on the path a CUDA device runs (``count_step_ops.gpu_path_env``: the Triton kernels forced under
 the interpreter, every CPU C++ kernel off; the script runs itself again with that environment), a
 ``Scheduler.step()`` of tiny LLaVA over ``--batch`` ragged requests on a fixed pool, per ``--policy``

@@ -143,7 +143,8 @@ def test_a_selection_steps_device_half_reads_nothing_back(monkeypatch):
 
     def make(longest: int) -> StaticBuffers:
         made.append(StaticBuffers.make(
-            len(group.requests), capacity_for(longest, 64), be.num_layers, be.num_kv_heads, be.pos_dims, "cpu",
+            len(group.requests), capacity_for(longest, 64), be.num_layers, be.num_kv_heads,
+            be.pos_dims, "cpu",
             be.num_heads // be.num_kv_heads, reads="select",
         ))  # fmt: skip
         return made[-1]

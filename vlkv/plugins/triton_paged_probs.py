@@ -79,7 +79,8 @@ def paged_probs_triton(
     elif with_vis:
         if vis_out.shape != (batch, kv_heads, 1, cols) or vis_out.dtype != torch.bool:
             raise ValueError(
-                f"vis_out must be ({batch}, {kv_heads}, 1, {cols}) bool, got {tuple(vis_out.shape)} {vis_out.dtype}"
+                f"vis_out must be ({batch}, {kv_heads}, 1, {cols}) bool, got "
+                f"{tuple(vis_out.shape)} {vis_out.dtype}"
             )
         if not vis_out.is_contiguous():  # the normalise pass indexes it densely
             raise ValueError("vis_out must be contiguous")

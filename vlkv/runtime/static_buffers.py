@@ -38,14 +38,16 @@ READS = (None, "holes", "select")
 
 @dataclass(slots=True)
 class StaticBuffers:
-    """Every per-step input of ``static_step.forward`` for ``batch`` requests at read-table capacity ``capacity``.
+    """Every per-step input of ``static_step.forward`` for ``batch`` requests at read-table capacity
+    ``capacity``.
 
     Attributes:
         batch, capacity, layers, kv_heads: ``B``, ``C``, ``L``, ``H_kv``.
         token_ids: ``(B, 1)`` int64 the new tokens.
         positions: ``(B, 1, P)`` int64 their RoPE positions.
         modality: ``(B,)`` int8, order: ``(B,)`` int64: the new table column's modality and sequence index.
-        ints: ``(L·B·FIELDS + L·H_kv·B,)`` int64, the one host-to-device copy of a step: ``meta`` then ``ids``.
+        ints: ``(L·B·FIELDS + L·H_kv·B,)`` int64, the one host-to-device copy of a step: ``meta`` then
+            ``ids``.
         meta: ``(L, B, FIELDS)`` view of ``ints``: per layer and request the append's row
             (``kv/step_tables``: table addresses, capacity, new column, length after, hole table).
         ids: ``(L, H_kv, B)`` view of ``ints``: each new entry's slot per layer and KV head.
@@ -146,7 +148,8 @@ class StaticBuffers:
     ):
         """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses);
         ``group`` > 0: a statistics step's, with ``probs`` for ``G = group`` query heads per KV head;
-        ``reads``: ``"holes"`` (with ``held``), ``"select"`` (with ``select``, ``select_len``, ``read``) or None."""
+        ``reads``: ``"holes"`` (with ``held``), ``"select"`` (with ``select``, ``select_len``,
+        ``read``) or None."""
         if reads not in READS:
             raise ValueError(f"reads must be one of {READS}, got {reads!r}")
         holes, select = reads == "holes", reads == "select"

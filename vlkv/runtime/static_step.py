@@ -27,8 +27,9 @@ after the forward (or the graph's replay) the host half turns them into the step
 the eager step's ``StepContext.put_one_row_stats``), which the scheduler's commit reads as before.
 
 The grids depend on ``B`` and ``C`` only, so :mod:`vlkv.runtime.cuda_graph` captures :func:`forward`
-once per batch size, capacity, statistics mode and reads (holes, a selection) and replays it; :class:`StaticDecode` runs it
-without a graph too (the CPU check that it equals the eager step, under Triton's interpreter).
+once per batch size, capacity, statistics mode and reads (holes, a selection) and replays it;
+:class:`StaticDecode` runs it without a graph too (the CPU check that it equals the eager step, under
+Triton's interpreter).
 
 A **hole step** (some request with per-head holes: kvzip, an adaptive head budget) takes the same
 forward: the append kernel already writes ``-1`` at each head's holes into the read table (from the
