@@ -27,6 +27,15 @@ class GroupReads:
         used = stored if out.attended is None else out.attended.sum(0)
         full = torch.cat([c.processed for c in caches]) * num_layers
         rows = [stored.double(), used.double(), full.double()]
+        # requests with holes or low-rank factors: the pool slots they hold, summed here (one number a
+        # request in the same read back) rather than by ``kv_bytes()``'s read per layer
+        sparse = [i for i, c in enumerate(caches) if not _dense(c)]
+        if sparse:
+            held = torch.zeros(b, dtype=torch.float64, device=stored.device)
+            held[sparse] = torch.stack(
+                [sum(la.held_mask().sum() for la in caches[i].layers) for i in sparse]
+            ).double()
+            rows.append(held)
         if any(st is not None for st in out.stats) or any(getattr(out.stats, "extra", {}).values()):
             rows.extend(lengths.double())  # the widths the statistics are trimmed to
         greedy = [i for i, e in enumerate(group.entries) if _greedy(e.request.sampler)]
@@ -35,9 +44,11 @@ class GroupReads:
             rows[-1][greedy] = out.logits[greedy].argmax(-1).double()
         host = torch.stack(rows).tolist()  # the group's one read back
         self.usage = list(zip(host[0], host[1], host[2]))
+        self._held = host[3] if sparse else None
         self.widths = None
-        if len(host) > 3 + bool(greedy):
-            self.widths = [[int(host[3 + layer][i]) for layer in range(num_layers)] for i in range(b)]
+        first = 3 + bool(sparse)
+        if len(host) > first + bool(greedy):
+            self.widths = [[int(host[first + layer][i]) for layer in range(num_layers)] for i in range(b)]
         self.tokens: list[int | None] = [None] * b
         for i in greedy:
             self.tokens[i] = int(host[-1][i])
@@ -46,9 +57,17 @@ class GroupReads:
     def kv_bytes(self, i: int) -> int:
         """Request ``i``'s K/V bytes after the append (dense caches from the lengths read back)."""
         cache = self._caches[i]
-        if all(layer.lowrank is None and layer.holes is None for layer in cache.layers):
-            return int(self._stored[i]) * cache.layers[0].pool.spec.entry_bytes
-        return cache.kv_bytes()
+        first = cache.layers[0]
+        if _dense(cache):
+            return int(self._stored[i]) * first.pool.spec.entry_bytes
+        # a slot holds one head's entry: entry_bytes / H_kv (what LayerKV.kv_bytes counts per layer)
+        factors = sum(la.lowrank.nbytes() for la in cache.layers if la.lowrank is not None)
+        return int(self._held[i]) * (first.pool.spec.entry_bytes // first.kv_heads) + factors
+
+
+def _dense(cache) -> bool:
+    """No layer of ``cache`` has per-head holes or low-rank factors (its bytes follow its lengths)."""
+    return all(layer.lowrank is None and layer.holes is None for layer in cache.layers)
 
 
 def _greedy(sampler) -> bool:
