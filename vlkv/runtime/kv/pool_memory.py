@@ -70,26 +70,29 @@ def thp_mode() -> str | None:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
-def mapping_of(t: Tensor) -> dict[str, str] | None:
-    """The ``/proc/self/smaps`` fields of the mapping holding ``t``'s first byte (``AnonHugePages``:
-    ``"2048 kB"``, ``VmFlags``: ``"rd wr mr mw me ac hg"`` — ``hg``: advised to huge pages), None where
-    that cannot be read (not Linux)."""
-    at, fields, inside = t.data_ptr(), None, False
+def mappings() -> list[tuple[int, int, dict[str, str]]] | None:
+    """This process's mappings from ``/proc/self/smaps``: ``(lo, hi, fields)`` with fields such as
+    ``AnonHugePages: "2048 kB"`` and ``VmFlags: "rd wr mr mw me ac hg"`` (``hg``: advised to huge pages);
+    None where that cannot be read (not Linux)."""
+    out: list[tuple[int, int, dict[str, str]]] = []
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 head, _, rest = line.partition(" ")
                 if not head.endswith(":"):  # a mapping's header: "lo-hi perms offset dev inode path"
-                    if inside:
-                        break
                     lo, _, hi = head.partition("-")
-                    inside = int(lo, 16) <= at < int(hi, 16)
-                    fields = {} if inside else None
-                elif inside:
-                    fields[head[:-1]] = rest.strip()
+                    out.append((int(lo, 16), int(hi, 16), {}))
+                elif out:
+                    out[-1][2][head[:-1]] = rest.strip()
     except (OSError, ValueError):
         return None
-    return fields
+    return out
+
+
+def mapping_of(t: Tensor) -> dict[str, str] | None:
+    """The smaps fields of the mapping holding ``t``'s first byte (:func:`mappings`), None where unknown."""
+    at = t.data_ptr()
+    return next((f for lo, hi, f in mappings() or [] if lo <= at < hi), None)
 
 
 def huge_advised(t: Tensor) -> bool | None:
@@ -99,10 +102,23 @@ def huge_advised(t: Tensor) -> bool | None:
     return None if fields is None or "VmFlags" not in fields else "hg" in fields["VmFlags"].split()
 
 
+def _kib(fields: dict[str, str], name: str) -> int:
+    return int(fields.get(name, "0 kB").split()[0]) * 1024
+
+
 def huge_backed_bytes(t: Tensor) -> int | None:
     """Bytes of the mapping holding ``t`` that the kernel backs with huge pages now (``AnonHugePages``;
     neighbouring mappings with the same flags may be merged into it), None where unknown."""
     fields = mapping_of(t)
-    if fields is None or "AnonHugePages" not in fields:
+    return None if fields is None or "AnonHugePages" not in fields else _kib(fields, "AnonHugePages")
+
+
+def huge_share(tensors: list[Tensor]) -> tuple[int, int] | None:
+    """``(huge, mapped)``: bytes in huge pages and in all of the mappings that hold ``tensors`` (each
+    mapping once; a pool's merged neighbours, such as another pool's, count too), None where unknown."""
+    maps = mappings()
+    if maps is None:
         return None
-    return int(fields["AnonHugePages"].split()[0]) * 1024
+    ptrs = [t.data_ptr() for t in tensors if t.numel()]
+    held = [(lo, hi, f) for lo, hi, f in maps if any(lo <= at < hi for at in ptrs)]
+    return sum(_kib(f, "AnonHugePages") for *_, f in held), sum(hi - lo for lo, hi, _ in held)
