@@ -31,8 +31,10 @@ __all__ = [
     "MIN_BYTES",
     "huge_advised",
     "huge_backed_bytes",
+    "huge_share",
     "kv_zeros",
     "mapping_of",
+    "mappings",
     "thp_mode",
     "wants_huge",
 ]
