@@ -36,7 +36,7 @@ __all__ = ["HUGE_KV", "HUGE_WEIGHTS", "MIN_ELEMENTS", "Moved", "move", "place", 
 # VLKV_CPU_HUGE_WEIGHTS=0: :func:`place` leaves the weights where the checkpoint put them
 HUGE_WEIGHTS = skinny_gemm.env_switch("VLKV_CPU_HUGE_WEIGHTS")
 # VLKV_KV_HUGE_PAGES=0: a CPU KV pool's K/V stay in ordinary 4 KiB pages (read when a pool is made,
-# vlkv/runtime/kv/pool_memory.py; on by default: the paged read >= 1.05x in 23 of 28 paired runs at 8k x 4,
+# vlkv/runtime/kv/pool_memory.py; on by default: the paged read >= 1.05x in 29 of 35 paired runs at 8k x 4,
 # docs/benchmarks/2026-11-27-kv-huge-pages-cpu-x86_64/)
 HUGE_KV = skinny_gemm.env_switch("VLKV_KV_HUGE_PAGES")
 

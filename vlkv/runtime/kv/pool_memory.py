@@ -6,8 +6,8 @@ therefore come from ``weight_pages.zeros`` (its own 2 MiB-aligned mapping, ``MAD
 bytes, the same values, read through ~512× fewer entries where the kernel gives huge pages (THP
 ``always`` or ``madvise``). Nothing else changes: the tensors are ordinary contiguous CPU tensors, so every
 path reads and writes them as before (bit-equal results). Measured on the 2-core EPYC VM (smollm2-llava, 8k
-tokens × 4, 1 thread, each configuration paired with a 4 KiB-page pool): the paged read ≥ 1.05× in 23
-of 28 configuration-runs, no slowdown reproduced (docs/benchmarks/2026-11-27-kv-huge-pages-cpu-x86_64/).
+tokens × 4, 1 thread, each configuration paired with a 4 KiB-page pool): the paged read ≥ 1.05× in 29
+of 35 configuration-runs, no slowdown reproduced (docs/benchmarks/2026-11-27-kv-huge-pages-cpu-x86_64/).
 
 Used for the fixed pool's tensors and every re-allocation of a growable pool's (growth, shrinking after
 compaction). Where it does not apply, K/V take ``torch.zeros``: a pool on another device (CUDA), a tensor
