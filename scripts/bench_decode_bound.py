@@ -28,7 +28,8 @@ again with its decode eviction as it was before session 7 (each layer's gap clos
 ``--gemm-s7`` each fused configuration again with the few-row GEMMs in their session-7 form (4 weight rows
 per block, the next block prefetched; bit-equal: ``<config>+gemms7``), with ``--gemm-s8`` in their
 session-8 form (2 weight rows per block at 3-8 rows, lines 8 KiB ahead into L1; bit-equal:
-``<config>+gemms8``), and transformers' ``generate`` on
+``<config>+gemms8``), with ``--kv-4k`` each vlkv configuration with its KV pool in 4 KiB pages
+(``VLKV_KV_HUGE_PAGES=0``, bit-equal: ``<config>+kv4k``, see ``pool_pages.py``), and transformers' ``generate`` on
 the same weights with a ``static`` and a ``DynamicCache`` holding the same prefilled K/V (built from
 vlkv's, so no transformers prefill either).
 
@@ -65,6 +66,7 @@ from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pool_pages  # noqa: E402
 from bench_common import (
     LAYOUTS,
     add_shape_args,
@@ -87,7 +89,7 @@ BUDGETS = (0.5, 0.2, 0.1)
 # --budgets 0.5 0.25 0.1 --kernel --kernel-policies``
 HEADS_POLICIES = ("kvzip", "kvgrad", "snapkv")
 # a before configuration's suffix: the same configuration with one piece as it was
-BEFORE = ("+torchevict", "+split", "+torchgemm", "+gemms7", "+gemms8", "+heapdefault")
+BEFORE = ("+torchevict", "+split", "+torchgemm", "+gemms7", "+gemms8", "+heapdefault", pool_pages.SUFFIX)
 # a GEMM-form before's suffix: its set_gemm_form value (0: the current form)
 GEMM_FORMS = {"+gemms7": 1, "+gemms8": 2}
 TINY = {"model": "tiny-llava", "tokens": 64, "batch": 2, "steps": 3, "repeats": 1, "buffer_mib": 64}
@@ -158,7 +160,8 @@ def run(args) -> dict:
         *gemm_s8,
         *heap_default,
     ]
-    configs = paired(configs)
+    kv_4k = pool_pages.twins([c for c in configs if c not in args.peers and base_config(c) == c], args.kv_4k)
+    configs = paired(configs + kv_4k)
     append_default = paged_append.FUSED_APPEND
     evict_default = evict_rows.FUSED_DROP
     gemm_default = skinny_gemm.CPP_GEMM
@@ -203,11 +206,14 @@ def run(args) -> dict:
                 halves = name.endswith("+halves")
                 paged_cpu.FUSED_KERNEL = cfg == "full-kernel" or cfg.endswith("+kernel") or halves
                 try:
-                    if halves:
-                        with HalvesRead():
-                            res = vlkv_steps(pre, pol, args.steps, key)
-                    else:
-                        res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
+                    # "+kv4k": the pool's K/V in 4 KiB pages (every other row: in huge pages)
+                    with pool_pages.pool_pages(name, pre) as pages:
+                        if halves:
+                            with HalvesRead():
+                                res = vlkv_steps(pre, pol, args.steps, key)
+                        else:
+                            res = vlkv_steps(pre, pol, args.steps, key, dense=name == "full-dense")
+                    res.update(pages)
                 finally:
                     paged_cpu.FUSED_KERNEL = fused_default
                     skinny_gemm.CPP_GEMM = gemm_default
@@ -250,6 +256,9 @@ def run(args) -> dict:
             "gathered_bytes": rs[-1]["gathered_bytes"],
             "cpp_gemm_calls_per_step": rs[-1].get("cpp_gemm_calls", 0.0),  # 0: torch's GEMMs (or a peer)
             "bytes_per_step": w + kv + 2 * rs[-1]["gathered_bytes"],
+            "kv_huge_share": rs[-1].get(
+                "kv_huge_share"
+            ),  # of the pool's mappings in huge pages (None: a peer)
         }
         base_name = base_config(name)
         kernel_read = base_name.endswith(("+kernel", "+halves")) or "full" not in got
@@ -259,11 +268,12 @@ def run(args) -> dict:
         )
         # against its before rows (the fused append, the one-call eviction, the GEMM's session-7 form),
         # paired per round: speed_vs_split / speed_vs_torchevict / speed_vs_gemms7
-        for suffix in ("+split", "+torchevict", "+gemms7", "+gemms8", "+heapdefault"):
+        for suffix in ("+split", "+torchevict", "+gemms7", "+gemms8", "+heapdefault", pool_pages.SUFFIX):
             if f"{name}{suffix}" in got:
                 row[f"speed_vs_{suffix[1:]}"] = statistics.median(
                     s["step_s"] / r["step_s"] for s, r in zip(got[f"{name}{suffix}"], rs, strict=True)
                 )
+        row["attn_vs_kv4k"] = pool_pages.paired_speed(got, name, "attn_s")  # the read alone, paired
         if fastest is not None:
             # paired within each round: the faster peer's step time / this one's, median over rounds
             row["speed_vs_fastest_peer"] = statistics.median(
@@ -286,7 +296,7 @@ def run(args) -> dict:
     same.update(
         {
             c: got[c][0]["tokens"] == got[base_config(c)][0]["tokens"]
-            for c in (*torch_gemm, *split, *torch_evict, *gemm_s7, *gemm_s8, *heap_default)
+            for c in (*torch_gemm, *split, *torch_evict, *gemm_s7, *gemm_s8, *heap_default, *kv_4k)
         }
     )
     return {
@@ -333,14 +343,15 @@ def to_markdown(res: dict) -> str:
         "",
         f"| config | step (ms) | bound (ms) | of bound | vs full | vs {res['fastest_peer'] or 'peer (none run)'} | attention (ms) "
         "| attention of its bound | KV read (MB) | gathered (MB) | aten ops | vs +split | vs +torchevict | vs +gemms7 "
-        "| vs +gemms8 | vs +heapdefault |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs +gemms8 | vs +heapdefault | vs +kv4k | attention vs +kv4k | KV in huge pages |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ratio = r.get("speed_vs_fastest_peer")
         split, evict, s7 = r.get("speed_vs_split"), r.get("speed_vs_torchevict"), r.get("speed_vs_gemms7")
         s8 = r.get("speed_vs_gemms8")
         heap = r.get("speed_vs_heapdefault")
+        kv4k, attn4k, share = r.get("speed_vs_kv4k"), r.get("attn_vs_kv4k"), r.get("kv_huge_share")
         lines.append(
             f"| {r['config']} | {r['step_ms']:.1f} | {r['bound_ms']:.1f} | {r['of_bound']:.0%} "
             f"| {r['speed_vs_full']:.2f}× | {'' if ratio is None else f'{ratio:.2f}×'} | {r['attn_ms']:.1f} "
@@ -348,7 +359,9 @@ def to_markdown(res: dict) -> str:
             f"| {r['gathered_bytes'] / 1e6:.1f} | {r['ops_per_step']} | {'' if split is None else f'{split:.2f}×'} "
             f"| {'' if evict is None else f'{evict:.2f}×'} | {'' if s7 is None else f'{s7:.2f}×'} "
             f"| {'' if s8 is None else f'{s8:.2f}×'} "
-            f"| {'' if heap is None else f'{heap:.2f}×'} |"
+            f"| {'' if heap is None else f'{heap:.2f}×'} "
+            f"| {'' if kv4k is None else f'{kv4k:.2f}×'} | {'' if attn4k is None else f'{attn4k:.2f}×'} "
+            f"| {'' if share is None else f'{share:.0%}'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -430,6 +443,7 @@ def main() -> None:
         "given back, the statistics steps' probabilities faulted in again each step: the before of "
         "vlkv/plugins/paged_cpu_heap.py), as '<config>+heapdefault'",
     )
+    pool_pages.add_arg(ap)
     ap.add_argument("--buffer-mib", type=int, default=2048, help="bandwidth buffer (far above the L3)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)

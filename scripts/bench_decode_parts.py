@@ -7,7 +7,8 @@
 One prompt prefilled once (``decode_prefilled.Prefilled``); per round, in a rotating order, ``--steps``
 greedy decode steps of each configuration (``full`` and each ``policy@budget``, the fused C++ read on;
 with ``--forms``, each again per few-row GEMM form, ``<config>/<form>``: ``set_gemm_form``'s 0 the
-kernel's, 1 session 7's, 2 session 8's, bit-equal), every part timed by wrapping
+kernel's, 1 session 7's, 2 session 8's, bit-equal; with ``--kv-4k`` each right after itself with its KV
+pool in 4 KiB pages, ``<config>+kv4k``, see ``pool_pages.py``), every part timed by wrapping
 the function the step calls for it:
 
 - ``pre`` / ``post``: the 30 decoder layers' two C++ calls (``decode_layer.pre``: norm, q/k/v GEMMs,
@@ -43,6 +44,7 @@ from vlkv.runtime.engine import Engine
 from vlkv.runtime.policies import make_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pool_pages  # noqa: E402
 from bench_common import (
     add_shape_args,
     add_threads_arg,
@@ -148,7 +150,8 @@ def alone(engine: Engine, rows: int, reps: int) -> dict:
 
 def configs_of(args) -> list[str]:
     base = ["full", *(f"{p}@{b}" for p in args.policies for b in args.budgets)]
-    return [f"{c}/{f}" for c in base for f in args.forms] if args.forms else base
+    base = [f"{c}/{f}" for c in base for f in args.forms] if args.forms else base
+    return [x for c in base for x in (c, *pool_pages.twins([c], args.kv_4k))]  # each twin beside its config
 
 
 def run(args) -> dict:
@@ -166,11 +169,13 @@ def run(args) -> dict:
         for rep in range(args.repeats + 1):  # round 0 warms up
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             for name in order:
-                base, _, form = name.partition("/")
+                base, _, form = pool_pages.base(name).partition("/")
                 decode_layer.set_gemm_form(int(form or 0))
                 try:
                     key = base.split("@")[0] if base in pols else None
-                    res = timed_steps(pre, pols.get(base, full), args.steps, key)
+                    with pool_pages.pool_pages(name, pre) as pages:
+                        res = timed_steps(pre, pols.get(base, full), args.steps, key)
+                    res.update(pages)
                 finally:
                     decode_layer.set_gemm_form(0)
                 if rep:
@@ -196,6 +201,10 @@ def run(args) -> dict:
             "step_ms": 1e3 * step,
             "kv_bytes": kv,
             "ms": {p: 1e3 * s for p, s in parts.items()},
+            "kv_huge_share": rs[-1].get("kv_huge_share"),
+            # paired per round against the +kv4k twin: the step and the attention (append + paged read)
+            "step_vs_kv4k": pool_pages.paired_speed(got, name),
+            "attention_vs_kv4k": pool_pages.paired_speed(got, name, "attention_s"),
         }
         row["layers_gb_s"] = layers_b / (parts["pre"] + parts["post"]) / 1e9 if parts["pre"] else 0.0
         row["gb_s"] = {p: b / parts[p] / 1e9 for p, b in nbytes.items() if b and parts[p] > 0}
@@ -221,6 +230,14 @@ def run(args) -> dict:
     }
 
 
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:.0%}"
+
+
+def _times(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}×"
+
+
 def to_markdown(res: dict) -> str:
     probe = res["probe_gb_s"]
     lb, hb = res["layer_bytes"], res["head_bytes"]
@@ -231,8 +248,8 @@ def to_markdown(res: dict) -> str:
         f"{lb / 1e6:.1f} MB, head {hb / 1e6:.1f} MB.",
         "",
         "| config | step ms | bound ms | of bound | pre + post ms (GB/s, of read) | attention ms (GB/s) | head ms (GB/s, of read) "
-        "| policy ms | rest ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy ms | rest ms | KV in huge pages | step vs +kv4k | attention vs +kv4k |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         ms, g = r["ms"], r["gb_s"]
@@ -241,7 +258,8 @@ def to_markdown(res: dict) -> str:
             f"| {ms['pre'] + ms['post']:.1f} ({r['layers_gb_s']:.1f}, {r['layers_gb_s'] / probe:.0%}) "
             f"| {ms['attention']:.1f} ({g.get('attention', 0):.1f}) "
             f"| {ms['head']:.1f} ({g.get('head', 0):.1f}, {g.get('head', 0) / probe:.0%}) "
-            f"| {ms['policy']:.1f} | {ms['rest']:.1f} |"
+            f"| {ms['policy']:.1f} | {ms['rest']:.1f} | {_pct(r['kv_huge_share'])} "
+            f"| {_times(r['step_vs_kv4k'])} | {_times(r['attention_vs_kv4k'])} |"
         )
     a = res["alone_s"]
     if a:
@@ -272,6 +290,7 @@ def main() -> None:
         choices=["0", "1", "2"],
         help="few-row GEMM forms to run each configuration in (0: the kernel's, 1: session 7's, 2: session 8's)",
     )
+    pool_pages.add_arg(ap)
     ap.add_argument("--alone-reps", type=int, default=5)
     ap.add_argument("--buffer-mib", type=int, default=2048)
     ap.add_argument("--json")

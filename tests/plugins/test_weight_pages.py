@@ -190,3 +190,20 @@ def test_place_leaves_a_model_that_would_not_fit_twice(monkeypatch):
     monkeypatch.setattr(weight_pages, "available_bytes", lambda: 2 * need)
     assert weight_pages.place(adapter, "cpu", torch.float32).params == [head.weight]
     assert weight_pages.available_bytes() is None or weight_pages.available_bytes() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64], ids=str)
+def test_zeros_gives_any_dtype_in_its_own_huge_page_advised_mapping_unmapped_with_the_tensor(dtype):
+    from vlkv.runtime.kv import pool_memory
+
+    shape = (3, 5000, 64)  # not a whole number of huge pages: a 4 KiB tail
+    t = weight_pages.zeros(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
+    assert t.data_ptr() % (2 << 20) == 0
+    t[1, 4999, 63] = 7  # writable, to its last element
+    assert int(t.sum()) == 7
+    assert pool_memory.huge_advised(t) is True
+    at = t.data_ptr()
+    del t  # the deleter unmaps it: no mapping holds its address any more (nothing else was mapped since)
+    assert not any(lo <= at < hi for lo, hi, _ in pool_memory.mappings())
+    assert weight_pages.zeros((0, 64), dtype).shape == (0, 64)

@@ -228,3 +228,22 @@ def test_heap_default_rows_and_the_image_first_layout(tmp_path):
         )
     assert rows["avl@0.5+kernel"]["kv_bytes"] < 0.8 * rows["full-kernel"]["kv_bytes"]
     assert "vs +heapdefault" in md
+
+
+def test_kv_4k_rows_are_the_pool_s_huge_pages_before_and_after(tmp_path):
+    """``--kv-4k`` adds each configuration again with its KV pool in 4 KiB pages (``VLKV_KV_HUGE_PAGES=0``):
+    the same tokens (only the memory differs), the step and the attention paired per round, and each row
+    says how much of its pool the kernel held in huge pages (the 4 KiB rows none)."""
+    from vlkv.runtime.kv import pool_memory
+
+    res, rows, md = _tiny_before_after(tmp_path, "--policies", "h2o", "--budgets", "0.5", "--kv-4k")
+    want = ["full-kernel", "h2o@0.5+kernel", "full-kernel+kv4k", "h2o@0.5+kernel+kv4k"]
+    assert sorted(rows) == sorted(want)
+    assert res["peers_same_tokens"] == {"full-kernel+kv4k": True, "h2o@0.5+kernel+kv4k": True}
+    for name in ("full-kernel", "h2o@0.5+kernel"):
+        assert rows[name]["speed_vs_kv4k"] > 0 and rows[name]["attn_vs_kv4k"] > 0
+        assert "speed_vs_kv4k" not in rows[name + "+kv4k"] and rows[name + "+kv4k"]["attn_vs_kv4k"] is None
+        assert 0.0 <= rows[name]["kv_huge_share"] <= 1.0
+        if pool_memory.thp_mode() == "madvise":  # memory not advised gets no huge page in this mode
+            assert rows[name + "+kv4k"]["kv_huge_share"] == 0.0
+    assert "vs +kv4k" in md and "KV in huge pages" in md

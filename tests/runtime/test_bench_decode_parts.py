@@ -38,3 +38,20 @@ def test_tiny_run_splits_each_step_into_its_parts_per_gemm_form(tmp_path):
     assert all(0 < v["best"] <= v["median"] for v in res["alone_s"].values())
     text = md.read_text()
     assert "| h2o@0.5/2 |" in text and "pre + post ms" in text and "| sum_weights |" in text
+
+
+def test_kv_4k_runs_each_configuration_beside_its_pool_in_4k_pages(tmp_path):
+    out = tmp_path / "k.json"
+    cmd = [
+        sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "snapkv", "--budgets", "0.5",
+        "--kv-4k", "--alone-reps", "1", "--json", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["full", "full+kv4k", "snapkv@0.5", "snapkv@0.5+kv4k"]  # each twin beside its config
+    for name in ("full", "snapkv@0.5"):
+        assert rows[name]["step_vs_kv4k"] > 0 and rows[name]["attention_vs_kv4k"] > 0
+        assert rows[name + "+kv4k"]["step_vs_kv4k"] is None
+        assert rows[name]["kv_bytes"] == rows[name + "+kv4k"]["kv_bytes"]
+        assert 0.0 <= rows[name]["kv_huge_share"] <= 1.0

@@ -14,10 +14,15 @@ values, the same ``Parameter`` objects, so the model and every path that reads i
 layers, final norm and output head; ``VLKV_CPU_HUGE_WEIGHTS=0`` leaves them). Without the C++ extension
 (no compiler) nothing moves. The buffer comes from this module's own small extension: it does not need
 (nor build) the fused decode layer's (``VLKV_CPU_LAYER=0`` still moves the weights).
+
+:func:`zeros` is that extension's memory for any tensor (bytes, so any dtype): a CPU KV pool's K/V live in it
+too (``vlkv/runtime/kv/pool_memory.py``; ``VLKV_KV_HUGE_PAGES=0`` leaves them in ordinary pages), so the
+paged read's scattered rows cost fewer TLB misses.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -26,10 +31,14 @@ from torch import Tensor, nn
 
 from vlkv.plugins import paged_cpu_kernel, skinny_gemm
 
-__all__ = ["HUGE_WEIGHTS", "MIN_ELEMENTS", "Moved", "move", "place", "restore"]
+__all__ = ["HUGE_KV", "HUGE_WEIGHTS", "MIN_ELEMENTS", "Moved", "move", "place", "restore", "zeros"]
 
 # VLKV_CPU_HUGE_WEIGHTS=0: :func:`place` leaves the weights where the checkpoint put them
 HUGE_WEIGHTS = skinny_gemm.env_switch("VLKV_CPU_HUGE_WEIGHTS")
+# VLKV_KV_HUGE_PAGES=0: a CPU KV pool's K/V stay in ordinary 4 KiB pages (read when a pool is made,
+# vlkv/runtime/kv/pool_memory.py; on by default: the paged read >= 1.05x in 29 of 35 paired runs at 8k x 4,
+# docs/benchmarks/2026-11-27-kv-huge-pages-cpu-x86_64/)
+HUGE_KV = skinny_gemm.env_switch("VLKV_KV_HUGE_PAGES")
 
 # below this a weight is not worth a slot (norm weights, biases): they stay where they are
 MIN_ELEMENTS = 1 << 14
@@ -40,24 +49,48 @@ _PLACED = "_vlkv_weight_pages"
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
 
-// n float32 zeros in memory of its own, 2 MiB aligned and (Linux) advised to transparent huge pages:
-// weights copied in are read through ~512x fewer TLB entries; freed with the tensor
+// nbytes zero bytes (uint8) in memory of their own, starting on a 2 MiB boundary and (Linux) advised to
+// transparent huge pages: what is read from them goes through ~512x fewer TLB entries; unmapped with the
+// tensor. Its own mapping, rounded up only to 4 KiB: a tail short of 2 MiB stays in 4 KiB pages rather
+// than hold a huge page it half uses (the resident memory is what was asked for)
+torch::Tensor huge_bytes(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 1, "huge_bytes: nbytes >= 1");
+  const size_t huge = size_t(2) << 20, page = 4096;
+  const size_t len = ((size_t(nbytes) + page - 1) / page) * page;
+#ifdef __linux__
+  const size_t span = len + huge;  // room to start on a 2 MiB boundary; the slack is unmapped again
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "huge_bytes: could not map ", span, " bytes");
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(raw), at = (lo + huge - 1) & ~(uintptr_t(huge) - 1);
+  if (at > lo) munmap(raw, at - lo);
+  if (lo + span > at + len) munmap(reinterpret_cast<void*>(at + len), lo + span - (at + len));
+  char* p = reinterpret_cast<char*>(at);
+  madvise(p, len, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
+  // fault the pages in now (one write per 4 KiB; the kernel zeroes them), as huge ones where it can
+  volatile char* touch = p;
+  for (size_t i = 0; i < len; i += page) touch[i] = 0;
+  return torch::from_blob(p, {nbytes}, [len](void* q) { munmap(q, len); },
+                          torch::TensorOptions().dtype(torch::kUInt8));
+#else
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, huge, len) == 0 && p, "huge_bytes: could not allocate ", len, " bytes");
+  std::memset(p, 0, len);
+  return torch::from_blob(p, {nbytes}, [](void* q) { std::free(q); },
+                          torch::TensorOptions().dtype(torch::kUInt8));
+#endif
+}
+
+// n float32 zeros the same way (a weight ring's buffer, scripts/bench_skinny_gemm.py)
 torch::Tensor huge_buffer(int64_t n) {
   TORCH_CHECK(n >= 1, "huge_buffer: n >= 1 floats");
-  const size_t align = size_t(2) << 20, bytes = ((size_t(n) * 4 + align - 1) / align) * align;
-  void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, align, bytes) == 0 && p, "huge_buffer: could not allocate ", bytes, " bytes");
-#ifdef __linux__
-  madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
-#endif
-  std::memset(p, 0, bytes);  // fault the pages in now, as huge ones where the kernel can
-  return torch::from_blob(p, {n}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(torch::kFloat));
+  return huge_bytes(n * 4).view(torch::kFloat);
 }
 """
 
@@ -65,14 +98,28 @@ _BUILT: list = []  # [module or None] once a build was tried
 
 
 def kernel():
-    """The compiled ``huge_buffer`` extension, built on the first call (None, with one warning, when it
-    cannot be built here: nothing moves)."""
+    """The compiled ``huge_bytes`` / ``huge_buffer`` extension, built on the first call (None, with one
+    warning, when it cannot be built here: nothing moves, KV pools take ordinary memory)."""
     if _BUILT:
         return _BUILT[0]
     name = paged_cpu_kernel.build_name(_SOURCE, "vlkv_weight_pages")
     return paged_cpu_kernel.load_extension(
-        _BUILT, name, _SOURCE, ["huge_buffer"], "huge-page weight buffer", "weights left where they are"
+        _BUILT, name, _SOURCE, ["huge_bytes", "huge_buffer"], "huge-page buffer", "ordinary pages kept"
     )
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
+    """A contiguous zero tensor of ``shape`` and ``dtype`` (any: fp32, fp16, bf16, ints) on the CPU, in
+    memory of its own that starts on a 2 MiB boundary and is advised to huge pages (the extension's
+    ``huge_bytes``); None where the extension is not built here."""
+    mod = kernel()
+    if mod is None:
+        return None
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return mod.huge_bytes(nbytes).view(dtype).view(shape)
 
 
 @dataclass
@@ -128,11 +175,10 @@ def move(modules: list[nn.Module]) -> Moved:
 
 def _move(params: list[nn.Parameter]) -> Moved:
     """:func:`move` for parameters already listed (``_movable_params``: each once)."""
-    mod = kernel()
-    if not params or mod is None:
+    if not params or kernel() is None:
         return Moved()
     sizes = [-(-p.numel() // _ALIGN) * _ALIGN for p in params]
-    buffer = mod.huge_buffer(sum(sizes))
+    buffer = zeros((sum(sizes),), torch.float32)
     before, slots, at = [], [], 0
     with torch.no_grad():
         for p, size in zip(params, sizes):

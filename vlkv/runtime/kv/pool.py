@@ -17,6 +17,9 @@ Capacity: a *fixed* pool (``grow=False``, the scheduler's, sized in bytes) raise
 ``COMPACT_MIN_SLOTS``), the live entries move into the lowest slots, every owner's slot table is
 remapped, and the tensors shrink — so the bytes a pool holds follow what its requests keep. A
 fixed pool never compacts: any free slot serves any write, so holes cost locality, not capacity.
+
+A CPU pool's K/V live in huge-page-advised memory, grown or shrunk alike (:mod:`~vlkv.runtime.kv.pool_memory`;
+``VLKV_KV_HUGE_PAGES=0`` or ``huge=False``: ordinary pages, the same values).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import weakref
 import torch
 from torch import Tensor
 
+from vlkv.runtime.kv import pool_memory
 from vlkv.runtime.kv.pool_ahead import AheadAlloc
 from vlkv.runtime.kv.pool_spec import PoolFull, PoolSpec
 
@@ -53,16 +57,19 @@ class KVPool(AheadAlloc):
     reference, :meth:`release` drops one, and the slot returns to its head's free stack when none is
     left. A slot written with ``prerope=True`` holds a key *before* rotary embedding; readers rotate
     it to their own positions (:meth:`is_prerope`).
+
+    ``huge``: K/V in huge-page-advised memory (CPU; None: ``VLKV_KV_HUGE_PAGES``, on by default), kept for
+    the pool's life (its growth too).
     """
 
-    def __init__(self, spec: PoolSpec, slots: int = 0, grow: bool = True):
+    def __init__(self, spec: PoolSpec, slots: int = 0, grow: bool = True, huge: bool | None = None):
         if slots < 0:
             raise ValueError(f"slots must be >= 0, got {slots}")
         self.spec, self.grow = spec, grow
-        h, d, dev = spec.kv_heads, spec.head_dim, spec.device
-        z = dict(dtype=spec.dtype, device=dev)
-        self.keys = [torch.zeros(h, slots, d, **z) for _ in range(spec.num_layers)]
-        self.values = [torch.zeros(h, slots, d, **z) for _ in range(spec.num_layers)]
+        h, dev = spec.kv_heads, spec.device
+        self.huge = pool_memory.wants_huge(dev) if huge is None else bool(huge) and dev.type == "cpu"
+        self.keys = [self._kv_zeros(slots) for _ in range(spec.num_layers)]
+        self.values = [self._kv_zeros(slots) for _ in range(spec.num_layers)]
         n = spec.num_layers
         # free stack, refcounts, pre-RoPE flags per layer; a fixed pool never resizes, so its layers'
         # are views of one (L, H_kv, S) tensor each: a step can allocate in every layer at once
@@ -92,14 +99,19 @@ class KVPool(AheadAlloc):
         self.headroom = 0
 
     @classmethod
-    def with_bytes(cls, spec: PoolSpec, nbytes: int) -> KVPool:
+    def with_bytes(cls, spec: PoolSpec, nbytes: int, huge: bool | None = None) -> KVPool:
         """A fixed pool holding ``nbytes`` of K/V in all (split evenly over layers)."""
         slots = spec.slots_for_bytes(nbytes)
         if slots < 1:
             raise ValueError(
                 f"pool of {nbytes} bytes holds no token: one token needs {spec.entry_bytes * spec.num_layers} bytes"
             )
-        return cls(spec, slots, grow=False)
+        return cls(spec, slots, grow=False, huge=huge)
+
+    def _kv_zeros(self, slots: int) -> Tensor:
+        """One layer's ``(H_kv, slots, D)`` K or V tensor of zeros, in this pool's kind of memory."""
+        shape = (self.spec.kv_heads, slots, self.spec.head_dim)
+        return pool_memory.kv_zeros(shape, self.spec.dtype, self.spec.device, self.huge)
 
     def _stack(self, lo: int, hi: int, width: int) -> Tensor:
         """``(H_kv, width)`` stack buffers holding ids ``hi-1 … lo`` at the bottom.
@@ -368,7 +380,8 @@ class KVPool(AheadAlloc):
         keep = min(cap, new_cap)
         for store in (self.keys, self.values, self._refs, self._prerope):
             old = store[layer]
-            t = old.new_zeros(h, new_cap, *old.shape[2:])
+            kv = store is self.keys or store is self.values
+            t = self._kv_zeros(new_cap) if kv else old.new_zeros(h, new_cap, *old.shape[2:])
             t[:, :keep] = old[:, :keep]
             store[layer] = t
         self.bytes_moved += keep * self.spec.entry_bytes
