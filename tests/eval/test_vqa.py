@@ -147,8 +147,9 @@ def test_picture_labels_reach_the_model_on_several_picture_prompts_only(loaded_m
 def test_trained_model_answers_held_out_scenes():
     """A regression that blinds smollm2-llava fails here: held-out colour-shape pairs, greedy.
 
-    The shipped 2x2-pooled projector (64 image tokens; docs/benchmarks/2026-11-27-vqa9-cpu-x86_64:
-    0.96 exact colour+shape on held-out pairs over four draws, n=96) passes; earlier 256-token ones got
+    The shipped 2x2-pooled projector with its stage-2 LM adapters (64 image tokens, 4c09315b;
+    docs/benchmarks/2026-11-27-stage2-cpu-x86_64: 0.96 exact colour+shape on held-out pairs over four
+    draws, n=96, as 3ed80ce9 in vqa9) passes; earlier 256-token ones got
     12 + 12 (12 exact, 2026-11-26-vqa3), 12 + 11 (11 exact, layer 8) and 8 + 12 (8 exact, layer 12). A blind model
     guesses a colour 1 time in 8 and a shape 1 time in 7 (about 1.5 + 1.7 hits of 12, ~0.2 exact).
     """

@@ -21,6 +21,15 @@ def test_shipped_file_matches_the_pinned_checksum():
     assert S.PROJECTOR_FILE.is_file()
     assert S._sha256(S.PROJECTOR_FILE) == S.PROJECTOR_SHA256
     state = S.load_projector()
+    # stage 2 (docs/benchmarks/2026-11-27-stage2-cpu-x86_64, run C): rank-8 adapters on the attention
+    # projections of all 30 decoder layers, A (8, in) and B (out, 8); k/v project to 3 KV heads x 64
+    out = {"q_proj": 576, "k_proj": 192, "v_proj": 192, "o_proj": 576}
+    adapters = {
+        f"lm_lora.{layer}.{proj}.{part}": (8, 576) if part == "A" else (width, 8)
+        for layer in range(30)
+        for proj, width in out.items()
+        for part in "AB"
+    }
     assert (
         {k: tuple(v.shape) for k, v in state.items()}
         == {
@@ -30,6 +39,7 @@ def test_shipped_file_matches_the_pinned_checksum():
             "linear_2.bias": (576,),
             "token_pool": (),  # 2x2 pooling: 64 image tokens per image (docs/benchmarks/2026-11-27-vqa8-cpu-x86_64)
         }
+        | adapters
     )
     assert state.pop("token_pool").item() == 2
     assert all(v.dtype == torch.float32 and torch.isfinite(v).all() for v in state.values())
@@ -118,9 +128,22 @@ def test_built_model_carries_the_trained_projector():
     assert (random_ids["input_ids"] == model.config.image_token_id).sum().item() == S.NUM_IMAGE_TOKENS
     random_weight = random_model.model.multi_modal_projector.linear_2.weight
     assert not torch.equal(random_weight, state["linear_2.weight"])
-    # both come from the one cache: it holds the seeded projector, the trained one is put in after
+    # both come from the one cache: it holds the seeded projector and the base LM; the trained model
+    # then adds the file's adapters B A into the attention projections. So the LMs are equal with the
+    # adapters taken off, and only the adapters' target weights differ
+    trained_lm = model.model.language_model.state_dict()
+    changed = set()
     for key, value in random_model.model.language_model.state_dict().items():
-        torch.testing.assert_close(model.model.language_model.state_dict()[key], value, rtol=0, atol=0)
+        layer, proj = key.split(".")[1], key.split(".")[-2]
+        pair = f"lm_lora.{layer}.{proj}."
+        if key.endswith("_proj.weight") and pair + "A" in state:
+            delta = state[pair + "B"] @ state[pair + "A"]
+            torch.testing.assert_close(trained_lm[key], value + delta, rtol=0, atol=0)
+            assert delta.abs().max() > 0
+            changed.add(key)
+        else:
+            torch.testing.assert_close(trained_lm[key], value, rtol=0, atol=0)
+    assert len(changed) == sum(k.endswith(".A") for k in state) == 120
 
 
 @pytest.mark.slow

@@ -63,10 +63,12 @@ PATCH_SIZE = 14
 # 16x16 patches (CLS dropped by vision_feature_select_strategy="default"); the pooled projector emits 64.
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 PROJECTOR_SEED = 0
-PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector_3ed80ce9.safetensors"
-# 2x2-pooled d6f83965 + 400 steps with 1-5-picture questions (docs/benchmarks/2026-11-27-vqa9-cpu-x86_64):
-# held-out VQA draws 0-3 single 92/96, two-object 43/96, multi-picture 31/96 (d6f83965: 90, 40, 14).
-PROJECTOR_SHA256 = "3ed80ce9f6ce2b696a5a68d2887917f01995864c116168b6da2b270b67755372"
+PROJECTOR_FILE = Path(__file__).resolve().parent / "weights" / "smollm2_llava_projector_4c09315b.safetensors"
+# stage 2, run C (docs/benchmarks/2026-11-27-stage2-cpu-x86_64): 3ed80ce9's projector + rank-8 q/k/v/o LM
+# adapters (folded into the LM at build), 300 steps of image and text-described questions, held to the
+# base LM on plain text (--keep-text 1): held-out VQA draws 0-3 single 92/96, two-object 55/96,
+# multi-picture 43/96 (3ed80ce9: 92, 43, 31); prose perplexity 17.73 (17.88), "Paris" kept.
+PROJECTOR_SHA256 = "4c09315bfa6572155a0e571e82a85c6e4597ffe5327fdd18e01a227d5bb40cc8"
 PROJECTORS = ("trained", "random")
 PROJECTOR_KEYS = frozenset({"linear_1.weight", "linear_1.bias", "linear_2.weight", "linear_2.bias"})
 # DINOv2 hidden state the projector reads: the output of the 8th of 12 layers (0 is the patch
