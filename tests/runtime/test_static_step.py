@@ -70,6 +70,19 @@ def _recorded(engine) -> list:
     return outs
 
 
+def _paired_step(engine, eager, static_sched, static, outs: list, step: int) -> tuple:
+    """Step ``step`` of two schedulers over the same requests, ``eager`` without the static step and
+    ``static_sched`` through ``static`` (which must take it): ``(eager's output, the static one's)``
+    from ``outs`` (:func:`_recorded`)."""
+    engine.backend.static = None
+    eager.step()
+    want = outs[-1]
+    engine.backend.static = static
+    static_sched.step()
+    assert static.taken == step + 1, static.refused
+    return want, outs[-1]
+
+
 def _running(engine, policy: str = "full", per: tuple | None = None, **kw) -> tuple[Scheduler, list[Request]]:
     """A scheduler on a fixed pool with the three prompts admitted (prefilled on the PyTorch path), each
     under ``policy`` (``kw`` its settings), or ``per[i]``'s ``(name, settings)`` where given."""
@@ -115,13 +128,7 @@ def test_static_step_equals_the_eager_step(name, dtype, monkeypatch):
     static = StaticDecode(engine.backend, capacity_step=2)
     widths = set()
     for step in range(STEPS):
-        engine.backend.static = None
-        eager.step()
-        want = outs[-1]
-        engine.backend.static = static
-        static_sched.step()
-        got = outs[-1]
-        assert static.taken == step + 1, static.refused
+        want, got = _paired_step(engine, eager, static_sched, static, outs, step)
         widths.add(static._bufs[len(TEXTS), None, None].capacity)
         assert got.logits.dtype == want.logits.dtype == torch.float32
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")

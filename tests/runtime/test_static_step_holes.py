@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime.test_static_step import TOL, _engine, _layer_state, _recorded, _running
+from tests.runtime.test_static_step import TOL, _engine, _layer_state, _paired_step, _recorded, _running
 from tests.runtime.test_static_step_stats import PROBS_TOL, _assert_stats_equal
 from vlkv.runtime.op_count import count_ops
 from vlkv.runtime.static_step import StaticDecode, forward, layer_pools, prepare
@@ -65,13 +65,7 @@ def test_a_step_with_per_head_holes_equals_the_eager_step(name, dtype, per, monk
     stats_step = any(p == "h2o" for p, _ in per)
     static = StaticDecode(engine.backend, capacity_step=2)
     for step in range(STEPS):
-        engine.backend.static = None
-        eager.step()
-        want = outs[-1]
-        engine.backend.static = static
-        static_sched.step()
-        got = outs[-1]
-        assert static.taken == step + 1, static.refused
+        want, got = _paired_step(engine, eager, static_sched, static, outs, step)
         assert all(reads == "holes" for _, _, reads in static._bufs)  # a hole step's buffers only
         assert [m is not None for _, m, _ in static._bufs] == [stats_step] * len(static._bufs)
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")

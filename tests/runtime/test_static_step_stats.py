@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime.test_static_step import TEXTS, TOL, _engine, _layer_state, _recorded, _running
+from tests.runtime.test_static_step import (
+    TEXTS,
+    TOL,
+    _engine,
+    _layer_state,
+    _paired_step,
+    _recorded,
+    _running,
+)
 from vlkv.runtime.op_count import count_ops
 from vlkv.runtime.static_step import StaticDecode, forward, layer_pools, prepare, stats_mode
 
@@ -70,13 +78,7 @@ def test_a_statistics_step_equals_the_eager_step(name, dtype, policy, kw, monkey
     static_sched, static_reqs = _running(engine, policy, per, **kw)
     static = StaticDecode(engine.backend, capacity_step=2)
     for step in range(STEPS):
-        engine.backend.static = None
-        eager.step()
-        want = outs[-1]
-        engine.backend.static = static
-        static_sched.step()
-        got = outs[-1]
-        assert static.taken == step + 1, static.refused
+        want, got = _paired_step(engine, eager, static_sched, static, outs, step)
         # only statistics buffers (every step asked), exact ones where the policy evicts nothing
         assert [m for _, m, _ in static._bufs] == ["exact" if kw.get("budget") == 1.0 else "probs"]
         torch.testing.assert_close(got.logits, want.logits, **TOL[dtype], msg=f"step {step}")
