@@ -83,6 +83,19 @@ def _paired_step(engine, eager, static_sched, static, outs: list, step: int) -> 
     return want, outs[-1]
 
 
+def _assert_same_state(eager, static_sched, eager_reqs: list, static_reqs: list, dtype) -> None:
+    """The two schedulers of a paired run (:func:`_paired_step`) left the same tokens, and every
+    request the same tables (slots, positions, modality, order) and K/V rows in every layer."""
+    assert [r.tokens for r in static_reqs] == [r.tokens for r in eager_reqs]
+    for a, b in zip(eager_reqs, static_reqs):
+        for layer, ((ta, kva), (tb, kvb)) in enumerate(
+            zip(_layer_state(a, eager.pool), _layer_state(b, static_sched.pool))
+        ):
+            assert all(torch.equal(x, y) for x, y in zip(ta, tb)), layer  # slots, positions, modality, order
+            for x, y in zip(kva, kvb):
+                torch.testing.assert_close(y, x, **TOL[dtype], msg=f"layer {layer}")
+
+
 def _running(engine, policy: str = "full", per: tuple | None = None, **kw) -> tuple[Scheduler, list[Request]]:
     """A scheduler on a fixed pool with the three prompts admitted (prefilled on the PyTorch path), each
     under ``policy`` (``kw`` its settings), or ``per[i]``'s ``(name, settings)`` where given."""
@@ -135,14 +148,7 @@ def test_static_step_equals_the_eager_step(name, dtype, monkeypatch):
         assert torch.equal(got.attended, want.attended)
         assert got.stats == [None] * engine.backend.num_layers
     assert len(widths) > 1  # the read table widened (new buffers) and the steps stayed equal
-    assert [r.tokens for r in static_reqs] == [r.tokens for r in eager_reqs]
-    for a, b in zip(eager_reqs, static_reqs):
-        for layer, ((ta, kva), (tb, kvb)) in enumerate(
-            zip(_layer_state(a, eager.pool), _layer_state(b, static_sched.pool))
-        ):
-            assert all(torch.equal(x, y) for x, y in zip(ta, tb)), layer  # slots, positions, modality, order
-            for x, y in zip(kva, kvb):
-                torch.testing.assert_close(y, x, **TOL[dtype], msg=f"layer {layer}")
+    _assert_same_state(eager, static_sched, eager_reqs, static_reqs, dtype)
 
 
 def test_the_device_half_reads_nothing_back_and_allocates_nothing_step_shaped(monkeypatch):

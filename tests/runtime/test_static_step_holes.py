@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runtime.test_static_step import TOL, _engine, _layer_state, _paired_step, _recorded, _running
+from tests.runtime.test_static_step import TOL, _assert_same_state, _engine, _paired_step, _recorded, _running
 from tests.runtime.test_static_step_stats import PROBS_TOL, _assert_stats_equal
 from vlkv.runtime.op_count import count_ops
 from vlkv.runtime.static_step import StaticDecode, forward, layer_pools, prepare
@@ -75,14 +75,8 @@ def test_a_step_with_per_head_holes_equals_the_eager_step(name, dtype, per, monk
             _assert_stats_equal(got.stats, want.stats, f"step {step}")
         else:
             assert got.stats == [None] * engine.backend.num_layers
-    assert [r.tokens for r in static_reqs] == [r.tokens for r in eager_reqs]
+    _assert_same_state(eager, static_sched, eager_reqs, static_reqs, dtype)
     for a, b in zip(eager_reqs, static_reqs):
-        for layer, ((ta, kva), (tb, kvb)) in enumerate(
-            zip(_layer_state(a, eager.pool), _layer_state(b, static_sched.pool))
-        ):
-            assert all(torch.equal(x, y) for x, y in zip(ta, tb)), layer  # slots, positions, modality, order
-            for x, y in zip(kva, kvb):
-                torch.testing.assert_close(y, x, **TOL[dtype], msg=f"layer {layer}")
         for ha, hb in zip(_hole_tables(a), _hole_tables(b)):
             assert (ha is None) == (hb is None) and (ha is None or torch.equal(ha, hb))
         for la, lb in zip(a.cache.layers, b.cache.layers):
