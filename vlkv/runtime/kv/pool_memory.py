@@ -22,6 +22,8 @@ and benchmarks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -52,14 +54,10 @@ def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | 
     """Zeros of ``shape`` (a pool layer's ``(H_kv, S, D)``) and ``dtype``: in huge-page-advised memory when
     ``huge`` (a CPU pool that asked, :func:`wants_huge`) and the tensor fills at least one huge page, else
     ``torch.zeros``. Either way a contiguous tensor holding the same zeros."""
-    if huge and torch.device(device).type == "cpu":
-        numel = 1
-        for n in shape:
-            numel *= n
-        if numel * dtype.itemsize >= MIN_BYTES:
-            got = weight_pages.zeros(tuple(shape), dtype)
-            if got is not None:
-                return got
+    if huge and torch.device(device).type == "cpu" and math.prod(shape) * dtype.itemsize >= MIN_BYTES:
+        got = weight_pages.zeros(tuple(shape), dtype)
+        if got is not None:
+            return got
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
