@@ -9,7 +9,9 @@ the interpreter, every CPU C++ kernel off; the script runs itself again with tha
 a plain hole step; ``avl-core``: A-VL at budget 0.5 with ``core=0.3`` over one image per request, its
 counted steps core steps, selected attention with statistics; ``linked``: full cache, the first request
 linking (MPIC) an image record an earlier request computed, its keys kept pre-RoPE and rotated on read —
-the random tiny model has no link check, so linking is opted into as ``VLKV_LINK_UNCHECKED=1`` does):
+the random tiny model has no link check, so linking is opted into as ``VLKV_LINK_UNCHECKED=1`` does;
+``attnpack``: rank 4 over one image per request, low-rank factors, which the static step refuses: its
+eager step counted and the refusal recorded):
 
 - ``eager``: the step as it runs today (``TorchBackend.step``'s layer loop);
 - ``static``: the same step through ``runtime/static_step.py``, with its two halves counted apart:
@@ -54,6 +56,7 @@ POLICIES = {
     "kvzip": {"budget": 0.5},
     "avl-core": {"budget": 0.5, "core": 0.3, "interval": 64},
     "linked": {},
+    "attnpack": {"rank": 4},  # low-rank factors: refused by the static step (its reason recorded)
 }
 
 
@@ -64,7 +67,8 @@ def _running(engine, batch: int, policy: str = "full") -> Scheduler:
     for i in range(batch):
         text = TEXTS[i % len(TEXTS)] + " x" * i
         pol = make_policy(policy.split("-")[0], **POLICIES[policy])
-        images = [_image(i)] if policy == "avl-core" else []  # a core to restrict to: vision entries
+        # a core to restrict to, image entries to factor: vision entries
+        images = [_image(i)] if policy in ("avl-core", "attnpack") else []
         sched.submit(Request(Prompt(text, images), pol, 32, stop_at_eos=False))
     return _admitted(sched, batch)
 
@@ -164,6 +168,10 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     sched = _running(engine, batch, policy)
     be.static = static = static_step.StaticDecode(be, capacity_step=64)
     sched.step()  # buffers made
+    if static.taken == 0:  # refused (low-rank factors): the reasons; the eager row above is what runs
+        be.static = None
+        rows.append({"config": "static", "refused": static.refused})
+        return rows
     halves = _Halves()
     with count_ops() as c, triton_launches_as_ops(c) as n, halves:
         for _ in range(steps):
@@ -209,6 +217,8 @@ def main() -> None:
             next(r for r in rows if r["config"] == config and r["layers"] == n and r["policy"] == policy)
             for n in (lo, hi)
         )
+        if "refused" in b:
+            continue
         slope = {"config": config, "policy": policy, "per_layer_ops": (b["ops"] - a["ops"]) / (hi - lo)}
         slope["per_layer_launches"] = (b["launches"] - a["launches"]) / (hi - lo)
         slope["per_layer_syncs"] = (b["syncs"] - a["syncs"]) / (hi - lo)
