@@ -2,8 +2,9 @@
 against the eager step, on the Triton path under the interpreter: a request that linked a stored image
 record (MPIC: its keys kept pre-RoPE, rotated on read) in a ragged batch beside a full and an h2o request
 (a statistics step) or a kvzip one (per-head holes), 1-D RoPE (tiny LLaVA) and M-RoPE (tiny Qwen2-VL),
-fp32 and bf16: the same logits, attended counts, statistics, tokens, tables and K/V rows; the device
-half of a linked step reads nothing back; selected attention beside linked entries is refused."""
+fp32 and bf16: the same logits, attended counts, statistics, tokens, tables and K/V rows, also in A-VL's core steps
+(selected attention, the linked request riding along); the device half of a linked step reads nothing
+back; low-rank factors are still refused."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.request import Request
 from vlkv.runtime.scheduler import Scheduler
-from vlkv.runtime.static_step import StaticDecode, forward, layer_pools, prepare, refusal
+from vlkv.runtime.static_step import StaticDecode, forward, layer_pools, prepare, reads_of, refusal
 
 pytest.importorskip("triton", reason="the triton extra is part of vlkv[dev]")
 
@@ -92,7 +93,7 @@ def test_a_step_with_linked_entries_equals_the_eager_step(name, dtype, beside, m
     _assert_same_state(eager, static_sched, eager_reqs, static_reqs, dtype)
 
 
-def test_a_linked_steps_device_half_reads_nothing_back_and_selection_beside_it_is_refused(monkeypatch):
+def test_a_linked_steps_device_half_reads_nothing_back_and_low_rank_factors_are_refused(monkeypatch):
     import dataclasses
 
     from vlkv.runtime.backend import AttendIndex
@@ -130,8 +131,8 @@ def test_a_linked_steps_device_half_reads_nothing_back_and_selection_beside_it_i
         torch.ones(len(rows), rows[0].kv_heads, dtype=torch.long),
     )
     selected = dataclasses.replace(group.inputs, attend=[index] * engine.backend.num_layers)
-    why = refusal(engine.backend, selected, group.batch, group.stats)
-    assert why == "selected attention beside pre-RoPE (linked) entries"
+    assert reads_of(selected, group.batch) == "select+rope"  # taken: the twin gathered through the lists
+    assert refusal(engine.backend, selected, group.batch, group.stats) is None
     rows[0].lowrank = object()  # low-rank factors (AttentionPack) still run eagerly
     try:
         why = refusal(engine.backend, group.inputs, group.batch, group.stats)
@@ -139,3 +140,91 @@ def test_a_linked_steps_device_half_reads_nothing_back_and_selection_beside_it_i
         rows[0].lowrank = None
     assert why == "a request with low-rank or swapped-out entries"
     assert refusal(engine.backend, group.inputs, group.batch, group.stats) is None
+
+
+AVL = ("avl", dict(budget=0.5, core=0.3))
+
+
+# fp32 only: in a core step the eager step does not read paged (the selection gathers K/V), and rotates
+# linked keys with the model's apply_rotary_pos_emb in the pool's dtype (bf16: every product rounded),
+# where the kernels rotate in fp32 and round once: tiny Qwen2-VL in bf16 measured 0.055 apart in the
+# rider's logits at the first core step (A-VL's own row equal). The paged eager steps above compare bf16
+@pytest.mark.parametrize(
+    "name,dtype", [("tiny-llava", torch.float32), ("tiny-qwen2-vl", torch.float32)], ids=str
+)
+def test_a_linked_request_in_core_steps_equals_the_eager_step(name, dtype, monkeypatch):
+    """A-VL ``core=0.3`` over its image beside a full request that linked its image (it rides in A-VL's
+    core steps: every column its list) and an h2o one: core steps are ``"select+rope"`` steps, taken, and
+    every backend call's logits, attended counts and statistics, then tokens, tables and K/V rows equal
+    the eager step's (``test_static_step_select``'s pattern)."""
+    monkeypatch.setenv(UNCHECKED_ENV, "1")
+    engine = _engine(name, dtype, monkeypatch)
+    outs, inputs, real = _recorded(engine), [], engine.backend.step
+
+    def step(inp, cache, stats=None):
+        inputs.append(inp)
+        return real(inp, cache, stats)
+
+    engine.backend.step = step
+    spec = LinkSpec("mpic", 2)
+    pairs = []
+    for _ in range(2):
+        sched = Scheduler(engine, pool_bytes=1 << 23, link_threshold=0.0)
+        with _torch_path():
+            sched.submit(
+                Request(
+                    Prompt("Describe it.", [make_image(1)]),
+                    make_policy("full"),
+                    1,
+                    stop_at_eos=False,
+                    link=spec,
+                )
+            )
+            sched.run()
+            reqs = [
+                sched.submit(
+                    Request(
+                        Prompt("Describe the picture.", [make_image(0)]),
+                        make_policy(AVL[0], **AVL[1]),
+                        16,
+                        stop_at_eos=False,
+                    )
+                ),
+                sched.submit(
+                    Request(
+                        Prompt("Hi", [make_image(1)]), make_policy("full"), 16, stop_at_eos=False, link=spec
+                    )
+                ),
+                sched.submit(
+                    Request(
+                        Prompt("What colour is the sky today?"),
+                        make_policy("h2o", budget=0.5),
+                        16,
+                        stop_at_eos=False,
+                    )
+                ),
+            ]
+            sched.step()
+        assert len(sched.running) == 3 and reqs[1].cached_tokens > 0
+        pairs.append((sched, reqs))
+    (eager, eager_reqs), (static_sched, static_reqs) = pairs
+    static = StaticDecode(engine.backend, capacity_step=64)
+    selected = taken = 0
+    for n in range(4):  # A-VL's interval 3: an update step, then core steps
+        engine.backend.static = None
+        at = len(outs)
+        eager.step()
+        want = outs[at:]
+        engine.backend.static = static
+        at = len(outs)
+        static_sched.step()
+        got = outs[at:]
+        taken += len(got)
+        assert static.taken == taken and not static.refused, static.refused
+        for g, w, inp in zip(got, want, inputs[at:]):
+            selected += inp.attend is not None
+            torch.testing.assert_close(g.logits, w.logits, **TOL[dtype], msg=f"step {n}")
+            assert torch.equal(g.attended, w.attended), n
+            _assert_stats_equal(g.stats, w.stats, f"step {n}")
+    assert "select+rope" in {k[2] for k in static._bufs} and selected > 0
+    _assert_same_state(eager, static_sched, eager_reqs, static_reqs, dtype)

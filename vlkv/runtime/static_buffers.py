@@ -21,7 +21,8 @@ A step's mode (the buffers' key beside the batch size) is its statistics mode (N
   read), beside holes or not. Each layer's append also writes :attr:`StaticBuffers.rot` ``(B, H_kv, C,
   P)``, the read table's twin: each pre-RoPE column's positions (``-1`` elsewhere), by which every paged
   read of the layer rotates those keys with rows of :attr:`StaticBuffers.rope`, the model's rotary table
-  (``runtime/static_rope.py``), as it loads them. (Not beside a selection: refused.)
+  (``runtime/static_rope.py``), as it loads them. ``"select+rope"``: beside a selection, the twin is
+  gathered through the layer's list like the read table (into :attr:`StaticBuffers.rot_read`).
 - None: none of these (every head attends every column below its length).
 """
 
@@ -39,7 +40,7 @@ from vlkv.runtime.static_rope import RopeTable
 # the read table's width grows in steps of this many columns (a capture per batch size and width: at
 # 1024 a decode recaptures once every 1024 steps; the paged read loops to the lengths, never to C)
 CAPACITY_STEP = 1024
-READS = (None, "holes", "select", "rope", "holes+rope")
+READS = (None, "holes", "select", "rope", "holes+rope", "select+rope")
 
 
 @dataclass(slots=True)
@@ -74,6 +75,8 @@ class StaticBuffers:
         rot: ``(B, H_kv, C, P)`` int64 a layer's pre-RoPE columns' positions, ``-1`` elsewhere (written by
             its append: a linked step's buffers, else None).
         rope: the :class:`~vlkv.runtime.static_rope.RopeTable` the reads rotate by (with ``rot``).
+        rot_read: ``(B, H_kv, C, P)`` int64 ``rot`` gathered through a layer's ``select`` row (a linked
+            selection step's, else None).
     """
 
     batch: int
@@ -98,6 +101,7 @@ class StaticBuffers:
     read: Tensor | None = None
     rot: Tensor | None = None
     rope: RopeTable | None = None
+    rot_read: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.capacity < 1 or self.layers < 1 or self.kv_heads < 1:
@@ -143,11 +147,12 @@ class StaticBuffers:
             and (
                 self.rot.shape != (*self.table.shape, self.positions.shape[-1])
                 or self.rot.dtype != torch.long
-                or self.select is not None
+                or (self.select is not None) != (self.rot_read is not None)
             )
         ):
             raise ValueError(
-                "StaticBuffers.rot / rope: both or neither, rot int64 (B, H_kv, C, P), not beside a selection"
+                "StaticBuffers.rot / rope / rot_read: rot and rope both or neither, rot int64 (B, H_kv, C, P), "
+                "rot_read beside a selection"
             )
 
     @property
@@ -175,13 +180,14 @@ class StaticBuffers:
         """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses);
         ``group`` > 0: a statistics step's, with ``probs`` for ``G = group`` query heads per KV head;
         ``reads``: ``"holes"`` (with ``held``), ``"select"`` (with ``select``, ``select_len``,
-        ``read``), ``"rope"`` / ``"holes+rope"`` (with ``rot``; ``rope`` the table) or None."""
+        ``read``), ``"rope"`` / ``"holes+rope"`` / ``"select+rope"`` (with ``rot``, ``rope`` the table;
+        beside a selection ``rot_read``) or None."""
         if reads not in READS:
             raise ValueError(f"reads must be one of {READS}, got {reads!r}")
         holes, select, linked = (
             reads in ("holes", "holes+rope"),
-            reads == "select",
-            reads in ("rope", "holes+rope"),
+            reads in ("select", "select+rope"),
+            reads in ("rope", "holes+rope", "select+rope"),
         )
         i64 = dict(dtype=torch.long, device=device)
         n_meta = layers * batch * FIELDS
@@ -218,6 +224,9 @@ class StaticBuffers:
             read=torch.zeros(batch, kv_heads, capacity, **i64) if select else None,
             rot=torch.full((batch, kv_heads, capacity, pos_dims), -1, **i64) if linked else None,
             rope=rope if linked else None,
+            rot_read=torch.full((batch, kv_heads, capacity, pos_dims), -1, **i64)
+            if linked and select
+            else None,
         )
 
     def visible(self) -> Tensor:

@@ -52,8 +52,8 @@ per M-RoPE section), where the eager step builds one ``cos/sin`` row per such en
 flags back.
 
 Taken for a scheduler's batch view of one-sample caches in a decode step: one new row each, no link
-step, row filter, low-rank factors, swapped-out request, or selection beside per-head holes or linked
-entries (:func:`refusal` names what stops it); any other step runs eagerly as before.
+step, row filter, low-rank factors, swapped-out request, or selection beside per-head holes
+(:func:`refusal` names what stops it); any other step runs eagerly as before.
 """
 
 from __future__ import annotations
@@ -94,8 +94,6 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
         return "a request with low-rank or swapped-out entries"
     if inputs.attend is not None and any(r.holes is not None for p in per for r in p):
         return "selected attention beside per-head holes (the eager step refuses it too)"
-    if inputs.attend is not None and any(r.linked for p in per for r in p):
-        return "selected attention beside pre-RoPE (linked) entries"
     pool = cache.layers[0].pool
     if pool.spec.dtype != backend.dtype:
         return "the pool's dtype is not the model's"
@@ -176,10 +174,10 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
 def reads_of(inputs, cache) -> str | None:
     """What a step's reads take (``static_buffers``' ``reads``): ``"select"`` (selected attention),
     ``"holes"`` (some request with per-head holes), ``"rope"`` (some request with linked, pre-RoPE
-    entries), ``"holes+rope"`` (both) or None. Host attributes only."""
-    if inputs.attend is not None:
-        return "select"
+    entries), ``"holes+rope"`` / ``"select+rope"`` (both) or None. Host attributes only."""
     rows = [r for la in cache.layers for r in la.rows]
+    if inputs.attend is not None:
+        return "select+rope" if any(r.linked for r in rows) else "select"
     holes = any(r.holes is not None for r in rows)
     if not any(r.linked for r in rows):
         return "holes" if holes else None
@@ -221,10 +219,13 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
         ids=bufs.ids[i], out=bufs.table, rot_out=bufs.rot,
     )  # fmt: skip
     table, lengths = bufs.table, bufs.lengths[i]
+    rot = bufs.rot
     if bufs.select is not None:  # selected attention: the read table gathered through the layer's list
         table, lengths = torch.gather(bufs.table, 2, bufs.select[i], out=bufs.read), bufs.select_len[i]
+        if rot is not None:  # and the pre-RoPE positions' twin with it
+            rot = torch.gather(rot, 2, bufs.select[i][..., None].expand_as(rot), out=bufs.rot_read)
     held = None if bufs.held is None else bufs.held[i]  # a hole step's: the columns each head attends
-    rope = _rope_args(bufs)
+    rope = _rope_args(bufs, rot)
     if rope:  # linked entries: the read rotating them by the table (not ops' router, which has no sec)
         from vlkv.plugins.triton_paged_attention import paged_attention_triton
 
@@ -243,16 +244,16 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
     return out.transpose(1, 2).contiguous()
 
 
-def _rope_args(bufs: StaticBuffers) -> dict:
-    """The paged reads' pre-RoPE keywords of a linked step (``rot`` the layer's positions twin, ``cos``,
-    ``sin`` the table; M-RoPE: ``sec``, the section map, with every component; 1-D RoPE: component 0 names
-    the table's row), or ``{}``."""
+def _rope_args(bufs: StaticBuffers, rot: Tensor | None) -> dict:
+    """The paged reads' pre-RoPE keywords of a linked step (``rot (B, H_kv, C, P)`` the layer's positions
+    twin as read, ``cos``, ``sin`` the table; M-RoPE: ``sec``, the section map, with every component; 1-D
+    RoPE: component 0 names the table's row), or ``{}``."""
     t = bufs.rope
     if t is None:
         return {}
     if t.sec is None:
-        return dict(rot=bufs.rot[..., 0], cos=t.cos, sin=t.sin)
-    return dict(rot=bufs.rot, cos=t.cos, sin=t.sin, sec=t.sec)
+        return dict(rot=rot[..., 0], cos=t.cos, sin=t.sin)
+    return dict(rot=rot, cos=t.cos, sin=t.sin, sec=t.sec)
 
 
 @torch.no_grad()
@@ -327,7 +328,7 @@ class StaticDecode:
         reads = reads_of(inputs, cache)
         key = (b, mode, reads)
 
-        rope = None if reads not in ("rope", "holes+rope") else self.rope_table(cache.layers[0].pool)
+        rope = None if reads is None or "rope" not in reads else self.rope_table(cache.layers[0].pool)
 
         def make(longest: int) -> StaticBuffers:
             cap = capacity_for(longest, self.capacity_step)
