@@ -21,8 +21,9 @@ from vlkv.plugins.flash_tiles import attend_block, query_tile, store_tile
 
 # the table's width and strides grow by one column a decode step: specialised (Triton's "divisible by 16"
 # and "== 1" variants) they make a decode compile new binaries mid-run, each a fraction of a second (a
-# likely cause of GPU run 5's one 488 ms step)
-PER_STEP_INTS = ("stb", "sth", "COLS")
+# likely cause of GPU run 5's one 488 ms step); so do the eager read's ``rot`` strides and its count of
+# pre-RoPE rows ``NR`` (which changes with evictions)
+PER_STEP_INTS = ("stb", "sth", "COLS", "srb", "srh", "NR")
 
 
 @triton.jit

@@ -89,7 +89,12 @@ def paged_probs_kernel(
         tl.store(part_l_ptr + part, l_i, mask=rows)
 
 
-@triton.jit(do_not_specialize=PER_STEP_INTS)
+# the normalise pass's own per-step ints (it takes no ``rot``: an older Triton refuses a name not in the
+# signature)
+NORMALISE_INTS = ("stb", "sth", "COLS")
+
+
+@triton.jit(do_not_specialize=NORMALISE_INTS)
 def probs_normalise_kernel(
     prob_ptr, tab_ptr, len_ptr, vis_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     stb, sth, stc, slb, slh, sob, soh, sod, HKV, GROUP, DV, COLS,

@@ -294,8 +294,8 @@ class StaticDecode:
         if capacity_step < 1:
             raise ValueError(f"capacity_step must be >= 1, got {capacity_step}")
         self.backend, self.graphs, self.capacity_step = backend, graphs, capacity_step
-        # (batch size, statistics mode, holes) → its buffers (mode: None, "probs" or "exact", see
-        # stats_mode; holes: some request has per-head holes, see static_buffers)
+        # (batch size, statistics mode, reads) → its buffers (mode: None, "probs" or "exact", see
+        # stats_mode; reads: holes, a selection, linked entries, see reads_of and static_buffers)
         self._bufs: dict[tuple[int, str | None, str | None], StaticBuffers] = {}
         self._rope: dict[tuple, RopeTable] = {}  # (dtype, device) → the rotary table of linked steps
         self.taken = 0
