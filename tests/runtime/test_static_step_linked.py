@@ -106,6 +106,13 @@ def test_a_linked_steps_device_half_reads_nothing_back_and_low_rank_factors_are_
     (key,) = static._bufs
     bufs = static._bufs[key]
     assert key[2] == "rope" and bufs.reads == "rope" and bufs.rope.sec is not None  # M-RoPE's sections
+    assert bufs.rope.rows >= sched.pool.capacity(0)  # every position a prompt in this pool can have
+    # the table's rows, per section, are the model's own rotary at mixed (t, h, w) positions, bit for bit
+    pos = torch.randint(0, 300, (1, 40, 3), generator=torch.Generator().manual_seed(0))
+    cos, sin = engine.backend.adapter.rotary(torch.zeros(1, 40, bufs.rope.cos.shape[1]), pos)
+    dims = torch.arange(bufs.rope.cos.shape[1])
+    at = pos[0][:, bufs.rope.sec]  # (40, D_r) the row each dim reads
+    assert torch.equal(bufs.rope.cos[at, dims], cos[0]) and torch.equal(bufs.rope.sin[at, dims], sin[0])
     ptrs = [t.data_ptr() for t in (bufs.ints, bufs.table, bufs.rot, bufs.rope.cos)]
     engine.backend.static = None
     group = sched.plan().groups[0]
@@ -228,3 +235,15 @@ def test_a_linked_request_in_core_steps_equals_the_eager_step(name, dtype, monke
             _assert_stats_equal(g.stats, w.stats, f"step {n}")
     assert "select+rope" in {k[2] for k in static._bufs} and selected > 0
     _assert_same_state(eager, static_sched, eager_reqs, static_reqs, dtype)
+
+
+def test_the_table_covers_the_model_and_the_pool():
+    """``static_rope.table_rows``: the larger of ``max_position_embeddings`` and the pool's slots a layer
+    (capped), at least 4096, a power of two."""
+    from types import SimpleNamespace
+
+    from vlkv.runtime.static_rope import MAX_ROWS, table_rows
+
+    model = SimpleNamespace(lm=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=5000)))
+    assert table_rows(model) == 8192 and table_rows(model, 9000) == 16384
+    assert table_rows(model, 10**9) == MAX_ROWS and table_rows(SimpleNamespace()) == 4096

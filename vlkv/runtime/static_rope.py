@@ -11,10 +11,14 @@ loads a key's rows of the table as it rotates it. 1-D RoPE reads row ``rot[..., 
 temporal, height and width sections) reads, per dim ``d``, row ``rot[..., sec[d]]``, ``sec (D_r,)`` the
 component each dim's angle comes from (found from the model's rotary, not assumed).
 
-``T``: the model's ``max_position_embeddings`` (at least ``MIN_ROWS``), rounded up to a power of two.
-Linked entries are prompt tokens (a record linked at the reader's positions), so their positions stay
-below that in practice; a position past the table reads its last row (``rope_on_load`` clamps: no read
-outside the table, a wrong rotation for that entry) — the host half has no positions on the host to check.
+``T``: the larger of the model's ``max_position_embeddings`` and the pool's slots per layer (at most
+``MAX_ROWS``; at least ``MIN_ROWS``), rounded up to a power of two. Linked entries are prompt tokens (a
+record linked at the reader's positions) and a prompt is held whole in the pool when it is prefilled, so
+a linked entry's position (1-D: its index in the prompt; M-RoPE's components are at most that) is below
+the pool's slot count: the table covers every position a linked entry can have in a pool of up to
+``MAX_ROWS`` slots a layer. A position past the table would read its last row (``rope_on_load`` clamps:
+no read outside the table; the host half has no positions on the host to check). A pool that grows past
+the table gets a larger one (new buffers).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from torch import Tensor
 
 # the smallest table (rows): a model without max_position_embeddings still covers a long prompt
 MIN_ROWS = 4096
+# the most rows a pool's size asks for (2^18: 128 MB of bf16 cos and sin at D = 128)
+MAX_ROWS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -56,10 +62,10 @@ class RopeTable:
         return self.cos.shape[0]
 
 
-def table_rows(adapter) -> int:
-    """``T`` for a model (see the module docstring)."""
+def table_rows(adapter, slots: int = 0) -> int:
+    """``T`` for a model over a pool of ``slots`` slots a layer (see the module docstring)."""
     cfg = getattr(getattr(adapter, "lm", None), "config", None)
-    top = max(int(getattr(cfg, "max_position_embeddings", 0) or 0), MIN_ROWS)
+    top = max(int(getattr(cfg, "max_position_embeddings", 0) or 0), min(slots, MAX_ROWS), MIN_ROWS)
     return 1 << (top - 1).bit_length()
 
 

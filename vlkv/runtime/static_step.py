@@ -303,13 +303,14 @@ class StaticDecode:
 
     def rope_table(self, pool) -> RopeTable:
         """The rotary table linked steps rotate by (``static_rope``), built once per pool dtype and
-        device: it stays alive here (a graph replays against its address)."""
+        device (again, larger, for a pool grown past it): it stays alive here (a graph replays against
+        its address)."""
         spec = pool.spec
         key = (spec.dtype, str(spec.device))
+        be = self.backend
+        rows = table_rows(be.adapter, pool.capacity(0))
         got = self._rope.get(key)
-        if got is None:
-            be = self.backend
-            rows = table_rows(be.adapter)
+        if got is None or got.rows < rows:
             got = rope_table(be.adapter, be.pos_dims, spec.head_dim, spec.dtype, spec.device, rows)
             self._rope[key] = got
         return got
@@ -345,7 +346,10 @@ class StaticDecode:
                 rope,
             )
 
-        got = prepare(self._bufs.get(key), inputs, cache, make)
+        bufs = self._bufs.get(key)
+        if bufs is not None and bufs.rope is not rope:  # a larger table since (a grown pool): new buffers
+            bufs = None
+        got = prepare(bufs, inputs, cache, make)
         if got is None:
             why = "tables the one-launch append cannot address"
             self.refused[why] = self.refused.get(why, 0) + 1
