@@ -7,7 +7,11 @@ the interpreter, every CPU C++ kernel off; the script runs itself again with tha
 ``Scheduler.step()`` of tiny LLaVA over ``--batch`` ragged requests on a fixed pool, per ``--policy``
 (``full``: a plain step; ``h2o``: budget 0.5, a statistics step; ``kvzip``: budget 0.5, per-head holes,
 a plain hole step; ``avl-core``: A-VL at budget 0.5 with ``core=0.3`` over one image per request, its
-counted steps core steps, selected attention with statistics):
+counted steps core steps, selected attention with statistics; ``linked``: full cache, the first request
+linking (MPIC) an image record an earlier request computed, its keys kept pre-RoPE and rotated on read —
+the random tiny model has no link check, so linking is opted into as ``VLKV_LINK_UNCHECKED=1`` does;
+``attnpack``: rank 4 over one image per request, low-rank factors, which the static step refuses: its
+eager step counted and the refusal recorded):
 
 - ``eager``: the step as it runs today (``TorchBackend.step``'s layer loop);
 - ``static``: the same step through ``runtime/static_step.py``, with its two halves counted apart:
@@ -51,16 +55,50 @@ POLICIES = {
     "h2o": {"budget": 0.5},
     "kvzip": {"budget": 0.5},
     "avl-core": {"budget": 0.5, "core": 0.3, "interval": 64},
+    "linked": {},
+    "attnpack": {"rank": 4},  # low-rank factors: refused by the static step (its reason recorded)
 }
 
 
 def _running(engine, batch: int, policy: str = "full") -> Scheduler:
+    if policy == "linked":
+        return _linked(engine, batch)
     sched = Scheduler(engine, pool_bytes=1 << 22)
     for i in range(batch):
         text = TEXTS[i % len(TEXTS)] + " x" * i
         pol = make_policy(policy.split("-")[0], **POLICIES[policy])
-        images = [_image(i)] if policy == "avl-core" else []  # a core to restrict to: vision entries
+        # a core to restrict to, image entries to factor: vision entries
+        images = [_image(i)] if policy in ("avl-core", "attnpack") else []
         sched.submit(Request(Prompt(text, images), pol, 32, stop_at_eos=False))
+    return _admitted(sched, batch)
+
+
+def _linked(engine, batch: int) -> Scheduler:
+    """``batch`` full-cache requests, the first linking an image record a finished request computed."""
+    from vlkv.runtime.link.gate import UNCHECKED_ENV
+    from vlkv.runtime.link.spec import LinkSpec
+
+    os.environ[UNCHECKED_ENV] = "1"
+    sched = Scheduler(engine, pool_bytes=1 << 23, link_threshold=0.0)
+    spec = LinkSpec("mpic", 2)
+    with torch_path_prefill():
+        sched.submit(
+            Request(Prompt("Describe it.", [_image(0)]), make_policy("full"), 1, stop_at_eos=False, link=spec)
+        )
+        sched.run()
+    first = Request(Prompt("What is it?", [_image(0)]), make_policy("full"), 32, stop_at_eos=False, link=spec)
+    sched.submit(first)
+    for i in range(1, batch):
+        sched.submit(
+            Request(Prompt(TEXTS[i % len(TEXTS)] + " x" * i), make_policy("full"), 32, stop_at_eos=False)
+        )
+    sched = _admitted(sched, batch)
+    assert first.cached_tokens > 0 and any(la.linked for la in first.cache.layers)
+    return sched
+
+
+def _admitted(sched: Scheduler, batch: int) -> Scheduler:
+    """``sched`` once its ``batch`` requests run (their prefills on the PyTorch path)."""
     with torch_path_prefill():
         for _ in range(batch):  # image prompts may take a prefill a step
             if len(sched.running) == batch:
@@ -130,6 +168,10 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     sched = _running(engine, batch, policy)
     be.static = static = static_step.StaticDecode(be, capacity_step=64)
     sched.step()  # buffers made
+    if static.taken == 0:  # refused (low-rank factors): the reasons; the eager row above is what runs
+        be.static = None
+        rows.append({"config": "static", "refused": static.refused})
+        return rows
     halves = _Halves()
     with count_ops() as c, triton_launches_as_ops(c) as n, halves:
         for _ in range(steps):
@@ -138,7 +180,8 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     assert static.taken == steps + 1, static.refused
     row = {"config": "static", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps}
     row["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
-    row["reads"] = sorted(str(reads) for _, _, reads in static._bufs)  # "holes": kvzip's, "select": A-VL core
+    # "holes": kvzip's, "select": A-VL core, "rope": linked entries
+    row["reads"] = sorted(str(reads) for _, _, reads in static._bufs)
     row["host"] = {k: v / steps for k, v in halves.host.items()}
     row["device"] = {k: v / steps for k, v in halves.device.items()}
     if halves.stats is not None:
@@ -174,6 +217,8 @@ def main() -> None:
             next(r for r in rows if r["config"] == config and r["layers"] == n and r["policy"] == policy)
             for n in (lo, hi)
         )
+        if "refused" in b:
+            continue
         slope = {"config": config, "policy": policy, "per_layer_ops": (b["ops"] - a["ops"]) / (hi - lo)}
         slope["per_layer_launches"] = (b["launches"] - a["launches"]) / (hi - lo)
         slope["per_layer_syncs"] = (b["syncs"] - a["syncs"]) / (hi - lo)

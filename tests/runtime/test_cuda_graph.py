@@ -23,7 +23,9 @@ TEXTS = (
 # the batch goes from 4 to 3 to 2 to 1 (a capture each): kvzip's request (per-head holes: a hole step's
 # buffers and graph) finishes first, then A-VL's (core=0.3 over its image: core steps of selected attention,
 # a group and graph of their own, "select"), then h2o's (statistics steps: its rows asked, the others'
-# not), then the full one runs alone (plain steps): every mode's graph in as many scheduler steps as before
+# not), then the full one runs alone (plain steps): every mode's graph in as many scheduler steps as before.
+# h2o's request links (MPIC) the record of an image an earlier request computed: its keys stored pre-RoPE,
+# rotated on read, so the steps it is in are linked steps ("holes+rope" beside kvzip, then "rope")
 NEW = (4, 8, 10, 6)
 POLICIES = (
     ("kvzip", {"budget": 0.5}),
@@ -31,7 +33,8 @@ POLICIES = (
     ("full", {}),
     ("avl", {"budget": 0.5, "core": 0.3}),
 )
-IMAGES = (None, None, None, 0)  # A-VL's request has an image (a core to restrict to)
+IMAGES = (None, 1, None, 0)  # A-VL's request has an image (a core to restrict to), h2o's a linked one
+LINKED = 1  # h2o's request links its image's record
 # the graph replays the eager step's kernels on the same values; only the paged read's split count may
 # differ (its table is a fixed capacity wide), which at these sizes is one split either way
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -51,9 +54,14 @@ def test_a_cuda_graph_needs_cuda(capsys, no_model_compute):
 # same code; on CPU both dtypes are compared, test_static_step.py)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
-def test_graph_replay_equals_the_eager_step(dtype):
+def test_graph_replay_equals_the_eager_step(dtype, monkeypatch):
     from vlkv.runtime.engine import Engine
+    from vlkv.runtime.link.gate import UNCHECKED_ENV
+    from vlkv.runtime.link.spec import LinkSpec
     from vlkv.runtime.models.registry import load_model
+
+    monkeypatch.setenv(UNCHECKED_ENV, "1")  # the random tiny model has no link check: opted in
+    spec = LinkSpec("mpic", 2)
 
     loaded = load_model("tiny-llava", device="cuda")
     loaded.model.to(dtype)
@@ -71,7 +79,11 @@ def test_graph_replay_equals_the_eager_step(dtype):
     be.step = recorded
     scheds = []
     for _ in range(2):
-        sched = Scheduler(engine, pool_bytes=1 << 22)
+        sched = Scheduler(engine, pool_bytes=1 << 23, link_threshold=0.0)
+        be.static = None
+        prime = Prompt("Describe it.", [make_image(IMAGES[LINKED])])
+        sched.submit(Request(prime, make_policy("full"), 1, stop_at_eos=False, link=spec))
+        sched.run()  # the image's record computed and kept
         reqs = [
             sched.submit(
                 Request(
@@ -79,15 +91,16 @@ def test_graph_replay_equals_the_eager_step(dtype):
                     make_policy(p, **kw),
                     n,
                     stop_at_eos=False,
+                    link=spec if i == LINKED else None,
                 )
             )
-            for t, n, (p, kw), im in zip(TEXTS, NEW, POLICIES, IMAGES)
+            for i, (t, n, (p, kw), im) in enumerate(zip(TEXTS, NEW, POLICIES, IMAGES))
         ]
-        be.static = None
         while len(sched.running) < len(TEXTS):  # the prefills (no graph for them)
             sched.step()
         scheds.append((sched, reqs))
     (eager, eager_reqs), (graphed, graph_reqs) = scheds
+    assert graph_reqs[LINKED].cached_tokens > 0 and any(la.linked for la in graph_reqs[LINKED].cache.layers)
     step, calls, modes, holes = 0, 0, set(), set()
     while eager.running:
         # a scheduler step is one backend call per group (A-VL's core steps are a group of their own):
@@ -116,16 +129,17 @@ def test_graph_replay_equals_the_eager_step(dtype):
         step += 1
     assert not graphed.running
     assert static.graphs.replays == calls
-    # one capture per (batch size, statistics mode, reads, width): holes beside statistics, A-VL's
-    # selection, statistics alone, plain, and each width the tables reached
+    # one capture per (batch size, statistics mode, reads, width): holes and linked entries beside
+    # statistics, A-VL's selection, linked entries with statistics, plain, and each width reached
     assert static.graphs.captures >= 4, static.graphs.captures
     assert modes == {True, False}  # statistics steps, then plain ones
     assert True in holes  # kvzip's request had holes while it ran
     reads = {key[2] for key in static.graphs._graphs}
-    assert {"holes", "select", None} <= reads, reads
+    assert {"holes+rope", "select", "rope", None} <= reads, reads
     for a, b in zip(eager_reqs, graph_reqs):
         assert a.status is b.status is Status.FINISHED, (a.error, b.error)
         assert a.tokens == b.tokens
+    graphed.segments.release()  # the linked image's record, kept for later requests
     assert graphed.pool.used_bytes() == 0
 
 

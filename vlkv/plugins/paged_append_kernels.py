@@ -28,21 +28,25 @@ META_FIELDS = 9 + MAX_SCORES
 
 # the read table's width (and so its strides) grows a column a step, and each layer reads its own rows of
 # the step's table: not specialised, or a decode compiles new binaries mid-run (see paged_attention_kernels)
-PER_STEP_INTS = ("sob", "soh", "META_OFF", "W")
+PER_STEP_INTS = ("sob", "soh", "srb", "srh", "META_OFF", "W")
 
 
 @triton.jit(do_not_specialize=PER_STEP_INTS)
 def decode_append_kernel(
-    k_ptr, v_ptr, kp_ptr, vp_ptr, flag_ptr, ids_ptr, meta_ptr, pos_ptr, mod_ptr, ord_ptr, out_ptr,
-    skb, skh, svb, svh, skph, skps, svph, svps, sfh, sih, sib, spb, sob, soh,
+    k_ptr, v_ptr, kp_ptr, vp_ptr, flag_ptr, ids_ptr, meta_ptr, pos_ptr, mod_ptr, ord_ptr, out_ptr, rot_ptr,
+    skb, skh, svb, svh, skph, skps, svph, svps, sfh, sih, sib, spb, sob, soh, srb, srh, src,
     META_OFF, D, P, W,
-    RUN_IDS: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    RUN_IDS: tl.constexpr, HAS_OUT: tl.constexpr, HAS_ROT: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_W: tl.constexpr, FIELDS: tl.constexpr, N_SCORES: tl.constexpr,
 ):  # fmt: skip
     """Request ``b``'s new entry in KV head ``h``: its K/V row (cast to the pool's dtype) at its slot and
     the slot's pre-RoPE flag cleared; its table column ``p`` (slot, ``P`` positions, modality, order, no
     hole, running scores 0); with ``HAS_OUT`` the read table's row ``out[b, h, :W]``: the slots of columns ``< p`` (``-1``
-    at holes), the new slot at ``p``, 0 after (past the length: never read)."""
+    at holes), the new slot at ``p``, 0 after (past the length: never read); with ``HAS_ROT`` (a static step with linked entries) its
+    twin ``rot[b, h, :W, :P]``: each held column's ``P`` positions where its slot's key is stored pre-RoPE
+    (the pool's flag), ``-1`` elsewhere (post-RoPE, holes, the new column, past the length): what the
+    paged read rotates by (``paged_attention_kernels.rope_on_load``'s table form)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = meta_ptr + META_OFF + b * FIELDS
@@ -84,3 +88,12 @@ def decode_append_kernel(
             hole = tl.load(holes + h * cap + c, mask=c < p, other=0)
             val = tl.where(c == p, slot, tl.where((hole != 0) & (hole_addr != 0), -1, old))
             tl.store(out_ptr + b * sob + h * soh + c, val, mask=c < W)
+            if HAS_ROT:
+                on = (c < p) & (val >= 0)
+                pre = tl.load(flag_ptr + h * sfh + tl.maximum(val, 0), mask=on, other=0)
+                on = on & (pre != 0)
+                two = on[:, None] & (comp < P)[None, :]
+                at = (h * cap + c)[:, None] * P + comp[None, :]
+                got = tl.load(positions + at, mask=two, other=-1)
+                dest = rot_ptr + b * srb + h * srh + c[:, None] * src + comp[None, :]
+                tl.store(dest, got, mask=(c < W)[:, None] & (comp < P)[None, :])

@@ -29,6 +29,7 @@ def decode_append_(
     new_order: Tensor,
     ids: Tensor | None = None,
     out: Tensor | None = None,
+    rot_out: Tensor | None = None,
 ) -> None:
     """One decode layer's append (see ``paged_append_kernels``).
 
@@ -38,6 +39,8 @@ def decode_append_(
     int8, ``new_order (B,)`` int64 (unit stride) the new column's values. ``ids (H_kv, B)`` int64 the
     slots (any strides); None: the meta rows' run ids (one slot per request, every head). ``out (B, H_kv,
     W)`` int64 (unit stride on W): the layer's read table is written there; None: not written.
+    ``rot_out (B, H_kv, W, P)`` int64 (unit stride on P; with ``out``): each held column's positions where
+    its key is stored pre-RoPE (``prerope``), ``-1`` elsewhere; None: not written.
     """
     b, heads, one, d = k.shape
     if v.shape != k.shape or one != 1 or k_pool.shape[0] != heads or k_pool.shape[-1] != d:
@@ -72,6 +75,15 @@ def decode_append_(
         raise ValueError(f"decode_append_: ids must be int64 ({heads}, {b}), got {tuple(ids.shape)}")
     if out is not None and (out.shape[:2] != (b, heads) or out.dtype != torch.long or out.stride(-1) != 1):
         raise ValueError(f"decode_append_: out must be int64 ({b}, {heads}, W), got {tuple(out.shape)}")
+    if rot_out is not None and (
+        out is None
+        or rot_out.shape != (*out.shape, new_positions.shape[-1])
+        or rot_out.dtype != torch.long
+        or rot_out.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"decode_append_: rot_out must be int64 (B, H_kv, W, P) beside out, got {tuple(rot_out.shape)}"
+        )
     if not (b and heads):
         return
     width = 0 if out is None else out.shape[2]
@@ -79,11 +91,13 @@ def decode_append_(
     sob, soh = (0, 0) if out is None else out.stride()[:2]
     decode_append_kernel[(b, heads)](
         k, v, k_pool, v_pool, prerope, meta if ids is None else ids, meta, new_positions, new_modality,
-        new_order, meta if out is None else out,
+        new_order, meta if out is None else out, meta if rot_out is None else rot_out,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_pool.stride(0), k_pool.stride(1),
         v_pool.stride(0), v_pool.stride(1), prerope.stride(0), sih, sib, new_positions.stride(0), sob, soh,
+        *((0, 0, 0) if rot_out is None else rot_out.stride()[:3]),
         layer * b * FIELDS, d, p, width,
-        RUN_IDS=ids is None, HAS_OUT=out is not None, BLOCK=triton.next_power_of_2(d),
+        RUN_IDS=ids is None, HAS_OUT=out is not None, HAS_ROT=rot_out is not None,
+        BLOCK=triton.next_power_of_2(d),
         BLOCK_P=triton.next_power_of_2(p), BLOCK_W=min(triton.next_power_of_2(max(width, 1)), 1024),
         FIELDS=FIELDS, N_SCORES=MAX_SCORES,
     )  # fmt: skip

@@ -5,7 +5,8 @@ head (and its ``Q`` query rows) together, so each entry's K/V row is loaded once
 per query head. The program walks its row of the table ``BLOCK_N`` columns at a time with an online
 softmax (running max ``m``, sum ``l``, fp32 accumulator). Causality is by column: query ``i`` sees
 columns ``< length - Q + i + 1``; a negative slot inside the length is a hole (masked). With ``HAS_ROPE``
-a key stored pre-RoPE (its ``rot`` row >= 0) is rotated as it is loaded. With
+a key stored pre-RoPE (its ``rot`` row >= 0) is rotated as it is loaded (:func:`rope_on_load`: by rows of
+``cos/sin``, or with ``MROPE`` by a position table per M-RoPE section, the static step's form). With
 ``NUM_SPLITS > 1`` the columns are split across programs (flash-decoding) and
 ``flash_tiles.combine_splits_kernel`` merges the partial (m, l, acc) triples. The query tile, the
 online-softmax block update and the store are ``flash_tiles``' helpers, shared with selected attention.
@@ -20,18 +21,62 @@ from vlkv.plugins.flash_tiles import attend_block, query_tile, store_tile
 
 # the table's width and strides grow by one column a decode step: specialised (Triton's "divisible by 16"
 # and "== 1" variants) they make a decode compile new binaries mid-run, each a fraction of a second (a
-# likely cause of GPU run 5's one 488 ms step)
-PER_STEP_INTS = ("stb", "sth", "COLS")
+# likely cause of GPU run 5's one 488 ms step); so do the eager read's ``rot`` strides and its count of
+# pre-RoPE rows ``NR`` (which changes with evictions)
+PER_STEP_INTS = ("stb", "sth", "COLS", "srb", "srh", "NR")
+
+
+@triton.jit
+def rope_on_load(
+    k, k_ptr, kvh, skh, skn, skd, slot, dims, ok, col, b, rot_ptr, srb, srh, src, srp, sec_ptr,
+    cos_ptr, sin_ptr, scr, scd, DR, NR, MROPE: tl.constexpr,
+):  # fmt: skip
+    """The keys ``k (BLOCK_N, BLOCK_D)`` just loaded for columns ``col`` (``ok``: held), with each pre-RoPE
+    one (its ``rot`` entry >= 0) rotated: ``k·cos + rotate_half(k)·sin`` on the first ``DR`` dims, in fp32,
+    rounded to the pool's dtype (the key the model would have stored).
+
+    Without ``MROPE`` the ``rot`` entry names the row of ``cos/sin (NR, DR)`` (the eager read's rows, one
+    per pre-RoPE entry, or a 1-D RoPE table indexed by position). With ``MROPE`` ``rot`` holds each
+    column's ``P`` position components (stride ``srp``; component 0 < 0: not rotated), ``cos/sin`` a
+    table by position, and ``sec (DR,)`` the component each dim's angle comes from (Qwen2-VL's sections):
+    dim ``d`` reads row ``rot[..., sec[d]]``. Rows past the table are clamped to its last (no read outside
+    it; the caller sizes the table to the positions it holds)."""
+    rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=ok, other=-1).to(tl.int64)
+    spin = ok[:, None] & (rr[:, None] >= 0) & (dims[None, :] < DR)
+    half = DR // 2
+    partner = tl.where(dims < half, dims + half, dims - half)
+    k2 = tl.load(k_ptr + kvh * skh + slot[:, None] * skn + partner[None, :] * skd, mask=spin, other=0.0)
+    if MROPE:
+        comp = tl.load(sec_ptr + dims, mask=dims < DR, other=0).to(tl.int64)
+        at = tl.load(
+            rot_ptr + b * srb + kvh * srh + col[:, None] * src + comp[None, :] * srp, mask=spin, other=0
+        ).to(tl.int64)
+    else:
+        at = rr[:, None]
+    at = tl.minimum(tl.maximum(at, 0), NR - 1)
+    c = tl.load(cos_ptr + at * scr + dims[None, :] * scd, mask=spin, other=1.0)
+    sn = tl.load(sin_ptr + at * scr + dims[None, :] * scd, mask=spin, other=0.0)
+    sign = tl.where(dims < half, -1.0, 1.0)
+    kr = k.to(tl.float32) * c.to(tl.float32) + sign[None, :] * k2.to(tl.float32) * sn.to(tl.float32)
+    if k.dtype == tl.bfloat16:
+        # rounded to nearest-even by hand: what a GPU's conversion does, and torch's; Triton's interpreter
+        # converts toward zero (an ulp off in about half the keys), so written out the CPU check sees the
+        # same keys the GPU reads (finite values: a NaN or inf key is not a key a model stores)
+        bits = kr.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        kr = bits.to(tl.float32, bitcast=True)
+    return tl.where(spin, kr.to(k.dtype), k)
 
 
 @triton.jit(do_not_specialize=PER_STEP_INTS)
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    rot_ptr, cos_ptr, sin_ptr,
+    rot_ptr, cos_ptr, sin_ptr, sec_ptr,
     sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
-    stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, scr, scd,
-    HKV, GROUP, Q, D, DV, COLS, DR,
+    stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, srp, scr, scd,
+    HKV, GROUP, Q, D, DV, COLS, DR, NR,
     SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
+    MROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     GQ = GROUP * Q
@@ -59,20 +104,10 @@ def paged_attention_kernel(
             other=0.0,
         )
         if HAS_ROPE:
-            # a pre-RoPE key rotates to its row of cos/sin: k·cos + rotate_half(k)·sin on the first DR
-            # dims, in fp32, rounded to the pool's dtype (the key the model would have stored)
-            rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=ok, other=-1).to(tl.int64)
-            spin = ok[:, None] & (rr[:, None] >= 0) & (dims[None, :] < DR)
-            half = DR // 2
-            partner = tl.where(dims < half, dims + half, dims - half)
-            k2 = tl.load(
-                k_ptr + kvh * skh + slot[:, None] * skn + partner[None, :] * skd, mask=spin, other=0.0
-            )
-            c = tl.load(cos_ptr + rr[:, None] * scr + dims[None, :] * scd, mask=spin, other=1.0)
-            sn = tl.load(sin_ptr + rr[:, None] * scr + dims[None, :] * scd, mask=spin, other=0.0)
-            sign = tl.where(dims < half, -1.0, 1.0)
-            kr = k.to(tl.float32) * c.to(tl.float32) + sign[None, :] * k2.to(tl.float32) * sn.to(tl.float32)
-            k = tl.where(spin, kr.to(k.dtype), k)
+            k = rope_on_load(
+                k, k_ptr, kvh, skh, skn, skd, slot, dims, ok, col, b, rot_ptr, srb, srh, src, srp, sec_ptr,
+                cos_ptr, sin_ptr, scr, scd, DR, NR, MROPE,
+            )  # fmt: skip
         v = tl.load(
             v_ptr + kvh * svh + slot[:, None] * svn + dv[None, :] * svd,
             mask=ok[:, None] & (dv[None, :] < DV),
@@ -102,9 +137,9 @@ def paged_attention_aot_kernel(
     """
     paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, out_ptr, out_ptr, out_ptr,
-        len_ptr, q_ptr, q_ptr,
+        len_ptr, q_ptr, q_ptr, len_ptr,
         H * Q * D, Q * D, D, 1, S * D, D, 1, S * D, D, 1,
-        HKV * C, C, 1, HKV, 1, H * Q * D, Q * D, D, 1, 0, 0, 0, 0, 0,
-        HKV, H // HKV, Q, D, D, C, 0,
-        SCALE, 1, IEEE, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D,
+        HKV * C, C, 1, HKV, 1, H * Q * D, Q * D, D, 1, 0, 0, 0, 0, 0, 0,
+        HKV, H // HKV, Q, D, D, C, 0, 1,
+        SCALE, 1, IEEE, False, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D,
     )  # fmt: skip

@@ -255,13 +255,17 @@ def triton_decode_probs(
     scale: float,
     host: list[list[int]] | None = None,
     holes: bool = True,
+    rot: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None] | None:
     """A statistics decode step by the Triton kernel (``triton_paged_probs``): ``out (B, H_q, 1, D_v)`` in
     q's dtype and ``probs (B, H_kv, G, C)`` / ``vis`` as :func:`paged_decode_probs` gives them, from one
     read of K and V in place through the table (no gather, no fp32 copy). None where it does not apply
     (off: ``TRITON_PROBS``; not CUDA tensors and not forced Triton, as ``ops.paged_attention`` chooses;
-    more than one query row; pools of another dtype than q): the caller keeps the two halves. No
-    pre-RoPE keys: a caller with ``rot`` keeps the halves. host, holes: as :func:`decode_route` takes
+    more than one query row; pools of another dtype than q): the caller keeps the two halves. rot, cos,
+    sin: pre-RoPE keys rotated as they load (``paged_attention_reference``'s form; since session 16, where
+    the halves were kept before). host, holes: as :func:`decode_route` takes
     them (nothing read back: with a hole possible the mask is kept, all True where every column is held)."""
     from vlkv.plugins.ops import use_triton
 
@@ -274,7 +278,9 @@ def triton_decode_probs(
     full = _known_full(host, holes, table.shape[2])
     if full is None and host is not None:  # a hole possible: keep the mask (exact either way) rather
         full = False  # than read it back, a host sync per layer on a GPU (as decode_route decides)
-    out, probs, vis = paged_probs_triton(q, k_pool, v_pool, table, lengths, scale, with_vis=full is not True)
+    out, probs, vis = paged_probs_triton(
+        q, k_pool, v_pool, table, lengths, scale, with_vis=full is not True, rot=rot, cos=cos, sin=sin
+    )
     if full is None:
         full = bool(vis.all())
     return out, probs, None if full else vis

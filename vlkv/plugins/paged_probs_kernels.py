@@ -10,7 +10,8 @@ the normalise pass needs them). ``probs_normalise_kernel`` then turns the logits
 place with the combined (max, sum) of the splits, writes 0 past each row's length (nothing was written
 there), optionally the ``(B, H_kv, 1, C)`` held-column mask, and with several splits merges their
 outputs (``combine_splits_kernel``): two launches a layer. Nothing is gathered, nothing upcast in memory:
-K/V are read once, the logits (4 bytes per column and query head) twice.
+K/V are read once, the logits (4 bytes per column and query head) twice. With ``HAS_ROPE`` pre-RoPE keys
+are rotated as they load, as in the paged read (``paged_attention_kernels.rope_on_load``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vlkv.plugins.flash_tiles import (
     query_tile,
     store_tile,
 )
-from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS
+from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS, rope_on_load
 
 
 # the per-step ints of ``paged_attention_kernel`` (the table's width and strides grow a column a step; the
@@ -33,9 +34,12 @@ from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS
 @triton.jit(do_not_specialize=PER_STEP_INTS)
 def paged_probs_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, logit_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    rot_ptr, cos_ptr, sin_ptr, sec_ptr,
     sqb, sqh, sqd, skh, skn, skd, svh, svn, svd, stb, sth, stc, slb, slh, sob, soh, sod,
-    HKV, GROUP, D, DV, COLS,
-    SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    srb, srh, src, srp, scr, scd,
+    HKV, GROUP, D, DV, COLS, DR, NR,
+    SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
+    MROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     b, kvh, r, heads, qi, q = query_tile(q_ptr, sqb, sqh, 0, sqd, HKV, GROUP, 1, D, BLOCK_M, BLOCK_D)
@@ -61,6 +65,11 @@ def paged_probs_kernel(
             mask=ok[:, None] & (dims[None, :] < D),
             other=0.0,
         )
+        if HAS_ROPE:  # pre-RoPE keys rotated as they load (the paged read's helper)
+            k = rope_on_load(
+                k, k_ptr, kvh, skh, skn, skd, slot, dims, ok, col, b, rot_ptr, srb, srh, src, srp, sec_ptr,
+                cos_ptr, sin_ptr, scr, scd, DR, NR, MROPE,
+            )  # fmt: skip
         v = tl.load(
             v_ptr + kvh * svh + slot[:, None] * svn + dv[None, :] * svd,
             mask=ok[:, None] & (dv[None, :] < DV),
@@ -80,7 +89,12 @@ def paged_probs_kernel(
         tl.store(part_l_ptr + part, l_i, mask=rows)
 
 
-@triton.jit(do_not_specialize=PER_STEP_INTS)
+# the normalise pass's own per-step ints (it takes no ``rot``: an older Triton refuses a name not in the
+# signature)
+NORMALISE_INTS = ("stb", "sth", "COLS")
+
+
+@triton.jit(do_not_specialize=NORMALISE_INTS)
 def probs_normalise_kernel(
     prob_ptr, tab_ptr, len_ptr, vis_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     stb, sth, stc, slb, slh, sob, soh, sod, HKV, GROUP, DV, COLS,

@@ -68,16 +68,22 @@ def paged_attention_triton(
     rot: Tensor | None = None,
     cos: Tensor | None = None,
     sin: Tensor | None = None,
+    sec: Tensor | None = None,
 ) -> Tensor:
     """Triton version of ``paged_reference.paged_attention_reference``: same arguments and result (q,
     k_pool and v_pool one float dtype), plus num_splits: column splits per (request, KV head); None picks
     one from the launch size.
+
+    sec: None, or the M-RoPE table form (the static decode step's): ``rot (B, H_kv, C, P)`` int64 each
+    column's position components (component 0 < 0: stored post-RoPE), ``cos, sin (T, D_r)`` a table by
+    position, ``sec (D_r,)`` int64 the component each dim's angle reads (:func:`rope_form`).
     """
     check_float_dtype("q", q.dtype)
     if not q.dtype == k_pool.dtype == v_pool.dtype:
         raise ValueError(
             f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
         )
+    rot4, rot = rope_form(rot, cos, sec)
     group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
     if rope:
         rot, cos, sin = rot.to(q.device), cos.to(q.device), sin.to(q.device)
@@ -92,10 +98,34 @@ def paged_attention_triton(
         return out.zero_()
     paged_attention_kernel[plan.grid](
         q, k_pool, v_pool, table, lengths, out, plan.part_m, plan.part_l, plan.part_acc, rot, cos, sin,
+        table if sec is None else sec,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *table.stride(), *lengths.stride(), *out.stride(),
-        *(rot.stride() if rope else (0, 0, 0)), *(cos.stride() if rope else (0, 0)),
-        kv_heads, group, num_q, dim, dim_v, cols, cos.shape[-1] if rope else 0,
-        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, **plan.constexprs,
+        *rope_strides(rope, rot, rot4, cos), kv_heads, group, num_q, dim, dim_v, cols,
+        cos.shape[-1] if rope else 0, cos.shape[0] if rope else 1,
+        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, MROPE=sec is not None,
+        **plan.constexprs,
     )  # fmt: skip
     combine_splits(plan, out, kv_heads, group)
     return out
+
+
+def rope_form(
+    rot: Tensor | None, cos: Tensor | None, sec: Tensor | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(rot4, rot)``: with ``sec`` (the M-RoPE table form) the ``(B, H_kv, C, P)`` positions and their
+    component 0 as the ``(B, H_kv, C)`` rows ``check_paged_args`` checks; else ``(None, rot)``. Checks
+    ``sec`` against the table's width."""
+    if sec is None:
+        return None, rot
+    if rot is None or rot.dim() != 4 or cos is None:
+        raise ValueError("sec (the M-RoPE table form) needs rot (B, H_kv, C, P) and cos/sin tables")
+    if sec.shape != (cos.shape[-1],) or sec.dtype != torch.long:
+        raise ValueError(f"sec must be int64 ({cos.shape[-1]},), got {tuple(sec.shape)} {sec.dtype}")
+    return rot, rot[..., 0]
+
+
+def rope_strides(rope: bool, rot: Tensor, rot4: Tensor | None, cos: Tensor) -> tuple[int, ...]:
+    """The kernels' ``srb, srh, src, srp, scr, scd`` (zeros without pre-RoPE keys)."""
+    if not rope:
+        return (0,) * 6
+    return (*rot.stride(), 0 if rot4 is None else rot4.stride(3), *cos.stride())

@@ -10,7 +10,7 @@ from torch import Tensor
 from vlkv.plugins.paged_probs_kernels import normalise_blocks, paged_probs_kernel, probs_normalise_kernel
 from vlkv.plugins.paged_reference import check_paged_args
 from vlkv.plugins.triton_launch import check_float_dtype, dot_in_fp32
-from vlkv.plugins.triton_paged_attention import _partials
+from vlkv.plugins.triton_paged_attention import _partials, rope_form, rope_strides
 from vlkv.plugins.triton_selected_attention import SplitPlan, combine_splits, default_num_splits, tile_sizes
 
 
@@ -25,6 +25,10 @@ def paged_probs_triton(
     with_vis: bool = True,
     probs_out: Tensor | None = None,
     vis_out: Tensor | None = None,
+    rot: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+    sec: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One decode row per request: ``q (B, H_q, 1, D)``, pools ``(H_kv, S, D)`` / ``(H_kv, S, D_v)`` (one
     float dtype), ``table (B, H_kv, C)``, ``lengths (B, H_kv)`` as ``paged_attention_reference`` takes them.
@@ -33,8 +37,9 @@ def paged_probs_triton(
     float32 (the softmax of ``q·k · scale`` over each row's held columns, 0 at holes, past its length
     and in a row holding nothing: ``paged_probs.paged_decode_probs``' definition) and, with ``with_vis``,
     the held columns ``(B, H_kv, 1, C)`` bool (else None). num_splits: column splits per (request, KV
-    head); None picks one from the launch size (about 256 programs). No pre-RoPE keys: a call with
-    ``rot`` keeps ``paged_probs``' two halves. probs_out: a contiguous ``(B, H_kv, G, C)`` float32 tensor the
+    head); None picks one from the launch size (about 256 programs). rot, cos, sin, sec: pre-RoPE keys
+    rotated on read, as ``triton_paged_attention.paged_attention_triton`` takes them (the eager step's
+    ``paged_probs`` routes still keep their two halves for a call with ``rot``). probs_out: a contiguous ``(B, H_kv, G, C)`` float32 tensor the
     probabilities are written into (and returned), e.g. a CUDA graph's fixed buffer; None allocates one.
     vis_out: likewise a contiguous ``(B, H_kv, 1, C)`` bool tensor for the held columns (``with_vis``).
     """
@@ -43,7 +48,12 @@ def paged_probs_triton(
         raise ValueError(
             f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
         )
-    group, _ = check_paged_args(q, k_pool, v_pool, table, lengths)
+    rot4, rot = rope_form(rot, cos, sec)
+    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
+    if rope:
+        rot, cos, sin = rot.to(q.device), cos.to(q.device), sin.to(q.device)
+    else:  # unused pointers (HAS_ROPE is off): any tensor on the device
+        rot = cos = sin = table
     batch, heads, num_q, dim = q.shape
     if num_q != 1:
         raise ValueError(f"paged_probs_triton takes one query row per request, got {num_q}")
@@ -88,11 +98,13 @@ def paged_probs_triton(
     if pairs == 0 or cols == 0:
         return out.zero_(), probs, None if vis is None else vis.zero_()
     paged_probs_kernel[plan.grid](
-        q, k_pool, v_pool, table, lengths, out, probs, part_m, part_l, part_acc,
+        q, k_pool, v_pool, table, lengths, out, probs, part_m, part_l, part_acc, rot, cos, sin,
+        table if sec is None else sec,
         q.stride(0), q.stride(1), q.stride(3), *k_pool.stride(), *v_pool.stride(), *table.stride(),
-        *lengths.stride(), out.stride(0), out.stride(1), out.stride(3),
-        kv_heads, group, dim, dim_v, cols,
-        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), **plan.constexprs,
+        *lengths.stride(), out.stride(0), out.stride(1), out.stride(3), *rope_strides(rope, rot, rot4, cos),
+        kv_heads, group, dim, dim_v, cols, cos.shape[-1] if rope else 0, cos.shape[0] if rope else 1,
+        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, MROPE=sec is not None,
+        **plan.constexprs,
     )  # fmt: skip
     # the splits' outputs merged by the normalise pass's first program per pair where one row tile holds
     # the group (G <= 64: every common model), else by their own launch

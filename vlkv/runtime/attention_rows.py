@@ -160,11 +160,11 @@ def _paged_one_row(
         triton_decode_probs,
     )
 
-    fused = None
-    if not rope:  # one read of K and V for both: the Triton kernel (CUDA), else the fused CPU kernel
-        fused = triton_decode_probs(q, k_pool, v_pool, table, lengths, scale, host.lengths, host.holes)
-        if fused is None:
-            fused = fused_decode_probs(q, k_pool, v_pool, table, lengths, scale, host.lengths, host.holes)
+    # one read of K and V for both: the Triton kernel (CUDA; pre-RoPE keys rotated as they load), else
+    # the fused CPU kernel (no pre-RoPE keys)
+    fused = triton_decode_probs(q, k_pool, v_pool, table, lengths, scale, host.lengths, host.holes, **rope)
+    if fused is None and not rope:
+        fused = fused_decode_probs(q, k_pool, v_pool, table, lengths, scale, host.lengths, host.holes)
     if fused is not None:
         out, probs, vis = fused
         return (plain() if exact else out), probs, vis, plan

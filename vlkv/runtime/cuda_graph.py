@@ -13,7 +13,8 @@ The warm-up and the replay both run the step's forward: its writes (the new K/V 
 column, the read table) are the same values at the same places, so running it twice changes nothing.
 
 A statistics step's forward also writes its probabilities into the buffers (``StaticBuffers.probs``):
-its graph is another one (key: batch size, statistics mode and holes), and those rows stay in the buffers,
+its graph is another one (key: batch size, statistics mode and reads: holes, a selection, linked entries),
+and those rows stay in the buffers,
 read by the host half before the next step.
 
 Opt-in (``Engine(decode_graph=True)``, ``vlkv generate --cuda-graph``, ``vlkv serve --cuda-graph``): off
@@ -62,7 +63,7 @@ class DecodeGraphs:
         check_device(device)
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()  # one memory pool for every batch size's graph
-        # key (the static step's: batch size, statistics mode, holes) → (buffers captured against, pool
+        # key (the static step's: batch size, statistics mode, reads) → (buffers captured against, pool
         # addresses, graph, its outputs, tensors it must keep alive)
         self._graphs: dict = {}
         self.captures = self.replays = 0

@@ -17,7 +17,13 @@ A step's mode (the buffers' key beside the batch size) is its statistics mode (N
   read), a layer without a list holding every column. Each layer's read gathers its read table through
   it into :attr:`StaticBuffers.read` (one op) and reads that to the list's length; a statistics step's
   probabilities are then over the list's positions, scattered back to columns after the forward.
-- None: neither (every head attends every column below its length).
+- ``"rope"`` / ``"holes+rope"``: some request holds linked entries (keys stored pre-RoPE, rotated on
+  read), beside holes or not. Each layer's append also writes :attr:`StaticBuffers.rot` ``(B, H_kv, C,
+  P)``, the read table's twin: each pre-RoPE column's positions (``-1`` elsewhere), by which every paged
+  read of the layer rotates those keys with rows of :attr:`StaticBuffers.rope`, the model's rotary table
+  (``runtime/static_rope.py``), as it loads them. ``"select+rope"``: beside a selection, the twin is
+  gathered through the layer's list like the read table (into :attr:`StaticBuffers.rot_read`).
+- None: none of these (every head attends every column below its length).
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.kv.step_tables import AFTER, FIELDS
+from vlkv.runtime.static_rope import RopeTable
 
 # the read table's width grows in steps of this many columns (a capture per batch size and width: at
 # 1024 a decode recaptures once every 1024 steps; the paged read loops to the lengths, never to C)
 CAPACITY_STEP = 1024
-READS = (None, "holes", "select")
+READS = (None, "holes", "select", "rope", "holes+rope", "select+rope")
 
 
 @dataclass(slots=True)
@@ -65,6 +72,11 @@ class StaticBuffers:
             last (a selection step's; else None), filled by the host half.
         select_len: ``(L, B, H_kv)`` int64 how many of ``select`` each head reads (new one included).
         read: ``(B, H_kv, C)`` int64 a layer's read table gathered through its ``select`` row.
+        rot: ``(B, H_kv, C, P)`` int64 a layer's pre-RoPE columns' positions, ``-1`` elsewhere (written by
+            its append: a linked step's buffers, else None).
+        rope: the :class:`~vlkv.runtime.static_rope.RopeTable` the reads rotate by (with ``rot``).
+        rot_read: ``(B, H_kv, C, P)`` int64 ``rot`` gathered through a layer's ``select`` row (a linked
+            selection step's, else None).
     """
 
     batch: int
@@ -87,6 +99,9 @@ class StaticBuffers:
     select: Tensor | None = None
     select_len: Tensor | None = None
     read: Tensor | None = None
+    rot: Tensor | None = None
+    rope: RopeTable | None = None
+    rot_read: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.capacity < 1 or self.layers < 1 or self.kv_heads < 1:
@@ -127,11 +142,26 @@ class StaticBuffers:
             raise ValueError(
                 "StaticBuffers.select / select_len / read: not (L, B, H_kv, C) / (L, B, H_kv) / (B, H_kv, C)"
             )
+        if (self.rot is None) != (self.rope is None) or (
+            self.rot is not None
+            and (
+                self.rot.shape != (*self.table.shape, self.positions.shape[-1])
+                or self.rot.dtype != torch.long
+                or (self.select is not None) != (self.rot_read is not None)
+            )
+        ):
+            raise ValueError(
+                "StaticBuffers.rot / rope / rot_read: rot and rope both or neither, rot int64 (B, H_kv, C, P), "
+                "rot_read beside a selection"
+            )
 
     @property
     def reads(self) -> str | None:
-        """What these buffers' reads take: ``"holes"``, ``"select"`` or None (see the module docstring)."""
-        return "holes" if self.held is not None else "select" if self.select is not None else None
+        """What these buffers' reads take: one of ``READS`` (see the module docstring)."""
+        base = "holes" if self.held is not None else "select" if self.select is not None else None
+        if self.rot is None:
+            return base
+        return "rope" if base is None else f"{base}+rope"
 
     @classmethod
     def make(
@@ -145,14 +175,20 @@ class StaticBuffers:
         group: int = 0,
         exact: bool = False,
         reads: str | None = None,
+        rope: RopeTable | None = None,
     ):
         """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses);
         ``group`` > 0: a statistics step's, with ``probs`` for ``G = group`` query heads per KV head;
         ``reads``: ``"holes"`` (with ``held``), ``"select"`` (with ``select``, ``select_len``,
-        ``read``) or None."""
+        ``read``), ``"rope"`` / ``"holes+rope"`` / ``"select+rope"`` (with ``rot``, ``rope`` the table;
+        beside a selection ``rot_read``) or None."""
         if reads not in READS:
             raise ValueError(f"reads must be one of {READS}, got {reads!r}")
-        holes, select = reads == "holes", reads == "select"
+        holes, select, linked = (
+            reads in ("holes", "holes+rope"),
+            reads in ("select", "select+rope"),
+            reads in ("rope", "holes+rope", "select+rope"),
+        )
         i64 = dict(dtype=torch.long, device=device)
         n_meta = layers * batch * FIELDS
         ints = torch.zeros(n_meta + layers * kv_heads * batch, **i64)
@@ -182,10 +218,15 @@ class StaticBuffers:
                 if holes
                 else None
             ),
-            columns=torch.arange(capacity, **i64) if reads else None,
+            columns=torch.arange(capacity, **i64) if holes or select else None,
             select=torch.zeros(layers, batch, kv_heads, capacity, **i64) if select else None,
             select_len=torch.zeros(layers, batch, kv_heads, **i64) if select else None,
             read=torch.zeros(batch, kv_heads, capacity, **i64) if select else None,
+            rot=torch.full((batch, kv_heads, capacity, pos_dims), -1, **i64) if linked else None,
+            rope=rope if linked else None,
+            rot_read=torch.full((batch, kv_heads, capacity, pos_dims), -1, **i64)
+            if linked and select
+            else None,
         )
 
     def visible(self) -> Tensor:

@@ -44,9 +44,16 @@ column appended, every column for a layer without a list); each layer's read gat
 through its row (one op into a fixed buffer) and reads to the lists' lengths, and a statistics step's
 probabilities, over the lists' positions, are scattered back to columns after the forward.
 
+A **linked step** (some request holding linked entries: a stored record's keys kept pre-RoPE, rotated
+on read) takes the same forward: each layer's append also writes ``rot (B, H_kv, C, P)`` beside the read
+table, each pre-RoPE column's positions (from the pool's flags), and every paged read of the layer
+rotates those keys as it loads them by rows of the model's rotary table (``static_rope``: by position,
+per M-RoPE section), where the eager step builds one ``cos/sin`` row per such entry after reading the
+flags back.
+
 Taken for a scheduler's batch view of one-sample caches in a decode step: one new row each, no link
-step, row filter, low-rank factors, pre-RoPE (linked) entries, swapped-out request, or selection beside
-per-head holes (:func:`refusal` names what stops it); any other step runs eagerly as before.
+step, row filter, low-rank factors, swapped-out request, or selection beside per-head holes
+(:func:`refusal` names what stops it); any other step runs eagerly as before.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ from torch import Tensor
 from vlkv.runtime.backend import StepOutput, StepStats
 from vlkv.runtime.kv.step_tables import COLUMN, fits, meta_row, table_tensors
 from vlkv.runtime.static_buffers import CAPACITY_STEP, StaticBuffers, capacity_for
+from vlkv.runtime.static_rope import RopeTable, rope_table, table_rows
+from vlkv.runtime.static_stats import layers_stats, stats_mode, step_stats  # noqa: F401 (re-exported)
 
 
 def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
@@ -81,10 +90,8 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
     per = [getattr(la, "rows", None) for la in cache.layers]
     if not per or any(p is None or len(p) != b for p in per):
         return "not a scheduler's batch view"
-    if any(
-        r.batch != 1 or r.linked or r.lowrank is not None or r.offloaded is not None for p in per for r in p
-    ):
-        return "a request with pre-RoPE, low-rank or swapped-out entries"
+    if any(r.batch != 1 or r.lowrank is not None or r.offloaded is not None for p in per for r in p):
+        return "a request with low-rank or swapped-out entries"
     if inputs.attend is not None and any(r.holes is not None for p in per for r in p):
         return "selected attention beside per-head holes (the eager step refuses it too)"
     pool = cache.layers[0].pool
@@ -166,10 +173,15 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
 
 def reads_of(inputs, cache) -> str | None:
     """What a step's reads take (``static_buffers``' ``reads``): ``"select"`` (selected attention),
-    ``"holes"`` (some request with per-head holes) or None. Host attributes only."""
+    ``"holes"`` (some request with per-head holes), ``"rope"`` (some request with linked, pre-RoPE
+    entries), ``"holes+rope"`` / ``"select+rope"`` (both) or None. Host attributes only."""
+    rows = [r for la in cache.layers for r in la.rows]
     if inputs.attend is not None:
-        return "select"
-    return "holes" if any(r.holes is not None for la in cache.layers for r in la.rows) else None
+        return "select+rope" if any(r.linked for r in rows) else "select"
+    holes = any(r.holes is not None for r in rows)
+    if not any(r.linked for r in rows):
+        return "holes" if holes else None
+    return "holes+rope" if holes else "rope"
 
 
 def _fill_select(bufs: StaticBuffers, attend: list) -> None:
@@ -204,12 +216,20 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
     new_positions = bufs.positions[:, 0]
     decode_append_(
         keys, values, flags, k, v, bufs.meta, i, new_positions, bufs.modality, bufs.order,
-        ids=bufs.ids[i], out=bufs.table,
+        ids=bufs.ids[i], out=bufs.table, rot_out=bufs.rot,
     )  # fmt: skip
     table, lengths = bufs.table, bufs.lengths[i]
+    rot = bufs.rot
     if bufs.select is not None:  # selected attention: the read table gathered through the layer's list
         table, lengths = torch.gather(bufs.table, 2, bufs.select[i], out=bufs.read), bufs.select_len[i]
+        if rot is not None:  # and the pre-RoPE positions' twin with it
+            rot = torch.gather(rot, 2, bufs.select[i][..., None].expand_as(rot), out=bufs.rot_read)
     held = None if bufs.held is None else bufs.held[i]  # a hole step's: the columns each head attends
+    rope = _rope_args(bufs, rot)
+    if rope:  # linked entries: the read rotating them by the table (not ops' router, which has no sec)
+        from vlkv.plugins.triton_paged_attention import paged_attention_triton
+
+        paged_attention = partial(paged_attention_triton, **rope)
     if bufs.probs is None:
         out = paged_attention(q, keys, values, table, lengths, attn.scaling)
         if held is not None:  # the read table's slots >= 0 below the length (3 ops; no host read)
@@ -217,11 +237,23 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
     else:  # a statistics step: the eager step's one-read kernel, its softmax rows into the buffer
         out, _, _ = paged_probs_triton(
             q, keys, values, table, lengths, attn.scaling,
-            with_vis=held is not None, probs_out=bufs.probs[i], vis_out=held,
+            with_vis=held is not None, probs_out=bufs.probs[i], vis_out=held, **rope,
         )  # fmt: skip
         if bufs.exact:  # the plain read's output, bit for bit (as the eager step's exact_output)
             out = paged_attention(q, keys, values, table, lengths, attn.scaling)
     return out.transpose(1, 2).contiguous()
+
+
+def _rope_args(bufs: StaticBuffers, rot: Tensor | None) -> dict:
+    """The paged reads' pre-RoPE keywords of a linked step (``rot (B, H_kv, C, P)`` the layer's positions
+    twin as read, ``cos``, ``sin`` the table; M-RoPE: ``sec``, the section map, with every component; 1-D
+    RoPE: component 0 names the table's row), or ``{}``."""
+    t = bufs.rope
+    if t is None:
+        return {}
+    if t.sec is None:
+        return dict(rot=rot[..., 0], cos=t.cos, sin=t.sin)
+    return dict(rot=rot, cos=t.cos, sin=t.sin, sec=t.sec)
 
 
 @torch.no_grad()
@@ -262,11 +294,26 @@ class StaticDecode:
         if capacity_step < 1:
             raise ValueError(f"capacity_step must be >= 1, got {capacity_step}")
         self.backend, self.graphs, self.capacity_step = backend, graphs, capacity_step
-        # (batch size, statistics mode, holes) → its buffers (mode: None, "probs" or "exact", see
-        # stats_mode; holes: some request has per-head holes, see static_buffers)
-        self._bufs: dict[tuple[int, str | None, bool], StaticBuffers] = {}
+        # (batch size, statistics mode, reads) → its buffers (mode: None, "probs" or "exact", see
+        # stats_mode; reads: holes, a selection, linked entries, see reads_of and static_buffers)
+        self._bufs: dict[tuple[int, str | None, str | None], StaticBuffers] = {}
+        self._rope: dict[tuple, RopeTable] = {}  # (dtype, device) → the rotary table of linked steps
         self.taken = 0
         self.refused: dict[str, int] = {}
+
+    def rope_table(self, pool) -> RopeTable:
+        """The rotary table linked steps rotate by (``static_rope``), built once per pool dtype and
+        device (again, larger, for a pool grown past it): it stays alive here (a graph replays against
+        its address)."""
+        spec = pool.spec
+        key = (spec.dtype, str(spec.device))
+        be = self.backend
+        rows = table_rows(be.adapter, pool.capacity(0))
+        got = self._rope.get(key)
+        if got is None or got.rows < rows:
+            got = rope_table(be.adapter, be.pos_dims, spec.head_dim, spec.dtype, spec.device, rows)
+            self._rope[key] = got
+        return got
 
     def step(self, inputs, cache, stats) -> StepOutput | None:
         """The step's :class:`StepOutput`, or None where it is not taken (nothing changed then)."""
@@ -282,13 +329,27 @@ class StaticDecode:
         reads = reads_of(inputs, cache)
         key = (b, mode, reads)
 
+        rope = None if reads is None or "rope" not in reads else self.rope_table(cache.layers[0].pool)
+
         def make(longest: int) -> StaticBuffers:
             cap = capacity_for(longest, self.capacity_step)
             return StaticBuffers.make(
-                b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device, group, mode == "exact", reads
+                b,
+                cap,
+                be.num_layers,
+                be.num_kv_heads,
+                be.pos_dims,
+                device,
+                group,
+                mode == "exact",
+                reads,
+                rope,
             )
 
-        got = prepare(self._bufs.get(key), inputs, cache, make)
+        bufs = self._bufs.get(key)
+        if bufs is not None and bufs.rope is not rope:  # a larger table since (a grown pool): new buffers
+            bufs = None
+        got = prepare(bufs, inputs, cache, make)
         if got is None:
             why = "tables the one-launch append cannot address"
             self.refused[why] = self.refused.get(why, 0) + 1
@@ -314,55 +375,3 @@ class StaticDecode:
         cache.processed += inputs.new_len.to(cache.processed)
         self.taken += 1
         return StepOutput(logits=logits, stats=got_stats, attended=attended)
-
-
-def stats_mode(stats) -> str | None:
-    """A step's statistics mode, one set of buffers (and one graph) each: None (no statistics),
-    ``"probs"`` (the output from the statistics kernel's own read) or ``"exact"`` (the plain read's
-    output as well: some request asked ``exact_output``)."""
-    if stats is None:
-        return None
-    exact = stats.exact_output or any(sub.exact_output for sub in stats.extra.values())
-    return "exact" if exact else "probs"
-
-
-def step_stats(bufs: StaticBuffers, inputs, cache, stats) -> StepStats:
-    """The step's :class:`StepStats` from ``bufs.probs`` after the forward: per layer the requested row
-    sets' :class:`~vlkv.plugins.AttnStats` over the read table's ``C`` columns (``colsum (B, H, C)``, 0
-    past each request's length; the scheduler trims them to each request's width), the values the eager
-    step's ``StepContext.put_one_row_stats`` makes, each row set's computed for every layer at once
-    (:func:`layers_stats`). Device ops and, where ``stats`` names rows, a read of them: host-half work,
-    outside what a graph captures."""
-    from vlkv.runtime.step_context import StepContext
-
-    ctx = StepContext(cache, inputs, stats)
-    held = bufs.visible()  # (L, B, 1 or H_kv, 1, C): the hole step's from its forward
-    for name, req in ctx.requests.items():
-        per = layers_stats(bufs.probs, held, ctx.one_rows[name], req.threshold, bufs.select)
-        per = [st if req.wants(layer) else None for layer, st in enumerate(per)]
-        if name:
-            ctx.stats.extra[name] = per
-        else:
-            ctx.stats[:] = per
-    return ctx.stats
-
-
-def layers_stats(
-    probs: Tensor, held: Tensor, rows: Tensor | None, threshold: float | None, select: Tensor | None = None
-) -> list:
-    """The eager step's ``attention_rows._one_row_stats`` of every layer in one call: ``probs (L, B,
-    H_kv, G, C)``, ``held (L, B, 1 or H_kv, 1, C)`` bool the columns each row sees, ``rows (B, 1)`` bool
-    (requests whose row is asked; None: every one), ``threshold`` as there → per layer an
-    :class:`~vlkv.plugins.AttnStats` (``colsum (B, H, C)``, ``below`` / ``visible (B, H)``), views of
-    the step's few tensors: a handful of ops a step where the eager step spends 8 a layer."""
-    from vlkv.plugins import AttnStats
-    from vlkv.runtime.attention_rows import _one_row_stats
-
-    st = _one_row_stats(probs, held, rows, threshold)
-    colsum = st.colsum
-    if select is not None:  # the list's positions back to the columns they name (probabilities 0 past
-        # each list: what lands on a padding position's column is 0)
-        at = select.repeat_interleave(probs.shape[3], dim=2)  # (L, B, H, C), as the eager step's scatter
-        colsum = torch.zeros_like(colsum).scatter_add_(3, at, colsum)
-    belows = [None] * probs.shape[0] if st.below is None else st.below.unbind(0)
-    return [AttnStats(c, lo, v) for c, lo, v in zip(colsum.unbind(0), belows, st.visible.unbind(0))]
