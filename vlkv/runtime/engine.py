@@ -89,11 +89,11 @@ class KVUsage:
 class Engine:
     """Holds a loaded model and a backend; runs :meth:`generate` for batches of prompts.
 
-    ``decode_graph``: a scheduler's decode steps without holes, selected attention or linked entries
-    (full cache, compress-once and statistics policies) replay a CUDA graph of the decode forward per
-    batch size and statistics mode
-    (``runtime/cuda_graph.py``); a fixed pool (``Scheduler(pool_bytes=...)``) is needed, other steps stay
-    eager. CUDA and the torch backend only; off by default until a GPU run has measured it."""
+    ``decode_graph``: a scheduler's decode steps (full cache, compress-once and statistics policies,
+    per-head holes, A-VL's selected attention, linked pre-RoPE entries; not low-rank factors or swapped-out
+    entries: ``static_step.refusal``) replay a CUDA graph of the decode forward per batch size,
+    statistics mode and read kind (``runtime/cuda_graph.py``); a fixed pool (``Scheduler(pool_bytes=...)``)
+    is needed, other steps stay eager. CUDA and the torch backend only; off by default until a GPU run has measured it."""
 
     def __init__(self, loaded, backend: str = "torch", decode_graph: bool = False):
         from vlkv.runtime.backends import make_backend
