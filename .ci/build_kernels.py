@@ -19,17 +19,41 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # every module of vlkv.plugins that compiles an extension (``paged_cpu_kernel.load_extension``), the
-# kernels the most test files load first (tests/plugins/test_build_kernels.py checks the list is complete)
+# kernels the most test files load first (tests/test_ci_build_kernels.py checks the list is complete)
 KERNELS = ("paged_cpu_kernel", "skinny_gemm", "layer_glue", "decode_layer", "evict_rows", "weight_pages")
+# scripts that compile an extension of their own (tests/plugins/test_bench_decode_layer.py runs this one),
+# built by a one-round run of the script itself on its smallest shape
+SCRIPTS = {
+    "bench_gemm_stream": [
+        "scripts/bench_gemm_stream.py",
+        "--rows",
+        "1",
+        "--rounds",
+        "1",
+        "--ring-mib",
+        "4",
+        "--shapes",
+        "k/v 192x576",
+    ],  # fmt: skip
+}
 
 
 def build(name: str) -> tuple[str, int, float, str]:
-    """Build ``vlkv.plugins.<name>``'s extension in a new process: ``(name, exit code, seconds, stderr)``."""
+    """Build ``vlkv.plugins.<name>``'s extension (or run the script ``SCRIPTS[name]``) in a new process:
+    ``(name, exit code, seconds, stderr)``."""
     code = f"import sys\nfrom vlkv.plugins import {name}\nsys.exit(0 if {name}.kernel() is not None else 1)"
+    cmd = (
+        [sys.executable, str(ROOT / SCRIPTS[name][0]), *SCRIPTS[name][1:]]
+        if name in SCRIPTS
+        else [sys.executable, "-c", code]
+    )
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
     return name, done.returncode, time.monotonic() - start, done.stderr
 
 
@@ -39,7 +63,7 @@ def main() -> int:
     args = ap.parse_args()
     failed = 0
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        for name, code, secs, err in pool.map(build, KERNELS):
+        for name, code, secs, err in pool.map(build, [*KERNELS, *SCRIPTS]):
             print(f"build_kernels: {name} {'ok' if code == 0 else 'FAILED'} in {secs:.0f} s", flush=True)
             if code != 0:
                 failed += 1

@@ -30,6 +30,12 @@ def test_every_extension_of_the_plugins_is_built_ahead():
     assert sorted(kernels) == sorted(callers)
     for name in kernels:
         assert callable(importlib.import_module(f"vlkv.plugins.{name}").kernel), name
+    # the scripts that compile their own extension, each run as a test does
+    compiling = {p.stem for p in (ROOT / "scripts").glob("*.py") if "load_extension(" in p.read_text()}
+    scripts = _script().SCRIPTS
+    assert sorted(scripts) == sorted(compiling)
+    for name, (path, *_) in scripts.items():
+        assert (ROOT / path).stem == name
 
 
 def test_a_build_runs_the_modules_own_entry_point(monkeypatch):
@@ -49,3 +55,5 @@ def test_a_build_runs_the_modules_own_entry_point(monkeypatch):
     assert (name, code, err) == ("evict_rows", 0, "") and secs >= 0
     (cmd,) = seen
     assert cmd[0] == script.sys.executable and "evict_rows.kernel()" in cmd[-1]
+    script.build("bench_gemm_stream")
+    assert seen[-1][1] == str(ROOT / "scripts" / "bench_gemm_stream.py")
