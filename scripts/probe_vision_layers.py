@@ -68,10 +68,10 @@ def probe_accuracy(train_x, train_y, test_x, test_y, classes: int, ridge: float)
 RIDGES = (1.0, 10.0, 100.0, 1e3, 1e4, 1e5)
 
 
-def probe_cv(train_x, train_y, test_x, test_y, classes: int, folds: int = 5) -> tuple[float, float]:
+def probe_cv(train_x, train_y, test_x, classes: int, folds: int = 5) -> tuple[np.ndarray, float]:
     """Held-out accuracy of a standardised ridge probe onto one-hot labels, whose strength (of
     :data:`RIDGES`) is picked by ``folds``-fold cross-validation on the training rows only; returns
-    ``(accuracy, ridge)``. Solved in the dual (``n x n`` Gram matrices: the same predictions as the
+    its classes for ``test_x`` ``(n_test,)`` and the ridge. Solved in the dual (``n x n`` Gram matrices: the same predictions as the
     primal ridge), since the concatenated stages have far more features than scenes."""
     mu, sd = train_x.mean(0), train_x.std(0) + 1e-6
     a, b = ((train_x - mu) / sd).astype(np.float64), ((test_x - mu) / sd).astype(np.float64)
@@ -87,7 +87,7 @@ def probe_cv(train_x, train_y, test_x, test_y, classes: int, folds: int = 5) -> 
         scores.append(hits)
     ridge = RIDGES[int(np.argmax(scores))]
     alpha = np.linalg.solve(gram + ridge * np.eye(len(a)), onehot)
-    return float(((cross @ alpha).argmax(1) == test_y).mean()), ridge
+    return (cross @ alpha).argmax(1), ridge
 
 
 # the stages a two-object scene's objects pass through, as (key, description)
@@ -157,12 +157,17 @@ def two_main(args) -> int:
             "what": what,
             "dims": int(np.prod(train_x[key].shape[2 if key.endswith("object") else 1 :])),
         }
+        right = np.zeros(test_y.shape, dtype=bool)  # (n, object, word): the probe named it
         for i, side in enumerate(("left", "right")):
             for j, (word, k) in enumerate((("colour", len(COLOURS)), ("shape", len(SHAPES)))):
                 tx = train_x[key][:, i] if key.endswith("object") else train_x[key]
                 hx = test_x[key][:, i] if key.endswith("object") else test_x[key]
-                acc, ridge = probe_cv(tx, train_y[:, i, j], hx, test_y[:, i, j], k)
-                row[f"{side}_{word}"], row[f"{side}_{word}_ridge"] = acc, ridge
+                guess, ridge = probe_cv(tx, train_y[:, i, j], hx, k)
+                right[:, i, j] = guess == test_y[:, i, j]
+                row[f"{side}_{word}"], row[f"{side}_{word}_ridge"] = float(right[:, i, j].mean()), ridge
+        # an object named whole (a side question's answer), and a scene's four words (its caption)
+        row["object_both"] = float(right.all(2).mean())
+        row["scene_all"] = float(right.all((1, 2)).mean())
         rows.append(row)
         print(key, {k: v for k, v in row.items() if not k.endswith("ridge")}, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -172,13 +177,13 @@ def two_main(args) -> int:
         f"Two-object scenes of held-out pairs, n = {args.heldout} (fit on {args.train} training-pair scenes), "
         f"model {args.model}; ridge strength by 5-fold cross-validation on the training scenes.",
         "",
-        "| stage | dims | left colour | left shape | right colour | right shape |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| stage | dims | left colour | left shape | right colour | right shape | object, both words | scene, all four |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['what']} | {r['dims']} | {r['left_colour']:.2f} | {r['left_shape']:.2f} "
-            f"| {r['right_colour']:.2f} | {r['right_shape']:.2f} |"
+            f"| {r['right_colour']:.2f} | {r['right_shape']:.2f} | {r['object_both']:.2f} | {r['scene_all']:.2f} |"
         )
     (args.out / "probe-two.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
