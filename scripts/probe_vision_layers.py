@@ -101,18 +101,59 @@ STAGES = (
 )
 
 
+def lm_stages(layers: list[int]) -> tuple[tuple[str, str], ...]:
+    """The LM's stages for ``--lm-layers``: per layer, its hidden states over the object's image tokens,
+    and at the last token of "What is on the left?" (for the left object; "right" for the right)."""
+    out = []
+    for layer in layers:
+        out.append((f"lm{layer}_object", f"(e) LM layer {layer}, mean over the object's image tokens"))
+        out.append(
+            (f"lm{layer}_answer", f"(f) LM layer {layer}, last prompt token of 'What is on the <side>?'")
+        )
+    return tuple(out)
+
+
 @torch.no_grad()
-def two_features(loaded, split: str, n: int, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Features of ``n`` two-object scenes of ``split`` per :data:`STAGES` key (``*_object``:
-    ``(n, 2, d)``, left then right object; ``*_all``: ``(n, d_all)``) and labels ``(n, 2, 2)``
-    (object, [colour index, shape index])."""
+def lm_features(loaded, scene, blocks: torch.Tensor, layers: list[int]) -> dict[str, np.ndarray]:
+    """:func:`lm_stages` features of one scene, each ``(2, hidden)`` (left, right object).
+
+    ``blocks``: ``(image tokens, patches per token)`` object index of each pooled token's patches."""
+    from vlkv.eval.scene_tasks import ON_THE, prompt_text
+
+    out = {}
+    image_id = loaded.model.config.image_token_id
+    for i, side in enumerate(("left", "right")):
+        text = prompt_text(loaded, ON_THE.format(position=side), 1)
+        inputs = loaded.processor(text=text, images=[scene.image()], return_tensors="pt")
+        states = loaded.model(
+            **inputs, output_hidden_states=True, use_cache=False, logits_to_keep=1
+        ).hidden_states
+        image = inputs["input_ids"][0] == image_id  # (T,): the image tokens, in raster order
+        for layer in layers:
+            h = states[layer][0].float()  # (T, hidden)
+            if i == 0:  # the image tokens do not see the question (it comes after them)
+                tokens = h[image]
+                on = [(blocks == k).any(1) for k in range(2)]
+                out[f"lm{layer}_object"] = torch.stack([tokens[m].mean(0) for m in on]).numpy()
+                out[f"lm{layer}_answer"] = np.zeros((2, h.shape[1]), dtype=np.float32)
+            out[f"lm{layer}_answer"][i] = h[-1].numpy()
+    return out
+
+
+@torch.no_grad()
+def two_features(
+    loaded, split: str, n: int, seed: int, lm_layers: list[int] = ()
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Features of ``n`` two-object scenes of ``split`` per :data:`STAGES` key (``*_object`` /
+    ``*_answer``: ``(n, 2, d)``, left then right object; ``*_all``: ``(n, d_all)``), and of
+    :func:`lm_stages` for ``lm_layers``, and labels ``(n, 2, 2)`` (object, [colour index, shape index])."""
     model = loaded.model.model
     processor = loaded.processor.image_processor
     layer = loaded.model.config.vision_feature_layer
     proj = model.multi_modal_projector
     pool = getattr(proj, "pool_factor", 1)
     rng = np.random.default_rng([seed, 23])
-    feats: dict[str, list] = {key: [] for key, _ in STAGES}
+    feats: dict[str, list] = {key: [] for key, _ in STAGES + lm_stages(list(lm_layers))}
     labels = []
     for _ in range(n):
         scene = random_scene(rng, split, 2)
@@ -137,6 +178,9 @@ def two_features(loaded, split: str, n: int, seed: int) -> tuple[dict[str, np.nd
             if key != "patch":
                 feats[f"{key}_all"].append(x[0].reshape(-1).numpy())
         feats["patch_all"].append(patches[0].reshape(-1).numpy())
+        if lm_layers:
+            for key, value in lm_features(loaded, scene, blocks, list(lm_layers)).items():
+                feats[key].append(value)
         labels.append([[list(COLOURS).index(o.colour), SHAPES.index(o.shape)] for o in scene.objects])
     return {k: np.stack(v) for k, v in feats.items()}, np.array(labels)
 
@@ -147,21 +191,21 @@ def two_main(args) -> int:
 
     loaded = load_model(args.model)
     start = time.perf_counter()
-    train_x, train_y = two_features(loaded, "train", args.train, args.seed)
-    test_x, test_y = two_features(loaded, "heldout", args.heldout, args.seed + 1)
+    train_x, train_y = two_features(loaded, "train", args.train, args.seed, args.lm_layers)
+    test_x, test_y = two_features(loaded, "heldout", args.heldout, args.seed + 1, args.lm_layers)
     seconds = time.perf_counter() - start
     rows = []
-    for key, what in STAGES:
+    for key, what in STAGES + lm_stages(args.lm_layers):
         row = {
             "stage": key,
             "what": what,
-            "dims": int(np.prod(train_x[key].shape[2 if key.endswith("object") else 1 :])),
+            "dims": int(np.prod(train_x[key].shape[2 if key.endswith(("object", "answer")) else 1 :])),
         }
         right = np.zeros(test_y.shape, dtype=bool)  # (n, object, word): the probe named it
         for i, side in enumerate(("left", "right")):
             for j, (word, k) in enumerate((("colour", len(COLOURS)), ("shape", len(SHAPES)))):
-                tx = train_x[key][:, i] if key.endswith("object") else train_x[key]
-                hx = test_x[key][:, i] if key.endswith("object") else test_x[key]
+                tx = train_x[key][:, i] if key.endswith(("object", "answer")) else train_x[key]
+                hx = test_x[key][:, i] if key.endswith(("object", "answer")) else test_x[key]
                 guess, ridge = probe_cv(tx, train_y[:, i, j], hx, k)
                 right[:, i, j] = guess == test_y[:, i, j]
                 row[f"{side}_{word}"], row[f"{side}_{word}_ridge"] = float(right[:, i, j].mean()), ridge
@@ -200,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--two", action="store_true", help="two-object scenes, each stage to the LM (see above)")
+    ap.add_argument(
+        "--lm-layers", type=int, nargs="*", default=[], help="with --two: also probe these LM hidden states"
+    )
     args = ap.parse_args(argv)
     if min(args.train, args.heldout) < 1:
         print("probe_vision_layers: --train and --heldout must be >= 1", file=sys.stderr)
