@@ -57,8 +57,8 @@ def test_two_object_features_per_stage(pv):
     from vlkv.runtime.models.registry import load_model
 
     loaded = load_model("tiny-llava")
-    feats, labels = pv.two_features(loaded, "heldout", 3, seed=5)
-    assert set(feats) == {key for key, _ in pv.STAGES}
+    feats, labels = pv.two_features(loaded, "heldout", 3, seed=5, lm_layers=[0, 1])
+    assert set(feats) == {key for key, _ in pv.STAGES + pv.lm_stages([0, 1])}
     assert labels.shape == (3, 2, 2)
     rng = np.random.default_rng([5, 23])
     for row in labels:  # the labels are the scenes' objects, left to right
@@ -67,5 +67,9 @@ def test_two_object_features_per_stage(pv):
         np.testing.assert_array_equal(row, want)
     for key, value in feats.items():
         assert value.shape[0] == 3 and np.isfinite(value).all(), key
-        assert value.ndim == (3 if key.endswith("object") else 2), key
+        assert value.ndim == (3 if key.endswith(("object", "answer")) else 2), key
+    # the LM's layer 0 over the image tokens is the projector's output where the prompt put it
+    np.testing.assert_allclose(feats["lm0_object"], feats["proj_object"], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(feats["lm1_object"], feats["lm0_object"])
+    assert not np.allclose(feats["lm1_answer"][:, 0], feats["lm1_answer"][:, 1])  # left and right asked apart
     assert feats["patch_object"].shape[2] == feats["pooled_object"].shape[2]  # pooling keeps the width
