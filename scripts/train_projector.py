@@ -26,6 +26,8 @@ recipe (``shared/spec/projector-training.md``):
    a sentence describing their scenes instead (:mod:`vlkv.eval.text_scenes`), ``--distill`` /
    ``--distill-hidden`` teach image samples from the same model given that sentence; ``--keep-text W``
    holds the adapters to the base LM on plain text (:mod:`vlkv.eval.keep_text`).
+   ``--vision-blocks N`` trains the vision tower's last ``N`` blocks before the read layer as well, at
+   ``lr x --vision-lr-scale`` (:mod:`vlkv.eval.vision_tune`; checkpointed and exported with the projector).
 
 Scenes use only training colour–shape pairs; the progress bar's ``heldout`` is greedy exact-answer
 accuracy on scenes of held-out pairs ("What is in the image?" → "red star", and two-object captions);
@@ -47,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlkv.eval import keep_text, projector_export, text_scenes
+from vlkv.eval import keep_text, projector_export, text_scenes, vision_tune
 from vlkv.eval.projector_config import TrainConfig
 from vlkv.eval.projector_init import AffineProjector, order_start, pool_start, position_start, ridge_init
 from vlkv.eval.scene_tasks import WHAT, Sample, prompt_text, training_sample
@@ -284,6 +286,14 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             lm_lora.load_raw_state(loaded.model, source["lm_lora"])
         groups.append({"params": adapters, "scale": cfg.lm_lora_lr_scale})
         params = params + adapters
+    if cfg.vision_blocks:  # its own group, last: checkpoints of runs without it still resume
+        if source is not None and "vision" in source:
+            vision_tune.load(loaded.model, source["vision"])
+        tower = list(vision_tune.named_params(loaded.model, cfg.vision_blocks).values())
+        for param in tower:
+            param.requires_grad_(True)
+        groups.append({"params": tower, "scale": cfg.vision_lr_scale})
+        params = params + tower
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     if cfg.anchor > 0 and "anchor_to" not in extra:  # the starting weights, kept for a resume
         extra["anchor_to"] = [p.detach().clone() for p in params]
@@ -296,6 +306,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         snapshot = {"projector": mlp.state_dict(), "optimizer": opt.state_dict()}
         if cfg.lm_lora_rank:
             snapshot["lm_lora"] = lm_lora.raw_state(loaded.model)
+        if cfg.vision_blocks:
+            snapshot["vision"] = vision_tune.state(loaded.model, cfg.vision_blocks)
         return snapshot | ({"affine": affine.state_dict()} if affine is not None else {})
 
     if ckpt is None:

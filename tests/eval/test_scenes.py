@@ -213,3 +213,12 @@ def test_two_multi_mix_asks_about_one_to_five_pictures():
         if s.kind == "which":  # the answer names a picture that is there
             assert s.answer in T.ORDINALS[: len(s.scenes)]
     assert any(s.kind == "two-turns" for s in samples)
+
+
+def test_two_sides_multi_mix_draws_its_kinds_at_their_weights():
+    rng = np.random.default_rng(4)
+    samples = [T.training_sample(rng, mix="two-sides-multi") for _ in range(400)]
+    kinds = [s.kind for s in samples]
+    assert 70 <= kinds.count("two-sides") <= 130  # weight 0.25
+    assert {"single", "single-turns", "two", "two-turns", "two-sides"} <= set(kinds)
+    assert any(len(s.scenes) > 1 for s in samples)  # several-picture questions are kept

@@ -95,6 +95,10 @@ class TrainConfig:
     # prose, drawn on their own stream); 0 = off, and the run draws what it drew before
     keep_text: float = 0.0
     keep_text_items: int = 2
+    # train the vision tower's last vision_blocks blocks before the layer the projector reads
+    # (vlkv.eval.vision_tune: 0 = frozen), at lr x vision_lr_scale; kept in checkpoints and exports
+    vision_blocks: int = 0
+    vision_lr_scale: float = 0.1
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -163,5 +167,9 @@ class TrainConfig:
             raise ValueError("keep_text holds the LM adapters to the base LM: it needs lm_lora_rank >= 1")
         if self.text_mix > 0 and not self.lm_lora_rank:  # text samples reach only the LM's adapters
             raise ValueError("text_mix trains the LM adapters from text: it needs lm_lora_rank >= 1")
+        if self.vision_blocks < 0 or self.vision_lr_scale <= 0:
+            raise ValueError(
+                f"vision_blocks must be >= 0 and vision_lr_scale > 0, got {self.vision_blocks}, {self.vision_lr_scale}"
+            )
         if self.init_from and not Path(self.init_from).is_file():
             raise ValueError(f"init_from {self.init_from} is not a file")

@@ -2,7 +2,8 @@
 
 ``scripts/train_projector.py --export`` writes it; the file holds the projector's tensors (the
 token order, an integer permutation, kept as it is; floating tensors in the export dtype), any LM
-adapters folded into their shipped form (:func:`vlkv.runtime.models.lm_lora.fold`), and the run's
+adapters folded into their shipped form (:func:`vlkv.runtime.models.lm_lora.fold`), any trained
+vision blocks (:mod:`vlkv.eval.vision_tune`, ``vision_tower.*``), and the run's
 step and settings as metadata, with no machine paths.
 """
 
@@ -29,6 +30,8 @@ def export(ckpt_path: Path, dest: Path, dtype: torch.dtype = torch.float32) -> s
         cfg = ckpt["config"]
         folded = lm_lora.fold(ckpt["lm_lora"], cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
         tensors |= {k: v.to(dtype) for k, v in folded.items()}
+    # trained vision blocks (vlkv.eval.vision_tune), under their vision_tower.* names
+    tensors |= {k: v.to(dtype).contiguous() for k, v in ckpt.get("vision", {}).items()}
     dest.parent.mkdir(parents=True, exist_ok=True)
     config = dict(ckpt["config"])
     if config.get("init_from"):  # the run directory's name only: no machine paths in a shipped file

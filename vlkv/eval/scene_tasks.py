@@ -333,6 +333,18 @@ MIXES: dict[str, dict[str, float]] = {
     # "sides": "mixed" with the two-object captions replaced by side questions asked whole and by
     # attribute ("What colour is on the left?"), the kind the VQA set's misses are most often
     "sides": {"single-what": 0.4, "single-turns": 0.1, "two-sides": 0.3, "two-turns": 0.2},
+    # "two-sides-multi": "two-multi" with a quarter of the samples asking each side's colour and shape
+    # apart (two-sides): more two-object steps, each answer one word read from one object's tokens
+    # (the colour-shape probe on the projector's output tokens reads held-out pairs at 0.92-0.98)
+    "two-sides-multi": {
+        "single-what": 0.2,
+        "single-turns": 0.1,
+        "two-what": 0.1,
+        "two-turns": 0.2,
+        "two-sides": 0.25,
+        "nth-wide": 0.09,
+        "which-wide": 0.06,
+    },
     "turns": {"single-turns": 0.45, "two-turns": 0.35, "count-turns": 0.1, "nth": 0.05, "which": 0.05},
 }
 

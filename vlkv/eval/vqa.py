@@ -159,6 +159,7 @@ def _swap_projector(loaded, path: Path) -> None:
     """Put the projector stored at ``path`` into ``loaded``'s model (for checkpoints during training)."""
     import torch
 
+    from vlkv.eval import vision_tune
     from vlkv.runtime.models import lm_lora
     from vlkv.runtime.models.projector_order import ORDER_KEY
     from vlkv.runtime.models.projector_pool import POOL_KEY, match_processor
@@ -177,9 +178,12 @@ def _swap_projector(loaded, path: Path) -> None:
         if "lm_lora" in ckpt:  # a training checkpoint's adapters, in the shipped (scale-folded) form
             cfg = ckpt["config"]
             state |= lm_lora.fold(ckpt["lm_lora"], cfg["lm_lora_alpha"] / cfg["lm_lora_rank"])
+        state |= ckpt.get("vision", {})
+    state, vision = vision_tune.split(state)  # trained vision blocks, if the run had them
     if set(lm_lora.split(state)[0]) - {POSITION_KEY, ORDER_KEY, POOL_KEY} != PROJECTOR_KEYS:
         raise ValueError(f"{path} holds {sorted(state)}, not a projector's {sorted(PROJECTOR_KEYS)}")
     apply_projector(loaded.model, state)
+    vision_tune.load(loaded.model, vision)
     match_processor(loaded.processor, loaded.model)  # a pooled projector: fewer tokens
 
 
