@@ -78,17 +78,7 @@ def paged_attention_triton(
     column's position components (component 0 < 0: stored post-RoPE), ``cos, sin (T, D_r)`` a table by
     position, ``sec (D_r,)`` int64 the component each dim's angle reads (:func:`rope_form`).
     """
-    check_float_dtype("q", q.dtype)
-    if not q.dtype == k_pool.dtype == v_pool.dtype:
-        raise ValueError(
-            f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
-        )
-    rot4, rot = rope_form(rot, cos, sec)
-    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
-    if rope:
-        rot, cos, sin = rot.to(q.device), cos.to(q.device), sin.to(q.device)
-    else:  # unused pointers (HAS_ROPE is off): any tensor on the device
-        rot = cos = sin = table
+    group, rope, rot4, rot, cos, sin = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
     batch, heads, num_q, dim = q.shape
     kv_heads, dim_v, cols = k_pool.shape[0], v_pool.shape[-1], table.shape[-1]
     table, lengths = table.to(q.device), lengths.to(q.device)
@@ -107,6 +97,25 @@ def paged_attention_triton(
     )  # fmt: skip
     combine_splits(plan, out, kv_heads, group)
     return out
+
+
+def launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec):
+    """The checks and rotary arguments both paged kernels' launches share (tensors as
+    :func:`paged_attention_triton` takes them): ``(group, rope, rot4, rot, cos, sin)`` with ``rope`` whether
+    keys are rotated on read and ``rot, cos, sin`` on q's device (the table itself where unused: the
+    kernel's ``HAS_ROPE`` is off, any tensor on the device serves as a pointer)."""
+    check_float_dtype("q", q.dtype)
+    if not q.dtype == k_pool.dtype == v_pool.dtype:
+        raise ValueError(
+            f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
+        )
+    rot4, rot = rope_form(rot, cos, sec)
+    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
+    if rope:
+        rot, cos, sin = rot.to(q.device), cos.to(q.device), sin.to(q.device)
+    else:
+        rot = cos = sin = table
+    return group, rope, rot4, rot, cos, sin
 
 
 def rope_form(

@@ -8,9 +8,8 @@ import triton
 from torch import Tensor
 
 from vlkv.plugins.paged_probs_kernels import normalise_blocks, paged_probs_kernel, probs_normalise_kernel
-from vlkv.plugins.paged_reference import check_paged_args
-from vlkv.plugins.triton_launch import check_float_dtype, dot_in_fp32
-from vlkv.plugins.triton_paged_attention import _partials, rope_form, rope_strides
+from vlkv.plugins.triton_launch import dot_in_fp32
+from vlkv.plugins.triton_paged_attention import _partials, launch_args, rope_strides
 from vlkv.plugins.triton_selected_attention import SplitPlan, combine_splits, default_num_splits, tile_sizes
 
 
@@ -43,17 +42,7 @@ def paged_probs_triton(
     probabilities are written into (and returned), e.g. a CUDA graph's fixed buffer; None allocates one.
     vis_out: likewise a contiguous ``(B, H_kv, 1, C)`` bool tensor for the held columns (``with_vis``).
     """
-    check_float_dtype("q", q.dtype)
-    if not q.dtype == k_pool.dtype == v_pool.dtype:
-        raise ValueError(
-            f"q, k_pool, v_pool must share a dtype, got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}"
-        )
-    rot4, rot = rope_form(rot, cos, sec)
-    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
-    if rope:
-        rot, cos, sin = rot.to(q.device), cos.to(q.device), sin.to(q.device)
-    else:  # unused pointers (HAS_ROPE is off): any tensor on the device
-        rot = cos = sin = table
+    group, rope, rot4, rot, cos, sin = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
     batch, heads, num_q, dim = q.shape
     if num_q != 1:
         raise ValueError(f"paged_probs_triton takes one query row per request, got {num_q}")
