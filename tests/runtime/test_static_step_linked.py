@@ -20,6 +20,7 @@ from tests.runtime.test_static_step import (
     _recorded,
     _torch_path,
 )
+from tests.runtime.test_static_step_select import _inputs_recorded, _paired_group_step
 from tests.runtime.test_static_step_stats import _assert_stats_equal
 from vlkv.runtime.link.gate import UNCHECKED_ENV
 from vlkv.runtime.link.spec import LinkSpec
@@ -166,13 +167,7 @@ def test_a_linked_request_in_core_steps_equals_the_eager_step(name, dtype, monke
     the eager step's (``test_static_step_select``'s pattern)."""
     monkeypatch.setenv(UNCHECKED_ENV, "1")
     engine = _engine(name, dtype, monkeypatch)
-    outs, inputs, real = _recorded(engine), [], engine.backend.step
-
-    def step(inp, cache, stats=None):
-        inputs.append(inp)
-        return real(inp, cache, stats)
-
-    engine.backend.step = step
+    outs, inputs = _recorded(engine), _inputs_recorded(engine)
     spec = LinkSpec("mpic", 2)
     pairs = []
     for _ in range(2):
@@ -216,23 +211,9 @@ def test_a_linked_request_in_core_steps_equals_the_eager_step(name, dtype, monke
         pairs.append((sched, reqs))
     (eager, eager_reqs), (static_sched, static_reqs) = pairs
     static = StaticDecode(engine.backend, capacity_step=64)
-    selected = taken = 0
+    selected = 0
     for n in range(4):  # A-VL's interval 3: an update step, then core steps
-        engine.backend.static = None
-        at = len(outs)
-        eager.step()
-        want = outs[at:]
-        engine.backend.static = static
-        at = len(outs)
-        static_sched.step()
-        got = outs[at:]
-        taken += len(got)
-        assert static.taken == taken and not static.refused, static.refused
-        for g, w, inp in zip(got, want, inputs[at:]):
-            selected += inp.attend is not None
-            torch.testing.assert_close(g.logits, w.logits, **TOL[dtype], msg=f"step {n}")
-            assert torch.equal(g.attended, w.attended), n
-            _assert_stats_equal(g.stats, w.stats, f"step {n}")
+        selected += _paired_group_step(engine, eager, static_sched, static, outs, inputs, dtype, n)
     assert "select+rope" in {k[2] for k in static._bufs} and selected > 0
     _assert_same_state(eager, static_sched, eager_reqs, static_reqs, dtype)
 

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from tests.conftest import make_image
-from tests.runtime.test_static_step import TOL, _engine, _layer_state, _recorded, _torch_path
+from tests.runtime.test_static_step import (
+    TOL,
+    _assert_same_state,
+    _engine,
+    _recorded,
+    _torch_path,
+)
 from tests.runtime.test_static_step_stats import PROBS_TOL, _assert_stats_equal
 from vlkv.runtime.op_count import count_ops
 from vlkv.runtime.policies import make_policy
@@ -59,6 +65,46 @@ def _running(engine, batch=BATCH) -> tuple[Scheduler, list[Request]]:
     return sched, reqs
 
 
+def _inputs_recorded(engine) -> list:
+    """Every :class:`~vlkv.runtime.backend.StepInputs` ``engine``'s backend steps from now on, in order."""
+    inputs, real = [], engine.backend.step
+
+    def step(inp, cache, stats=None):
+        inputs.append(inp)
+        return real(inp, cache, stats)
+
+    engine.backend.step = step
+    return inputs
+
+
+def _paired_group_step(engine, eager, static_sched, static, outs: list, inputs: list, dtype, n: int) -> int:
+    """Scheduler step ``n`` of two schedulers over the same requests, ``eager`` without the static step,
+    ``static_sched`` through ``static`` (which must take every backend step): A-VL's core steps run as a
+    group of their own (``step_groups``: selecting rows never sit beside h2o's in one call), so a scheduler
+    step is one or two backend steps, each compared (logits, attended counts, statistics). ``outs`` /
+    ``inputs``: :func:`_recorded` / :func:`_inputs_recorded`. Returns how many were core steps."""
+    engine.backend.static = None
+    at = len(outs)
+    eager.step()
+    want, want_inputs = outs[at:], inputs[at:]
+    taken = static.taken
+    engine.backend.static = static
+    at = len(outs)
+    static_sched.step()
+    got = outs[at:]
+    assert static.taken == taken + len(got) and not static.refused, static.refused
+    assert len(got) == len(want) and [i.attend is None for i in inputs[at:]] == [
+        i.attend is None for i in want_inputs
+    ]
+    selected = 0
+    for g, w, inp in zip(got, want, inputs[at:]):
+        selected += inp.attend is not None  # a core step: A-VL's lists (a full rider's every column)
+        torch.testing.assert_close(g.logits, w.logits, **TOL[dtype], msg=f"step {n}")
+        assert torch.equal(g.attended, w.attended), n
+        _assert_stats_equal(g.stats, w.stats, f"step {n}")
+    return selected
+
+
 @pytest.mark.parametrize(
     "name,dtype",
     [
@@ -74,49 +120,17 @@ def test_a_selection_step_equals_the_eager_step(name, dtype, monkeypatch):
     core steps (selected attention) are taken, not refused, and every step's logits, attended counts and
     statistics, then the tokens, tables, K/V rows and running scores are the same."""
     engine = _engine(name, dtype, monkeypatch)
-    outs, inputs = _recorded(engine), []
-    real = engine.backend.step
-
-    def step(inp, cache, stats=None):
-        inputs.append(inp)
-        return real(inp, cache, stats)
-
-    engine.backend.step = step
+    outs, inputs = _recorded(engine), _inputs_recorded(engine)
     eager, eager_reqs = _running(engine)
     static_sched, static_reqs = _running(engine)
     static = StaticDecode(engine.backend, capacity_step=8)
-    selected = taken = 0
+    selected = 0
     for n in range(STEPS):
-        # A-VL's core steps run as a group of their own (``step_groups``: selecting rows never sit
-        # beside h2o's in one call), so a scheduler step is one or two backend steps: each compared
-        engine.backend.static = None
-        at = len(outs)
-        eager.step()
-        want, want_inputs = outs[at:], inputs[at:]
-        engine.backend.static = static
-        at = len(outs)
-        static_sched.step()
-        got = outs[at:]
-        taken += len(got)
-        assert static.taken == taken and not static.refused, static.refused
-        assert len(got) == len(want) and [i.attend is None for i in inputs[at:]] == [
-            i.attend is None for i in want_inputs
-        ]
-        for g, w, inp in zip(got, want, inputs[at:]):
-            selected += inp.attend is not None  # a core step: A-VL's lists (the full rider's every column)
-            torch.testing.assert_close(g.logits, w.logits, **TOL[dtype], msg=f"step {n}")
-            assert torch.equal(g.attended, w.attended), n
-            _assert_stats_equal(g.stats, w.stats, f"step {n}")
+        selected += _paired_group_step(engine, eager, static_sched, static, outs, inputs, dtype, n)
     assert any(k[2] == "select" for k in static._bufs)
-    assert 0 < selected < taken  # core steps and others
-    assert [r.tokens for r in static_reqs] == [r.tokens for r in eager_reqs]
+    assert 0 < selected < static.taken  # core steps and others
+    _assert_same_state(eager, static_sched, eager_reqs, static_reqs, dtype)
     for a, b in zip(eager_reqs, static_reqs):
-        for layer, ((ta, kva), (tb, kvb)) in enumerate(
-            zip(_layer_state(a, eager.pool), _layer_state(b, static_sched.pool))
-        ):
-            assert all(torch.equal(x, y) for x, y in zip(ta, tb)), layer
-            for x, y in zip(kva, kvb):
-                torch.testing.assert_close(y, x, **TOL[dtype], msg=f"layer {layer}")
         for la, lb in zip(a.cache.layers, b.cache.layers):
             assert set(la.scores) == set(lb.scores)
             n = la.host_lengths()[0]
