@@ -37,9 +37,9 @@ def paged_probs_triton(
     and in a row holding nothing: ``paged_probs.paged_decode_probs``' definition) and, with ``with_vis``,
     the held columns ``(B, H_kv, 1, C)`` bool (else None). num_splits: column splits per (request, KV
     head); None picks one from the launch size (about 256 programs). rot, cos, sin, sec: pre-RoPE keys
-    rotated on read, as ``triton_paged_attention.paged_attention_triton`` takes them (the eager step's
-    ``paged_probs`` routes still keep their two halves for a call with ``rot``). probs_out: a contiguous ``(B, H_kv, G, C)`` float32 tensor the
-    probabilities are written into (and returned), e.g. a CUDA graph's fixed buffer; None allocates one.
+    rotated on read, as ``triton_paged_attention.paged_attention_triton`` takes them. probs_out: a
+    contiguous ``(B, H_kv, G, C)`` float32 tensor the probabilities are written into (and returned), e.g.
+    a CUDA graph's fixed buffer; None allocates one.
     vis_out: likewise a contiguous ``(B, H_kv, 1, C)`` bool tensor for the held columns (``with_vis``).
     """
     group, rope, rot4, rot, cos, sin = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
