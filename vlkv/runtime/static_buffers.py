@@ -43,6 +43,22 @@ CAPACITY_STEP = 1024
 READS = (None, "holes", "select", "rope", "holes+rope", "select+rope")
 
 
+def reads_key(base: str | None, linked: bool) -> str | None:
+    """The :data:`READS` key of a step whose reads take ``base`` (``"holes"``, ``"select"`` or None) and,
+    with ``linked``, pre-RoPE entries rotated on read."""
+    if not linked:
+        return base
+    return "rope" if base is None else f"{base}+rope"
+
+
+def reads_parts(reads: str | None) -> tuple[bool, bool, bool]:
+    """``(holes, select, linked)`` of a :data:`READS` key; one line naming it if it is not one."""
+    if reads not in READS:
+        raise ValueError(f"reads must be one of {READS}, got {reads!r}")
+    parts = set((reads or "").split("+"))
+    return "holes" in parts, "select" in parts, "rope" in parts
+
+
 @dataclass(slots=True)
 class StaticBuffers:
     """Every per-step input of ``static_step.forward`` for ``batch`` requests at read-table capacity
@@ -159,9 +175,7 @@ class StaticBuffers:
     def reads(self) -> str | None:
         """What these buffers' reads take: one of ``READS`` (see the module docstring)."""
         base = "holes" if self.held is not None else "select" if self.select is not None else None
-        if self.rot is None:
-            return base
-        return "rope" if base is None else f"{base}+rope"
+        return reads_key(base, self.rot is not None)
 
     @classmethod
     def make(
@@ -182,13 +196,7 @@ class StaticBuffers:
         ``reads``: ``"holes"`` (with ``held``), ``"select"`` (with ``select``, ``select_len``,
         ``read``), ``"rope"`` / ``"holes+rope"`` / ``"select+rope"`` (with ``rot``, ``rope`` the table;
         beside a selection ``rot_read``) or None."""
-        if reads not in READS:
-            raise ValueError(f"reads must be one of {READS}, got {reads!r}")
-        holes, select, linked = (
-            reads in ("holes", "holes+rope"),
-            reads in ("select", "select+rope"),
-            reads in ("rope", "holes+rope", "select+rope"),
-        )
+        holes, select, linked = reads_parts(reads)
         i64 = dict(dtype=torch.long, device=device)
         n_meta = layers * batch * FIELDS
         ints = torch.zeros(n_meta + layers * kv_heads * batch, **i64)

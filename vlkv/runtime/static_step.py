@@ -65,7 +65,7 @@ from torch import Tensor
 
 from vlkv.runtime.backend import StepOutput, StepStats
 from vlkv.runtime.kv.step_tables import COLUMN, fits, meta_row, table_tensors
-from vlkv.runtime.static_buffers import CAPACITY_STEP, StaticBuffers, capacity_for
+from vlkv.runtime.static_buffers import CAPACITY_STEP, StaticBuffers, capacity_for, reads_key, reads_parts
 from vlkv.runtime.static_rope import RopeTable, rope_table, table_rows
 from vlkv.runtime.static_stats import layers_stats, stats_mode, step_stats  # noqa: F401 (re-exported)
 
@@ -176,12 +176,10 @@ def reads_of(inputs, cache) -> str | None:
     ``"holes"`` (some request with per-head holes), ``"rope"`` (some request with linked, pre-RoPE
     entries), ``"holes+rope"`` / ``"select+rope"`` (both) or None. Host attributes only."""
     rows = [r for la in cache.layers for r in la.rows]
-    if inputs.attend is not None:
-        return "select+rope" if any(r.linked for r in rows) else "select"
-    holes = any(r.holes is not None for r in rows)
-    if not any(r.linked for r in rows):
-        return "holes" if holes else None
-    return "holes+rope" if holes else "rope"
+    base = (
+        "select" if inputs.attend is not None else "holes" if any(r.holes is not None for r in rows) else None
+    )
+    return reads_key(base, any(r.linked for r in rows))
 
 
 def _fill_select(bufs: StaticBuffers, attend: list) -> None:
@@ -329,22 +327,14 @@ class StaticDecode:
         reads = reads_of(inputs, cache)
         key = (b, mode, reads)
 
-        rope = None if reads is None or "rope" not in reads else self.rope_table(cache.layers[0].pool)
+        rope = self.rope_table(cache.layers[0].pool) if reads_parts(reads)[2] else None
 
         def make(longest: int) -> StaticBuffers:
             cap = capacity_for(longest, self.capacity_step)
             return StaticBuffers.make(
-                b,
-                cap,
-                be.num_layers,
-                be.num_kv_heads,
-                be.pos_dims,
-                device,
-                group,
-                mode == "exact",
-                reads,
-                rope,
-            )
+                b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device,
+                group=group, exact=mode == "exact", reads=reads, rope=rope,
+            )  # fmt: skip
 
         bufs = self._bufs.get(key)
         if bufs is not None and bufs.rope is not rope:  # a larger table since (a grown pool): new buffers
