@@ -136,8 +136,8 @@ def paged_attention_reference(
     Returns (B, H_q, Q, D_v) in q's dtype; scores, softmax and the weighted sum in float32. A query row
     that sees no entry (length 0, all holes) yields zeros.
     """
-    group, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
-    batch, heads, num_q, dim = q.shape
+    _, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
+    num_q = q.shape[2]
     kv_heads = k_pool.shape[0]
     table = table.to(q.device)
     vis, slots = visible_columns(table, lengths.to(q.device), num_q)
@@ -146,14 +146,23 @@ def paged_attention_reference(
     if rope:  # padding and holes may name any row: only held entries rotate
         rot = torch.where(held_columns(table, lengths), rot.to(q.device), -1)
         k = rotate_keys(k, rot, cos.to(q.device), sin.to(q.device))
-    k = k.float()
-    v = v_pool[rows, slots].float()
+    return attend_gathered(q, k, v_pool[rows, slots], vis, scale)
+
+
+def attend_gathered(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, scale: float) -> Tensor:
+    """The attention of the references once the entries are gathered: ``q (B, H_q, Q, D)`` over
+    ``k (B, H_kv, C, D)``, ``v (B, H_kv, C, D_v)`` where ``vis (B, H_kv, Q, C)`` (query head j reads KV
+    head j // G). Scores, softmax and the weighted sum in float32; a row that sees nothing yields zeros.
+    Returns (B, H_q, Q, D_v) in q's dtype."""
+    batch, heads, num_q, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
     qg = q.float().reshape(batch, kv_heads, group * num_q, dim)  # row r: head r // Q, query r % Q
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # (B, H_kv, G·Q, C)
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)).mul_(scale)  # (B, H_kv, G·Q, C)
     vis_rows = vis.repeat(1, 1, group, 1)  # (B, H_kv, G·Q, C), the same query order as qg
     scores.masked_fill_(~vis_rows, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # a row that sees nothing is all -inf (NaN after softmax): the op defines its output as zeros
     probs = probs.masked_fill(~vis_rows.any(-1, keepdim=True), 0.0)
-    out = torch.matmul(probs, v)  # (B, H_kv, G·Q, D_v)
-    return out.reshape(batch, heads, num_q, v_pool.shape[-1]).to(q.dtype)
+    out = torch.matmul(probs, v.float())  # (B, H_kv, G·Q, D_v)
+    return out.reshape(batch, heads, num_q, v.shape[-1]).to(q.dtype)

@@ -1,0 +1,125 @@
+"""The paged read of low-rank factors (``plugins.paged_lowrank``, tables from ``kv.paged_factors``) equals
+path (a) — ``LowRank.fill`` rebuilding every factored row into dense K/V, then the plain paged reference —
+on a ragged batch that mixes dense entries, per-head holes, linked pre-RoPE entries and factored rows at
+per-row ranks, with the model's own rotary (1-D RoPE: tiny-llava; M-RoPE: tiny-qwen2-vl), fp32/fp16/bf16,
+decode and a two-row chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlkv.plugins.paged_lowrank import paged_lowrank_reference
+from vlkv.plugins.paged_reference import paged_attention_reference
+from vlkv.runtime.cache import LayerKV, Modality
+from vlkv.runtime.kv.lowrank import factor, set_ranks
+from vlkv.runtime.kv.paged_factors import paged_lowrank_tables
+
+H, D, RANK = 2, 16, 6  # the tiny models' KV heads and head dim
+LENGTHS = (14, 6, 17)  # ragged: sample 1 holds no image
+MODELS = {1: "tiny-llava", 3: "tiny-qwen2-vl"}
+# path (a) rotates in the pool's dtype (the model's apply_rotary_pos_emb), the paged read in float32
+# then rounds: fp16/bf16 keys may differ by an ulp, so the outputs by a few of their ulps
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def build_layer(rope, pos_dims: int, dtype: torch.dtype, seed: int = 0) -> LayerKV:
+    """A one-layer cache of 3 samples: images in samples 0 and 2 factored at rank ``RANK`` with random
+    per-row ranks, per-head holes, and 3 linked pre-RoPE entries appended to sample 1."""
+    g = torch.Generator().manual_seed(seed)
+    b, q = len(LENGTHS), max(LENGTHS)
+    layer = LayerKV.empty(b, H, D, pos_dims, dtype, "cpu")
+    layer.pool.rope = rope
+    positions = torch.arange(q)[None, :, None].expand(b, q, pos_dims).clone()
+    if pos_dims > 1:  # M-RoPE: image rows and columns as components 1 and 2
+        positions[..., 1:] = torch.randint(0, q, (b, q, pos_dims - 1), generator=g)
+    modality = torch.full((b, q), int(Modality.TEXT), dtype=torch.int8)
+    modality[0, 2:10] = modality[2, 1:14] = int(Modality.IMAGE)
+    layer.append(
+        torch.randn(b, H, q, D, generator=g).to(dtype),
+        torch.randn(b, H, q, D, generator=g).to(dtype),
+        positions,
+        modality,
+        torch.tensor(LENGTHS),
+    )
+    holes = (torch.rand(b, H, q, generator=g) < 0.2) & (torch.arange(q) > 0)
+    layer.select(torch.arange(q).expand(b, H, q), torch.tensor(LENGTHS), holes=holes)
+    ids = layer.pool.alloc(layer.layer, 3)
+    pre = torch.randn(H, 3, D, generator=g).to(dtype)
+    layer.pool.write(layer.layer, ids, pre, torch.randn(H, 3, D, generator=g).to(dtype), prerope=True)
+    layer.link(
+        ids,
+        torch.randint(0, 30, (3, pos_dims), generator=g),
+        torch.full((3,), int(Modality.POST_TEXT), dtype=torch.int8),
+        1,
+    )
+    images = (layer.modality == int(Modality.IMAGE)) & layer.valid_mask()[:, None, :] & ~layer.holes
+    factor(layer, images, rank=RANK, exact=True)
+    for s, f in enumerate(layer.lowrank.samples):
+        if f is not None:
+            set_ranks(
+                layer,
+                s,
+                torch.randint(1, RANK + 1, (f.rows,), generator=g),
+                torch.randint(1, RANK + 1, (f.rows,), generator=g),
+            )
+    return layer
+
+
+def path_a(layer: LayerKV, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """Today's read: dense K/V rebuilt by ``attention_kv`` (``LowRank.fill``, linked rotation), then the
+    paged reference over that copy as a pool (holes ``-1``)."""
+    n = layer.max_length
+    k, v = layer.attention_kv(n)
+    b = k.shape[0]
+    pool_k = k.permute(1, 0, 2, 3).reshape(H, b * n, D)
+    pool_v = v.permute(1, 0, 2, 3).reshape(H, b * n, D)
+    table = (torch.arange(b)[:, None, None] * n + torch.arange(n)).expand(b, H, n)
+    table = table.masked_fill(~layer.open_mask(n), -1)
+    lengths = layer.lengths[:, None].expand(b, H)
+    return paged_attention_reference(q, pool_k, pool_v, table, lengths, scale)
+
+
+@pytest.fixture(scope="module")
+def ropes(engines):
+    return {p: engines[name].rope for p, name in MODELS.items()}
+
+
+@pytest.mark.parametrize("queries", [1, 2], ids=["decode", "chunk2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pos_dims", [1, 3], ids=["rope-1d", "mrope"])
+def test_the_paged_factor_read_equals_path_a(ropes, pos_dims, dtype, queries):
+    layer = build_layer(ropes[pos_dims], pos_dims, dtype)
+    table, lengths, rope, _, factors = paged_lowrank_tables(layer)
+    fac = factors.frow >= 0
+    # every kind of column is there: factored (two samples), holes, linked pre-RoPE, dense
+    assert bool(fac[0].any()) and bool(fac[2].any()) and not bool(fac[1].any())
+    assert bool(layer.holes.any()) and bool(((rope["rot"] >= 0) & ~fac).any())
+    assert bool((table >= 0).any())
+    assert int(factors.rank_k.min()) < RANK and int(factors.rank_v.min()) < RANK
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(len(LENGTHS), 4, queries, D, generator=g).to(dtype)
+    scale = D**-0.5
+    pool = layer.pool
+    got = paged_lowrank_reference(q, pool.keys[0], pool.values[0], table, lengths, scale, factors, **rope)
+    want = path_a(layer, q, scale)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    # the factored columns matter: read as holes, the result differs
+    skip = paged_attention_reference(q, pool.keys[0], pool.values[0], table, lengths, scale, **rope)
+    assert (skip.float() - want.float()).abs().max() > 10 * atol
+
+
+def test_a_layer_without_factors_reads_the_plain_tables(ropes):
+    layer = LayerKV.empty(2, H, D, 1, torch.float32, "cpu")
+    layer.pool.rope = ropes[1]
+    layer.append(
+        torch.randn(2, H, 4, D),
+        torch.randn(2, H, 4, D),
+        torch.arange(4)[None, :, None].expand(2, 4, 1),
+        torch.zeros(2, 4, dtype=torch.int8),
+        torch.tensor([4, 3]),
+    )
+    table, lengths, rope, host, factors = paged_lowrank_tables(layer)
+    assert factors is None and rope == {} and host.lengths == [[4, 4], [3, 3]]
+    assert torch.equal(table[1, :, :3], layer.slots[1, :, :3])

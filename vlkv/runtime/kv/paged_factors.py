@@ -1,0 +1,100 @@
+"""What a paged read of a layer that holds low-rank factors (AttentionPack) takes from its cache.
+
+:func:`~vlkv.runtime.kv.paged.paged_tables` gives the slot table, lengths and linked (pre-RoPE) rows of a
+layer; a factored column there is a negative slot (``-(1 + factor row)``, :mod:`vlkv.runtime.kv.lowrank`),
+which the plain paged read would skip as a hole. :func:`paged_lowrank_tables` adds the
+``vlkv.plugins.paged_lowrank`` arguments: ``frow`` (the factor row of each factored column in the stack of
+every request's rows, ``-1`` elsewhere, holes included), the stacked factors and per-request bases
+(:class:`~vlkv.plugins.paged_lowrank.PagedFactors`), and a ``cos/sin`` row for each pre-RoPE factored
+column at the position its cache gives it, appended to the linked entries' rows. Reads no K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlkv.plugins.paged_lowrank import PagedFactors
+from vlkv.runtime.kv.paged import PagedHost, _columns, paged_tables
+
+
+def stack_factors(samples: list, frow: Tensor, dtype: torch.dtype) -> PagedFactors:
+    """:class:`PagedFactors` of ``samples`` (one :class:`~vlkv.runtime.kv.lowrank.Factors` or None per
+    request): rows stacked in request order, bases zero-padded to the largest rank, ``frow (B, H_kv, C)``
+    already naming rows of the stack."""
+    held = [f for f in samples if f is not None]
+    rk = max((f.kbar.shape[1] for f in held), default=1)
+    rv = max((f.vbar.shape[1] for f in held), default=1)
+    dev = frow.device
+    batch, width_k, width_v = len(samples), held[0].dk.shape[1], held[0].dv.shape[1]
+    dk = torch.zeros(batch, rk, width_k, dtype=dtype, device=dev)
+    dv = torch.zeros(batch, rv, width_v, dtype=dtype, device=dev)
+    kbar, vbar, rank_k, rank_v = [], [], [], []
+    for b, f in enumerate(samples):
+        if f is None:
+            continue
+        dk[b, : f.dk.shape[0]] = f.dk
+        dv[b, : f.dv.shape[0]] = f.dv
+        kbar.append(torch.nn.functional.pad(f.kbar.to(dtype), (0, rk - f.kbar.shape[1])))
+        vbar.append(torch.nn.functional.pad(f.vbar.to(dtype), (0, rv - f.vbar.shape[1])))
+        rank_k.append(f.rank_k)
+        rank_v.append(f.rank_v)
+    return PagedFactors(
+        frow, torch.cat(kbar), dk, torch.cat(vbar), dv, torch.cat(rank_k).long(), torch.cat(rank_v).long()
+    )
+
+
+def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, dict, PagedHost, PagedFactors | None]:
+    """``(table, lengths, rope, host, factors)``: :func:`paged_tables`' table (factored and hole columns
+    ``-1``), lengths, pre-RoPE keywords and host lengths for ``layer`` (a ``LayerKV`` or a batch view),
+    and its :class:`PagedFactors` (None when no request holds factors; then everything is
+    :func:`paged_tables`'). The pre-RoPE keywords cover linked entries and factored columns whose keys
+    were factored before RoPE."""
+    table, lengths, _, rope, host = paged_tables(layer)
+    low = layer.lowrank
+    if low is None:
+        return table, lengths, rope, host, None
+    n = table.shape[2]
+    dev = table.device
+    raw = layer.table(n)
+    fac = (raw < 0) & (torch.arange(n, device=dev) < lengths[..., None])
+    open_ = layer.open_mask(n)
+    if open_ is not None:
+        fac = fac & open_
+    offsets, start = [], 0
+    for f in low.samples:
+        offsets.append(start)
+        start += 0 if f is None else f.rows
+    offset = torch.tensor(offsets, dtype=torch.long, device=dev)[:, None, None]
+    frow = torch.where(fac, -raw.long() - 1 + offset, -1)
+    factors = stack_factors(low.samples, frow, layer.pool.spec.dtype)
+    table = torch.where(fac, -1, table)
+    pre = (
+        fac
+        & torch.tensor([f is not None and not f.post_rope for f in low.samples], device=dev)[:, None, None]
+    )
+    if bool(pre.any()):
+        rope = _with_rows(layer, rope, pre, table)
+    return table, lengths, rope, host, factors
+
+
+def _with_rows(layer, rope: dict, pre: Tensor, table: Tensor) -> dict:
+    """``rope`` (the linked entries' ``rot, cos, sin``, or empty) with one more ``cos/sin`` row for each
+    column of ``pre (B, H_kv, n)`` at the position its cache gives it."""
+    n = table.shape[2]
+    rows = getattr(layer, "rows", [layer])
+    positions = torch.cat([_columns(r.positions, n) for r in rows])  # (B, H_kv, n, P)
+    like = layer.pool.keys[layer.layer]
+    cos, sin = layer.pool.rope.cos_sin(like, positions[pre][None])  # (1, R', D)
+    if not rope:
+        rot = torch.full_like(table, -1, dtype=torch.long)
+        rot[pre] = torch.arange(cos.shape[1], device=table.device)
+        return {"rot": rot, "cos": cos[0], "sin": sin[0]}
+    base = rope["cos"].shape[0]
+    rot = rope["rot"].clone()
+    rot[pre] = base + torch.arange(cos.shape[1], device=table.device)
+    return {
+        "rot": rot,
+        "cos": torch.cat([rope["cos"], cos[0].to(rope["cos"])]),
+        "sin": torch.cat([rope["sin"], sin[0].to(rope["sin"])]),
+    }
