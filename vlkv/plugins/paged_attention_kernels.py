@@ -46,6 +46,23 @@ def rope_on_load(
     half = DR // 2
     partner = tl.where(dims < half, dims + half, dims - half)
     k2 = tl.load(k_ptr + kvh * skh + slot[:, None] * skn + partner[None, :] * skd, mask=spin, other=0.0)
+    return rotate_pair(
+        k, k2, rr, ok, dims, col, b, kvh, rot_ptr, srb, srh, src, srp, sec_ptr, cos_ptr, sin_ptr, scr, scd,
+        DR, NR, MROPE,
+    )  # fmt: skip
+
+
+@triton.jit
+def rotate_pair(
+    k, k2, rr, ok, dims, col, b, kvh, rot_ptr, srb, srh, src, srp, sec_ptr, cos_ptr, sin_ptr, scr, scd,
+    DR, NR, MROPE: tl.constexpr,
+):  # fmt: skip
+    """:func:`rope_on_load`'s rotation once the keys are in hand: ``k (BLOCK_N, BLOCK_D)`` and its
+    rotate-half partner ``k2`` (``k2[:, d] = k[:, d ± DR/2]`` on the first ``DR`` dims), ``rr`` each
+    column's ``rot`` entry (component 0), ``ok`` the columns to rotate. A pool read loads ``k2`` from the
+    pool; a low-rank read rebuilds it from the factors (``paged_lowrank_kernels``)."""
+    spin = ok[:, None] & (rr[:, None] >= 0) & (dims[None, :] < DR)
+    half = DR // 2
     if MROPE:
         comp = tl.load(sec_ptr + dims, mask=dims < DR, other=0).to(tl.int64)
         at = tl.load(
@@ -58,14 +75,20 @@ def rope_on_load(
     sn = tl.load(sin_ptr + at * scr + dims[None, :] * scd, mask=spin, other=0.0)
     sign = tl.where(dims < half, -1.0, 1.0)
     kr = k.to(tl.float32) * c.to(tl.float32) + sign[None, :] * k2.to(tl.float32) * sn.to(tl.float32)
-    if k.dtype == tl.bfloat16:
-        # rounded to nearest-even by hand: what a GPU's conversion does, and torch's; Triton's interpreter
-        # converts toward zero (an ulp off in about half the keys), so written out the CPU check sees the
-        # same keys the GPU reads (finite values: a NaN or inf key is not a key a model stores)
-        bits = kr.to(tl.uint32, bitcast=True)
+    return tl.where(spin, round_to(kr, k.dtype), k)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` to nearest-even. For bf16 by hand: what a GPU's conversion does,
+    and torch's; Triton's interpreter converts toward zero (an ulp off in about half the values), so
+    written out the CPU check sees the same values the GPU reads (finite values: a NaN or inf key is not
+    a key a model stores)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        kr = bits.to(tl.float32, bitcast=True)
-    return tl.where(spin, kr.to(k.dtype), k)
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit(do_not_specialize=PER_STEP_INTS)

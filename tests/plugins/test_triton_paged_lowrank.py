@@ -1,0 +1,119 @@
+"""The Triton paged read of low-rank factor rows (``triton_paged_lowrank``), under the interpreter, against
+its reference (``paged_lowrank.paged_lowrank_reference``, itself checked against path (a) in
+tests/runtime/kv/test_paged_lowrank.py): ragged requests (one without factors, different factor-row
+counts), holes, factored columns at per-row ranks (R_k != R_v, padded to the tile), keys post-RoPE, 1-D
+RoPE rows and the M-RoPE table form (partial and full rotary), decode and a prefill chunk, one split and
+three, fp32/fp16/bf16. The values' rank-space accumulation is not rounded where the reference rounds
+each rebuilt value to the dtype: the tolerances are the paged read's (``OUT_TOL``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
+from tests.plugins.test_paged_attention import PagedCase
+from tests.plugins.test_triton_paged_rope_table import _table
+from vlkv.plugins.paged_lowrank import PagedFactors, paged_lowrank_reference
+from vlkv.plugins.paged_reference import paged_attention_reference
+from vlkv.runtime.static_rope import table_as_rows
+
+tpl = pytest.importorskip("vlkv.plugins.triton_paged_lowrank", reason="triton is not installed")
+
+CASES = (
+    PagedCase(2, 2, 3, 1, 81, 16, layout="holes", runs=2),  # GQA 3, holes, ragged head lengths
+    PagedCase(3, 1, 4, 2, 9, 8),  # a two-row chunk, per-head random slots, an empty row
+)
+RK, RV = 5, 3  # padded ranks (BLOCK_R 16)
+ROWS = 64  # positions of the M-RoPE table
+
+
+def with_factors(args: dict, g: torch.Generator, dtype) -> PagedFactors:
+    """About 40 % of each row's columns (holes among them) factored, request 0 none; request b's rows
+    ``3 + 4b`` stacked; random bases scaled to unit-ish keys; per-row ranks in ``[1, R]``."""
+    b, h, c = args["table"].shape
+    dim, dim_v = args["k_pool"].shape[-1], args["v_pool"].shape[-1]
+    counts = [0] + [3 + 4 * i for i in range(1, b)]
+    offsets = torch.tensor([sum(counts[:i]) for i in range(b)])
+    inside = torch.arange(c) < args["lengths"][..., None]
+    fac = (torch.rand(b, h, c, generator=g) < 0.4) & inside
+    fac[0] = False
+    local = (
+        torch.randint(0, 1 << 20, (b, h, c), generator=g) % torch.tensor(counts).clamp_min(1)[:, None, None]
+    )
+    frow = torch.where(fac, offsets[:, None, None] + local, -1)
+    n = sum(counts)
+    return PagedFactors(
+        frow,
+        torch.randn(n, RK, generator=g).to(dtype),
+        (torch.randn(b, RK, h * dim, generator=g) / RK**0.5).to(dtype),
+        torch.randn(n, RV, generator=g).to(dtype),
+        (torch.randn(b, RV, h * dim_v, generator=g) / RV**0.5).to(dtype),
+        torch.randint(1, RK + 1, (n,), generator=g),
+        torch.randint(1, RV + 1, (n,), generator=g),
+    )
+
+
+def rope_args(args: dict, factors: PagedFactors, form: str, g: torch.Generator, dtype):
+    """``(reference keywords, kernel keywords)``: none, 1-D rows (``rot`` a row of ``cos/sin``), or
+    the M-RoPE table form (the reference reads its row form, ``table_as_rows``); about half the held
+    columns, factored ones included, pre-RoPE."""
+    if form == "post":
+        return {}, {}
+    b, h, c = args["table"].shape
+    dim = args["k_pool"].shape[-1]
+    dims = 3 if form == "mrope" else 1
+    rot_dims = 8 if dim == 16 else dim  # partial rotary on 16 dims, full on 8
+    table = _table(dims, rot_dims, dtype, g)
+    rot4 = torch.randint(0, ROWS, (b, h, c, dims), generator=g)
+    rot4 = torch.where((torch.rand(b, h, c, generator=g) < 0.5)[..., None], rot4, -1)
+    rows, cos, sin = table_as_rows(rot4, table)
+    ref = dict(rot=rows, cos=cos, sin=sin)
+    if form == "mrope":
+        return ref, dict(rot=rot4, cos=table.cos, sin=table.sin, sec=table.sec)
+    return ref, dict(rot=rot4[..., 0], cos=table.cos, sin=table.sin)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+@pytest.mark.parametrize("form", ["post", "rope-1d", "mrope"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=repr)
+def test_the_kernel_equals_the_reference(case, dtype, form, num_splits):
+    g = torch.Generator().manual_seed(3)
+    args = case.make(dtype)
+    factors = with_factors(args, g, dtype)
+    ref_rope, rope = rope_args(args, factors, form, g, dtype)
+    want = paged_lowrank_reference(**args, factors=factors, **ref_rope)
+    got = tpl.paged_lowrank_triton(**args, factors=factors, num_splits=num_splits, **rope)
+    assert_close_tol(got, want, OUT_TOL, dtype)
+    # the factored columns are read: as holes, the result differs
+    skip = paged_attention_reference(**args, **ref_rope)
+    assert (skip.float() - want.float()).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_without_factored_columns_it_is_the_paged_read(dtype):
+    g = torch.Generator().manual_seed(4)
+    args = CASES[0].make(dtype)
+    factors = with_factors(args, g, dtype)
+    none = PagedFactors(torch.full_like(factors.frow, -1), *list(vars(factors).values())[1:])
+    got = tpl.paged_lowrank_triton(**args, factors=none)
+    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
+    assert torch.equal(paged_lowrank_reference(**args, factors=none), paged_attention_reference(**args))
+
+
+def test_the_factors_are_checked():
+    args = CASES[1].make(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    f = with_factors(args, g, torch.float32)
+    with pytest.raises(ValueError, match="frow must be"):
+        tpl.paged_lowrank_triton(**args, factors=PagedFactors(f.frow[:, :, :4], *list(vars(f).values())[1:]))
+    with pytest.raises(ValueError, match="pool's dtype"):
+        half = PagedFactors(
+            f.frow, f.kbar.half(), f.dk.half(), f.vbar.half(), f.dv.half(), f.rank_k, f.rank_v
+        )
+        paged_lowrank_reference(**args, factors=half)
+    with pytest.raises(ValueError, match="PagedFactors.rank_k"):
+        PagedFactors(f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k[:-1], f.rank_v)
+    with pytest.raises(ValueError, match="PagedFactors.dv"):
+        PagedFactors(f.frow, f.kbar, f.dk, f.vbar, f.dk, f.rank_k, f.rank_v)

@@ -1,0 +1,151 @@
+"""Triton paged attention over a pool and low-rank factor rows (``paged_lowrank``: the layout and the
+reference): ``paged_attention_kernels``' paged read, where a column whose ``frow`` is ``>= 0`` is rebuilt
+from its factor row instead of loaded from a slot.
+
+Grid and online softmax as the paged read's (``flash_tiles``). A program (request ``b``, KV head ``h``)
+loads its request's basis slices once, ``D_k[:, h·D : (h+1)·D]`` (``(BLOCK_R, BLOCK_D)``; with rotation
+also its rotate-half column permutation) and ``D_v``'s; then per tile of ``BLOCK_N`` columns:
+
+- keys: the tile's factor rows ``K̄ (BLOCK_N, BLOCK_R)`` (columns past each row's rank masked) by the
+  slice, one ``tl.dot``, rounded to the pool's dtype (the entry path (a) would rebuild), then rotated by
+  the column's ``rot`` row like a pre-RoPE pool key (``rotate_pair``: the partner half comes from a
+  second ``tl.dot`` with the permuted slice, the same products as the first's partner column): RoPE does
+  not factor through the rank space, so keys are rebuilt per row;
+- values: accumulated in the rank space, ``acc_r += p·V̄`` (``(BLOCK_M, BLOCK_R)``, rescaled with the
+  dense accumulator), and ``acc += acc_r·D_v`` once at the end: a factored row reads ``R`` values, not
+  ``D``. Linear, so a split's partial triple stays mergeable by ``combine_splits_kernel``.
+
+A factored row is ``R_k + R_v`` elements shared by all ``H_kv`` heads (each head's program reads them), where
+a dense entry is ``2·D`` per head.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from vlkv.plugins.flash_tiles import block_logits, query_tile, store_tile
+from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS, rope_on_load, rotate_pair, round_to
+
+# besides the paged read's: the frow table's strides grow with it, and the stacked rows' count changes
+# with every request's factoring (not specialised: no new binary mid-run)
+LOWRANK_PER_STEP = (*PER_STEP_INTS, "sfb", "sfh")
+
+
+@triton.jit
+def factor_rows(bar_ptr, rank_ptr, fr, fac, sbn, sbr, RMAX, BLOCK_R: tl.constexpr):
+    """``(BLOCK_N, BLOCK_R)`` the factor rows ``fr`` of the columns ``fac`` (0 elsewhere), each masked past
+    its rank (and past ``RMAX``, the stacked rows' width)."""
+    rc = tl.arange(0, BLOCK_R)
+    rank = tl.load(rank_ptr + fr, mask=fac, other=0)
+    on = fac[:, None] & (rc[None, :] < rank[:, None]) & (rc[None, :] < RMAX)
+    return tl.load(bar_ptr + fr[:, None] * sbn + rc[None, :] * sbr, mask=on, other=0.0)
+
+
+@triton.jit
+def basis_slice(ptr, b, kvh, sbb, sbr, sbc, cols, WIDTH, RMAX, BLOCK_R: tl.constexpr):
+    """``(BLOCK_R, len(cols))`` request ``b``'s basis rows, KV head ``kvh``'s columns ``cols`` (< WIDTH)."""
+    rc = tl.arange(0, BLOCK_R)
+    on = (rc[:, None] < RMAX) & (cols[None, :] < WIDTH)
+    return tl.load(
+        ptr + b * sbb + rc[:, None] * sbr + (kvh * WIDTH + cols[None, :]) * sbc, mask=on, other=0.0
+    )
+
+
+@triton.jit
+def rank_dot(a, basis, IEEE: tl.constexpr):
+    """``a (M, BLOCK_R) · basis (BLOCK_R, N)`` in fp32 (IEEE: fp32 operands, no tf32)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), basis.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, basis)
+
+
+@triton.jit(do_not_specialize=LOWRANK_PER_STEP)
+def paged_lowrank_kernel(
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    rot_ptr, cos_ptr, sin_ptr, sec_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr,
+    sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
+    stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, srp, scr, scd,
+    sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc,
+    HKV, GROUP, Q, D, DV, COLS, DR, NR, RK, RV,
+    SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
+    MROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    GQ = GROUP * Q
+    b, kvh, r, heads, qi, q = query_tile(q_ptr, sqb, sqh, sqm, sqd, HKV, GROUP, Q, D, BLOCK_M, BLOCK_D)
+    dims = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    # the request's basis slices for this head, loaded once for every column the program walks
+    dk = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, dims, D, RK, BLOCK_R)
+    half = DR // 2
+    partner = tl.where(dims < DR, tl.where(dims < half, dims + half, dims - half), dims)
+    dk2 = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, partner, D, RK, BLOCK_R)
+    vbasis = basis_slice(dvb_ptr, b, kvh, sdvb, sdvr, sdvc, dv, DV, RV, BLOCK_R)
+    length = tl.minimum(tl.maximum(tl.load(len_ptr + b * slb + kvh * slh).to(tl.int32), 0), COLS)
+    limit = tl.where(r < GQ, length - Q + 1 + qi, 0)
+    stop_all = tl.minimum(tl.max(limit, 0), length)
+    per_split = tl.cdiv(tl.cdiv(stop_all, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = tl.program_id(2) * per_split
+    stop = tl.minimum(start + per_split, stop_all)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    acc_r = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)  # Σ p·V̄ of the factored columns
+    for n0 in range(start, stop, BLOCK_N):
+        col = n0 + tl.arange(0, BLOCK_N)
+        inside = col < stop
+        slot = tl.load(tab_ptr + b * stb + kvh * sth + col * stc, mask=inside, other=-1).to(tl.int64)
+        fr = tl.load(frow_ptr + b * sfb + kvh * sfh + col * sfc, mask=inside, other=-1).to(tl.int64)
+        fac = inside & (fr >= 0)
+        dense = inside & (slot >= 0) & (fr < 0)  # a factored column's slot is never read
+        k = tl.load(
+            k_ptr + kvh * skh + slot[:, None] * skn + dims[None, :] * skd,
+            mask=dense[:, None] & (dims[None, :] < D),
+            other=0.0,
+        )
+        if HAS_ROPE:
+            k = rope_on_load(
+                k, k_ptr, kvh, skh, skn, skd, slot, dims, dense, col, b, rot_ptr, srb, srh, src, srp, sec_ptr,
+                cos_ptr, sin_ptr, scr, scd, DR, NR, MROPE,
+            )  # fmt: skip
+        kb = factor_rows(kbar_ptr, rk_ptr, fr, fac, skbn, skbr, RK, BLOCK_R)
+        kf = round_to(rank_dot(kb, dk, IEEE), k.dtype)  # the entry path (a) rebuilds
+        if HAS_ROPE:
+            rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=fac, other=-1).to(tl.int64)
+            kf2 = round_to(rank_dot(kb, dk2, IEEE), k.dtype)
+            kf = rotate_pair(
+                kf, kf2, rr, fac, dims, col, b, kvh, rot_ptr, srb, srh, src, srp, sec_ptr, cos_ptr, sin_ptr,
+                scr, scd, DR, NR, MROPE,
+            )  # fmt: skip
+        k = tl.where(fac[:, None], kf, k)
+        v = tl.load(
+            v_ptr + kvh * svh + slot[:, None] * svn + dv[None, :] * svd,
+            mask=dense[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        vb = factor_rows(vbar_ptr, rv_ptr, fr, fac, svbn, svbr, RV, BLOCK_R)
+        seen = (dense | fac)[None, :] & (col[None, :] < limit[:, None])
+        s = block_logits(q, k, seen, SCALE, IEEE)
+        # flash_tiles.attend_logits with a second (rank-space) accumulator sharing its rescale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            pr = tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+            pr = tl.dot(p.to(vb.dtype), vb)
+        acc = acc * alpha[:, None] + pv
+        acc_r = acc_r * alpha[:, None] + pr
+        m_i = m_new
+    # back from the rank space once: (Σ p·V̄)·D_v, in fp32
+    acc += tl.dot(acc_r, vbasis.to(tl.float32), input_precision="ieee")
+    store_tile(
+        acc, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sob, soh, som, sod,
+        b, heads, qi, r, GQ, DV, NUM_SPLITS, BLOCK_DV,
+    )  # fmt: skip
