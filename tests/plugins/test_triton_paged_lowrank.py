@@ -14,7 +14,7 @@ import torch
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
 from tests.plugins.test_paged_attention import PagedCase
 from tests.plugins.test_triton_paged_rope_table import _table
-from vlkv.plugins.paged_lowrank import PagedFactors, paged_lowrank_reference
+from vlkv.plugins.paged_lowrank import PagedFactors, paged_lowrank_kv, paged_lowrank_reference
 from vlkv.plugins.paged_reference import paged_attention_reference
 from vlkv.runtime.static_rope import table_as_rows
 
@@ -26,6 +26,9 @@ CASES = (
 )
 RK, RV = 5, 3  # padded ranks (BLOCK_R 16)
 ROWS = 64  # positions of the M-RoPE table
+# probabilities: fp32 softmax of the same keys (rebuilt by the same products, rounded alike); measured
+# within 2e-7 in every dtype
+PROB_TOL = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}
 
 
 def with_factors(args: dict, g: torch.Generator, dtype) -> PagedFactors:
@@ -117,3 +120,26 @@ def test_the_factors_are_checked():
         PagedFactors(f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k[:-1], f.rank_v)
     with pytest.raises(ValueError, match="PagedFactors.dv"):
         PagedFactors(f.frow, f.kbar, f.dk, f.vbar, f.dk, f.rank_k, f.rank_v)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-split", "three-splits"])
+@pytest.mark.parametrize("form", ["post", "mrope"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_statistics_form_gives_the_reference_probabilities(dtype, form, num_splits):
+    """``paged_lowrank_probs_triton`` (one query row): the output as the plain kernel's, and each row's
+    softmax over the keys the reference reads (factored columns held in ``vis``)."""
+    g = torch.Generator().manual_seed(6)
+    args = CASES[0].make(dtype)
+    factors = with_factors(args, g, dtype)
+    ref_rope, rope = rope_args(args, factors, form, g, dtype)
+    out, probs, vis = tpl.paged_lowrank_probs_triton(**args, factors=factors, num_splits=num_splits, **rope)
+    assert_close_tol(out, paged_lowrank_reference(**args, factors=factors, **ref_rope), OUT_TOL, dtype)
+    q, scale = args["q"], args["scale"]
+    k, _, seen = paged_lowrank_kv(
+        q, args["k_pool"], args["v_pool"], args["table"], args["lengths"], factors, **ref_rope
+    )
+    b, h, c, d = k.shape
+    scores = torch.matmul(q.float().view(b, h, -1, d), k.float().transpose(-1, -2)) * scale
+    want = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
+    assert torch.equal(vis, seen)
+    torch.testing.assert_close(probs, want, rtol=PROB_TOL[dtype], atol=PROB_TOL[dtype])

@@ -140,6 +140,24 @@ def paged_lowrank_reference(
 
     Returns (B, H_q, Q, D_v) in q's dtype; float32 scores, softmax and weighted sum.
     """
+    k, v, vis = paged_lowrank_kv(q, k_pool, v_pool, table, lengths, factors, rot, cos, sin)
+    return attend_gathered(q, k, v, vis, scale)
+
+
+def paged_lowrank_kv(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    factors: PagedFactors,
+    rot: Tensor | None = None,
+    cos: Tensor | None = None,
+    sin: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What :func:`paged_lowrank_reference` attends: ``k, v (B, H_kv, C, D)`` in the pool's dtype, every
+    held column's key as read (pool or rebuilt, rotated where pre-RoPE), and ``vis (B, H_kv, Q, C)``
+    which columns each query row sees (factored columns held whatever their slot)."""
     _, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
     check_factors(factors, k_pool, v_pool, table)
     dev = q.device
@@ -156,4 +174,4 @@ def paged_lowrank_reference(
     if rope:  # only held entries (dense or factored) rotate
         held = held_columns(table, lengths)
         k = rotate_keys(k, torch.where(held, rot.to(dev), -1), cos.to(dev), sin.to(dev))
-    return attend_gathered(q, k, v, vis, scale)
+    return k, v, vis

@@ -15,6 +15,10 @@ also its rotate-half column permutation) and ``D_v``'s; then per tile of ``BLOCK
   dense accumulator), and ``acc += acc_r·D_v`` once at the end: a factored row reads ``R`` values, not
   ``D``. Linear, so a split's partial triple stays mergeable by ``combine_splits_kernel``.
 
+With ``LOGITS`` (one query row: a statistics step) it also stores each block's scaled logits into the
+``(B, H_kv, G, C)`` fp32 buffer and its (max, sum) per row, as ``paged_probs_kernels.paged_probs_kernel``
+does: that module's ``probs_normalise_kernel`` then makes them probabilities.
+
 A factored row is ``R_k + R_v`` elements shared by all ``H_kv`` heads (each head's program reads them), where
 a dense entry is ``2·D`` per head.
 """
@@ -62,18 +66,19 @@ def rank_dot(a, basis, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=LOWRANK_PER_STEP)
 def paged_lowrank_kernel(
-    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, logit_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     rot_ptr, cos_ptr, sin_ptr, sec_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr,
     sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
     stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, srp, scr, scd,
     sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc,
     HKV, GROUP, Q, D, DV, COLS, DR, NR, RK, RV,
     SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
-    MROPE: tl.constexpr,
+    MROPE: tl.constexpr, LOGITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     GQ = GROUP * Q
+    pair = tl.program_id(0).to(tl.int64)
     b, kvh, r, heads, qi, q = query_tile(q_ptr, sqb, sqh, sqm, sqd, HKV, GROUP, Q, D, BLOCK_M, BLOCK_D)
     dims = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -128,6 +133,12 @@ def paged_lowrank_kernel(
         vb = factor_rows(vbar_ptr, rv_ptr, fr, fac, svbn, svbr, RV, BLOCK_R)
         seen = (dense | fac)[None, :] & (col[None, :] < limit[:, None])
         s = block_logits(q, k, seen, SCALE, IEEE)
+        if LOGITS:  # a statistics step (Q = 1): the scaled logits kept for the normalise pass
+            tl.store(
+                logit_ptr + (pair * GQ + r)[:, None] * COLS + col[None, :],
+                s,
+                mask=(r < GQ)[:, None] & inside[None, :],
+            )
         # flash_tiles.attend_logits with a second (rank-space) accumulator sharing its rescale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -149,3 +160,6 @@ def paged_lowrank_kernel(
         acc, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sob, soh, som, sod,
         b, heads, qi, r, GQ, DV, NUM_SPLITS, BLOCK_DV,
     )  # fmt: skip
+    if LOGITS and NUM_SPLITS == 1:  # store_tile wrote the output only; the normalise pass needs (max, sum)
+        tl.store(part_m_ptr + pair * GQ + r, m_i, mask=r < GQ)
+        tl.store(part_l_ptr + pair * GQ + r, l_i, mask=r < GQ)
