@@ -124,6 +124,7 @@ def _paged_one_row(
     stats: bool,
     exact: bool,
     last_plan: PagedCpuPlan | None,
+    factors=None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, PagedCpuPlan | None]:
     """A decode step's attention read from one layer's pool through the slot tables (``paged_tables``:
     ``table (B, H_kv, C)``, ``lengths (B, H_kv)``, pre-RoPE keywords ``rope``, ``host`` its
@@ -135,9 +136,17 @@ def _paged_one_row(
     K once for both: with the Triton kernel (CUDA or forced Triton) or the fused CPU kernel (fp32 CPU
     pools), no pre-RoPE keys, its output and probabilities come from one in-place read of each head's
     own table row; otherwise the two halves of
-    ``paged_probs`` (probabilities, then P·V). ``exact``: the output is the plain read's, bit for bit."""
+    ``paged_probs`` (probabilities, then P·V). ``exact``: the output is the plain read's, bit for bit.
+    ``factors``: the layer's :class:`~vlkv.plugins.paged_lowrank.PagedFactors` (``paged_lowrank_tables``),
+    read with the pool by the Triton low-rank kernel (:func:`_factors_one_row`)."""
     from vlkv.plugins import paged_attention
     from vlkv.plugins.ops import use_triton
+
+    if factors is not None:
+        return (
+            *_factors_one_row(q, k_pool, v_pool, table, lengths, scale, rope, factors, stats, exact),
+            last_plan,
+        )
 
     plan = last_plan
 
@@ -176,6 +185,20 @@ def _paged_one_row(
     else:
         out = paged_decode_out(probs, v_pool, table, lengths, route=route).view(q.shape).to(q.dtype)
     return out, probs, vis, plan
+
+
+def _factors_one_row(q, k_pool, v_pool, table, lengths, scale, rope, factors, stats, exact):
+    """:func:`_paged_one_row` of a layer holding low-rank factors (same arguments): ``(out, probs, vis)``
+    from ``triton_paged_lowrank`` (with ``stats`` its statistics form, one read for both; ``exact``: the
+    output of the plain kernel, as a step without statistics computes it)."""
+    from vlkv.plugins.triton_paged_lowrank import paged_lowrank_probs_triton, paged_lowrank_triton
+
+    if not stats:
+        return paged_lowrank_triton(q, k_pool, v_pool, table, lengths, scale, factors, **rope), None, None
+    out, probs, vis = paged_lowrank_probs_triton(q, k_pool, v_pool, table, lengths, scale, factors, **rope)
+    if exact:
+        out = paged_lowrank_triton(q, k_pool, v_pool, table, lengths, scale, factors, **rope)
+    return out, probs, vis
 
 
 def _one_row_stats(probs: Tensor, vis: Tensor | None, rows: Tensor | None, threshold: float | None):

@@ -11,6 +11,8 @@ call instead (``fused_append.fused_decode_row``, through ``reads_paged``, ``put_
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -28,6 +30,11 @@ from vlkv.runtime.backend import StatsRequest, StepInputs, StepStats
 from vlkv.runtime.cache import KVCache
 from vlkv.runtime.kv.paged import attended_entries as _attended
 from vlkv.runtime.kv.paged import paged_tables
+from vlkv.runtime.kv.paged_factors import paged_lowrank_tables
+
+# a decode step reads pre-RoPE low-rank factors in place with the Triton kernel where it runs
+# (``reads_factors_paged``); VLKV_PAGED_FACTORS=0 rebuilds them densely (``LowRank.fill``) there too
+PAGED_FACTORS = os.environ.get("VLKV_PAGED_FACTORS", "1") != "0"
 
 
 class StepContext:
@@ -106,6 +113,10 @@ class StepContext:
             # a plain decode step reads K/V where they lie, through the slot tables: no gathered copy
             self.paged[layer_idx] = paged_tables(layer)
             return layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
+        if self.reads_factors_paged(layer):
+            # pre-RoPE factors read in place, each factored row rebuilt in the kernel: no dense copy
+            self.paged[layer_idx] = paged_lowrank_tables(layer)
+            return layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
         # post-RoPE factors: a decode step attends to them in the rank space (attend), unrebuilt
         return layer.attention_kv(view=True, fill=not self._rank_space(layer))
 
@@ -128,6 +139,26 @@ class StepContext:
         rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
         return all(r.lowrank is None and r.offloaded is None for r in rows)
 
+    def reads_factors_paged(self, layer) -> bool:
+        """This decode layer reads its pre-RoPE low-rank factors (AttentionPack path (a)) and its pool
+        through the slot tables in one Triton kernel (``plugins.triton_paged_lowrank``: CUDA, or forced
+        Triton; ``PAGED_FACTORS``): one new row per sample, no selected attention or link step, no
+        swapped-out request, no post-RoPE factors (path (b) attends in the rank space). Elsewhere the
+        factored rows are rebuilt densely (``LowRank.fill``, the CPU path)."""
+        if not PAGED_FACTORS or not getattr(self, "one_row", False):
+            return False
+        if self.inputs.attend is not None or self.inputs.selective:
+            return False
+        rows = getattr(layer, "rows", [layer])
+        if any(r.offloaded is not None for r in rows):
+            return False
+        held = [f for r in rows if r.lowrank is not None for f in r.lowrank.samples if f is not None]
+        if not held or any(f.post_rope for f in held):
+            return False
+        from vlkv.plugins.ops import use_triton
+
+        return use_triton(layer.pool.keys[layer.layer])
+
     def _rank_space(self, layer) -> bool:
         """This step attends to ``layer``'s factored rows in the rank space (AttentionPack path (b))."""
         return (
@@ -144,7 +175,7 @@ class StepContext:
         new_len = self.inputs.new_len.to(past)
         paged = getattr(self, "paged", {}).get(layer_idx)
         if paged is not None:  # k, v are the layer's pool tensors (H_kv, S, D)
-            table, lengths, attended, rope, host = paged
+            table, lengths, attended, rope, host, *factors = paged  # low-rank factors last, if any
             table, lengths = table.to(q.device), lengths.to(q.device)
             self.attended[layer_idx] = attended.to(q.device)
             wanted = [name for name, req in self.requests.items() if req.wants(layer_idx)]
@@ -162,6 +193,7 @@ class StepContext:
                 bool(wanted),
                 exact,
                 getattr(self, "cpu_plan", None),
+                factors[0] if factors else None,
             )
             if wanted:
                 self.put_one_row_stats(layer_idx, wanted, probs, vis)

@@ -90,13 +90,16 @@ def ropes(engines):
 @pytest.mark.parametrize("pos_dims", [1, 3], ids=["rope-1d", "mrope"])
 def test_the_paged_factor_read_equals_path_a(ropes, pos_dims, dtype, queries):
     layer = build_layer(ropes[pos_dims], pos_dims, dtype)
-    table, lengths, rope, _, factors = paged_lowrank_tables(layer)
+    table, lengths, attended, rope, _, factors = paged_lowrank_tables(layer)
     fac = factors.frow >= 0
     # every kind of column is there: factored (two samples), holes, linked pre-RoPE, dense
     assert bool(fac[0].any()) and bool(fac[2].any()) and not bool(fac[1].any())
     assert bool(layer.holes.any()) and bool(((rope["rot"] >= 0) & ~fac).any())
     assert bool((table >= 0).any())
     assert int(factors.rank_k.min()) < RANK and int(factors.rank_v.min()) < RANK
+    # entries attended per sample (mean over heads): every held column, factored ones included
+    held = ((table >= 0) | fac) & (torch.arange(table.shape[2]) < lengths[..., None])
+    assert torch.equal(attended, held.double().sum(2).mean(1))
     g = torch.Generator().manual_seed(5)
     q = torch.randn(len(LENGTHS), 4, queries, D, generator=g).to(dtype)
     scale = D**-0.5
@@ -120,6 +123,6 @@ def test_a_layer_without_factors_reads_the_plain_tables(ropes):
         torch.zeros(2, 4, dtype=torch.int8),
         torch.tensor([4, 3]),
     )
-    table, lengths, rope, host, factors = paged_lowrank_tables(layer)
+    table, lengths, _, rope, host, factors = paged_lowrank_tables(layer)
     assert factors is None and rope == {} and host.lengths == [[4, 4], [3, 3]]
     assert torch.equal(table[1, :, :3], layer.slots[1, :, :3])

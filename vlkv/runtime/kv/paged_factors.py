@@ -44,16 +44,16 @@ def stack_factors(samples: list, frow: Tensor, dtype: torch.dtype) -> PagedFacto
     )
 
 
-def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, dict, PagedHost, PagedFactors | None]:
-    """``(table, lengths, rope, host, factors)``: :func:`paged_tables`' table (factored and hole columns
-    ``-1``), lengths, pre-RoPE keywords and host lengths for ``layer`` (a ``LayerKV`` or a batch view),
-    and its :class:`PagedFactors` (None when no request holds factors; then everything is
-    :func:`paged_tables`'). The pre-RoPE keywords cover linked entries and factored columns whose keys
-    were factored before RoPE."""
-    table, lengths, _, rope, host = paged_tables(layer)
+def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost, PagedFactors | None]:
+    """``(table, lengths, attended, rope, host, factors)``: :func:`paged_tables`' five (the table's
+    factored and hole columns ``-1``) for ``layer`` (a ``LayerKV`` or a batch view), and its
+    :class:`PagedFactors` (None when no request holds factors; then the five are :func:`paged_tables`'
+    own). The pre-RoPE keywords cover linked entries and factored columns whose keys were factored
+    before RoPE; ``attended`` counts factored columns (they are attended, not holes)."""
+    table, lengths, attended, rope, host = paged_tables(layer)
     low = layer.lowrank
     if low is None:
-        return table, lengths, rope, host, None
+        return table, lengths, attended, rope, host, None
     n = table.shape[2]
     dev = table.device
     raw = layer.table(n)
@@ -75,7 +75,7 @@ def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, dict, PagedHost, PagedF
     )
     if bool(pre.any()):
         rope = _with_rows(layer, rope, pre, table)
-    return table, lengths, rope, host, factors
+    return table, lengths, attended, rope, host, factors
 
 
 def _with_rows(layer, rope: dict, pre: Tensor, table: Tensor) -> dict:

@@ -1,0 +1,85 @@
+"""AttentionPack's decode steps on the Triton path read their pre-RoPE factors in place
+(``StepContext.reads_factors_paged`` → ``triton_paged_lowrank``, the forced-Triton engine under the
+interpreter): an attnpack request batched beside a full and an h2o request gives the tokens it gave when
+its factored rows were rebuilt densely (``LowRank.fill``, ``PAGED_FACTORS`` off), and so do its
+neighbours; 1-D RoPE (tiny-llava) and M-RoPE (tiny-qwen2-vl)."""
+
+from __future__ import annotations
+
+import pytest
+
+import vlkv.runtime.step_context as step_context
+from vlkv.plugins.ops import FORCE_TRITON_ENV
+from vlkv.runtime.policies import make_policy
+from vlkv.runtime.prompt import Prompt
+from vlkv.runtime.request import Request
+from vlkv.runtime.scheduler import Scheduler
+
+pytest.importorskip("triton", reason="the triton extra is part of vlkv[dev]")
+
+NEW = 4
+SPECS = (("attnpack", {"rank": 4, "exact": True}), ("full", {}), ("h2o", {"budget": 0.5}))
+
+
+@pytest.fixture(scope="module")
+def triton_engines():
+    """name → an Engine behind the forced-Triton backend (HF layers, not the device layer: its glue
+    kernels under the interpreter are test_device_layer.py's subject), built on first use."""
+    from vlkv.runtime.engine import Engine
+    from vlkv.runtime.models import device_layer
+    from vlkv.runtime.models.registry import load_model
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv(FORCE_TRITON_ENV, "1")
+    mp.setattr(device_layer, "DEVICE_LAYER", False)
+    built: dict = {}
+    yield lambda name: built.setdefault(name, Engine(load_model(name)))
+    mp.undo()
+
+
+def _tokens(engine, images) -> list[list[int]]:
+    sched = Scheduler(engine)
+    # one image (the factored one): the interpreter's launches cost by the columns they walk
+    prompts = [
+        Prompt("Describe the picture.", [images[0]]),
+        Prompt("What is a cache?"),
+        Prompt("Write a short poem about caches."),
+    ]
+    reqs = [
+        sched.submit(Request(p, make_policy(name, **kw), NEW, stop_at_eos=False))
+        for p, (name, kw) in zip(prompts, SPECS)
+    ]
+    sched.run()
+    assert all(r.error is None for r in reqs), [r.error for r in reqs]
+    return [list(r.tokens) for r in reqs]
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+def test_attnpack_beside_full_and_h2o_reads_its_factors_paged_with_the_same_tokens(
+    name, triton_engines, images, monkeypatch
+):
+    import vlkv.plugins.triton_paged_lowrank as tpl
+    from vlkv.runtime.kv import lowrank
+
+    engine = triton_engines(name)
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    launches, real = [], tpl.paged_lowrank_probs_triton
+    monkeypatch.setattr(
+        tpl, "paged_lowrank_probs_triton", lambda *a, **k: launches.append(1) or real(*a, **k)
+    )
+    fills, fill = [], lowrank.LowRank.fill
+    monkeypatch.setattr(lowrank.LowRank, "fill", lambda *a, **k: fills.append(1) or fill(*a, **k))
+    monkeypatch.setattr(step_context, "PAGED_FACTORS", False)
+    dense = _tokens(engine, images)
+    assert not launches
+    rebuilt = len(fills)
+    fills.clear()
+    monkeypatch.setattr(step_context, "PAGED_FACTORS", True)
+    paged = _tokens(engine, images)
+    # every decode step after the first reads each layer's factors through the kernel (statistics: attnpack
+    # asks for them every step); the dense rebuild is left to the factoring itself
+    layers = engine.backend.num_layers
+    assert len(launches) >= (NEW - 1) * layers
+    assert len(fills) <= rebuilt - (NEW - 1) * layers
+    assert paged == dense
+    assert all(len(t) == NEW for t in paged)
