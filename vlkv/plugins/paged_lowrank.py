@@ -175,3 +175,21 @@ def paged_lowrank_kv(
         held = held_columns(table, lengths)
         k = rotate_keys(k, torch.where(held, rot.to(dev), -1), cos.to(dev), sin.to(dev))
     return k, v, vis
+
+
+def factored_read_bytes(factors: PagedFactors, lengths: Tensor, head_dim: int, dim_v: int) -> tuple[int, int]:
+    """``(kernel, dense)``: bytes the low-rank kernel loads for the factored columns of one call, against
+    the bytes the same columns would read as dense pool entries (``(D + D_v)`` a column and head).
+
+    Counted per (column, head), as each KV head's program loads them (no sharing across heads assumed):
+    a factored column reads its row's ``rank_k + rank_v`` components (loads past a row's rank are
+    masked); each (request, head) program holding a factored column loads its basis slices once,
+    ``R_k·D + R_v·D_v`` (the keys' permuted partner slice re-reads the same bytes). ``lengths (B, H_kv)``."""
+    fac = factored_columns(factors, lengths)  # (B, H_kv, C)
+    item = factors.kbar.element_size()
+    rows = factors.frow[fac]
+    components = int((factors.rank_k[rows] + factors.rank_v[rows]).sum())
+    rank_k, rank_v = factors.ranks
+    programs = int(fac.any(-1).sum())
+    kernel = (components + programs * (rank_k * head_dim + rank_v * dim_v)) * item
+    return kernel, int(fac.sum()) * (head_dim + dim_v) * item

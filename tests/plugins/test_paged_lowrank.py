@@ -1,0 +1,46 @@
+"""The paged low-rank read's byte count (``paged_lowrank.factored_read_bytes``): rank-masked factor rows
+plus one basis load per (request, head) program, against the dense entries those columns would be."""
+
+from __future__ import annotations
+
+import torch
+
+from vlkv.plugins.paged_lowrank import PagedFactors, factored_read_bytes
+
+
+def test_factored_columns_read_their_ranks_and_one_basis_a_program():
+    # 2 requests, 2 KV heads, 4 columns; request 0 factors 3 column-heads (rows 0, 1, 1), request 1 one
+    # column in head 1 only (row 2); the last column of request 1 is past its length (not read)
+    frow = torch.tensor(
+        [[[0, 1, -1, -1], [1, -1, -1, -1]], [[-1, -1, -1, 2], [-1, 2, -1, -1]]], dtype=torch.long
+    )
+    lengths = torch.tensor([[4, 4], [3, 3]])
+    rk, rv, h, d = 8, 4, 2, 16
+    f = PagedFactors(
+        frow,
+        torch.zeros(3, rk, dtype=torch.bfloat16),
+        torch.zeros(2, rk, h * d, dtype=torch.bfloat16),
+        torch.zeros(3, rv, dtype=torch.bfloat16),
+        torch.zeros(2, rv, h * d, dtype=torch.bfloat16),
+        torch.tensor([8, 2, 5]),
+        torch.tensor([4, 1, 3]),
+    )
+    kernel, dense = factored_read_bytes(f, lengths, d, d)
+    components = (8 + 4) + (2 + 1) + (2 + 1) + (5 + 3)  # rows 0, 1, 1 in request 0; row 2 in request 1
+    programs = 3  # (0, 0), (0, 1), (1, 1)
+    assert kernel == 2 * (components + programs * (rk * d + rv * d))
+    assert dense == 2 * 4 * (d + d)
+    # at scale the rows dominate: rank 64 for keys and values is half of a D = 128 entry's K + V per head
+    # (counted per head: the 8 heads' programs each load the shared row)
+    big = PagedFactors(
+        torch.zeros(1, 8, 4096, dtype=torch.long),
+        torch.zeros(1, 64),
+        torch.zeros(1, 64, 8 * 128),
+        torch.zeros(1, 64),
+        torch.zeros(1, 64, 8 * 128),
+        torch.tensor([64]),
+        torch.tensor([64]),
+    )
+    kernel, dense = factored_read_bytes(big, torch.full((1, 8), 4096), 128, 128)
+    assert dense == 4 * 8 * 4096 * 256 and kernel == 4 * 8 * (4096 * 128 + 64 * 256)
+    assert 0.5 < kernel / dense < 0.52
