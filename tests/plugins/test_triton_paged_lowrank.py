@@ -143,3 +143,27 @@ def test_the_statistics_form_gives_the_reference_probabilities(dtype, form, num_
     want = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
     assert torch.equal(vis, seen)
     torch.testing.assert_close(probs, want, rtol=PROB_TOL[dtype], atol=PROB_TOL[dtype])
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_compiled_kernel_equals_the_reference():
+    """On a GPU (compiled, not the interpreter): the plain and statistics forms, fp16 and bf16, 1-D RoPE
+    rows and the M-RoPE table form, one case (eight compiled variants)."""
+    for dtype in (torch.float16, torch.bfloat16):
+        for form in ("rope-1d", "mrope"):
+            g = torch.Generator().manual_seed(7)
+            args = CASES[0].make(dtype)
+            factors = with_factors(args, g, dtype)
+            ref_rope, rope = rope_args(args, factors, form, g, dtype)
+            want = paged_lowrank_reference(**args, factors=factors, **ref_rope)
+            on = {n: v.cuda() if isinstance(v, torch.Tensor) else v for n, v in args.items()}
+            f = PagedFactors(*(t.cuda() for t in vars(factors).values()))
+            rope = {n: v.cuda() for n, v in rope.items()}
+            got = tpl.paged_lowrank_triton(**on, factors=f, **rope)
+            assert_close_tol(got.cpu(), want, OUT_TOL, dtype)
+            out, probs, vis = tpl.paged_lowrank_probs_triton(**on, factors=f, **rope)
+            assert_close_tol(out.cpu(), want, OUT_TOL, dtype)
+            sums = probs.sum(-1).cpu()  # (B, H_kv, G): 1 in a row that sees a column, else 0
+            seen = vis.any(-1).cpu().expand_as(sums)
+            assert bool(seen.any())
+            torch.testing.assert_close(sums, seen.float(), rtol=1e-5, atol=1e-5)
