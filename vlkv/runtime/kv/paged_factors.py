@@ -69,12 +69,9 @@ def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost
     frow = torch.where(fac, -raw.long() - 1 + offset, -1)
     factors = stack_factors(low.samples, frow, layer.pool.spec.dtype)
     table = torch.where(fac, -1, table)
-    pre = (
-        fac
-        & torch.tensor([f is not None and not f.post_rope for f in low.samples], device=dev)[:, None, None]
-    )
-    if bool(pre.any()):
-        rope = _with_rows(layer, rope, pre, table)
+    prerope = [f is not None and not f.post_rope for f in low.samples]
+    if any(prerope):  # known on the host: no read back of the mask
+        rope = _with_rows(layer, rope, fac & torch.tensor(prerope, device=dev)[:, None, None], table)
     return table, lengths, attended, rope, host, factors
 
 

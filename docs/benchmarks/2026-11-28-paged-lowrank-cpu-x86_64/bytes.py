@@ -1,0 +1,54 @@
+"""Bytes one decode layer's read loads for AttentionPack's factored image columns: the paged low-rank
+kernel (``vlkv.plugins.paged_lowrank.factored_read_bytes``) against the same columns as dense pool entries,
+and path (a)'s dense rebuild (written, then read by attention). Arithmetic on the tables, no timing."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from vlkv.plugins.paged_lowrank import PagedFactors, factored_read_bytes
+
+# (name, H_kv, D, image rows, rank, rank_lo, top_fraction, itemsize): AttentionPack's defaults (rank 64,
+# rank_lo 16 for all but the top quarter, keys too) on LLaVA-1.5-7B (MHA: 32 KV heads) and Qwen2-VL-7B
+# (GQA: 4 KV heads), 576 image rows, fp16; the tiny test model at the tests' rank 4
+CONFIGS = [
+    ("llava-1.5-7b", 32, 128, 576, 64, 16, 0.25, 2),
+    ("qwen2-vl-7b", 4, 128, 576, 64, 16, 0.25, 2),
+    ("tiny-llava", 2, 16, 576, 4, 1, 0.25, 4),
+]
+
+for name, h, d, rows, rank, lo, top, item in CONFIGS:
+    dtype = {2: torch.float16, 4: torch.float32}[item]
+    hi = int(rows * top)
+    ranks = torch.tensor([rank] * hi + [lo] * (rows - hi))
+    frow = torch.arange(rows).expand(1, h, rows).contiguous()
+    f = PagedFactors(
+        frow,
+        torch.zeros(rows, rank, dtype=dtype),
+        torch.zeros(1, rank, h * d, dtype=dtype),
+        torch.zeros(rows, rank, dtype=dtype),
+        torch.zeros(1, rank, h * d, dtype=dtype),
+        ranks,
+        ranks,
+    )
+    kernel, dense = factored_read_bytes(f, torch.full((1, h), rows), d, d)
+    rebuild = 2 * dense  # path (a): the rebuilt K/V written into the dense copy, then read by attention
+    print(
+        json.dumps(
+            {
+                "model": name,
+                "kv_heads": h,
+                "head_dim": d,
+                "image_rows": rows,
+                "rank": rank,
+                "rank_lo": lo,
+                "kernel_bytes": kernel,
+                "dense_bytes": dense,
+                "kernel_over_dense": round(kernel / dense, 3),
+                "path_a_copy_bytes": rebuild,
+                "kernel_over_path_a": round(kernel / rebuild, 3),
+            }
+        )
+    )
