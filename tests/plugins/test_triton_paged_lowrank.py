@@ -1,6 +1,6 @@
 """The Triton paged read of low-rank factor rows (``triton_paged_lowrank``), under the interpreter, against
 its reference (``paged_lowrank.paged_lowrank_reference``, itself checked against path (a) in
-tests/runtime/kv/test_paged_lowrank.py): ragged requests (one without factors, different factor-row
+tests/runtime/kv/test_paged_factors.py): ragged requests (one without factors, different factor-row
 counts), holes, factored columns at per-row ranks (R_k != R_v, padded to the tile), keys post-RoPE, 1-D
 RoPE rows and the M-RoPE table form (partial and full rotary), decode and a prefill chunk, one split and
 three, fp32/fp16/bf16. The values' rank-space accumulation is not rounded where the reference rounds
