@@ -10,7 +10,8 @@ also its rotate-half column permutation) and ``D_v``'s; then per tile of ``BLOCK
   slice, one ``tl.dot``, rounded to the pool's dtype (the entry path (a) would rebuild), then rotated by
   the column's ``rot`` row like a pre-RoPE pool key (``rotate_pair``: the partner half comes from a
   second ``tl.dot`` with the permuted slice, the same products as the first's partner column): RoPE does
-  not factor through the rank space, so keys are rebuilt per row;
+  not factor through the rank space, so keys are rebuilt per row; a tile with no factored column (a
+  dense neighbour's, the text) skips this (a runtime branch);
 - values: accumulated in the rank space, ``acc_r += p·V̄`` (``(BLOCK_M, BLOCK_R)``, rescaled with the
   dense accumulator), and ``acc += acc_r·D_v`` once at the end: a factored row reads ``R`` values, not
   ``D``. Linear, so a split's partial triple stays mergeable by ``combine_splits_kernel``.
@@ -115,16 +116,18 @@ def paged_lowrank_kernel(
                 k, k_ptr, kvh, skh, skn, skd, slot, dims, dense, col, b, rot_ptr, srb, srh, src, srp, sec_ptr,
                 cos_ptr, sin_ptr, scr, scd, DR, NR, MROPE,
             )  # fmt: skip
-        kb = factor_rows(kbar_ptr, rk_ptr, fr, fac, skbn, skbr, RK, BLOCK_R)
-        kf = round_to(rank_dot(kb, dk, IEEE), k.dtype)  # the entry path (a) rebuilds
-        if HAS_ROPE:
-            rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=fac, other=-1).to(tl.int64)
-            kf2 = round_to(rank_dot(kb, dk2, IEEE), k.dtype)
-            kf = rotate_pair(
-                kf, kf2, rr, fac, dims, col, b, kvh, rot_ptr, srb, srh, src, srp, sec_ptr, cos_ptr, sin_ptr,
-                scr, scd, DR, NR, MROPE,
-            )  # fmt: skip
-        k = tl.where(fac[:, None], kf, k)
+        # a tile without factored columns (a dense request's, or past the image) skips the rebuild's dots
+        if tl.max(fac.to(tl.int32), 0) > 0:
+            kb = factor_rows(kbar_ptr, rk_ptr, fr, fac, skbn, skbr, RK, BLOCK_R)
+            kf = round_to(rank_dot(kb, dk, IEEE), k.dtype)  # the entry path (a) rebuilds
+            if HAS_ROPE:
+                rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=fac, other=-1).to(tl.int64)
+                kf2 = round_to(rank_dot(kb, dk2, IEEE), k.dtype)
+                kf = rotate_pair(
+                    kf, kf2, rr, fac, dims, col, b, kvh, rot_ptr, srb, srh, src, srp, sec_ptr, cos_ptr, sin_ptr,
+                    scr, scd, DR, NR, MROPE,
+                )  # fmt: skip
+            k = tl.where(fac[:, None], kf, k)
         v = tl.load(
             v_ptr + kvh * svh + slot[:, None] * svn + dv[None, :] * svd,
             mask=dense[:, None] & (dv[None, :] < DV),
