@@ -336,13 +336,25 @@ def test_without_a_compiler_the_reference_path_runs(monkeypatch):
 
 
 def test_the_switch_reads_vlkv_cpu_layer():
-    code = "from vlkv.plugins import decode_layer; print(decode_layer.FUSED_LAYER)"
-    for raw, want in [("0", "False"), ("1", "True"), ("", "True")]:
-        env = {**__import__("os").environ, "VLKV_CPU_LAYER": raw}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        assert out.stdout.strip() == want
+    # the switch is read at import: each value imports the module in a process of its own, forked from
+    # one that imported torch once (three fresh interpreters cost ~3 torch imports, ~25 s loaded)
+    code = """
+import os, sys
+import torch  # noqa: F401
+for raw in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        os.environ["VLKV_CPU_LAYER"] = raw
+        from vlkv.plugins import decode_layer
+        print(repr(raw), decode_layer.FUSED_LAYER, flush=True)
+        os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+"""
+    cases = [("0", "False"), ("1", "True"), ("", "True")]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *(raw for raw, _ in cases)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.splitlines() == [f"{raw!r} {want}" for raw, want in cases]
 
 
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
