@@ -10,14 +10,12 @@ side's refusal), and a failed build leaves the reference path with one warning.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from tests.conftest import switch_values
 from vlkv.plugins import decode_layer, layer_glue, paged_cpu_kernel, skinny_gemm
 from vlkv.runtime.models import skinny_layer
 from vlkv.runtime.models.registry import load_model
@@ -336,25 +334,8 @@ def test_without_a_compiler_the_reference_path_runs(monkeypatch):
 
 
 def test_the_switch_reads_vlkv_cpu_layer():
-    # the switch is read at import: each value imports the module in a process of its own, forked from
-    # one that imported torch once (three fresh interpreters cost ~3 torch imports, ~25 s loaded)
-    code = """
-import os, sys
-import torch  # noqa: F401
-for raw in sys.argv[1:]:
-    pid = os.fork()
-    if pid == 0:
-        os.environ["VLKV_CPU_LAYER"] = raw
-        from vlkv.plugins import decode_layer
-        print(repr(raw), decode_layer.FUSED_LAYER, flush=True)
-        os._exit(0)
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-"""
-    cases = [("0", "False"), ("1", "True"), ("", "True")]
-    out = subprocess.run(
-        [sys.executable, "-c", code, *(raw for raw, _ in cases)], capture_output=True, text=True, check=True
-    )
-    assert out.stdout.splitlines() == [f"{raw!r} {want}" for raw, want in cases]
+    got = switch_values("vlkv.plugins.decode_layer", "FUSED_LAYER", "VLKV_CPU_LAYER", ["0", "1", ""])
+    assert got == {"0": "False", "1": "True", "": "True"}
 
 
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
