@@ -235,7 +235,11 @@ for raw in raws:
         else:
             os.environ[var] = raw
         import importlib
-        print(json.dumps([raw, repr(getattr(importlib.import_module(module), attr))]), flush=True)
+        try:
+            value = repr(getattr(importlib.import_module(module), attr))
+        except Exception as exc:  # a value the switch refuses: the import raises
+            value = f"raised {type(exc).__name__}: {exc}"
+        print(json.dumps([raw, value]), flush=True)
         os._exit(0)
     if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
         sys.exit(f"importing {module} with {var}={raw!r} failed")
@@ -244,7 +248,8 @@ for raw in raws:
 
 def switch_values(module: str, attr: str, var: str, raws: list[str | None]) -> dict[str | None, str]:
     """``repr(module.attr)`` right after a fresh import of ``module`` with ``var`` set to each of ``raws``
-    (None: unset), by value; the rest of the environment is this process's."""
+    (None: unset), by value (``"raised <type>: <message>"`` where the import raised); the rest of the
+    environment is this process's."""
     import json
     import subprocess
 
