@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--decode-from", type=int, default=0, help="skip the decode part's first N cells (a rerun)"
     )
+    # on a CPU shared with other jobs (the tests' dry run beside another test file), one thread avoids
+    # OpenMP barrier stalls: the dry run took 33 s quiet but ~280 s in a loaded CI run at 2 threads
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads of a cpu run's parts (0: min(2, cores))"
+    )
     # internal: run one part in this process
     ap.add_argument("--run-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--part-file", default=None, help=argparse.SUPPRESS)
@@ -110,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.repeats = 2 if args.tiny else 20
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads < 0:
+        ap.error(f"--threads must be >= 0, got {args.threads}")
     return args
 
 
@@ -125,7 +132,7 @@ def run_part_here(args) -> int:
         return 0
     torch.manual_seed(0)
     if args.device == "cpu":
-        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        torch.set_num_threads(args.threads or min(2, os.cpu_count() or 1))
     path = Path(args.part_file)
 
     def sink(result: dict) -> None:
@@ -141,7 +148,7 @@ def run_part(name: str, args, budget: float, work: Path, log) -> dict:
     """Run one part in a child process under ``budget`` seconds; its record for the report."""
     part_file = work / f"{name}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-part", name, "--part-file", str(part_file),
-           "--part-budget", str(budget), "--device", args.device, "--repeats", str(args.repeats), "--decode-from", str(args.decode_from)]  # fmt: skip
+           "--part-budget", str(budget), "--device", args.device, "--repeats", str(args.repeats), "--decode-from", str(args.decode_from), "--threads", str(args.threads)]  # fmt: skip
     if args.tiny:
         cmd.append("--tiny")
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -218,3 +218,48 @@ def make_image(seed: int, size: int = 112) -> Image.Image:
 @pytest.fixture(scope="session")
 def images():
     return [make_image(i) for i in range(3)]
+
+
+# a module's import-time switch read under several values of its environment variable: each import in a
+# process of its own (a fresh import), forked from one interpreter that imported torch once (a fresh
+# interpreter per value paid ~3 s of torch import each on a quiet 2-core machine, ~8 s on a loaded one)
+_SWITCH_CODE = """
+import json, os, sys
+import torch  # noqa: F401
+module, attr, var, raws = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+for raw in raws:
+    pid = os.fork()
+    if pid == 0:
+        if raw is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = raw
+        import importlib
+        try:
+            value = repr(getattr(importlib.import_module(module), attr))
+        except Exception as exc:  # a value the switch refuses: the import raises
+            value = f"raised {type(exc).__name__}: {exc}"
+        print(json.dumps([raw, value]), flush=True)
+        os._exit(0)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        sys.exit(f"importing {module} with {var}={raw!r} failed")
+"""
+
+
+def switch_values(module: str, attr: str, var: str, raws: list[str | None]) -> dict[str | None, str]:
+    """``repr(module.attr)`` right after a fresh import of ``module`` with ``var`` set to each of ``raws``
+    (None: unset), by value (``"raised <type>: <message>"`` where the import raised); the rest of the
+    environment is this process's."""
+    import json
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SWITCH_CODE, module, attr, var, json.dumps(raws)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    got = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [raw for raw, _ in got] == raws, done.stdout
+    return {raw: value for raw, value in got}

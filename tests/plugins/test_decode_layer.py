@@ -10,14 +10,12 @@ side's refusal), and a failed build leaves the reference path with one warning.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from tests.conftest import switch_values
 from vlkv.plugins import decode_layer, layer_glue, paged_cpu_kernel, skinny_gemm
 from vlkv.runtime.models import skinny_layer
 from vlkv.runtime.models.registry import load_model
@@ -336,13 +334,8 @@ def test_without_a_compiler_the_reference_path_runs(monkeypatch):
 
 
 def test_the_switch_reads_vlkv_cpu_layer():
-    code = "from vlkv.plugins import decode_layer; print(decode_layer.FUSED_LAYER)"
-    for raw, want in [("0", "False"), ("1", "True"), ("", "True")]:
-        env = {**__import__("os").environ, "VLKV_CPU_LAYER": raw}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        assert out.stdout.strip() == want
+    got = switch_values("vlkv.plugins.decode_layer", "FUSED_LAYER", "VLKV_CPU_LAYER", ["0", "1", ""])
+    assert got == {"0": "False", "1": "True", "": "True"}
 
 
 @pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])

@@ -8,9 +8,6 @@ flags name another build.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -19,23 +16,22 @@ import torch
 import vlkv.plugins.paged_cpu as paged_cpu
 import vlkv.plugins.paged_cpu_kernel as kernel
 import vlkv.plugins.skinny_gemm as skinny_gemm
+from tests.conftest import switch_values
 from tests.plugins.cases import OUT_TOL, assert_close_tol
 from tests.plugins.test_paged_attention import PagedCase
 from vlkv.plugins.paged_cpu import paged_attention_cpu
 from vlkv.plugins.paged_reference import paged_attention_reference
 
 
+@pytest.fixture(scope="module")
+def kernel_switch() -> dict:
+    """``FUSED_KERNEL`` after a fresh import under each value of ``VLKV_CPU_KERNEL`` (one torch import)."""
+    return switch_values("vlkv.plugins.paged_cpu", "FUSED_KERNEL", "VLKV_CPU_KERNEL", [None, "0", "1"])
+
+
 @pytest.mark.parametrize("env,on", [(None, True), ("0", False), ("1", True)], ids=["default", "off", "on"])
-def test_the_environment_switches_the_kernel(env, on):
-    code = "import vlkv.plugins.paged_cpu as p; print(p.FUSED_KERNEL)"
-    environ = {k: v for k, v in os.environ.items() if k != "VLKV_CPU_KERNEL"}
-    if env is not None:
-        environ["VLKV_CPU_KERNEL"] = env
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(on)
+def test_the_environment_switches_the_kernel(env, on, kernel_switch):
+    assert kernel_switch[env] == str(on)
 
 
 def test_no_compiler_falls_back_to_the_matmuls_with_one_warning(monkeypatch):

@@ -122,52 +122,83 @@ def test_skip_matmul_needs_the_kernel_configuration():
     assert "--skip-matmul needs --kernel" in done.stderr
 
 
-def test_torch_gemm_rows_are_the_c_plus_plus_gemm_s_before_and_after(tmp_path):
+# Every before switch of the fused configurations in ONE run (each flag adds its own before rows, the
+# script lists and runs each configuration's before rows right after it): a --tiny run's start-up,
+# bandwidth, models and prefill (~15-25 s on a loaded 2-core machine) were paid once per flag before
+BEFORES = {
+    "--torch-gemm": "+torchgemm",
+    "--split-append": "+split",
+    "--torch-evict": "+torchevict",
+    "--gemm-s7": "+gemms7",
+    "--gemm-s8": "+gemms8",
+    "--kv-4k": "+kv4k",
+}
+BASES = ["full-kernel", "h2o@0.5+kernel", "snapkv@0.5+kernel"]
+EVICTING = ["h2o@0.5+kernel"]  # snapkv evicts nothing while decoding: no +torchevict row
+
+
+@pytest.fixture(scope="module")
+def befores(tmp_path_factory):
+    return _tiny_before_after(
+        tmp_path_factory.mktemp("befores"), "--policies", "h2o", "snapkv", "--budgets", "0.5", *BEFORES
+    )
+
+
+def _with(suffix: str) -> list[str]:
+    """The before rows ``suffix`` adds: one per fused configuration (``+torchevict``: the evicting ones)."""
+    return [b + suffix for b in (EVICTING if suffix == "+torchevict" else BASES)]
+
+
+def test_every_before_row_runs_right_after_its_configuration(befores):
+    """Each before row runs (and is listed) right after its configuration, the befores in the flags'
+    order: a configuration and its befores share their moment; each decodes its configuration's tokens."""
+    res, rows, _ = befores
+    want = [c for b in BASES for c in [b, *(b + s for s in BEFORES.values() if b + s in _with(s))]]
+    assert [r["config"] for r in res["rows"]] == want
+    assert res["peers_same_tokens"] == {c: True for c in want if c not in BASES}
+
+
+def test_torch_gemm_rows_are_the_c_plus_plus_gemm_s_before_and_after(befores):
     """``--torch-gemm`` adds each fused configuration again with the decode GEMMs by torch
     (``VLKV_CPU_GEMM=0``): the same greedy tokens, both timed in the same rounds."""
-    res, rows, _ = _tiny_before_after(tmp_path, "--policies", "snapkv", "--budgets", "0.5", "--torch-gemm")
-    want = ["full-kernel", "snapkv@0.5+kernel", "full-kernel+torchgemm", "snapkv@0.5+kernel+torchgemm"]
-    assert sorted(rows) == sorted(want)
+    res, rows, _ = befores
+    assert [c for c in rows if c.endswith("+torchgemm")] == _with("+torchgemm")
     assert res["cpp_gemm"] is True
-    assert res["peers_same_tokens"] == {"full-kernel+torchgemm": True, "snapkv@0.5+kernel+torchgemm": True}
-    for name in want:
+    assert all(res["peers_same_tokens"][c] is True for c in _with("+torchgemm"))
+    for name in BASES + _with("+torchgemm"):
         assert len(rows[name]["step_ms_rounds"]) == res["repeats"] and rows[name]["speed_vs_full"] > 0
     # the rows ran the GEMMs they name: the C++ GEMM in the plain rows, torch's in +torchgemm
-    for name in ("full-kernel", "snapkv@0.5+kernel"):
+    for name in BASES:
         assert rows[name]["cpp_gemm_calls_per_step"] > 0, name
         assert rows[name + "+torchgemm"]["cpp_gemm_calls_per_step"] == 0, name
 
 
-def test_split_append_rows_are_the_fused_append_s_before_and_after(tmp_path):
+def test_split_append_rows_are_the_fused_append_s_before_and_after(befores):
     """``--split-append`` adds each fused configuration again with the Python append and a separate
     paged read (``VLKV_CPU_APPEND=0``): the same greedy tokens, both timed in the same rounds, the
     fused rows' paired ratio against them reported, their attention time counted (the fused call)."""
-    res, rows, md = _tiny_before_after(tmp_path, "--policies", "h2o", "--budgets", "0.5", "--split-append")
-    want = ["full-kernel", "h2o@0.5+kernel", "full-kernel+split", "h2o@0.5+kernel+split"]
-    assert sorted(rows) == sorted(want)
+    res, rows, md = befores
+    assert [c for c in rows if c.endswith("+split")] == _with("+split")
     assert res["fused_append"] is True
-    assert res["peers_same_tokens"] == {"full-kernel+split": True, "h2o@0.5+kernel+split": True}
-    for name in ("full-kernel", "h2o@0.5+kernel"):
+    assert all(res["peers_same_tokens"][c] is True for c in _with("+split"))
+    for name in BASES:
         assert rows[name]["speed_vs_split"] > 0 and rows[name]["attn_ms"] > 0
         assert rows[name]["ops_per_step"] < rows[name + "+split"]["ops_per_step"]  # the ops it removes
         assert "speed_vs_split" not in rows[name + "+split"]
     assert "vs +split" in md
 
 
-def test_torch_evict_rows_are_the_one_call_eviction_s_before_and_after(tmp_path):
+def test_torch_evict_rows_are_the_one_call_eviction_s_before_and_after(befores):
     """``--torch-evict`` adds each policy's kernel configuration again with its decode eviction by
     torch ops per layer (``VLKV_CPU_EVICT=0``): the same greedy tokens, timed in the same rounds, the
     paired ratio reported on the one-call rows."""
-    res, rows, md = _tiny_before_after(
-        tmp_path, "--policies", "h2o", "snapkv", "--budgets", "0.5", "--torch-evict"
-    )
+    res, rows, md = befores
     # snapkv evicts nothing while decoding: no before row
-    assert sorted(rows) == sorted(
-        ["full-kernel", "h2o@0.5+kernel", "snapkv@0.5+kernel", "h2o@0.5+kernel+torchevict"]
-    )
+    assert [c for c in rows if c.endswith("+torchevict")] == ["h2o@0.5+kernel+torchevict"]
     assert res["fused_evict"] is True
-    assert res["peers_same_tokens"] == {"h2o@0.5+kernel+torchevict": True}
+    assert res["peers_same_tokens"]["h2o@0.5+kernel+torchevict"] is True
     assert rows["h2o@0.5+kernel"]["speed_vs_torchevict"] > 0
+    assert "speed_vs_torchevict" not in rows["snapkv@0.5+kernel"]
     # the same GEMMs (the C++ few-row GEMM) in both: only the eviction differs
     assert (
         rows["h2o@0.5+kernel+torchevict"]["cpp_gemm_calls_per_step"]
@@ -192,17 +223,15 @@ def _tiny_before_after(tmp_path, *flags: str) -> tuple[dict, dict, str]:
 
 
 @pytest.mark.parametrize("form", ["s7", "s8"])
-def test_gemm_form_rows_are_the_gemm_form_s_before_and_after(tmp_path, form):
+def test_gemm_form_rows_are_the_gemm_form_s_before_and_after(befores, form):
     """``--gemm-s7`` / ``--gemm-s8`` add each fused configuration again with the few-row GEMMs in their
     session-7 / session-8 form (both extensions' flag): the same tokens (the forms are bit-equal), the
     same C++ GEMM calls, timed in the same rounds, the paired ratio on the current rows."""
     sfx = f"+gemm{form}"
-    res, rows, md = _tiny_before_after(tmp_path, "--policies", "snapkv", "--budgets", "0.5", f"--gemm-{form}")
-    # each before row runs (and is listed) right after its configuration: a pair shares its moment
-    want = ["full-kernel", f"full-kernel{sfx}", "snapkv@0.5+kernel", f"snapkv@0.5+kernel{sfx}"]
-    assert [r["config"] for r in res["rows"]] == want
-    assert res["peers_same_tokens"] == {f"full-kernel{sfx}": True, f"snapkv@0.5+kernel{sfx}": True}
-    for name in ("full-kernel", "snapkv@0.5+kernel"):
+    res, rows, md = befores
+    assert [c for c in rows if c.endswith(sfx)] == _with(sfx)
+    assert all(res["peers_same_tokens"][c] is True for c in _with(sfx))
+    for name in BASES:
         assert rows[name][f"speed_vs_gemm{form}"] > 0 and f"speed_vs_gemm{form}" not in rows[name + sfx]
         assert rows[name + sfx]["cpp_gemm_calls_per_step"] == rows[name]["cpp_gemm_calls_per_step"]
     assert f"vs {sfx}" in md
@@ -230,17 +259,16 @@ def test_heap_default_rows_and_the_image_first_layout(tmp_path):
     assert "vs +heapdefault" in md
 
 
-def test_kv_4k_rows_are_the_pool_s_huge_pages_before_and_after(tmp_path):
+def test_kv_4k_rows_are_the_pool_s_huge_pages_before_and_after(befores):
     """``--kv-4k`` adds each configuration again with its KV pool in 4 KiB pages (``VLKV_KV_HUGE_PAGES=0``):
     the same tokens (only the memory differs), the step and the attention paired per round, and each row
     says how much of its pool the kernel held in huge pages (the 4 KiB rows none)."""
     from vlkv.runtime.kv import pool_memory
 
-    res, rows, md = _tiny_before_after(tmp_path, "--policies", "h2o", "--budgets", "0.5", "--kv-4k")
-    want = ["full-kernel", "h2o@0.5+kernel", "full-kernel+kv4k", "h2o@0.5+kernel+kv4k"]
-    assert sorted(rows) == sorted(want)
-    assert res["peers_same_tokens"] == {"full-kernel+kv4k": True, "h2o@0.5+kernel+kv4k": True}
-    for name in ("full-kernel", "h2o@0.5+kernel"):
+    res, rows, md = befores
+    assert [c for c in rows if c.endswith("+kv4k")] == _with("+kv4k")
+    assert all(res["peers_same_tokens"][c] is True for c in _with("+kv4k"))
+    for name in BASES:
         assert rows[name]["speed_vs_kv4k"] > 0 and rows[name]["attn_vs_kv4k"] > 0
         assert "speed_vs_kv4k" not in rows[name + "+kv4k"] and rows[name + "+kv4k"]["attn_vs_kv4k"] is None
         assert 0.0 <= rows[name]["kv_huge_share"] <= 1.0

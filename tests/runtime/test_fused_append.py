@@ -12,14 +12,11 @@ compiler it is never taken.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import vlkv.plugins.paged_append as paged_append
+from tests.conftest import switch_values
 from tests.runtime.test_holes import _holey
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
@@ -168,16 +165,8 @@ def test_scheduler_generation_gives_the_same_tokens(name, policy, engines, image
 
 
 def test_the_environment_switches_it():
-    code = "import vlkv.plugins.paged_append as p; print(p.FUSED_APPEND)"
-    for env, on in ((None, True), ("0", False), ("1", True)):
-        environ = {k: v for k, v in os.environ.items() if k != "VLKV_CPU_APPEND"}
-        if env is not None:
-            environ["VLKV_CPU_APPEND"] = env
-        done = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ
-        )
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == str(on)
+    got = switch_values("vlkv.plugins.paged_append", "FUSED_APPEND", "VLKV_CPU_APPEND", [None, "0", "1"])
+    assert got == {None: "True", "0": "False", "1": "True"}
 
 
 def test_without_a_compiler_the_reference_path_runs(engines, images, monkeypatch, taken):

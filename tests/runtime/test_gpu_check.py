@@ -22,8 +22,11 @@ def _run(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     # the CPU C++ kernels off, as on a GPU: the dry run checks the script, and a first build of those kernels
     # (minutes on a loaded 2-core machine) would spend its parts' time limits before they measure anything
     env = dict(os.environ, PYTHONPATH=str(ROOT)) | {name: "0" for name in CPU_KERNEL_SWITCHES}
+    # one torch thread per part: beside another test file on CI's two cores, two threads' OpenMP
+    # barriers stall (the dry run's decode part 68 s at 2 threads, 18 s at 1, side by side, loaded)
+    flags = ("--device", "cpu", "--tiny", "--threads", "1", "--out", str(tmp))
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(tmp), *extra],
+        [sys.executable, str(SCRIPT), *flags, *extra],
         capture_output=True,
         text=True,
         env=env,
@@ -51,6 +54,7 @@ def test_dry_run_runs_every_part(dry_run):
         Path(report["parts"]["env"]["result"] and proc.args[proc.args.index("--out") + 1]) / "report.md"
     ).read_text()
     assert "# vlkv GPU check" in md and "| decode | ok |" in md
+    assert "1 torch threads" in report["parts"]["env"]["result"]["cpu"]  # --threads reached the parts
 
 
 def test_dry_run_measures_what_it_reports(dry_run):
@@ -120,7 +124,7 @@ def test_check_report_names_what_is_wrong():
 
 
 def test_bad_arguments_are_one_line(tmp_path):
-    for extra in (["--parts", "nope"], ["--limit", "decode=abc"], ["--scale", "0"]):
+    for extra in (["--parts", "nope"], ["--limit", "decode=abc"], ["--scale", "0"], ["--threads", "-1"]):
         proc = subprocess.run(
             [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path), *extra],
             capture_output=True,

@@ -3,6 +3,8 @@ the interpreter) against the HF layer, and a forced-Triton engine's tokens again
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -111,6 +113,16 @@ def test_the_device_layer_switch_and_other_devices_leave_the_weights(monkeypatch
     assert all(device_layer.ATTR not in la.__dict__ for la in loaded.model.model.language_model.layers)
 
 
+@contextlib.contextmanager
+def _torch_path(monkeypatch):
+    """The reference path inside: no forced Triton (torch attention, statistics and append) and the HF
+    layer (``VLKV_DEVICE_LAYER=0``); the forced-Triton path again after."""
+    with monkeypatch.context() as m:
+        m.delenv(FORCE_TRITON_ENV)
+        m.setattr(device_layer, "DEVICE_LAYER", False)
+        yield
+
+
 def _prompts(images):
     return [
         Prompt("Describe the picture.", [images[0]]),
@@ -131,12 +143,13 @@ def test_forced_triton_engine_full_cache_equals_hf_generate(name, reference_mode
     expected = [_hf_tokens(reference_models[name], p) for p in prompts]
     got = engine.generate(prompts, make_policy("full"), NEW, stop_at_eos=False)
     assert [s.token_ids for s in got.samples] == expected
-    # a compress-once and a per-step policy take the same layer: the same tokens as the reference layer
+    # a compress-once and a per-step policy take the same layer: the same tokens as the reference, the
+    # same engine on the PyTorch path (the HF layer, torch attention and statistics: no interpreted kernel,
+    # where the forced-Triton reference's attention was ~a quarter of this test's time)
     for policy in (make_policy("snapkv", budget=0.5), make_policy("h2o", budget=0.5)):
         fast = engine.generate(prompts, policy, NEW, stop_at_eos=False)
-        monkeypatch.setattr(device_layer, "DEVICE_LAYER", False)
-        ref = engine.generate(prompts, policy, NEW, stop_at_eos=False)
-        monkeypatch.setattr(device_layer, "DEVICE_LAYER", True)
+        with _torch_path(monkeypatch):
+            ref = engine.generate(prompts, policy, NEW, stop_at_eos=False)
         assert [s.token_ids for s in fast.samples] == [s.token_ids for s in ref.samples], policy
 
 
@@ -155,8 +168,8 @@ STREAM_SPECS = [
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl"])
 def test_forced_triton_stream_equals_each_solo_run(name, images, monkeypatch):
     """A stream whose decode steps take the device layer and append equals each request run alone on the
-    reference path (``VLKV_DEVICE_LAYER=0``: the skinny layer, the cache's own append), on a fixed pool
-    with preemption and a cancel."""
+    reference path (the PyTorch path, ``VLKV_DEVICE_LAYER=0``: the skinny layer, torch attention, the
+    cache's own append), on a fixed pool with preemption and a cancel."""
     import tests.runtime.test_stream_mix as mix
     from tests.runtime.test_scheduler import sched_entry_bytes
     from vlkv.runtime import fused_append
@@ -183,14 +196,13 @@ def test_forced_triton_stream_equals_each_solo_run(name, images, monkeypatch):
     monkeypatch.setattr(fused_append, "_append_by_rows", rows_counted)
     monkeypatch.setattr(mix, "SPECS", STREAM_SPECS)
     stream = mix._stream(images)
-    for on in (False, True):  # the solo runs on the reference path (VLKV_DEVICE_LAYER=0), the stream not
-        monkeypatch.setattr(device_layer, "DEVICE_LAYER", on)
-        monkeypatch.setattr(fused_append, "DEVICE_APPEND", on)
-        if not on:
-            solo = [
-                engine.generate([p], make_policy(pol, **kw), m, stop_at_eos=False).samples[0].token_ids
-                for p, pol, kw, m in stream
-            ]
+    with _torch_path(monkeypatch):  # the solo runs on the reference path, the stream not
+        monkeypatch.setattr(fused_append, "DEVICE_APPEND", False)
+        solo = [
+            engine.generate([p], make_policy(pol, **kw), m, stop_at_eos=False).samples[0].token_ids
+            for p, pol, kw, m in stream
+        ]
+        monkeypatch.setattr(fused_append, "DEVICE_APPEND", True)
     assert not any(taken)  # the switch off: the cache's own append
     longest = max(int(engine.encode([p]).lengths[0]) for p, *_ in stream)
     # 6 first: it is the pool that preempts this mix (a run at 3 fits without preempting, ~30 s for nothing
