@@ -10,8 +10,9 @@ a plain hole step; ``avl-core``: A-VL at budget 0.5 with ``core=0.3`` over one i
 counted steps core steps, selected attention with statistics; ``linked``: full cache, the first request
 linking (MPIC) an image record an earlier request computed, its keys kept pre-RoPE and rotated on read —
 the random tiny model has no link check, so linking is opted into as ``VLKV_LINK_UNCHECKED=1`` does;
-``attnpack``: rank 4 over one image per request, low-rank factors, which the static step refuses: its
-eager step counted and the refusal recorded):
+``attnpack``: rank 4 over one image per request, pre-RoPE low-rank factors read through the factor
+stacks (``runtime/static_factors.py``); the policy's per-step factor edit runs in the scheduler's commit,
+eagerly, outside both halves: in the step's totals, not in ``host`` or ``device``):
 
 - ``eager``: the step as it runs today (``TorchBackend.step``'s layer loop);
 - ``static``: the same step through ``runtime/static_step.py``, with its two halves counted apart:
@@ -56,7 +57,7 @@ POLICIES = {
     "kvzip": {"budget": 0.5},
     "avl-core": {"budget": 0.5, "core": 0.3, "interval": 64},
     "linked": {},
-    "attnpack": {"rank": 4},  # low-rank factors: refused by the static step (its reason recorded)
+    "attnpack": {"rank": 4},  # low-rank factors (pre-RoPE, path (a)): the static step's factor stacks
 }
 
 
@@ -168,7 +169,7 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     sched = _running(engine, batch, policy)
     be.static = static = static_step.StaticDecode(be, capacity_step=64)
     sched.step()  # buffers made
-    if static.taken == 0:  # refused (low-rank factors): the reasons; the eager row above is what runs
+    if static.taken == 0:  # refused: the reasons; the eager row above is what runs
         be.static = None
         rows.append({"config": "static", "refused": static.refused})
         return rows
@@ -180,8 +181,9 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     assert static.taken == steps + 1, static.refused
     row = {"config": "static", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps}
     row["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
-    # "holes": kvzip's, "select": A-VL core, "rope": linked entries
-    row["reads"] = sorted(str(reads) for _, _, reads in static._bufs)
+    # "holes": kvzip's, "select": A-VL core, "rope": linked entries or pre-RoPE factors (whose buffers'
+    # key has a fourth part, the factor stacks' shape)
+    row["reads"] = sorted(str(key[2]) for key in static._bufs)
     row["host"] = {k: v / steps for k, v in halves.host.items()}
     row["device"] = {k: v / steps for k, v in halves.device.items()}
     if halves.stats is not None:
