@@ -19,7 +19,8 @@ eagerly, outside both halves: in the step's totals, not in ``host`` or ``device`
   ``host`` (the reservations, the packed copy, the input copies: what still runs from the host each step
   under a graph) and ``device`` (the forward: what a CUDA graph captures and replays as one launch);
   a statistics step also ``stats`` (``static_step.step_stats``: the statistics from the probabilities
-  the forward left in its buffers, host-half work after the replay).
+  the forward left in its buffers, host-half work after the replay), and a step with low-rank factors
+  ``edit`` (``kv/lowrank.apply_factor_edit``: the policy's factor edit in the scheduler's commit, eager).
 
 A Triton launch counts as one op (one kernel launch on the device). Prints one JSON line per
 configuration and layer count, then per configuration the ops per layer (slope between the fewest and
@@ -122,11 +123,13 @@ class _Halves:
     """Counts the static step's host half and device half apart (each wrapped while counting)."""
 
     def __init__(self):
-        self.host = self.device = self.stats = None
+        self.host = self.device = self.stats = self.edit = None
 
     def __enter__(self):
+        from vlkv.runtime.kv import lowrank
+
         self._prepare, self._forward = static_step.prepare, static_step.forward
-        self._stats = static_step.step_stats
+        self._stats, self._edit = static_step.step_stats, lowrank.apply_factor_edit
 
         def counted(fn, half: str):
             def run(*a, **k):
@@ -141,11 +144,14 @@ class _Halves:
         static_step.prepare = counted(self._prepare, "host")
         static_step.forward = counted(self._forward, "device")
         static_step.step_stats = counted(self._stats, "stats")
+        lowrank.apply_factor_edit = counted(self._edit, "edit")  # edits.py imports it when it runs
         return self
 
     def __exit__(self, *exc):
+        from vlkv.runtime.kv import lowrank
+
         static_step.prepare, static_step.forward = self._prepare, self._forward
-        static_step.step_stats = self._stats
+        static_step.step_stats, lowrank.apply_factor_edit = self._stats, self._edit
 
 
 def _add(acc: dict | None, c) -> dict:
@@ -186,8 +192,9 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     row["reads"] = sorted(str(key[2]) for key in static._bufs)
     row["host"] = {k: v / steps for k, v in halves.host.items()}
     row["device"] = {k: v / steps for k, v in halves.device.items()}
-    if halves.stats is not None:
-        row["stats"] = {k: v / steps for k, v in halves.stats.items()}
+    for half in ("stats", "edit"):  # the statistics (host, after the forward); the factor edit (commit)
+        if getattr(halves, half) is not None:
+            row[half] = {k: v / steps for k, v in getattr(halves, half).items()}
     rows.append(row)
     return rows
 
@@ -225,7 +232,7 @@ def main() -> None:
         slope["per_layer_launches"] = (b["launches"] - a["launches"]) / (hi - lo)
         slope["per_layer_syncs"] = (b["syncs"] - a["syncs"]) / (hi - lo)
         if config == "static":
-            for half in ("host", "device", "stats"):
+            for half in ("host", "device", "stats", "edit"):
                 if half in b:
                     slope[f"{half}_per_layer_ops"] = (b[half]["ops"] - a[half]["ops"]) / (hi - lo)
                     slope[f"{half}_syncs"] = b[half]["syncs"]
