@@ -1,7 +1,8 @@
 """Decode steps of an AttentionPack request (pre-RoPE low-rank factors, path (a)) through the static step
 (``runtime/static_step.py`` + ``static_factors.py``) against the eager step, on the Triton path under the
 interpreter: attnpack beside a full and an h2o request (a statistics step, every step: attnpack asks for
-statistics), 1-D RoPE (tiny LLaVA, fp32 and bf16) and M-RoPE (tiny Qwen2-VL, fp32): the same logits,
+statistics), 1-D RoPE (tiny LLaVA, fp32 and bf16) and M-RoPE (tiny Qwen2-VL, fp32), and beside a kvzip
+(per-head holes in another request) and a full request (tiny LLaVA fp32): the same logits,
 attended counts, statistics, tokens, tables and K/V rows; the policy's factor edit runs eagerly between
 steps (the stacks copied again only where it changed them); the device half reads nothing back."""
 
@@ -30,23 +31,25 @@ from vlkv.runtime.static_step import StaticDecode, forward, layer_pools, prepare
 pytest.importorskip("triton", reason="the triton extra is part of vlkv[dev]")
 
 STEPS = 3
-SPECS = (("attnpack", {"rank": 4, "exact": True}), ("full", {}), ("h2o", {"budget": 0.5}))
+ATTNPACK, FULL, H2O = ("attnpack", {"rank": 4, "exact": True}), ("full", {}), ("h2o", {"budget": 0.5})
+KVZIP = ("kvzip", {"budget": 0.5})  # per-head holes in another request: a "holes+rope" step
 TEXTS = ("Describe the picture.", "Hi", "What colour is the sky today? Tell me more about it.")
 CASES = [
-    ("tiny-llava", torch.float32),
-    ("tiny-llava", torch.bfloat16),
-    ("tiny-qwen2-vl", torch.float32),
+    ("tiny-llava", torch.float32, (FULL, H2O)),
+    ("tiny-llava", torch.bfloat16, (FULL, H2O)),
+    ("tiny-qwen2-vl", torch.float32, (FULL, H2O)),
+    ("tiny-llava", torch.float32, (KVZIP, FULL)),
 ]
 
 
-def _factored_running(engine) -> tuple[Scheduler, list[Request]]:
+def _factored_running(engine, beside: tuple = (FULL, H2O)) -> tuple[Scheduler, list[Request]]:
     """A fixed-pool scheduler running an attnpack request over one image (factored at its prefill)
-    beside a full and an h2o text request (prefills on the PyTorch path)."""
+    beside two text requests under ``beside``'s policies (prefills on the PyTorch path)."""
     sched = Scheduler(engine, pool_bytes=1 << 23)
     images = ([make_image(0)], [], [])
     reqs = [
         sched.submit(Request(Prompt(t, im), make_policy(p, **kw), 16, stop_at_eos=False))
-        for t, im, (p, kw) in zip(TEXTS, images, SPECS)
+        for t, im, (p, kw) in zip(TEXTS, images, (ATTNPACK, *beside))
     ]
     with _torch_path():
         for _ in range(len(reqs)):  # an image prompt may take a prefill a step
@@ -74,12 +77,17 @@ def _paired_groups(engine, eager, static_sched, static, outs: list) -> list[tupl
     return list(zip(want, got))
 
 
-@pytest.mark.parametrize("name,dtype", CASES, ids=lambda x: str(x))
-def test_an_attnpack_step_equals_the_eager_step(name, dtype, monkeypatch):
+@pytest.mark.parametrize(
+    "name,dtype,beside",
+    CASES,
+    ids=lambda x: str(x) if not isinstance(x, tuple) else "-".join(p for p, _ in x),
+)
+def test_an_attnpack_step_equals_the_eager_step(name, dtype, beside, monkeypatch):
     engine = _engine(name, dtype, monkeypatch)
     outs = _recorded(engine)
-    eager, eager_reqs = _factored_running(engine)
-    static_sched, static_reqs = _factored_running(engine)
+    eager, eager_reqs = _factored_running(engine, beside)
+    static_sched, static_reqs = _factored_running(engine, beside)
+    holes = any(p == "kvzip" for p, _ in beside)
     static = StaticDecode(engine.backend, capacity_step=64)
     for step in range(STEPS):
         for want, got in _paired_groups(engine, eager, static_sched, static, outs):
@@ -87,7 +95,7 @@ def test_an_attnpack_step_equals_the_eager_step(name, dtype, monkeypatch):
             assert torch.equal(got.attended, want.attended), step
             _assert_stats_equal(got.stats, want.stats, f"step {step}")
         (bufs,) = (b for key, b in static._bufs.items() if len(key) > 3)  # attnpack's group
-        assert bufs.reads == "rope" and bufs.factors is not None
+        assert bufs.reads == ("holes+rope" if holes else "rope") and bufs.factors is not None
         has = bufs.factors.has[-1]  # one request holds factors: its columns, and only its, name rows
         assert int(has.sum()) == 1 and torch.equal((bufs.factors.frow >= 0).any(2).any(1), has)
         # the factored columns are the rotated ones (pre-RoPE keys rebuilt, then rotated by position)
