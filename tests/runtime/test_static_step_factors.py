@@ -20,6 +20,7 @@ from tests.runtime.test_static_step import (
     _torch_path,
 )
 from tests.runtime.test_static_step_stats import _assert_stats_equal
+from vlkv.runtime.kv.paged_factors import paged_lowrank_tables
 from vlkv.runtime.op_count import count_ops
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
@@ -136,6 +137,13 @@ def test_an_attnpack_steps_device_half_reads_nothing_back_and_its_stacks_follow_
     with count_ops() as c:
         forward(engine.backend, bufs, layer_pools(group.batch))
     assert c.syncs == 0, dict(c.sites)
+    # the last layer's frow and rotated positions, derived from the read table, are the eager builder's
+    # (kv/paged_factors, over the tables as the append left them)
+    _, _, _, rope, _, want = paged_lowrank_tables(group.batch.layers[-1])
+    n = want.frow.shape[2]
+    assert bool((want.frow >= 0).any())
+    assert torch.equal(fac.frow[..., :n], want.frow) and not bool((fac.frow[..., n:] >= 0).any())
+    assert torch.equal(bufs.rot[..., :n, 0], rope["rot"])  # 1-D RoPE: a position is the table's row
 
 
 def test_factors_the_static_step_cannot_read_are_refused_with_a_reason(monkeypatch):
