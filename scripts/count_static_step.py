@@ -10,15 +10,17 @@ a plain hole step; ``avl-core``: A-VL at budget 0.5 with ``core=0.3`` over one i
 counted steps core steps, selected attention with statistics; ``linked``: full cache, the first request
 linking (MPIC) an image record an earlier request computed, its keys kept pre-RoPE and rotated on read —
 the random tiny model has no link check, so linking is opted into as ``VLKV_LINK_UNCHECKED=1`` does;
-``attnpack``: rank 4 over one image per request, low-rank factors, which the static step refuses: its
-eager step counted and the refusal recorded):
+``attnpack``: rank 4 over one image per request, pre-RoPE low-rank factors read through the factor
+stacks (``runtime/static_factors.py``); the policy's per-step factor edit runs in the scheduler's commit,
+eagerly, outside both halves: in the step's totals, not in ``host`` or ``device``):
 
 - ``eager``: the step as it runs today (``TorchBackend.step``'s layer loop);
 - ``static``: the same step through ``runtime/static_step.py``, with its two halves counted apart:
   ``host`` (the reservations, the packed copy, the input copies: what still runs from the host each step
   under a graph) and ``device`` (the forward: what a CUDA graph captures and replays as one launch);
   a statistics step also ``stats`` (``static_step.step_stats``: the statistics from the probabilities
-  the forward left in its buffers, host-half work after the replay).
+  the forward left in its buffers, host-half work after the replay), and a step with low-rank factors
+  ``edit`` (``kv/lowrank.apply_factor_edit``: the policy's factor edit in the scheduler's commit, eager).
 
 A Triton launch counts as one op (one kernel launch on the device). Prints one JSON line per
 configuration and layer count, then per configuration the ops per layer (slope between the fewest and
@@ -56,7 +58,7 @@ POLICIES = {
     "kvzip": {"budget": 0.5},
     "avl-core": {"budget": 0.5, "core": 0.3, "interval": 64},
     "linked": {},
-    "attnpack": {"rank": 4},  # low-rank factors: refused by the static step (its reason recorded)
+    "attnpack": {"rank": 4},  # low-rank factors (pre-RoPE, path (a)): the static step's factor stacks
 }
 
 
@@ -121,11 +123,13 @@ class _Halves:
     """Counts the static step's host half and device half apart (each wrapped while counting)."""
 
     def __init__(self):
-        self.host = self.device = self.stats = None
+        self.host = self.device = self.stats = self.edit = None
 
     def __enter__(self):
+        from vlkv.runtime.kv import lowrank
+
         self._prepare, self._forward = static_step.prepare, static_step.forward
-        self._stats = static_step.step_stats
+        self._stats, self._edit = static_step.step_stats, lowrank.apply_factor_edit
 
         def counted(fn, half: str):
             def run(*a, **k):
@@ -140,11 +144,14 @@ class _Halves:
         static_step.prepare = counted(self._prepare, "host")
         static_step.forward = counted(self._forward, "device")
         static_step.step_stats = counted(self._stats, "stats")
+        lowrank.apply_factor_edit = counted(self._edit, "edit")  # edits.py imports it when it runs
         return self
 
     def __exit__(self, *exc):
+        from vlkv.runtime.kv import lowrank
+
         static_step.prepare, static_step.forward = self._prepare, self._forward
-        static_step.step_stats = self._stats
+        static_step.step_stats, lowrank.apply_factor_edit = self._stats, self._edit
 
 
 def _add(acc: dict | None, c) -> dict:
@@ -168,7 +175,7 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     sched = _running(engine, batch, policy)
     be.static = static = static_step.StaticDecode(be, capacity_step=64)
     sched.step()  # buffers made
-    if static.taken == 0:  # refused (low-rank factors): the reasons; the eager row above is what runs
+    if static.taken == 0:  # refused: the reasons; the eager row above is what runs
         be.static = None
         rows.append({"config": "static", "refused": static.refused})
         return rows
@@ -180,12 +187,14 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
     assert static.taken == steps + 1, static.refused
     row = {"config": "static", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps}
     row["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
-    # "holes": kvzip's, "select": A-VL core, "rope": linked entries
-    row["reads"] = sorted(str(reads) for _, _, reads in static._bufs)
+    # "holes": kvzip's, "select": A-VL core, "rope": linked entries or pre-RoPE factors (whose buffers'
+    # key has a fourth part, the factor stacks' shape)
+    row["reads"] = sorted(str(key[2]) for key in static._bufs)
     row["host"] = {k: v / steps for k, v in halves.host.items()}
     row["device"] = {k: v / steps for k, v in halves.device.items()}
-    if halves.stats is not None:
-        row["stats"] = {k: v / steps for k, v in halves.stats.items()}
+    for half in ("stats", "edit"):  # the statistics (host, after the forward); the factor edit (commit)
+        if getattr(halves, half) is not None:
+            row[half] = {k: v / steps for k, v in getattr(halves, half).items()}
     rows.append(row)
     return rows
 
@@ -223,7 +232,7 @@ def main() -> None:
         slope["per_layer_launches"] = (b["launches"] - a["launches"]) / (hi - lo)
         slope["per_layer_syncs"] = (b["syncs"] - a["syncs"]) / (hi - lo)
         if config == "static":
-            for half in ("host", "device", "stats"):
+            for half in ("host", "device", "stats", "edit"):
                 if half in b:
                     slope[f"{half}_per_layer_ops"] = (b[half]["ops"] - a[half]["ops"]) / (hi - lo)
                     slope[f"{half}_syncs"] = b[half]["syncs"]

@@ -61,11 +61,15 @@ def paged_lowrank_probs_triton(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
     sec: Tensor | None = None,
+    probs_out: Tensor | None = None,
+    vis_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A statistics decode step (one query row) of :func:`paged_lowrank_triton`: ``out (B, H_q, 1, D_v)``,
     ``probs (B, H_kv, G, C)`` float32 and the held columns ``vis (B, H_kv, 1, C)`` bool (factored columns
     held), as ``triton_paged_probs.paged_probs_triton`` returns them, from the same one read (the kernel
-    keeps the logits; ``paged_probs_kernels.probs_normalise_kernel`` normalises them)."""
+    keeps the logits; ``paged_probs_kernels.probs_normalise_kernel`` normalises them). ``probs_out`` /
+    ``vis_out``: buffers to write ``probs`` / ``vis`` into (a static step's: fixed addresses), contiguous,
+    of those shapes (``vis_out`` ``(B, H_kv, 1, C)``)."""
     batch, heads, num_q, dim = q.shape
     kv_heads, dim_v, cols = k_pool.shape[0], v_pool.shape[-1], table.shape[-1]
     if num_q != 1:
@@ -84,8 +88,8 @@ def paged_lowrank_probs_triton(
         (pairs, grid_m, num_splits), block_m, block_n, block_d, block_dv, part_m, part_l, part_acc
     )
     out = torch.empty(batch, heads, 1, dim_v, dtype=q.dtype, device=q.device)
-    probs = torch.empty(batch, kv_heads, group, cols, dtype=torch.float32, device=q.device)
-    vis = torch.empty(batch, kv_heads, 1, cols, dtype=torch.bool, device=q.device)
+    probs = _out(probs_out, (batch, kv_heads, group, cols), torch.float32, q.device, "probs_out")
+    vis = _out(vis_out, (batch, kv_heads, 1, cols), torch.bool, q.device, "vis_out")
     if pairs == 0 or cols == 0:
         return out.zero_(), probs, vis.zero_()
     _launch(q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, sec, plan, out, probs)
@@ -102,6 +106,15 @@ def paged_lowrank_probs_triton(
         BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_M=block_m, BLOCK_DV=block_dv,
     )  # fmt: skip
     return out, probs, vis
+
+
+def _out(buf: Tensor | None, shape: tuple, dtype: torch.dtype, device, name: str) -> Tensor:
+    """``buf`` checked against ``shape`` and ``dtype`` (contiguous), or a new tensor of them."""
+    if buf is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(buf.shape) != shape or buf.dtype != dtype or not buf.is_contiguous():
+        raise ValueError(f"{name} must be contiguous {dtype} {shape}, got {buf.dtype} {tuple(buf.shape)}")
+    return buf
 
 
 def _launch(q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, sec, plan, out, probs) -> None:

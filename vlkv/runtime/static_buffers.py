@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.kv.step_tables import AFTER, FIELDS
+from vlkv.runtime.static_factors import StaticFactors
 from vlkv.runtime.static_rope import RopeTable
 
 # the read table's width grows in steps of this many columns (a capture per batch size and width: at
@@ -93,6 +94,8 @@ class StaticBuffers:
         rope: the :class:`~vlkv.runtime.static_rope.RopeTable` the reads rotate by (with ``rot``).
         rot_read: ``(B, H_kv, C, P)`` int64 ``rot`` gathered through a layer's ``select`` row (a linked
             selection step's, else None).
+        factors: the low-rank factor stacks (:class:`~vlkv.runtime.static_factors.StaticFactors`) of a
+            step whose requests hold AttentionPack's pre-RoPE factors (with ``rot``), else None.
     """
 
     batch: int
@@ -118,6 +121,7 @@ class StaticBuffers:
     rot: Tensor | None = None
     rope: RopeTable | None = None
     rot_read: Tensor | None = None
+    factors: StaticFactors | None = None
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.capacity < 1 or self.layers < 1 or self.kv_heads < 1:
@@ -170,6 +174,13 @@ class StaticBuffers:
                 "StaticBuffers.rot / rope / rot_read: rot and rope both or neither, rot int64 (B, H_kv, C, P), "
                 "rot_read beside a selection"
             )
+        if self.factors is not None and (
+            self.rot is None or self.select is not None or self.factors.frow.shape != self.table.shape
+        ):
+            raise ValueError(
+                "StaticBuffers.factors: pre-RoPE factors rotate on read (rot needed), are not read beside a "
+                "selection, and their frow is the read table's shape (B, H_kv, C)"
+            )
 
     @property
     def reads(self) -> str | None:
@@ -190,12 +201,15 @@ class StaticBuffers:
         exact: bool = False,
         reads: str | None = None,
         rope: RopeTable | None = None,
+        factors: tuple | None = None,
+        dtype: torch.dtype | None = None,
     ):
         """Zeroed buffers on ``device`` (allocated once: a graph replays against these addresses);
         ``group`` > 0: a statistics step's, with ``probs`` for ``G = group`` query heads per KV head;
         ``reads``: ``"holes"`` (with ``held``), ``"select"`` (with ``select``, ``select_len``,
         ``read``), ``"rope"`` / ``"holes+rope"`` / ``"select+rope"`` (with ``rot``, ``rope`` the table;
-        beside a selection ``rot_read``) or None."""
+        beside a selection ``rot_read``) or None; ``factors``: ``static_factors.factors_key``'s key of the
+        step's factor stacks, in ``dtype`` (the pool's), or None."""
         holes, select, linked = reads_parts(reads)
         i64 = dict(dtype=torch.long, device=device)
         n_meta = layers * batch * FIELDS
@@ -235,6 +249,9 @@ class StaticBuffers:
             rot_read=torch.full((batch, kv_heads, capacity, pos_dims), -1, **i64)
             if linked and select
             else None,
+            factors=None
+            if factors is None
+            else StaticFactors.make(factors, layers, batch, kv_heads, capacity, pos_dims, dtype, device),
         )
 
     def visible(self) -> Tensor:

@@ -51,9 +51,15 @@ rotates those keys as it loads them by rows of the model's rotary table (``stati
 per M-RoPE section), where the eager step builds one ``cos/sin`` row per such entry after reading the
 flags back.
 
+A **factor step** (some request holding AttentionPack's pre-RoPE low-rank factors, path (a)) reads every
+layer through the low-rank kernel over fixed factor stacks (``runtime/static_factors.py``): the host half
+copies a request's factor rows and bases there when they changed, its ranks when the policy's factor
+edit (the scheduler's commit, eager, outside both halves) set new ones; the device half derives ``frow``
+from the read table's negative slots and writes the factored columns' positions into ``rot``.
+
 Taken for a scheduler's batch view of one-sample caches in a decode step: one new row each, no link
-step, row filter, low-rank factors, swapped-out request, or selection beside per-head holes
-(:func:`refusal` names what stops it); any other step runs eagerly as before.
+step, row filter, swapped-out request, post-RoPE factors, factors beside holes or a selection, or
+selection beside per-head holes (:func:`refusal` names what stops it); any other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from torch import Tensor
 from vlkv.runtime.backend import StepOutput, StepStats
 from vlkv.runtime.kv.step_tables import COLUMN, fits, meta_row, table_tensors
 from vlkv.runtime.static_buffers import CAPACITY_STEP, StaticBuffers, capacity_for, reads_key, reads_parts
+from vlkv.runtime.static_factors import attend_factors, factors_key, factors_refusal
 from vlkv.runtime.static_rope import RopeTable, rope_table, table_rows
 from vlkv.runtime.static_stats import layers_stats, stats_mode, step_stats  # noqa: F401 (re-exported)
 
@@ -90,8 +97,12 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
     per = [getattr(la, "rows", None) for la in cache.layers]
     if not per or any(p is None or len(p) != b for p in per):
         return "not a scheduler's batch view"
-    if any(r.batch != 1 or r.lowrank is not None or r.offloaded is not None for p in per for r in p):
+    # factors are read from a LowRank's samples (anything else: refused as before factors were taken)
+    if any(r.batch != 1 or r.offloaded is not None or not _low_rank(r.lowrank) for p in per for r in p):
         return "a request with low-rank or swapped-out entries"
+    why = factors_refusal(cache, inputs)
+    if why is not None:
+        return why
     if inputs.attend is not None and any(r.holes is not None for p in per for r in p):
         return "selected attention beside per-head holes (the eager step refuses it too)"
     pool = cache.layers[0].pool
@@ -104,6 +115,11 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
         if fused is None or not fused.current(layer):
             return "a decoder layer is not fused (or its weights were replaced)"
     return None
+
+
+def _low_rank(low) -> bool:
+    """``low`` (a request's ``lowrank``) is None or a ``LowRank`` (per-sample factors)."""
+    return low is None or isinstance(getattr(low, "samples", None), list)
 
 
 def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuffers, list] | None:
@@ -160,6 +176,8 @@ def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuff
         bufs.order.copy_(new["order"])
         if bufs.select is not None:
             _fill_select(bufs, inputs.attend)
+        if bufs.factors is not None:  # the stacks where the factors changed (static_factors)
+            bufs.factors.fill(cache)
     except BaseException as err:
         for res in reversed(done):
             res.cancel()
@@ -179,7 +197,8 @@ def reads_of(inputs, cache) -> str | None:
     base = (
         "select" if inputs.attend is not None else "holes" if any(r.holes is not None for r in rows) else None
     )
-    return reads_key(base, any(r.linked for r in rows))
+    # pre-RoPE factors rotate on read like linked entries (post-RoPE ones are refused)
+    return reads_key(base, any(r.linked or r.lowrank is not None for r in rows))
 
 
 def _fill_select(bufs: StaticBuffers, attend: list) -> None:
@@ -222,8 +241,10 @@ def _attend(bufs: StaticBuffers, pools: list, i: int, attn, q: Tensor, k: Tensor
         table, lengths = torch.gather(bufs.table, 2, bufs.select[i], out=bufs.read), bufs.select_len[i]
         if rot is not None:  # and the pre-RoPE positions' twin with it
             rot = torch.gather(rot, 2, bufs.select[i][..., None].expand_as(rot), out=bufs.rot_read)
-    held = None if bufs.held is None else bufs.held[i]  # a hole step's: the columns each head attends
     rope = _rope_args(bufs, rot)
+    if bufs.factors is not None:  # low-rank factors: the low-rank kernel over the stacks
+        return attend_factors(bufs, i, q, keys, values, rot, rope, attn.scaling).transpose(1, 2).contiguous()
+    held = None if bufs.held is None else bufs.held[i]  # a hole step's: the columns each head attends
     if rope:  # linked entries: the read rotating them by the table (not ops' router, which has no sec)
         from vlkv.plugins.triton_paged_attention import paged_attention_triton
 
@@ -292,9 +313,10 @@ class StaticDecode:
         if capacity_step < 1:
             raise ValueError(f"capacity_step must be >= 1, got {capacity_step}")
         self.backend, self.graphs, self.capacity_step = backend, graphs, capacity_step
-        # (batch size, statistics mode, reads) → its buffers (mode: None, "probs" or "exact", see
-        # stats_mode; reads: holes, a selection, linked entries, see reads_of and static_buffers)
-        self._bufs: dict[tuple[int, str | None, str | None], StaticBuffers] = {}
+        # (batch size, statistics mode, reads[, factor stacks' shape]) → its buffers (mode: None, "probs"
+        # or "exact", see stats_mode; reads: holes, a selection, linked entries, see reads_of and
+        # static_buffers; the stacks': static_factors.factors_key, where some request holds factors)
+        self._bufs: dict[tuple, StaticBuffers] = {}
         self._rope: dict[tuple, RopeTable] = {}  # (dtype, device) → the rotary table of linked steps
         self.taken = 0
         self.refused: dict[str, int] = {}
@@ -325,7 +347,8 @@ class StaticDecode:
         mode = stats_mode(stats)
         group = be.num_heads // be.num_kv_heads if mode is not None else 0
         reads = reads_of(inputs, cache)
-        key = (b, mode, reads)
+        fkey = factors_key(cache)  # the factor stacks' shape (static_factors), or None
+        key = (b, mode, reads) if fkey is None else (b, mode, reads, fkey)
 
         rope = self.rope_table(cache.layers[0].pool) if reads_parts(reads)[2] else None
 
@@ -333,7 +356,7 @@ class StaticDecode:
             cap = capacity_for(longest, self.capacity_step)
             return StaticBuffers.make(
                 b, cap, be.num_layers, be.num_kv_heads, be.pos_dims, device,
-                group=group, exact=mode == "exact", reads=reads, rope=rope,
+                group=group, exact=mode == "exact", reads=reads, rope=rope, factors=fkey, dtype=be.dtype,
             )  # fmt: skip
 
         bufs = self._bufs.get(key)

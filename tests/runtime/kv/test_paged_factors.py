@@ -14,6 +14,7 @@ from vlkv.plugins.paged_reference import paged_attention_reference
 from vlkv.runtime.cache import LayerKV, Modality
 from vlkv.runtime.kv.lowrank import factor, set_ranks
 from vlkv.runtime.kv.paged_factors import paged_lowrank_tables
+from vlkv.runtime.static_rope import RopeTable, table_as_rows
 
 H, D, RANK = 2, 16, 6  # the tiny models' KV heads and head dim
 LENGTHS = (14, 6, 17)  # ragged: sample 1 holds no image
@@ -80,6 +81,14 @@ def path_a(layer: LayerKV, q: torch.Tensor, scale: float) -> torch.Tensor:
     return paged_attention_reference(q, pool_k, pool_v, table, lengths, scale)
 
 
+def as_rows(rope: dict) -> dict:
+    """The references' row form of the builder's table form (``rot`` positions; M-RoPE: ``sec``)."""
+    if "sec" not in rope:  # 1-D: a position is the table's row
+        return rope
+    rows, cos, sin = table_as_rows(rope["rot"], RopeTable(rope["cos"], rope["sin"], rope["sec"]))
+    return {"rot": rows, "cos": cos, "sin": sin}
+
+
 @pytest.fixture(scope="module")
 def ropes(engines):
     return {p: engines[name].rope for p, name in MODELS.items()}
@@ -91,6 +100,10 @@ def ropes(engines):
 def test_the_paged_factor_read_equals_path_a(ropes, pos_dims, dtype, queries):
     layer = build_layer(ropes[pos_dims], pos_dims, dtype)
     table, lengths, attended, rope, _, factors = paged_lowrank_tables(layer)
+    # the table form: rows by position (no row per rotated entry), M-RoPE with its sections
+    assert rope["cos"].shape[0] >= 4096 and ("sec" in rope) == (pos_dims > 1)
+    assert rope["rot"].shape == (*table.shape, pos_dims)[: 3 if pos_dims == 1 else 4]
+    rope = as_rows(rope)
     fac = factors.frow >= 0
     # every kind of column is there: factored (two samples), holes, linked pre-RoPE, dense
     assert bool(fac[0].any()) and bool(fac[2].any()) and not bool(fac[1].any())

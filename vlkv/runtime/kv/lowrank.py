@@ -337,8 +337,12 @@ def apply_factor_edit(layer, edit) -> None:
         if f is None:
             continue
         named = (layer.slots[s] < 0) & valid[s]
-        imp = torch.full((f.rows,), float("-inf"), device=layer.device)
-        imp.scatter_reduce_(0, -layer.slots[s][named] - 1, score[s][named], "amax")
+        # each row's importance, the most any head's column naming it scored: a scatter with every other
+        # column sent to a spare last row (no boolean-mask gather, so no read back of the mask's count)
+        at = torch.where(named, -layer.slots[s] - 1, f.rows)
+        imp = torch.full((f.rows + 1,), float("-inf"), device=layer.device)
+        imp.scatter_reduce_(0, at.reshape(-1), score[s].reshape(-1).to(imp), "amax")
+        imp = imp[: f.rows]
         top = torch.topk(imp, math.ceil(edit.top_fraction * f.rows)).indices
         hi = torch.zeros(f.rows, dtype=torch.bool, device=layer.device)
         hi[top] = True

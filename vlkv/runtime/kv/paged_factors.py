@@ -5,8 +5,9 @@ layer; a factored column there is a negative slot (``-(1 + factor row)``, :mod:`
 which the plain paged read would skip as a hole. :func:`paged_lowrank_tables` adds the
 ``vlkv.plugins.paged_lowrank`` arguments: ``frow`` (the factor row of each factored column in the stack of
 every request's rows, ``-1`` elsewhere, holes included), the stacked factors and per-request bases
-(:class:`~vlkv.plugins.paged_lowrank.PagedFactors`), and a ``cos/sin`` row for each pre-RoPE factored
-column at the position its cache gives it, appended to the linked entries' rows. Reads no K/V.
+(:class:`~vlkv.plugins.paged_lowrank.PagedFactors`), and, with pre-RoPE factored columns, the rotary
+keywords in the table form (rows of the model's rotary table by position, ``Rope.table``; linked entries
+included): no boolean-mask gather, no read back of a position. Reads no K/V.
 """
 
 from __future__ import annotations
@@ -71,27 +72,25 @@ def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost
     table = torch.where(fac, -1, table)
     prerope = [f is not None and not f.post_rope for f in low.samples]
     if any(prerope):  # known on the host: no read back of the mask
-        rope = _with_rows(layer, rope, fac & torch.tensor(prerope, device=dev)[:, None, None], table)
+        rope = _by_position(layer, rope, fac & torch.tensor(prerope, device=dev)[:, None, None])
     return table, lengths, attended, rope, host, factors
 
 
-def _with_rows(layer, rope: dict, pre: Tensor, table: Tensor) -> dict:
-    """``rope`` (the linked entries' ``rot, cos, sin``, or empty) with one more ``cos/sin`` row for each
-    column of ``pre (B, H_kv, n)`` at the position its cache gives it."""
-    n = table.shape[2]
+def _by_position(layer, rope: dict, pre: Tensor) -> dict:
+    """The pre-RoPE keywords of a read that rotates the linked entries ``rope`` names (``rot`` rows, or
+    empty) and the columns of ``pre (B, H_kv, n)`` bool, in the rotary table form: the table's rows by
+    position (``Rope.table``, as the static step's linked reads), ``rot (B, H_kv, n)`` each column's
+    position (1-D RoPE) or ``rot (B, H_kv, n, P)`` and ``sec`` (M-RoPE), ``-1`` where not rotated.
+
+    No read back: the rows a column reads are its positions themselves, where a row per rotated entry
+    (``kv/paged._rope_rows``) needs the entries picked by a boolean mask and the largest position."""
+    n = pre.shape[2]
     rows = getattr(layer, "rows", [layer])
-    positions = torch.cat([_columns(r.positions, n) for r in rows])  # (B, H_kv, n, P)
+    positions = torch.cat([_columns(r.positions, n) for r in rows]).to(pre.device)  # (B, H_kv, n, P)
+    rotated = pre | (rope["rot"] >= 0) if rope else pre
     like = layer.pool.keys[layer.layer]
-    cos, sin = layer.pool.rope.cos_sin(like, positions[pre][None])  # (1, R', D)
-    if not rope:
-        rot = torch.full_like(table, -1, dtype=torch.long)
-        rot[pre] = torch.arange(cos.shape[1], device=table.device)
-        return {"rot": rot, "cos": cos[0], "sin": sin[0]}
-    base = rope["cos"].shape[0]
-    rot = rope["rot"].clone()
-    rot[pre] = base + torch.arange(cos.shape[1], device=table.device)
-    return {
-        "rot": rot,
-        "cos": torch.cat([rope["cos"], cos[0].to(rope["cos"])]),
-        "sin": torch.cat([rope["sin"], sin[0].to(rope["sin"])]),
-    }
+    tab = layer.pool.rope.table(like, positions.shape[-1], layer.pool.capacity(layer.layer))
+    if tab.sec is None:
+        return {"rot": torch.where(rotated, positions[..., 0], -1), "cos": tab.cos, "sin": tab.sin}
+    rot = torch.where(rotated[..., None], positions, -1)
+    return {"rot": rot, "cos": tab.cos, "sin": tab.sin, "sec": tab.sec}

@@ -18,6 +18,8 @@ import sys
 import torch
 from torch import Tensor
 
+from vlkv.runtime.static_rope import RopeTable, rope_table, table_rows
+
 
 class Rope:
     """Rotate keys with a model's rotary embedding.
@@ -36,6 +38,7 @@ class Rope:
             )
         self._apply = module.apply_rotary_pos_emb
         self._table: tuple[Tensor, Tensor] | None = None  # 1-D RoPE: cos/sin rows by position
+        self._tables: dict[tuple, RopeTable] = {}  # (P, D, dtype, device) → table(): rows by position
 
     def cos_sin(self, like: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``(N, n, D)`` cos/sin for ``positions (N, n, P)`` int64 (``P`` 1, or M-RoPE's sections), on
@@ -54,6 +57,19 @@ class Rope:
             self._table = (cos[0], sin[0])
         idx = positions[..., 0]
         return self._table[0][idx], self._table[1][idx]
+
+    def table(self, like: Tensor, pos_dims: int, slots: int) -> RopeTable:
+        """The model's :class:`~vlkv.runtime.static_rope.RopeTable` (rows by position; M-RoPE's ``sec``)
+        in ``like``'s dtype, device and head dim, covering a pool of ``slots`` slots a layer: built once
+        (again, larger, for a grown pool), so a read takes rows by position with no read back of the
+        positions (what :meth:`cos_sin`'s 1-D table needs to size itself)."""
+        key = (pos_dims, like.shape[-1], like.dtype, str(like.device))
+        rows = table_rows(self.adapter, slots)
+        got = self._tables.get(key)
+        if got is None or got.rows < rows:
+            got = rope_table(self.adapter, pos_dims, like.shape[-1], like.dtype, like.device, rows)
+            self._tables[key] = got
+        return got
 
     def __call__(self, k: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
         """Rotate ``k (B, H_kv, n, D)`` to ``positions (B, H_kv, n, P)`` (per head); ``inverse`` undoes it."""
