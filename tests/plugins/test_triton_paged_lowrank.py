@@ -16,7 +16,7 @@ from tests.plugins.test_paged_attention import PagedCase
 from tests.plugins.test_triton_paged_rope_table import _table
 from vlkv.plugins.paged_lowrank import PagedFactors, paged_lowrank_kv, paged_lowrank_reference
 from vlkv.plugins.paged_reference import paged_attention_reference
-from vlkv.runtime.static_rope import table_as_rows
+from vlkv.runtime.kv.rope_table import table_as_rows
 
 tpl = pytest.importorskip("vlkv.plugins.triton_paged_lowrank", reason="triton is not installed")
 

@@ -1,6 +1,6 @@
-"""Pre-RoPE keys rotated on read by a rotary *table* (the static decode step's form, ``runtime/static_rope``)
+"""Pre-RoPE keys rotated on read by a rotary *table* (the static decode step's form, ``runtime/kv/rope_table``)
 in the Triton paged read and the Triton statistics kernel, under the interpreter, against the references'
-row form (one ``cos/sin`` row per entry, ``static_rope.table_as_rows``): 1-D RoPE (row = position) and
+row form (one ``cos/sin`` row per entry, ``rope_table.table_as_rows``): 1-D RoPE (row = position) and
 M-RoPE (per dim the position component of its section), ragged rows with holes, one split and several,
 fp32 and bf16; positions past the table read its last row (no read outside it)."""
 
@@ -13,7 +13,7 @@ from tests.plugins.cases import OUT_TOL, assert_close_tol
 from tests.plugins.test_paged_attention import PagedCase
 from vlkv.plugins.paged_probs import paged_decode_probs
 from vlkv.plugins.paged_reference import paged_attention_reference
-from vlkv.runtime.static_rope import RopeTable, table_as_rows
+from vlkv.runtime.kv.rope_table import RopeTable, table_as_rows
 
 tpa = pytest.importorskip("vlkv.plugins.triton_paged_attention", reason="triton is not installed")
 tpp = pytest.importorskip("vlkv.plugins.triton_paged_probs", reason="triton is not installed")

@@ -141,12 +141,12 @@ def test_a_linked_steps_device_half_reads_nothing_back_and_low_rank_factors_are_
     selected = dataclasses.replace(group.inputs, attend=[index] * engine.backend.num_layers)
     assert reads_of(selected, group.batch) == "select+rope"  # taken: the twin gathered through the lists
     assert refusal(engine.backend, selected, group.batch, group.stats) is None
-    rows[0].lowrank = object()  # low-rank factors (AttentionPack) still run eagerly
+    rows[0].offloaded = object()  # a swapped-out request runs eagerly (its K/V are not in the pool)
     try:
         why = refusal(engine.backend, group.inputs, group.batch, group.stats)
     finally:
-        rows[0].lowrank = None
-    assert why == "a request with low-rank or swapped-out entries"
+        rows[0].offloaded = None
+    assert why == "a swapped-out request (or a layer of several samples)"
     assert refusal(engine.backend, group.inputs, group.batch, group.stats) is None
 
 
@@ -219,11 +219,11 @@ def test_a_linked_request_in_core_steps_equals_the_eager_step(name, dtype, monke
 
 
 def test_the_table_covers_the_model_and_the_pool():
-    """``static_rope.table_rows``: the larger of ``max_position_embeddings`` and the pool's slots a layer
+    """``rope_table.table_rows``: the larger of ``max_position_embeddings`` and the pool's slots a layer
     (capped), at least 4096, a power of two."""
     from types import SimpleNamespace
 
-    from vlkv.runtime.static_rope import MAX_ROWS, table_rows
+    from vlkv.runtime.kv.rope_table import MAX_ROWS, table_rows
 
     model = SimpleNamespace(lm=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=5000)))
     assert table_rows(model) == 8192 and table_rows(model, 9000) == 16384

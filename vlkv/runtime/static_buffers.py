@@ -21,7 +21,7 @@ A step's mode (the buffers' key beside the batch size) is its statistics mode (N
   read), beside holes or not. Each layer's append also writes :attr:`StaticBuffers.rot` ``(B, H_kv, C,
   P)``, the read table's twin: each pre-RoPE column's positions (``-1`` elsewhere), by which every paged
   read of the layer rotates those keys with rows of :attr:`StaticBuffers.rope`, the model's rotary table
-  (``runtime/static_rope.py``), as it loads them. ``"select+rope"``: beside a selection, the twin is
+  (``runtime/kv/rope_table.py``), as it loads them. ``"select+rope"``: beside a selection, the twin is
   gathered through the layer's list like the read table (into :attr:`StaticBuffers.rot_read`).
 - None: none of these (every head attends every column below its length).
 """
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vlkv.runtime.kv.rope_table import RopeTable
 from vlkv.runtime.kv.step_tables import AFTER, FIELDS
 from vlkv.runtime.static_factors import StaticFactors
-from vlkv.runtime.static_rope import RopeTable
 
 # the read table's width grows in steps of this many columns (a capture per batch size and width: at
 # 1024 a decode recaptures once every 1024 steps; the paged read loops to the lengths, never to C)
@@ -91,7 +91,7 @@ class StaticBuffers:
         read: ``(B, H_kv, C)`` int64 a layer's read table gathered through its ``select`` row.
         rot: ``(B, H_kv, C, P)`` int64 a layer's pre-RoPE columns' positions, ``-1`` elsewhere (written by
             its append: a linked step's buffers, else None).
-        rope: the :class:`~vlkv.runtime.static_rope.RopeTable` the reads rotate by (with ``rot``).
+        rope: the :class:`~vlkv.runtime.kv.rope_table.RopeTable` the reads rotate by (with ``rot``).
         rot_read: ``(B, H_kv, C, P)`` int64 ``rot`` gathered through a layer's ``select`` row (a linked
             selection step's, else None).
         factors: the low-rank factor stacks (:class:`~vlkv.runtime.static_factors.StaticFactors`) of a

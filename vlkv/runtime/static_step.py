@@ -47,7 +47,7 @@ probabilities, over the lists' positions, are scattered back to columns after th
 A **linked step** (some request holding linked entries: a stored record's keys kept pre-RoPE, rotated
 on read) takes the same forward: each layer's append also writes ``rot (B, H_kv, C, P)`` beside the read
 table, each pre-RoPE column's positions (from the pool's flags), and every paged read of the layer
-rotates those keys as it loads them by rows of the model's rotary table (``static_rope``: by position,
+rotates those keys as it loads them by rows of the model's rotary table (``kv.rope_table``: by position,
 per M-RoPE section), where the eager step builds one ``cos/sin`` row per such entry after reading the
 flags back.
 
@@ -70,10 +70,10 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.backend import StepOutput, StepStats
+from vlkv.runtime.kv.rope_table import RopeTable, rope_table, table_rows
 from vlkv.runtime.kv.step_tables import COLUMN, fits, meta_row, table_tensors
 from vlkv.runtime.static_buffers import CAPACITY_STEP, StaticBuffers, capacity_for, reads_key, reads_parts
 from vlkv.runtime.static_factors import attend_factors, factors_key, factors_refusal
-from vlkv.runtime.static_rope import RopeTable, rope_table, table_rows
 from vlkv.runtime.static_stats import layers_stats, stats_mode, step_stats  # noqa: F401 (re-exported)
 
 
@@ -98,8 +98,8 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
     if not per or any(p is None or len(p) != b for p in per):
         return "not a scheduler's batch view"
     # factors are read from a LowRank's samples (anything else: refused as before factors were taken)
-    if any(r.batch != 1 or r.offloaded is not None or not _low_rank(r.lowrank) for p in per for r in p):
-        return "a request with low-rank or swapped-out entries"
+    if any(r.batch != 1 or r.offloaded is not None for p in per for r in p):
+        return "a swapped-out request (or a layer of several samples)"
     why = factors_refusal(cache, inputs)
     if why is not None:
         return why
@@ -115,11 +115,6 @@ def refusal(backend, inputs, cache, stats, graphs: bool = False) -> str | None:
         if fused is None or not fused.current(layer):
             return "a decoder layer is not fused (or its weights were replaced)"
     return None
-
-
-def _low_rank(low) -> bool:
-    """``low`` (a request's ``lowrank``) is None or a ``LowRank`` (per-sample factors)."""
-    return low is None or isinstance(getattr(low, "samples", None), list)
 
 
 def prepare(bufs: StaticBuffers | None, inputs, cache, make) -> tuple[StaticBuffers, list] | None:
@@ -322,7 +317,7 @@ class StaticDecode:
         self.refused: dict[str, int] = {}
 
     def rope_table(self, pool) -> RopeTable:
-        """The rotary table linked steps rotate by (``static_rope``), built once per pool dtype and
+        """The rotary table linked steps rotate by (``kv.rope_table``), built once per pool dtype and
         device (again, larger, for a pool grown past it): it stays alive here (a graph replays against
         its address)."""
         spec = pool.spec

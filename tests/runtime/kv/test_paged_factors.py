@@ -14,7 +14,7 @@ from vlkv.plugins.paged_reference import paged_attention_reference
 from vlkv.runtime.cache import LayerKV, Modality
 from vlkv.runtime.kv.lowrank import factor, set_ranks
 from vlkv.runtime.kv.paged_factors import paged_lowrank_tables
-from vlkv.runtime.static_rope import RopeTable, table_as_rows
+from vlkv.runtime.kv.rope_table import RopeTable, table_as_rows
 
 H, D, RANK = 2, 16, 6  # the tiny models' KV heads and head dim
 LENGTHS = (14, 6, 17)  # ragged: sample 1 holds no image

@@ -18,7 +18,7 @@ import sys
 import torch
 from torch import Tensor
 
-from vlkv.runtime.static_rope import RopeTable, rope_table, table_rows
+from vlkv.runtime.kv.rope_table import RopeTable, rope_table, table_rows
 
 
 class Rope:
@@ -59,7 +59,7 @@ class Rope:
         return self._table[0][idx], self._table[1][idx]
 
     def table(self, like: Tensor, pos_dims: int, slots: int) -> RopeTable:
-        """The model's :class:`~vlkv.runtime.static_rope.RopeTable` (rows by position; M-RoPE's ``sec``)
+        """The model's :class:`~vlkv.runtime.kv.rope_table.RopeTable` (rows by position; M-RoPE's ``sec``)
         in ``like``'s dtype, device and head dim, covering a pool of ``slots`` slots a layer: built once
         (again, larger, for a grown pool), so a read takes rows by position with no read back of the
         positions (what :meth:`cos_sin`'s 1-D table needs to size itself)."""

@@ -1,4 +1,5 @@
-"""The rotary table a static decode step (``runtime/static_step.py``) rotates linked (pre-RoPE) keys by.
+"""The model's rotary as a table by position: what the static decode step (``runtime/static_step.py``) rotates
+linked (pre-RoPE) keys by, and what the paged low-rank read (``kv/paged_factors``) rotates factored keys by.
 
 The eager step rotates a linked request's pre-RoPE keys on read with one ``cos/sin`` row per such entry
 (``kv/paged._rope_rows``): their count ``R`` changes with evictions and finding them reads the pool's
