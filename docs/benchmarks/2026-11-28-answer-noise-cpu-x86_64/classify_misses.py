@@ -34,7 +34,8 @@ def classify(row: dict, scene) -> list[str]:
     pos = sorted({("first", "second", None)[i % 3] for i in wrong})
     tags.append("both" if pos == ["first", "second"] else pos[0])
     tags.append("in-scene" if all(ans[i] in words for i in wrong) else "absent")
-    pairs = [(ans[i], ans[i + 1]) for i in range(0, len(ans), 3)]
+    # the answered pairs of the objects with a wrong word
+    pairs = [(ans[i], ans[i + 1]) for i in range(0, len(ans), 3) if {i, i + 1} & set(wrong)]
     tags.append("training-pair" if all(p not in HELD_OUT for p in pairs) else "held-out-pair")
     return tags
 
@@ -45,7 +46,8 @@ def main(paths: list[str]) -> None:
     for path in paths:
         seed = int(re.search(r"seed(\d+)", path).group(1))
         items = build_set(24, 24, 6, seed=seed)
-        rows = json.load(open(path))["results"][0]["rows"]
+        with open(path) as f:
+            rows = json.load(f)["results"][0]["rows"]
         for row, item in zip(rows, items):
             assert row["expected"] == item.sample.answer, (path, row)
             if row["group"] != "two" or row["correct"]:
