@@ -25,7 +25,8 @@ recipe (``shared/spec/projector-training.md``):
 3. **Stage 2** (optional, with ``--lm-lora-rank``): ``--text-mix F`` asks a fraction of the samples about
    a sentence describing their scenes instead (:mod:`vlkv.eval.text_scenes`), ``--distill`` /
    ``--distill-hidden`` teach image samples from the same model given that sentence; ``--keep-text W``
-   holds the adapters to the base LM on plain text (:mod:`vlkv.eval.keep_text`).
+   holds the adapters to the base LM on plain text (:mod:`vlkv.eval.keep_text`); ``--answer-noise P``
+   corrupts answer words in the teacher-forced input (:mod:`vlkv.eval.answer_noise`).
    ``--vision-blocks N`` trains the vision tower's last ``N`` blocks before the read layer as well, at
    ``lr x --vision-lr-scale`` (:mod:`vlkv.eval.vision_tune`; checkpointed and exported with the projector).
 
@@ -49,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlkv.eval import keep_text, projector_export, text_scenes, vision_tune
+from vlkv.eval import answer_noise, keep_text, projector_export, text_scenes, vision_tune
 from vlkv.eval.projector_config import TrainConfig
 from vlkv.eval.projector_init import AffineProjector, order_start, pool_start, position_start, ridge_init
 from vlkv.eval.scene_tasks import WHAT, Sample, prompt_text, training_sample
@@ -77,17 +78,23 @@ def projector(loaded) -> torch.nn.Module:
 
 
 def encode(
-    loaded, sample: Sample, with_answer: bool = True, labels: str = "none", text_form: str | None = None
+    loaded,
+    sample: Sample,
+    with_answer: bool = True,
+    labels: str = "none",
+    text_form: str | None = None,
+    swaps=(),
 ) -> tuple[dict, int]:
     """Model inputs for ``sample``'s prompt (+ answer + end of turn, + its follow-up turns), and the
     prompt's length in tokens. ``inputs["answer_mask"]`` (with answers) marks the answer tokens.
     ``labels``: picture labels of several-picture prompts (:func:`vlkv.eval.scene_tasks.label_pictures`).
     ``text_form``: ask about a description of the scenes in that form instead of the images
     (:mod:`vlkv.eval.text_scenes`); the answers and follow-up turns are the same tokens.
+    ``swaps``: answer words replaced in the input (:mod:`vlkv.eval.answer_noise`); ``inputs["targets"]``
+    ``(T,)`` holds the clean tokens each slot must be predicted as.
 
     Answers are tokenised on their own and appended, as generation would produce them.
     """
-    tok = loaded.processor.tokenizer
     if text_form is None:
         prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels)
         inputs = loaded.processor(text=prompt, images=[s.image() for s in sample.scenes], return_tensors="pt")
@@ -96,39 +103,28 @@ def encode(
         inputs = loaded.processor(text=prompt, return_tensors="pt")
     n_prompt = inputs["input_ids"].shape[1]
     if with_answer:
-
-        def ids(text: str) -> torch.Tensor:
-            return tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-
-        parts, mask = [inputs["input_ids"]], [torch.zeros(n_prompt, dtype=torch.bool)]
-        for i, (question, answer) in enumerate(((sample.question, sample.answer), *sample.turns)):
-            if i:  # the next user turn, as the chat template writes it after an end of turn
-                turn = ids("\n" + loaded.prompt_template(question, 0))
-                parts.append(turn)
-                mask.append(torch.zeros(turn.shape[1], dtype=torch.bool))
-            reply = ids(answer + tok.eos_token)
-            parts.append(reply)
-            mask.append(torch.ones(reply.shape[1], dtype=torch.bool))
-        inputs["input_ids"] = torch.cat(parts, dim=1)
+        ids, mask, targets = answer_noise.answer_tokens(loaded, sample, swaps)
+        inputs["input_ids"] = torch.cat([inputs["input_ids"], ids], dim=1)
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-        inputs["answer_mask"] = torch.cat(mask)
+        inputs["answer_mask"] = torch.cat([torch.zeros(n_prompt, dtype=torch.bool), mask])
+        inputs["targets"] = torch.cat([inputs["input_ids"][0, :n_prompt], targets])
     return dict(inputs), n_prompt
 
 
 def answer_logits(
-    loaded, sample: Sample, labels: str = "none", text_form: str | None = None, hidden: bool = False
+    loaded, sample: Sample, labels: str = "none", text_form: str | None = None, hidden: bool = False, swaps=()
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """Logits ``(n, vocab)`` at the ``n`` positions after the prompt that predict the answers' turns,
     their targets ``(n,)`` (-100 where a position predicts a prompt token of a follow-up turn), the
     token ids ``(T,)`` and, with ``hidden``, every layer's hidden states (each ``(1, T, d)``)."""
-    inputs, n_prompt = encode(loaded, sample, labels=labels, text_form=text_form)
-    answer_mask = inputs.pop("answer_mask")
+    inputs, n_prompt = encode(loaded, sample, labels=labels, text_form=text_form, swaps=swaps)
+    answer_mask, clean = inputs.pop("answer_mask"), inputs.pop("targets")
     ids = inputs["input_ids"]
     n_after = ids.shape[1] - n_prompt
     # logits only where answer tokens are predicted: the full-vocabulary head on every image token
     # would cost more than the rest of the step
     out = loaded.model(**inputs, logits_to_keep=n_after + 1, use_cache=False, output_hidden_states=hidden)
-    targets = ids[0, n_prompt:].masked_fill(~answer_mask[n_prompt:], -100)
+    targets = clean[n_prompt:].masked_fill(~answer_mask[n_prompt:], -100)
     return out.logits[0, :-1].float(), targets, ids[0], out.hidden_states if hidden else None
 
 
@@ -139,20 +135,24 @@ def sample_loss(
     text_form: str | None = None,
     distill: float = 0.0,
     distill_hidden: float = 0.0,
+    swaps=(),
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over the answers' tokens (and ends of turn). An image sample with
     ``distill`` / ``distill_hidden`` > 0 learns from the same model given the ``text_form`` description
     (no gradient) as well: ``distill`` x KL over the answer positions, ``distill_hidden`` x every
-    layer's relative hidden-state error over the tokens both prompts end with (question and answers)."""
+    layer's relative hidden-state error over the tokens both prompts end with (question and answers).
+    ``swaps`` corrupt the answers' input words alike for the sample and its teacher."""
     teach = distill > 0 or distill_hidden > 0
     if teach and text_form is None:
         raise ValueError("distill needs the teacher's text_form")
     hidden = distill_hidden > 0
-    logits, targets, ids, states = answer_logits(loaded, sample, labels, None if teach else text_form, hidden)
+    logits, targets, ids, states = answer_logits(
+        loaded, sample, labels, None if teach else text_form, hidden, swaps
+    )
     loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
     if teach:
         with torch.no_grad():
-            teacher, _, t_ids, t_states = answer_logits(loaded, sample, labels, text_form, hidden)
+            teacher, _, t_ids, t_states = answer_logits(loaded, sample, labels, text_form, hidden, swaps)
     if distill > 0:
         loss = loss + distill * text_scenes.distill_kl(logits, teacher, targets != -100)
     if hidden:
@@ -324,13 +324,15 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         opt.zero_grad(set_to_none=True)
         total = 0.0
         forms = text_scenes.draw_forms(cfg.seed, step, cfg.batch, cfg.text_mix)
-        for sample, (as_text, form) in zip(batch_for(step, cfg), forms):
+        batch = batch_for(step, cfg)
+        noise = answer_noise.draws(cfg.seed, step, [answer_noise.answers(s) for s in batch], cfg.answer_noise)
+        for sample, (as_text, form), swaps in zip(batch, forms, noise):
             # a text sample trains the adapters on the description; an image sample, with
             # --distill, learns from the description's answer distribution as well
             form = form if as_text or cfg.distill > 0 or cfg.distill_hidden > 0 else None
             teach = (0.0, 0.0) if as_text else (cfg.distill, cfg.distill_hidden)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-                loss = sample_loss(loaded, sample, cfg.labels, form, *teach) / cfg.batch
+                loss = sample_loss(loaded, sample, cfg.labels, form, *teach, swaps) / cfg.batch
             loss.backward()
             total += loss.item()
         if cfg.keep_text > 0:  # plain text as the base LM had it (adapters only: no image tokens)

@@ -99,6 +99,10 @@ class TrainConfig:
     # (vlkv.eval.vision_tune: 0 = frozen), at lr x vision_lr_scale; kept in checkpoints and exports
     vision_blocks: int = 0
     vision_lr_scale: float = 0.1
+    # answer-word corruption (vlkv.eval.answer_noise): each answer, with this probability, has one
+    # colour / shape word that another answer word follows replaced in the teacher-forced input by
+    # another of its kind (targets clean), so the next word must be read from the image; 0 = off
+    answer_noise: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -171,5 +175,7 @@ class TrainConfig:
             raise ValueError(
                 f"vision_blocks must be >= 0 and vision_lr_scale > 0, got {self.vision_blocks}, {self.vision_lr_scale}"
             )
+        if not 0 <= self.answer_noise <= 1:
+            raise ValueError(f"answer_noise must be in [0, 1], got {self.answer_noise}")
         if self.init_from and not Path(self.init_from).is_file():
             raise ValueError(f"init_from {self.init_from} is not a file")
