@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--decode-from", type=int, default=0, help="skip the decode part's first N cells (a rerun)"
     )
     # on a CPU shared with other jobs (the tests' dry run beside another test file), one thread avoids
-    # OpenMP barrier stalls: the dry run took 33 s quiet but ~280 s in a loaded CI run at 2 threads
+    # OpenMP barrier stalls: side by side on a loaded 2-core VM the dry run took 147.7 s at 2 threads and
+    # 83.4 s at 1 (its decode part 68.5 s against 18.5 s)
     ap.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads of a cpu run's parts (0: min(2, cores))"
     )

@@ -222,14 +222,18 @@ def images():
 
 # a module's import-time switch read under several values of its environment variable: each import in a
 # process of its own (a fresh import), forked from one interpreter that imported torch once (a fresh
-# interpreter per value paid ~3 s of torch import each on a quiet 2-core machine, ~8 s on a loaded one)
+# interpreter per value paid ~3 s of torch import each on a quiet 2-core machine, ~8 s on a loaded one).
+# The parent runs no torch op before forking (libgomp is not fork-safe: a child of a process that entered a
+# parallel region hangs in its first one); each child takes one thread and an alarm, so a hang fails.
 _SWITCH_CODE = """
-import json, os, sys
-import torch  # noqa: F401
+import json, os, signal, sys
+import torch
 module, attr, var, raws = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 for raw in raws:
     pid = os.fork()
     if pid == 0:
+        torch.set_num_threads(1)
+        signal.alarm(120)
         if raw is None:
             os.environ.pop(var, None)
         else:

@@ -32,9 +32,12 @@ SCRIPTS = [ROOT / "scripts" / f"{name}.py" for name in NAMES]
 # ~5 s each on a quiet 2-core machine) once, then forks a child per script that runs it as ``__main__``
 # with the script's folder first on its path, as ``python script.py`` would: each child's stdout / stderr
 # (file descriptors, so C-level writes too) and exit status are the script's own, and nothing a script
-# does reaches the next one (each runs in its own forked process).
+# does reaches the next one (each runs in its own forked process). The parent must run no torch op before
+# forking: a child of a process that entered an OpenMP parallel region hangs in its own first one (libgomp
+# is not fork-safe). Each child also takes one thread (what DataLoader workers do against that) and an
+# alarm, so a hang is a failed script (killed by SIGALRM), never a stalled suite.
 _RUNNER = r"""
-import json, os, runpy, sys, traceback
+import json, os, runpy, signal, sys, traceback
 import torch, transformers, vlkv.runtime.engine  # noqa: F401  (the shared imports, paid once)
 out = {}
 for script in sys.argv[1:]:
@@ -42,6 +45,8 @@ for script in sys.argv[1:]:
     r_err, w_err = os.pipe()
     pid = os.fork()
     if pid == 0:
+        torch.set_num_threads(1)
+        signal.alarm(120)
         os.close(r_out), os.close(r_err)
         os.dup2(w_out, 1), os.dup2(w_err, 2)
         sys.argv = [script, "--device", "cuda", "--dtype", "bf16"]

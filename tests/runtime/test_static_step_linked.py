@@ -94,7 +94,7 @@ def test_a_step_with_linked_entries_equals_the_eager_step(name, dtype, beside, m
     _assert_same_state(eager, static_sched, eager_reqs, static_reqs, dtype)
 
 
-def test_a_linked_steps_device_half_reads_nothing_back_and_low_rank_factors_are_refused(monkeypatch):
+def test_a_linked_steps_device_half_reads_nothing_back_and_a_swapped_out_request_is_refused(monkeypatch):
     import dataclasses
 
     from vlkv.runtime.backend import AttendIndex

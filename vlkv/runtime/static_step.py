@@ -70,7 +70,7 @@ import torch
 from torch import Tensor
 
 from vlkv.runtime.backend import StepOutput, StepStats
-from vlkv.runtime.kv.rope_table import RopeTable, rope_table, table_rows
+from vlkv.runtime.kv.rope_table import RopeTable
 from vlkv.runtime.kv.step_tables import COLUMN, fits, meta_row, table_tensors
 from vlkv.runtime.static_buffers import CAPACITY_STEP, StaticBuffers, capacity_for, reads_key, reads_parts
 from vlkv.runtime.static_factors import attend_factors, factors_key, factors_refusal
@@ -312,23 +312,17 @@ class StaticDecode:
         # or "exact", see stats_mode; reads: holes, a selection, linked entries, see reads_of and
         # static_buffers; the stacks': static_factors.factors_key, where some request holds factors)
         self._bufs: dict[tuple, StaticBuffers] = {}
-        self._rope: dict[tuple, RopeTable] = {}  # (dtype, device) → the rotary table of linked steps
         self.taken = 0
         self.refused: dict[str, int] = {}
 
     def rope_table(self, pool) -> RopeTable:
-        """The rotary table linked steps rotate by (``kv.rope_table``), built once per pool dtype and
-        device (again, larger, for a pool grown past it): it stays alive here (a graph replays against
-        its address)."""
-        spec = pool.spec
-        key = (spec.dtype, str(spec.device))
-        be = self.backend
-        rows = table_rows(be.adapter, pool.capacity(0))
-        got = self._rope.get(key)
-        if got is None or got.rows < rows:
-            got = rope_table(be.adapter, be.pos_dims, spec.head_dim, spec.dtype, spec.device, rows)
-            self._rope[key] = got
-        return got
+        """The rotary table linked and factor steps rotate by (``kv.rope_table``): the pool's
+        :meth:`~vlkv.runtime.kv.rope.Rope.table`, the one the eager step's factor reads use too (one copy
+        a model, dtype and device; a larger one for a pool grown past it). The step's buffers keep the
+        table they were made with alive (a graph replays against its address)."""
+        if pool.rope is None:  # set by the engine / scheduler before a step that links or factors
+            raise RuntimeError("a static step that rotates on read needs pool.rope (the model's rotary)")
+        return pool.rope.table(pool.keys[0], self.backend.pos_dims, pool.capacity(0))
 
     def step(self, inputs, cache, stats) -> StepOutput | None:
         """The step's :class:`StepOutput`, or None where it is not taken (nothing changed then)."""
