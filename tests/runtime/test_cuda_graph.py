@@ -19,22 +19,28 @@ TEXTS = (
     "Hi",
     "What colour is the sky today? Tell me more about it.",
     "Describe the picture.",
+    "What is in the picture?",
 )
-# the batch goes from 4 to 3 to 2 to 1 (a capture each): kvzip's request (per-head holes: a hole step's
-# buffers and graph) finishes first, then A-VL's (core=0.3 over its image: core steps of selected attention,
-# a group and graph of their own, "select"), then h2o's (statistics steps: its rows asked, the others'
-# not), then the full one runs alone (plain steps): every mode's graph in as many scheduler steps as before.
+# the batch goes from 5 to 4 to 3 to 2 to 1 (a capture each): attnpack's request (below) ends first,
+# kvzip's (per-head holes: a hole step's buffers and graph) next, then A-VL's (core=0.3 over its image:
+# core steps of selected attention, a group and graph of their own, "select"), then h2o's (statistics
+# steps: its rows asked, the others' not), then the full one runs alone (plain steps): every mode's graph
+# in as many scheduler steps as before.
 # h2o's request links (MPIC) the record of an image an earlier request computed: its keys stored pre-RoPE,
-# rotated on read, so the steps it is in are linked steps ("holes+rope" beside kvzip, then "rope")
-NEW = (4, 8, 10, 6)
+# rotated on read, so the steps it is in are linked steps ("holes+rope" beside kvzip, then "rope").
+# attnpack's request (rank 4 over its image: pre-RoPE factors, the static step's factor stacks) runs its
+# last decode steps beside them all (batch 5: factor steps, whose graph's key names the stacks' shape too)
+NEW = (4, 8, 10, 6, 4)
 POLICIES = (
     ("kvzip", {"budget": 0.5}),
     ("h2o", {"budget": 0.5}),
     ("full", {}),
     ("avl", {"budget": 0.5, "core": 0.3}),
+    ("attnpack", {"rank": 4}),
 )
-IMAGES = (None, 1, None, 0)  # A-VL's request has an image (a core to restrict to), h2o's a linked one
+IMAGES = (None, 1, None, 0, 2)  # A-VL's and attnpack's requests have an image, h2o's a linked one
 LINKED = 1  # h2o's request links its image's record
+FACTORED = 4  # attnpack's request
 # the graph replays the eager step's kernels on the same values; only the paged read's split count may
 # differ (its table is a fixed capacity wide), which at these sizes is one split either way
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -101,6 +107,9 @@ def test_graph_replay_equals_the_eager_step(dtype, monkeypatch):
         scheds.append((sched, reqs))
     (eager, eager_reqs), (graphed, graph_reqs) = scheds
     assert graph_reqs[LINKED].cached_tokens > 0 and any(la.linked for la in graph_reqs[LINKED].cache.layers)
+    packed = graph_reqs[FACTORED].cache.layers
+    assert all(la.lowrank is not None and not la.lowrank.post_rope for la in packed)  # path (a) factors
+    assert graph_reqs[FACTORED].status is Status.RUNNING
     step, calls, modes, holes = 0, 0, set(), set()
     while eager.running:
         # a scheduler step is one backend call per group (A-VL's core steps are a group of their own):
@@ -136,6 +145,8 @@ def test_graph_replay_equals_the_eager_step(dtype, monkeypatch):
     assert True in holes  # kvzip's request had holes while it ran
     reads = {key[2] for key in static.graphs._graphs}
     assert {"holes+rope", "select", "rope", None} <= reads, reads
+    # attnpack's factor steps replayed a graph of their own (the key names the factor stacks' shape)
+    assert any(len(key) == 4 for key in static.graphs._graphs), list(static.graphs._graphs)
     for a, b in zip(eager_reqs, graph_reqs):
         assert a.status is b.status is Status.FINISHED, (a.error, b.error)
         assert a.tokens == b.tokens

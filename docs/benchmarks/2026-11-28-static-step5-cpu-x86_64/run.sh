@@ -10,3 +10,6 @@ cd "$(dirname "$0")/../../.."
 export PYTHONPATH="$PWD" OMP_NUM_THREADS=1
 python scripts/count_static_step.py --batch 4 --layers 2 4 --steps 3 --policy full linked attnpack \
   > docs/benchmarks/2026-11-28-static-step5-cpu-x86_64/counts.jsonl
+# after the factor edit's due became host-known (change 4): the attnpack rows again, recounted
+python scripts/count_static_step.py --batch 4 --layers 2 4 --steps 3 --policy attnpack \
+  > docs/benchmarks/2026-11-28-static-step5-cpu-x86_64/counts-host-due.jsonl

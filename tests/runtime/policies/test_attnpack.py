@@ -155,6 +155,48 @@ def test_the_policy_decides_and_the_engine_factors(engines, images):
         FactorEdit(rank=4, importance=SCORE, rank_lo=8)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # image-only: decode steps never due (their generated entries are not factored)
+        {"compress_text": True, "recompress_every": 3},  # due every 3 steps
+        {"compress_text": True, "recompress_every": 3, "evict": "h2o", "budget": 0.5},  # fewer than the bound
+        {
+            "compress_text": True,
+            "recompress_every": 3,
+            "evict": "elastic",
+            "budget": 0.5,
+        },  # merged at prefill
+    ],
+    ids=["image", "text", "text-h2o", "text-elastic"],
+)
+def test_the_host_knows_which_samples_are_due(kw, engines, images, monkeypatch):
+    """A decode step's factor edit carries the samples due, decided on the host (no read back): at every
+    edit of a generation, the same samples the table's counts make due."""
+    from vlkv.runtime.kv import lowrank
+
+    real, seen = lowrank.apply_factor_edit, []
+
+    def checked(layer, edit):
+        if edit.due is not None:
+            counted = lowrank.factorable(layer, edit.modalities).sum(-1).amax(-1) >= edit.threshold
+            assert list(edit.due) == counted.tolist(), (len(seen), edit.due)
+            seen.append(edit.due)
+        real(layer, edit)
+
+    monkeypatch.setattr(lowrank, "apply_factor_edit", checked)  # edits.py imports it when it applies
+    engine = engines["tiny-llava"]
+    policy = make_policy("attnpack", rank=4, **kw)
+    engine.generate(_prompts(images), policy, 8, stop_at_eos=False)
+    batch = engine.encode(_prompts(images))  # and a batch of three (ragged, one without an image)
+    cache = engine.new_cache(batch)
+    engine.prefill(batch, policy, cache)
+    for step in range(1, 7):
+        engine.decode(torch.full((3,), 7), batch, policy, cache, step)
+    assert seen and any(len(d) == 3 for d in seen)  # the decode steps' edits were decided on the host
+    assert any(any(d) for d in seen) == bool(kw)  # text: recompressed through the host's decision
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_path_b_at_full_rank_gives_the_full_cache_tokens(name, engines, images):
     """Post-RoPE factors attended in the rank space: lossless at full rank, M-RoPE included."""

@@ -8,7 +8,7 @@ layers: per ``Scheduler.step()`` (what ``serve`` and ``generate`` run) and per `
 benchmarks' path), the same count at both depths. The GPU's statistics route (``paged_probs``) took
 its per-request in-place checks for requests of at least ``INPLACE_MIN`` (1024) entries, which 8k
 tokens at budget 0.2 hold and toy prompts do not: the threshold is lowered here so the toy sizes take
-the same branch.
+the same branch. AttentionPack's factor edit is counted alone: it reads nothing back.
 """
 
 from __future__ import annotations
@@ -28,6 +28,17 @@ POLICIES = {
     "elastic": {"budget": 0.2},
     "kvzip": {"budget": 0.5},  # per-head holes (its default head budgets): compressed once, then plain steps
 }
+# AttentionPack's factor edit (eager, in the commit) knows on the host whether any sample is due: it reads
+# nothing back at any depth (it read `due.any()` once per request and layer). Image-only factoring (the
+# default) and text too (its bound grows a token a step, under recompress_every in the counted steps). Its
+# whole step is not compared: on this path the factors are rebuilt densely (`LowRank.fill`, per layer);
+# the GPU's paged factor read is counted in docs/benchmarks/2026-11-28-static-step5-cpu-x86_64/
+EDITS = {
+    "attnpack": {"rank": 4},
+    "attnpack-text": {"rank": 4, "compress_text": True, "recompress_every": 64},
+}
+EDIT_SITES = ("vlkv.runtime.kv.lowrank:", "vlkv.runtime.policies.attnpack:", "vlkv.runtime.edits:")
+READ_SITES = ("vlkv.runtime.kv.lowrank:fill",)  # the dense rebuild: the read, not the edit
 LAYERS = (2, 6)
 BATCH, STEPS = 4, 3  # STEPS: A-VL's core refresh every 3 steps is one of them
 # the CPU paged read's planner (its mask shortcuts read a flag back: free on a CPU); a GPU reads through
@@ -57,7 +68,7 @@ def _prompt(engine):
 def _policy(name: str):
     from vlkv.runtime.policies import make_policy
 
-    return make_policy(name.split("-")[0], **POLICIES[name])
+    return make_policy(name.split("-")[0], **{**POLICIES, **EDITS}[name])
 
 
 def _count(step) -> dict:
@@ -130,7 +141,7 @@ def main() -> None:
                 "scheduler": _scheduler_syncs(engine, one, name),
                 "engine": _engine_syncs(engine, one, name),
             }
-            for name in POLICIES
+            for name in {**POLICIES, **EDITS}
         }
     print(json.dumps(res))
 
@@ -163,6 +174,16 @@ def test_a_decode_steps_host_syncs_do_not_grow_with_the_layers(counts, name, pat
     # a handful per request and step (the step's read back, the policy's one read of its edits), never
     # one per layer: 6 layers x 4 requests would be 24
     assert deep["syncs"] <= 3 * BATCH + 4, (name, path, deep)
+
+
+@pytest.mark.parametrize("path", ["scheduler", "engine"])
+@pytest.mark.parametrize("name", list(EDITS))
+def test_attnpacks_factor_edit_reads_nothing_back(counts, name, path):
+    for layers in LAYERS:
+        sites = counts[layers][name][path]["sites"]
+        edit = {k: n for k, n in sites.items() if k.startswith(EDIT_SITES) and not k.startswith(READ_SITES)}
+        assert edit == {}, f"{name} {path} at {layers} layers: the factor edit read back {edit} per step"
+        assert sites.get(READ_SITES[0], 0) > 0, sites  # the request holds factors: its read rebuilt them
 
 
 if __name__ == "__main__":

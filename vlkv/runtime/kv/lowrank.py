@@ -316,17 +316,44 @@ def densify(layer) -> None:
             layer.pool.release(layer.layer, ids[sh, sc], heads=sh)
 
 
-def apply_factor_edit(layer, edit) -> None:
-    """Apply a :class:`~vlkv.runtime.policies.base.FactorEdit` to ``layer``: factor the chosen dense
-    entries of every sample that is due, then set each sample's reconstruction ranks by importance."""
+def factorable(layer, modalities: frozenset[int] | None) -> Tensor:
+    """``(B, H_kv, C)`` bool: ``layer``'s valid dense (pool-held) entries of ``modalities`` (None = every
+    modality) that are no per-head hole: what a factor edit of those modalities factors."""
     want = layer.valid_mask()[:, None, :] & (layer.slots >= 0)
-    if edit.modalities is not None:
-        codes = torch.tensor(sorted(edit.modalities), dtype=layer.modality.dtype, device=layer.device)
+    if modalities is not None:
+        codes = torch.tensor(sorted(modalities), dtype=layer.modality.dtype, device=layer.device)
         want = want & torch.isin(layer.modality, codes)
     if layer.holes is not None:
         want = want & ~layer.holes
-    due = want.sum(-1).amax(-1) >= edit.threshold  # (B,)
-    if bool(due.any()):
+    return want
+
+
+def factorable_counts(layers, modalities: frozenset[int] | None) -> list[list[int]]:
+    """Per layer and sample, the most :func:`factorable` entries one KV head holds (what a factor edit's
+    ``threshold`` is compared with), read back once for every layer."""
+    if not layers:
+        return []
+    return torch.stack([factorable(layer, modalities).sum(-1).amax(-1) for layer in layers]).tolist()
+
+
+def apply_factor_edit(layer, edit) -> None:
+    """Apply a :class:`~vlkv.runtime.policies.base.FactorEdit` to ``layer``: factor the chosen dense
+    entries of every sample that is due, then set each sample's reconstruction ranks by importance.
+
+    The samples due are the edit's ``due`` where the policy decided them on the host (no read back
+    unless one is due: a decode step's edit reads nothing), else counted here (one read back)."""
+    if edit.due is None:
+        want = factorable(layer, edit.modalities)
+        due = want.sum(-1).amax(-1) >= edit.threshold  # (B,)
+        factoring = bool(due.any())
+    else:
+        if len(edit.due) != layer.batch:
+            raise ValueError(f"due: one flag per sample ({layer.batch}), got {len(edit.due)}")
+        factoring = any(edit.due)  # none due (most steps): nothing is counted or built
+        if factoring:
+            want = factorable(layer, edit.modalities)
+            due = torch.tensor(edit.due, dtype=torch.bool, device=layer.device)
+    if factoring:
         factor(layer, want & due[:, None, None], edit.rank, exact=edit.exact, post_rope=edit.post_rope)
         layer.charge_factors()
     if edit.importance is None or edit.rank_lo == edit.rank or layer.lowrank is None:

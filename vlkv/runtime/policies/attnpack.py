@@ -15,17 +15,21 @@ names any more.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
 
 from vlkv.runtime.backend import StatsRequest
 from vlkv.runtime.cache import KVCache, Modality
+from vlkv.runtime.kv.lowrank import factorable_counts
 from vlkv.runtime.policies.base import FactorEdit, Policy, check_range, layer_wide
 
 SCORE = "attnpack"
 EXTRA = "attnpack"
+# cache.policy_state key: per layer, per sample (host ints) an upper bound on the most dense entries of
+# the factored modalities one KV head holds after this step's edits; absent = unknown (counted)
+STATE_DENSE = "attnpack_dense"
 
 
 @dataclass
@@ -137,18 +141,59 @@ class AttnPackPolicy(Policy):
         )
 
     # hooks -----------------------------------------------------------------
-    def _each_layer(self, cache: KVCache, edits, factor_first: bool) -> list[tuple]:
-        """Per layer, the inner eviction's edit and the factoring, in the order they apply."""
+    def _each_layer(self, cache: KVCache, edits, factor_first: bool, due=None) -> list[tuple]:
+        """Per layer, the inner eviction's edit and the factoring, in the order they apply; ``due[l]``
+        the samples due in layer ``l`` where decided on the host (None: counted when applied)."""
         f = self._factor_edit(1 if not factor_first else self.recompress_every)
         edits = edits or [None] * len(cache.layers)
-        return [(f, e) if factor_first else (e, f) for e in edits]
+        fs = [f] * len(edits) if due is None else [replace(f, due=d) for d in due]
+        return [(fl, e) if factor_first else (e, fl) for fl, e in zip(fs, edits)]
+
+    def _decode_due(self, cache: KVCache) -> list[tuple[bool, ...]]:
+        """Per layer, which samples this decode step's factoring is due in, known on the host.
+
+        The bound of :data:`STATE_DENSE` grows by the one entry a decode step appends, where its
+        modality (generated) is factored at all (``compress_text``); image-only factoring never grows
+        it. While every bound is under ``recompress_every`` nothing is due and nothing is read; else
+        every layer's counts come back in one read (not one per layer), and the bound is exact again:
+        0 where the edit factors, the count elsewhere."""
+        edit = self._factor_edit(self.recompress_every)
+        mods, thr = edit.modalities, edit.threshold
+        grow = int(mods is None or int(Modality.GENERATED) in mods)
+        shape = [layer.batch for layer in cache.layers]
+        bound = cache.policy_state.get(STATE_DENSE)
+        if bound is not None and [len(row) for row in bound] == shape:
+            bound = [[n + grow for n in row] for row in bound]
+            if all(n < thr for row in bound for n in row):
+                cache.policy_state[STATE_DENSE] = bound
+                return [(False,) * b for b in shape]
+        counts = factorable_counts(cache.layers, mods)  # the step's one read back
+        due = [tuple(n >= thr for n in row) for row in counts]
+        cache.policy_state[STATE_DENSE] = [
+            [0 if d else n for n, d in zip(row, ds)] for row, ds in zip(counts, due)
+        ]
+        return due
 
     def after_prefill(self, cache, stats, ctx):
         self._observe(cache, stats, ctx, first=True)  # stats index the prefill table: before edits
         inner = self.inner.after_prefill(cache, stats, ctx) if self.inner is not None else None
+        # factoring at threshold 1 applies last in every layer: it leaves no dense factorable entry
+        cache.policy_state[STATE_DENSE] = [[0] * layer.batch for layer in cache.layers]
         return self._each_layer(cache, inner, factor_first=False)  # evict first: survivors are factored
 
     def after_decode(self, cache, stats, ctx):
         self._observe(cache, stats, ctx, first=False)
+        due = self._decode_due(cache)  # the table the factoring applies to: it applies first
         inner = self.inner.after_decode(cache, stats, ctx) if self.inner is not None else None
-        return self._each_layer(cache, inner, factor_first=True)
+        if any(_densifies(e) for e in inner or []):
+            # a merge densifies the layer's factors after the factoring: the bound no longer holds
+            cache.policy_state.pop(STATE_DENSE, None)
+        return self._each_layer(cache, inner, factor_first=True, due=due)
+
+
+def _densifies(item) -> bool:
+    """Whether a layer's edit (or tuple of edits) writes factored entries back dense: a merge does
+    (``LayerEdit.assign``); a selection or a cut only drops entries."""
+    if isinstance(item, tuple):
+        return any(_densifies(e) for e in item)
+    return getattr(item, "assign", None) is not None

@@ -156,6 +156,9 @@ class FactorEdit:
         exact: exact SVD instead of the randomized one.
         post_rope: factor keys after RoPE, for attention in the rank space (path (b)); default
             before RoPE, reconstructed and rotated on read (path (a)).
+        due: which samples are due (one bool per sample of the cache it is applied to), decided on the
+            host by the policy; None = the engine counts each sample's entries against ``threshold``,
+            a read back of the layer's table.
     """
 
     rank: int
@@ -167,6 +170,7 @@ class FactorEdit:
     lo_keys: bool = True
     exact: bool = False
     post_rope: bool = False
+    due: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 1 or self.threshold < 1:
