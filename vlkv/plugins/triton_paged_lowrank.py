@@ -7,7 +7,7 @@ import torch
 import triton
 from torch import Tensor
 
-from vlkv.plugins.paged_lowrank import PagedFactors, check_factors
+from vlkv.plugins.paged_lowrank import PagedFactors, check_factors, factored_span
 from vlkv.plugins.paged_lowrank_kernels import paged_lowrank_kernel
 from vlkv.plugins.paged_probs_kernels import normalise_blocks, probs_normalise_kernel
 from vlkv.plugins.triton_launch import dot_in_fp32
@@ -132,13 +132,14 @@ def _launch(q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, se
         out.zero_()
         return
     rank_k, rank_v = f.ranks
+    span = factored_span(f, lengths)  # (B, H_kv, 2): a program outside it loads no basis
     paged_lowrank_kernel[plan.grid](
         q, k_pool, v_pool, table, lengths, out, out if probs is None else probs, plan.part_m, plan.part_l,
         plan.part_acc, rot, cos, sin, table if sec is None else sec,
-        f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v,
+        f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v, span,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *table.stride(), *lengths.stride(), *out.stride(),
         *rope_strides(rope, rot, rot4, cos), *f.frow.stride(), *f.kbar.stride(), *f.dk.stride(),
-        *f.vbar.stride(), *f.dv.stride(), kv_heads, group, num_q, dim, dim_v, cols,
+        *f.vbar.stride(), *f.dv.stride(), span.stride(0), span.stride(1), kv_heads, group, num_q, dim, dim_v, cols,
         cos.shape[-1] if rope else 0, cos.shape[0] if rope else 1, rank_k, rank_v,
         SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, MROPE=sec is not None,
         LOGITS=probs is not None, BLOCK_R=rank_block(f), **plan.constexprs,
