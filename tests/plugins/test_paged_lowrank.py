@@ -1,11 +1,12 @@
 """The paged low-rank read's byte count (``paged_lowrank.factored_read_bytes``): rank-masked factor rows
-plus one basis load per (request, head) program, against the dense entries those columns would be."""
+plus one basis load per (request, head, split) program whose columns meet the row's factored span
+(``factored_span``, the kernel's test), against the dense entries those columns would be."""
 
 from __future__ import annotations
 
 import torch
 
-from vlkv.plugins.paged_lowrank import PagedFactors, factored_read_bytes
+from vlkv.plugins.paged_lowrank import PagedFactors, factored_read_bytes, factored_span
 
 
 def test_factored_columns_read_their_ranks_and_one_basis_a_program():
@@ -44,3 +45,30 @@ def test_factored_columns_read_their_ranks_and_one_basis_a_program():
     kernel, dense = factored_read_bytes(big, torch.full((1, 8), 4096), 128, 128)
     assert dense == 4 * 8 * 4096 * 256 and kernel == 4 * 8 * (4096 * 128 + 64 * 256)
     assert 0.5 < kernel / dense < 0.52
+    # four splits: every split of the 4096 columns meets the span, each loads the bases again
+    kernel4, _ = factored_read_bytes(big, torch.full((1, 8), 4096), 128, 128, num_splits=4)
+    assert kernel4 == kernel + 4 * 8 * 3 * 64 * 256
+
+
+def test_only_splits_that_meet_the_factored_span_load_the_bases():
+    # one request, one head, 64 columns of which 10..19 are factored; split by 4 (16 columns each): only
+    # split 0 (0..15) and split 1 (16..31) meet the span; a second request holds none
+    frow = torch.full((2, 1, 64), -1, dtype=torch.long)
+    frow[0, 0, 10:20] = torch.arange(10)
+    lengths = torch.tensor([[64], [64]])
+    f = PagedFactors(
+        frow,
+        torch.zeros(10, 4),
+        torch.zeros(2, 4, 8),
+        torch.zeros(10, 2),
+        torch.zeros(2, 2, 8),
+        torch.full((10,), 4),
+        torch.full((10,), 2),
+    )
+    assert factored_span(f, lengths).tolist() == [[[10, 20]], [[64, 0]]]
+    kernel, dense = factored_read_bytes(f, lengths, 8, 8, num_splits=4, block_n=16)
+    assert kernel == 4 * (10 * (4 + 2) + 2 * (4 * 8 + 2 * 8))
+    assert dense == 4 * 10 * 16
+    # past the length nothing is factored: no program loads the bases
+    none, _ = factored_read_bytes(f, torch.tensor([[10], [64]]), 8, 8, num_splits=4, block_n=16)
+    assert none == 0

@@ -94,6 +94,25 @@ def test_the_kernel_equals_the_reference(case, dtype, form, num_splits):
     assert (skip.float() - want.float()).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("form", ["post", "rope-1d"])
+def test_splits_outside_the_factored_span_skip_the_bases(form):
+    """Factored columns only in 8..23 of request 1 (three splits of 81 columns: the later splits and
+    request 0's programs load no basis): the result is still the reference's."""
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(8)
+    args = CASES[0].make(dtype)
+    factors = with_factors(args, g, dtype)
+    cols = torch.arange(factors.frow.shape[-1])
+    frow = torch.where((cols >= 8) & (cols < 24), factors.frow, -1)
+    f = PagedFactors(frow, *list(vars(factors).values())[1:])
+    assert bool((f.frow[1] >= 0).any())
+    ref_rope, rope = rope_args(args, f, form, g, dtype)
+    want = paged_lowrank_reference(**args, factors=f, **ref_rope)
+    for splits in (1, 3):
+        got = tpl.paged_lowrank_triton(**args, factors=f, num_splits=splits, **rope)
+        assert_close_tol(got, want, OUT_TOL, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_without_factored_columns_it_is_the_paged_read(dtype):
     g = torch.Generator().manual_seed(4)

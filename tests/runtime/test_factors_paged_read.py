@@ -1,12 +1,14 @@
 """AttentionPack's decode steps on the Triton path read their pre-RoPE factors in place
 (``StepContext.reads_factors_paged`` → ``triton_paged_lowrank``, the forced-Triton engine under the
-interpreter): an attnpack request batched beside a full and an h2o request gives the tokens it gave when
-its factored rows were rebuilt densely (``LowRank.fill``, ``PAGED_FACTORS`` off), and so do its
-neighbours; 1-D RoPE (tiny-llava) and M-RoPE (tiny-qwen2-vl)."""
+interpreter): an attnpack request batched beside a full and an h2o request gives the logits (every step's,
+within the dtype's tolerance: the kernel sums the values in the rank space where the rebuild rounds each
+row) and tokens it gave when its factored rows were rebuilt densely (``LowRank.fill``, ``PAGED_FACTORS``
+off), and so do its neighbours; 1-D RoPE (tiny-llava) and M-RoPE (tiny-qwen2-vl)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import vlkv.runtime.step_context as step_context
 from vlkv.plugins.ops import FORCE_TRITON_ENV
@@ -18,6 +20,9 @@ from vlkv.runtime.scheduler import Scheduler
 pytest.importorskip("triton", reason="the triton extra is part of vlkv[dev]")
 
 NEW = 4
+# logits of the paged read against the dense rebuild (fp32 models): the values' rank-space sum differs
+# from the rounded rows' in the last bits, through every layer; measured within 1e-5 on both models
+LOGIT_TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4)}
 SPECS = (("attnpack", {"rank": 4, "exact": True}), ("full", {}), ("h2o", {"budget": 0.5}))
 
 
@@ -37,7 +42,23 @@ def triton_engines():
     mp.undo()
 
 
-def _tokens(engine, images) -> list[list[int]]:
+def _tokens(engine, images) -> tuple[list[list[int]], list]:
+    """Each request's tokens, and every backend step's logits in order."""
+    logits, real = [], engine.backend.step
+
+    def step(inputs, cache, stats=None):
+        out = real(inputs, cache, stats)
+        logits.append(out.logits.detach().clone())
+        return out
+
+    engine.backend.step = step
+    try:
+        return _run(engine, images), logits
+    finally:
+        del engine.backend.step  # the instance attribute off: the class's method again
+
+
+def _run(engine, images) -> list[list[int]]:
     sched = Scheduler(engine)
     # one image (the factored one): the interpreter's launches cost by the columns they walk
     prompts = [
@@ -70,16 +91,20 @@ def test_attnpack_beside_full_and_h2o_reads_its_factors_paged_with_the_same_toke
     fills, fill = [], lowrank.LowRank.fill
     monkeypatch.setattr(lowrank.LowRank, "fill", lambda *a, **k: fills.append(1) or fill(*a, **k))
     monkeypatch.setattr(step_context, "PAGED_FACTORS", False)
-    dense = _tokens(engine, images)
+    dense, dense_logits = _tokens(engine, images)
     assert not launches
     rebuilt = len(fills)
     fills.clear()
     monkeypatch.setattr(step_context, "PAGED_FACTORS", True)
-    paged = _tokens(engine, images)
+    paged, paged_logits = _tokens(engine, images)
     # every decode step after the first reads each layer's factors through the kernel (statistics: attnpack
     # asks for them every step); the dense rebuild is left to the factoring itself
     layers = engine.backend.num_layers
     assert len(launches) >= (NEW - 1) * layers
     assert len(fills) <= rebuilt - (NEW - 1) * layers
     assert paged == dense
+    assert len(paged_logits) == len(dense_logits) >= NEW
+    dtype = paged_logits[0].dtype
+    for step, (got, want) in enumerate(zip(paged_logits, dense_logits)):
+        torch.testing.assert_close(got, want, **LOGIT_TOL[dtype], msg=f"step {step}")
     assert all(len(t) == NEW for t in paged)

@@ -3,7 +3,8 @@
 interpreter: attnpack beside a full and an h2o request (a statistics step, every step: attnpack asks for
 statistics), 1-D RoPE (tiny LLaVA, fp32 and bf16) and M-RoPE (tiny Qwen2-VL, fp32), and beside a kvzip
 (per-head holes in another request) and a full request (tiny LLaVA fp32): the same logits,
-attended counts, statistics, tokens, tables and K/V rows; the policy's factor edit runs eagerly between
+attended counts, statistics, tokens, tables and K/V rows; two attnpack requests (the second's rows at an
+offset past the first's) beside a full one, the first finishing mid-run; the policy's factor edit runs eagerly between
 steps (the stacks copied again only where it changed them); the device half reads nothing back."""
 
 from __future__ import annotations
@@ -106,6 +107,70 @@ def test_an_attnpack_step_equals_the_eager_step(name, dtype, beside, monkeypatch
     for a, b in zip(eager_reqs[0].cache.layers, static_reqs[0].cache.layers):
         fa, fb = a.lowrank.samples[0], b.lowrank.samples[0]
         assert torch.equal(fa.rank_k, fb.rank_k) and torch.equal(fa.rank_v, fb.rank_v)
+
+
+ATTNPACK2 = ("attnpack", {"rank": 2, "exact": True})
+
+
+def test_two_attnpack_requests_one_finishing_mid_run_equal_the_eager_step(monkeypatch):
+    """Two attnpack requests (different images, ranks 4 and 2) beside a full one: the second's factor
+    rows start past the first's (``offset > 0``: ``frow = offset - 1 - slot`` and the position scatter at
+    ``start - 1 - slot``). The first stops after one decode step, so from then on the second's rows start
+    at 0. Each step's logits, and the last layer's ``frow`` and rotated positions, are the eager step's
+    (``kv/paged_factors.paged_lowrank_tables`` as the eager step built them)."""
+    import vlkv.runtime.step_context as step_context
+
+    engine = _engine("tiny-llava", torch.float32, monkeypatch)
+    outs = _recorded(engine)
+    built = []
+    real = step_context.paged_lowrank_tables
+
+    def record(layer):
+        built.append(real(layer))
+        return built[-1]
+
+    monkeypatch.setattr(step_context, "paged_lowrank_tables", record)
+
+    def running() -> tuple[Scheduler, list[Request]]:
+        sched = Scheduler(engine, pool_bytes=1 << 23)
+        specs = ((ATTNPACK, [make_image(0)], 16), (ATTNPACK2, [make_image(1)], 16), (FULL, [], 16))
+        reqs = [
+            sched.submit(Request(Prompt(t, im), make_policy(p, **kw), n, stop_at_eos=False))
+            for t, ((p, kw), im, n) in zip(TEXTS, specs)
+        ]
+        with _torch_path():
+            for _ in range(2 * len(reqs)):
+                if len(sched.running) == len(reqs):
+                    break
+                sched.step()
+        assert len(sched.running) == len(reqs)
+        reqs[0].max_new_tokens = len(reqs[0].tokens) + 1  # its next token (decode step 0) is its last
+        return sched, reqs
+
+    eager, eager_reqs = running()
+    static_sched, static_reqs = running()
+    static = StaticDecode(engine.backend, capacity_step=64)
+    for step in range(STEPS):
+        holders = 2 if step == 0 else 1
+        built.clear()
+        pairs = _paired_groups(engine, eager, static_sched, static, outs)
+        _, _, _, rope, _, want = built[-1]  # the eager step's last layer
+        for w, g in pairs:
+            torch.testing.assert_close(g.logits, w.logits, **TOL[torch.float32], msg=f"step {step}")
+        (bufs,) = (
+            b for key, b in static._bufs.items() if len(key) > 3 and key[0] == holders + 1
+        )  # this step's group: three requests, then two
+        has = bufs.factors.has[-1]
+        assert int(has.sum()) == holders, step
+        n = want.frow.shape[2]
+        assert torch.equal(bufs.factors.frow[..., :n], want.frow), step
+        assert not bool((bufs.factors.frow[..., n:] >= 0).any())
+        assert torch.equal(bufs.rot[..., :n, 0], rope["rot"]), step
+        if holders == 2:  # the second request's rows follow the first's
+            assert int(bufs.factors.offset[-1, 1]) > 0
+            assert int(want.frow[1].max()) >= int(bufs.factors.offset[-1, 1])
+    assert eager_reqs[0].done and static_reqs[0].done
+    _assert_same_state(eager, static_sched, eager_reqs[1:], static_reqs[1:], torch.float32)
 
 
 def test_an_attnpack_steps_device_half_reads_nothing_back_and_its_stacks_follow_the_edits(monkeypatch):

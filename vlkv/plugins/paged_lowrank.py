@@ -110,6 +110,29 @@ def factored_columns(f: PagedFactors, lengths: Tensor) -> Tensor:
     return (f.frow >= 0) & (cols < lengths.to(f.frow.device)[..., None])
 
 
+def factored_span(f: PagedFactors, lengths: Tensor) -> Tensor:
+    """``(B, H_kv, 2)`` int32: each row's first factored column and one past its last (``C, 0`` where it
+    holds none). A kernel program whose columns miss this span loads no basis."""
+    fac = factored_columns(f, lengths)
+    c = fac.shape[-1]
+    if c == 0:  # no columns: nothing held (amin of nothing is an error)
+        return torch.zeros(*fac.shape[:2], 2, dtype=torch.int32, device=fac.device)
+    cols = torch.arange(c, device=fac.device)
+    first = torch.where(fac, cols, c).amin(-1)
+    after = torch.where(fac, cols + 1, 0).amax(-1)
+    return torch.stack([first, after], -1).to(torch.int32).contiguous()
+
+
+def split_ranges(lengths: Tensor, num_splits: int, block_n: int) -> tuple[Tensor, Tensor]:
+    """``(start, stop)`` each ``(B, H_kv, num_splits)``: the columns each split of a row walks, as the
+    kernel cuts a decode row (its length in ``num_splits`` parts, rounded up to ``block_n``)."""
+    n = lengths.long().clamp_min(0)[..., None]
+    per = (n + num_splits - 1) // num_splits
+    per = (per + block_n - 1) // block_n * block_n
+    start = torch.arange(num_splits, device=n.device) * per
+    return start, torch.minimum(start + per, n)
+
+
 def rebuild(bar: Tensor, rank: Tensor, basis: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
     """Each column's entry from its factor row: ``bar (N, R)`` rows ``rows (B, H_kv, C)`` (clamped to
     >= 0), masked past ``rank (N,)``, times request b's head-h slice of ``basis (B, R, H_kv·D)``, in
@@ -177,19 +200,26 @@ def paged_lowrank_kv(
     return k, v, vis
 
 
-def factored_read_bytes(factors: PagedFactors, lengths: Tensor, head_dim: int, dim_v: int) -> tuple[int, int]:
-    """``(kernel, dense)``: bytes the low-rank kernel loads for the factored columns of one call, against
-    the bytes the same columns would read as dense pool entries (``(D + D_v)`` a column and head).
+def factored_read_bytes(
+    factors: PagedFactors, lengths: Tensor, head_dim: int, dim_v: int, num_splits: int = 1, block_n: int = 16
+) -> tuple[int, int]:
+    """``(kernel, dense)``: bytes the low-rank kernel loads for the factored columns of one decode call
+    cut in ``num_splits`` splits of ``block_n``-rounded columns (the launch's), against the bytes the same
+    columns would read as dense pool entries (``(D + D_v)`` a column and head).
 
     Counted per (column, head), as each KV head's program loads them (no sharing across heads assumed):
     a factored column reads its row's ``rank_k + rank_v`` components (loads past a row's rank are
-    masked); each (request, head) program holding a factored column loads its basis slices once,
-    ``R_k·D + R_v·D_v`` (the keys' permuted partner slice re-reads the same bytes). ``lengths (B, H_kv)``."""
+    masked); each (request, head, split) program whose columns meet the row's factored span
+    (:func:`factored_span`, the kernel's test) loads its basis slices, ``R_k·D + R_v·D_v`` (the keys'
+    permuted partner slice re-reads the same bytes); one row tile of query heads per program (``G <=
+    64``). ``lengths (B, H_kv)``."""
     fac = factored_columns(factors, lengths)  # (B, H_kv, C)
     item = factors.kbar.element_size()
     rows = factors.frow[fac]
     components = int((factors.rank_k[rows] + factors.rank_v[rows]).sum())
     rank_k, rank_v = factors.ranks
-    programs = int(fac.any(-1).sum())
+    span = factored_span(factors, lengths).long()
+    start, stop = split_ranges(lengths, num_splits, block_n)
+    programs = int(((span[..., :1] < stop) & (span[..., 1:] > start)).sum())
     kernel = (components + programs * (rank_k * head_dim + rank_v * dim_v)) * item
     return kernel, int(fac.sum()) * (head_dim + dim_v) * item

@@ -2,9 +2,12 @@
 reference): ``paged_attention_kernels``' paged read, where a column whose ``frow`` is ``>= 0`` is rebuilt
 from its factor row instead of loaded from a slot.
 
-Grid and online softmax as the paged read's (``flash_tiles``). A program (request ``b``, KV head ``h``)
-loads its request's basis slices once, ``D_k[:, h·D : (h+1)·D]`` (``(BLOCK_R, BLOCK_D)``; with rotation
-also its rotate-half column permutation) and ``D_v``'s; then per tile of ``BLOCK_N`` columns:
+Grid and online softmax as the paged read's (``flash_tiles``). A program (request ``b``, KV head ``h``,
+split) whose column range meets its row's factored span (``span (B, H_kv, 2)`` int32: first factored
+column, one past the last; ``C, 0`` where none) loads its request's basis slices once,
+``D_k[:, h·D : (h+1)·D]`` (``(BLOCK_R, BLOCK_D)``; with rotation also its rotate-half column permutation)
+and ``D_v``'s; any other program (a dense request's, a split outside the image) loads none (masked) and
+skips the rank-space work. Then per tile of ``BLOCK_N`` columns:
 
 - keys: the tile's factor rows ``K̄ (BLOCK_N, BLOCK_R)`` (columns past each row's rank masked) by the
   slice, one ``tl.dot``, rounded to the pool's dtype (the entry path (a) would rebuild), then rotated by
@@ -13,8 +16,9 @@ also its rotate-half column permutation) and ``D_v``'s; then per tile of ``BLOCK
   not factor through the rank space, so keys are rebuilt per row; a tile with no factored column (a
   dense neighbour's, the text) skips this (a runtime branch);
 - values: accumulated in the rank space, ``acc_r += p·V̄`` (``(BLOCK_M, BLOCK_R)``, rescaled with the
-  dense accumulator), and ``acc += acc_r·D_v`` once at the end: a factored row reads ``R`` values, not
-  ``D``. Linear, so a split's partial triple stays mergeable by ``combine_splits_kernel``.
+  dense accumulator; a tile without factored columns skips it), and ``acc += acc_r·D_v`` once at the
+  end: a factored row reads ``R`` values, not ``D``. Linear, so a split's partial triple stays mergeable
+  by ``combine_splits_kernel``.
 
 With ``LOGITS`` (one query row: a statistics step) it also stores each block's scaled logits into the
 ``(B, H_kv, G, C)`` fp32 buffer and its (max, sum) per row, as ``paged_probs_kernels.paged_probs_kernel``
@@ -32,9 +36,10 @@ import triton.language as tl
 from vlkv.plugins.flash_tiles import block_logits, query_tile, store_tile
 from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS, rope_on_load, rotate_pair, round_to
 
-# besides the paged read's: the frow table's strides grow with it, and the stacked rows' count changes
-# with every request's factoring (not specialised: no new binary mid-run)
-LOWRANK_PER_STEP = (*PER_STEP_INTS, "sfb", "sfh")
+# besides the paged read's: the frow table's strides grow with the columns, and the padded ranks (RK, RV)
+# and with them the stacked rows' and bases' strides change with every request's factoring; Triton
+# specialises an int on == 1 and divisibility by 16, so any of these would pick a new binary mid-run
+LOWRANK_PER_STEP = (*PER_STEP_INTS, "sfb", "sfh", "skbn", "sdkb", "svbn", "sdvb", "RK", "RV")
 
 
 @triton.jit
@@ -69,9 +74,9 @@ def rank_dot(a, basis, IEEE: tl.constexpr):
 def paged_lowrank_kernel(
     q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, logit_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     rot_ptr, cos_ptr, sin_ptr, sec_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr,
-    sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
+    span_ptr, sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
     stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, srp, scr, scd,
-    sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc,
+    sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc, ssb, ssh,
     HKV, GROUP, Q, D, DV, COLS, DR, NR, RK, RV,
     SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
     MROPE: tl.constexpr, LOGITS: tl.constexpr,
@@ -83,18 +88,22 @@ def paged_lowrank_kernel(
     b, kvh, r, heads, qi, q = query_tile(q_ptr, sqb, sqh, sqm, sqd, HKV, GROUP, Q, D, BLOCK_M, BLOCK_D)
     dims = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    # the request's basis slices for this head, loaded once for every column the program walks
-    dk = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, dims, D, RK, BLOCK_R)
-    half = DR // 2
-    partner = tl.where(dims < DR, tl.where(dims < half, dims + half, dims - half), dims)
-    dk2 = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, partner, D, RK, BLOCK_R)
-    vbasis = basis_slice(dvb_ptr, b, kvh, sdvb, sdvr, sdvc, dv, DV, RV, BLOCK_R)
     length = tl.minimum(tl.maximum(tl.load(len_ptr + b * slb + kvh * slh).to(tl.int32), 0), COLS)
     limit = tl.where(r < GQ, length - Q + 1 + qi, 0)
     stop_all = tl.minimum(tl.max(limit, 0), length)
     per_split = tl.cdiv(tl.cdiv(stop_all, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = tl.program_id(2) * per_split
     stop = tl.minimum(start + per_split, stop_all)
+    # the request's basis slices for this head, loaded once for every column the program walks, and only
+    # where its range meets the row's factored span: elsewhere every load is masked (no bytes moved)
+    first = tl.load(span_ptr + b * ssb + kvh * ssh)
+    after = tl.load(span_ptr + b * ssb + kvh * ssh + 1)
+    holds = (first < stop) & (after > start)
+    dk = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, dims, D, tl.where(holds, RK, 0), BLOCK_R)
+    half = DR // 2
+    partner = tl.where(dims < DR, tl.where(dims < half, dims + half, dims - half), dims)
+    dk2 = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, partner, D, tl.where(holds, RK, 0), BLOCK_R)
+    vbasis = basis_slice(dvb_ptr, b, kvh, sdvb, sdvr, sdvc, dv, DV, tl.where(holds, RV, 0), BLOCK_R)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
@@ -117,7 +126,8 @@ def paged_lowrank_kernel(
                 cos_ptr, sin_ptr, scr, scd, DR, NR, MROPE,
             )  # fmt: skip
         # a tile without factored columns (a dense request's, or past the image) skips the rebuild's dots
-        if tl.max(fac.to(tl.int32), 0) > 0:
+        any_fac = tl.max(fac.to(tl.int32), 0) > 0
+        if any_fac:
             kb = factor_rows(kbar_ptr, rk_ptr, fr, fac, skbn, skbr, RK, BLOCK_R)
             kf = round_to(rank_dot(kb, dk, IEEE), k.dtype)  # the entry path (a) rebuilds
             if HAS_ROPE:
@@ -133,7 +143,6 @@ def paged_lowrank_kernel(
             mask=dense[:, None] & (dv[None, :] < DV),
             other=0.0,
         )
-        vb = factor_rows(vbar_ptr, rv_ptr, fr, fac, svbn, svbr, RV, BLOCK_R)
         seen = (dense | fac)[None, :] & (col[None, :] < limit[:, None])
         s = block_logits(q, k, seen, SCALE, IEEE)
         if LOGITS:  # a statistics step (Q = 1): the scaled logits kept for the normalise pass
@@ -148,17 +157,18 @@ def paged_lowrank_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            pr = tl.dot(p, vb.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-            pr = tl.dot(p.to(vb.dtype), vb)
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
-        acc_r = acc_r * alpha[:, None] + pr
+        acc_r = acc_r * alpha[:, None]
+        if any_fac:  # the factored columns' values, in the rank space
+            vb = factor_rows(vbar_ptr, rv_ptr, fr, fac, svbn, svbr, RV, BLOCK_R)
+            if IEEE:
+                acc_r += tl.dot(p, vb.to(tl.float32), input_precision="ieee")
+            else:
+                acc_r += tl.dot(p.to(vb.dtype), vb)
         m_i = m_new
-    # back from the rank space once: (Σ p·V̄)·D_v, in fp32
-    acc += tl.dot(acc_r, vbasis.to(tl.float32), input_precision="ieee")
+    if holds:  # back from the rank space once: (Σ p·V̄)·D_v, in fp32
+        acc += tl.dot(acc_r, vbasis.to(tl.float32), input_precision="ieee")
     store_tile(
         acc, m_i, l_i, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sob, soh, som, sod,
         b, heads, qi, r, GQ, DV, NUM_SPLITS, BLOCK_DV,

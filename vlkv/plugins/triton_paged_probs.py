@@ -43,49 +43,12 @@ def paged_probs_triton(
     vis_out: likewise a contiguous ``(B, H_kv, 1, C)`` bool tensor for the held columns (``with_vis``).
     """
     group, rope, rot4, rot, cos, sin = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
-    batch, heads, num_q, dim = q.shape
-    if num_q != 1:
-        raise ValueError(f"paged_probs_triton takes one query row per request, got {num_q}")
-    kv_heads, dim_v, cols = k_pool.shape[0], v_pool.shape[-1], table.shape[-1]
+    kv_heads, dim, dim_v, cols = k_pool.shape[0], q.shape[3], v_pool.shape[-1], table.shape[-1]
     table, lengths = table.to(q.device), lengths.to(q.device)
-    pairs = batch * kv_heads
-    block_m, block_n, block_d, block_dv = tile_sizes(group, dim, dim_v)
-    grid_m = triton.cdiv(group, block_m)
-    if num_splits is None:
-        num_splits = default_num_splits(pairs * grid_m, cols, block_n)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    # (max, sum) per split and row even with one split (the normalise pass reads them); the accumulator
-    # only with several (one split writes the output itself)
-    part_m, part_l, part_acc = _partials(pairs * num_splits * group, dim_v if num_splits > 1 else 0, q.device)
-    plan = SplitPlan(
-        (pairs, grid_m, num_splits), block_m, block_n, block_d, block_dv, part_m, part_l, part_acc
-    )
-    out = torch.empty(batch, heads, 1, dim_v, dtype=q.dtype, device=q.device)
-    probs = probs_out
-    if probs is None:
-        probs = torch.empty(batch, kv_heads, group, cols, dtype=torch.float32, device=q.device)
-    elif probs.shape != (batch, kv_heads, group, cols) or probs.dtype != torch.float32:
-        raise ValueError(
-            f"probs_out must be ({batch}, {kv_heads}, {group}, {cols}) float32, got "
-            f"{tuple(probs.shape)} {probs.dtype}"
-        )
-    elif not probs.is_contiguous():  # the kernels index it densely (no strides passed)
-        raise ValueError("probs_out must be contiguous")
-    vis = None
-    if with_vis and vis_out is None:
-        vis = torch.empty(batch, kv_heads, 1, cols, dtype=torch.bool, device=q.device)
-    elif with_vis:
-        if vis_out.shape != (batch, kv_heads, 1, cols) or vis_out.dtype != torch.bool:
-            raise ValueError(
-                f"vis_out must be ({batch}, {kv_heads}, 1, {cols}) bool, got "
-                f"{tuple(vis_out.shape)} {vis_out.dtype}"
-            )
-        if not vis_out.is_contiguous():  # the normalise pass indexes it densely
-            raise ValueError("vis_out must be contiguous")
-        vis = vis_out
-    if pairs == 0 or cols == 0:
-        return out.zero_(), probs, None if vis is None else vis.zero_()
+    plan, out, probs, vis = stats_buffers(q, kv_heads, dim_v, cols, num_splits, with_vis, probs_out, vis_out)
+    if plan is None:  # nothing to read
+        return out, probs, vis
+    part_m, part_l, part_acc = plan.part_m, plan.part_l, plan.part_acc
     paged_probs_kernel[plan.grid](
         q, k_pool, v_pool, table, lengths, out, probs, part_m, part_l, part_acc, rot, cos, sin,
         table if sec is None else sec,
@@ -95,17 +58,85 @@ def paged_probs_triton(
         SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, MROPE=sec is not None,
         **plan.constexprs,
     )  # fmt: skip
-    # the splits' outputs merged by the normalise pass's first program per pair where one row tile holds
-    # the group (G <= 64: every common model), else by their own launch
+    normalise_probs(plan, probs, table, lengths, vis, out, kv_heads)
+    return out, probs, vis
+
+
+def stats_buffers(
+    q: Tensor,
+    kv_heads: int,
+    dim_v: int,
+    cols: int,
+    num_splits: int | None,
+    with_vis: bool,
+    probs_out: Tensor | None,
+    vis_out: Tensor | None,
+) -> tuple[SplitPlan | None, Tensor, Tensor, Tensor | None]:
+    """A statistics read's launch plan and buffers (shared by ``paged_probs_triton`` and
+    ``triton_paged_lowrank``): ``(plan, out (B, H_q, 1, D_v), probs (B, H_kv, G, C) float32, vis (B, H_kv,
+    1, C) bool or None)``, ``probs``/``vis`` the given buffers once checked (contiguous, of those shapes
+    and dtypes) or new ones. The plan keeps (max, sum) per split and row even with one split (the
+    normalise pass reads them), the accumulator only with several. ``plan`` None: nothing to read (no
+    pair or no column), ``out`` and ``vis`` zeroed."""
+    batch, heads, num_q, dim = q.shape
+    if num_q != 1:
+        raise ValueError(f"a statistics read takes one query row per request, got {num_q}")
+    group = heads // max(kv_heads, 1)
+    pairs = batch * kv_heads
+    block_m, block_n, block_d, block_dv = tile_sizes(group, dim, dim_v)
+    grid_m = triton.cdiv(group, block_m)
+    if num_splits is None:
+        num_splits = default_num_splits(pairs * grid_m, cols, block_n)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    part_m, part_l, part_acc = _partials(pairs * num_splits * group, dim_v if num_splits > 1 else 0, q.device)
+    plan = SplitPlan(
+        (pairs, grid_m, num_splits), block_m, block_n, block_d, block_dv, part_m, part_l, part_acc
+    )
+    out = torch.empty(batch, heads, 1, dim_v, dtype=q.dtype, device=q.device)
+    probs = _checked(probs_out, (batch, kv_heads, group, cols), torch.float32, "probs_out", q.device)
+    vis = _checked(vis_out, (batch, kv_heads, 1, cols), torch.bool, "vis_out", q.device) if with_vis else None
+    if pairs == 0 or cols == 0:
+        return None, out.zero_(), probs, None if vis is None else vis.zero_()
+    return plan, out, probs, vis
+
+
+def _checked(buf: Tensor | None, shape: tuple, dtype: torch.dtype, name: str, device) -> Tensor:
+    """``buf`` checked against ``shape`` and ``dtype`` and contiguous (the kernels index it densely, no
+    strides passed), or a new tensor of them."""
+    if buf is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(buf.shape) != shape or buf.dtype != dtype:
+        raise ValueError(f"{name} must be {shape} {dtype}, got {tuple(buf.shape)} {buf.dtype}")
+    if not buf.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return buf
+
+
+def normalise_probs(
+    plan: SplitPlan,
+    probs: Tensor,
+    held: Tensor,
+    lengths: Tensor,
+    vis: Tensor | None,
+    out: Tensor,
+    kv_heads: int,
+) -> None:
+    """The normalise pass over a statistics read's logits in ``probs`` (``held (B, H_kv, C)``: a column
+    is held where ``>= 0``), writing ``vis`` where given. The splits' outputs are merged by its first
+    program per pair where one row tile holds the group (``G <= 64``: every common model), else by their
+    own launch first."""
+    pairs, grid_m, num_splits = plan.grid
+    group = probs.shape[2]
+    cols = probs.shape[3]
     combine = num_splits > 1 and grid_m == 1
     if not combine:
         combine_splits(plan, out, kv_heads, group)
     block_g, block_c = normalise_blocks(group)
     probs_normalise_kernel[(pairs, triton.cdiv(cols, block_c))](
-        probs, table, lengths, probs if vis is None else vis, part_m, part_l, part_acc, out,
-        *table.stride(), *lengths.stride(), out.stride(0), out.stride(1), out.stride(3),
-        kv_heads, group, dim_v, cols,
+        probs, held, lengths, probs if vis is None else vis, plan.part_m, plan.part_l, plan.part_acc, out,
+        *held.stride(), *lengths.stride(), out.stride(0), out.stride(1), out.stride(3),
+        kv_heads, group, out.shape[3], cols,
         NUM_SPLITS=num_splits, WRITE_VIS=vis is not None, COMBINE=combine,
-        BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_M=block_m, BLOCK_DV=block_dv,
+        BLOCK_G=block_g, BLOCK_C=block_c, BLOCK_M=plan.block_m, BLOCK_DV=plan.block_dv,
     )  # fmt: skip
-    return out, probs, vis

@@ -13,8 +13,10 @@ from vlkv.plugins.paged_lowrank import paged_lowrank_reference
 from vlkv.plugins.paged_reference import paged_attention_reference
 from vlkv.runtime.cache import LayerKV, Modality
 from vlkv.runtime.kv.lowrank import factor, set_ranks
-from vlkv.runtime.kv.paged_factors import paged_lowrank_tables
+from vlkv.runtime.kv.paged import paged_tables
+from vlkv.runtime.kv.paged_factors import paged_lowrank_tables, stack_factors
 from vlkv.runtime.kv.rope_table import RopeTable, table_as_rows
+from vlkv.runtime.op_count import count_ops
 
 H, D, RANK = 2, 16, 6  # the tiny models' KV heads and head dim
 LENGTHS = (14, 6, 17)  # ragged: sample 1 holds no image
@@ -139,3 +141,31 @@ def test_a_layer_without_factors_reads_the_plain_tables(ropes):
     table, lengths, _, rope, host, factors = paged_lowrank_tables(layer)
     assert factors is None and rope == {} and host.lengths == [[4, 4], [3, 3]]
     assert torch.equal(table[1, :, :3], layer.slots[1, :, :3])
+
+
+@pytest.mark.parametrize("pos_dims", [1, 3], ids=["rope-1d", "mrope"])
+def test_the_table_build_reads_nothing_back(ropes, pos_dims):
+    """With pre-RoPE factored columns and linked entries the builder takes the rotary table form only:
+    :func:`paged_tables`' row form (its ``pre.any()``, mask gather and largest-position read) is not
+    built, so no sync; the plain build of the same layer does sync."""
+    layer = build_layer(ropes[pos_dims], pos_dims, torch.float32)
+    paged_lowrank_tables(layer)  # the rotary table built once (a grown table is a one-time cost)
+    with count_ops() as c:
+        _, _, _, rope, _, factors = paged_lowrank_tables(layer)
+    assert factors is not None and rope["rot"].shape[:3] == factors.frow.shape
+    assert c.syncs == 0, dict(c.sites)
+    with count_ops() as plain:
+        paged_tables(layer)
+    assert plain.syncs > 0
+
+
+def test_a_layer_whose_factors_were_all_pruned_reads_the_plain_tables(ropes):
+    layer = build_layer(ropes[1], 1, torch.float32)
+    want = paged_tables(layer)
+    layer.lowrank.samples = [None] * len(layer.lowrank.samples)  # what LowRank.prune may leave
+    table, lengths, attended, rope, host, factors = paged_lowrank_tables(layer)
+    assert factors is None
+    assert torch.equal(table, want[0]) and torch.equal(lengths, want[1]) and host == want[4]
+    assert rope.keys() == want[3].keys() and all(torch.equal(rope[k], want[3][k]) for k in rope)
+    with pytest.raises(ValueError, match="no sample holds factors"):
+        stack_factors([None, None], table, torch.float32)

@@ -4,7 +4,8 @@
 per-KV-head slot tables; :func:`paged_tables` builds those arguments from a
 :class:`~vlkv.runtime.cache.LayerKV` or a scheduler's batch view (:class:`~vlkv.runtime.kv.batch.LayerBatch`)
 without reading any K/V: holes become ``-1`` slots, and linked (pre-RoPE) entries get one cos/sin row
-each at the position their cache gives them.
+each at the position their cache gives them. Low-rank factor rows stay negative slots here;
+``kv/paged_factors`` names them for the paged low-rank read.
 
 On fp32 CPU pools a decode layer skips both that table build and the Python append:
 ``vlkv.runtime.fused_append.fused_decode_row`` hands the new rows, the caches' own tables and holes to
@@ -31,12 +32,14 @@ class PagedHost:
     holes: bool
 
 
-def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost]:
+def paged_tables(layer, rope: bool = True) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost]:
     """What ``ops.paged_attention`` reads for a layer (or a batch view) in a decode step:
     ``table (B, H_kv, n)``, its slot table with ``-1`` at holes (``n`` its longest row),
     ``lengths (B, H_kv)``, ``attended (B,)`` float64, the entries a row attends (mean over heads), the
-    op's pre-RoPE keywords (``rot``, ``cos``, ``sin``; empty when no entry is stored pre-RoPE), and
-    :class:`PagedHost`, what the host already knows of the lengths (so the ops route without reads)."""
+    op's pre-RoPE keywords (``rot``, ``cos``, ``sin``; empty when no entry is stored pre-RoPE, or
+    without ``rope``: a caller that builds the rotary table form itself, ``kv/paged_factors``, skips the
+    row form's mask read back, gather and largest-position read), and :class:`PagedHost`, what the host
+    already knows of the lengths (so the ops route without reads)."""
     n = layer.max_length
     table = layer.table(n)
     lengths = layer.lengths
@@ -46,10 +49,20 @@ def paged_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost]:
     wide = lengths[:, None].expand(-1, table.shape[1])
     rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
     heads = table.shape[1]
-    # a -1 slot inside a length is a hole (masked above) or a low-rank factor row (not read paged)
+    # a negative slot inside a length is a hole (masked above) or a low-rank factor row (-(1 + row):
+    # the plain read skips it; kv/paged_factors names it for the low-rank read)
     holes = open_ is not None or any(r.lowrank is not None for r in rows)
     host = PagedHost([[m] * heads for r in rows for m in r.host_lengths()], holes)
-    return table, wide, attended_entries(lengths, open_), _rope_rows(layer, table, wide), host
+    rot = _rope_rows(layer, table, wide) if rope else {}
+    return table, wide, attended_entries(lengths, open_), rot, host
+
+
+def linked_prerope(layer, table: Tensor, lengths: Tensor) -> Tensor:
+    """``(B, H_kv, n)`` bool: the held columns of ``table`` (slots ``>= 0`` inside ``lengths``) whose
+    pool entry is stored pre-RoPE (linked entries). A device mask, no read back."""
+    n = table.shape[2]
+    held = (table >= 0) & (torch.arange(n, device=table.device) < lengths[..., None])
+    return layer.pool.is_prerope(layer.layer, table.clamp_min(0)) & held
 
 
 def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
@@ -60,8 +73,7 @@ def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
         return {}
     n = table.shape[2]
     pool = layer.pool
-    held = (table >= 0) & (torch.arange(n, device=table.device) < lengths[..., None])
-    pre = pool.is_prerope(layer.layer, table.clamp_min(0)) & held
+    pre = linked_prerope(layer, table, lengths)
     if not bool(pre.any()):
         return {}
     positions = torch.cat([_columns(r.positions, n) for r in rows])  # (B, H_kv, n, P)

@@ -16,14 +16,16 @@ import torch
 from torch import Tensor
 
 from vlkv.plugins.paged_lowrank import PagedFactors
-from vlkv.runtime.kv.paged import PagedHost, _columns, paged_tables
+from vlkv.runtime.kv.paged import PagedHost, _columns, linked_prerope, paged_tables
 
 
 def stack_factors(samples: list, frow: Tensor, dtype: torch.dtype) -> PagedFactors:
     """:class:`PagedFactors` of ``samples`` (one :class:`~vlkv.runtime.kv.lowrank.Factors` or None per
-    request): rows stacked in request order, bases zero-padded to the largest rank, ``frow (B, H_kv, C)``
-    already naming rows of the stack."""
+    request, at least one not None): rows stacked in request order, bases zero-padded to the largest
+    rank, ``frow (B, H_kv, C)`` already naming rows of the stack."""
     held = [f for f in samples if f is not None]
+    if not held:
+        raise ValueError("stack_factors: no sample holds factors (paged_lowrank_tables returns None then)")
     rk = max((f.kbar.shape[1] for f in held), default=1)
     rv = max((f.vbar.shape[1] for f in held), default=1)
     dev = frow.device
@@ -49,12 +51,15 @@ def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost
     """``(table, lengths, attended, rope, host, factors)``: :func:`paged_tables`' five (the table's
     factored and hole columns ``-1``) for ``layer`` (a ``LayerKV`` or a batch view), and its
     :class:`PagedFactors` (None when no request holds factors; then the five are :func:`paged_tables`'
-    own). The pre-RoPE keywords cover linked entries and factored columns whose keys were factored
-    before RoPE; ``attended`` counts factored columns (they are attended, not holes)."""
-    table, lengths, attended, rope, host = paged_tables(layer)
+    own; so too where ``LowRank.prune`` left every sample None). The pre-RoPE keywords cover linked
+    entries and factored columns whose keys were factored before RoPE, in the rotary table form (then
+    :func:`paged_tables`' row form is not built: no mask read back); ``attended`` counts factored columns
+    (they are attended, not holes)."""
     low = layer.lowrank
-    if low is None:
-        return table, lengths, attended, rope, host, None
+    if low is None or all(f is None for f in low.samples):
+        return (*paged_tables(layer), None)
+    prerope = [f is not None and not f.post_rope for f in low.samples]  # known on the host
+    table, lengths, attended, rope, host = paged_tables(layer, rope=not any(prerope))
     n = table.shape[2]
     dev = table.device
     raw = layer.table(n)
@@ -69,28 +74,29 @@ def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost
     offset = torch.tensor(offsets, dtype=torch.long, device=dev)[:, None, None]
     frow = torch.where(fac, -raw.long() - 1 + offset, -1)
     factors = stack_factors(low.samples, frow, layer.pool.spec.dtype)
+    if any(prerope):
+        pre = fac & torch.tensor(prerope, device=dev)[:, None, None]
+        if any(r.linked for r in getattr(layer, "rows", [layer])):
+            pre = pre | linked_prerope(layer, table, lengths)
+        rope = _by_position(layer, pre)
     table = torch.where(fac, -1, table)
-    prerope = [f is not None and not f.post_rope for f in low.samples]
-    if any(prerope):  # known on the host: no read back of the mask
-        rope = _by_position(layer, rope, fac & torch.tensor(prerope, device=dev)[:, None, None])
     return table, lengths, attended, rope, host, factors
 
 
-def _by_position(layer, rope: dict, pre: Tensor) -> dict:
-    """The pre-RoPE keywords of a read that rotates the linked entries ``rope`` names (``rot`` rows, or
-    empty) and the columns of ``pre (B, H_kv, n)`` bool, in the rotary table form: the table's rows by
-    position (``Rope.table``, as the static step's linked reads), ``rot (B, H_kv, n)`` each column's
-    position (1-D RoPE) or ``rot (B, H_kv, n, P)`` and ``sec`` (M-RoPE), ``-1`` where not rotated.
+def _by_position(layer, pre: Tensor) -> dict:
+    """The pre-RoPE keywords of a read that rotates the columns of ``pre (B, H_kv, n)`` bool (linked
+    entries and pre-RoPE factored columns), in the rotary table form: the table's rows by position
+    (``Rope.table``, as the static step's linked reads), ``rot (B, H_kv, n)`` each column's position
+    (1-D RoPE) or ``rot (B, H_kv, n, P)`` and ``sec`` (M-RoPE), ``-1`` where not rotated.
 
     No read back: the rows a column reads are its positions themselves, where a row per rotated entry
     (``kv/paged._rope_rows``) needs the entries picked by a boolean mask and the largest position."""
     n = pre.shape[2]
     rows = getattr(layer, "rows", [layer])
     positions = torch.cat([_columns(r.positions, n) for r in rows]).to(pre.device)  # (B, H_kv, n, P)
-    rotated = pre | (rope["rot"] >= 0) if rope else pre
     like = layer.pool.keys[layer.layer]
     tab = layer.pool.rope.table(like, positions.shape[-1], layer.pool.capacity(layer.layer))
     if tab.sec is None:
-        return {"rot": torch.where(rotated, positions[..., 0], -1), "cos": tab.cos, "sin": tab.sin}
-    rot = torch.where(rotated[..., None], positions, -1)
+        return {"rot": torch.where(pre, positions[..., 0], -1), "cos": tab.cos, "sin": tab.sin}
+    rot = torch.where(pre[..., None], positions, -1)
     return {"rot": rot, "cos": tab.cos, "sin": tab.sin, "sec": tab.sec}
