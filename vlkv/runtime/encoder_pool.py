@@ -87,7 +87,9 @@ class EncoderPool:
     Args:
         processor: the model's HF processor (picklable).
         workers: worker processes (>= 1).
-        timeout_s: the longest one call may take before its workers are killed (> 0).
+        timeout_s: the longest one call may take before its workers are killed (> 0), once they are up:
+            a call to workers that have not answered yet (a new pool, or one restarted after a crash or a
+            hang) may take ``START_TIMEOUT_S`` (their imports), so a slow start is not taken for a hang.
         context: ``spawn`` or ``forkserver`` (never ``fork``: the engine process holds threads).
     """
 
@@ -103,6 +105,7 @@ class EncoderPool:
         self._ctx = multiprocessing.get_context(context)
         self._lock = threading.Lock()
         self._executor: cf.ProcessPoolExecutor | None = self._new_executor()
+        self._answered: cf.ProcessPoolExecutor | None = None  # the executor whose workers have answered
         self.rebuilds = 0
 
     def _new_executor(self) -> cf.ProcessPoolExecutor:
@@ -134,6 +137,8 @@ class EncoderPool:
         if future is None:
             self._rebuild(executor)
             raise EncoderUnavailable("the encoder process died; the pool was restarted, retry")
+        if executor is not self._answered:  # its workers may still be importing
+            timeout_s = max(timeout_s, START_TIMEOUT_S)
         try:
             out = future.result(timeout=timeout_s)
         except BrokenProcessPool:
@@ -146,6 +151,7 @@ class EncoderPool:
             raise EncoderUnavailable(
                 f"encoding took over {timeout_s:g} s; the encoder was restarted"
             ) from None
+        self._answered = executor
         return {k: _from_wire(v) for k, v in out.items()}
 
     def _rebuild(self, broken: cf.ProcessPoolExecutor, kill: bool = False) -> None:
