@@ -26,7 +26,8 @@ recipe (``shared/spec/projector-training.md``):
    a sentence describing their scenes instead (:mod:`vlkv.eval.text_scenes`), ``--distill`` /
    ``--distill-hidden`` teach image samples from the same model given that sentence; ``--keep-text W``
    holds the adapters to the base LM on plain text (:mod:`vlkv.eval.keep_text`); ``--answer-noise P``
-   corrupts answer words in the teacher-forced input (:mod:`vlkv.eval.answer_noise`).
+   corrupts answer words in the teacher-forced input (:mod:`vlkv.eval.answer_noise`); ``--question-order``
+   places the question before the images too (:func:`vlkv.eval.scene_tasks.order_question`).
    ``--vision-blocks N`` trains the vision tower's last ``N`` blocks before the read layer as well, at
    ``lr x --vision-lr-scale`` (:mod:`vlkv.eval.vision_tune`; checkpointed and exported with the projector).
 
@@ -84,10 +85,11 @@ def encode(
     labels: str = "none",
     text_form: str | None = None,
     swaps=(),
+    order: str = "after",
 ) -> tuple[dict, int]:
     """Model inputs for ``sample``'s prompt (+ answer + end of turn, + its follow-up turns), and the
     prompt's length in tokens. ``inputs["answer_mask"]`` (with answers) marks the answer tokens.
-    ``labels``: picture labels of several-picture prompts (:func:`vlkv.eval.scene_tasks.label_pictures`).
+    ``labels`` / ``order``: picture labels, the question's place (:func:`vlkv.eval.scene_tasks.prompt_text`).
     ``text_form``: ask about a description of the scenes in that form instead of the images
     (:mod:`vlkv.eval.text_scenes`); the answers and follow-up turns are the same tokens.
     ``swaps``: answer words replaced in the input (:mod:`vlkv.eval.answer_noise`); ``inputs["targets"]``
@@ -96,7 +98,7 @@ def encode(
     Answers are tokenised on their own and appended, as generation would produce them.
     """
     if text_form is None:
-        prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels)
+        prompt = prompt_text(loaded, sample.question, len(sample.scenes), labels, order)
         inputs = loaded.processor(text=prompt, images=[s.image() for s in sample.scenes], return_tensors="pt")
     else:
         prompt = text_scenes.text_prompt(loaded, sample.scenes, sample.question, text_form)
@@ -112,12 +114,12 @@ def encode(
 
 
 def answer_logits(
-    loaded, sample: Sample, labels: str = "none", text_form: str | None = None, hidden: bool = False, swaps=()
+    loaded, sample: Sample, labels="none", text_form=None, hidden=False, swaps=(), order="after"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """Logits ``(n, vocab)`` at the ``n`` positions after the prompt that predict the answers' turns,
     their targets ``(n,)`` (-100 where a position predicts a prompt token of a follow-up turn), the
     token ids ``(T,)`` and, with ``hidden``, every layer's hidden states (each ``(1, T, d)``)."""
-    inputs, n_prompt = encode(loaded, sample, labels=labels, text_form=text_form, swaps=swaps)
+    inputs, n_prompt = encode(loaded, sample, labels=labels, text_form=text_form, swaps=swaps, order=order)
     answer_mask, clean = inputs.pop("answer_mask"), inputs.pop("targets")
     ids = inputs["input_ids"]
     n_after = ids.shape[1] - n_prompt
@@ -136,23 +138,26 @@ def sample_loss(
     distill: float = 0.0,
     distill_hidden: float = 0.0,
     swaps=(),
+    order: str = "after",
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over the answers' tokens (and ends of turn). An image sample with
     ``distill`` / ``distill_hidden`` > 0 learns from the same model given the ``text_form`` description
     (no gradient) as well: ``distill`` x KL over the answer positions, ``distill_hidden`` x every
     layer's relative hidden-state error over the tokens both prompts end with (question and answers).
-    ``swaps`` corrupt the answers' input words alike for the sample and its teacher."""
+    ``swaps`` corrupt the answers' input words alike for the sample and its teacher (``order``: encode's)."""
     teach = distill > 0 or distill_hidden > 0
     if teach and text_form is None:
         raise ValueError("distill needs the teacher's text_form")
     hidden = distill_hidden > 0
     logits, targets, ids, states = answer_logits(
-        loaded, sample, labels, None if teach else text_form, hidden, swaps
+        loaded, sample, labels, None if teach else text_form, hidden, swaps, order
     )
     loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100)
     if teach:
         with torch.no_grad():
-            teacher, _, t_ids, t_states = answer_logits(loaded, sample, labels, text_form, hidden, swaps)
+            teacher, _, t_ids, t_states = answer_logits(
+                loaded, sample, labels, text_form, hidden, swaps, order
+            )
     if distill > 0:
         loss = loss + distill * text_scenes.distill_kl(logits, teacher, targets != -100)
     if hidden:
@@ -332,7 +337,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             form = form if as_text or cfg.distill > 0 or cfg.distill_hidden > 0 else None
             teach = (0.0, 0.0) if as_text else (cfg.distill, cfg.distill_hidden)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
-                loss = sample_loss(loaded, sample, cfg.labels, form, *teach, swaps) / cfg.batch
+                loss = sample_loss(loaded, sample, cfg.labels, form, *teach, swaps, cfg.question_order)
+                loss = loss / cfg.batch
             loss.backward()
             total += loss.item()
         if cfg.keep_text > 0:  # plain text as the base LM had it (adapters only: no image tokens)

@@ -69,7 +69,7 @@ def test_groups_keep_the_items_of_the_whole_set(tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_evaluate(engine, items, name, budget, batch, labels):
+    def fake_evaluate(engine, items, name, budget, batch, labels, order="after"):
         seen[name] = [(i.group, i.sample.question, i.sample.answer) for i in items]
         return {"policy": name, "budget": budget, "groups": {}, "rows": []}
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlkv.eval.projector_init import HIDDEN, POSITION_BIASES, TARGETS
-from vlkv.eval.scene_tasks import LABELS, MIXES
+from vlkv.eval.scene_tasks import LABELS, MIXES, QUESTION_ORDERS
 from vlkv.runtime.models import lm_lora
 from vlkv.runtime.models.projector_order import ORDERS
 from vlkv.runtime.models.projector_pool import POOLS
@@ -103,6 +103,9 @@ class TrainConfig:
     # colour / shape word that another answer word follows replaced in the teacher-forced input by
     # another of its kind (targets clean), so the next word must be read from the image; 0 = off
     answer_noise: float = 0.0
+    # where image prompts put the question (vlkv.eval.scene_tasks.QUESTION_ORDERS): "after" the images
+    # (the product's template), "before" them, or "both"; description (text-form) prompts keep theirs
+    question_order: str = "after"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -123,6 +126,7 @@ class TrainConfig:
             ("mix", MIXES),
             ("init_target", TARGETS),
             ("labels", LABELS),
+            ("question_order", QUESTION_ORDERS),
             ("init_hidden", HIDDEN),
             ("position_bias", POSITION_BIASES),
             ("token_order", ORDERS),

@@ -35,6 +35,11 @@ WHICH_HAS = "Which picture has {count} {shapes}?"
 # "which picture") by matching text instead of counting 256-token image spans.
 LABELS = ("none", "ordinal")
 PICTURE_LABEL = "The {ordinal} picture:\n"
+# Where the question stands (#29): "after" the image(s) (the model's own template, the product's
+# prompt), "before" them only, or "both". The image tokens attend causally, so only a question
+# before them lets the LM prepare, at the image positions, the object it asks about; "both" keeps
+# the question right before the answer as well.
+QUESTION_ORDERS = ("after", "before", "both")
 
 
 @dataclass(frozen=True)
@@ -79,10 +84,28 @@ def label_pictures(prompt: str, placeholder: str, n_images: int, labels: str = "
     return out
 
 
-def prompt_text(loaded, question: str, n_images: int, labels: str = "none") -> str:
-    """The model's formatted prompt for ``question`` about ``n_images`` pictures, labelled per ``labels``."""
+def order_question(loaded, question: str, n_images: int, order: str = "after") -> str:
+    """The model's template for ``question`` about ``n_images`` pictures, the question placed per ``order``.
+
+    "after" is ``loaded.prompt_template`` itself; "before" / "both" write ``question`` and a newline
+    just before the first image placeholder, "before" leaving the template's text after the images
+    empty. The placeholders are the template's own (same count, same order). Without images the
+    question has one place: every order gives the template.
+    """
+    if order not in QUESTION_ORDERS:
+        raise ValueError(f"question order must be one of {list(QUESTION_ORDERS)}, got {order!r}")
+    if order == "after" or n_images == 0:
+        return loaded.prompt_template(question, n_images)
+    prompt = loaded.prompt_template(question if order == "both" else "", n_images)
+    at = prompt.index(loaded.image_placeholder)
+    return prompt[:at] + question + "\n" + prompt[at:]
+
+
+def prompt_text(loaded, question: str, n_images: int, labels: str = "none", order: str = "after") -> str:
+    """The model's formatted prompt for ``question`` about ``n_images`` pictures, labelled per
+    ``labels``, the question placed per ``order`` (:func:`order_question`)."""
     return label_pictures(
-        loaded.prompt_template(question, n_images), loaded.image_placeholder, n_images, labels
+        order_question(loaded, question, n_images, order), loaded.image_placeholder, n_images, labels
     )
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlkv.eval.scene_tasks import LABELS, WHAT, Sample, nth, prompt_text, two, which
+from vlkv.eval.scene_tasks import LABELS, QUESTION_ORDERS, WHAT, Sample, nth, prompt_text, two, which
 from vlkv.eval.scenes import random_scene
 
 MULTI_COUNTS = (1, 2, 5, 10)
@@ -91,11 +91,13 @@ def evaluate(
     budget: float | None,
     batch: int = 4,
     labels: str = "none",
+    order: str = "after",
 ) -> dict:
     """Answer every item under one policy; returns per-group accuracy/n and per-item rows.
 
     Items are batched by group (same number of pictures), ``batch`` prompts per engine call.
     ``labels``: picture labels of several-picture prompts (:data:`vlkv.eval.scene_tasks.LABELS`).
+    ``order``: where the question stands (:data:`vlkv.eval.scene_tasks.QUESTION_ORDERS`).
     """
     from vlkv.runtime.policies import make_policy
 
@@ -105,7 +107,7 @@ def evaluate(
         members = [item for item in items if item.group == group]
         for i in range(0, len(members), batch):
             chunk = members[i : i + batch]
-            prompts = [_prompt(engine.loaded, item, labels) for item in chunk]
+            prompts = [_prompt(engine.loaded, item, labels, order) for item in chunk]
             policy = make_policy(policy_name) if budget is None else make_policy(policy_name, budget=budget)
             result = engine.generate(prompts, policy, max_new_tokens=10)
             for item, sample in zip(chunk, result.samples, strict=True):
@@ -127,18 +129,19 @@ def evaluate(
         "policy": policy_name,
         "budget": budget,
         "labels": labels,
+        "question_order": order,
         "groups": groups,
         "seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
 
 
-def _prompt(loaded, item: VQAItem, labels: str):
+def _prompt(loaded, item: VQAItem, labels: str, order: str = "after"):
     from vlkv.runtime.prompt import Prompt
 
-    if labels == "none":  # the engine formats it: exactly what every other caller gets
+    if labels == "none" and order == "after":  # the engine formats it: exactly what every other caller gets
         return Prompt(item.sample.question, item.images)
-    text = prompt_text(loaded, item.sample.question, len(item.sample.scenes), labels)
+    text = prompt_text(loaded, item.sample.question, len(item.sample.scenes), labels, order)
     return Prompt(text, item.images, raw=True)
 
 
@@ -212,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"picture labels in several-picture prompts, one of {', '.join(LABELS)} "
         "('ordinal': 'The seventh picture:' before the seventh image)",
     )
+    ap.add_argument(
+        "--question-order",
+        default="after",
+        help=f"where the question stands, one of {', '.join(QUESTION_ORDERS)} ('after' the images: the "
+        "product's prompt; 'before' them; 'both'); match the projector's training",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write every result (rows included) as JSON")
     ap.add_argument(
         "--projector",
@@ -233,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.labels not in LABELS:
             raise ValueError(f"--labels must be one of {', '.join(LABELS)}, got {args.labels!r}")
+        if args.question_order not in QUESTION_ORDERS:
+            raise ValueError(
+                f"--question-order must be one of {', '.join(QUESTION_ORDERS)}, got {args.question_order!r}"
+            )
         bad = sorted(set(args.groups) - set(GROUPS))
         if bad:
             raise ValueError(f"--groups must be among {', '.join(GROUPS)}, got {', '.join(bad)}")
@@ -253,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for name in args.policies:
             for budget in [None] if name == "full" else args.budgets:
-                results.append(evaluate(engine, items, name, budget, args.batch, args.labels))
+                results.append(
+                    evaluate(engine, items, name, budget, args.batch, args.labels, args.question_order)
+                )
                 print(format_table(results[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     except ValueError as exc:
         print(f"vqa: {str(exc).splitlines()[0]}", file=sys.stderr)
