@@ -1,0 +1,65 @@
+"""Item-for-item comparison of held-out VQA answers against another run's on draws 0-3 (the answer-noise
+folder's script; bases looked up in three folders).
+
+    python compare.py st Q150           # vqa-st-Q150-seed{0..3}.json against ../2026-11-27-stage2-cpu-x86_64/vqa-st-C300-*
+    python compare.py st Q150 N0150     # against ../2026-11-28-answer-noise-cpu-x86_64/vqa-st-N0150-* (the control)
+    python compare.py st shippedboth    # the shipped file asked question-first against itself asked as shipped
+
+Prints per group: right answers per draw and in all, the items right in one and wrong in the other, the
+two-sided sign test's p, (two objects) right answers by question kind, (several pictures) by count.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from math import comb
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SHIPPED = HERE.parent / "2026-11-27-stage2-cpu-x86_64"
+NOISE = HERE.parent / "2026-11-28-answer-noise-cpu-x86_64"
+
+
+def rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["results"][0]["rows"]
+
+
+def sign_p(a: int, b: int) -> float:
+    n, k = a + b, min(a, b)
+    return min(1.0, 2 * sum(comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+
+
+def main(kind: str, name: str, base: str = "C300") -> None:
+    per = collections.defaultdict(lambda: {"draws": [], "gain": 0, "loss": 0, "kinds": collections.Counter()})
+    ship_kinds = collections.Counter()
+    for seed in range(4):
+        ours = rows(HERE / f"vqa-{kind}-{name}-seed{seed}.json")
+        folder = SHIPPED if base == "C300" else NOISE if base.startswith("N") else HERE
+        ship = rows(folder / f"vqa-{kind}-{base}-seed{seed}.json")
+        draw = collections.Counter()
+        for a, b in zip(ours, ship, strict=True):
+            assert (a["question"], a["expected"]) == (b["question"], b["expected"]), (seed, a, b)
+            group = "multi" if a["group"].startswith("multi") else a["group"]
+            g = per[group]
+            draw[group] += a["correct"]
+            g["gain"] += a["correct"] and not b["correct"]
+            g["loss"] += b["correct"] and not a["correct"]
+            if group in ("two", "multi"):
+                key = a["kind"] if group == "two" else a["group"]
+                g["kinds"][key] += a["correct"]
+                ship_kinds[key] += b["correct"]
+        for group in draw:
+            per[group]["draws"].append(draw[group])
+    for group, g in per.items():
+        line = f"{group}: {name} {g['draws']} = {sum(g['draws'])}; right where {base} wrong {g['gain']}, "
+        line += f"reverse {g['loss']}, sign test p = {sign_p(g['gain'], g['loss']):.2f}"
+        if group in ("two", "multi"):
+            line += f"; by kind {dict(g['kinds'])} ({base} {dict(ship_kinds)})"
+        print(line)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
