@@ -67,7 +67,8 @@ def pytest_collection_modifyitems(config, items):
 # ---------------------------------------------------------------- the user's cache stays untouched
 USER_CACHE = Path.home() / ".cache" / "vlkv"
 # Every cache vlkv writes, by the environment variable that moves it (see default_cache_dir()s).
-CACHE_ENVS = {"VLKV_CACHE": "models", "VLKV_ONNX_CACHE": "onnx"}
+CACHE_ENVS = {"VLKV_CACHE": "models", "VLKV_MODEL_CACHE": "model-dirs", "VLKV_ONNX_CACHE": "onnx"}
+_MODEL_CACHE_KEY = "vlkv_model_cache"
 _CACHE_ROOT = pytest.StashKey[Path]()
 _USER_SNAPSHOT = pytest.StashKey[dict]()
 
@@ -156,18 +157,29 @@ def pytest_configure(config):
 
     Set here, not in a fixture, so module-level code and subprocesses see it too (those started with
     an explicit ``env`` get it added). ``VLKV_TEST_CACHE`` (optional) keeps the real-weight model
-    cache between runs; it must not be ``~/.cache/vlkv``.
+    build between runs (as ``VLKV_MODEL_CACHE``); it must not be ``~/.cache/vlkv``.
     """
     root = Path(tempfile.mkdtemp(prefix="vlkv-test-cache-"))
     config.stash[_CACHE_ROOT] = root
     config.stash[_USER_SNAPSHOT] = user_cache_snapshot()
     for env, sub in CACHE_ENVS.items():
         os.environ[env] = str(root / sub)
+    # xdist workers build the real-weight model once between them (~45 s each otherwise), in the
+    # controller's folder, which the controller removes after every worker has finished
+    shared = getattr(config, "workerinput", {}).get(_MODEL_CACHE_KEY)
+    if shared:
+        os.environ["VLKV_MODEL_CACHE"] = shared
     if os.environ.get("VLKV_TEST_CACHE"):
-        os.environ["VLKV_CACHE"] = os.environ["VLKV_TEST_CACHE"]
+        os.environ["VLKV_MODEL_CACHE"] = os.environ["VLKV_TEST_CACHE"]
     _give_subprocesses_the_cache({env: os.environ[env] for env in CACHE_ENVS})
     config.stash[_WRITES] = writes = []
     sys.addaudithook(_audit_user_cache(writes, os.path.abspath(USER_CACHE)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller: hand each worker the controller's model folder (see :func:`pytest_configure`)."""
+    node.workerinput[_MODEL_CACHE_KEY] = os.environ["VLKV_MODEL_CACHE"]
 
 
 def pytest_sessionfinish(session, exitstatus):

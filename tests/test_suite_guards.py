@@ -11,11 +11,12 @@ from tests.conftest import USER_CACHE, _audit_user_cache
 
 
 def test_a_subprocess_with_its_own_env_still_gets_the_suite_cache(tmp_path):
-    code = "import os; print(os.environ.get('VLKV_CACHE')); print(os.environ.get('VLKV_ONNX_CACHE'))"
+    names = ("VLKV_CACHE", "VLKV_MODEL_CACHE", "VLKV_ONNX_CACHE")
+    code = f"import os; [print(os.environ.get(n)) for n in {names!r}]"
     out = subprocess.run(
         [sys.executable, "-c", code], env={"PATH": os.environ.get("PATH", "")}, capture_output=True, text=True
     ).stdout.split()
-    assert out == [os.environ["VLKV_CACHE"], os.environ["VLKV_ONNX_CACHE"]]
+    assert out == [os.environ[n] for n in names]
     # one that names its own cache keeps it
     mine = {"PATH": os.environ.get("PATH", ""), "VLKV_CACHE": str(tmp_path / "elsewhere")}
     out = subprocess.run([sys.executable, "-c", code], env=mine, capture_output=True, text=True).stdout

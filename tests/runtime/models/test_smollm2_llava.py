@@ -2,8 +2,9 @@
 real-weight model, the DINOv2 conversion and the photos (need the optional demo extra; ``slow``).
 
 The real model is built once per session into the session's temporary cache (tests/conftest.py points
-``VLKV_CACHE`` there, never at ``~/.cache/vlkv``), which pays the GGUF build (about a minute on 2
-cores); set ``VLKV_TEST_CACHE`` to a folder of your own to keep that build between runs.
+``VLKV_MODEL_CACHE`` at a folder the xdist workers share, never at ``~/.cache/vlkv``), which pays the
+GGUF build (about a minute on 2 cores); set ``VLKV_TEST_CACHE`` to a folder of your own to keep that
+build between runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import json
 import logging
 import math
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -105,7 +108,7 @@ def test_missing_demo_packages_are_one_line_value_error(tmp_path, monkeypatch, p
 def test_registry_without_demo_packages_names_them_all(tmp_path, monkeypatch):
     from vlkv.runtime.models.registry import ModelLoadError, load_model
 
-    monkeypatch.setenv("VLKV_CACHE", str(tmp_path))
+    monkeypatch.setenv("VLKV_MODEL_CACHE", str(tmp_path))  # no valid build there
     _demo_installed(monkeypatch, set())
     with pytest.raises(ModelLoadError) as err:
         load_model("smollm2-llava")
@@ -168,7 +171,7 @@ def test_cache_is_written_once_then_reused_without_demo_packages(tiny_cache, mon
     assert S.cache_problem(target) is None
     manifest = json.loads((target / S.MANIFEST).read_text())
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest["files"])
-    assert sorted(p.name for p in target.parent.iterdir()) == ["smollm2-llava"], (
+    assert sorted(p.name for p in target.parent.iterdir()) == ["smollm2-llava", "smollm2-llava.lock"], (
         "temporary build dir left behind"
     )
 
@@ -242,9 +245,37 @@ def test_damaged_cache_is_detected_and_rebuilt_with_one_warning(
     torch.testing.assert_close(_text_logits(model, processor), expected, rtol=0, atol=0)
 
 
+def test_builds_started_together_assemble_once(tmp_path, monkeypatch):
+    """Two builders of one missing cache (xdist workers, two servers): one assembles, the other waits
+    on the lock and loads that build."""
+    calls = _install_stand_in(monkeypatch)
+    assemble, entered = S._assemble, threading.Event()
+
+    def slow_assemble(steps):
+        entered.set()
+        time.sleep(0.5)  # long enough that the second builder arrives while the first one assembles
+        return assemble(steps)
+
+    monkeypatch.setattr(S, "_assemble", slow_assemble)
+    target = tmp_path / "smollm2-llava"
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(S.build, cache_dir=target, projector="random")
+        assert entered.wait(60)
+        second = pool.submit(S.build, cache_dir=target, projector="random")
+        models = [first.result(timeout=120)[0], second.result(timeout=120)[0]]
+    assert len(calls) == 1
+    assert S.cache_problem(target) is None
+    for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_default_cache_dir_follows_vlkv_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLKV_MODEL_CACHE", raising=False)
     monkeypatch.setenv("VLKV_CACHE", str(tmp_path))
     assert S.default_cache_dir() == tmp_path / "smollm2-llava"
+    # the model-only setting wins, so processes with their own caches can share one build
+    monkeypatch.setenv("VLKV_MODEL_CACHE", str(tmp_path / "shared"))
+    assert S.default_cache_dir() == tmp_path / "shared" / "smollm2-llava"
 
 
 def test_real_photos_errors(monkeypatch):

@@ -13,9 +13,10 @@ in the language model (the random projector keeps all :data:`NUM_IMAGE_TOKENS` =
 vision statistics but mean nothing to the language model.
 
 Loading the GGUF takes tens of seconds, so the first :func:`build` writes a plain safetensors HF
-directory under ``${VLKV_CACHE:-~/.cache/vlkv}/smollm2-llava/`` (629 MB) that later calls load in
+directory under ``${VLKV_MODEL_CACHE:-${VLKV_CACHE:-~/.cache/vlkv}}/smollm2-llava/`` (629 MB) that later calls load in
 a couple of seconds, checksums included: written under a temporary name with ``manifest.json`` (sizes,
-sha256) last, then renamed into place; a bad or missing manifest is rebuilt with a one-line warning. A
+sha256) last, then renamed into place, under a lock file beside it (processes starting together build it
+once); a bad or missing manifest is rebuilt with a one-line warning. A
 valid cache needs no demo package; its weights are memory-mapped, so it is only replaced, never rewritten.
 It holds the random projector; the trained one is read from the package, its checksum verified, and
 swapped in on every build, so a changed projector file can never meet a cache built with another one.
@@ -23,6 +24,8 @@ swapped in on every build, so a changed projector file can never meet a cache bu
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.metadata
 import importlib.util
 import logging
@@ -158,8 +161,13 @@ def package_file(module: str, relative: str) -> Path:
 
 
 def default_cache_dir() -> Path:
-    """``${VLKV_CACHE:-~/.cache/vlkv}/smollm2-llava``."""
-    return Path(os.environ.get("VLKV_CACHE") or "~/.cache/vlkv").expanduser() / MODEL_NAME
+    """``${VLKV_MODEL_CACHE:-${VLKV_CACHE:-~/.cache/vlkv}}/smollm2-llava``.
+
+    ``VLKV_MODEL_CACHE`` moves only the built model, so processes that keep their other caches (link
+    checks, ONNX exports) apart can still share one 629 MB build.
+    """
+    root = os.environ.get("VLKV_MODEL_CACHE") or os.environ.get("VLKV_CACHE") or "~/.cache/vlkv"
+    return Path(root).expanduser() / MODEL_NAME
 
 
 def image_processor() -> BitImageProcessorPil:
@@ -288,8 +296,23 @@ def _build_base(
     if target.exists():
         logger.warning("%s cache at %s is unusable (%s); rebuilding", MODEL_NAME, target, reason)
     require_demo()
-    _write_cache(target)
+    with _build_lock(target):
+        # a process that held the lock before us may have just built it: load theirs, build nothing
+        if rebuild or cache_problem(target) is not None:
+            _write_cache(target)
     return _load(target, dtype)
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    """Hold ``<target>.lock`` exclusively: processes starting together build once, the others wait."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(f"{target.name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _load(path: Path, dtype: torch.dtype) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
