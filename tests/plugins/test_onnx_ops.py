@@ -71,7 +71,7 @@ def test_merge_kv_ort_matches_reference():
 
 
 def test_paged_attention_ort_matches_reference():
-    from tests.plugins.test_paged_attention import CASES
+    from tests.plugins.paged_cases import CASES
     from vlkv.plugins.paged_reference import paged_attention_reference
 
     args = CASES[4].make(torch.float32)  # holes, ragged rows, four query rows

@@ -5,12 +5,12 @@ decode and prefill chunks, per-head and shared tables, and column counts on bloc
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
+from tests.plugins.paged_cases import APPENDS, BIG, CASES, ROPE, PagedCase, compiled_variants, loop_reference
 from vlkv.plugins import ops
 from vlkv.plugins.paged_cpu import paged_attention_cpu, shared_runs
 from vlkv.plugins.paged_probs import paged_decode_probs
@@ -22,121 +22,10 @@ tpa = pytest.importorskip("vlkv.plugins.triton_paged_attention", reason="triton 
 @pytest.fixture(autouse=True)
 def _matmul_read(monkeypatch):
     """These tests read the matmul / gather forms: the fused kernel (on by default) is off here; its
-    own tests turn it on (``fused_calls``, tests/plugins/test_paged_heads.py)."""
+    own tests turn it on (``fused_calls``, tests/plugins/test_paged_cpu_fused.py)."""
     import vlkv.plugins.paged_cpu as paged_cpu
 
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", False)
-
-
-@dataclass(frozen=True)
-class PagedCase:
-    """q (B, G·H_kv, Q, D) over a pool (H_kv, S, D); each request's row of ``cols`` table columns.
-
-    layout: "perhead" (every head its own random slots), "runs" (the same ascending runs in every
-    head: what the pool hands out), "appends" (one run, then 5 single slots: decode appends in a fixed
-    pool), "holes" (runs with holes, ragged head lengths).
-    """
-
-    batch: int
-    kv_heads: int
-    group: int
-    queries: int
-    cols: int
-    dim: int
-    layout: str = "perhead"
-    runs: int = 1
-    full: bool = False  # every row holds all `cols` entries (no padding, no empty row)
-    rope: int = 0  # > 0: about half the entries pre-RoPE, rotated on read over this many dims
-
-    def make(self, dtype: torch.dtype, seed: int = 0) -> dict:
-        g = torch.Generator().manual_seed(seed)
-        b, h, c = self.batch, self.kv_heads, self.cols
-        slots = b * c + 11  # spare slots: the requests do not tile the pool
-        q = torch.randn(b, h * self.group, self.queries, self.dim, generator=g).to(dtype)
-        k_pool = torch.randn(h, slots, self.dim, generator=g).to(dtype)
-        v_pool = torch.randn(h, slots, self.dim, generator=g).to(dtype)
-        if self.layout == "perhead":
-            table = torch.stack([torch.randperm(slots, generator=g)[:c] for _ in range(b * h)]).view(b, h, c)
-            lengths = torch.randint(0, c + 1, (b, h), generator=g)
-        else:
-            # request r's columns as `runs` ascending runs, shuffled across the pool, the same per head
-            perm = torch.randperm(b, generator=g)
-            rows = []
-            for r in range(b):
-                base = torch.arange(int(perm[r]) * c, int(perm[r]) * c + c)
-                if self.layout == "appends":  # a prompt's run, then appends one slot each (descending)
-                    rows.append(torch.cat([base[: c - 5], base[c - 5 :].flip(0)]))
-                    continue
-                pieces = list(base.tensor_split(self.runs))
-                order = torch.randperm(len(pieces), generator=g).tolist()
-                rows.append(torch.cat([pieces[i] for i in order]))
-            table = torch.stack(rows)[:, None].expand(b, h, c).contiguous()
-            lengths = torch.randint(0, c + 1, (b, 1), generator=g).expand(b, h).contiguous()
-        lengths[-1] = c
-        if self.full:
-            lengths.fill_(c)
-        if not self.full:
-            lengths[0, 0] = 0  # an empty row: its query heads must be zeros
-        if self.layout == "holes":
-            hole = (torch.rand(b, h, c, generator=g) < 0.2) & (torch.arange(c) > 0)
-            table = torch.where(hole, torch.full_like(table, -1), table)
-            lengths = (lengths - torch.randint(0, 2, (b, h), generator=g)).clamp_min(0)
-        # padding past a row's length may hold anything, including slots out of range
-        pad = torch.arange(c)[None, None, :] >= lengths[..., None]
-        table = torch.where(pad, torch.full_like(table, 10**6), table)
-        args = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "table": table, "lengths": lengths}
-        args["scale"] = self.dim**-0.5
-        if self.rope:
-            args.update(rope_rows(self.rope, b, h, c, g))
-            # padding and holes may name any row, out of range included: they are never read
-            args["rot"] = torch.where(pad | (table < 0), 10**6, args["rot"])
-        return args
-
-
-def rope_rows(rot_dims: int, b: int, h: int, c: int, g: torch.Generator, rows: int = 20) -> dict:
-    """``rot (B, H_kv, C)``: a random row of 20 for about half the entries, -1 (post-RoPE) for the rest;
-    ``cos, sin (20, rot_dims)`` in HF's layout."""
-    theta = torch.rand(rows, rot_dims // 2, generator=g) * 100
-    rot = torch.randint(0, rows, (b, h, c), generator=g)
-    rot = torch.where(torch.rand(b, h, c, generator=g) < 0.5, rot, -1)
-    return {"rot": rot, "cos": theta.cos().repeat(1, 2), "sin": theta.sin().repeat(1, 2)}
-
-
-CASES = (
-    PagedCase(1, 1, 1, 1, 1, 16),
-    PagedCase(2, 2, 3, 1, 9, 8),
-    PagedCase(3, 1, 7, 3, 9, 40),
-    PagedCase(2, 3, 3, 1, 81, 64, layout="runs", runs=3),
-    PagedCase(2, 2, 1, 5, 81, 16, layout="holes", runs=2),
-    PagedCase(2, 3, 3, 4, 81, 32, layout="runs", runs=1),
-)
-BIG = PagedCase(2, 2, 3, 1, 729, 64, layout="runs", runs=2)
-APPENDS = (PagedCase(3, 2, 3, 1, 81, 16, layout="appends"), PagedCase(2, 3, 1, 6, 81, 8, layout="appends"))
-# pre-RoPE entries: every dim rotated, and partial rotary (the first 8 of 16/40 dims)
-ROPE = (
-    PagedCase(2, 2, 3, 1, 81, 16, layout="runs", rope=16),
-    PagedCase(3, 1, 7, 3, 9, 40, layout="holes", runs=2, rope=8),
-    PagedCase(2, 3, 1, 2, 81, 16, rope=8),
-)
-
-
-def loop_reference(q, k_pool, v_pool, table, lengths, scale) -> torch.Tensor:
-    """One float64 softmax per (request, query head, query row) over the slots it sees: the spec."""
-    batch, heads, num_q, _ = q.shape
-    group = heads // k_pool.shape[0]
-    out = torch.zeros(batch, heads, num_q, v_pool.shape[-1], dtype=torch.float64)
-    for b in range(batch):
-        for j in range(heads):
-            h = j // group
-            n = int(lengths[b, h])
-            for i in range(num_q):
-                ids = [int(s) for s in table[b, h, : max(0, n - num_q + i + 1)] if s >= 0]
-                if not ids:
-                    continue
-                k, v = k_pool[h, ids].double(), v_pool[h, ids].double()
-                p = torch.softmax(k @ q[b, j, i].double() * scale, dim=0)
-                out[b, j, i] = p @ v
-    return out
 
 
 @pytest.mark.parametrize("case", (*CASES, BIG), ids=repr)
@@ -310,12 +199,6 @@ def test_cuda_dispatch_matches_reference(dtype, monkeypatch):
             assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, dtype)
 
 
-def compiled_variants(kernel) -> int:
-    """How many binaries Triton has compiled for ``kernel`` (a JITFunction) on any device: the first
-    element of each device's cache entry is its kernel dict (Triton 3.x)."""
-    return sum(len(entry[0]) for entry in kernel.device_caches.values())
-
-
 @pytest.mark.gpu
 def test_cuda_kernel_does_not_recompile_as_the_table_grows(monkeypatch):
     """A decode's table grows a column a step; the kernel compiled for the first width serves every later
@@ -436,90 +319,3 @@ def test_cpu_plan_refuses_rotated_calls_and_other_shapes():
     with pytest.raises(ValueError, match="plan was built for other tables"):
         q = plain["q"]
         paged_attention_cpu(**{**plain, "q": torch.randn(q.shape[0], q.shape[1], 2, q.shape[3])}, plan=plan)
-
-
-# the fused CPU kernel's cases: decode rows over runs read in place, GQA 1/3/7 (unrolled) and 5 (generic),
-# head sizes 64, 128 (unrolled) and 40 (generic loop), ragged lengths, several runs per request, appends
-FUSED = (
-    PagedCase(3, 1, 7, 1, 300, 64, layout="runs", runs=3),
-    PagedCase(2, 1, 5, 1, 81, 64, layout="runs", runs=2),
-    PagedCase(2, 3, 3, 1, 81, 40, layout="runs", runs=2),
-    PagedCase(2, 3, 1, 1, 81, 128, layout="appends"),
-    PagedCase(3, 2, 3, 1, 81, 64, layout="appends", full=True),  # lockstep appends: the tail block
-    PagedCase(4, 2, 3, 1, 81, 64, layout="appends"),  # ragged: appends per request, merged by index
-    PagedCase(2, 2, 3, 1, 81, 64, layout="holes", runs=2),
-    PagedCase(2, 2, 3, 1, 81, 128, layout="holes", runs=2),  # head size 128 beside GQA 3
-    PagedCase(2, 2, 3, 1, 81, 128, layout="runs", runs=1),
-)
-
-
-def fused_calls(monkeypatch) -> list[int]:
-    """Turns the fused kernel on; the segments of each of its calls, appended as the CPU form runs."""
-    import vlkv.plugins.paged_cpu as paged_cpu
-    import vlkv.plugins.paged_cpu_kernel as kernel
-
-    # the fused read is a feature: a machine that cannot build it fails here (.ci/run installs g++)
-    assert kernel.kernel() is not None, (
-        "the fused CPU decode kernel did not build (is a C++ compiler installed?)"
-    )
-    monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", True)
-    calls, real = [], kernel.segments_attention
-    monkeypatch.setattr(
-        kernel,
-        "segments_attention",
-        lambda qs, k, v, req, *rest: calls.append(req.numel()) or real(qs, k, v, req, *rest),
-    )
-    return calls
-
-
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("case", FUSED, ids=repr)
-def test_cpu_fused_kernel_matches_reference(case, dtype, monkeypatch):
-    """The fused kernel (fp32 decode rows read in place; its parts merged by log-sum-exp) gives the
-    reference's result within the CPU form's tolerance; bf16 pools, holes and gathered requests keep the
-    matmuls (the kernel is not called)."""
-    calls = fused_calls(monkeypatch)
-    args = case.make(dtype)
-    want = paged_attention_reference(**args)
-    for inplace_min, run_min in ((1, 1), (1, 16), (None, None)):
-        calls.clear()
-        got = paged_attention_cpu(**args, run_min=run_min, inplace_min=inplace_min)
-        assert got.dtype == dtype
-        assert_close_tol(got, want, OUT_TOL, dtype)
-        assert torch.all(got[0, : case.group] == 0) or case.full
-        plan = paged_cpu_plan_for(args, run_min, inplace_min)
-        assert bool(calls) == (dtype == torch.float32 and plan.inplace is not None)
-    if dtype == torch.float32 and case.layout != "holes":
-        calls.clear()
-        paged_attention_cpu(**args, run_min=1, inplace_min=1)
-        assert calls, "an fp32 decode read in place must take the fused kernel"
-
-
-def paged_cpu_plan_for(args: dict, run_min, inplace_min):
-    from vlkv.plugins.paged_cpu import plan_for
-
-    return plan_for(args["q"], args["k_pool"], args["table"], args["lengths"], run_min, inplace_min)
-
-
-def test_cpu_fused_kernel_prefill_rows_keep_the_matmuls(monkeypatch):
-    """Several query rows (a prefill chunk: causal masks) are not the kernel's: the matmuls read them."""
-    calls = fused_calls(monkeypatch)
-    args = PagedCase(2, 3, 3, 4, 81, 64, layout="runs", runs=1).make(torch.float32)
-    got = paged_attention_cpu(**args, run_min=1, inplace_min=1)
-    assert calls == []
-    assert_close_tol(got, paged_attention_reference(**args), OUT_TOL, torch.float32)
-
-
-def test_cpu_fused_kernel_one_append_per_request(monkeypatch):
-    """Lockstep decode right after a prompt: one run and ONE appended slot per request (the appends'
-    block is then a strided view the kernel must get contiguous)."""
-    calls = fused_calls(monkeypatch)
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(3, 6, 1, 64, generator=g)
-    k_pool, v_pool = torch.randn(2, 300, 64, generator=g), torch.randn(2, 300, 64, generator=g)
-    rows = [torch.cat([torch.arange(r * 90, r * 90 + 80), torch.tensor([299 - r])]) for r in range(3)]
-    table = torch.stack(rows)[:, None].expand(3, 2, 81).contiguous()
-    args = {"q": q, "k_pool": k_pool, "v_pool": v_pool, "table": table, "lengths": torch.full((3, 2), 81)}
-    got = paged_attention_cpu(**args, scale=0.125, run_min=16, inplace_min=1)
-    assert calls == [3, 3]  # the runs, then the appends' block
-    assert_close_tol(got, paged_attention_reference(**args, scale=0.125), OUT_TOL, torch.float32)

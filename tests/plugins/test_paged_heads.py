@@ -18,7 +18,7 @@ import torch
 import vlkv.plugins.paged_cpu as paged_cpu
 import vlkv.plugins.paged_cpu_kernel as kernel
 from tests.plugins.cases import OUT_TOL, assert_close_tol
-from tests.plugins.test_paged_attention import PagedCase
+from tests.plugins.paged_cases import PagedCase
 from vlkv.plugins.paged_cpu import paged_attention_cpu, plan_for, plan_reused
 from vlkv.plugins.paged_reference import held_columns, paged_attention_reference
 

@@ -18,7 +18,7 @@ import vlkv.plugins.paged_cpu_kernel as kernel
 import vlkv.plugins.skinny_gemm as skinny_gemm
 from tests.conftest import switch_values
 from tests.plugins.cases import OUT_TOL, assert_close_tol
-from tests.plugins.test_paged_attention import PagedCase
+from tests.plugins.paged_cases import PagedCase
 from vlkv.plugins.paged_cpu import paged_attention_cpu
 from vlkv.plugins.paged_reference import paged_attention_reference
 

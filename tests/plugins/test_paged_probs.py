@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
-from tests.plugins.test_paged_attention import APPENDS, BIG, CASES, ROPE, PagedCase
+from tests.plugins.paged_cases import APPENDS, BIG, CASES, ROPE, PagedCase
 from vlkv.plugins.paged_cpu import paged_attention_cpu, plan_for
 from vlkv.plugins.paged_probs import decode_route, paged_decode_out, paged_decode_probs
 from vlkv.plugins.paged_reference import paged_attention_reference, rotate_keys
@@ -19,7 +19,7 @@ DECODE.append(PagedCase(3, 2, 3, 1, 81, 16, layout="runs", full=True))  # every 
 @pytest.fixture(autouse=True)
 def _matmul_read(monkeypatch):
     """These tests read the matmul / gather forms: the fused kernel (on by default) is off here; its
-    own tests turn it on (``fused_calls``, tests/plugins/test_paged_heads.py)."""
+    own tests turn it on (``fused_calls``, tests/plugins/test_paged_cpu_fused.py)."""
     import vlkv.plugins.paged_cpu as paged_cpu
 
     monkeypatch.setattr(paged_cpu, "FUSED_KERNEL", False)

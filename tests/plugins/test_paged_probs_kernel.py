@@ -18,7 +18,7 @@ import torch
 import vlkv.plugins.paged_cpu as paged_cpu
 import vlkv.plugins.paged_cpu_kernel as kernel
 from tests.plugins.cases import OUT_TOL, assert_close_tol
-from tests.plugins.test_paged_attention import APPENDS, BIG, CASES, PagedCase
+from tests.plugins.paged_cases import APPENDS, BIG, CASES, PagedCase
 from tests.plugins.test_paged_heads import HEADS
 from tests.plugins.test_paged_probs import loop_probs
 from vlkv.plugins.paged_probs import fused_decode_probs, paged_decode_probs

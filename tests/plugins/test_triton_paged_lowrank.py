@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
-from tests.plugins.test_paged_attention import PagedCase
+from tests.plugins.paged_cases import PagedCase
 from tests.plugins.test_triton_paged_rope_table import _table
 from vlkv.plugins.paged_lowrank import PagedFactors, paged_lowrank_kv, paged_lowrank_reference
 from vlkv.plugins.paged_reference import paged_attention_reference

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.plugins.cases import DTYPES, OUT_TOL, assert_close_tol
-from tests.plugins.test_paged_attention import APPENDS, PagedCase, compiled_variants
+from tests.plugins.paged_cases import APPENDS, PagedCase, compiled_variants
 from tests.plugins.test_paged_probs import loop_probs
 from vlkv.plugins import ops
 from vlkv.plugins.paged_probs import paged_decode_out, paged_decode_probs, triton_decode_probs

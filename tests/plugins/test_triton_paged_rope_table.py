@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.plugins.cases import OUT_TOL, assert_close_tol
-from tests.plugins.test_paged_attention import PagedCase
+from tests.plugins.paged_cases import PagedCase
 from vlkv.plugins.paged_probs import paged_decode_probs
 from vlkv.plugins.paged_reference import paged_attention_reference
 from vlkv.runtime.kv.rope_table import RopeTable, table_as_rows
