@@ -78,12 +78,13 @@ def rank_dot(a, basis, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=LOWRANK_PER_STEP)
 def paged_lowrank_kernel(
-    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, logit_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    rot_ptr, cos_ptr, sin_ptr, sec_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr,
-    span_ptr, sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
+    # paged_attention_kernel's arguments (triton_paged_attention.shared_launch), then the factors'
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    rot_ptr, cos_ptr, sin_ptr, sec_ptr, sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
     stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, srp, scr, scd,
-    sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc, ssb, ssh,
-    HKV, GROUP, Q, D, DV, COLS, DR, NR, RK, RV, CHUNK,
+    HKV, GROUP, Q, D, DV, COLS, DR, NR,
+    logit_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr, span_ptr,
+    sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc, ssb, ssh, RK, RV, CHUNK,
     SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
     MROPE: tl.constexpr, LOGITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,

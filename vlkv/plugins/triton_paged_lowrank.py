@@ -9,8 +9,7 @@ from torch import Tensor
 
 from vlkv.plugins.paged_lowrank import PagedFactors, check_factors, factored_chunk, factored_span
 from vlkv.plugins.paged_lowrank_kernels import paged_lowrank_kernel
-from vlkv.plugins.triton_launch import dot_in_fp32
-from vlkv.plugins.triton_paged_attention import _plan, launch_args, rope_strides
+from vlkv.plugins.triton_paged_attention import _plan, launch_args, shared_launch
 from vlkv.plugins.triton_paged_probs import normalise_probs, stats_buffers
 from vlkv.plugins.triton_selected_attention import combine_splits
 
@@ -91,31 +90,25 @@ def _launch(
 ) -> None:
     """One ``paged_lowrank_kernel`` launch on ``plan`` into ``out`` (and the logits into ``probs`` when
     given: ``LOGITS``); arguments as :func:`paged_lowrank_triton` takes them."""
-    group, rope, rot4, rot, cos, sin = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
+    rope_args = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
     check_factors(factors, k_pool, v_pool, table)
-    kv_heads, num_q, dim = k_pool.shape[0], q.shape[2], q.shape[3]
-    dim_v, cols = v_pool.shape[-1], table.shape[-1]
     dev = q.device
     table, lengths = table.to(dev), lengths.to(dev)
     f = PagedFactors(*(t.to(dev) for t in (factors.frow, factors.kbar, factors.dk, factors.vbar, factors.dv,
                                            factors.rank_k, factors.rank_v)))  # fmt: skip
-    if q.shape[0] * kv_heads == 0:
+    if q.shape[0] * k_pool.shape[0] == 0:
         out.zero_()
         return
     rank_k, rank_v = f.ranks
     span = factored_span(f, lengths)  # (B, H_kv, 2): the span's own splits load the bases
     if chunk is None:  # shapes only: a static step's capacities
-        chunk = factored_chunk(rank_k, rank_v, dim, dim_v)
+        chunk = factored_chunk(rank_k, rank_v, q.shape[3], v_pool.shape[-1])
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    args, constexprs = shared_launch(q, k_pool, v_pool, table, lengths, scale, out, plan, rope_args, sec)
     paged_lowrank_kernel[plan.grid](
-        q, k_pool, v_pool, table, lengths, out, out if probs is None else probs, plan.part_m, plan.part_l,
-        plan.part_acc, rot, cos, sin, table if sec is None else sec,
-        f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v, span,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *table.stride(), *lengths.stride(), *out.stride(),
-        *rope_strides(rope, rot, rot4, cos), *f.frow.stride(), *f.kbar.stride(), *f.dk.stride(),
-        *f.vbar.stride(), *f.dv.stride(), span.stride(0), span.stride(1), kv_heads, group, num_q, dim, dim_v, cols,
-        cos.shape[-1] if rope else 0, cos.shape[0] if rope else 1, rank_k, rank_v, chunk,
-        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, MROPE=sec is not None,
-        LOGITS=probs is not None, BLOCK_R=rank_block(f), **plan.constexprs,
+        *args, out if probs is None else probs, f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v, span,
+        *f.frow.stride(), *f.kbar.stride(), *f.dk.stride(), *f.vbar.stride(), *f.dv.stride(),
+        span.stride(0), span.stride(1), rank_k, rank_v, chunk,
+        LOGITS=probs is not None, BLOCK_R=rank_block(f), **constexprs,
     )  # fmt: skip
