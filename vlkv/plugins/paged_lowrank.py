@@ -123,14 +123,67 @@ def factored_span(f: PagedFactors, lengths: Tensor) -> Tensor:
     return torch.stack([first, after], -1).to(torch.int32).contiguous()
 
 
-def split_ranges(lengths: Tensor, num_splits: int, block_n: int) -> tuple[Tensor, Tensor]:
-    """``(start, stop)`` each ``(B, H_kv, num_splits)``: the columns each split of a row walks, as the
-    kernel cuts a decode row (its length in ``num_splits`` parts, rounded up to ``block_n``)."""
-    n = lengths.long().clamp_min(0)[..., None]
-    per = (n + num_splits - 1) // num_splits
-    per = (per + block_n - 1) // block_n * block_n
-    start = torch.arange(num_splits, device=n.device) * per
-    return start, torch.minimum(start + per, n)
+# a split of the factored span walks at least BASES_SHARE times the columns whose dense K/V weigh as much as
+# the basis slices it loads (R_k·D + R_v·D_v): its one basis load then costs at most 1/BASES_SHARE of the
+# dense bytes its columns replace (4: rows of AttentionPack's default ranks are ~0.22 of dense, so the
+# whole read stays under half the dense K/V)
+BASES_SHARE = 4
+
+
+def factored_chunk(rank_k: int, rank_v: int, dim: int, dim_v: int) -> int:
+    """The fewest columns a split of a row's factored span walks (:data:`BASES_SHARE`); the padded ranks
+    ``R_k, R_v`` and head dims: shapes only (a static step's capacities), never data."""
+    return max(1, -(-BASES_SHARE * (rank_k * dim + rank_v * dim_v) // max(dim + dim_v, 1)))
+
+
+def split_layout(
+    span: Tensor, lengths: Tensor, num_splits: int, block_n: int, chunk: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """How the kernel cuts a decode row's columns among its ``num_splits`` programs (its launch grid, a
+    function of shapes): ``(splits_f (B, H_kv), start, stop (B, H_kv, S), holds (B, H_kv, S))``.
+
+    A row's columns are walked in a *virtual* order: its factored span ``[a, e)`` (``span (B, H_kv, 2)``,
+    :func:`factored_span`, clipped to the length) first, then the dense rest (``[0, a)`` then ``[e,
+    length)``; :func:`virtual_columns`). The span gets ``splits_f = clamp(min(⌊(e − a) / chunk⌋,
+    round(S·(e − a) / length)), 1, S − 1)`` splits (``0`` without factored columns, ``1`` with one
+    split): each walks about ``(e − a) / splits_f >= chunk`` columns (:func:`factored_chunk`: one basis
+    load amortised), and no more of the ``S`` than the span's share of the columns (a long conversation
+    after a small image keeps its splits for the dense columns); the other ``S − splits_f`` splits take
+    the dense columns. Each part is cut in ``block_n``-rounded pieces; the last split also walks
+    whatever is left (with one split: every column). ``holds``: the split walks factored columns and
+    loads the bases (the only programs that do). ``[start, stop)`` are virtual positions."""
+    n = lengths.long().clamp_min(0)
+    a = torch.minimum(span[..., 0].long().clamp_min(0), n)
+    e = torch.minimum(torch.maximum(span[..., 1].long(), a), n)
+    n_f = e - a
+    share = (2 * num_splits * n_f + n) // (2 * n).clamp_min(1)  # the span's share of the splits, rounded
+    splits_f = torch.where(n_f > 0, torch.minimum(n_f // chunk, share).clamp(1, max(num_splits - 1, 1)), 0)
+    per_f = _round_up(-(-n_f // splits_f.clamp_min(1)), block_n)[..., None]
+    per_d = _round_up(-(-(n - n_f) // (num_splits - splits_f).clamp_min(1)), block_n)[..., None]
+    split = torch.arange(num_splits, device=n.device)
+    on_f = split < splits_f[..., None]
+    start = torch.where(on_f, split * per_f, n_f[..., None] + (split - splits_f[..., None]) * per_d)
+    stop = torch.where(
+        on_f, torch.minimum(start + per_f, n_f[..., None]), torch.minimum(start + per_d, n[..., None])
+    )
+    holds = on_f & (start < stop)
+    stop = torch.where(split == num_splits - 1, n[..., None], stop)
+    return splits_f, start, stop, holds
+
+
+def virtual_columns(span: Tensor, lengths: Tensor, virtual: Tensor) -> Tensor:
+    """The table columns at :func:`split_layout`'s virtual positions ``virtual (B, H_kv, …)``: the span
+    ``[a, e)`` first, then ``[0, a)``, then ``[e, length)`` (the kernel's mapping)."""
+    n = lengths.long().clamp_min(0)
+    a = torch.minimum(span[..., 0].long().clamp_min(0), n)
+    n_f = torch.minimum(torch.maximum(span[..., 1].long(), a), n) - a
+    shape = (*n_f.shape, *([1] * (virtual.dim() - n_f.dim())))
+    a, n_f = a.view(shape), n_f.view(shape)
+    return torch.where(virtual < n_f, a + virtual, torch.where(virtual < n_f + a, virtual - n_f, virtual))
+
+
+def _round_up(x: Tensor, block: int) -> Tensor:
+    return (x + block - 1) // block * block
 
 
 def rebuild(bar: Tensor, rank: Tensor, basis: Tensor, rows: Tensor, dtype: torch.dtype) -> Tensor:
@@ -204,22 +257,21 @@ def factored_read_bytes(
     factors: PagedFactors, lengths: Tensor, head_dim: int, dim_v: int, num_splits: int = 1, block_n: int = 16
 ) -> tuple[int, int]:
     """``(kernel, dense)``: bytes the low-rank kernel loads for the factored columns of one decode call
-    cut in ``num_splits`` splits of ``block_n``-rounded columns (the launch's), against the bytes the same
-    columns would read as dense pool entries (``(D + D_v)`` a column and head).
+    cut in ``num_splits`` splits (:func:`split_layout`, the launch's cut with its ``block_n`` and
+    :func:`factored_chunk`), against the bytes the same columns would read as dense pool entries (``(D +
+    D_v)`` a column and head).
 
     Counted per (column, head), as each KV head's program loads them (no sharing across heads assumed):
     a factored column reads its row's ``rank_k + rank_v`` components (loads past a row's rank are
-    masked); each (request, head, split) program whose columns meet the row's factored span
-    (:func:`factored_span`, the kernel's test) loads its basis slices, ``R_k·D + R_v·D_v`` (the keys'
-    permuted partner slice re-reads the same bytes); one row tile of query heads per program (``G <=
-    64``). ``lengths (B, H_kv)``."""
+    masked); each (request, head, split) program that walks factored columns (``holds``) loads its basis
+    slices, ``R_k·D + R_v·D_v`` (the keys' permuted partner slice re-reads the same bytes); one row tile
+    of query heads per program (``G <= 64``). ``lengths (B, H_kv)``."""
     fac = factored_columns(factors, lengths)  # (B, H_kv, C)
     item = factors.kbar.element_size()
     rows = factors.frow[fac]
     components = int((factors.rank_k[rows] + factors.rank_v[rows]).sum())
     rank_k, rank_v = factors.ranks
-    span = factored_span(factors, lengths).long()
-    start, stop = split_ranges(lengths, num_splits, block_n)
-    programs = int(((span[..., :1] < stop) & (span[..., 1:] > start)).sum())
-    kernel = (components + programs * (rank_k * head_dim + rank_v * dim_v)) * item
+    chunk = factored_chunk(rank_k, rank_v, head_dim, dim_v)
+    _, _, _, holds = split_layout(factored_span(factors, lengths), lengths, num_splits, block_n, chunk)
+    kernel = (components + int(holds.sum()) * (rank_k * head_dim + rank_v * dim_v)) * item
     return kernel, int(fac.sum()) * (head_dim + dim_v) * item

@@ -2,12 +2,18 @@
 reference): ``paged_attention_kernels``' paged read, where a column whose ``frow`` is ``>= 0`` is rebuilt
 from its factor row instead of loaded from a slot.
 
-Grid and online softmax as the paged read's (``flash_tiles``). A program (request ``b``, KV head ``h``,
-split) whose column range meets its row's factored span (``span (B, H_kv, 2)`` int32: first factored
-column, one past the last; ``C, 0`` where none) loads its request's basis slices once,
+Grid and online softmax as the paged read's (``flash_tiles``), but a row's columns are cut among its
+``NUM_SPLITS`` programs in a *virtual order* (``paged_lowrank.split_layout``, the same cut in PyTorch):
+its factored span first (``span (B, H_kv, 2)`` int32: first factored column, one past the last; ``C, 0``
+where none), then the dense rest. The span gets its own splits, as many as its share of the columns but
+each at least ``CHUNK`` columns (``paged_lowrank.factored_chunk``: its basis load is at most a quarter of
+the dense K/V its columns replace) and one split fewer than ``NUM_SPLITS``; the other splits take the
+dense columns. ``NUM_SPLITS`` and ``CHUNK`` are shapes (a static step's grid stays fixed); the cut itself
+reads ``span`` on the device. Only the span's splits load the request's basis slices, once each,
 ``D_k[:, h·D : (h+1)·D]`` (``(BLOCK_R, BLOCK_D)``; with rotation also its rotate-half column permutation)
-and ``D_v``'s; any other program (a dense request's, a split outside the image) loads none (masked) and
-skips the rank-space work. Then per tile of ``BLOCK_N`` columns:
+and ``D_v``'s; any other program (a dense request's, the text's) loads none (masked) and skips the
+rank-space work. (Cut contiguously, every split meeting the span loaded the bases again: 2.33x the dense
+bytes at Qwen2-VL-7B batch 1's 20 splits.) Then per tile of ``BLOCK_N`` columns:
 
 - keys: the tile's factor rows ``K̄ (BLOCK_N, BLOCK_R)`` (columns past each row's rank masked) by the
   slice, one ``tl.dot``, rounded to the pool's dtype (the entry path (a) would rebuild), then rotated by
@@ -39,7 +45,7 @@ from vlkv.plugins.paged_attention_kernels import PER_STEP_INTS, rope_on_load, ro
 # besides the paged read's: the frow table's strides grow with the columns, and the padded ranks (RK, RV)
 # and with them the stacked rows' and bases' strides change with every request's factoring; Triton
 # specialises an int on == 1 and divisibility by 16, so any of these would pick a new binary mid-run
-LOWRANK_PER_STEP = (*PER_STEP_INTS, "sfb", "sfh", "skbn", "sdkb", "svbn", "sdvb", "RK", "RV")
+LOWRANK_PER_STEP = (*PER_STEP_INTS, "sfb", "sfh", "skbn", "sdkb", "svbn", "sdvb", "RK", "RV", "CHUNK")
 
 
 @triton.jit
@@ -72,12 +78,13 @@ def rank_dot(a, basis, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=LOWRANK_PER_STEP)
 def paged_lowrank_kernel(
-    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, logit_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    rot_ptr, cos_ptr, sin_ptr, sec_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr,
-    span_ptr, sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
+    # paged_attention_kernel's arguments (triton_paged_attention.shared_launch), then the factors'
+    q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    rot_ptr, cos_ptr, sin_ptr, sec_ptr, sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
     stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, srp, scr, scd,
-    sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc, ssb, ssh,
-    HKV, GROUP, Q, D, DV, COLS, DR, NR, RK, RV,
+    HKV, GROUP, Q, D, DV, COLS, DR, NR,
+    logit_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr, span_ptr,
+    sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc, ssb, ssh, RK, RV, CHUNK,
     SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
     MROPE: tl.constexpr, LOGITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -91,14 +98,25 @@ def paged_lowrank_kernel(
     length = tl.minimum(tl.maximum(tl.load(len_ptr + b * slb + kvh * slh).to(tl.int32), 0), COLS)
     limit = tl.where(r < GQ, length - Q + 1 + qi, 0)
     stop_all = tl.minimum(tl.max(limit, 0), length)
-    per_split = tl.cdiv(tl.cdiv(stop_all, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = tl.program_id(2) * per_split
-    stop = tl.minimum(start + per_split, stop_all)
+    # the row's columns in a virtual order, its factored span [a, e) first, then the dense rest: the span's
+    # own splits (at least CHUNK columns each) load the bases, the others never meet a factored column
+    # (paged_lowrank.split_layout, the same cut in PyTorch)
+    a = tl.minimum(tl.maximum(tl.load(span_ptr + b * ssb + kvh * ssh), 0), stop_all)
+    n_f = tl.minimum(tl.maximum(tl.load(span_ptr + b * ssb + kvh * ssh + 1), a), stop_all) - a
+    # as many of the splits as the span's share of the columns (rounded), no more than one per CHUNK
+    share = (2 * NUM_SPLITS * n_f + stop_all) // tl.maximum(2 * stop_all, 1)
+    splits_f = tl.minimum(tl.maximum(tl.minimum(n_f // CHUNK, share), 1), max(NUM_SPLITS - 1, 1))
+    splits_f = tl.where(n_f > 0, splits_f, 0)
+    per_f = tl.cdiv(tl.cdiv(n_f, tl.maximum(splits_f, 1)), BLOCK_N) * BLOCK_N
+    per_d = tl.cdiv(tl.cdiv(stop_all - n_f, tl.maximum(NUM_SPLITS - splits_f, 1)), BLOCK_N) * BLOCK_N
+    split = tl.program_id(2)
+    on_f = split < splits_f
+    start = tl.where(on_f, split * per_f, n_f + (split - splits_f) * per_d)
+    stop = tl.where(on_f, tl.minimum(start + per_f, n_f), tl.minimum(start + per_d, stop_all))
+    holds = on_f & (start < stop)
+    stop = tl.where(split == NUM_SPLITS - 1, stop_all, stop)  # the last split walks what is left
     # the request's basis slices for this head, loaded once for every column the program walks, and only
-    # where its range meets the row's factored span: elsewhere every load is masked (no bytes moved)
-    first = tl.load(span_ptr + b * ssb + kvh * ssh)
-    after = tl.load(span_ptr + b * ssb + kvh * ssh + 1)
-    holds = (first < stop) & (after > start)
+    # by the span's splits: elsewhere every load is masked (no bytes moved)
     dk = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, dims, D, tl.where(holds, RK, 0), BLOCK_R)
     half = DR // 2
     partner = tl.where(dims < DR, tl.where(dims < half, dims + half, dims - half), dims)
@@ -109,8 +127,9 @@ def paged_lowrank_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     acc_r = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)  # Σ p·V̄ of the factored columns
     for n0 in range(start, stop, BLOCK_N):
-        col = n0 + tl.arange(0, BLOCK_N)
-        inside = col < stop
+        virtual = n0 + tl.arange(0, BLOCK_N)
+        inside = virtual < stop
+        col = tl.where(virtual < n_f, a + virtual, tl.where(virtual < n_f + a, virtual - n_f, virtual))
         slot = tl.load(tab_ptr + b * stb + kvh * sth + col * stc, mask=inside, other=-1).to(tl.int64)
         fr = tl.load(frow_ptr + b * sfb + kvh * sfh + col * sfc, mask=inside, other=-1).to(tl.int64)
         fac = inside & (fr >= 0)

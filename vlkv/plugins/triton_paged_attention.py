@@ -78,7 +78,8 @@ def paged_attention_triton(
     column's position components (component 0 < 0: stored post-RoPE), ``cos, sin (T, D_r)`` a table by
     position, ``sec (D_r,)`` int64 the component each dim's angle reads (:func:`rope_form`).
     """
-    group, rope, rot4, rot, cos, sin = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
+    rope_args = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
+    group = rope_args[0]
     batch, heads, num_q, dim = q.shape
     kv_heads, dim_v, cols = k_pool.shape[0], v_pool.shape[-1], table.shape[-1]
     table, lengths = table.to(q.device), lengths.to(q.device)
@@ -86,15 +87,8 @@ def paged_attention_triton(
     out = torch.empty(batch, heads, num_q, dim_v, dtype=q.dtype, device=q.device)
     if batch * kv_heads == 0:
         return out.zero_()
-    paged_attention_kernel[plan.grid](
-        q, k_pool, v_pool, table, lengths, out, plan.part_m, plan.part_l, plan.part_acc, rot, cos, sin,
-        table if sec is None else sec,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *table.stride(), *lengths.stride(), *out.stride(),
-        *rope_strides(rope, rot, rot4, cos), kv_heads, group, num_q, dim, dim_v, cols,
-        cos.shape[-1] if rope else 0, cos.shape[0] if rope else 1,
-        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, MROPE=sec is not None,
-        **plan.constexprs,
-    )  # fmt: skip
+    args, constexprs = shared_launch(q, k_pool, v_pool, table, lengths, scale, out, plan, rope_args, sec)
+    paged_attention_kernel[plan.grid](*args, **constexprs)
     combine_splits(plan, out, kv_heads, group)
     return out
 
@@ -116,6 +110,35 @@ def launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec):
     else:
         rot = cos = sin = table
     return group, rope, rot4, rot, cos, sin
+
+
+def shared_launch(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    out: Tensor,
+    plan: SplitPlan,
+    rope_args: tuple,
+    sec: Tensor | None,
+) -> tuple[tuple, dict]:
+    """``(args, constexprs)``: the leading positional arguments ``paged_attention_kernel`` and
+    ``paged_lowrank_kernel`` share, in their order (the tensors, the plan's partials, the rotary tensors
+    and ``sec``; their strides; ``HKV, GROUP, Q, D, DV, COLS, DR, NR``), and their common constexprs
+    (``SCALE, IEEE, HAS_ROPE, MROPE`` and the plan's). ``rope_args``: :func:`launch_args`' return; ``table``
+    and ``lengths`` already on q's device. No tensor op (a static step's device half counts them)."""
+    group, rope, rot4, rot, cos, sin = rope_args
+    args = (
+        q, k_pool, v_pool, table, lengths, out, plan.part_m, plan.part_l, plan.part_acc, rot, cos, sin,
+        table if sec is None else sec,
+        *q.stride(), *k_pool.stride(), *v_pool.stride(), *table.stride(), *lengths.stride(), *out.stride(),
+        *rope_strides(rope, rot, rot4, cos), k_pool.shape[0], group, q.shape[2], q.shape[3], v_pool.shape[-1],
+        table.shape[-1], cos.shape[-1] if rope else 0, cos.shape[0] if rope else 1,
+    )  # fmt: skip
+    constexprs = dict(SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, MROPE=sec is not None)
+    return args, {**constexprs, **plan.constexprs}
 
 
 def rope_form(

@@ -7,10 +7,9 @@ import torch
 import triton
 from torch import Tensor
 
-from vlkv.plugins.paged_lowrank import PagedFactors, check_factors, factored_span
+from vlkv.plugins.paged_lowrank import PagedFactors, check_factors, factored_chunk, factored_span
 from vlkv.plugins.paged_lowrank_kernels import paged_lowrank_kernel
-from vlkv.plugins.triton_launch import dot_in_fp32
-from vlkv.plugins.triton_paged_attention import _plan, launch_args, rope_strides
+from vlkv.plugins.triton_paged_attention import _plan, launch_args, shared_launch
 from vlkv.plugins.triton_paged_probs import normalise_probs, stats_buffers
 from vlkv.plugins.triton_selected_attention import combine_splits
 
@@ -33,17 +32,21 @@ def paged_lowrank_triton(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
     sec: Tensor | None = None,
+    chunk: int | None = None,
 ) -> Tensor:
     """Triton version of ``paged_lowrank.paged_lowrank_reference``: same arguments and result (the factors
     in the pool's dtype), plus ``num_splits`` and ``sec`` as ``triton_paged_attention.paged_attention_triton``
-    takes them (the M-RoPE table form: ``rot (B, H_kv, C, P)`` positions)."""
+    takes them (the M-RoPE table form: ``rot (B, H_kv, C, P)`` positions). ``chunk``: the fewest columns a
+    split of a row's factored span walks (``paged_lowrank.split_layout``); None: ``factored_chunk`` (one
+    basis load at most a quarter of the dense bytes it replaces); 1 gives the span its share of the
+    splits whatever the basis loads cost (to time the two cuts against each other)."""
     batch, heads, num_q, dim = q.shape
     group = heads // max(k_pool.shape[0], 1)
     plan = _plan(
         batch * k_pool.shape[0], group * num_q, dim, v_pool.shape[-1], table.shape[-1], num_splits, q.device
     )
     out = torch.empty(batch, heads, num_q, v_pool.shape[-1], dtype=q.dtype, device=q.device)
-    _launch(q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, sec, plan, out, None)
+    _launch(q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, sec, plan, out, None, chunk)
     combine_splits(plan, out, k_pool.shape[0], group)
     return out
 
@@ -63,48 +66,49 @@ def paged_lowrank_probs_triton(
     sec: Tensor | None = None,
     probs_out: Tensor | None = None,
     vis_out: Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """A statistics decode step (one query row) of :func:`paged_lowrank_triton`: ``out (B, H_q, 1, D_v)``,
     ``probs (B, H_kv, G, C)`` float32 and the held columns ``vis (B, H_kv, 1, C)`` bool (factored columns
     held), as ``triton_paged_probs.paged_probs_triton`` returns them, from the same one read (the kernel
     keeps the logits; ``paged_probs_kernels.probs_normalise_kernel`` normalises them). ``probs_out`` /
     ``vis_out``: buffers to write ``probs`` / ``vis`` into (a static step's: fixed addresses), contiguous,
-    of those shapes (``vis_out`` ``(B, H_kv, 1, C)``)."""
+    of those shapes (``vis_out`` ``(B, H_kv, 1, C)``). ``chunk``: as :func:`paged_lowrank_triton` takes it."""
     kv_heads, dim_v, cols = k_pool.shape[0], v_pool.shape[-1], table.shape[-1]
     plan, out, probs, vis = stats_buffers(q, kv_heads, dim_v, cols, num_splits, True, probs_out, vis_out)
     if plan is None:  # nothing to read
         return out, probs, vis
-    _launch(q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, sec, plan, out, probs)
+    _launch(q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, sec, plan, out, probs, chunk)
     # the normalise pass marks held columns by slot >= 0: a factored column is held whatever its slot
     held = torch.where(factors.frow.to(q.device) >= 0, 0, table.to(q.device))
     normalise_probs(plan, probs, held, lengths.to(q.device), vis, out, kv_heads)
     return out, probs, vis
 
 
-def _launch(q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, sec, plan, out, probs) -> None:
+def _launch(
+    q, k_pool, v_pool, table, lengths, scale, factors, rot, cos, sin, sec, plan, out, probs, chunk
+) -> None:
     """One ``paged_lowrank_kernel`` launch on ``plan`` into ``out`` (and the logits into ``probs`` when
     given: ``LOGITS``); arguments as :func:`paged_lowrank_triton` takes them."""
-    group, rope, rot4, rot, cos, sin = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
+    rope_args = launch_args(q, k_pool, v_pool, table, lengths, rot, cos, sin, sec)
     check_factors(factors, k_pool, v_pool, table)
-    kv_heads, num_q, dim = k_pool.shape[0], q.shape[2], q.shape[3]
-    dim_v, cols = v_pool.shape[-1], table.shape[-1]
     dev = q.device
     table, lengths = table.to(dev), lengths.to(dev)
     f = PagedFactors(*(t.to(dev) for t in (factors.frow, factors.kbar, factors.dk, factors.vbar, factors.dv,
                                            factors.rank_k, factors.rank_v)))  # fmt: skip
-    if q.shape[0] * kv_heads == 0:
+    if q.shape[0] * k_pool.shape[0] == 0:
         out.zero_()
         return
     rank_k, rank_v = f.ranks
-    span = factored_span(f, lengths)  # (B, H_kv, 2): a program outside it loads no basis
+    span = factored_span(f, lengths)  # (B, H_kv, 2): the span's own splits load the bases
+    if chunk is None:  # shapes only: a static step's capacities
+        chunk = factored_chunk(rank_k, rank_v, q.shape[3], v_pool.shape[-1])
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    args, constexprs = shared_launch(q, k_pool, v_pool, table, lengths, scale, out, plan, rope_args, sec)
     paged_lowrank_kernel[plan.grid](
-        q, k_pool, v_pool, table, lengths, out, out if probs is None else probs, plan.part_m, plan.part_l,
-        plan.part_acc, rot, cos, sin, table if sec is None else sec,
-        f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v, span,
-        *q.stride(), *k_pool.stride(), *v_pool.stride(), *table.stride(), *lengths.stride(), *out.stride(),
-        *rope_strides(rope, rot, rot4, cos), *f.frow.stride(), *f.kbar.stride(), *f.dk.stride(),
-        *f.vbar.stride(), *f.dv.stride(), span.stride(0), span.stride(1), kv_heads, group, num_q, dim, dim_v, cols,
-        cos.shape[-1] if rope else 0, cos.shape[0] if rope else 1, rank_k, rank_v,
-        SCALE=float(scale), IEEE=dot_in_fp32(q.dtype), HAS_ROPE=rope, MROPE=sec is not None,
-        LOGITS=probs is not None, BLOCK_R=rank_block(f), **plan.constexprs,
+        *args, out if probs is None else probs, f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v, span,
+        *f.frow.stride(), *f.kbar.stride(), *f.dk.stride(), *f.vbar.stride(), *f.dv.stride(),
+        span.stride(0), span.stride(1), rank_k, rank_v, chunk,
+        LOGITS=probs is not None, BLOCK_R=rank_block(f), **constexprs,
     )  # fmt: skip

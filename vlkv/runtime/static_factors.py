@@ -22,7 +22,10 @@ shapes, so here:
   kernel rotates the rebuilt keys by the rotary table like any linked entry.
 
 Buffers are keyed by :func:`factors_key` (``N``, ``R_k``, ``R_v``): a batch whose factors outgrow them
-gets new ones (a new graph), as a wider read table does.
+gets new ones (a new graph), as a wider read table does. The kernel's launch stays fixed with them: its
+split count comes from the read table's capacity and its factored span's chunk
+(``paged_lowrank.factored_chunk``) from the stacks' ranks; which split walks which columns is decided in
+the kernel from ``frow`` (``paged_lowrank.split_layout``).
 """
 
 from __future__ import annotations
