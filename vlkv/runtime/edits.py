@@ -52,6 +52,7 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
         cache, edit = items[c][0], items[c][1][i]
         jobs.append((cache.layers[i], edit.built_index(), edit.keep_len, edit.kept, edit.dropped))
     prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
+    ranks = _PendingRanks()
     for c, (cache, edits) in enumerate(items):
         # cuts the policy read on the host (a per-step cut, every layer) check their recycled slots in
         # one read for all layers too
@@ -61,7 +62,8 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
         soles = {}
         if len(cuts) > 1:
             soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
-        _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles)
+        _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles, ranks)
+    ranks.flush()
 
 
 def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
@@ -90,18 +92,58 @@ def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
     return out
 
 
-def _apply(cache: KVCache, edits: list | None, spare: int, prepared: dict, soles: dict) -> None:
-    """Each layer's edits of one cache, its selections prepared (``prepared``: layer → select) and
-    its cuts' recycled slots checked (``soles``) where that was done for many layers at once."""
-    from vlkv.runtime.kv.lowrank import apply_factor_edit
+class _PendingRanks:
+    """Factor edits whose rank setting by importance waits, so that many layers' (and requests') ranks
+    are set together (``kv/factor_ranks``: a fixed number of tensor ops, not ~29 a request and layer).
 
-    for i, (layer, item) in enumerate(zip(cache.layers, edits or [])):
-        for edit in item if isinstance(item, tuple) else (item,):
+    A layer's ranks must be set before any later edit of that layer reads them (an eviction's
+    ``LowRank.prune`` takes rows with their ranks, a merge rebuilds at them): :meth:`before` sets
+    every waiting one first. Layers are otherwise independent, so waiting changes no result."""
+
+    def __init__(self):
+        self.jobs: list[tuple] = []
+
+    def factor(self, layer, edit: FactorEdit) -> None:
+        """Factor ``layer``'s due samples now (``kv/lowrank.factor_due``); its ranks wait."""
+        from vlkv.runtime.kv.lowrank import factor_due
+
+        self.before(layer)
+        factor_due(layer, edit)
+        self.jobs.append((layer, edit))
+
+    def before(self, layer) -> None:
+        """Set the waiting ranks if ``layer``'s are among them (an edit of ``layer`` follows)."""
+        if any(waiting is layer for waiting, _ in self.jobs):
+            self.flush()
+
+    def flush(self) -> None:
+        from vlkv.runtime.kv.factor_ranks import rank_jobs, set_ranks_by_importance
+
+        if self.jobs:
+            set_ranks_by_importance(rank_jobs(self.jobs))
+        self.jobs = []
+
+
+def _apply(
+    cache: KVCache, edits: list | None, spare: int, prepared: dict, soles: dict, ranks: _PendingRanks
+) -> None:
+    """Each layer's edits of one cache, its selections prepared (``prepared``: layer → select) and
+    its cuts' recycled slots checked (``soles``) where that was done for many layers at once.
+
+    Applied stage by stage (every layer's first edit, then every layer's second...): each layer's
+    edits keep their order, and a factor edit's rank setting waits in ``ranks`` until the next stage
+    touches its layer, so the layers' ranks are set together."""
+    per_layer = [item if isinstance(item, tuple) else (item,) for item in edits or []]
+    for stage in range(max(map(len, per_layer), default=0)):
+        for i, (layer, item) in enumerate(zip(cache.layers, per_layer)):
+            edit = item[stage] if stage < len(item) else None
             if edit is None:
                 continue
             if isinstance(edit, FactorEdit):
-                apply_factor_edit(layer, edit)
-            elif isinstance(edit, CutEdit):
+                ranks.factor(layer, edit)
+                continue
+            ranks.before(layer)
+            if isinstance(edit, CutEdit):
                 layer.cut(edit.start, edit.count, recycle=spare > 0, host=edit.host, sole=soles.get(i))
             elif edit.assign is None:
                 prep = prepared.get(i)
