@@ -63,31 +63,34 @@ def set_ranks_by_importance(jobs: list[tuple]) -> None:
         items = [jobs[j] for j in group]
         imp, held = _stacked_importance(items)
         sizes = [f.rows for _, _, f in held]
-        dev = imp.device
         n = imp.shape[0]
-        params = []
-        for i, _, f in held:
+        # per sample, from the host in one upload: its rows' end and start in the stack, how many are
+        # important, the edit's two ranks and ``lo_keys``, and the ranks its factors store
+        per = []
+        for (i, _, f), start in zip(held, _starts(sizes)):
             edit = items[i][1]
-            params.append([edit.rank, edit.rank_lo, int(edit.lo_keys), f.kbar.shape[1], f.vbar.shape[1]])
-        param = torch.tensor(params, dtype=torch.long, device=dev)  # (M, _PARAMS)
-        starts = torch.tensor(_starts(sizes), dtype=torch.long, device=dev)  # (M,)
-        top = torch.tensor(
-            [math.ceil(items[i][1].top_fraction * f.rows) for i, _, f in held], dtype=torch.long, device=dev
-        )
-        row = torch.arange(n, device=dev)
-        sample = torch.searchsorted(starts, row, right=True) - 1  # (N,) each row's sample
+            top = math.ceil(edit.top_fraction * f.rows)
+            per.append((start + f.rows, start, top, edit.rank, edit.rank_lo, int(edit.lo_keys), *_stored(f)))
+        meta = torch.tensor(list(zip(*per)), dtype=torch.long, device=imp.device)  # (8, M)
+        row = torch.arange(n, device=imp.device)
+        sample = torch.searchsorted(meta[0], row, right=True)  # (N,) each row's sample
+        _, start, top, rank, rank_lo, lo_keys, cap_k, cap_v = meta[:, sample].unbind(0)  # each (N,)
         # rows grouped by sample, each sample's by importance descending (ties: lower row first)
         by_imp = torch.sort(imp, descending=True, stable=True).indices
         order = by_imp[torch.sort(sample[by_imp], stable=True).indices]
         # the k-th of its sample's rows in that order is among the top ``top`` (sample[order] == sample)
-        hi = torch.empty(n, dtype=torch.bool, device=dev)
-        hi[order] = (row - starts[sample]) < top[sample]
-        p = param[sample]  # (N, _PARAMS)
-        lo = torch.where(hi, p[:, 0], p[:, 1])
-        rank_k = torch.where(p[:, 2] != 0, lo, p[:, 0]).minimum(p[:, 3])
-        rank_v = lo.minimum(p[:, 4])
+        hi = torch.empty(n, dtype=torch.bool, device=imp.device)
+        hi[order] = (row - start) < top
+        lo = torch.where(hi, rank, rank_lo)
+        rank_k = torch.where(lo_keys != 0, lo, rank).minimum(cap_k)
+        rank_v = lo.minimum(cap_v)
         for (_, _, f), rk, rv in zip(held, rank_k.split(sizes), rank_v.split(sizes)):
             f.rank_k, f.rank_v = rk, rv
+
+
+def _stored(f) -> tuple[int, int]:
+    """The ranks ``f`` stores for keys and values (a row's reconstruction rank is clamped to them)."""
+    return f.kbar.shape[1], f.vbar.shape[1]
 
 
 def _groups(jobs: list[tuple]) -> list[list[int]]:
@@ -113,7 +116,7 @@ def _stacked_importance(items: list[tuple]) -> tuple[Tensor, list[tuple]]:
     order's ``(item, sample, Factors)``.
 
     One column-wise concatenation of the items' tables ``(B, H_kv, ΣC)`` and scores; each column's
-    segment (its item) by ``searchsorted`` on the segments' first columns; a column names a row where
+    segment (its item) by ``searchsorted`` on the segments' ends; a column names a row where
     its slot is negative, it is inside its sample's length and the sample holds factors. Every other
     column goes to a spare last row, dropped."""
     held = [
@@ -126,22 +129,25 @@ def _stacked_importance(items: list[tuple]) -> tuple[Tensor, list[tuple]]:
     widths = [layer.slots.shape[2] for layer, _ in items]
     rows = [f.rows for _, _, f in held]
     n = sum(rows)
-    # per (item, sample) the first row of its factors in the stack, -1 where it holds none
+    # per item, from the host in one upload: its columns' end and start in the concatenation, and per
+    # sample the first row of its factors in the stack (-1 where it holds none)
     first = [[-1] * layer.batch for layer, _ in items]
     for (i, s, _), at in zip(held, _starts(rows)):
         first[i][s] = at
-    slots = torch.cat([layer.slots for layer, _ in items], dim=2).long()  # (B, H_kv, ΣC)
+    starts = _starts(widths)
+    per = [(start + w, start, *f) for start, w, f in zip(starts, widths, first)]
+    meta = torch.tensor(list(zip(*per)), dtype=torch.long, device=dev)  # (2 + B, J)
+    slots = torch.cat([layer.slots for layer, _ in items], dim=2)  # (B, H_kv, ΣC)
     score = torch.cat([layer.scores[edit.importance] for layer, edit in items], dim=2)
-    lengths = torch.stack([layer.lengths for layer, _ in items])  # (J, B)
-    firsts = torch.tensor(first, dtype=torch.long, device=dev)  # (J, B)
-    col_starts = torch.tensor(_starts(widths), dtype=torch.long, device=dev)  # (J,)
+    lengths = torch.stack([layer.lengths for layer, _ in items], dim=1)  # (B, J)
     col = torch.arange(slots.shape[2], device=dev)
-    seg = torch.searchsorted(col_starts, col, right=True) - 1  # (ΣC,) each column's item
-    # (B, ΣC): inside the sample's length; the sample's first row (or -1)
-    valid = (col - col_starts[seg])[None, :] < lengths[seg].T
-    base = firsts[seg].T
-    named = (slots < 0) & (valid & (base >= 0))[:, None, :]
-    at = torch.where(named, base[:, None, :] - slots - 1, n)
+    seg = torch.searchsorted(meta[0], col, right=True)  # (ΣC,) each column's item
+    at_col = meta[:, seg]  # (2 + B, ΣC): the column's item's first column, each sample's first row
+    base = at_col[2:]  # (B, ΣC)
+    # a column names a row where its slot is negative (-(1 + row)), it is inside its sample's length
+    # and the sample holds factors
+    named = (slots < 0) & (((col - at_col[1]) < lengths[:, seg]) & (base >= 0))[:, None, :]
+    at = torch.where(named, base[:, None, :] + ~slots, n)
     imp = torch.full((n + 1,), float("-inf"), dtype=torch.float32, device=dev)
     imp.scatter_reduce_(0, at.reshape(-1), score.reshape(-1).to(imp), "amax")
     return imp[:n], held
