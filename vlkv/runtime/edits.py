@@ -5,6 +5,10 @@ Its own module so that the scheduler applies edits without importing the engine 
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from vlkv.runtime.cache import KVCache
@@ -13,6 +17,26 @@ from vlkv.runtime.policies.base import DropOneEdit
 
 # spare slots kept after a decode-time eviction so the next append does not reallocate
 DECODE_SPARE = 8
+
+# the rank settings that wait across apply_edits calls inside ``ranks_together`` (None: outside one)
+_WAITING: contextvars.ContextVar = contextvars.ContextVar("vlkv_waiting_ranks", default=None)
+
+
+@contextmanager
+def ranks_together() -> Iterator[list]:
+    """Within the block, the factor edits' rank settings of every :func:`apply_edits` call wait, and are
+    set together when it ends (a scheduler commit applies each request's edits by a call of its own:
+    one rank setting a step, not one a request). Yields a list that, once the block has ended,
+    holds ``(cache, error)`` for each cache whose ranks could not be set (the batched setting raised,
+    then its own did): the caller fails those requests. Nothing is set if the block raises."""
+    ranks = _PendingRanks()
+    token = _WAITING.set(ranks)
+    failed: list = []
+    try:
+        yield failed
+    finally:
+        _WAITING.reset(token)
+    failed.extend(ranks.flush_each())
 
 
 def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
@@ -52,7 +76,8 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
         cache, edit = items[c][0], items[c][1][i]
         jobs.append((cache.layers[i], edit.built_index(), edit.keep_len, edit.kept, edit.dropped))
     prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
-    ranks = _PendingRanks()
+    waiting = _WAITING.get()
+    ranks = _PendingRanks() if waiting is None else waiting
     for c, (cache, edits) in enumerate(items):
         # cuts the policy read on the host (a per-step cut, every layer) check their recycled slots in
         # one read for all layers too
@@ -63,7 +88,8 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
         if len(cuts) > 1:
             soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
         _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles, ranks)
-    ranks.flush()
+    if waiting is None:
+        ranks.flush()
 
 
 def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
@@ -94,34 +120,58 @@ def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
 
 class _PendingRanks:
     """Factor edits whose rank setting by importance waits, so that many layers' (and requests') ranks
-    are set together (``kv/factor_ranks``: a fixed number of tensor ops, not ~29 a request and layer).
+    are set together (``kv/factor_ranks``: a fixed number of tensor ops, not ~29 a request and layer;
+    across :func:`apply_edits` calls inside :func:`ranks_together`).
 
     A layer's ranks must be set before any later edit of that layer reads them (an eviction's
     ``LowRank.prune`` takes rows with their ranks, a merge rebuilds at them): :meth:`before` sets
     every waiting one first. Layers are otherwise independent, so waiting changes no result."""
 
     def __init__(self):
-        self.jobs: list[tuple] = []
+        self.jobs: list[tuple] = []  # (cache, layer, FactorEdit)
 
-    def factor(self, layer, edit: FactorEdit) -> None:
+    def factor(self, cache: KVCache, layer, edit: FactorEdit) -> None:
         """Factor ``layer``'s due samples now (``kv/lowrank.factor_due``); its ranks wait."""
         from vlkv.runtime.kv.lowrank import factor_due
 
         self.before(layer)
         factor_due(layer, edit)
-        self.jobs.append((layer, edit))
+        self.jobs.append((cache, layer, edit))
 
     def before(self, layer) -> None:
         """Set the waiting ranks if ``layer``'s are among them (an edit of ``layer`` follows)."""
-        if any(waiting is layer for waiting, _ in self.jobs):
+        if any(waiting is layer for _, waiting, _ in self.jobs):
             self.flush()
 
     def flush(self) -> None:
-        from vlkv.runtime.kv.factor_ranks import rank_jobs, set_ranks_by_importance
+        jobs, self.jobs = self.jobs, []
+        _set_ranks(jobs)
 
-        if self.jobs:
-            set_ranks_by_importance(rank_jobs(self.jobs))
-        self.jobs = []
+    def flush_each(self) -> list[tuple]:
+        """:meth:`flush`; where that raises, each cache's ranks alone: ``[(cache, error)]`` of those
+        that raise again."""
+        jobs, self.jobs = self.jobs, []
+        try:
+            _set_ranks(jobs)
+            return []
+        except Exception:
+            failed = []
+            for cache in {id(c): c for c, _, _ in jobs}.values():
+                try:
+                    _set_ranks([j for j in jobs if j[0] is cache])
+                except Exception as err:
+                    failed.append((cache, err))
+            return failed
+
+
+def _set_ranks(jobs: list[tuple]) -> None:
+    """The ranks by importance of ``jobs`` ``(cache, layer, FactorEdit)`` (those that set any, whose
+    layer still holds factors: a request failed meanwhile released its cache), all at once."""
+    from vlkv.runtime.kv.factor_ranks import rank_jobs, set_ranks_by_importance
+
+    todo = rank_jobs([(layer, edit) for _, layer, edit in jobs])
+    if todo:
+        set_ranks_by_importance(todo)
 
 
 def _apply(
@@ -140,7 +190,7 @@ def _apply(
             if edit is None:
                 continue
             if isinstance(edit, FactorEdit):
-                ranks.factor(layer, edit)
+                ranks.factor(cache, layer, edit)
                 continue
             ranks.before(layer)
             if isinstance(edit, CutEdit):
