@@ -366,8 +366,7 @@ class Scheduler:
                 self._fail(r, err)
         edits, groups = decode_edits(entries, live, out.stats, reads.widths)
         applied = set()
-        # AttentionPack's rank settings of every request's edits wait and are set at once at the end
-        with _edits.ranks_together() as unranked:
+        with _edits.ranks_together() as unranked:  # attnpack's rank settings: all at once, at the end
             for rows in groups:
                 ok = [i for i in rows if not isinstance(edits[i], Exception)]
                 for i in rows:
