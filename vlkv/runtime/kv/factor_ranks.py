@@ -25,9 +25,6 @@ import math
 import torch
 from torch import Tensor
 
-# columns per parameter row (rank, rank_lo, lo_keys, stored key rank, stored value rank)
-_PARAMS = 5
-
 
 def rank_jobs(jobs: list[tuple]) -> list[tuple]:
     """The ``(layer, edit)`` pairs of ``jobs`` whose :class:`~vlkv.runtime.policies.base.FactorEdit`
