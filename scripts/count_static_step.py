@@ -20,7 +20,9 @@ eagerly, outside both halves: in the step's totals, not in ``host`` or ``device`
   under a graph) and ``device`` (the forward: what a CUDA graph captures and replays as one launch);
   a statistics step also ``stats`` (``static_step.step_stats``: the statistics from the probabilities
   the forward left in its buffers, host-half work after the replay), and a step with low-rank factors
-  ``edit`` (``kv/lowrank.apply_factor_edit``: the policy's factor edit in the scheduler's commit, eager).
+  ``edit`` (the policy's factor edit in the scheduler's commit, eager: ``kv/lowrank.factor_due``, each
+  layer's factoring where due, and ``kv/factor_ranks.set_ranks_by_importance``, every layer's and
+  request's ranks at once).
 
 A Triton launch counts as one op (one kernel launch on the device). Prints one JSON line per
 configuration and layer count, then per configuration the ops per layer (slope between the fewest and
@@ -126,10 +128,11 @@ class _Halves:
         self.host = self.device = self.stats = self.edit = None
 
     def __enter__(self):
-        from vlkv.runtime.kv import lowrank
+        from vlkv.runtime.kv import factor_ranks, lowrank
 
         self._prepare, self._forward = static_step.prepare, static_step.forward
-        self._stats, self._edit = static_step.step_stats, lowrank.apply_factor_edit
+        self._stats = static_step.step_stats
+        self._edit = lowrank.factor_due, factor_ranks.set_ranks_by_importance
 
         def counted(fn, half: str):
             def run(*a, **k):
@@ -144,14 +147,18 @@ class _Halves:
         static_step.prepare = counted(self._prepare, "host")
         static_step.forward = counted(self._forward, "device")
         static_step.step_stats = counted(self._stats, "stats")
-        lowrank.apply_factor_edit = counted(self._edit, "edit")  # edits.py imports it when it runs
+        # the factor edit's two halves (edits.py imports them when it runs): the factoring where due,
+        # and the ranks by importance of every layer and request at once
+        lowrank.factor_due = counted(self._edit[0], "edit")
+        factor_ranks.set_ranks_by_importance = counted(self._edit[1], "edit")
         return self
 
     def __exit__(self, *exc):
-        from vlkv.runtime.kv import lowrank
+        from vlkv.runtime.kv import factor_ranks, lowrank
 
         static_step.prepare, static_step.forward = self._prepare, self._forward
-        static_step.step_stats, lowrank.apply_factor_edit = self._stats, self._edit
+        static_step.step_stats = self._stats
+        lowrank.factor_due, factor_ranks.set_ranks_by_importance = self._edit
 
 
 def _add(acc: dict | None, c) -> dict:

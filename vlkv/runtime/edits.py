@@ -5,6 +5,10 @@ Its own module so that the scheduler applies edits without importing the engine 
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from vlkv.runtime.cache import KVCache
@@ -13,6 +17,26 @@ from vlkv.runtime.policies.base import DropOneEdit
 
 # spare slots kept after a decode-time eviction so the next append does not reallocate
 DECODE_SPARE = 8
+
+# the rank settings that wait across apply_edits calls inside ``ranks_together`` (None: outside one)
+_WAITING: contextvars.ContextVar = contextvars.ContextVar("vlkv_waiting_ranks", default=None)
+
+
+@contextmanager
+def ranks_together() -> Iterator[list]:
+    """Within the block, the factor edits' rank settings of every :func:`apply_edits` call wait, and are
+    set together when it ends (a scheduler commit applies each request's edits by a call of its own:
+    one rank setting a step, not one a request). Yields a list that, once the block has ended,
+    holds ``(cache, error)`` for each cache whose ranks could not be set (the batched setting raised,
+    then its own did): the caller fails those requests. Nothing is set if the block raises."""
+    ranks = _PendingRanks()
+    token = _WAITING.set(ranks)
+    failed: list = []
+    try:
+        yield failed
+    finally:
+        _WAITING.reset(token)
+    failed.extend(ranks.flush_each())
 
 
 def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
@@ -52,6 +76,8 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
         cache, edit = items[c][0], items[c][1][i]
         jobs.append((cache.layers[i], edit.built_index(), edit.keep_len, edit.kept, edit.dropped))
     prepared = dict(zip(plain, prepare_selects(jobs, spare, spare > 0))) if len(plain) > 1 else {}
+    waiting = _WAITING.get()
+    ranks = _PendingRanks() if waiting is None else waiting
     for c, (cache, edits) in enumerate(items):
         # cuts the policy read on the host (a per-step cut, every layer) check their recycled slots in
         # one read for all layers too
@@ -61,7 +87,9 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
         soles = {}
         if len(cuts) > 1:
             soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
-        _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles)
+        _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles, ranks)
+    if waiting is None:
+        ranks.flush()
 
 
 def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
@@ -90,18 +118,82 @@ def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
     return out
 
 
-def _apply(cache: KVCache, edits: list | None, spare: int, prepared: dict, soles: dict) -> None:
-    """Each layer's edits of one cache, its selections prepared (``prepared``: layer → select) and
-    its cuts' recycled slots checked (``soles``) where that was done for many layers at once."""
-    from vlkv.runtime.kv.lowrank import apply_factor_edit
+class _PendingRanks:
+    """Factor edits whose rank setting by importance waits, so that many layers' (and requests') ranks
+    are set together (``kv/factor_ranks``: a fixed number of tensor ops, not ~29 a request and layer;
+    across :func:`apply_edits` calls inside :func:`ranks_together`).
 
-    for i, (layer, item) in enumerate(zip(cache.layers, edits or [])):
-        for edit in item if isinstance(item, tuple) else (item,):
+    A layer's ranks must be set before any later edit of that layer reads them (an eviction's
+    ``LowRank.prune`` takes rows with their ranks, a merge rebuilds at them): :meth:`before` sets
+    every waiting one first. Layers are otherwise independent, so waiting changes no result."""
+
+    def __init__(self):
+        self.jobs: list[tuple] = []  # (cache, layer, FactorEdit)
+
+    def factor(self, cache: KVCache, layer, edit: FactorEdit) -> None:
+        """Factor ``layer``'s due samples now (``kv/lowrank.factor_due``); its ranks wait."""
+        from vlkv.runtime.kv.lowrank import factor_due
+
+        self.before(layer)
+        factor_due(layer, edit)
+        self.jobs.append((cache, layer, edit))
+
+    def before(self, layer) -> None:
+        """Set the waiting ranks if ``layer``'s are among them (an edit of ``layer`` follows)."""
+        if any(waiting is layer for _, waiting, _ in self.jobs):
+            self.flush()
+
+    def flush(self) -> None:
+        jobs, self.jobs = self.jobs, []
+        _set_ranks(jobs)
+
+    def flush_each(self) -> list[tuple]:
+        """:meth:`flush`; where that raises, each cache's ranks alone: ``[(cache, error)]`` of those
+        that raise again."""
+        jobs, self.jobs = self.jobs, []
+        try:
+            _set_ranks(jobs)
+            return []
+        except Exception:
+            failed = []
+            for cache in {id(c): c for c, _, _ in jobs}.values():
+                try:
+                    _set_ranks([j for j in jobs if j[0] is cache])
+                except Exception as err:
+                    failed.append((cache, err))
+            return failed
+
+
+def _set_ranks(jobs: list[tuple]) -> None:
+    """The ranks by importance of ``jobs`` ``(cache, layer, FactorEdit)`` (those that set any, whose
+    layer still holds factors: a request failed meanwhile released its cache), all at once."""
+    from vlkv.runtime.kv.factor_ranks import rank_jobs, set_ranks_by_importance
+
+    todo = rank_jobs([(layer, edit) for _, layer, edit in jobs])
+    if todo:
+        set_ranks_by_importance(todo)
+
+
+def _apply(
+    cache: KVCache, edits: list | None, spare: int, prepared: dict, soles: dict, ranks: _PendingRanks
+) -> None:
+    """Each layer's edits of one cache, its selections prepared (``prepared``: layer → select) and
+    its cuts' recycled slots checked (``soles``) where that was done for many layers at once.
+
+    Applied stage by stage (every layer's first edit, then every layer's second...): each layer's
+    edits keep their order, and a factor edit's rank setting waits in ``ranks`` until the next stage
+    touches its layer, so the layers' ranks are set together."""
+    per_layer = [item if isinstance(item, tuple) else (item,) for item in edits or []]
+    for stage in range(max(map(len, per_layer), default=0)):
+        for i, (layer, item) in enumerate(zip(cache.layers, per_layer)):
+            edit = item[stage] if stage < len(item) else None
             if edit is None:
                 continue
             if isinstance(edit, FactorEdit):
-                apply_factor_edit(layer, edit)
-            elif isinstance(edit, CutEdit):
+                ranks.factor(cache, layer, edit)
+                continue
+            ranks.before(layer)
+            if isinstance(edit, CutEdit):
                 layer.cut(edit.start, edit.count, recycle=spare > 0, host=edit.host, sole=soles.get(i))
             elif edit.assign is None:
                 prep = prepared.get(i)

@@ -366,23 +366,30 @@ class Scheduler:
                 self._fail(r, err)
         edits, groups = decode_edits(entries, live, out.stats, reads.widths)
         applied = set()
-        for rows in groups:
-            ok = [i for i in rows if not isinstance(edits[i], Exception)]
-            for i in rows:
-                if isinstance(edits[i], Exception):
-                    self._fail(entries[i].request, edits[i])
-            try:
-                if len(ok) > 1 and _edits.apply_edits is _APPLY_EDITS:
-                    # a cohort's selections prepared together (every one-column drop moved at once);
-                    # a probe wrapping ``apply_edits`` (the eval harness) sees each cache's edits
-                    _edits.apply_edits_of([(entries[i].request.cache, edits[i]) for i in ok], DECODE_SPARE)
-                else:
+        with _edits.ranks_together() as unranked:  # attnpack's rank settings: all at once, at the end
+            for rows in groups:
+                ok = [i for i in rows if not isinstance(edits[i], Exception)]
+                for i in rows:
+                    if isinstance(edits[i], Exception):
+                        self._fail(entries[i].request, edits[i])
+                try:
+                    if len(ok) > 1 and _edits.apply_edits is _APPLY_EDITS:
+                        # a cohort's selections prepared together (every one-column drop moved at once);
+                        # a probe wrapping ``apply_edits`` (the eval harness) sees each cache's edits
+                        _edits.apply_edits_of(
+                            [(entries[i].request.cache, edits[i]) for i in ok], DECODE_SPARE
+                        )
+                    else:
+                        for i in ok:
+                            _edits.apply_edits(entries[i].request.cache, edits[i], spare=DECODE_SPARE)
+                    applied.update(ok)
+                except Exception as err:  # a cohort's caches are edited together: they fail together
                     for i in ok:
-                        _edits.apply_edits(entries[i].request.cache, edits[i], spare=DECODE_SPARE)
-                applied.update(ok)
-            except Exception as err:  # a cohort's caches are edited together: its requests fail together
-                for i in ok:
-                    self._fail(entries[i].request, err)
+                        self._fail(entries[i].request, err)
+        for cache, err in unranked:
+            for i in [i for i in applied if entries[i].request.cache is cache]:
+                applied.discard(i)
+                self._fail(entries[i].request, err)
         for i in live:
             if i not in applied:
                 continue

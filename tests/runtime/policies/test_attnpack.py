@@ -175,7 +175,7 @@ def test_the_host_knows_which_samples_are_due(kw, engines, images, monkeypatch):
     edit of a generation, the same samples the table's counts make due."""
     from vlkv.runtime.kv import lowrank
 
-    real, seen = lowrank.apply_factor_edit, []
+    real, seen = lowrank.factor_due, []
 
     def checked(layer, edit):
         if edit.due is not None:
@@ -184,7 +184,7 @@ def test_the_host_knows_which_samples_are_due(kw, engines, images, monkeypatch):
             seen.append(edit.due)
         real(layer, edit)
 
-    monkeypatch.setattr(lowrank, "apply_factor_edit", checked)  # edits.py imports it when it applies
+    monkeypatch.setattr(lowrank, "factor_due", checked)  # edits.py imports it when it applies
     engine = engines["tiny-llava"]
     policy = make_policy("attnpack", rank=4, **kw)
     engine.generate(_prompts(images), policy, 8, stop_at_eos=False)

@@ -19,7 +19,6 @@ at most the stored rank); an importance-driven policy lowers it for unimportant 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -338,7 +337,26 @@ def factorable_counts(layers, modalities: frozenset[int] | None) -> list[list[in
 
 def apply_factor_edit(layer, edit) -> None:
     """Apply a :class:`~vlkv.runtime.policies.base.FactorEdit` to ``layer``: factor the chosen dense
-    entries of every sample that is due, then set each sample's reconstruction ranks by importance.
+    entries of every sample that is due (:func:`factor_due`), then set each sample's reconstruction
+    ranks by importance (``kv/factor_ranks``; :func:`apply_factor_edits` does many layers at once)."""
+    apply_factor_edits([(layer, edit)])
+
+
+def apply_factor_edits(jobs: list[tuple]) -> None:
+    """:func:`apply_factor_edit` of every ``(layer, FactorEdit)`` of ``jobs`` (distinct layers): each
+    layer's factoring where due, then every layer's ranks by importance together, in a fixed number of
+    tensor ops (:func:`~vlkv.runtime.kv.factor_ranks.set_ranks_by_importance`)."""
+    from vlkv.runtime.kv.factor_ranks import rank_jobs, set_ranks_by_importance
+
+    for layer, edit in jobs:
+        factor_due(layer, edit)
+    set_ranks_by_importance(rank_jobs(jobs))
+
+
+def factor_due(layer, edit) -> None:
+    """The factoring half of a :class:`~vlkv.runtime.policies.base.FactorEdit`: factor the chosen dense
+    entries of every sample that is due (the ranks are left to
+    :func:`~vlkv.runtime.kv.factor_ranks.set_ranks_by_importance`).
 
     The samples due are the edit's ``due`` where the policy decided them on the host (no read back
     unless one is due: a decode step's edit reads nothing), else counted here (one read back)."""
@@ -356,22 +374,3 @@ def apply_factor_edit(layer, edit) -> None:
     if factoring:
         factor(layer, want & due[:, None, None], edit.rank, exact=edit.exact, post_rope=edit.post_rope)
         layer.charge_factors()
-    if edit.importance is None or edit.rank_lo == edit.rank or layer.lowrank is None:
-        return
-    score = layer.scores[edit.importance]
-    valid = layer.valid_mask()[:, None, :]
-    for s, f in enumerate(layer.lowrank.samples):
-        if f is None:
-            continue
-        named = (layer.slots[s] < 0) & valid[s]
-        # each row's importance, the most any head's column naming it scored: a scatter with every other
-        # column sent to a spare last row (no boolean-mask gather, so no read back of the mask's count)
-        at = torch.where(named, -layer.slots[s] - 1, f.rows)
-        imp = torch.full((f.rows + 1,), float("-inf"), device=layer.device)
-        imp.scatter_reduce_(0, at.reshape(-1), score[s].reshape(-1).to(imp), "amax")
-        imp = imp[: f.rows]
-        top = torch.topk(imp, math.ceil(edit.top_fraction * f.rows)).indices
-        hi = torch.zeros(f.rows, dtype=torch.bool, device=layer.device)
-        hi[top] = True
-        lo = torch.where(hi, edit.rank, edit.rank_lo)
-        set_ranks(layer, s, lo if edit.lo_keys else torch.full_like(lo, edit.rank), lo)

@@ -3,8 +3,8 @@
 ``vlkv.plugins.ops.paged_attention`` (and ``paged_probs``) read one layer's pool through per-request,
 per-KV-head slot tables; :func:`paged_tables` builds those arguments from a
 :class:`~vlkv.runtime.cache.LayerKV` or a scheduler's batch view (:class:`~vlkv.runtime.kv.batch.LayerBatch`)
-without reading any K/V: holes become ``-1`` slots, and linked (pre-RoPE) entries get one cos/sin row
-each at the position their cache gives them. Low-rank factor rows stay negative slots here;
+without reading any K/V: holes become ``-1`` slots, and linked (pre-RoPE) entries are rotated by the
+model's rotary table at the positions their cache gives them (:func:`rope_by_position`, no read back). Low-rank factor rows stay negative slots here;
 ``kv/paged_factors`` names them for the paged low-rank read.
 
 On fp32 CPU pools a decode layer skips both that table build and the Python append:
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from vlkv.runtime.kv.rope_table import table_as_rows
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,10 @@ def paged_tables(layer, rope: bool = True) -> tuple[Tensor, Tensor, Tensor, dict
     """What ``ops.paged_attention`` reads for a layer (or a batch view) in a decode step:
     ``table (B, H_kv, n)``, its slot table with ``-1`` at holes (``n`` its longest row),
     ``lengths (B, H_kv)``, ``attended (B,)`` float64, the entries a row attends (mean over heads), the
-    op's pre-RoPE keywords (``rot``, ``cos``, ``sin``; empty when no entry is stored pre-RoPE, or
-    without ``rope``: a caller that builds the rotary table form itself, ``kv/paged_factors``, skips the
-    row form's mask read back, gather and largest-position read), and :class:`PagedHost`, what the host
-    already knows of the lengths (so the ops route without reads)."""
+    op's pre-RoPE keywords (``rot``, ``cos``, ``sin`` by the rotary table, :func:`rope_by_position`;
+    empty when no request holds linked entries, or without ``rope``: a caller that builds its own,
+    ``kv/paged_factors``), and :class:`PagedHost`, what the host already knows of the lengths (so the
+    ops route without reads). Reads nothing back."""
     n = layer.max_length
     table = layer.table(n)
     lengths = layer.lengths
@@ -66,23 +68,39 @@ def linked_prerope(layer, table: Tensor, lengths: Tensor) -> Tensor:
 
 
 def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
-    """``rot (B, H_kv, n)`` / ``cos, sin (R, D)`` for the held pre-RoPE (linked) entries of a layer:
-    one row per such entry, at the position this cache gives it (the model's rotary, 1-D or M-RoPE)."""
+    """The pre-RoPE keywords (``rot``, ``cos``, ``sin``) for the held pre-RoPE (linked) entries of a
+    layer, at the positions this cache gives them (the model's rotary, 1-D or M-RoPE), in the rotary
+    table's row form (:func:`rope_by_position`): no read back. Empty without linked entries (a host
+    attribute); a layer whose linked entries were all evicted gets ``rot`` all ``-1`` (nothing rotated)."""
     rows = getattr(layer, "rows", [layer])
     if not any(r.linked for r in rows):
         return {}
-    n = table.shape[2]
-    pool = layer.pool
-    pre = linked_prerope(layer, table, lengths)
-    if not bool(pre.any()):
-        return {}
-    positions = torch.cat([_columns(r.positions, n) for r in rows])  # (B, H_kv, n, P)
-    like = pool.keys[layer.layer]
-    # Rope's cos/sin rows (its 1-D table gather, or the model's M-RoPE) for the R entries to rotate
-    cos, sin = pool.rope.cos_sin(like, positions[pre][None])  # (1, R, D)
-    rot = torch.full_like(table, -1)
-    rot[pre] = torch.arange(cos.shape[1], device=table.device)
-    return {"rot": rot, "cos": cos[0], "sin": sin[0]}
+    return rope_by_position(layer, linked_prerope(layer, table, lengths))
+
+
+def rope_by_position(layer, pre: Tensor, sec_form: bool = False) -> dict:
+    """Pre-RoPE keywords rotating the columns of ``pre (B, H_kv, n)`` bool by the model's rotary table
+    (``Rope.table``: rows by position, built once per model, dtype, device and pool size), ``-1``
+    where not rotated. No boolean-mask gather and no read of the largest position (the row form that
+    gave one ``cos/sin`` row per rotated entry cost 3 host syncs a layer).
+
+    - 1-D RoPE: ``rot (B, H_kv, n)`` each column's position, ``cos, sin (T, D_r)`` the table: a row
+      form every paged read takes (a column's row of ``cos`` is its position's).
+    - M-RoPE, ``sec_form``: ``rot (B, H_kv, n, P)`` the positions and ``sec (D_r,)`` (the Triton
+      kernels' table form, ``kv/rope_table``); else the row form, one row per column
+      (``rope_table.table_as_rows``: ``cos, sin (B·H_kv·n, D_r)``), which every paged read takes."""
+    n = pre.shape[2]
+    rows = getattr(layer, "rows", [layer])
+    positions = torch.cat([_columns(r.positions, n) for r in rows]).to(pre.device)  # (B, H_kv, n, P)
+    like = layer.pool.keys[layer.layer]
+    tab = layer.pool.rope.table(like, positions.shape[-1], layer.pool.capacity(layer.layer))
+    if tab.sec is None:
+        return {"rot": torch.where(pre, positions[..., 0], -1), "cos": tab.cos, "sin": tab.sin}
+    rot = torch.where(pre[..., None], positions, -1)
+    if sec_form:
+        return {"rot": rot, "cos": tab.cos, "sin": tab.sin, "sec": tab.sec}
+    rot, cos, sin = table_as_rows(rot, tab)
+    return {"rot": rot, "cos": cos, "sin": sin}
 
 
 def _columns(t: Tensor, n: int) -> Tensor:

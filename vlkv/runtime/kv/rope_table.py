@@ -1,10 +1,11 @@
-"""The model's rotary as a table by position: what the static decode step (``runtime/static_step.py``) rotates
-linked (pre-RoPE) keys by, and what the paged low-rank read (``kv/paged_factors``) rotates factored keys by.
+"""The model's rotary as a table by position: what the static decode step (``runtime/static_step.py``) and
+the eager paged read (``kv/paged.rope_by_position``) rotate linked (pre-RoPE) keys by, and what the paged
+low-rank read (``kv/paged_factors``) rotates factored keys by.
 
-The eager step rotates a linked request's pre-RoPE keys on read with one ``cos/sin`` row per such entry
-(``kv/paged._rope_rows``): their count ``R`` changes with evictions and finding them reads the pool's
-flags back, so neither fits a step whose shapes are fixed and whose device half reads nothing back.
-Here the rows come from a table by position, built once per model, dtype and device: ``cos, sin (T,
+One ``cos/sin`` row per rotated entry (the eager read's form until session 18) needs the entries found by
+a boolean mask and the table sized by the largest position: reads back (3 host syncs a layer), and a
+count ``R`` that changes with evictions, so it fits neither a step whose shapes are fixed nor one whose
+device half reads nothing back. Here the rows come from a table by position, built once per model, dtype and device: ``cos, sin (T,
 D_r)`` the model's own rotary at positions ``0 … T-1`` (the same values the eager step's rows hold: the
 rotary computes each angle as ``position · inv_freq`` elementwise). The append kernel writes, beside the
 read table, each pre-RoPE column's positions (``rot (B, H_kv, C, P)``, ``-1`` elsewhere); the paged read

@@ -142,7 +142,9 @@ class CutEdit:
 @dataclass
 class FactorEdit:
     """Hold some of one layer's entries as low-rank factors (AttentionPack), applied by the engine
-    (:func:`vlkv.runtime.kv.lowrank.apply_factor_edit`) on the table as it is when the edit is applied.
+    (:func:`vlkv.runtime.kv.lowrank.apply_factor_edit`: the factoring, then the ranks by importance,
+    which ``runtime/edits.py`` sets for many layers and requests at once) on the table as it is when
+    the edit is applied.
 
     Attributes:
         rank: components kept for keys and values, >= 1.
