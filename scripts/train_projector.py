@@ -338,7 +338,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             # --distill, learns from the description's answer distribution as well
             form = form if as_text or cfg.distill > 0 or cfg.distill_hidden > 0 else None
             teach = (0.0, 0.0) if as_text else (cfg.distill, cfg.distill_hidden)
-            route = route_loss.maybe(loaded, sample, cfg.route_layers, cfg.route_loss * (not as_text), swaps)
+            route_w = cfg.route_loss * (not as_text)
+            route = route_loss.maybe(loaded, sample, cfg.route_layers, route_w, swaps, cfg.route_over)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"), route as router:
                 loss = sample_loss(loaded, sample, cfg.labels, form, *teach, swaps, cfg.question_order)
                 if router is not None:  # --route-loss: the answer rows' attention on the asked object

@@ -89,6 +89,13 @@ def test_hook_rows_equal_eager_attention(tp, loaded):
         torch.testing.assert_close(router.probs[layer], eager, rtol=1e-5, atol=1e-6)
     ratios = router.ratios()
     assert ratios.shape == (len(layers), 2) and ((ratios > 0) & (ratios < 1)).all()
+    # "objects": the asked object's share of both objects' mass (the caption row asks the left one)
+    mean = router.probs[1].mean(dim=0)
+    for i, r in enumerate(router.rows):
+        t, o = mean[i, r.target].sum(), mean[i, r.other].sum()
+        torch.testing.assert_close(router.ratios(over="objects")[1, i], t / (t + o))
+        torch.testing.assert_close(ratios[1, i], t / mean[i, r.image].sum())
+    assert torch.equal(router.rows[0].other, router.rows[1].target)  # right asked, then left
 
 
 def test_the_loss_reaches_the_adapters(tp):
@@ -121,7 +128,7 @@ def test_weight_zero_is_todays_step_and_hooks_change_nothing(tp, tmp_path, monke
     # the same run with every sample's Router hooked and its term added at weight 0
     routers = []
 
-    def hooked_router(loaded, s, layers, w, swaps=()):
+    def hooked_router(loaded, s, layers, w, swaps=(), over="image"):
         routers.append(rl.Router(loaded, s, (0, 2), swaps))
         return routers[-1]
 
@@ -143,7 +150,13 @@ def test_weight_zero_is_todays_step_and_hooks_change_nothing(tp, tmp_path, monke
 
 
 def test_config_checks_saves_and_resume_refuses_another_weight(tp, tmp_path):
-    for bad in ({"route_loss": -0.1}, {"route_layers": ""}, {"route_layers": "1,1"}, {"route_layers": "a"}):
+    bad_settings = (
+        {"route_loss": -0.1},
+        {"route_layers": ""},
+        {"route_layers": "1,1"},
+        {"route_layers": "a"},
+    )
+    for bad in bad_settings + ({"route_over": "other"},):
         with pytest.raises(ValueError, match="route"):
             tiny_cfg(tp, **bad)
     with pytest.raises(ValueError, match="the LM has 4 layers"):

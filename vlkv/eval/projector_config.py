@@ -112,6 +112,9 @@ class TrainConfig:
     # (comma-separated), for one-picture samples about one object; 0 = off (today's steps)
     route_loss: float = 0.0
     route_layers: str = "13,16,19,22"
+    # the ratio's denominator (vlkv.eval.route_loss.OVER): "image" (all image tokens) or "objects"
+    # (the asked and the other object's tokens only: binding alone)
+    route_over: str = "image"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -137,6 +140,7 @@ class TrainConfig:
             ("position_bias", POSITION_BIASES),
             ("token_order", ORDERS),
             ("pool", POOLS),
+            ("route_over", route_loss.OVER),
         ):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be one of {list(options)}, got {getattr(self, name)!r}")

@@ -39,6 +39,11 @@ from torch import Tensor
 from vlkv.eval.scene_tasks import COLOUR_OF, COLOUR_ON, LEFT_OF, ON_THE, SHAPE_ON, WHAT, Sample
 from vlkv.eval.scenes import SIZE, Obj, Scene, _draw
 
+# the ratio's denominator: all image tokens (the asked object against background and the other
+# object alike), or only the scene's objects' tokens (the asked object against the other: binding;
+# one-object scenes then give ratio 1 and no gradient)
+OVER = ("image", "objects")
+
 
 def parse_layers(spec: str, n_layers: int | None = None) -> tuple[int, ...]:
     """``"8,12"`` → ``(8, 12)``; one line naming the problem for an empty, repeated, negative or (with
@@ -215,10 +220,14 @@ class Router:
     (a 0-d tensor in the graph) and :attr:`ratio` the mean object share of the image mass (a float).
     """
 
-    def __init__(self, loaded, sample: Sample, layers: tuple[int, ...], swaps=()) -> None:
+    def __init__(
+        self, loaded, sample: Sample, layers: tuple[int, ...], swaps=(), over: str = "image"
+    ) -> None:
         from vlkv.eval.answer_noise import answer_tokens
 
-        self.loaded, self.sample, self.layers = loaded, sample, layers
+        if over not in OVER:
+            raise ValueError(f"route over must be one of {list(OVER)}, got {over!r}")
+        self.loaded, self.sample, self.layers, self.over = loaded, sample, layers, over
         _, self._answer_mask, _ = answer_tokens(loaded, sample, swaps)
         self.rows: list[RouteRow] = []
         self.probs: dict[int, Tensor] = {}
@@ -280,17 +289,19 @@ class Router:
 
         return hook
 
-    def ratios(self, of: str = "target") -> Tensor:
+    def ratios(self, of: str = "target", over: str | None = None) -> Tensor:
         """``(layers, R)``: per layer and routed row, the head-mean attention on the asked object's
-        tokens (``of="other"``: the other object's) over that on all image tokens (in the graph)."""
+        tokens (``of="other"``: the other object's) over that on all image tokens (``over="image"``)
+        or on both objects' tokens (``"objects"``; default: the Router's ``over``), in the graph."""
+        over = over or self.over
         out = []
         for layer in self.layers:
             mean = self.probs[layer].mean(dim=0)  # (R, T)
-            out.append(
-                torch.stack(
-                    [mean[i, getattr(r, of)].sum() / mean[i, r.image].sum() for i, r in enumerate(self.rows)]
-                )
-            )
+            ratios = []
+            for i, r in enumerate(self.rows):
+                whole = r.image if over == "image" else torch.cat([r.target, r.other])
+                ratios.append(mean[i, getattr(r, of)].sum() / mean[i, whole].sum())
+            out.append(torch.stack(ratios))
         return torch.stack(out)
 
     def loss(self) -> Tensor:
@@ -307,12 +318,12 @@ class Router:
         return self.ratios().mean().item()
 
 
-def maybe(loaded, sample: Sample, layers: str, weight: float, swaps=()):
+def maybe(loaded, sample: Sample, layers: str, weight: float, swaps=(), over: str = "image"):
     """A :class:`Router` over ``layers`` (``"13,16"``) when ``weight > 0``, else a context yielding None
     (nothing hooked: the step is today's)."""
     if weight <= 0:
         return nullcontext()
-    return Router(loaded, sample, parse_layers(layers), swaps)
+    return Router(loaded, sample, parse_layers(layers), swaps, over)
 
 
 def summary(routed: list[tuple[float, float]], weight: float, batch: int) -> dict | None:
@@ -355,8 +366,8 @@ def measure(loaded, samples: list[Sample], layers: tuple[int, ...]) -> dict:
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         with Router(loaded, sample, layers) as router:
             loaded.model(**inputs, logits_to_keep=1, use_cache=False)
-        sums += router.ratios().sum(dim=1)
-        others += router.ratios("other").sum(dim=1)
+        sums += router.ratios(over="image").sum(dim=1)
+        others += router.ratios("other", over="image").sum(dim=1)
         chance += sum(len(r.target) / len(r.image) for r in router.rows)
         n += len(router.rows)
 
