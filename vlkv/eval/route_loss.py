@@ -352,12 +352,14 @@ def heldout_samples(n: int, seed: int) -> list[Sample]:
 @torch.no_grad()
 def measure(loaded, samples: list[Sample], layers: tuple[int, ...]) -> dict:
     """Mean route ratio per layer over ``samples`` (answers teacher-forced; the routed row comes
-    before them), the same for the other object's tokens (``other``), and the ratio uniform attention
-    over the image would give the asked object (``chance``)."""
+    before them), the same for the other object's tokens (``other``), the asked object's share of
+    both objects' mass (``objects``), and the ratio uniform attention over the image would give the
+    asked object (``chance``)."""
     from vlkv.eval.answer_noise import answer_tokens
     from vlkv.eval.scene_tasks import prompt_text
 
-    sums, others, chance, n = torch.zeros(len(layers)), torch.zeros(len(layers)), 0.0, 0
+    sums, others, binds = torch.zeros(len(layers)), torch.zeros(len(layers)), torch.zeros(len(layers))
+    chance, n = 0.0, 0
     for sample in samples:
         prompt = prompt_text(loaded, sample.question, 1)
         inputs = loaded.processor(text=prompt, images=[sample.scenes[0].image()], return_tensors="pt")
@@ -368,13 +370,15 @@ def measure(loaded, samples: list[Sample], layers: tuple[int, ...]) -> dict:
             loaded.model(**inputs, logits_to_keep=1, use_cache=False)
         sums += router.ratios(over="image").sum(dim=1)
         others += router.ratios("other", over="image").sum(dim=1)
+        binds += router.ratios(over="objects").sum(dim=1)
         chance += sum(len(r.target) / len(r.image) for r in router.rows)
         n += len(router.rows)
 
     def per_layer(t: Tensor) -> dict[int, float]:
         return {layer: round(v / n, 4) for layer, v in zip(layers, t.tolist())}
 
-    return {"rows": n, "chance": round(chance / n, 4), "ratio": per_layer(sums), "other": per_layer(others)}
+    record = {"rows": n, "chance": round(chance / n, 4), "ratio": per_layer(sums), "other": per_layer(others)}
+    return record | {"objects": per_layer(binds)}
 
 
 def main(argv: list[str] | None = None) -> int:
