@@ -336,14 +336,14 @@ def summary(routed: list[tuple[float, float]], weight: float, batch: int) -> dic
     return {"ratio": round(mean, 4), "term": round(weight * sum(t for _, t in kept) / batch, 5)}
 
 
-def heldout_samples(n: int, seed: int) -> list[Sample]:
-    """``n`` routed two-object questions about held-out pairs (:func:`vlkv.eval.scene_tasks.two`)."""
+def heldout_samples(n: int, seed: int, split: str = "heldout") -> list[Sample]:
+    """``n`` routed two-object questions about ``split``'s pairs (:func:`vlkv.eval.scene_tasks.two`)."""
     from vlkv.eval.scene_tasks import two
 
     rng = np.random.default_rng([seed, 29])
     out: list[Sample] = []
     while len(out) < n:
-        sample = two(rng, "heldout")
+        sample = two(rng, split)
         if asked_object(sample.scenes[0], sample.question) is not None:
             out.append(sample)
     return out
@@ -395,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default="all", help="comma-separated LM layers, or 'all'")
     ap.add_argument("--n", type=int, default=32, help="held-out two-object questions")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split", default="heldout", help="the pairs asked about: heldout or train")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -407,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         _swap_projector(loaded, args.projector)
         n_layers = len(loaded.model.model.language_model.layers)
         layers = tuple(range(n_layers)) if args.layers == "all" else parse_layers(args.layers, n_layers)
-        record = {"projector": args.projector.name, "n": args.n, "seed": args.seed}
-        record |= measure(loaded, heldout_samples(args.n, args.seed), layers)
+        record = {"projector": args.projector.name, "n": args.n, "seed": args.seed, "split": args.split}
+        record |= measure(loaded, heldout_samples(args.n, args.seed, args.split), layers)
     except ValueError as exc:
         print(f"route_loss: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
