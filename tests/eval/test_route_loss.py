@@ -168,3 +168,13 @@ def test_config_checks_saves_and_resume_refuses_another_weight(tp, tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         tp.train(tiny_cfg(tp, steps=2), tmp_path, resume=True, quiet=True)
     tp.train(cfg, tmp_path, resume=True, quiet=True)
+
+
+def test_measure_reports_per_layer_shares(loaded):
+    samples = rl.heldout_samples(3, 0, "train")
+    assert all(rl.asked_object(s.scenes[0], s.question) is not None for s in samples)
+    record = rl.measure(loaded, samples, (0, 3))
+    assert record["rows"] == 3 and 0 < record["chance"] < 1
+    for key in ("ratio", "other", "objects"):
+        assert set(record[key]) == {0, 3} and all(0 < v < 1 for v in record[key].values())
+    assert all(record["ratio"][k] + record["other"][k] <= 1 + 1e-6 for k in (0, 3))
