@@ -28,7 +28,8 @@ recipe (``shared/spec/projector-training.md``):
    holds the adapters to the base LM on plain text (:mod:`vlkv.eval.keep_text`); ``--answer-noise P``
    corrupts answer words in the teacher-forced input (:mod:`vlkv.eval.answer_noise`); ``--question-order``
    places the question before the images too (:func:`vlkv.eval.scene_tasks.order_question`).
-   ``--vision-blocks N`` trains the vision tower's last ``N`` blocks before the read layer as well, at
+   ``--route-loss W`` puts the answer position's attention on the asked object's image tokens
+   (:mod:`vlkv.eval.route_loss`, layers ``--route-layers``). ``--vision-blocks N`` trains the vision tower's last ``N`` blocks before the read layer as well, at
    ``lr x --vision-lr-scale`` (:mod:`vlkv.eval.vision_tune`; checkpointed and exported with the projector).
 
 Scenes use only training colour–shape pairs; the progress bar's ``heldout`` is greedy exact-answer
@@ -51,8 +52,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlkv.eval import answer_noise, keep_text, projector_export, text_scenes, vision_tune
+from vlkv.eval import answer_noise, keep_text, projector_export, route_loss, text_scenes, vision_tune
 from vlkv.eval.projector_config import TrainConfig
+from vlkv.eval.projector_export import load_init
 from vlkv.eval.projector_init import AffineProjector, order_start, pool_start, position_start, ridge_init
 from vlkv.eval.scene_tasks import WHAT, Sample, prompt_text, training_sample
 from vlkv.eval.scenes import random_scene
@@ -327,7 +329,7 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg) * group.get("scale", 1.0)
         opt.zero_grad(set_to_none=True)
-        total = 0.0
+        total, ratios = 0.0, []
         forms = text_scenes.draw_forms(cfg.seed, step, cfg.batch, cfg.text_mix)
         batch = batch_for(step, cfg)
         noise = answer_noise.draws(cfg.seed, step, [answer_noise.answers(s) for s in batch], cfg.answer_noise)
@@ -336,8 +338,13 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             # --distill, learns from the description's answer distribution as well
             form = form if as_text or cfg.distill > 0 or cfg.distill_hidden > 0 else None
             teach = (0.0, 0.0) if as_text else (cfg.distill, cfg.distill_hidden)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"):
+            route_w = cfg.route_loss * (not as_text)
+            route = route_loss.maybe(loaded, sample, cfg.route_layers, route_w, swaps, cfg.route_over)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"), route as router:
                 loss = sample_loss(loaded, sample, cfg.labels, form, *teach, swaps, cfg.question_order)
+                if router is not None:  # --route-loss: the answer rows' attention on the asked object
+                    term = router.loss()
+                    loss, ratios = loss + cfg.route_loss * term, ratios + [(router.ratio, term.item())]
                 loss = loss / cfg.batch
             loss.backward()
             total += loss.item()
@@ -361,6 +368,8 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
             record["anchor"] = round(record_penalty, 5)
         if cfg.keep_text > 0:
             record["keep_text"] = round(kept, 5)
+        if cfg.route_loss > 0:
+            record["route"] = route_loss.summary(ratios, cfg.route_loss, cfg.batch)
         record["seconds"] = round(time.perf_counter() - t0, 2)
         save_now = time.monotonic() - last_save > 120 or step == end
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
@@ -381,22 +390,6 @@ def train(cfg: TrainConfig, out: Path, resume: bool = False, stop_at: int | None
     if affine is not None:
         affine.write_into(mlp)
     return {k: v.detach().clone() for k, v in mlp.state_dict().items()}
-
-
-def load_init(path: str) -> dict:
-    """``--init-from``'s source: a training checkpoint (``.pt``), or a shipped projector file
-    (``.safetensors``, as ``--export`` writes it) read as a checkpoint holding only ``projector``.
-
-    A file with LM adapters is refused: they are stored folded, not in the form a run trains.
-    """
-    if not path.endswith(".safetensors"):
-        return torch.load(path, weights_only=False)
-    from safetensors.torch import load_file
-
-    tensors = load_file(path)
-    if any(k.startswith(lm_lora.PREFIX) for k in tensors):
-        raise ValueError(f"init_from {path} holds folded LM adapters; start from its .pt checkpoint")
-    return {"projector": tensors}
 
 
 def _log(out: Path, record: dict) -> None:

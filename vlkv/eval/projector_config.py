@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlkv.eval import route_loss
 from vlkv.eval.projector_init import HIDDEN, POSITION_BIASES, TARGETS
 from vlkv.eval.scene_tasks import LABELS, MIXES, QUESTION_ORDERS
 from vlkv.runtime.models import lm_lora
@@ -106,6 +107,14 @@ class TrainConfig:
     # where image prompts put the question (vlkv.eval.scene_tasks.QUESTION_ORDERS): "after" the images
     # (the product's template), "before" them, or "both"; description (text-form) prompts keep theirs
     question_order: str = "after"
+    # routing supervision (vlkv.eval.route_loss): route_loss x -log(the answer row's head-mean attention
+    # on the asked object's image tokens / on all image tokens), in the LM layers route_layers
+    # (comma-separated), for one-picture samples about one object; 0 = off (today's steps)
+    route_loss: float = 0.0
+    route_layers: str = "13,16,19,22"
+    # the ratio's denominator (vlkv.eval.route_loss.OVER): "image" (all image tokens) or "objects"
+    # (the asked and the other object's tokens only: binding alone)
+    route_over: str = "image"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "init_images", "eval_scenes"):
@@ -131,6 +140,7 @@ class TrainConfig:
             ("position_bias", POSITION_BIASES),
             ("token_order", ORDERS),
             ("pool", POOLS),
+            ("route_over", route_loss.OVER),
         ):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name} must be one of {list(options)}, got {getattr(self, name)!r}")
@@ -181,5 +191,8 @@ class TrainConfig:
             )
         if not 0 <= self.answer_noise <= 1:
             raise ValueError(f"answer_noise must be in [0, 1], got {self.answer_noise}")
+        if self.route_loss < 0:
+            raise ValueError(f"route_loss must be >= 0, got {self.route_loss}")
+        route_loss.parse_layers(self.route_layers)
         if self.init_from and not Path(self.init_from).is_file():
             raise ValueError(f"init_from {self.init_from} is not a file")

@@ -39,3 +39,19 @@ def export(ckpt_path: Path, dest: Path, dtype: torch.dtype = torch.float32) -> s
         config["init_from"] = "/".join(part for part in (source.parent.name, source.name) if part)
     save_file(tensors, dest, metadata={"step": str(ckpt["step"]), "config": json.dumps(config)})
     return hashlib.sha256(dest.read_bytes()).hexdigest()
+
+
+def load_init(path: str) -> dict:
+    """``--init-from``'s source: a training checkpoint (``.pt``), or a shipped projector file
+    (``.safetensors``, as ``--export`` writes it) read as a checkpoint holding only ``projector``.
+
+    A file with LM adapters is refused: they are stored folded, not in the form a run trains.
+    """
+    if not path.endswith(".safetensors"):
+        return torch.load(path, weights_only=False)
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    if any(k.startswith(lm_lora.PREFIX) for k in tensors):
+        raise ValueError(f"init_from {path} holds folded LM adapters; start from its .pt checkpoint")
+    return {"projector": tensors}
