@@ -12,6 +12,7 @@ from tests.conftest import make_image
 from vlkv.runtime import edits
 from vlkv.runtime.kv import factor_ranks
 from vlkv.runtime.policies import make_policy
+from vlkv.runtime.policies.base import CutEdit
 from vlkv.runtime.prompt import Prompt
 from vlkv.runtime.request import Request
 from vlkv.runtime.scheduler import Scheduler
@@ -93,3 +94,31 @@ def test_a_cache_whose_ranks_cannot_be_set_is_reported_alone(caches, monkeypatch
     assert [c for c, _ in failed] == [bad] and "device lost" in str(failed[0][1])
     assert any(int(k.min()) != 3 or int(k.max()) != 3 for k, _ in _ranks(caches[0][0]))  # the other's set
     assert edits._WAITING.get() is None  # outside the block, calls set their own ranks again
+
+
+def test_an_early_setting_blames_the_cache_that_raised(caches, monkeypatch):
+    """A later edit of a waiting layer (an eviction after the factor edit) sets every waiting cache's
+    ranks first, inside another cache's call: a raising cache is still reported as itself, and the
+    cache being edited goes on."""
+    (bad, bad_edits), (good, good_edits) = caches
+    real = factor_ranks.set_ranks_by_importance
+
+    def raising(jobs):
+        if any(layer is bad.layers[0] for layer, _ in jobs):
+            raise RuntimeError("device lost")
+        real(jobs)
+
+    monkeypatch.setattr(factor_ranks, "set_ranks_by_importance", raising)
+    nothing = CutEdit(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), ([0], [0]))
+    with edits.ranks_together() as failed:
+        edits.apply_edits(bad, bad_edits)
+        edits.apply_edits(good, [(good_edits[0], nothing), *good_edits[1:]])  # must not raise bad's error
+    assert [c for c, _ in failed] == [bad] and "device lost" in str(failed[0][1])
+    assert any(int(k.min()) != 3 or int(k.max()) != 3 for k, _ in _ranks(good))
+
+
+def test_outside_the_block_a_raising_setting_fails_the_call(caches, monkeypatch):
+    cache, ed = caches[0]
+    monkeypatch.setattr(factor_ranks, "set_ranks_by_importance", lambda jobs: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        edits.apply_edits(cache, ed)

@@ -36,7 +36,7 @@ def ranks_together() -> Iterator[list]:
         yield failed
     finally:
         _WAITING.reset(token)
-    failed.extend(ranks.flush_each())
+    failed.extend(ranks.failed + ranks.flush_each())
 
 
 def apply_edits(cache: KVCache, edits: list | None, spare: int = 0) -> None:
@@ -89,7 +89,9 @@ def apply_edits_of(items: list[tuple[KVCache, list | None]], spare: int = 0) -> 
             soles = dict(zip(cuts, cut_soles([(cache.layers[i], *edits[i].host) for i in cuts], spare > 0)))
         _apply(cache, edits, spare, {i: p for (cc, i), p in prepared.items() if cc == c}, soles, ranks)
     if waiting is None:
-        ranks.flush()
+        failed = ranks.failed + ranks.flush_each()
+        if failed:  # outside ranks_together a call's caches fail together (a cohort's do anyway)
+            raise failed[0][1]
 
 
 def _one_column_cuts(cache: KVCache, edits: list | None) -> list | None:
@@ -129,6 +131,7 @@ class _PendingRanks:
 
     def __init__(self):
         self.jobs: list[tuple] = []  # (cache, layer, FactorEdit)
+        self.failed: list[tuple] = []  # (cache, error): other caches whose setting raised in a `before`
 
     def factor(self, cache: KVCache, layer, edit: FactorEdit) -> None:
         """Factor ``layer``'s due samples now (``kv/lowrank.factor_due``); its ranks wait."""
@@ -139,17 +142,22 @@ class _PendingRanks:
         self.jobs.append((cache, layer, edit))
 
     def before(self, layer) -> None:
-        """Set the waiting ranks if ``layer``'s are among them (an edit of ``layer`` follows)."""
-        if any(waiting is layer for _, waiting, _ in self.jobs):
-            self.flush()
-
-    def flush(self) -> None:
-        jobs, self.jobs = self.jobs, []
-        _set_ranks(jobs)
+        """Set the waiting ranks if ``layer``'s are among them (an edit of ``layer`` follows). Every
+        waiting cache's are set at once; a cache whose own setting raises is blamed, not the one
+        being edited: the error is raised only if it is ``layer``'s cache's, else kept in
+        :attr:`failed` for the caller that reports failures (``ranks_together``, the end of a call)."""
+        owner = next((cache for cache, waiting, _ in self.jobs if waiting is layer), None)
+        if owner is None:
+            return
+        failed = self.flush_each()
+        self.failed.extend((cache, err) for cache, err in failed if cache is not owner)
+        for cache, err in failed:
+            if cache is owner:
+                raise err
 
     def flush_each(self) -> list[tuple]:
-        """:meth:`flush`; where that raises, each cache's ranks alone: ``[(cache, error)]`` of those
-        that raise again."""
+        """Set every waiting rank at once; where that raises, each cache's ranks alone: ``[(cache,
+        error)]`` of those that raise again."""
         jobs, self.jobs = self.jobs, []
         try:
             _set_ranks(jobs)
