@@ -101,7 +101,7 @@ def rotate_keys(k: Tensor, rot: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     on = rot >= 0
     idx = rot.clamp_min(0)
     wide = torch.promote_types(k.dtype, torch.float32)  # at least float32
-    c, s = cos.to(wide)[idx], sin.to(wide)[idx]  # (..., n, D_r)
+    c, s = cos[idx].to(wide), sin[idx].to(wide)  # (..., n, D_r): the rows first, a table may be long
     x = k[..., :dr].to(wide)
     half = torch.cat([-x[..., dr // 2 :], x[..., : dr // 2]], dim=-1)
     rotated = torch.cat([(x * c + half * s).to(k.dtype), k[..., dr:]], dim=-1)
