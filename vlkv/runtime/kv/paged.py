@@ -87,8 +87,11 @@ def rope_by_position(layer, pre: Tensor, sec_form: bool = False) -> dict:
     - 1-D RoPE: ``rot (B, H_kv, n)`` each column's position, ``cos, sin (T, D_r)`` the table: a row
       form every paged read takes (a column's row of ``cos`` is its position's).
     - M-RoPE, ``sec_form``: ``rot (B, H_kv, n, P)`` the positions and ``sec (D_r,)`` (the Triton
-      kernels' table form, ``kv/rope_table``); else the row form, one row per column
-      (``rope_table.table_as_rows``: ``cos, sin (B·H_kv·n, D_r)``), which every paged read takes."""
+      kernels' table form, ``kv/rope_table``); else the row form every paged read takes, one row per
+      ROTATED column (``cos, sin (R, D_r)``, ``rope_table.table_as_rows`` of those columns only), found
+      by mask: 2 host syncs a layer. A row for every column (``B·H_kv·n`` rows, no sync) would move
+      several times the keys' own bytes each layer at long contexts; the plain paged ops would need
+      ``sec`` to drop both. Empty when no column is rotated."""
     n = pre.shape[2]
     rows = getattr(layer, "rows", [layer])
     positions = torch.cat([_columns(r.positions, n) for r in rows]).to(pre.device)  # (B, H_kv, n, P)
@@ -96,10 +99,19 @@ def rope_by_position(layer, pre: Tensor, sec_form: bool = False) -> dict:
     tab = layer.pool.rope.table(like, positions.shape[-1], layer.pool.capacity(layer.layer))
     if tab.sec is None:
         return {"rot": torch.where(pre, positions[..., 0], -1), "cos": tab.cos, "sin": tab.sin}
-    rot = torch.where(pre[..., None], positions, -1)
     if sec_form:
-        return {"rot": rot, "cos": tab.cos, "sin": tab.sin, "sec": tab.sec}
-    rot, cos, sin = table_as_rows(rot, tab)
+        return {
+            "rot": torch.where(pre[..., None], positions, -1),
+            "cos": tab.cos,
+            "sin": tab.sin,
+            "sec": tab.sec,
+        }
+    if not bool(pre.any()):
+        return {}
+    at = positions[pre][None, None]  # (1, 1, R, P): the rotated columns only
+    _, cos, sin = table_as_rows(at, tab)
+    rot = torch.full(pre.shape, -1, dtype=torch.long, device=pre.device)
+    rot[pre] = torch.arange(cos.shape[0], device=pre.device)
     return {"rot": rot, "cos": cos, "sin": sin}
 
 
