@@ -51,7 +51,9 @@ def check(args: dict, f: PagedFactors, form: str, dtype, num_splits: int, g: tor
     out, probs, vis = tpl.paged_lowrank_probs_triton(**args, factors=f, num_splits=num_splits, **rope)
     assert_close_tol(out, want, OUT_TOL, dtype)
     q, scale = args["q"], args["scale"]
-    k, _, seen = paged_lowrank_kv(q, args["k_pool"], args["v_pool"], args["table"], args["lengths"], f, **ref_rope)
+    k, _, seen = paged_lowrank_kv(
+        q, args["k_pool"], args["v_pool"], args["table"], args["lengths"], f, **ref_rope
+    )
     b, h, c, d = k.shape
     scores = torch.matmul(q.float().view(b, h, -1, d), k.float().transpose(-1, -2)) * scale
     ref = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
@@ -92,3 +94,22 @@ def test_the_flag_is_checked():
         dataclasses.replace(f, post_rope=torch.zeros(f.frow.shape[0] + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="PagedFactors.post_rope"):
         dataclasses.replace(f, post_rope=torch.zeros(f.frow.shape[0], dtype=torch.long))
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_compiled_kernel_reads_path_b():
+    """On a GPU (compiled, not the interpreter): the mixed batch, bf16, 1-D RoPE rows, plain and statistics
+    forms against the reference."""
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(15)
+    args = CASES[0].make(dtype)
+    f = mixed(with_factors(args, g, dtype))
+    ref_rope, rope = rope_args(args, f, "rope-1d", g, dtype)
+    want = paged_lowrank_reference(**args, factors=f, **ref_rope)
+    on = {n: v.cuda() if isinstance(v, torch.Tensor) else v for n, v in args.items()}
+    fc = PagedFactors(*(t.cuda() for t in vars(f).values()))
+    rope = {n: v.cuda() for n, v in rope.items()}
+    assert_close_tol(tpl.paged_lowrank_triton(**on, factors=fc, **rope).cpu(), want, OUT_TOL, dtype)
+    out, probs, _ = tpl.paged_lowrank_probs_triton(**on, factors=fc, num_splits=3, **rope)
+    assert_close_tol(out.cpu(), want, OUT_TOL, dtype)
+    assert bool(probs.isfinite().all())

@@ -26,9 +26,10 @@ row is rebuilt in float32 and rounded to the pool's dtype (the entry the pool wo
 in float32 and rounded. A post-RoPE request's factored columns (path (b)) are never rotated (their
 ``rot`` is ignored) nor rounded: the eager read attends to them in the rank space in float32
 (``attention_rows._rank_space_one_row``: scores ``(q·D_kᵀ)·K̄ᵀ``, values ``(p·V̄)·D_v``), and so does
-the Triton kernel; this reference rebuilds them in float32 (``q·(K̄·D_k)ᵀ``, the same sums reordered). Values: ``v = (v̄ ⊙ mask)·D_v``, rounded
-likewise in this reference (the Triton kernel accumulates ``Σ p·v̄`` in the rank space instead and
-multiplies by ``D_v`` once: no rounding, within the dtype's tolerance).
+the Triton kernel; this reference rebuilds them in float32 (``q·(K̄·D_k)ᵀ``, the same sums reordered).
+Values: ``v = (v̄ ⊙ mask)·D_v``, rounded likewise in this reference for path (a) (the Triton kernel
+accumulates ``Σ p·v̄`` in the rank space instead and multiplies by ``D_v`` once: no rounding, within the
+dtype's tolerance).
 """
 
 from __future__ import annotations
@@ -88,10 +89,13 @@ class PagedFactors:
                 raise ValueError(f"PagedFactors.{name}: must be int64 ({rows},), got {tuple(rank.shape)}")
         post = self.post_rope
         if post is not None and (post.shape != (batch,) or post.dtype != torch.bool):
-            raise ValueError(f"PagedFactors.post_rope: must be bool ({batch},), got {tuple(post.shape)} {post.dtype}")
+            raise ValueError(
+                f"PagedFactors.post_rope: must be bool ({batch},), got {tuple(post.shape)} {post.dtype}"
+            )
 
     def post_flags(self, device: torch.device | str) -> Tensor:
-        """``(B,)`` bool on ``device``: which requests hold post-RoPE factors (all False without the field)."""
+        """``(B,)`` bool on ``device``: the requests holding post-RoPE factors (all False without the
+        field)."""
         if self.post_rope is None:
             return torch.zeros(self.frow.shape[0], dtype=torch.bool, device=device)
         return self.post_rope.to(device)
