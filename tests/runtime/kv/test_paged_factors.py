@@ -134,9 +134,9 @@ def test_the_paged_factor_read_equals_path_a(ropes, pos_dims, dtype, queries):
     assert (skip.float() - want.float()).abs().max() > 10 * atol
 
 
-# path (b) against the eager rank-space read: fp32 the same sums reordered ((q·D_kᵀ)·K̄ᵀ against
-# q·(K̄·D_k)ᵀ, measured within 1e-6); fp16/bf16: the eager read takes q in float32 where the paged read's
-# dense columns and the rank-space one see the same values, so within the paged read's tolerances
+# path (b) against the eager rank-space read: both compute in float32 from the stored values, the
+# same sums in another order ((q·D_kᵀ)·K̄ᵀ against q·(K̄·D_k)ᵀ) and the output rounded to q's dtype:
+# the paged read's tolerances
 POST_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
