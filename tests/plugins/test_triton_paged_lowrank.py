@@ -176,7 +176,7 @@ def test_on_cuda_the_compiled_kernel_equals_the_reference():
             ref_rope, rope = rope_args(args, factors, form, g, dtype)
             want = paged_lowrank_reference(**args, factors=factors, **ref_rope)
             on = {n: v.cuda() if isinstance(v, torch.Tensor) else v for n, v in args.items()}
-            f = PagedFactors(*(t.cuda() for t in vars(factors).values()))
+            f = PagedFactors(*(None if t is None else t.cuda() for t in vars(factors).values()))
             rope = {n: v.cuda() for n, v in rope.items()}
             got = tpl.paged_lowrank_triton(**on, factors=f, **rope)
             assert_close_tol(got.cpu(), want, OUT_TOL, dtype)

@@ -42,7 +42,7 @@ def triton_engines():
     mp.undo()
 
 
-def _tokens(engine, images) -> tuple[list[list[int]], list]:
+def _tokens(engine, images, specs=SPECS, new: int = NEW) -> tuple[list[list[int]], list]:
     """Each request's tokens, and every backend step's logits in order."""
     logits, real = [], engine.backend.step
 
@@ -53,12 +53,12 @@ def _tokens(engine, images) -> tuple[list[list[int]], list]:
 
     engine.backend.step = step
     try:
-        return _run(engine, images), logits
+        return _run(engine, images, specs, new), logits
     finally:
         del engine.backend.step  # the instance attribute off: the class's method again
 
 
-def _run(engine, images) -> list[list[int]]:
+def _run(engine, images, specs=SPECS, new: int = NEW) -> list[list[int]]:
     sched = Scheduler(engine)
     # one image (the factored one): the interpreter's launches cost by the columns they walk
     prompts = [
@@ -67,8 +67,8 @@ def _run(engine, images) -> list[list[int]]:
         Prompt("Write a short poem about caches."),
     ]
     reqs = [
-        sched.submit(Request(p, make_policy(name, **kw), NEW, stop_at_eos=False))
-        for p, (name, kw) in zip(prompts, SPECS)
+        sched.submit(Request(p, make_policy(name, **kw), new, stop_at_eos=False))
+        for p, (name, kw) in zip(prompts, specs)
     ]
     sched.run()
     assert all(r.error is None for r in reqs), [r.error for r in reqs]
@@ -108,3 +108,40 @@ def test_attnpack_beside_full_and_h2o_reads_its_factors_paged_with_the_same_toke
     for step, (got, want) in enumerate(zip(paged_logits, dense_logits)):
         torch.testing.assert_close(got, want, **LOGIT_TOL[dtype], msg=f"step {step}")
     assert all(len(t) == NEW for t in paged)
+
+
+POST_SPECS = (("attnpack", {"rank": 4, "exact": True, "path": "b"}), ("full", {}), ("h2o", {"budget": 0.5}))
+POST_NEW = 3  # two decode steps after the first token: each reads every layer's factors
+
+
+@pytest.mark.parametrize("name", ["tiny-llava", "tiny-qwen2-vl"])
+def test_path_b_reads_its_post_rope_factors_paged_with_the_rank_space_logits(
+    name, triton_engines, images, monkeypatch
+):
+    """AttentionPack path (b) beside full + h2o: with ``PAGED_FACTORS`` off its decode steps attend in
+    the rank space eagerly (``_rank_space_one_row``); on, through the low-rank kernel's rank-space
+    logits, and every step's logits agree within 1e-4 (fp32: the same sums in another order)."""
+    import vlkv.plugins.triton_paged_lowrank as tpl
+
+    engine = triton_engines(name)
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    launches, real = [], tpl.paged_lowrank_probs_triton
+    monkeypatch.setattr(
+        tpl, "paged_lowrank_probs_triton", lambda *a, **k: launches.append(a[6]) or real(*a, **k)
+    )
+    eager, rank_space = [], step_context._rank_space_one_row
+    monkeypatch.setattr(
+        step_context, "_rank_space_one_row", lambda *a, **k: eager.append(1) or rank_space(*a, **k)
+    )
+    monkeypatch.setattr(step_context, "PAGED_FACTORS", False)
+    want, want_logits = _tokens(engine, images, POST_SPECS, POST_NEW)
+    assert not launches and len(eager) >= (POST_NEW - 1) * engine.backend.num_layers
+    eager.clear()
+    monkeypatch.setattr(step_context, "PAGED_FACTORS", True)
+    got, got_logits = _tokens(engine, images, POST_SPECS, POST_NEW)
+    assert not eager and len(launches) >= (POST_NEW - 1) * engine.backend.num_layers
+    assert all(bool(f.post_rope.any()) for f in launches)  # the kernel was told: path (b)
+    assert got == want
+    assert len(got_logits) == len(want_logits) >= POST_NEW
+    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+        torch.testing.assert_close(a, b, **LOGIT_TOL[a.dtype], msg=f"step {step}")

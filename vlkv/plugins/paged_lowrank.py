@@ -15,15 +15,21 @@ Factors (:class:`PagedFactors`), AttentionPack's joint-head truncated SVD (``run
   no factors has zero bases, never read). Per request, not per row: a kernel program (request, KV head)
   loads its ``(R, D)`` slice once and keeps it across the columns it walks;
 - ``rank_k, rank_v (N,)`` int64: the components each row is rebuilt with (columns ``>=`` its rank
-  masked), at most ``R``.
+  masked), at most ``R``;
+- ``post_rope (B,)`` bool or None (none): request ``b``'s keys were factored after RoPE (AttentionPack
+  path (b)). Per request, as the bases are: a batch mixes path (a) and path (b) requests in one launch.
 
 A factored key is stored pre-RoPE (path (a)) and rebuilt, then rotated by its ``rot`` row like any
 pre-RoPE entry (RoPE does not factor through the rank space: each row is rebuilt first); a factored
-key with ``rot = -1`` was factored post-RoPE and is read as rebuilt. Rounding follows
-``LowRank.fill`` (path (a)): a row is rebuilt in float32 and rounded to the pool's dtype (the entry the
-pool would hold), then rotated in float32 and rounded. Values: ``v = (v̄ ⊙ mask)·D_v``, rounded
-likewise in this reference (the Triton kernel accumulates ``Σ p·v̄`` in the rank space instead and
-multiplies by ``D_v`` once: no rounding, within the dtype's tolerance).
+key with ``rot = -1`` is read as rebuilt, unrotated. Rounding follows ``LowRank.fill`` (path (a)): a
+row is rebuilt in float32 and rounded to the pool's dtype (the entry the pool would hold), then rotated
+in float32 and rounded. A post-RoPE request's factored columns (path (b)) are never rotated (their
+``rot`` is ignored) nor rounded: the eager read attends to them in the rank space in float32
+(``attention_rows._rank_space_one_row``: scores ``(q·D_kᵀ)·K̄ᵀ``, values ``(p·V̄)·D_v``), and so does
+the Triton kernel; this reference rebuilds them in float32 (``q·(K̄·D_k)ᵀ``, the same sums reordered).
+Values: ``v = (v̄ ⊙ mask)·D_v``, rounded likewise in this reference for path (a) (the Triton kernel
+accumulates ``Σ p·v̄`` in the rank space instead and multiplies by ``D_v`` once: no rounding, within the
+dtype's tolerance).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class PagedFactors:
         frow: ``(B, H_kv, C)`` int64 factor row of each column, ``-1`` where not factored.
         kbar: ``(N, R_k)``. dk: ``(B, R_k, H_kv·D)``. vbar: ``(N, R_v)``. dv: ``(B, R_v, H_kv·D_v)``.
         rank_k, rank_v: ``(N,)`` int64 each row's reconstruction ranks.
+        post_rope: ``(B,)`` bool, request b's keys factored after RoPE (path (b)); None: none is.
     """
 
     frow: Tensor
@@ -59,6 +66,7 @@ class PagedFactors:
     dv: Tensor
     rank_k: Tensor
     rank_v: Tensor
+    post_rope: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.frow.dim() != 3 or self.frow.dtype != torch.long:
@@ -79,6 +87,18 @@ class PagedFactors:
         for name, rank in (("rank_k", self.rank_k), ("rank_v", self.rank_v)):
             if rank.shape != (rows,) or rank.dtype != torch.long:
                 raise ValueError(f"PagedFactors.{name}: must be int64 ({rows},), got {tuple(rank.shape)}")
+        post = self.post_rope
+        if post is not None and (post.shape != (batch,) or post.dtype != torch.bool):
+            raise ValueError(
+                f"PagedFactors.post_rope: must be bool ({batch},), got {tuple(post.shape)} {post.dtype}"
+            )
+
+    def post_flags(self, device: torch.device | str) -> Tensor:
+        """``(B,)`` bool on ``device``: the requests holding post-RoPE factors (all False without the
+        field)."""
+        if self.post_rope is None:
+            return torch.zeros(self.frow.shape[0], dtype=torch.bool, device=device)
+        return self.post_rope.to(device)
 
     @property
     def ranks(self) -> tuple[int, int]:
@@ -231,7 +251,8 @@ def paged_lowrank_kv(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """What :func:`paged_lowrank_reference` attends: ``k, v (B, H_kv, C, D)`` in the pool's dtype, every
+    """What :func:`paged_lowrank_reference` attends: ``k, v (B, H_kv, C, D)`` in the pool's dtype (float32
+    where a request holds post-RoPE factors), every
     held column's key as read (pool or rebuilt, rotated where pre-RoPE), and ``vis (B, H_kv, Q, C)``
     which columns each query row sees (factored columns held whatever their slot)."""
     _, rope = check_paged_args(q, k_pool, v_pool, table, lengths, rot, cos, sin)
@@ -247,9 +268,15 @@ def paged_lowrank_kv(
     frow = factors.frow.to(dev)
     k = torch.where(fac[..., None], rebuild(factors.kbar, factors.rank_k, factors.dk, frow, k.dtype), k)
     v = torch.where(fac[..., None], rebuild(factors.vbar, factors.rank_v, factors.dv, frow, v.dtype), v)
-    if rope:  # only held entries (dense or factored) rotate
-        held = held_columns(table, lengths)
+    post = fac & factors.post_flags(dev)[:, None, None]  # path (b)'s factored columns
+    if rope:  # only held entries (dense or factored pre-RoPE) rotate
+        held = held_columns(table, lengths) & ~post
         k = rotate_keys(k, torch.where(held, rot.to(dev), -1), cos.to(dev), sin.to(dev))
+    if factors.post_rope is not None and bool(factors.post_rope.any()):  # path (b): float32, unrounded
+        kf = rebuild(factors.kbar, factors.rank_k, factors.dk, frow, torch.float32)
+        vf = rebuild(factors.vbar, factors.rank_v, factors.dv, frow, torch.float32)
+        k = torch.where(post[..., None], kf, k.float())
+        v = torch.where(post[..., None], vf, v.float())
     return k, v, vis
 
 

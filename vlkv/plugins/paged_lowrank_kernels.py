@@ -21,6 +21,13 @@ bytes at Qwen2-VL-7B batch 1's 20 splits.) Then per tile of ``BLOCK_N`` columns:
   second ``tl.dot`` with the permuted slice, the same products as the first's partner column): RoPE does
   not factor through the rank space, so keys are rebuilt per row; a tile with no factored column (a
   dense neighbour's, the text) skips this (a runtime branch);
+- keys of a post-RoPE request (AttentionPack path (b), ``post (B,)`` int32 per request: path (a) and (b)
+  requests share a launch): never rebuilt. The program projects its query heads onto the head's key
+  basis once, ``q·D_kᵀ`` (``(BLOCK_M, BLOCK_R)`` fp32), and a tile's factored logits are that times
+  ``K̄ᵀ`` in fp32, as the eager rank-space read (``attention_rows._rank_space_one_row``) takes them: no
+  rotation (the factors hold rotated keys), no rounding, ``BLOCK_M·R`` products a column where the
+  rebuild costs ``R·D`` plus the ``D`` of the logit. The bytes are path (a)'s: the same rows and
+  basis slice (the partner slice is not loaded);
 - values: accumulated in the rank space, ``acc_r += p·V̄`` (``(BLOCK_M, BLOCK_R)``, rescaled with the
   dense accumulator; a tile without factored columns skips it), and ``acc += acc_r·D_v`` once at the
   end: a factored row reads ``R`` values, not ``D``. Linear, so a split's partial triple stays mergeable
@@ -83,7 +90,7 @@ def paged_lowrank_kernel(
     rot_ptr, cos_ptr, sin_ptr, sec_ptr, sqb, sqh, sqm, sqd, skh, skn, skd, svh, svn, svd,
     stb, sth, stc, slb, slh, sob, soh, som, sod, srb, srh, src, srp, scr, scd,
     HKV, GROUP, Q, D, DV, COLS, DR, NR,
-    logit_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr, span_ptr,
+    logit_ptr, frow_ptr, kbar_ptr, dk_ptr, vbar_ptr, dvb_ptr, rk_ptr, rv_ptr, span_ptr, post_ptr,
     sfb, sfh, sfc, skbn, skbr, sdkb, sdkr, sdkc, svbn, svbr, sdvb, sdvr, sdvc, ssb, ssh, RK, RV, CHUNK,
     SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, HAS_ROPE: tl.constexpr,
     MROPE: tl.constexpr, LOGITS: tl.constexpr,
@@ -118,9 +125,15 @@ def paged_lowrank_kernel(
     # the request's basis slices for this head, loaded once for every column the program walks, and only
     # by the span's splits: elsewhere every load is masked (no bytes moved)
     dk = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, dims, D, tl.where(holds, RK, 0), BLOCK_R)
+    post = tl.load(post_ptr + b) != 0  # path (b): this request's keys were factored after RoPE
     half = DR // 2
     partner = tl.where(dims < DR, tl.where(dims < half, dims + half, dims - half), dims)
-    dk2 = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, partner, D, tl.where(holds, RK, 0), BLOCK_R)
+    dk2 = basis_slice(dk_ptr, b, kvh, sdkb, sdkr, sdkc, partner, D, tl.where(holds & ~post, RK, 0), BLOCK_R)
+    # path (b) attends in the rank space: the query heads projected once onto the head's key basis,
+    # (BLOCK_M, BLOCK_R) fp32, then a tile's factored logits are qd·K̄ᵀ (no key rebuilt, none rotated)
+    qd = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
+    if holds & post:
+        qd = rank_dot(q, tl.trans(dk), IEEE)
     vbasis = basis_slice(dvb_ptr, b, kvh, sdvb, sdvr, sdvc, dv, DV, tl.where(holds, RV, 0), BLOCK_R)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -146,7 +159,7 @@ def paged_lowrank_kernel(
             )  # fmt: skip
         # a tile without factored columns (a dense request's, or past the image) skips the rebuild's dots
         any_fac = tl.max(fac.to(tl.int32), 0) > 0
-        if any_fac:
+        if any_fac & ~post:  # path (a): keys rebuilt, rounded, rotated
             kb = factor_rows(kbar_ptr, rk_ptr, fr, fac, skbn, skbr, RK, BLOCK_R)
             kf = round_to(rank_dot(kb, dk, IEEE), k.dtype)  # the entry path (a) rebuilds
             if HAS_ROPE:
@@ -164,6 +177,10 @@ def paged_lowrank_kernel(
         )
         seen = (dense | fac)[None, :] & (col[None, :] < limit[:, None])
         s = block_logits(q, k, seen, SCALE, IEEE)
+        if any_fac & post:  # path (b): the factored columns' k is 0 above, their logits (q·D_kᵀ)·K̄ᵀ
+            kb = factor_rows(kbar_ptr, rk_ptr, fr, fac, skbn, skbr, RK, BLOCK_R)
+            sf = rank_dot(qd, tl.trans(kb.to(tl.float32)), True)
+            s += tl.where(fac[None, :], sf * SCALE, 0.0)
         if LOGITS:  # a statistics step (Q = 1): the scaled logits kept for the normalise pass
             tl.store(
                 logit_ptr + (pair * GQ + r)[:, None] * COLS + col[None, :],

@@ -101,13 +101,14 @@ def _launch(
         return
     rank_k, rank_v = f.ranks
     span = factored_span(f, lengths)  # (B, H_kv, 2): the span's own splits load the bases
+    post = factors.post_flags(dev).to(torch.int32)  # (B,): path (b) requests attend in the rank space
     if chunk is None:  # shapes only: a static step's capacities
         chunk = factored_chunk(rank_k, rank_v, q.shape[3], v_pool.shape[-1])
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     args, constexprs = shared_launch(q, k_pool, v_pool, table, lengths, scale, out, plan, rope_args, sec)
     paged_lowrank_kernel[plan.grid](
-        *args, out if probs is None else probs, f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v, span,
+        *args, out if probs is None else probs, f.frow, f.kbar, f.dk, f.vbar, f.dv, f.rank_k, f.rank_v, span, post,
         *f.frow.stride(), *f.kbar.stride(), *f.dk.stride(), *f.vbar.stride(), *f.dv.stride(),
         span.stride(0), span.stride(1), rank_k, rank_v, chunk,
         LOGITS=probs is not None, BLOCK_R=rank_block(f), **constexprs,

@@ -1,7 +1,7 @@
 """AttentionPack's low-rank factors in a static decode step (``runtime/static_step.py``): fixed buffers.
 
-The eager step reads a layer's pre-RoPE factors (path (a)) through ``plugins.triton_paged_lowrank`` with
-tables built per step (``kv/paged_factors.paged_lowrank_tables``: ``frow``, the batch's factor rows
+The eager step reads a layer's factors (pre-RoPE, path (a), or post-RoPE, path (b)) through
+``plugins.triton_paged_lowrank`` with tables built per step (``kv/paged_factors.paged_lowrank_tables``: ``frow``, the batch's factor rows
 stacked, per-request bases). A static step's device half may read only buffers at fixed addresses and
 shapes, so here:
 
@@ -19,7 +19,9 @@ shapes, so here:
   ``frow = offset - 1 - slot`` where the request holds factors, the slot is negative and the column is
   below the length; ``-1`` elsewhere. Each pre-RoPE factored column's positions go into the layer's
   ``rot`` twin from ``fpos`` (the append kernel writes ``rot`` for pool slots only), so the low-rank
-  kernel rotates the rebuilt keys by the rotary table like any linked entry.
+  kernel rotates the rebuilt keys by the rotary table like any linked entry. A post-RoPE request's
+  factored columns (path (b), flagged in ``post``) get no position: the kernel reads them in the rank
+  space, unrotated.
 
 Buffers are keyed by :func:`factors_key` (``N``, ``R_k``, ``R_v``): a batch whose factors outgrow them
 gets new ones (a new graph), as a wider read table does. The kernel's launch stays fixed with them: its
@@ -62,8 +64,6 @@ def factors_refusal(cache, inputs) -> str | None:
     for _, r in held:
         if r.holes is not None:
             return "low-rank factors beside per-head holes in one request"
-        if any(f is not None and f.post_rope for f in r.lowrank.samples):
-            return "post-RoPE low-rank factors (path (b) attends in the rank space, eagerly)"
     return None
 
 
@@ -91,13 +91,16 @@ class StaticFactors:
     ``C`` read-table columns, ``P`` position components).
 
     Attributes:
-        has: ``(L, B)`` bool per layer the requests holding factors (pre-RoPE), set by :meth:`fill`.
+        has: ``(L, B)`` bool per layer the requests holding factors, set by :meth:`fill`.
+        post: ``(L, B)`` bool those whose factors are post-RoPE (path (b): read in the rank space, their
+            columns given no ``rot`` position), set by :meth:`fill`.
         frow: ``(B, H_kv, C)`` int64 the layer being read's factor rows (device half).
         columns: ``(C,)`` int64 ``0..C-1``.
         held: per (layer, request) the tensors last copied (identity: what :meth:`fill` compares).
     """
 
     has: Tensor
+    post: Tensor
     offset: Tensor
     kbar: Tensor
     vbar: Tensor
@@ -115,11 +118,12 @@ class StaticFactors:
         batch = self.has.shape[1]
         if (
             self.has.shape != (layers, batch)
+            or self.post.shape != (layers, batch)
             or self.offset.shape != (layers, batch)
             or self.vbar.shape[:2] != (layers, rows)
         ):
             raise ValueError(
-                f"StaticFactors: has/offset must be (L, B) = ({layers}, {batch}) and vbar (L, N, R_v) with N = "
+                f"StaticFactors: has/post/offset must be (L, B) = ({layers}, {batch}) and vbar (L, N, R_v) with N = "
                 f"{rows}, got {tuple(self.offset.shape)} and {tuple(self.vbar.shape)}"
             )
         if self.dk.shape[:2] != (layers, batch) or self.dk.shape[2] != self.kbar.shape[2]:
@@ -143,6 +147,7 @@ class StaticFactors:
         i64 = dict(dtype=torch.long, device=device)
         return cls(
             has=torch.zeros(layers, batch, dtype=torch.bool, device=device),
+            post=torch.zeros(layers, batch, dtype=torch.bool, device=device),
             offset=torch.zeros(layers, batch, **i64),
             kbar=torch.zeros(layers, rows, rk, dtype=dtype, device=device),
             vbar=torch.zeros(layers, rows, rv, dtype=dtype, device=device),
@@ -162,20 +167,22 @@ class StaticFactors:
 
     def fill(self, cache) -> None:
         """Host half: every layer's factors of the batch view ``cache`` copied into the stacks where they
-        changed since the last copy (device copies, no read back), ``has`` and ``offset`` set."""
-        has, offset = [], []
+        changed since the last copy (device copies, no read back), ``has``, ``post`` and ``offset`` set."""
+        has, post, offset = [], [], []
         for i, la in enumerate(cache.layers):
             start = 0
             for b, r in enumerate(la.rows):
                 offset.append(start)
                 f = None if r.lowrank is None else r.lowrank.samples[0]
                 has.append(f is not None)
+                post.append(f is not None and f.post_rope)
                 if f is None:
                     self.held.pop((i, b), None)
                     continue
                 self._copy(i, b, start, r, f)
                 start += f.rows
-        for buf, host in ((self.has, torch.tensor(has)), (self.offset, torch.tensor(offset))):
+        flags = ((self.has, has), (self.post, post), (self.offset, offset))
+        for buf, host in ((b, torch.tensor(v)) for b, v in flags):
             if buf.device.type == "cuda":  # pinned: the copy does not wait for the stream
                 host = host.pin_memory()
             buf.copy_(host.view(buf.shape), non_blocking=True)
@@ -220,12 +227,20 @@ class StaticFactors:
         on = (table < 0) & (self.columns < lengths[..., None]) & self.has[i][:, None, None]
         torch.sub(self.offset[i][:, None, None] - 1, table, out=self.frow)
         self.frow.masked_fill_(~on, -1)
-        if rot is not None:
+        if rot is not None:  # pre-RoPE factored columns only: path (b)'s keys are stored rotated
             at = self.frow.clamp_min(0).reshape(-1)
             got = self.fpos[i].index_select(0, at).view(rot.shape)
-            torch.where(on[..., None], got, rot, out=rot)
+            pre = on & ~self.post[i][:, None, None]
+            torch.where(pre[..., None], got, rot, out=rot)
         return PagedFactors(
-            self.frow, self.kbar[i], self.dk[i], self.vbar[i], self.dv[i], self.rank_k[i], self.rank_v[i]
+            self.frow,
+            self.kbar[i],
+            self.dk[i],
+            self.vbar[i],
+            self.dv[i],
+            self.rank_k[i],
+            self.rank_v[i],
+            self.post[i],
         )
 
 

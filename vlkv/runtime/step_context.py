@@ -140,11 +140,12 @@ class StepContext:
         return all(r.lowrank is None and r.offloaded is None for r in rows)
 
     def reads_factors_paged(self, layer) -> bool:
-        """This decode layer reads its pre-RoPE low-rank factors (AttentionPack path (a)) and its pool
-        through the slot tables in one Triton kernel (``plugins.triton_paged_lowrank``: CUDA, or forced
-        Triton; ``PAGED_FACTORS``): one new row per sample, no selected attention or link step, no
-        swapped-out request, no post-RoPE factors (path (b) attends in the rank space). Elsewhere the
-        factored rows are rebuilt densely (``LowRank.fill``, the CPU path)."""
+        """This decode layer reads its low-rank factors (AttentionPack path (a) pre-RoPE, rebuilt and
+        rotated, or path (b) post-RoPE, in the rank space; mixed per request) and its pool through the
+        slot tables in one Triton kernel (``plugins.triton_paged_lowrank``: CUDA, or forced Triton;
+        ``PAGED_FACTORS``): one new row per sample, no selected attention or link step, no swapped-out
+        request. Elsewhere path (a)'s rows are rebuilt densely (``LowRank.fill``, the CPU path) and path
+        (b) attends eagerly in the rank space (``_rank_space``)."""
         if not PAGED_FACTORS or not getattr(self, "one_row", False):
             return False
         if self.inputs.attend is not None or self.inputs.selective:
@@ -153,7 +154,7 @@ class StepContext:
         if any(r.offloaded is not None for r in rows):
             return False
         held = [f for r in rows if r.lowrank is not None for f in r.lowrank.samples if f is not None]
-        if not held or any(f.post_rope for f in held):
+        if not held:
             return False
         from vlkv.plugins.ops import use_triton
 

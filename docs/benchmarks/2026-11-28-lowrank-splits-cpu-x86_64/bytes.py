@@ -13,10 +13,19 @@ quarter of rows by importance, 16 for the rest, keys too), then text; fp16. Batc
 800, 1200 and 2000 columns (longer conversations after the image). The split count is the launcher's
 (``default_num_splits``, about 256 programs), besides 1 and 4. Also per (request, KV head): the programs
 that walk any column, and the most columns one program walks (its loop length: the read's critical
-path)."""
+path).
+
+Path (b) (post-RoPE factors, ``PagedFactors.post_rope``): the same rows and basis slices, so the same
+bytes (counted again with every request flagged); what changes is the key side's tile products, counted
+per factored tile (a tile of ``block_n`` columns inside the span) of the programs that hold the span:
+path (a) rebuilds the keys, ``block_n·BLOCK_R·BLOCK_D`` twice (the key and its rotate-half partner),
+path (b) takes the logits in the rank space, ``BLOCK_M·BLOCK_R·block_n`` a tile plus the query's
+projection ``BLOCK_M·BLOCK_D·BLOCK_R`` once a program (tile sides padded as ``tl.dot`` runs them; the
+dense ``q·kᵀ`` and the values' products are the same in both)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import torch
@@ -66,6 +75,21 @@ def occupancy(lengths: torch.Tensor, span: torch.Tensor, splits: int, block_n: i
     return int((walked > 0).sum()), int(walked.max())
 
 
+def key_products(
+    span: torch.Tensor, lengths: torch.Tensor, splits: int, tiles: tuple, chunk: int, rank: int
+) -> tuple[int, int]:
+    """``(path_a, path_b)``: the key side's multiply-adds of one layer's factored tiles (module docstring)."""
+    block_m, block_n, block_d = tiles[:3]
+    block_r = max(16, 1 << (rank - 1).bit_length())
+    _, start, stop, holds = split_layout(span, lengths, splits, block_n, chunk)
+    n_f = (span[..., 1] - span[..., 0]).long().clamp_min(0)[..., None]
+    walked = (torch.minimum(stop, n_f) - start).clamp_min(0)
+    n_tiles = int(torch.where(holds, -(-walked // block_n), 0).sum())
+    path_a = n_tiles * 2 * block_n * block_r * block_d
+    path_b = n_tiles * block_m * block_r * block_n + int(holds.sum()) * block_m * block_d * block_r
+    return path_a, path_b
+
+
 def main() -> None:
     for name, h, group, d in MODELS:
         for batch, cols in BATCHES.items():
@@ -90,8 +114,12 @@ def main() -> None:
             default = default_num_splits(batch * h * grid_m, c, block_n)
             span = factored_span(f, lengths)
             chunk = factored_chunk(RANK, RANK, d, d)
+            post = dataclasses.replace(f, post_rope=torch.ones(batch, dtype=torch.bool))
+            tiles = tile_sizes(group, d, d)
             for splits in sorted({1, 4, default}):
                 after, dense = factored_read_bytes(f, lengths, d, d, splits, block_n)
+                path_b, _ = factored_read_bytes(post, lengths, d, d, splits, block_n)
+                macs_a, macs_b = key_products(span, lengths, splits, tiles, chunk, RANK)
                 before = before_bytes(f, lengths, d, splits, block_n)
                 busy_b, long_b = occupancy(lengths, span, splits, block_n, None)
                 busy_a, long_a = occupancy(lengths, span, splits, block_n, chunk)
@@ -103,6 +131,8 @@ def main() -> None:
                     "after_bytes": after, "after_over_dense": round(after / dense, 3),
                     "busy_programs_before": busy_b, "busy_programs_after": busy_a,
                     "longest_program_columns_before": long_b, "longest_program_columns_after": long_a,
+                    "path_b_bytes": path_b, "key_macs_path_a": macs_a, "key_macs_path_b": macs_b,
+                    "key_macs_b_over_a": round(macs_b / max(macs_a, 1), 4),
                 }  # fmt: skip
                 print(json.dumps(row))
 

@@ -28,7 +28,7 @@ def signature(consts: dict) -> dict:
     for name in paged_lowrank_kernel.arg_names:
         if name in consts:
             sig[name] = "constexpr"
-        elif name == "span_ptr":
+        elif name in ("span_ptr", "post_ptr"):  # int32 tables (post: path (b) per request)
             sig[name] = "*i32"
         elif name in INTS:
             sig[name] = "*i64"

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlkv.plugins.paged_lowrank import paged_lowrank_reference
+from vlkv.plugins.paged_lowrank import paged_lowrank_kv, paged_lowrank_reference
 from vlkv.plugins.paged_reference import paged_attention_reference
+from vlkv.runtime.attention_rows import _rank_space_one_row
 from vlkv.runtime.cache import LayerKV, Modality
 from vlkv.runtime.kv.lowrank import factor, set_ranks
 from vlkv.runtime.kv.paged import paged_tables
@@ -26,9 +27,10 @@ MODELS = {1: "tiny-llava", 3: "tiny-qwen2-vl"}
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def build_layer(rope, pos_dims: int, dtype: torch.dtype, seed: int = 0) -> LayerKV:
+def build_layer(rope, pos_dims: int, dtype: torch.dtype, seed: int = 0, post: tuple = ()) -> LayerKV:
     """A one-layer cache of 3 samples: images in samples 0 and 2 factored at rank ``RANK`` with random
-    per-row ranks, per-head holes, and 3 linked pre-RoPE entries appended to sample 1."""
+    per-row ranks (post-RoPE, path (b), for the samples in ``post``), per-head holes, and 3 linked
+    pre-RoPE entries appended to sample 1."""
     g = torch.Generator().manual_seed(seed)
     b, q = len(LENGTHS), max(LENGTHS)
     layer = LayerKV.empty(b, H, D, pos_dims, dtype, "cpu")
@@ -57,7 +59,11 @@ def build_layer(rope, pos_dims: int, dtype: torch.dtype, seed: int = 0) -> Layer
         1,
     )
     images = (layer.modality == int(Modality.IMAGE)) & layer.valid_mask()[:, None, :] & ~layer.holes
-    factor(layer, images, rank=RANK, exact=True)
+    chosen = torch.zeros(b, dtype=torch.bool)
+    chosen[list(post)] = True
+    factor(layer, images & ~chosen[:, None, None], rank=RANK, exact=True)
+    if post:
+        factor(layer, images & chosen[:, None, None], rank=RANK, exact=True, post_rope=True)
     for s, f in enumerate(layer.lowrank.samples):
         if f is not None:
             set_ranks(
@@ -126,6 +132,61 @@ def test_the_paged_factor_read_equals_path_a(ropes, pos_dims, dtype, queries):
     # the factored columns matter: read as holes, the result differs
     skip = paged_attention_reference(q, pool.keys[0], pool.values[0], table, lengths, scale, **rope)
     assert (skip.float() - want.float()).abs().max() > 10 * atol
+
+
+# path (b) against the eager rank-space read: both compute in float32 from the stored values, the
+# same sums in another order ((q·D_kᵀ)·K̄ᵀ against q·(K̄·D_k)ᵀ) and the output rounded to q's dtype:
+# the paged read's tolerances
+POST_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pos_dims", [1, 3], ids=["rope-1d", "mrope"])
+def test_post_rope_factors_read_paged_equal_the_rank_space_read(ropes, pos_dims, dtype):
+    """Path (b) in both factored samples: the builder flags them (their factored columns rotate by no
+    ``rot`` entry, linked entries still do) and the paged reference equals ``_rank_space_one_row`` (a
+    decode row: the eager read of post-RoPE factors), its output and probabilities."""
+    layer = build_layer(ropes[pos_dims], pos_dims, dtype, post=(0, 2))
+    assert layer.lowrank.post_rope
+    table, lengths, _, rope, _, factors = paged_lowrank_tables(layer)
+    assert factors.post_rope.tolist() == [True, False, True]
+    fac = factors.frow >= 0
+    assert bool(fac[0].any()) and bool(fac[2].any())
+    rope = as_rows(rope)
+    assert not bool((rope["rot"] >= 0)[fac].any()) and bool((rope["rot"] >= 0).any())  # linked only
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(len(LENGTHS), 4, 1, D, generator=g).to(dtype)
+    scale = D**-0.5
+    pool = layer.pool
+    got = paged_lowrank_reference(q, pool.keys[0], pool.values[0], table, lengths, scale, factors, **rope)
+    n = layer.max_length
+    k, v = layer.attention_kv(n, fill=False)
+    want, probs, _ = _rank_space_one_row(q, k, v, scale, layer.lengths - 1, layer.open_mask(n), layer)
+    rtol, atol = POST_TOL[dtype]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    # the same keys: the reference's softmax is the eager read's probabilities
+    kk, _, vis = paged_lowrank_kv(q, pool.keys[0], pool.values[0], table, lengths, factors, **rope)
+    scores = torch.matmul(q.float().view(len(LENGTHS), H, 2, D), kk.float().transpose(-1, -2)) * scale
+    mine = torch.softmax(scores.masked_fill(~vis, float("-inf")), -1)
+    torch.testing.assert_close(mine, probs[..., : mine.shape[-1]], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("pos_dims", [1, 3], ids=["rope-1d", "mrope"])
+def test_a_batch_mixing_path_a_and_b_reads_each_its_own_way(ropes, pos_dims):
+    """Sample 0 post-RoPE (path (b)), sample 2 pre-RoPE (path (a)): one table build, one read, equal to
+    the dense rebuild (``LowRank.fill`` rotates sample 2's rows only), fp32."""
+    layer = build_layer(ropes[pos_dims], pos_dims, torch.float32, post=(0,))
+    assert not layer.lowrank.post_rope  # the eager rank-space read does not apply to a mixed batch
+    table, lengths, _, rope, _, factors = paged_lowrank_tables(layer)
+    assert factors.post_rope.tolist() == [True, False, False]
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(len(LENGTHS), 4, 1, D, generator=g)
+    pool = layer.pool
+    rope = as_rows(rope)
+    fac = factors.frow >= 0
+    assert not bool((rope["rot"][0] >= 0)[fac[0]].any()) and bool((rope["rot"][2] >= 0)[fac[2]].any())
+    got = paged_lowrank_reference(q, pool.keys[0], pool.values[0], table, lengths, D**-0.5, factors, **rope)
+    torch.testing.assert_close(got, path_a(layer, q, D**-0.5), rtol=1e-5, atol=1e-5)
 
 
 def test_a_layer_without_factors_reads_the_plain_tables(ropes):

@@ -22,7 +22,8 @@ from vlkv.runtime.kv.paged import PagedHost, _columns, linked_prerope, paged_tab
 def stack_factors(samples: list, frow: Tensor, dtype: torch.dtype) -> PagedFactors:
     """:class:`PagedFactors` of ``samples`` (one :class:`~vlkv.runtime.kv.lowrank.Factors` or None per
     request, at least one not None): rows stacked in request order, bases zero-padded to the largest
-    rank, ``frow (B, H_kv, C)`` already naming rows of the stack."""
+    rank, ``frow (B, H_kv, C)`` already naming rows of the stack; ``post_rope`` each request's path (b)
+    flag (its factored keys read unrotated, in the rank space)."""
     held = [f for f in samples if f is not None]
     if not held:
         raise ValueError("stack_factors: no sample holds factors (paged_lowrank_tables returns None then)")
@@ -42,8 +43,17 @@ def stack_factors(samples: list, frow: Tensor, dtype: torch.dtype) -> PagedFacto
         vbar.append(torch.nn.functional.pad(f.vbar.to(dtype), (0, rv - f.vbar.shape[1])))
         rank_k.append(f.rank_k)
         rank_v.append(f.rank_v)
+    # path (a) and path (b) requests share the launch: the flag is per request, as the bases are
+    post = torch.tensor([f is not None and f.post_rope for f in samples], dtype=torch.bool, device=dev)
     return PagedFactors(
-        frow, torch.cat(kbar), dk, torch.cat(vbar), dv, torch.cat(rank_k).long(), torch.cat(rank_v).long()
+        frow,
+        torch.cat(kbar),
+        dk,
+        torch.cat(vbar),
+        dv,
+        torch.cat(rank_k).long(),
+        torch.cat(rank_v).long(),
+        post,
     )
 
 
