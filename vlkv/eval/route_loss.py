@@ -109,7 +109,7 @@ def object_mask(obj: Obj, geo: Geometry) -> Tensor:
     """``(side²,)`` bool: the tokens whose pooled patches hold any pixel of ``obj`` as drawn."""
     img = Image.new("L", (SIZE, SIZE), 0)
     draw = ImageDraw.Draw(img)
-    # _draw fills with the object's RGB colour; on an "L" image any non-zero value marks it
+    # the scene's own shape code, every fill and outline painted 255 (the colour does not matter)
     _draw(_Mono(draw), obj)
     px = np.asarray(img.resize((geo.resize, geo.resize), Image.NEAREST)) > 0
     off = (geo.resize - geo.crop) // 2
