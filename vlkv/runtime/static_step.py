@@ -58,7 +58,7 @@ edit (the scheduler's commit, eager, outside both halves) set new ones; the devi
 from the read table's negative slots and writes the factored columns' positions into ``rot``.
 
 Taken for a scheduler's batch view of one-sample caches in a decode step: one new row each, no link
-step, row filter, swapped-out request, post-RoPE factors, factors beside holes or a selection, or
+step, row filter, swapped-out request, factors beside holes or a selection, or
 selection beside per-head holes (:func:`refusal` names what stops it); any other step runs eagerly.
 """
 
@@ -192,7 +192,7 @@ def reads_of(inputs, cache) -> str | None:
     base = (
         "select" if inputs.attend is not None else "holes" if any(r.holes is not None for r in rows) else None
     )
-    # pre-RoPE factors rotate on read like linked entries (post-RoPE ones are refused)
+    # pre-RoPE factors rotate on read like linked entries (post-RoPE ones are read in the rank space)
     return reads_key(base, any(r.linked or r.lowrank is not None for r in rows))
 
 

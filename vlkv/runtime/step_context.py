@@ -114,10 +114,10 @@ class StepContext:
             self.paged[layer_idx] = paged_tables(layer)
             return layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
         if self.reads_factors_paged(layer):
-            # pre-RoPE factors read in place, each factored row rebuilt in the kernel: no dense copy
+            # factors read in place (pre-RoPE rows rebuilt and rotated, post-RoPE in the rank space)
             self.paged[layer_idx] = paged_lowrank_tables(layer)
             return layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
-        # post-RoPE factors: a decode step attends to them in the rank space (attend), unrebuilt
+        # elsewhere (CPU) post-RoPE factors: a decode step attends to them in the rank space, unrebuilt
         return layer.attention_kv(view=True, fill=not self._rank_space(layer))
 
     def put_one_row_stats(self, layer_idx: int, wanted: list[str], probs: Tensor, vis: Tensor | None) -> None:
