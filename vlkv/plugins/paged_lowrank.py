@@ -151,7 +151,8 @@ BASES_SHARE = 4
 
 
 def factored_chunk(rank_k: int, rank_v: int, dim: int, dim_v: int) -> int:
-    """The fewest columns a split of a row's factored span walks (:data:`BASES_SHARE`); the padded ranks
+    """The columns a split of a row's factored span walks on average, at least (:data:`BASES_SHARE`; rounding
+    to the tile can leave one split shorter); the padded ranks
     ``R_k, R_v`` and head dims: shapes only (a static step's capacities), never data."""
     return max(1, -(-BASES_SHARE * (rank_k * dim + rank_v * dim_v) // max(dim + dim_v, 1)))
 

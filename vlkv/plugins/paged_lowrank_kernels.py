@@ -6,8 +6,8 @@ Grid and online softmax as the paged read's (``flash_tiles``), but a row's colum
 ``NUM_SPLITS`` programs in a *virtual order* (``paged_lowrank.split_layout``, the same cut in PyTorch):
 its factored span first (``span (B, H_kv, 2)`` int32: first factored column, one past the last; ``C, 0``
 where none), then the dense rest. The span gets its own splits, as many as its share of the columns but
-each at least ``CHUNK`` columns (``paged_lowrank.factored_chunk``: its basis load is at most a quarter of
-the dense K/V its columns replace) and one split fewer than ``NUM_SPLITS``; the other splits take the
+``CHUNK`` columns each on average (``paged_lowrank.factored_chunk``: the basis loads total at most a
+quarter of the dense K/V the span replaces; the tile rounding can leave one split shorter than ``CHUNK``) and one split fewer than ``NUM_SPLITS``; the other splits take the
 dense columns. ``NUM_SPLITS`` and ``CHUNK`` are shapes (a static step's grid stays fixed); the cut itself
 reads ``span`` on the device. Only the span's splits load the request's basis slices, once each,
 ``D_k[:, h·D : (h+1)·D]`` (``(BLOCK_R, BLOCK_D)``; with rotation also its rotate-half column permutation)
