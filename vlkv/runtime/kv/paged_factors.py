@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from vlkv.plugins.paged_lowrank import PagedFactors
-from vlkv.runtime.kv.paged import PagedHost, _columns, linked_prerope, paged_tables
+from vlkv.runtime.kv.paged import PagedHost, linked_prerope, paged_tables, rope_by_position
 
 
 def stack_factors(samples: list, frow: Tensor, dtype: torch.dtype) -> PagedFactors:
@@ -88,25 +88,7 @@ def paged_lowrank_tables(layer) -> tuple[Tensor, Tensor, Tensor, dict, PagedHost
         pre = fac & torch.tensor(prerope, device=dev)[:, None, None]
         if any(r.linked for r in getattr(layer, "rows", [layer])):
             pre = pre | linked_prerope(layer, table, lengths)
-        rope = _by_position(layer, pre)
+        # the Triton kernels' table form: rows by position, M-RoPE by section (no read back)
+        rope = rope_by_position(layer, pre, sec_form=True)
     table = torch.where(fac, -1, table)
     return table, lengths, attended, rope, host, factors
-
-
-def _by_position(layer, pre: Tensor) -> dict:
-    """The pre-RoPE keywords of a read that rotates the columns of ``pre (B, H_kv, n)`` bool (linked
-    entries and pre-RoPE factored columns), in the rotary table form: the table's rows by position
-    (``Rope.table``, as the static step's linked reads), ``rot (B, H_kv, n)`` each column's position
-    (1-D RoPE) or ``rot (B, H_kv, n, P)`` and ``sec`` (M-RoPE), ``-1`` where not rotated.
-
-    No read back: the rows a column reads are its positions themselves, where a row per rotated entry
-    (``kv/paged._rope_rows``) needs the entries picked by a boolean mask and the largest position."""
-    n = pre.shape[2]
-    rows = getattr(layer, "rows", [layer])
-    positions = torch.cat([_columns(r.positions, n) for r in rows]).to(pre.device)  # (B, H_kv, n, P)
-    like = layer.pool.keys[layer.layer]
-    tab = layer.pool.rope.table(like, positions.shape[-1], layer.pool.capacity(layer.layer))
-    if tab.sec is None:
-        return {"rot": torch.where(pre, positions[..., 0], -1), "cos": tab.cos, "sin": tab.sin}
-    rot = torch.where(pre[..., None], positions, -1)
-    return {"rot": rot, "cos": tab.cos, "sin": tab.sin, "sec": tab.sec}
