@@ -133,3 +133,51 @@ def test_chunk_one_gives_the_span_its_share_of_the_splits(dtype):
     assert_close_tol(got, want, OUT_TOL, dtype)
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         tpl.paged_lowrank_triton(**args, factors=factors, num_splits=6, chunk=0, **rope)
+
+
+def _cols(c: int, ranges) -> torch.Tensor:
+    cols = torch.arange(c)
+    out = torch.zeros(c, dtype=torch.bool)
+    for lo, hi in ranges:
+        out |= (cols >= lo) & (cols < hi)
+    return out
+
+
+# which columns of a 150-column row are factored, by request: the span is first to last factored column
+SPANS = {
+    "two images, text between": lambda i, c: _cols(c, [(5, 40), (90, 140)]),
+    "wholly factored": lambda i, c: _cols(c, [(0, c)]),
+    "one column (chunk > span)": lambda i, c: _cols(c, [(7 + i, 8 + i)]),
+    "span at the end": lambda i, c: _cols(c, [(c - 30, c)]),
+    "span at the start": lambda i, c: _cols(c, [(0, 30)]),
+}
+
+
+@pytest.mark.parametrize("num_splits", [5, 20])
+@pytest.mark.parametrize("span", sorted(SPANS))
+def test_the_span_splits_at_the_edges_of_a_row(span, num_splits):
+    """Spans the image-block cases do not make: two images with text between (one span holding both),
+    a row wholly factored, a single factored column, spans touching either end of the row; M-RoPE."""
+    args = PagedCase(3, 1, 4, 2, 150, 8).make(torch.float32)
+    f = with_factors(args, torch.Generator().manual_seed(1), torch.float32)
+    b, h, c = f.frow.shape
+    counts = [3 + 4 * i for i in range(b)]
+    frow = torch.full_like(f.frow, -1)
+    for i in range(b):
+        local = torch.arange(c) % counts[i] + sum(counts[:i])
+        frow[i] = torch.where(SPANS[span](i, c), local, -1)
+    g = torch.Generator().manual_seed(5)
+    n, d = sum(counts), args["k_pool"].shape[-1]
+    f = PagedFactors(
+        frow,
+        torch.randn(n, RK, generator=g),
+        torch.randn(b, RK, h * d, generator=g) / RK**0.5,
+        torch.randn(n, RV, generator=g),
+        torch.randn(b, RV, h * d, generator=g) / RV**0.5,
+        torch.randint(1, RK + 1, (n,), generator=g),
+        torch.randint(1, RV + 1, (n,), generator=g),
+    )
+    ref_rope, rope = rope_args(args, f, "mrope", torch.Generator().manual_seed(2), torch.float32)
+    want = paged_lowrank_reference(**args, factors=f, **ref_rope)
+    got = tpl.paged_lowrank_triton(**args, factors=f, num_splits=num_splits, **rope)
+    assert_close_tol(got, want, OUT_TOL, torch.float32)

@@ -78,8 +78,8 @@ def test_the_calls_rank_settings_wait_and_are_set_together(caches, monkeypatch):
     assert any(int(k.min()) < 3 or int(k.max()) > 3 for k, _ in _ranks(caches[0][0]))  # they were set
 
 
-def test_a_cache_whose_ranks_cannot_be_set_is_reported_alone(caches, monkeypatch):
-    bad = caches[1][0]
+def _fail_setting_of(bad, monkeypatch) -> None:
+    """Any batched rank setting that includes ``bad``'s layers raises; the others' set as usual."""
     real = factor_ranks.set_ranks_by_importance
 
     def raising(jobs):
@@ -88,6 +88,11 @@ def test_a_cache_whose_ranks_cannot_be_set_is_reported_alone(caches, monkeypatch
         real(jobs)
 
     monkeypatch.setattr(factor_ranks, "set_ranks_by_importance", raising)
+
+
+def test_a_cache_whose_ranks_cannot_be_set_is_reported_alone(caches, monkeypatch):
+    bad = caches[1][0]
+    _fail_setting_of(bad, monkeypatch)
     with edits.ranks_together() as failed:
         for cache, ed in caches:
             edits.apply_edits(cache, ed)
@@ -101,14 +106,7 @@ def test_an_early_setting_blames_the_cache_that_raised(caches, monkeypatch):
     ranks first, inside another cache's call: a raising cache is still reported as itself, and the
     cache being edited goes on."""
     (bad, bad_edits), (good, good_edits) = caches
-    real = factor_ranks.set_ranks_by_importance
-
-    def raising(jobs):
-        if any(layer is bad.layers[0] for layer, _ in jobs):
-            raise RuntimeError("device lost")
-        real(jobs)
-
-    monkeypatch.setattr(factor_ranks, "set_ranks_by_importance", raising)
+    _fail_setting_of(bad, monkeypatch)
     nothing = CutEdit(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), ([0], [0]))
     with edits.ranks_together() as failed:
         edits.apply_edits(bad, bad_edits)
