@@ -15,6 +15,7 @@ import importlib.util
 import json
 import logging
 import math
+import os
 import shutil
 import threading
 import time
@@ -25,6 +26,7 @@ import pytest
 import torch
 from PIL import Image
 
+from vlkv.runtime.models import build_lock
 from vlkv.runtime.models import smollm2_llava as S
 from vlkv.runtime.models.photos import PHOTOS, real_photos
 
@@ -245,9 +247,9 @@ def test_damaged_cache_is_detected_and_rebuilt_with_one_warning(
     torch.testing.assert_close(_text_logits(model, processor), expected, rtol=0, atol=0)
 
 
-def test_builds_started_together_assemble_once(tmp_path, monkeypatch):
+def test_builds_started_together_assemble_once(tmp_path, monkeypatch, caplog):
     """Two builders of one missing cache (xdist workers, two servers; threads here): one assembles, the
-    other waits on the lock and loads that build."""
+    other waits on the lock, saying for whom, and loads that build."""
     calls = _install_stand_in(monkeypatch)
     assemble, entered = S._assemble, threading.Event()
 
@@ -264,13 +266,15 @@ def test_builds_started_together_assemble_once(tmp_path, monkeypatch):
         S, "_load", lambda path, dtype: loads.append((path, S.cache_problem(path))) or (None, None)
     )
     target = tmp_path / "smollm2-llava"
-    with ThreadPoolExecutor(2) as pool:
+    with caplog.at_level(logging.WARNING, logger=build_lock.__name__), ThreadPoolExecutor(2) as pool:
         first = pool.submit(S.build, cache_dir=target, projector="random")
         assert entered.wait(60)
         second = pool.submit(S.build, cache_dir=target, projector="random")
         first.result(timeout=120), second.result(timeout=120)
     assert len(calls) == 1
     assert loads == [(target, None), (target, None)]  # each loads the one complete build
+    waits = [r.getMessage() for r in caplog.records if "waiting for process" in r.getMessage()]
+    assert len(waits) == 1 and str(os.getpid()) in waits[0] and "\n" not in waits[0]
 
 
 def test_default_cache_dir_follows_vlkv_cache(tmp_path, monkeypatch):

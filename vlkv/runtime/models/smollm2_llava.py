@@ -24,8 +24,6 @@ swapped in on every build, so a changed projector file can never meet a cache bu
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.metadata
 import importlib.util
 import logging
@@ -43,6 +41,7 @@ from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProces
 from transformers.models.bit.image_processing_pil_bit import BitImageProcessorPil
 
 from vlkv.runtime.models import cache_manifest, lm_lora
+from vlkv.runtime.models.build_lock import build_lock
 from vlkv.runtime.models.cache_manifest import MANIFEST
 from vlkv.runtime.models.cache_manifest import sha256 as _sha256
 from vlkv.runtime.models.llava_assembly import (
@@ -296,23 +295,11 @@ def _build_base(
     if target.exists():
         logger.warning("%s cache at %s is unusable (%s); rebuilding", MODEL_NAME, target, reason)
     require_demo()
-    with _build_lock(target):
+    with build_lock(target, MODEL_NAME):
         # a process that held the lock before us may have just built it: load theirs, build nothing
         if rebuild or cache_problem(target) is not None:
             _write_cache(target)
     return _load(target, dtype)
-
-
-@contextlib.contextmanager
-def _build_lock(target: Path):
-    """Hold ``<target>.lock`` exclusively: processes starting together build once, the others wait."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(f"{target.name}.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _load(path: Path, dtype: torch.dtype) -> tuple[LlavaForConditionalGeneration, LlavaProcessor]:
