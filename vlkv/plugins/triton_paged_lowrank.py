@@ -36,9 +36,9 @@ def paged_lowrank_triton(
 ) -> Tensor:
     """Triton version of ``paged_lowrank.paged_lowrank_reference``: same arguments and result (the factors
     in the pool's dtype), plus ``num_splits`` and ``sec`` as ``triton_paged_attention.paged_attention_triton``
-    takes them (the M-RoPE table form: ``rot (B, H_kv, C, P)`` positions). ``chunk``: the fewest columns a
-    split of a row's factored span walks (``paged_lowrank.split_layout``); None: ``factored_chunk`` (one
-    basis load at most a quarter of the dense bytes it replaces); 1 gives the span its share of the
+    takes them (the M-RoPE table form: ``rot (B, H_kv, C, P)`` positions). ``chunk``: the columns a split
+    of a row's factored span walks on average (``paged_lowrank.split_layout``); None: ``factored_chunk``
+    (the basis loads at most a quarter of the dense bytes the span replaces); 1 gives the span its share of the
     splits whatever the basis loads cost (to time the two cuts against each other)."""
     batch, heads, num_q, dim = q.shape
     group = heads // max(k_pool.shape[0], 1)
