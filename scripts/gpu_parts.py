@@ -12,6 +12,7 @@ import importlib.util
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -142,20 +143,61 @@ def run_pytest(args, sink: Sink) -> None:
     ]
     result: dict = {"command": " ".join(cmd[1:]), "files": files}
     sink(result)
-    timeout = max(10.0, args.part_budget - 5)
-    try:
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-        out, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        code = "timeout"
+    # run 7's rerun was stopped at the part's limit with pytest's output still in a pipe: nothing kept. The
+    # output is read line by line instead, each -v verdict written to the report as it comes
+    deadline = time.monotonic() + max(10.0, args.part_budget - 10)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    code = None
+    for line in proc.stdout:
+        lines.append(line)
+        if VERDICT.search(line):
+            sink(result | pytest_summary("".join(lines), root, code))
+        if time.monotonic() > deadline:  # stopped here, not by the part's kill: what it said is kept
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = "timeout"
+            break
+    proc.stdout.close()
+    returned = proc.wait()
+    code = code or returned
+    sink(result | pytest_summary("".join(lines), root, code))
+
+
+VERDICT = re.compile(r" (PASSED|FAILED|ERROR|SKIPPED)\b")
+
+
+def pytest_summary(out: str, root: Path, code) -> dict:
+    """The report's fields of a pytest run's output so far: counts (the summary line's, else the -v
+    verdicts seen), each failure's error lines and the tail, with no machine's directories in them."""
     counts = {}
     for n, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected|xfailed)", out):
         counts[word.rstrip("s") if word == "errors" else word] = int(n)
-    # no machine's directories in a committed report: the checkout and the interpreter's prefix by name
+    if not counts:  # not finished: the verdicts of the tests run so far
+        for word in VERDICT.findall(out):
+            counts[word.lower()] = counts.get(word.lower(), 0) + 1
     out = out.replace(str(root), "<repo>").replace(sys.prefix, "<python prefix>")
-    result |= {"exit_code": code, "counts": counts, "tail": out[-4000:]}
-    sink(result)
+    return {"exit_code": code, "counts": counts, "errors": error_lines(out), "tail": out[-4000:]}
+
+
+# a failure's header, its ``E`` lines and its ``file:line: Error`` line: run 7's tail (the last 4000
+# characters) held only the end of one assertion's repr, not what failed (a Triton compile error)
+ERROR_LINE = re.compile(r"^(_{3,} .+ _{3,}|E {2,}.*|\S+\.py:\d+: \w+.*|.+\.py:\d+:\d+: error: .*)$")
+
+
+def error_lines(out: str, width: int = 300, limit: int = 12000) -> str:
+    """Each failed test's error lines of a pytest run's output (each cut to ``width``), at most ``limit``
+    characters: the first ones kept (the first failure is the one to read)."""
+    lines = [line[:width] for line in out.splitlines() if ERROR_LINE.match(line)]
+    text = "\n".join(lines)
+    return text if len(text) <= limit else text[:limit] + "\n... (cut)"
 
 
 # --------------------------------------------------------------------------------------------- decode

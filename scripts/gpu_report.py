@@ -122,8 +122,10 @@ def _prefill(res: dict) -> list[str]:
 
 
 def _pytest(res: dict) -> list[str]:
-    return [f"`{res.get('command')}` → exit {res.get('exit_code')}, {res.get('counts')}", "", "```text",
-            *(res.get("tail") or "").strip().splitlines()[-25:], "```"]  # fmt: skip
+    lines = [f"`{res.get('command')}` → exit {res.get('exit_code')}, {res.get('counts')}", ""]
+    if res.get("errors"):  # each failure's own lines (the tail may hold only the last one's end)
+        lines += ["Failures:", "", "```text", *res["errors"].splitlines()[:80], "```", ""]
+    return lines + ["```text", *(res.get("tail") or "").strip().splitlines()[-25:], "```"]
 
 
 def _profile(res: dict) -> list[str]:

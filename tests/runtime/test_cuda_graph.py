@@ -123,6 +123,10 @@ def test_graph_replay_equals_the_eager_step(dtype, monkeypatch):
         graphed.step()
         got = outs[at:]
         calls += len(got)
+        # a request whose step raised is failed alone and the others' step retried (a call more than the
+        # eager run's): its error named first (run 7: the low-rank kernel's compile error, seen as 3 != 2)
+        failed = {i: r.error for i, r in enumerate(graph_reqs) if r.status is Status.FAILED}
+        assert not failed, failed
         assert static.taken == calls and len(got) == len(want), static.refused
         first = graph_reqs[0]  # kvzip's: a hole step while it runs
         holes.add(first.status is Status.RUNNING and any(la.holes is not None for la in first.cache.layers))

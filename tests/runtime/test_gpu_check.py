@@ -15,7 +15,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
 from gpu_check import BUDGETS, check_report  # noqa: E402
-from gpu_parts import CPU_KERNEL_SWITCHES, DECODE_POLICIES, PROFILE_POLICIES  # noqa: E402
+from gpu_parts import CPU_KERNEL_SWITCHES, DECODE_POLICIES, PROFILE_POLICIES, pytest_summary  # noqa: E402
 
 
 def _run(tmp: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -109,6 +109,30 @@ def test_a_part_past_its_limit_is_stopped_and_the_rest_still_run(tmp_path):
     part = report["parts"]["pytest"]
     assert part["status"] == "timeout" and "limit" in part["reason"] and part["wall_s"] < 30
     assert report["parts"]["tensorrt"]["status"] == "skipped"
+
+
+def test_an_unfinished_gpu_pytest_run_keeps_its_verdicts_and_each_failures_error():
+    # run 7: the tail (last 4000 characters) held the end of one assertion's repr, not the compile error
+    # above it; a rerun stopped at its limit kept nothing
+    out = "\n".join([
+        "tests/a.py::test_one PASSED [ 10%]",
+        "tests/a.py::test_two FAILED [ 20%]",
+        "tests/b.py::test_three PASSED [ 30%]",
+        "____________ test_two ____________",
+        "E       RuntimeError: PassManager::run failed",
+        f"{ROOT}/vlkv/plugins/k.py:63:19: error: 'tt.load' op failed to verify that mask type matches ptr type",
+        "x" * 5000,
+    ])  # fmt: skip
+    got = pytest_summary(out, ROOT, "timeout")
+    assert got["counts"] == {"passed": 2, "failed": 1} and got["exit_code"] == "timeout"
+    assert (
+        "PassManager::run failed" in got["errors"]
+        and "<repo>/vlkv/plugins/k.py:63:19: error" in got["errors"]
+    )
+    assert "PassManager" not in got["tail"]  # what the tail alone would have lost
+    assert str(ROOT) not in got["errors"] + got["tail"]
+    done = pytest_summary(out + "\n==== 1 failed, 2 passed, 5 deselected in 3.1s ====", ROOT, 1)
+    assert done["counts"] == {"failed": 1, "passed": 2, "deselected": 5}
 
 
 def test_check_report_names_what_is_wrong():

@@ -56,13 +56,18 @@ LOWRANK_PER_STEP = (*PER_STEP_INTS, "sfb", "sfh", "skbn", "sdkb", "svbn", "sdvb"
 
 
 @triton.jit
-def factor_rows(bar_ptr, rank_ptr, fr, fac, sbn, sbr, RMAX, BLOCK_R: tl.constexpr):
-    """``(BLOCK_N, BLOCK_R)`` the factor rows ``fr`` of the columns ``fac`` (0 elsewhere), each masked past
-    its rank (and past ``RMAX``, the stacked rows' width)."""
+def factor_rows(bar_ptr, rank_ptr, fr, sbn, sbr, RMAX, BLOCK_R: tl.constexpr):
+    """``(BLOCK_N, BLOCK_R)`` the factor rows ``fr`` (``-1``: not a factored column, 0 there), each masked
+    past its rank (and past ``RMAX``, the stacked rows' width)."""
     rc = tl.arange(0, BLOCK_R)
-    rank = tl.load(rank_ptr + fr, mask=fac, other=0)
-    on = fac[:, None] & (rc[None, :] < rank[:, None]) & (rc[None, :] < RMAX)
-    return tl.load(bar_ptr + fr[:, None] * sbn + rc[None, :] * sbr, mask=on, other=0.0)
+    # each row's rank loaded as a (BLOCK_N, BLOCK_R) tile (its value repeated across the columns), its mask
+    # built here from ``fr``: a (BLOCK_N,) rank load (the caller's mask or this one) left Triton 3.6's sm_90
+    # layout passes with a mask and pointers of different layouts (H200 run 7); a tile shares the rows' layout
+    row = fr[:, None] + tl.zeros((1, BLOCK_R), tl.int64)
+    fac = row >= 0
+    rank = tl.load(rank_ptr + row, mask=fac, other=0)
+    on = fac & (rc[None, :] < rank) & (rc[None, :] < RMAX)
+    return tl.load(bar_ptr + row * sbn + rc[None, :] * sbr, mask=on, other=0.0)
 
 
 @triton.jit
@@ -159,11 +164,14 @@ def paged_lowrank_kernel(
             )  # fmt: skip
         # a tile without factored columns (a dense request's, or past the image) skips the rebuild's dots
         any_fac = tl.max(fac.to(tl.int32), 0) > 0
+        if (
+            HAS_ROPE
+        ):  # loaded before the branch: masked by ``fac`` inside it, Triton 3.6 failed (see factor_rows)
+            rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=inside, other=-1).to(tl.int64)
         if any_fac & ~post:  # path (a): keys rebuilt, rounded, rotated
-            kb = factor_rows(kbar_ptr, rk_ptr, fr, fac, skbn, skbr, RK, BLOCK_R)
+            kb = factor_rows(kbar_ptr, rk_ptr, fr, skbn, skbr, RK, BLOCK_R)
             kf = round_to(rank_dot(kb, dk, IEEE), k.dtype)  # the entry path (a) rebuilds
             if HAS_ROPE:
-                rr = tl.load(rot_ptr + b * srb + kvh * srh + col * src, mask=fac, other=-1).to(tl.int64)
                 kf2 = round_to(rank_dot(kb, dk2, IEEE), k.dtype)
                 kf = rotate_pair(
                     kf, kf2, rr, fac, dims, col, b, kvh, rot_ptr, srb, srh, src, srp, sec_ptr, cos_ptr, sin_ptr,
@@ -178,7 +186,7 @@ def paged_lowrank_kernel(
         seen = (dense | fac)[None, :] & (col[None, :] < limit[:, None])
         s = block_logits(q, k, seen, SCALE, IEEE)
         if any_fac & post:  # path (b): the factored columns' k is 0 above, their logits (q·D_kᵀ)·K̄ᵀ
-            kb = factor_rows(kbar_ptr, rk_ptr, fr, fac, skbn, skbr, RK, BLOCK_R)
+            kb = factor_rows(kbar_ptr, rk_ptr, fr, skbn, skbr, RK, BLOCK_R)
             sf = rank_dot(qd, tl.trans(kb.to(tl.float32)), True)
             s += tl.where(fac[None, :], sf * SCALE, 0.0)
         if LOGITS:  # a statistics step (Q = 1): the scaled logits kept for the normalise pass
@@ -197,7 +205,7 @@ def paged_lowrank_kernel(
         acc = acc * alpha[:, None] + pv
         acc_r = acc_r * alpha[:, None]
         if any_fac:  # the factored columns' values, in the rank space
-            vb = factor_rows(vbar_ptr, rv_ptr, fr, fac, svbn, svbr, RV, BLOCK_R)
+            vb = factor_rows(vbar_ptr, rv_ptr, fr, svbn, svbr, RV, BLOCK_R)
             if IEEE:
                 acc_r += tl.dot(p, vb.to(tl.float32), input_precision="ieee")
             else:
