@@ -475,3 +475,31 @@ def test_avl_keeps_the_same_state_with_the_kernel_and_without(model, kw, engines
     assert len({str(x) for x in lengths}) > 1  # the steps changed the lengths (appends, evictions)
     for g, w in zip(got, want, strict=True):
         _same(g, w)
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["whole-tables", "column-views"])
+def test_the_multi_tensor_shift_takes_dense_operands_where_the_tables_are_contiguous(contiguous):
+    """Contiguous tables are blended as flat dense views, every operand pair the same shape (the form
+    CUDA's multi-tensor kernels take; run 7's column views went down the per-tensor path), others as
+    column views; both equal the C++ move bit for bit, jobs of different capacities and lengths mixed."""
+    lengths, caps, h = [6, 6, 11, 4], [9, 9, 14, 9], 3  # capacities in runs: 9, 9 | 14 | 9
+    g = torch.Generator().manual_seed(11)
+    fast = []
+    for i, c in enumerate(caps):
+        tables = _tables(1, 2, h, c + (0 if contiguous else 5), 100 + i)[0]
+        fast.append(tables if contiguous else [t[:, :, :c] for t in tables])  # views past a wider table
+    slow = [[t.clone() for t in tables] for tables in fast]
+    cols = torch.stack([torch.randint(0, n, (2, h), generator=g) for n in lengths])  # (J, B, H_kv)
+    ks = [n - 1 for n in lengths]
+    ops = (drops._flat_operands if contiguous else drops._column_operands)(fast, cols.unsqueeze(3), ks)
+    dense = all(t.is_contiguous() for lists in ops.values() for part in lists for t in part)
+    assert dense == contiguous
+    for dst, src, on, off in ops.values():  # (column views: the masks broadcast over trailing dims)
+        same = all(d.shape == s.shape == a.shape == b.shape for d, s, a, b in zip(dst, src, on, off))
+        assert same or not contiguous
+    gone = drops.shift_one_each(fast, cols, ks)
+    for i, (tables, k) in enumerate(zip(slow, ks)):
+        want = evict_rows.drop_columns([tables], cols[i : i + 1], k)
+        assert torch.equal(gone[i : i + 1], want)
+        for a, e in zip(fast[i], tables, strict=True):
+            assert torch.equal(a.view(torch.uint8), e.view(torch.uint8)), i

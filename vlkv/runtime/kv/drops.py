@@ -15,6 +15,7 @@ dropped slots (:attr:`UniformSelect.moved`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -217,27 +218,89 @@ def shift_one_each(tables: list[list[Tensor]], cols: Tensor, k: int | list[int])
     one to the left (column ``k`` keeps its value, past the new length). Returns ``(J, B, H_kv)``
     the dropped slot ids.
 
-    Every table's columns ``[0, k)`` become ``dst * (1 - moves) + src * moves`` of the views
-    ``[0, k)`` and ``[1, k + 1)``, ``moves`` the columns at or past the dropped one: three
-    ``torch._foreach_*`` ops per dtype over every job's tables (one multi-tensor launch each on a
+    Every table becomes ``dst * (1 - moves) + src * moves``, ``moves`` its columns in ``[cols, k)``:
+    three ``torch._foreach_*`` ops per dtype over every job's tables (a few multi-tensor launches on a
     GPU), where a ``where`` and a ``copy_`` per table, layer and request ran before. Integers, exact
-    (one term is 0); float tables go as the integers of their bits.
+    (one term is 0); float tables go as the integers of their bits. ``k`` per job (``k[i]``: a
+    scheduler cohort's requests holding different lengths).
 
-    ``k`` per job (``k[i]``: a scheduler cohort's requests holding different lengths): the masks are
-    made once at the widest ``k`` and each job's are views of its first ``k[i]`` columns (views
-    launch nothing), so the multi-tensor ops stay three per dtype whatever the lengths."""
+    Contiguous tables (the pool's) are blended whole, as flat views: ``dst`` the table's first
+    ``N - P`` elements and ``src`` its last (``P`` the elements of one column of a row), so every
+    operand is dense. CUDA's multi-tensor kernels take only dense operands: the column views of
+    :func:`_shift_columns` (the other tables' form) sent every op of run 7's H200 profile down the
+    per-tensor path (h2o / A-VL scheduler steps: 15-18 ms of ``_foreach_*`` under cProfile)."""
     j, b, h = cols.shape
     ks = [k] * j if isinstance(k, int) else list(k)
-    kmax = max(ks)
     col = cols.unsqueeze(3)  # (J, B, H_kv, 1)
-    moves = torch.arange(kmax, device=cols.device) >= col  # (J, B, H_kv, kmax)
     gone = torch.cat([t[0].gather(2, c) for t, c in zip(tables, col.unbind(0))])  # (J·B, H_kv, 1)
+    if all(t.is_contiguous() for group in tables for t in group):
+        lists = _flat_operands(tables, col, ks)
+    else:
+        lists = _column_operands(tables, col, ks)
+    for dst, src, on, off in lists.values():
+        picked = torch._foreach_mul(src, on)  # read before any write: the views overlap
+        torch._foreach_mul_(dst, off)
+        torch._foreach_add_(dst, picked)
+    return gone.view(j, b, h)
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
+
+
+def _flat_operands(tables: list[list[Tensor]], col: Tensor, ks: list[int]) -> dict:
+    """Per dtype ``(dst, src, on, off)`` lists of 1-D dense views (see :func:`shift_one_each`). The
+    masks are made once per (dtype, column size ``P``, capacity ``C``) for every job of that capacity
+    (a run of consecutive jobs: one request's layers), each job's a contiguous slice of them."""
+    from vlkv.runtime.kv.step_tables import to_device
+
+    caps = [group[0].shape[2] for group in tables]
+    cmax = max(caps)
+    ar = torch.arange(cmax, device=col.device)
+    kt = to_device(torch.tensor(ks), col.device).view(-1, 1, 1, 1)  # pinned, no host sync on CUDA
+    moves = (ar >= col) & (ar < kt)  # (J, B, H_kv, cmax)
+    runs = []  # per job the (first, count) of the run of consecutive jobs of its capacity
+    for i, c in enumerate(caps):
+        if i and caps[i - 1] == c:
+            runs.append(runs[-1])
+        else:
+            count = 1
+            while i + count < len(caps) and caps[i + count] == c:
+                count += 1
+            runs.append((i, count))
+    masks: dict[tuple, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
+    lists: dict[torch.dtype, tuple[list, list, list, list]] = {}
+    for i, (group, (first, count)) in enumerate(zip(tables, runs)):
+        for t in group:
+            t = _bits(t)
+            per = math.prod(t.shape[3:])  # elements of one column of one row (1 for a 3-D table)
+            key = (t.dtype, per, first)
+            n = t.numel() - per
+            if key not in masks:  # one job's row of these is (n,): the tables of a key share a shape
+                m = moves.narrow(0, first, count)[..., : caps[i]]
+                m = m.view(*m.shape, *([1] * (t.dim() - 3))).expand(-1, *t.shape).to(t.dtype)
+                m = m.reshape(count, -1)
+                masks[key] = (m[:, :n].unbind(0), (1 - m[:, :n]).unbind(0))
+            dst, src, on, off = lists.setdefault(t.dtype, ([], [], [], []))
+            base = t.storage_offset()
+            dst.append(t.as_strided((n,), (1,), base))
+            src.append(t.as_strided((n,), (1,), base + per))
+            on.append(masks[key][0][i - first])
+            off.append(masks[key][1][i - first])
+    return lists
+
+
+def _column_operands(tables: list[list[Tensor]], col: Tensor, ks: list[int]) -> dict:
+    """Per dtype ``(dst, src, on, off)`` lists of column views ``[0, k)`` and ``[1, k + 1)`` (tables
+    that are not contiguous): the masks made once at the widest ``k``, each job's a view of its first
+    ``k[i]`` columns."""
+    kmax = max(ks)
+    moves = torch.arange(kmax, device=col.device) >= col  # (J, B, H_kv, kmax)
     masks: dict[tuple, tuple[tuple[Tensor, ...], tuple[Tensor, ...]]] = {}
     lists: dict[torch.dtype, tuple[list, list, list, list]] = {}
     for i, (group, ki) in enumerate(zip(tables, ks)):
         for t in group:
-            if t.is_floating_point():
-                t = t.view(_BITS[t.element_size()])
+            t = _bits(t)
             key = (t.dim(), t.dtype)
             if key not in masks:
                 m = moves.view(*moves.shape, *([1] * (t.dim() - 3)))
@@ -248,11 +311,7 @@ def shift_one_each(tables: list[list[Tensor]], cols: Tensor, k: int | list[int])
             yes, no = masks[key][0][i], masks[key][1][i]
             on.append(yes if ki == kmax else yes.narrow(2, 0, ki))
             off.append(no if ki == kmax else no.narrow(2, 0, ki))
-    for dst, src, on, off in lists.values():
-        picked = torch._foreach_mul(src, on)  # read before any write: the views overlap
-        torch._foreach_mul_(dst, off)
-        torch._foreach_add_(dst, picked)
-    return gone.view(j, b, h)
+    return lists
 
 
 def unlisted(listed: Tensor, m: int) -> Tensor:

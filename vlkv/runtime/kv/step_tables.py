@@ -69,7 +69,7 @@ class StepTables:
             rows.extend(meta_row(t, sc, p, run) for t, p, run, sc in zip(tables, cols, runs, scores))
         n_layers, batch = len(layers), len(layers[0]) if layers else 0
         host = torch.tensor(rows, dtype=torch.long, device="cpu")  # built on the host, copied once
-        self.meta = _to_device(host, device).view(n_layers, batch, FIELDS)
+        self.meta = to_device(host, device).view(n_layers, batch, FIELDS)
         after = self.meta[:, :, AFTER]
         heads = layers[0][0].kv_heads if batch else 1
         self.lengths = list(after[:, :, None].expand(n_layers, batch, heads).unbind(0))
@@ -118,7 +118,7 @@ def meta_row(tables: tuple, scores: tuple, column: int, run: int | None) -> list
     return row
 
 
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
+def to_device(host: Tensor, device: torch.device) -> Tensor:
     """``host`` on ``device``: on CUDA through pinned memory without blocking (a pageable copy may wait
     for the stream: a host sync a step); the caching host allocator keeps the pinned block until the
     copy ran."""
