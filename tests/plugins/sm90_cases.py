@@ -174,7 +174,7 @@ def _glue_and_append_cases() -> list[Sm90Case]:
 
 def _ops_cases() -> list[Sm90Case]:
     """``ops``' other Triton routes: statistics, selected attention, token merging, rank-space attention."""
-    from tests.plugins.cases import LowRankCase, SelectCase, StatsCase
+    from tests.plugins.cases import LowRankCase, MergeCase, SelectCase, StatsCase
     from vlkv.plugins.triton_attn_stats import attn_stats_triton
     from vlkv.plugins.triton_lowrank_attention import lowrank_attention_triton
     from vlkv.plugins.triton_merge_kv import merge_kv_triton
@@ -216,8 +216,6 @@ def _ops_cases() -> list[Sm90Case]:
         ),
     ]
     merge = ("merge_scatter_kernel", "merge_finalize_kernel")
-    from tests.plugins.cases import MergeCase
-
     merge_case = MergeCase(2, 2, 81, HEAD_DIM, 30)
     cases += [
         Sm90Case("merge_kv/scatter", lambda: merge_kv_triton(**merge_case.make(BF16)), merge),
