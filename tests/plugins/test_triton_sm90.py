@@ -1,11 +1,11 @@
-"""The paged kernels compile for sm_90 (Hopper: the H100/H200 the GPU checks run on) on this CPU machine:
-Triton's whole compiler, which the interpreter-run tests never reach (``plugins/triton_target.py``; run 7's
-low-rank compile error passed every CPU test). A child process: the kernels must be imported with the
-interpreter off."""
+"""Every Triton kernel vlkv launches on a GPU compiles for sm_90 (Hopper: the H100/H200 the GPU checks run
+on) on this CPU machine: Triton's whole compiler, which the interpreter-run tests never reach
+(``plugins/triton_target.py``; run 7's low-rank compile error passed every CPU test). The launches and
+their variants are ``sm90_cases``'. A child process per Triton install: the kernels must be imported with
+the interpreter off."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -13,46 +13,30 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.plugins.sm90_cases import cases
 
 pytest.importorskip("triton", reason="the triton extra is part of vlkv[dev]")
 
 ROOT = Path(__file__).resolve().parents[2]
-FORMS = ("plain", "rope-1d", "mrope")
 
 
-def compile_all() -> dict[str, list[str]]:
-    """Per launcher and rotary form (bf16, the GPU runs' dtype), the kernels its launches compiled; low-rank
-    factors in every form, path (b) too. Run with ``TRITON_INTERPRET=0``."""
-    from tests.plugins.paged_cases import CASES
-    from tests.plugins.test_triton_paged_lowrank import CASES as LOWRANK_CASES
-    from tests.plugins.test_triton_paged_lowrank import rope_args, with_factors
-    from vlkv.plugins import triton_paged_lowrank as tpl
-    from vlkv.plugins.triton_paged_attention import paged_attention_triton
-    from vlkv.plugins.triton_paged_probs import paged_probs_triton
+def compile_all() -> dict[str, dict]:
+    """Per case (``sm90_cases``: launcher/variant): ``{"compiled": kernel names, "error": None or the
+    compile error}``; a failing case does not stop the others. Run with ``TRITON_INTERPRET=0``."""
     from vlkv.plugins.triton_target import compile_only
 
-    dtype, out = torch.bfloat16, {}
-    for form in FORMS:
-        g = torch.Generator().manual_seed(5)
-        args = CASES[1].make(dtype)
-        rope = {} if form == "plain" else rope_args(args, None, form, g, dtype)[1]
-        low = LOWRANK_CASES[0].make(dtype)
-        factors = with_factors(low, g, dtype)
-        low_rope = rope_args(low, factors, "post" if form == "plain" else form, g, dtype)[1]
-        if form == "plain":  # path (b): post-RoPE factors of request 1, pre-RoPE (unrotated) of the rest
-            factors = dataclasses.replace(factors, post_rope=torch.tensor([False, True]))
-        one = {k: v for k, v in args.items() if k != "q"} | {"q": args["q"][:, :, :1]}  # probs: one row
-        calls = {
-            "paged_attention": (paged_attention_triton, args | rope),
-            "paged_probs": (paged_probs_triton, one | rope),
-            "paged_lowrank": (tpl.paged_lowrank_triton, low | low_rope | {"factors": factors}),
-            "paged_lowrank_probs": (tpl.paged_lowrank_probs_triton, low | low_rope | {"factors": factors}),
-        }
-        for name, (launcher, kw) in calls.items():
-            with compile_only(arch=90) as compiled:
-                launcher(**kw)
-            out[f"{name}/{form}"] = compiled
+    out = {}
+    for case in cases():
+        got, error = None, None
+        with compile_only(arch=90) as compiled:
+            try:
+                got = case.launch()
+            except Exception as exc:  # noqa: BLE001 - each case's error is reported, the rest still compile
+                error = f"{type(exc).__name__}: {exc}"[-3000:]
+        # an AOT case compiles through ``triton.compile`` (no launch) and returns its kernel's name
+        names = [*compiled, *([got] if isinstance(got, str) else [])]
+        out[case.name] = {"compiled": names, "error": error}
     return out
 
 
@@ -67,20 +51,22 @@ def tritons() -> list[str]:
 
 
 @pytest.mark.parametrize("alt", tritons(), ids=lambda a: "installed" if not a else Path(a).name)
-def test_the_paged_kernels_compile_for_sm90(alt, tmp_path):
+def test_every_gpu_kernel_compiles_for_sm90(alt, tmp_path):
     path = os.pathsep.join(filter(None, [alt, str(ROOT)]))
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=path)
     code = "import json; from tests.plugins.test_triton_sm90 import compile_all; print(json.dumps(compile_all()))"
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    launchers = ("paged_attention", "paged_probs", "paged_lowrank", "paged_lowrank_probs")
-    assert set(got) == {f"{n}/{f}" for n in launchers for f in FORMS}
-    for name, kernels in got.items():  # each launcher compiled its main kernel in every form
-        main = "paged_lowrank_kernel" if "lowrank" in name else name.split("/")[0] + "_kernel"
-        assert main in kernels, (name, kernels)
+    table = cases()
+    assert list(got) == [c.name for c in table]
+    errors = {name: r["error"] for name, r in got.items() if r["error"]}
+    assert not errors, "\n\n".join(f"{name}: {e}" for name, e in errors.items())
+    for case in table:  # each launch compiled the kernels it stands for
+        missing = set(case.kernels) - set(got[case.name]["compiled"])
+        assert not missing, (case.name, got[case.name]["compiled"])
     # a cubin was written for each compiled variant: Triton's pipeline ran to its end (ptxas included)
     assert list((tmp_path / "cache").rglob("*.cubin")), "no cubin in Triton's cache"
 

@@ -93,7 +93,9 @@ def decode_append_kernel(
                 pre = tl.load(flag_ptr + h * sfh + tl.maximum(val, 0), mask=on, other=0)
                 on = on & (pre != 0)
                 two = on[:, None] & (comp < P)[None, :]
-                at = (h * cap + c)[:, None] * P + comp[None, :]
-                got = tl.load(positions + at, mask=two, other=-1)
+                # a name of its own: reassigning the scalar ``at`` inside the loop is an error of Triton's
+                # compiler (a loop-carried variable changing type), which the interpreter never raises
+                cells = (h * cap + c)[:, None] * P + comp[None, :]
+                got = tl.load(positions + cells, mask=two, other=-1)
                 dest = rot_ptr + b * srb + h * srh + c[:, None] * src + comp[None, :]
                 tl.store(dest, got, mask=(c < W)[:, None] & (comp < P)[None, :])
