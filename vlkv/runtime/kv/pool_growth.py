@@ -56,13 +56,16 @@ class PoolGrowth:
             self._free[layer] = buf
             self._nfree[layer] = nfree + fresh
         else:
-            used = torch.tensor(low_free, dtype=torch.long, device=dev)
-            buf = torch.zeros(h, new_cap, dtype=torch.long, device=dev)
-            for j in range(h):
-                n = new_cap - int(used[j])
-                buf[j, :n] = torch.arange(new_cap - 1, int(used[j]) - 1, -1, device=dev)
-            self._free[layer] = buf
+            # head j's stack holds ids new_cap - 1 down to used[j] (its top the lowest): one masked
+            # ramp for every head, where a loop read each head's count back (a sync a head and layer)
+            used_host = [int(u) for u in low_free]
+            used = torch.tensor(used_host, dtype=torch.long, device=dev)
+            ramp = torch.arange(new_cap - 1, -1, -1, device=dev).expand(h, new_cap)
+            col = torch.arange(new_cap, device=dev)
+            self._free[layer] = torch.where(col < (new_cap - used)[:, None], ramp, 0)
             self._nfree[layer] = new_cap - used
+            self._nfree_host[layer] = [new_cap - u for u in used_host]
+            return
         self._nfree_host[layer] = self._nfree[layer].tolist()
 
     def ensure_headroom(self, slots: int) -> None:
