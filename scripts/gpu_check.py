@@ -10,7 +10,8 @@ others; a part stopped at its limit keeps what it measured so far):
   memory bandwidth (a device-to-device copy, bytes read + written; a read-only sum);
 - ``kernels``: attention statistics vs SDPA at 2k/8k/32k keys, selected attention at 30 % vs gather +
   SDPA, the paged read vs SDPA over a contiguous cache, the low-rank rank-space decode vs dense, KV
-  merging vs its reference — each also checked against its reference (max abs error);
+  merging vs its reference — each also checked against its reference (max abs error); last, the paged
+  low-rank read's split cut (``gpu_lowrank_split``: the default cut vs ``chunk=1`` vs the dense read);
 - ``decode``: bf16 decode steps at 8k and 32k, batch 1/4/8, every policy at budgets 0.5/0.2/0.1, on
   random-weight models at LLaVA-1.5-7B's and Qwen2-VL-7B's decoder shapes (M-RoPE), each step set
   against its bandwidth bound ``(weight bytes + K/V bytes attended) / bandwidth`` measured in the run;

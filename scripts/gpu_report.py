@@ -65,7 +65,16 @@ def _kernels(res: dict) -> list[str]:
             f"{name}: "
             + (", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in r.items()) if isinstance(r, dict) else str(r))
         )
-    return lines + _paged_probs(res)
+    return lines + _paged_probs(res) + _lowrank_split(res)
+
+
+def _lowrank_split(res: dict) -> list[str]:
+    """The kernels part's ``lowrank_split`` rows (``gpu_lowrank_split``) as a table; [] without them."""
+    if "lowrank_split" not in res:
+        return []
+    from gpu_lowrank_split import markdown  # scripts/ is on sys.path where reports are written
+
+    return markdown(res["lowrank_split"])
 
 
 def _paged_probs(res: dict) -> list[str]:

@@ -54,6 +54,7 @@ def test_dry_run_runs_every_part(dry_run):
         Path(report["parts"]["env"]["result"] and proc.args[proc.args.index("--out") + 1]) / "report.md"
     ).read_text()
     assert "# vlkv GPU check" in md and "| decode | ok |" in md
+    assert "| toy-qwen2-vl × 1 | 4 |" in md  # the low-rank split cut's table
     assert "1 torch threads" in report["parts"]["env"]["result"]["cpu"]  # --threads reached the parts
 
 
@@ -66,6 +67,17 @@ def test_dry_run_measures_what_it_reports(dry_run):
         assert not isinstance(kernels[name], str), (name, kernels[name])
     assert all(r["colsum_max_err"] < 1e-5 for r in kernels["stats"])
     assert kernels["selected"]["max_err"] < 1e-5 and kernels["merge"]["max_err"] < 1e-5
+    # the paged low-rank read's two split cuts and the dense read, each against its reference (interpreter)
+    split = kernels["lowrank_split"]
+    assert isinstance(split, list) and {r["model"] for r in split} == {"toy-qwen2-vl", "toy-llava"}, split
+    for r in split:
+        assert ("M-RoPE" if r["model"] == "toy-qwen2-vl" else "1-D RoPE") in r["rope"], r
+        for name in ("default", "chunk1", "dense"):
+            assert r[f"{name}_ms"] > 0 and r[f"{name}_max_err"] < 1e-5 and r[f"{name}_within_tol"], (name, r)
+        assert r["default_over_chunk1"] > 0 and r["splits"] == 4
+        # the toy cells cut differently: the default gives the span one split, chunk=1 two (more loads)
+        assert r["cut_default"]["basis_loads"] < r["cut_chunk1"]["basis_loads"], r
+        assert r["cut_default"]["factored_bytes"] < r["cut_chunk1"]["factored_bytes"], r
     cells = parts["decode"]["result"]["cells"]
     first = cells[0]
     assert not first["errors"], first["errors"]

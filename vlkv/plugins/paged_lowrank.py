@@ -282,11 +282,17 @@ def paged_lowrank_kv(
 
 
 def factored_read_bytes(
-    factors: PagedFactors, lengths: Tensor, head_dim: int, dim_v: int, num_splits: int = 1, block_n: int = 16
+    factors: PagedFactors,
+    lengths: Tensor,
+    head_dim: int,
+    dim_v: int,
+    num_splits: int = 1,
+    block_n: int = 16,
+    chunk: int | None = None,
 ) -> tuple[int, int]:
     """``(kernel, dense)``: bytes the low-rank kernel loads for the factored columns of one decode call
-    cut in ``num_splits`` splits (:func:`split_layout`, the launch's cut with its ``block_n`` and
-    :func:`factored_chunk`), against the bytes the same columns would read as dense pool entries (``(D +
+    cut in ``num_splits`` splits (:func:`split_layout`, the launch's cut with its ``block_n`` and ``chunk``,
+    None: :func:`factored_chunk`, as the launcher's ``chunk``), against the bytes the same columns would read as dense pool entries (``(D +
     D_v)`` a column and head).
 
     Counted per (column, head), as each KV head's program loads them (no sharing across heads assumed):
@@ -299,7 +305,8 @@ def factored_read_bytes(
     rows = factors.frow[fac]
     components = int((factors.rank_k[rows] + factors.rank_v[rows]).sum())
     rank_k, rank_v = factors.ranks
-    chunk = factored_chunk(rank_k, rank_v, head_dim, dim_v)
+    if chunk is None:
+        chunk = factored_chunk(rank_k, rank_v, head_dim, dim_v)
     _, _, _, holds = split_layout(factored_span(factors, lengths), lengths, num_splits, block_n, chunk)
     kernel = (components + int(holds.sum()) * (rank_k * head_dim + rank_v * dim_v)) * item
     return kernel, int(fac.sum()) * (head_dim + dim_v) * item
