@@ -238,29 +238,21 @@ def _ops_cases() -> list[Sm90Case]:
     return cases
 
 
-# the TensorRT plugins' AOT kernels (``ptx.compile_ptx``: what ``trt_plugins`` bakes into an engine), fp16
-# as ``test_ptx`` compiles them with the installed Triton
-AOT_CONSTEXPRS = {
-    "attn_stats": {"SCALE": 0.125, "THRESHOLD": 0.01, "CAUSAL": True, "HAS_THRESHOLD": True},
-    "selected_attention": {"SCALE": 0.125},
-    "merge_kv": {},
-    "lowrank_attention": {"SCALE": 0.125, "BLOCK_RK": 64, "BLOCK_RV": 32},
-    "paged_attention": {"SCALE": 0.125},
-}
-
-
+# the TensorRT plugins' AOT kernels (``ptx.compile_ptx``: what ``trt_plugins`` bakes into an engine), fp16,
+# with ``test_ptx``'s constexprs
 def _aot(op: str) -> str:
+    from tests.plugins.test_ptx import CONSTEXPRS
     from vlkv.plugins.ptx import compile_ptx
 
-    return compile_ptx(op, "float16", head_dim=HEAD_DIM, arch=90, **AOT_CONSTEXPRS[op]).kernel_name
+    return compile_ptx(op, "float16", head_dim=HEAD_DIM, arch=90, **CONSTEXPRS[op]).kernel_name
 
 
 def _aot_cases() -> list[Sm90Case]:
+    from tests.plugins.test_ptx import CONSTEXPRS
     from vlkv.plugins.ptx import AOT_KERNELS
 
     return [
-        Sm90Case(f"aot/{op}", lambda o=op: _aot(o), (AOT_KERNELS[op].kernel,))
-        for op in sorted(AOT_CONSTEXPRS)
+        Sm90Case(f"aot/{op}", lambda o=op: _aot(o), (AOT_KERNELS[op].kernel,)) for op in sorted(CONSTEXPRS)
     ]
 
 
