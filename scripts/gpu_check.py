@@ -51,7 +51,7 @@ SCHEMA = "vlkv.gpu_check/1"
 # run 7 (H200, 398 s): env 5, kernels 14, compile 17, decode 105, pytest 144 (two tests failing early),
 # profile 83, prefill 26 s; its pytest retry, every test running to its end, passed 200 s: pytest now runs
 # second with the most room, decode and profile give some back (the run must fit a 600 s device call);
-# compile times h2o and snapkv steps too (session 19: ~10 s each at 8k x 4)
+# compile times h2o and snapkv steps too (estimated ~10 s each at 8k x 4, not yet run on a GPU)
 BUDGETS = {
     "env": 20,
     "pytest": 250,

@@ -12,9 +12,9 @@ import importlib.util
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+STARTED = time.monotonic()  # imported as the part's child process starts: its limit counts from here
 sys.path.insert(0, str(HERE))
 
 from gpu_graph import run_compile  # noqa: E402  (the compile part, eager step vs CUDA graph, lives apart)
@@ -144,31 +145,33 @@ def run_pytest(args, sink: Sink) -> None:
     result: dict = {"command": " ".join(cmd[1:]), "files": files}
     sink(result)
     # run 7's rerun was stopped at the part's limit with pytest's output still in a pipe: nothing kept. The
-    # output is read line by line instead, each -v verdict written to the report as it comes
-    deadline = time.monotonic() + max(10.0, args.part_budget - 10)
+    # output is read line by line instead, each -v verdict written to the report as it comes. A watchdog
+    # kills pytest 10 s before the part's limit (counted from the part's start), so the summary is written
+    # even while a test runs silently; pytest stays in the part's process group, which the part's own kill
+    # (gpu_check.run_part) takes down with it
+    left = max(10.0, args.part_budget - 10 - (time.monotonic() - STARTED))
     proc = subprocess.Popen(
-        cmd,
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+        cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
     )
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        proc.kill()
+
+    watchdog = threading.Timer(left, stop)
+    watchdog.start()
     lines: list[str] = []
-    code = None
-    for line in proc.stdout:
-        lines.append(line)
-        if VERDICT.search(line):
-            sink(result | pytest_summary("".join(lines), root, code))
-        if time.monotonic() > deadline:  # stopped here, not by the part's kill: what it said is kept
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = "timeout"
-            break
+    try:
+        for line in proc.stdout:  # ends at pytest's exit or at the watchdog's kill
+            lines.append(line)
+            if VERDICT.search(line):
+                sink(result | pytest_summary("".join(lines), root, None))
+    finally:
+        watchdog.cancel()
     proc.stdout.close()
     returned = proc.wait()
-    code = code or returned
-    sink(result | pytest_summary("".join(lines), root, code))
+    sink(result | pytest_summary("".join(lines), root, "timeout" if fired.is_set() else returned))
 
 
 VERDICT = re.compile(r" (PASSED|FAILED|ERROR|SKIPPED)\b")
@@ -180,7 +183,9 @@ def pytest_summary(out: str, root: Path, code) -> dict:
     counts = {}
     for n, word in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected|xfailed)", out):
         counts[word.rstrip("s") if word == "errors" else word] = int(n)
-    if not counts:  # not finished: the verdicts of the tests run so far
+    if not counts.keys() - {
+        "deselected"
+    }:  # not finished (the header names the deselected): the verdicts so far
         for word in VERDICT.findall(out):
             counts[word.lower()] = counts.get(word.lower(), 0) + 1
     out = out.replace(str(root), "<repo>").replace(sys.prefix, "<python prefix>")

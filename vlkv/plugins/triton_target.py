@@ -51,7 +51,9 @@ class _TargetDriver:
 def compile_only(arch: int = 90, warp_size: int = 32) -> Iterator[list[str]]:
     """Inside: every Triton launch compiles for ``sm_{arch}`` and returns without running; yields the
     list of compiled kernels' names (one per launch, in order). A compile error propagates (Triton's
-    message, which names the kernel's source line)."""
+    message, which names the kernel's source line). Process-wide while it lasts (Triton's driver and
+    ``JITFunction.run`` are global): another thread's launches would compile and not run, so it is for a
+    process of its own (the tests run it in a child)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError(
             "compile_only needs the kernels compiled, not interpreted: set TRITON_INTERPRET=0 before triton "
@@ -61,9 +63,11 @@ def compile_only(arch: int = 90, warp_size: int = 32) -> Iterator[list[str]]:
     from triton.runtime import jit
 
     compiled: list[str] = []
+    touched: list = []  # the kernels whose device-0 cache now holds the target's binaries: emptied after
     real = jit.JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
+        touched.append(self)
         kernel = real(self, *args, grid=grid, warmup=True, **kwargs)  # warmup: compile, never launch
         compiled.append(self.fn.__name__)
         return kernel
@@ -77,3 +81,5 @@ def compile_only(arch: int = 90, warp_size: int = 32) -> Iterator[list[str]]:
     finally:
         jit.JITFunction.run = real
         config._active = before
+        for fn in touched:  # a later real launch on device 0 compiles for its own GPU, not this target
+            fn.device_caches.pop(0, None)

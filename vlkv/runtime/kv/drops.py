@@ -224,10 +224,10 @@ def shift_one_each(tables: list[list[Tensor]], cols: Tensor, k: int | list[int])
     (one term is 0); float tables go as the integers of their bits. ``k`` per job (``k[i]``: a
     scheduler cohort's requests holding different lengths).
 
-    Contiguous tables (the pool's) are blended whole, as flat views: ``dst`` the table's first
+    When every table is contiguous (the pool's are), they are blended whole, as flat views: ``dst`` the table's first
     ``N - P`` elements and ``src`` its last (``P`` the elements of one column of a row), so every
     operand is dense. CUDA's multi-tensor kernels take only dense operands: the column views of
-    :func:`_shift_columns` (the other tables' form) sent every op of run 7's H200 profile down the
+    :func:`_column_operands` (the form taken when any table is not contiguous) sent every op of run 7's H200 profile down the
     per-tensor path (h2o / A-VL scheduler steps: 15-18 ms of ``_foreach_*`` under cProfile)."""
     j, b, h = cols.shape
     ks = [k] * j if isinstance(k, int) else list(k)
