@@ -188,9 +188,13 @@ def paged_attention(
     cos: Tensor | None = None,
     sin: Tensor | None = None,
     plan=None,
+    sec: Tensor | None = None,
 ) -> Tensor:
     """Causal attention reading K/V from one layer's pool through per-request, per-KV-head slot tables:
-    same arguments and result as ``paged_reference.paged_attention_reference``, plus ``num_splits``.
+    same arguments and result as ``paged_reference.paged_attention_reference``, plus ``num_splits``,
+    and ``sec``: given, ``rot (B, H_kv, C, P)`` / ``cos, sin (T, D_r)`` are the rotary table form
+    (``paged_reference.rows_of_table``), which the Triton kernel reads as is and the other paths turn into
+    rows.
 
     CUDA (or ``VLKV_FORCE_TRITON=1``): the Triton kernel (``num_splits`` column splits, None = from the
     launch size); CPU: ``paged_cpu`` (in-place runs, else one gather; ``plan``: a
@@ -199,7 +203,13 @@ def paged_attention(
     if use_triton(q, k_pool, v_pool):
         from vlkv.plugins.triton_paged_attention import paged_attention_triton
 
-        return paged_attention_triton(q, k_pool, v_pool, table, lengths, scale, num_splits, rot, cos, sin)
+        return paged_attention_triton(
+            q, k_pool, v_pool, table, lengths, scale, num_splits, rot, cos, sin, sec
+        )
+    if sec is not None:
+        from vlkv.plugins.paged_reference import rows_of_table
+
+        rot, cos, sin = rows_of_table(rot, cos, sin, sec)
     if q.device.type == "cpu":
         from vlkv.plugins.paged_cpu import paged_attention_cpu
 

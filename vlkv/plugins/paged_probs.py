@@ -130,12 +130,18 @@ def paged_decode_probs(
     sin: Tensor | None = None,
     inplace_min: int | None = None,
     route: DecodeRoute | None = None,
+    sec: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One decode row per request (same arguments as ``paged_reference.paged_attention_reference``, no
     v_pool): ``probs (B, H_kv, G, C)`` float32, the softmax of ``q·k · scale`` over the held columns of its
     row (0 elsewhere; a row holding nothing is all 0), and ``vis (B, H_kv, 1, C)`` bool of the held
     columns, or None when every column of every row is held. route: :func:`decode_route` of this
-    ``table`` and ``lengths`` (built here when None; pass the same one to :func:`paged_decode_out`)."""
+    ``table`` and ``lengths`` (built here when None; pass the same one to :func:`paged_decode_out`). sec:
+    the rotary table form (``ops.paged_attention``), turned into rows here."""
+    if sec is not None:
+        from vlkv.plugins.paged_reference import rows_of_table
+
+        rot, cos, sin = rows_of_table(rot, cos, sin, sec)
     group, rope = check_paged_args(q, k_pool, None, table, lengths, rot, cos, sin)
     batch, _, num_q, dim = q.shape
     if num_q != 1:
@@ -258,6 +264,7 @@ def triton_decode_probs(
     rot: Tensor | None = None,
     cos: Tensor | None = None,
     sin: Tensor | None = None,
+    sec: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None] | None:
     """A statistics decode step by the Triton kernel (``triton_paged_probs``): ``out (B, H_q, 1, D_v)`` in
     q's dtype and ``probs (B, H_kv, G, C)`` / ``vis`` as :func:`paged_decode_probs` gives them, from one
@@ -265,7 +272,7 @@ def triton_decode_probs(
     (off: ``TRITON_PROBS``; not CUDA tensors and not forced Triton, as ``ops.paged_attention`` chooses;
     more than one query row; pools of another dtype than q): the caller keeps the two halves. rot, cos,
     sin: pre-RoPE keys rotated as they load (``paged_attention_reference``'s form; since session 16, where
-    the halves were kept before). host, holes: as :func:`decode_route` takes
+    the halves were kept before), or with ``sec`` the rotary table form. host, holes: as :func:`decode_route` takes
     them (nothing read back: with a hole possible the mask is kept, all True where every column is held)."""
     from vlkv.plugins.ops import use_triton
 
@@ -279,7 +286,17 @@ def triton_decode_probs(
     if full is None and host is not None:  # a hole possible: keep the mask (exact either way) rather
         full = False  # than read it back, a host sync per layer on a GPU (as decode_route decides)
     out, probs, vis = paged_probs_triton(
-        q, k_pool, v_pool, table, lengths, scale, with_vis=full is not True, rot=rot, cos=cos, sin=sin
+        q,
+        k_pool,
+        v_pool,
+        table,
+        lengths,
+        scale,
+        with_vis=full is not True,
+        rot=rot,
+        cos=cos,
+        sin=sin,
+        sec=sec,
     )
     if full is None:
         full = bool(vis.all())

@@ -92,6 +92,22 @@ def visible_columns(table: Tensor, lengths: Tensor, num_q: int) -> tuple[Tensor,
     return vis, slots
 
 
+def rows_of_table(rot: Tensor, cos: Tensor, sin: Tensor, sec: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The row form above from the rotary *table* form the Triton kernels take: ``rot (B, H_kv, C, P)``
+    each entry's position components (component 0 ``< 0``: stored post-RoPE), ``cos, sin (T, D_r)`` the
+    table by position, ``sec (D_r,)`` int64 the component each dim's angle reads (None: component 0, 1-D
+    RoPE). Returns ``rot (B, H_kv, C)`` one row per entry (``-1`` where not rotated) and ``cos, sin
+    (B·H_kv·C, D_r)`` its values: a row for every column, so for the paths that have no table form (the
+    reference, the CPU read), not for long contexts on a GPU."""
+    b, h, c, p = rot.shape
+    flat = rot.reshape(-1, p).clamp(0, cos.shape[0] - 1)
+    dims = torch.arange(cos.shape[1], device=rot.device)
+    comp = torch.zeros_like(dims) if sec is None else sec.to(rot.device)
+    at = flat[:, comp]  # (N, D_r) the position each dim's angle reads
+    rows = torch.where(rot[..., 0] >= 0, torch.arange(b * h * c, device=rot.device).view(b, h, c), -1)
+    return rows, cos[at, dims], sin[at, dims]
+
+
 def rotate_keys(k: Tensor, rot: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate the keys ``k (..., n, D)`` whose ``rot (..., n)`` row is >= 0 by ``cos, sin (R, D_r)``;
     returns ``k`` in its dtype (rotated rows computed in at least float32, then rounded)."""

@@ -101,3 +101,41 @@ def test_the_linked_table_build_reads_nothing_back(model_ropes, pos_dims):
     with count_ops() as old:
         _row_form(layer, table, lengths)
     assert old.syncs == (3 if pos_dims == 1 else 2), dict(old.sites)
+
+
+def test_a_triton_read_takes_mropes_table_form_and_reads_nothing_back(model_ropes, monkeypatch):
+    """Where the read is the Triton kernel's (here forced: ``VLKV_FORCE_TRITON``), M-RoPE's keywords are the
+    table form (``sec``): no host sync (the row form's mask costs 2 a layer on a GPU)."""
+    from vlkv.plugins.ops import FORCE_TRITON_ENV
+
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    layer = build_layer(model_ropes[3], 3, torch.float32)
+    paged_tables(layer)
+    with count_ops() as c:
+        table, _, _, rope, _ = paged_tables(layer)
+    assert rope.keys() == {"rot", "cos", "sin", "sec"} and rope["rot"].shape == (*table.shape, 3)
+    assert c.syncs == 0, dict(c.sites)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_paged_ops_read_the_table_form_as_the_row_form(model_ropes, dtype):
+    """``ops.paged_attention`` and ``paged_decode_probs`` given M-RoPE's table form (``sec``) on a path
+    without it (the CPU read, the reference) turn it into rows: the same output and probabilities as the
+    row form, bit for bit."""
+    from vlkv.plugins.ops import paged_attention
+    from vlkv.plugins.paged_probs import paged_decode_probs
+
+    layer = build_layer(model_ropes[3], 3, dtype)
+    table, lengths, _, rows, _ = paged_tables(layer)
+    pre = linked_prerope(layer, table, lengths)
+    sec = rope_by_position(layer, pre, sec_form=True)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(table.shape[0], 2 * layer.kv_heads, 1, layer.pool.spec.head_dim, generator=g).to(dtype)
+    k_pool, v_pool = layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
+    assert torch.equal(
+        paged_attention(q, k_pool, v_pool, table, lengths, 0.25, **sec),
+        paged_attention(q, k_pool, v_pool, table, lengths, 0.25, **rows),
+    )
+    got, got_vis = paged_decode_probs(q, k_pool, table, lengths, 0.25, **sec)
+    want, want_vis = paged_decode_probs(q, k_pool, table, lengths, 0.25, **rows)
+    assert torch.equal(got, want) and (got_vis is None) == (want_vis is None)

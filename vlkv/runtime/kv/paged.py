@@ -70,12 +70,17 @@ def linked_prerope(layer, table: Tensor, lengths: Tensor) -> Tensor:
 def _rope_rows(layer, table: Tensor, lengths: Tensor) -> dict:
     """The pre-RoPE keywords (``rot``, ``cos``, ``sin``) for the held pre-RoPE (linked) entries of a
     layer, at the positions this cache gives them (the model's rotary, 1-D or M-RoPE), in the rotary
-    table's row form (:func:`rope_by_position`): no read back. Empty without linked entries (a host
+    table's row form (:func:`rope_by_position`; M-RoPE's table form where the read is the Triton
+    kernel's): no read back on a GPU. Empty without linked entries (a host
     attribute); a layer whose linked entries were all evicted gets ``rot`` all ``-1`` (nothing rotated)."""
+    from vlkv.plugins.ops import use_triton
+
     rows = getattr(layer, "rows", [layer])
     if not any(r.linked for r in rows):
         return {}
-    return rope_by_position(layer, linked_prerope(layer, table, lengths))
+    # where the read is the Triton kernel's (CUDA, forced Triton) M-RoPE takes the table form: no sync
+    sec_form = use_triton(layer.pool.keys[layer.layer])
+    return rope_by_position(layer, linked_prerope(layer, table, lengths), sec_form=sec_form)
 
 
 def rope_by_position(layer, pre: Tensor, sec_form: bool = False) -> dict:
@@ -89,9 +94,10 @@ def rope_by_position(layer, pre: Tensor, sec_form: bool = False) -> dict:
     - M-RoPE, ``sec_form``: ``rot (B, H_kv, n, P)`` the positions and ``sec (D_r,)`` (the Triton
       kernels' table form, ``kv/rope_table``); else the row form every paged read takes, one row per
       ROTATED column (``cos, sin (R, D_r)``, ``rope_table.table_as_rows`` of those columns only), found
-      by mask: 2 host syncs a layer. A row for every column (``B·H_kv·n`` rows, no sync) would move
-      several times the keys' own bytes each layer at long contexts; the plain paged ops would need
-      ``sec`` to drop both. Empty when no column is rotated."""
+      by mask: 2 host syncs a layer (a CPU read's, where a sync costs nothing). A row for every column
+      (``B·H_kv·n`` rows, no sync) would move several times the keys' own bytes each layer at long
+      contexts. The paged ops take the table form (``sec``), so a read on the Triton kernel asks for it
+      (``_rope_rows``). Empty when no column is rotated."""
     n = pre.shape[2]
     rows = getattr(layer, "rows", [layer])
     positions = torch.cat([_columns(r.positions, n) for r in rows]).to(pre.device)  # (B, H_kv, n, P)

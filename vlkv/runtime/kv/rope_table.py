@@ -93,12 +93,8 @@ def rope_table(adapter, pos_dims: int, head_dim: int, dtype: torch.dtype, device
 def table_as_rows(rot: Tensor, table: RopeTable) -> tuple[Tensor, Tensor, Tensor]:
     """The eager read's form of a table read (a reference for tests): ``rot (B, H_kv, C, P)`` positions
     (component 0 < 0: post-RoPE) → ``rot (B, H_kv, C)`` int64 one row per entry (``-1`` where not
-    rotated) and ``cos, sin (B·H_kv·C, D_r)`` that row's values, dim ``d`` from component ``sec[d]``."""
-    b, h, c, p = rot.shape
-    flat = rot.reshape(-1, p).clamp(0, table.rows - 1)
-    dims = torch.arange(table.cos.shape[1], device=rot.device)
-    comp = torch.zeros_like(dims) if table.sec is None else table.sec
-    at = flat[:, comp]  # (N, D_r) the row each dim reads
-    cos, sin = table.cos[at, dims], table.sin[at, dims]
-    rows = torch.where(rot[..., 0] >= 0, torch.arange(b * h * c, device=rot.device).view(b, h, c), -1)
-    return rows, cos, sin
+    rotated) and ``cos, sin (B·H_kv·C, D_r)`` that row's values, dim ``d`` from component ``sec[d]``
+    (``paged_reference.rows_of_table``)."""
+    from vlkv.plugins.paged_reference import rows_of_table
+
+    return rows_of_table(rot, table.cos, table.sin, table.sec)
