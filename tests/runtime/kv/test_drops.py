@@ -11,40 +11,10 @@ import torch
 
 import vlkv.plugins.evict_rows as evict_rows
 import vlkv.runtime.kv.drops as drops
+from tests.runtime.kv.drop_tables import _dropped_columns, _kernel_built, _tables  # noqa: F401  (fixture)
 from tests.runtime.policies.kept_sets import MODELS, kept_digests
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
-
-
-@pytest.fixture(autouse=True)
-def _kernel_built():
-    """Every test here compares the C++ kernel with torch; a C++ compiler is part of the CPU test
-    environment (``.ci/run``)."""
-    if evict_rows.kernel() is None:
-        pytest.fail("the evict-rows kernel did not build (is a C++ compiler installed?)")
-
-
-def _tables(layers: int, b: int, h: int, c: int, seed: int) -> list[list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(layers):
-        out.append(
-            [
-                torch.randint(0, 10_000, (b, h, c), generator=g),  # slots
-                torch.randint(0, 10_000, (b, h, c, 3), generator=g),  # positions (M-RoPE)
-                torch.randint(0, 4, (b, h, c), generator=g).to(torch.int8),  # modality
-                torch.randint(0, 10_000, (b, h, c), generator=g),  # order
-                torch.randn(b, h, c, generator=g),  # a running score
-            ]
-        )
-    return out
-
-
-def _dropped_columns(layers: int, b: int, h: int, n: int, where: str) -> torch.Tensor:
-    """(layers, b, h) int64: one column in [0, n) per row — seeded anywhere, all first or all last."""
-    if where == "anywhere":
-        return torch.randint(0, n, (layers, b, h), generator=torch.Generator().manual_seed(n))
-    return torch.full((layers, b, h), 0 if where == "first" else n - 1)
 
 
 @pytest.mark.parametrize("n", [1, 2, 9, 81, 729])
@@ -96,46 +66,6 @@ def test_drop_columns_moves_strided_rows_and_refuses_bad_tables_in_one_line():
         evict_rows.drop_columns(_tables(2, 2, 3, 8, 3), torch.zeros(1, 2, 3, dtype=torch.long), 6)
 
 
-@pytest.mark.parametrize("n", [2, 9, 81])
-def test_the_torch_shift_moves_tables_of_any_rank_as_the_kernel_does(n):
-    """Tables with two trailing dims (``(B, H_kv, C, 2, 3)``) and one (``(B, H_kv, C, 3)``) beside
-    3-D ones: the torch ``where`` shift broadcasts its column mask over every trailing dim and equals
-    the C++ move bit for bit (the stale columns past ``k`` included)."""
-    layers, b, h, cap = 2, 2, 3, n + 4
-    g = torch.Generator().manual_seed(n)
-    cols = torch.randint(0, n, (layers, b, h), generator=g)
-    fast, slow = _tables(layers, b, h, cap, n), _tables(layers, b, h, cap, n)
-    for i, (f, s) in enumerate(zip(fast, slow)):
-        five = torch.randn(b, h, cap, 2, 3, generator=torch.Generator().manual_seed(i))
-        f.append(five.clone())
-        s.append(five)
-    index = torch.zeros(b, h, n - 1, dtype=torch.long)
-    for tables, c in zip(slow, cols):
-        drops.shift_kept(tables, index, int(c.min()), n - 1, c[:, :, None])
-    evict_rows.drop_columns(fast, cols, n - 1)
-    for f, s in zip(fast, slow):
-        assert f[-1].dim() == 5
-        for a, e in zip(f, s, strict=True):
-            assert torch.equal(a, e)
-
-
-def test_the_torch_shift_takes_each_jobs_own_length_as_the_kernel_does_per_length():
-    """Jobs holding different lengths (a scheduler cohort's requests, one-sample tables of different
-    capacities) moved by one multi-tensor shift, each job its own ``k``: every table and column (the
-    stale ones past ``k`` included) equals the C++ move of each job alone."""
-    lengths, h = [5, 12, 9, 12], 3
-    g = torch.Generator().manual_seed(7)
-    fast = [_tables(1, 1, h, n + 3 + i, n)[0] for i, n in enumerate(lengths)]
-    slow = [[t.clone() for t in tables] for tables in fast]
-    cols = torch.stack([torch.randint(0, n, (1, h), generator=g) for n in lengths])  # (J, 1, H_kv)
-    gone = drops.shift_one_each(fast, cols, [n - 1 for n in lengths])
-    for i, (tables, n) in enumerate(zip(slow, lengths)):
-        want = evict_rows.drop_columns([tables], cols[i : i + 1], n - 1)
-        assert torch.equal(gone[i : i + 1], want)
-        for a, e in zip(fast[i], tables, strict=True):
-            assert torch.equal(a, e)
-
-
 def _state(cache) -> list[dict]:
     """Every layer's tables, scores, lengths and held spares (what a later step reads)."""
     out = []
@@ -162,33 +92,6 @@ def _same(a: list[dict], b: list[dict]) -> None:
         for key in ("recycled", "run"):
             assert (x[key] is None) == (y[key] is None), (i, key)
             assert x[key] is None or torch.equal(x[key], y[key]), (i, key)
-
-
-@pytest.mark.parametrize("n", [1, 2, 9, 81])
-@pytest.mark.parametrize("where", ["anywhere", "first", "last"])
-def test_the_multi_tensor_shift_equals_the_kernel_bit_for_bit(n, where):
-    """``drops.shift_one_each`` (the device form: a masked blend by ``torch._foreach_*`` ops) moves
-    every table of every layer as the C++ kernel does, bit for bit: float scores holding ``-0.0``,
-    ``inf`` and NaN (moved as the integers of their bits), an fp16 table, a 5-D table, the stale
-    columns past ``k`` and the dropped slots."""
-    layers, b, h, cap = 3, 2, 3, n + 5
-    cols = _dropped_columns(layers, b, h, n, where)
-    fast, slow = _tables(layers, b, h, cap, n), _tables(layers, b, h, cap, n)
-    for i, (f, s) in enumerate(zip(fast, slow)):
-        odd = torch.randn(b, h, cap, generator=torch.Generator().manual_seed(i))
-        odd.view(-1)[::3] = -0.0
-        odd.view(-1)[1::5] = float("inf")
-        odd.view(-1)[2::7] = float("nan")
-        extra = [odd, odd.half(), torch.randn(b, h, cap, 2, 3, generator=torch.Generator().manual_seed(i))]
-        f.extend(t.clone() for t in extra)
-        s.extend(extra)
-    want = evict_rows.drop_columns(slow, cols, n - 1)
-    got = drops.shift_one_each(fast, cols, n - 1)
-    assert torch.equal(got, want)
-    for f, s in zip(fast, slow):
-        for a, e in zip(f, s, strict=True):
-            assert a.dtype == e.dtype
-            assert torch.equal(a.view(torch.uint8), e.view(torch.uint8))  # the bits, NaN and -0.0 too
 
 
 def _count_fused(monkeypatch) -> list[int]:
@@ -475,31 +378,3 @@ def test_avl_keeps_the_same_state_with_the_kernel_and_without(model, kw, engines
     assert len({str(x) for x in lengths}) > 1  # the steps changed the lengths (appends, evictions)
     for g, w in zip(got, want, strict=True):
         _same(g, w)
-
-
-@pytest.mark.parametrize("contiguous", [True, False], ids=["whole-tables", "column-views"])
-def test_the_multi_tensor_shift_takes_dense_operands_where_the_tables_are_contiguous(contiguous):
-    """Contiguous tables are blended as flat dense views, every operand pair the same shape (the form
-    CUDA's multi-tensor kernels take; run 7's column views went down the per-tensor path), others as
-    column views; both equal the C++ move bit for bit, jobs of different capacities and lengths mixed."""
-    lengths, caps, h = [6, 6, 11, 4], [9, 9, 14, 9], 3  # capacities in runs: 9, 9 | 14 | 9
-    g = torch.Generator().manual_seed(11)
-    fast = []
-    for i, c in enumerate(caps):
-        tables = _tables(1, 2, h, c + (0 if contiguous else 5), 100 + i)[0]
-        fast.append(tables if contiguous else [t[:, :, :c] for t in tables])  # views past a wider table
-    slow = [[t.clone() for t in tables] for tables in fast]
-    cols = torch.stack([torch.randint(0, n, (2, h), generator=g) for n in lengths])  # (J, B, H_kv)
-    ks = [n - 1 for n in lengths]
-    ops = (drops._flat_operands if contiguous else drops._column_operands)(fast, cols.unsqueeze(3), ks)
-    dense = all(t.is_contiguous() for lists in ops.values() for part in lists for t in part)
-    assert dense == contiguous
-    for dst, src, on, off in ops.values():  # (column views: the masks broadcast over trailing dims)
-        same = all(d.shape == s.shape == a.shape == b.shape for d, s, a, b in zip(dst, src, on, off))
-        assert same or not contiguous
-    gone = drops.shift_one_each(fast, cols, ks)
-    for i, (tables, k) in enumerate(zip(slow, ks)):
-        want = evict_rows.drop_columns([tables], cols[i : i + 1], k)
-        assert torch.equal(gone[i : i + 1], want)
-        for a, e in zip(fast[i], tables, strict=True):
-            assert torch.equal(a.view(torch.uint8), e.view(torch.uint8)), i
