@@ -301,6 +301,7 @@ def run_prefill(args, sink: Sink) -> None:
         policies=list(bench_prefill_stats.POLICIES),
         rows=[8, 32] if args.tiny else [64, 256, 1024],
         repeats=2 if args.tiny else 3,
+        breakdown=["plain", "snapkv"],  # where the last-rows statistics' time goes (profiled once each)
     )
     sink({"config": {k: v for k, v in vars(ns).items()}})
     res = bench_prefill_stats.run(ns)

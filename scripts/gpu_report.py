@@ -127,6 +127,9 @@ def _prefill(res: dict) -> list[str]:
         f"| {r['config']} | {r['rows_requested']} | {r['median_s']:.4f} | {r['overhead']:+.1%} |"
         for r in rows
     ]
+    for name, b in (res.get("breakdown") or {}).items():
+        top = "; ".join(f"{o['op'][:60]} {o['ms']:.2f} ms × {o['calls']}" for o in b.get("top", [])[:8])
+        lines += ["", f"- {name}, profiled once ({b.get('ops')} operator events), own time: {top}"]
     return lines
 
 

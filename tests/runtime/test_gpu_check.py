@@ -85,6 +85,12 @@ def test_dry_run_measures_what_it_reports(dry_run):
     assert all(r["bound_ms"] > 0 and r["of_bound"] > 0 for r in first["rows"])
     assert any(c["model"] == "shape:toy-qwen2-vl" and c.get("rows") for c in cells)  # M-RoPE shape ran
     assert {r["config"] for r in parts["prefill"]["result"]["rows"]} >= {"plain", "snapkv", "every row"}
+    # where a statistics prefill's time goes, beside the plain one's (profiled once each)
+    split = parts["prefill"]["result"]["breakdown"]
+    assert set(split) == {"plain", "snapkv"} and all(
+        b["ops"] > 0 and b["top"][0]["ms"] > 0 for b in split.values()
+    )
+    assert split["snapkv"]["ops"] > split["plain"]["ops"]  # the statistics add operators
     profile = parts["profile"]["result"]["policies"]
     assert set(profile) == set(PROFILE_POLICIES)
     for name, row in profile.items():  # both paths measured: the engine's and the scheduler's step
