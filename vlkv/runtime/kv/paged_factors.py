@@ -8,6 +8,10 @@ every request's rows, ``-1`` elsewhere, holes included), the stacked factors and
 (:class:`~vlkv.plugins.paged_lowrank.PagedFactors`), and, with pre-RoPE factored columns, the rotary
 keywords in the table form (rows of the model's rotary table by position, ``Rope.table``; linked entries
 included): no boolean-mask gather, no read back of a position. Reads no K/V.
+
+The stacks built from the factor tensors are kept per pool layer (:class:`_Stacks`) and reused while the
+batch's factor tensors are the same objects: a decode step then stacks only the ranks (which the factor
+edit sets every step), not every request's padded rows and bases in every layer.
 """
 
 from __future__ import annotations
