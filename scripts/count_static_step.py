@@ -1,7 +1,7 @@
 """Ops, Triton launches and host syncs of one decode step: eager, and static (the forward a CUDA graph captures).
 
 Usage: python scripts/count_static_step.py [--batch 4] [--layers 2 4] [--steps 3]
-       [--policy full h2o kvzip avl-core]
+       [--policy full h2o kvzip avl-core] [--eager-only]
 Counts, on the path a CUDA device runs (``count_step_ops.gpu_path_env``: the Triton kernels forced under
 the interpreter, every CPU C++ kernel off; the script runs itself again with that environment), a
 ``Scheduler.step()`` of tiny LLaVA over ``--batch`` ragged requests on a fixed pool, per ``--policy``
@@ -169,7 +169,7 @@ def _add(acc: dict | None, c) -> dict:
     return acc
 
 
-def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
+def count(engine, batch: int, steps: int, policy: str = "full", eager_only: bool = False) -> list[dict]:
     be = engine.backend
     rows = []
     sched = _running(engine, batch, policy)
@@ -179,6 +179,8 @@ def count(engine, batch: int, steps: int, policy: str = "full") -> list[dict]:
             sched.step()
     rows.append({"config": "eager", "ops": c.ops / steps, "launches": n[0] / steps, "syncs": c.syncs / steps})
     rows[-1]["sync_sites"] = {k: v / steps for k, v in c.sites.items()}
+    if eager_only:
+        return rows
     sched = _running(engine, batch, policy)
     be.static = static = static_step.StaticDecode(be, capacity_step=64)
     sched.step()  # buffers made
@@ -212,6 +214,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--policy", nargs="+", default=["full"], choices=sorted(POLICIES))
+    ap.add_argument("--eager-only", action="store_true", help="count the eager step only (no static step)")
     args = ap.parse_args()
     env = gpu_path_env()
     if any(os.environ.get(k) != v for k, v in env.items()):  # the switches are read at import
@@ -221,7 +224,7 @@ def main() -> None:
     for n in args.layers:
         engine = tiny_engine(n)
         for policy in args.policy:  # interleaved: every policy on one engine per layer count
-            for row in count(engine, args.batch, args.steps, policy):
+            for row in count(engine, args.batch, args.steps, policy, args.eager_only):
                 row.update(layers=n, batch=args.batch, policy=policy)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -230,10 +233,13 @@ def main() -> None:
         return
     for policy, config in ((p, c) for p in args.policy for c in ("eager", "static")):
         a, b = (
-            next(r for r in rows if r["config"] == config and r["layers"] == n and r["policy"] == policy)
+            next(
+                (r for r in rows if r["config"] == config and r["layers"] == n and r["policy"] == policy),
+                None,
+            )
             for n in (lo, hi)
         )
-        if "refused" in b:
+        if b is None or "refused" in b:
             continue
         slope = {"config": config, "policy": policy, "per_layer_ops": (b["ops"] - a["ops"]) / (hi - lo)}
         slope["per_layer_launches"] = (b["launches"] - a["launches"]) / (hi - lo)

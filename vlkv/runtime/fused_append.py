@@ -187,15 +187,20 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
     taken (the caller calls ``ctx.update``).
 
     ``k, v (B, H_kv, 1, D)`` the new entries (unit stride on D). Taken for: a scheduler's batch view of
-    one-sample caches, one new row per request, a paged read (``ctx.reads_paged``), no pre-RoPE
-    (linked) entries; ``VLKV_DEVICE_LAYER=0`` (``DEVICE_APPEND``) turns it off with the device layer."""
+    one-sample caches, one new row per request, a paged read (``ctx.reads_paged``, or low-rank factors
+    read in place, ``ctx.reads_factors_paged``: then ``ctx.factor_tables`` builds the read's tables
+    after the append, as ``update`` does), no pre-RoPE (linked) entries; ``VLKV_DEVICE_LAYER=0`` (``DEVICE_APPEND``) turns it off with the device layer."""
     from vlkv.runtime.kv.paged import paged_tables
 
     if not DEVICE_APPEND or not getattr(ctx, "one_row", False) or ctx.order is None or k.shape[2] != 1:
         return None
     layer = ctx.cache.layers[layer_idx]
     rows = getattr(layer, "rows", None)
-    if rows is None or any(r.batch != 1 or r.linked for r in rows) or not ctx.reads_paged(layer, layer_idx):
+    if rows is None or any(r.batch != 1 or r.linked for r in rows):
+        return None
+    # low-rank factors (AttentionPack) read in place: the same append, then their own tables
+    factored = not ctx.reads_paged(layer, layer_idx)
+    if factored and not ctx.reads_factors_paged(layer):
         return None
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.device != layer.pool.keys[layer.layer].device:
         return None
@@ -211,7 +216,7 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
         keys, values = pool.keys[at], pool.values[at]
         if step is not None and step.holds(layer_idx, rows, res):
             paged = _append_by_rows(
-                step, layer_idx, rows, res, keys, values, pool.prerope_flags(at), k, v, new
+                step, layer_idx, rows, res, keys, values, pool.prerope_flags(at), k, v, new, not factored
             )
         else:
             if not zeroed:
@@ -222,7 +227,10 @@ def device_decode_append(ctx, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Ten
         res.cancel()
         raise
     ctx.past[layer_idx] = res.past
-    ctx.paged[layer_idx] = paged_tables(layer) if paged is None else paged
+    if factored:
+        ctx.paged[layer_idx] = ctx.factor_tables(layer)
+    else:
+        ctx.paged[layer_idx] = paged_tables(layer) if paged is None else paged
     return keys, values
 
 
@@ -240,10 +248,10 @@ def _step_tables(ctx, new: dict, device):
     return memo or None
 
 
-def _append_by_rows(step, layer_idx, rows, res, keys, values, flags, k, v, new) -> tuple | None:
+def _append_by_rows(step, layer_idx, rows, res, keys, values, flags, k, v, new, read=True) -> tuple | None:
     """The layer's pool write, table columns and read table in one launch from the step's rows
     (``paged_append_triton.decode_append_``); returns what ``paged_tables`` would (None where a request
-    holds holes: the caller builds it, masking them)."""
+    holds holes, or without ``read``, a layer with low-rank factors: the caller builds it)."""
     from vlkv.plugins.paged_append_triton import decode_append_
     from vlkv.runtime.kv.paged import PagedHost
 
@@ -253,14 +261,14 @@ def _append_by_rows(step, layer_idx, rows, res, keys, values, flags, k, v, new) 
         cols = new["device_columns"] = tuple(
             new[n].to(dev).contiguous() for n in ("positions", "modality", "order")
         )
-    holes = any(r.holes is not None for r in rows)
+    built = not read or any(r.holes is not None for r in rows)  # the caller builds the read's tables
     width = step.width(layer_idx)
     out = (
-        None if holes else torch.empty(len(rows), keys.shape[0], width, dtype=torch.long, device=keys.device)
+        None if built else torch.empty(len(rows), keys.shape[0], width, dtype=torch.long, device=keys.device)
     )
     ids = None if step.runs[layer_idx] is not None else res.ids
     decode_append_(keys, values, flags, k, v, step.meta, layer_idx, *cols, ids=ids, out=out)
-    if holes:
+    if built:
         return None
     heads = keys.shape[0]
     host = PagedHost([[p + 1] * heads for p in step.columns[layer_idx]], False)

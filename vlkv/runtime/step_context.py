@@ -115,7 +115,7 @@ class StepContext:
             return layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
         if self.reads_factors_paged(layer):
             # factors read in place (pre-RoPE rows rebuilt and rotated, post-RoPE in the rank space)
-            self.paged[layer_idx] = paged_lowrank_tables(layer)
+            self.paged[layer_idx] = self.factor_tables(layer)
             return layer.pool.keys[layer.layer], layer.pool.values[layer.layer]
         # elsewhere (CPU) post-RoPE factors: a decode step attends to them in the rank space, unrebuilt
         return layer.attention_kv(view=True, fill=not self._rank_space(layer))
@@ -138,6 +138,12 @@ class StepContext:
             return False
         rows = getattr(layer, "rows", [layer])  # a batch view's requests, or the layer itself
         return all(r.lowrank is None and r.offloaded is None for r in rows)
+
+    def factor_tables(self, layer) -> tuple:
+        """The paged read's tables of a decode layer that reads its low-rank factors in place
+        (``kv/paged_factors.paged_lowrank_tables``), after the layer's append (``update``'s, or the
+        device append's, ``fused_append.device_decode_append``)."""
+        return paged_lowrank_tables(layer)
 
     def reads_factors_paged(self, layer) -> bool:
         """This decode layer reads its low-rank factors (AttentionPack path (a) pre-RoPE, rebuilt and

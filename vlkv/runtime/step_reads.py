@@ -32,9 +32,7 @@ class GroupReads:
         sparse = [i for i, c in enumerate(caches) if not _dense(c)]
         if sparse:
             held = torch.zeros(b, dtype=torch.float64, device=stored.device)
-            held[sparse] = torch.stack(
-                [sum(la.held_mask().sum() for la in caches[i].layers) for i in sparse]
-            ).double()
+            held[sparse] = torch.stack([_held_slots(caches[i]) for i in sparse]).double()
             rows.append(held)
         if any(st is not None for st in out.stats) or any(getattr(out.stats, "extra", {}).values()):
             rows.extend(lengths.double())  # the widths the statistics are trimmed to
@@ -63,6 +61,20 @@ class GroupReads:
         # a slot holds one head's entry: entry_bytes / H_kv (what LayerKV.kv_bytes counts per layer)
         factors = sum(la.lowrank.nbytes() for la in cache.layers if la.lowrank is not None)
         return int(self._held[i]) * (first.pool.spec.entry_bytes // first.kv_heads) + factors
+
+
+def _held_slots(cache) -> torch.Tensor:
+    """``()`` int64: the pool slots a one-sample cache's layers hold (valid columns with a slot ``>= 0``).
+    Where every layer's lengths are known on the host and none has holes, one count over its layers'
+    valid columns (a slice a layer, then 3 ops a request) rather than ``held_mask`` per layer (~10 ops
+    a layer and request); else (or where the host copy is stale: never a read back) the masks."""
+    cols = []
+    for la in cache.layers:
+        n = la.kept_lengths()
+        if n is None or len(n) != 1 or la.holes is not None:
+            return sum(la.held_mask().sum() for la in cache.layers)
+        cols.append(la.slots[:, :, : n[0]])
+    return (torch.cat(cols, dim=2) >= 0).sum()
 
 
 def _dense(cache) -> bool:

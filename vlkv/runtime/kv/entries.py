@@ -105,6 +105,11 @@ class EntryTable:
             return self._lengths.tolist()
         return host[1]
 
+    def kept_lengths(self) -> list[int] | None:
+        """:meth:`host_lengths` where the host copy is current, else None (never reads back)."""
+        host, version = self._host, _version(self._lengths)
+        return None if host is None or version is None or host[0] != version else host[1]
+
     # ------------------------------------------------------------------ shape
     @property
     def batch(self) -> int:
