@@ -46,6 +46,7 @@ from vlkv.runtime.policies import make_policy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pool_pages  # noqa: E402
 from bench_common import (
+    LAYOUTS,
     add_shape_args,
     add_threads_arg,
     apply_tiny,
@@ -158,7 +159,7 @@ def run(args) -> dict:
     probe_before = read_bandwidth(args.buffer_mib)
     engine = Engine(load_for_bench(args.model, "cpu", "fp32"))
     pols = {f"{p}@{b}": make_policy(p, budget=b) for p in args.policies for b in args.budgets}
-    pre = Prefilled(engine, args.model, args.tokens, args.batch, pols)
+    pre = Prefilled(engine, args.model, args.tokens, args.batch, pols, args.layout)
     full = make_policy("full")
     configs = configs_of(args)
     got: dict[str, list[dict]] = {c: [] for c in configs}
@@ -219,6 +220,7 @@ def run(args) -> dict:
         "model": args.model,
         "batch": args.batch,
         "prompt_tokens": int(pre.one.input_ids.shape[1]),
+        "layout": args.layout,
         "steps": args.steps,
         "repeats": args.repeats,
         "probe_gb_s": probe / 1e9,
@@ -243,7 +245,7 @@ def to_markdown(res: dict) -> str:
     lb, hb = res["layer_bytes"], res["head_bytes"]
     lines = [
         f"Decode step parts ({res['model']}, fp32, {res['machine']}, {res['threads']} threads; "
-        f"{res['prompt_tokens']} tokens × batch {res['batch']}, median over {res['repeats']} rotating rounds "
+        f"{res['prompt_tokens']} tokens × batch {res['batch']}, {res['layout']}, median over {res['repeats']} rotating rounds "
         f"of {res['steps']} steps). Probe (sum, far above the L3): {probe:.1f} GB/s. Layers' weights "
         f"{lb / 1e6:.1f} MB, head {hb / 1e6:.1f} MB.",
         "",
@@ -281,6 +283,13 @@ def to_markdown(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(ap, tokens=8192, steps=4, tiny_help="tiny-llava, a few steps (tests)")
+    ap.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=LAYOUTS[0],
+        help="the prompt's order (as bench_decode_bound.py's --layout; image-first: A-VL's text budget "
+        "covers the document)",
+    )
     ap.add_argument("--policies", nargs="*", default=["snapkv", "h2o"])
     ap.add_argument("--budgets", nargs="*", type=float, default=[0.1])
     ap.add_argument(

@@ -44,11 +44,13 @@ def test_kv_4k_runs_each_configuration_beside_its_pool_in_4k_pages(tmp_path):
     out = tmp_path / "k.json"
     cmd = [
         sys.executable, str(SCRIPT), "--tiny", "--threads", "1", "--policies", "snapkv", "--budgets", "0.5",
-        "--kv-4k", "--alone-reps", "1", "--json", str(out),
+        "--kv-4k", "--alone-reps", "1", "--layout", "image-first", "--json", str(out),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    res = json.loads(out.read_text())
+    assert res["layout"] == "image-first"
+    rows = {r["config"]: r for r in res["rows"]}
     assert list(rows) == ["full", "full+kv4k", "snapkv@0.5", "snapkv@0.5+kv4k"]  # each twin beside its config
     for name in ("full", "snapkv@0.5"):
         assert rows[name]["step_vs_kv4k"] > 0 and rows[name]["attention_vs_kv4k"] > 0
