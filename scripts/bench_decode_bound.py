@@ -168,8 +168,11 @@ def run(args) -> dict:
                 if name.endswith("+torchevict"):  # and the kept columns by the int64 + bool sum
                     ranking.kept_but = policy_base.kept_but = old_kept_but
                 cfg = base_config(name)
-                # "+gemms7" / "+gemms8": the GEMMs in session 7's / 8's form
-                decode_layer.set_gemm_form(next((f for s, f in GEMM_FORMS.items() if name.endswith(s)), 0))
+                # "+gemms7" / "+gemms8": the GEMMs in session 7's / 8's form; else this CPU kind's default
+                form = next(
+                    (f for s, f in GEMM_FORMS.items() if name.endswith(s)), skinny_gemm.default_form()
+                )
+                decode_layer.set_gemm_form(form)
                 # "+heapdefault": glibc's thresholds fixed at their defaults (freed blocks given back)
                 heap_set = (
                     paged_cpu_heap.set_heap(False)
@@ -199,7 +202,7 @@ def run(args) -> dict:
                     paged_append.FUSED_APPEND = append_default
                     evict_rows.FUSED_DROP = evict_default
                     ranking.kept_but = policy_base.kept_but = kept_but
-                    decode_layer.set_gemm_form(0)
+                    decode_layer.set_gemm_form(skinny_gemm.default_form())
                     paged_cpu_heap.keep_freed()
                 res["cpp_gemm_calls"] = cpp_calls[0] / args.steps
                 res["heap_set"] = heap_set

@@ -56,7 +56,7 @@ def _setup(name: str, moved) -> None:
     _switch(not name.endswith("+calls"))
     for mod in (skinny_gemm.kernel(), decode_layer.kernel()):
         if mod is not None:
-            mod.set_gemm_form(1 if name.endswith("+gemms7") else 0)
+            mod.set_gemm_form(1 if name.endswith("+gemms7") else skinny_gemm.default_form())
     if moved is not None:
         weight_pages.restore(moved, huge="+huge" in name)
 

@@ -56,13 +56,13 @@ FORMS = {
 
 
 def form_gemm(x, w, form: int):
-    """The kernel in an earlier form (1: session 7's, 2: session 8's), the current form put back after."""
+    """The kernel in an earlier form (1: session 7's, 2: session 8's), this CPU kind's default put back after."""
     mod = skinny_gemm.kernel()
     mod.set_gemm_form(form)
     try:
         return mod.gemm(x, w, None)
     finally:
-        mod.set_gemm_form(0)
+        mod.set_gemm_form(skinny_gemm.default_form())
 
 
 def ring(n: int, k: int, ring_mib: int, huge: bool = False) -> list[torch.Tensor]:

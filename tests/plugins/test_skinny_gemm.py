@@ -68,14 +68,33 @@ def test_earlier_forms_give_the_same_bits(form, rows, n, k):
     torch.manual_seed(rows + n + k)
     x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     mod = gemm.kernel()
-    now = mod.gemm(x, w, b)
-    mod.set_gemm_form(form)
     try:
+        mod.set_gemm_form(0)
+        now = mod.gemm(x, w, b)
+        mod.set_gemm_form(form)
         before = mod.gemm(x, w, b)
     finally:
-        mod.set_gemm_form(0)
+        mod.set_gemm_form(gemm.default_form())
     assert torch.equal(now, before)
     torch.testing.assert_close(now, F.linear(x, w, b), **TOL)
+
+
+ZEN = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {}\nmodel\t\t: 17\n"
+
+
+def test_each_cpu_kind_starts_with_its_measured_form(monkeypatch):
+    """Zen 5 (AMD family 26) starts with session 8's form, which decoded faster there; Zen 4 (25), other
+    vendors and an unreadable cpuinfo with form 0; ``VLKV_CPU_GEMM_FORM`` overrides, a bad value is one line."""
+    monkeypatch.delenv(gemm.FORM_ENV, raising=False)
+    assert gemm.default_form(ZEN.format(26)) == 2
+    assert gemm.default_form(ZEN.format(25)) == 0
+    assert gemm.default_form("vendor_id\t: GenuineIntel\ncpu family\t: 6\n") == 0
+    assert gemm.default_form("") == 0
+    monkeypatch.setenv(gemm.FORM_ENV, "1")
+    assert gemm.default_form(ZEN.format(26)) == 1
+    monkeypatch.setenv(gemm.FORM_ENV, "fast")
+    with pytest.raises(ValueError, match="VLKV_CPU_GEMM_FORM must be 0, 1 or 2, got 'fast'"):
+        gemm.default_form(ZEN.format(26))
 
 
 def test_the_form_switch_takes_three_forms():

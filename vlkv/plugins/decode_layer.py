@@ -170,7 +170,7 @@ def kernel():
     if _BUILT:
         return _BUILT[0]
     name = paged_cpu_kernel.build_name(_SOURCE, "vlkv_decode_layer")
-    return paged_cpu_kernel.load_extension(
+    mod = paged_cpu_kernel.load_extension(
         _BUILT,
         name,
         _SOURCE,
@@ -178,11 +178,15 @@ def kernel():
         "CPU decode layer",
         "using the skinny layer's calls",
     )
+    if mod is not None:
+        mod.set_gemm_form(skinny_gemm.default_form())  # this CPU kind's faster form (bit-equal either way)
+    return mod
 
 
 def set_gemm_form(form: int) -> None:
     """The few-row GEMMs' form in both extensions that compile them (the benchmarks' befores; see
-    ``skinny_gemm``'s source: 0 the current form, 1 session 7's, 2 session 8's; bit-equal)."""
+    ``skinny_gemm``'s source: 0 session 14's form, 1 session 7's, 2 session 8's; bit-equal). Each extension
+    starts with ``skinny_gemm.default_form()`` (per CPU kind)."""
     for mod in (skinny_gemm.kernel(), kernel()):
         if mod is not None:
             mod.set_gemm_form(form)

@@ -46,6 +46,42 @@ def env_switch(name: str) -> bool:
 # VLKV_CPU_GEMM=0: the skinny layers' GEMMs go back to torch's ``(W @ xᵀ)ᵀ`` / ``F.linear``
 CPP_GEMM = env_switch("VLKV_CPU_GEMM")
 
+# The few-row GEMMs' form (``set_gemm_form``, bit-equal) per CPU kind, each measured paired in decode steps
+# at 8k x 4: on AMD family 25 (Zen 4, 32 KiB L1d) form 0, lines fetched into L2 one weight row at a time,
+# read ~2x session 8's (session 14); on family 26 (Zen 5, 48 KiB L1d) session 8's form 2 made whole steps
+# 1.06-1.17x faster in 29 of 30 pairs (docs/benchmarks/2026-11-28-decode-bound-quiet-cpu-x86_64/). Other
+# CPUs (unmeasured) take form 0. VLKV_CPU_GEMM_FORM=0|1|2 overrides.
+FORM_ENV = "VLKV_CPU_GEMM_FORM"
+FORMS_BY_CPU = {("AuthenticAMD", 26): 2}
+
+
+def default_form(cpuinfo: str | None = None) -> int:
+    """The form a new extension starts with: ``VLKV_CPU_GEMM_FORM`` if set, else :data:`FORMS_BY_CPU`'s
+    entry for this CPU's vendor and family (``cpuinfo``: ``/proc/cpuinfo``'s text; read when None), else 0."""
+    raw = os.environ.get(FORM_ENV, "").strip()
+    if raw:
+        if raw not in ("0", "1", "2"):
+            raise ValueError(f"{FORM_ENV} must be 0, 1 or 2, got {raw!r}")
+        return int(raw)
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return 0
+    vendor = family = None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "vendor_id" and vendor is None:
+            vendor = value.strip()
+        elif key == "cpu family" and family is None and value.strip().isdigit():
+            family = int(value.strip())
+        if vendor is not None and family is not None:
+            break
+    return FORMS_BY_CPU.get((vendor, family), 0)
+
+
 # the few-row kernels (``gemm_rows``), without an entry point: ``decode_layer`` compiles them too;
 # VLKV_MAX_ROWS is MAX_ROWS (every entry point's row check reads it: one source of truth)
 _KERNELS = (
@@ -324,9 +360,12 @@ def kernel():
     if _BUILT:  # every few-row product asks: no hashing, no /proc/cpuinfo read after the first
         return _BUILT[0]
     name = paged_cpu_kernel.build_name(_SOURCE, "vlkv_skinny_gemm")
-    return paged_cpu_kernel.load_extension(
+    mod = paged_cpu_kernel.load_extension(
         _BUILT, name, _SOURCE, ["gemm", "set_gemm_form"], "skinny CPU GEMM", "using torch's matmuls"
     )
+    if mod is not None:
+        mod.set_gemm_form(default_form())  # this CPU kind's faster form (bit-equal either way)
+    return mod
 
 
 def warm_up(device: torch.device | str, dtype: torch.dtype) -> bool:
