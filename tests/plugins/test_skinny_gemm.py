@@ -84,7 +84,7 @@ ZEN = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {}\nmodel\t\t: 1
 
 def test_each_cpu_kind_starts_with_its_measured_form(monkeypatch):
     """Zen 5 (AMD family 26) starts with session 8's form, which decoded faster there; Zen 4 (25), other
-    vendors and an unreadable cpuinfo with form 0; ``VLKV_CPU_GEMM_FORM`` overrides, a bad value is one line."""
+    vendors and an unreadable cpuinfo with form 0; ``VLKV_GEMM_FORM`` overrides, a bad value is one line."""
     monkeypatch.delenv(gemm.FORM_ENV, raising=False)
     assert gemm.default_form(ZEN.format(26)) == 2
     assert gemm.default_form(ZEN.format(25)) == 0
@@ -93,7 +93,7 @@ def test_each_cpu_kind_starts_with_its_measured_form(monkeypatch):
     monkeypatch.setenv(gemm.FORM_ENV, "1")
     assert gemm.default_form(ZEN.format(26)) == 1
     monkeypatch.setenv(gemm.FORM_ENV, "fast")
-    with pytest.raises(ValueError, match="VLKV_CPU_GEMM_FORM must be 0, 1 or 2, got 'fast'"):
+    with pytest.raises(ValueError, match="VLKV_GEMM_FORM must be 0, 1 or 2, got 'fast'"):
         gemm.default_form(ZEN.format(26))
 
 

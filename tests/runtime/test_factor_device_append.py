@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import make_image
-from tests.runtime.test_static_step import _engine, _layer_state, _recorded, _torch_path
+from tests.runtime.test_static_step import _admit_all, _engine, _layer_state, _recorded, _torch_path
 from vlkv.runtime import fused_append
 from vlkv.runtime.policies import make_policy
 from vlkv.runtime.prompt import Prompt
@@ -50,11 +50,7 @@ def _run(engine, outs: list, device_append: bool, monkeypatch) -> tuple:
         for t, (p, kw, im) in zip(TEXTS, SPECS)
     ]
     with _torch_path():
-        for _ in range(len(reqs)):  # an image prompt may take a prefill a step
-            if len(sched.running) == len(reqs):
-                break
-            sched.step()
-    assert len(sched.running) == len(reqs)
+        _admit_all(sched, reqs)
     assert all(la.lowrank is not None for r in reqs[:2] for la in r.cache.layers)
     n = len(outs)
     for _ in range(STEPS):

@@ -46,6 +46,16 @@ def _torch_path():
     return torch_path_prefill()
 
 
+def _admit_all(sched, reqs: list) -> None:
+    """Step ``sched`` until every request of ``reqs`` runs (an image prompt may take a prefill a step; at
+    most one step a request), then check they all do."""
+    for _ in range(len(reqs)):
+        if len(sched.running) == len(reqs):
+            break
+        sched.step()
+    assert len(sched.running) == len(reqs)
+
+
 def _engine(name: str, dtype: torch.dtype, monkeypatch):
     from vlkv.runtime.engine import Engine
 

@@ -15,6 +15,7 @@ import torch
 from tests.conftest import make_image
 from tests.runtime.test_static_step import (
     TOL,
+    _admit_all,
     _assert_same_state,
     _engine,
     _recorded,
@@ -54,11 +55,7 @@ def _factored_running(engine, beside: tuple = (FULL, H2O)) -> tuple[Scheduler, l
         for t, im, (p, kw) in zip(TEXTS, images, (ATTNPACK, *beside))
     ]
     with _torch_path():
-        for _ in range(len(reqs)):  # an image prompt may take a prefill a step
-            if len(sched.running) == len(reqs):
-                break
-            sched.step()
-    assert len(sched.running) == len(reqs)
+        _admit_all(sched, reqs)
     assert all(la.lowrank is not None for la in reqs[0].cache.layers)  # factored: path (a), pre-RoPE
     assert not any(f.post_rope for la in reqs[0].cache.layers for f in la.lowrank.samples if f is not None)
     return sched, reqs

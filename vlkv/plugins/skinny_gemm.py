@@ -50,13 +50,13 @@ CPP_GEMM = env_switch("VLKV_CPU_GEMM")
 # at 8k x 4: on AMD family 25 (Zen 4, 32 KiB L1d) form 0, lines fetched into L2 one weight row at a time,
 # read ~2x session 8's (session 14); on family 26 (Zen 5, 48 KiB L1d) session 8's form 2 made whole steps
 # 1.06-1.17x faster in 29 of 30 pairs (docs/benchmarks/2026-11-28-decode-bound-quiet-cpu-x86_64/). Other
-# CPUs (unmeasured) take form 0. VLKV_CPU_GEMM_FORM=0|1|2 overrides.
-FORM_ENV = "VLKV_CPU_GEMM_FORM"
+# CPUs (unmeasured) take form 0. VLKV_GEMM_FORM=0|1|2 overrides.
+FORM_ENV = "VLKV_GEMM_FORM"
 FORMS_BY_CPU = {("AuthenticAMD", 26): 2}
 
 
 def default_form(cpuinfo: str | None = None) -> int:
-    """The form a new extension starts with: ``VLKV_CPU_GEMM_FORM`` if set, else :data:`FORMS_BY_CPU`'s
+    """The form a new extension starts with: ``VLKV_GEMM_FORM`` if set, else :data:`FORMS_BY_CPU`'s
     entry for this CPU's vendor and family (``cpuinfo``: ``/proc/cpuinfo``'s text; read when None), else 0."""
     raw = os.environ.get(FORM_ENV, "").strip()
     if raw:
