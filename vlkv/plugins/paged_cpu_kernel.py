@@ -294,22 +294,33 @@ _BUILT: list = []  # [module or None] once a build was tried
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 
 
+def cpuinfo_fields(keys: tuple[str, ...], text: str | None = None) -> dict[str, str]:
+    """The first value of each of ``keys`` in ``/proc/cpuinfo`` (``text``: its content; read when None),
+    stripped; a key it lacks (or no such file) is absent."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key in keys and key not in out:
+            out[key] = value.strip()
+            if len(out) == len(keys):
+                break
+    return out
+
+
 def cpu_flags() -> str:
     """What the built binary depends on besides its source: the machine, the CPU's model and its
     instruction-set flags (``-march=native`` compiles for them), from ``/proc/cpuinfo`` where it exists."""
     import platform
 
-    model = flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key = line.split(":", 1)[0].strip()
-            if key in ("flags", "Features") and not flags:
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-            elif key == "model name" and not model:
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{platform.machine()}|{model or platform.processor()}|{flags}"
+    got = cpuinfo_fields(("model name", "flags", "Features"))
+    flags = " ".join(sorted((got.get("flags") or got.get("Features", "")).split()))
+    return f"{platform.machine()}|{got.get('model name') or platform.processor()}|{flags}"
 
 
 def build_name(source: str = _EXTENSION, prefix: str = "vlkv_paged_cpu_kernel") -> str:

@@ -63,23 +63,9 @@ def default_form(cpuinfo: str | None = None) -> int:
         if raw not in ("0", "1", "2"):
             raise ValueError(f"{FORM_ENV} must be 0, 1 or 2, got {raw!r}")
         return int(raw)
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return 0
-    vendor = family = None
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "vendor_id" and vendor is None:
-            vendor = value.strip()
-        elif key == "cpu family" and family is None and value.strip().isdigit():
-            family = int(value.strip())
-        if vendor is not None and family is not None:
-            break
-    return FORMS_BY_CPU.get((vendor, family), 0)
+    got = paged_cpu_kernel.cpuinfo_fields(("vendor_id", "cpu family"), cpuinfo)
+    family = got.get("cpu family", "")
+    return FORMS_BY_CPU.get((got.get("vendor_id"), int(family) if family.isdigit() else None), 0)
 
 
 # the few-row kernels (``gemm_rows``), without an entry point: ``decode_layer`` compiles them too;
