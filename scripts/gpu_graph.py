@@ -164,9 +164,7 @@ def _finish(sched, reqs) -> None:
     for r in reqs:
         sched.cancel(r)
     sched.step()
-    static = sched.engine.backend.static
-    static.graphs._graphs.clear()
-    static._bufs.clear()
+    sched.engine.backend.static.release()
 
 
 def markdown(res: dict) -> list[str]:

@@ -60,6 +60,6 @@ def test_the_compile_part_times_every_graph_policy(monkeypatch):
         assert r["captures"] >= 1 and r["replays"] == r["taken"]
         assert r["step_ms"]["eager"] > 0 and r["step_ms"]["graph"] > 0
     assert res["graph_vs_static_max_abs"] == 0.0  # the replay (here: the forward again) on the same buffers
-    assert not engine.backend.static.graphs._graphs  # each policy's graphs dropped with its pool
+    assert engine.backend.static.graphs.held == 0  # each policy's graphs dropped with its pool
     lines = "\n".join(gpu_graph.markdown(res))
     assert all(f"Scheduler.step(), {label}" in lines for label in labels)

@@ -88,6 +88,15 @@ class DecodeGraphs:
         self.replays += 1
         return tuple(t.clone() for t in got[3])
 
+    def clear(self) -> None:
+        """Drop every captured graph (with the buffers and pool tensors it holds); the counters stay."""
+        self._graphs.clear()
+
+    @property
+    def held(self) -> int:
+        """The graphs held (not ``__len__``: an empty instance must stay truthy)."""
+        return len(self._graphs)
+
     def _capture(self, forward) -> tuple:
         from vlkv.plugins import triton_paged_attention
         from vlkv.runtime.models import device_layer

@@ -324,6 +324,14 @@ class StaticDecode:
             raise RuntimeError("a static step that rotates on read needs pool.rope (the model's rotary)")
         return pool.rope.table(pool.keys[0], self.backend.pos_dims, pool.capacity(0))
 
+    def release(self) -> None:
+        """Drop every step's buffers and captured graph: they hold a scheduler's pool tensors, which a
+        scheduler that is done with its pool would otherwise keep alive. The next step allocates and
+        captures again."""
+        self._bufs.clear()
+        if self.graphs is not None:
+            self.graphs.clear()
+
     def step(self, inputs, cache, stats) -> StepOutput | None:
         """The step's :class:`StepOutput`, or None where it is not taken (nothing changed then)."""
         why = refusal(self.backend, inputs, cache, stats, graphs=self.graphs is not None)
